@@ -1,0 +1,126 @@
+// The seam between the engine and the GPU.
+//
+// Python records a Graph of dispatches once (kernel, buffer bindings with byte offsets, small
+// inline parameter blocks, threadgroup memory sizes, grid and threadgroup size, barriers) and a
+// Device replays it. Two devices implement this interface: the sim (the .metal kernels compiled as
+// C++ and run on CPU fibers) and metal (Objective-C++, Apple silicon). Nothing engine-specific
+// belongs here: no model dims, no layer logic.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace lily {
+
+// Raised for anything a kernel did wrong at run time (sim diagnostics, Metal command-buffer
+// errors). The message names the kernel and, where known, the threadgroup.
+class KernelError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Memory both the host and the device address. On Apple silicon it is MTLStorageModeShared, so
+// data() is the same bytes the GPU reads; on the sim it is plain host memory.
+class Buffer {
+ public:
+  virtual ~Buffer() = default;
+  virtual void* data() = 0;
+  virtual size_t size() const = 0;
+  virtual bool writable() const = 0;
+};
+
+// A compiled kernel, looked up once by its [[host_name]].
+class Kernel {
+ public:
+  virtual ~Kernel() = default;
+  virtual const std::string& name() const = 0;
+  virtual uint32_t max_threads_per_threadgroup() const = 0;
+};
+
+struct Size3 {
+  uint32_t x = 1, y = 1, z = 1;
+  uint64_t count() const { return uint64_t(x) * y * z; }
+};
+
+struct BufferBinding {
+  uint32_t index;
+  std::shared_ptr<Buffer> buffer;
+  size_t offset;
+};
+
+// Small constant parameters copied into the command stream ([[buffer(n)]] via setBytes).
+struct BytesBinding {
+  uint32_t index;
+  std::vector<uint8_t> bytes;
+};
+
+// Threadgroup memory passed as a kernel argument ([[threadgroup(n)]]).
+struct ThreadgroupBinding {
+  uint32_t index;
+  uint32_t bytes;
+};
+
+struct Dispatch {
+  std::shared_ptr<Kernel> kernel;
+  std::vector<BufferBinding> buffers;
+  std::vector<BytesBinding> bytes;
+  std::vector<ThreadgroupBinding> threadgroup_memory;
+  Size3 threadgroups;             // grid size, in threadgroups
+  Size3 threads_per_threadgroup;
+};
+
+// Dispatches in recording order, cut into levels by barriers: the dispatches of one level may run
+// concurrently; a level sees every write of the levels before it.
+class Graph {
+ public:
+  void dispatch(Dispatch d) {
+    if (levels_.empty()) levels_.emplace_back();
+    levels_.back().push_back(std::move(d));
+  }
+  void barrier() {
+    if (!levels_.empty() && !levels_.back().empty()) levels_.emplace_back();
+  }
+  const std::vector<std::vector<Dispatch>>& levels() const { return levels_; }
+  size_t dispatch_count() const {
+    size_t n = 0;
+    for (const auto& l : levels_) n += l.size();
+    return n;
+  }
+  size_t barrier_count() const {
+    size_t n = 0;
+    for (const auto& l : levels_) n += !l.empty();
+    return n == 0 ? 0 : n - 1;
+  }
+
+ private:
+  std::vector<std::vector<Dispatch>> levels_;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual std::string name() const = 0;
+
+  // Zero-initialised device memory.
+  virtual std::shared_ptr<Buffer> alloc(size_t bytes) = 0;
+  // Host memory used in place (numpy arrays, the checkpoint's memory maps). `owner` is held
+  // as long as the buffer lives so the memory cannot go away under the device.
+  virtual std::shared_ptr<Buffer> wrap(void* data, size_t bytes, bool writable,
+                                       std::shared_ptr<void> owner) = 0;
+
+  // Throws std::invalid_argument naming the kernel if it does not exist.
+  virtual std::shared_ptr<Kernel> kernel(const std::string& host_name) = 0;
+  virtual std::vector<std::string> kernel_names() const = 0;
+
+  // Starts executing a graph and returns a ticket; graphs run in submission order.
+  virtual uint64_t submit(const Graph& graph) = 0;
+  // Blocks until the graph of `ticket` (and every earlier one) has finished; rethrows its error.
+  virtual void wait(uint64_t ticket) = 0;
+  void run(const Graph& graph) { wait(submit(graph)); }
+};
+
+}  // namespace lily
