@@ -1,0 +1,62 @@
+"""How each kernel in `metal/` is launched, as one small `record_*` function per kernel.
+
+A record function appends a kernel's dispatch to a Graph: it packs the kernel's parameter struct,
+computes the grid and threadgroup sizes, and binds buffers at byte offsets, so weights are used
+where they lie in the checkpoint. The tests and the engine's decode graph both go through these
+functions: they are the one description of how every kernel is launched.
+
+A buffer argument is a `BufferRef`: a device Buffer, or a `(Buffer, byte_offset)` pair.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from lily.device import Buffer
+
+BufferRef = Union["Buffer", tuple["Buffer", int]]
+
+# Activation element types a kernel may be instantiated for, by the name its host name uses.
+_ELEMENT_TYPES = {"float32": "float", "float": "float", "bfloat16": "bfloat", "bfloat": "bfloat"}
+
+
+def binding(ref: BufferRef) -> tuple[Buffer, int]:
+    """The `(buffer, byte_offset)` pair of a buffer argument."""
+    if isinstance(ref, tuple):
+        buffer, offset = ref
+        return buffer, int(offset)
+    return ref, 0
+
+
+def offset_by(ref: BufferRef, nbytes: int) -> tuple[Buffer, int]:
+    """The same buffer, `nbytes` further in."""
+    buffer, offset = binding(ref)
+    return buffer, offset + nbytes
+
+
+def require_aligned(ref: BufferRef, alignment: int, what: str) -> None:
+    """Kernels load some operands as 16-byte vectors; a misaligned binding would fault or read
+    garbage on the GPU, so refuse it when the graph is recorded."""
+    _, offset = binding(ref)
+    if offset % alignment:
+        raise ValueError(f"{what} is bound at byte offset {offset}, not a multiple of {alignment}")
+
+
+def element_type(dtype: str) -> str:
+    """The MSL element type name (`float`, `bfloat`) of an activation dtype name."""
+    try:
+        return _ELEMENT_TYPES[str(dtype)]
+    except KeyError:
+        raise ValueError(f"unsupported activation dtype {dtype!r}") from None
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pack_params(fmt: str, *values: int | float) -> bytes:
+    """A kernel's parameter struct: `fmt` uses `I` (uint) and `f` (float) fields only, so the
+    layout matches the MSL struct field for field with no padding."""
+    return struct.pack("<" + fmt, *values)

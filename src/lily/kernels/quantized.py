@@ -1,0 +1,118 @@
+"""Launching the quantized GEMV (`metal/quantized_gemv.metal`): up to four projections that share
+one input, computed in one dispatch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lily.kernels import (
+    BufferRef,
+    binding,
+    ceil_div,
+    element_type,
+    pack_params,
+    require_aligned,
+)
+
+if TYPE_CHECKING:
+    from lily.device import Device, Graph
+
+GROUP_SIZE = 64
+MAX_PROJECTIONS = 4
+# Must match QGEMV_ROWS_PER_SIMDGROUP * QGEMV_SIMDGROUPS in quantized_gemv.metal.
+ROWS_PER_THREADGROUP = 8
+THREADS_PER_THREADGROUP = 64
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """An MLX-quantized projection where it lies in memory.
+
+    `weight` holds uint32 codes [experts?, rows, in_dim * bits / 32]; `scales` and `biases` hold
+    bf16 [experts?, rows, in_dim / 64]. `experts` > 1 for stacked expert tensors.
+    """
+
+    weight: BufferRef
+    scales: BufferRef
+    biases: BufferRef
+    rows: int
+    in_dim: int
+    bits: int
+    experts: int = 1
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"unsupported bit width {self.bits}")
+        if self.in_dim % GROUP_SIZE:
+            raise ValueError(f"input dimension {self.in_dim} is not a multiple of {GROUP_SIZE}")
+        # Codes are read 16 bytes at a time; every row is a multiple of 32 bytes long.
+        require_aligned(self.weight, 16, "quantized weight")
+        require_aligned(self.scales, 2, "quantization scales")
+        require_aligned(self.biases, 2, "quantization biases")
+
+
+def wrap_quant_weight(
+    device: Device, weight: np.ndarray, scales: np.ndarray, biases: np.ndarray
+) -> QuantWeight:
+    """Binds numpy arrays of an MLX-quantized triple (scales/biases as raw bf16 uint16) in place.
+    A leading axis on all three is a stack of experts."""
+    in_dim = scales.shape[-1] * GROUP_SIZE
+    bits = weight.shape[-1] * 32 // in_dim
+    experts = weight.shape[0] if weight.ndim == 3 else 1
+    return QuantWeight(
+        weight=device.wrap(np.ascontiguousarray(weight, dtype=np.uint32)),
+        scales=device.wrap(np.ascontiguousarray(scales, dtype=np.uint16)),
+        biases=device.wrap(np.ascontiguousarray(biases, dtype=np.uint16)),
+        rows=weight.shape[-2],
+        in_dim=in_dim,
+        bits=bits,
+        experts=experts,
+    )
+
+
+def record_qgemv(
+    graph: Graph,
+    device: Device,
+    x: BufferRef,
+    projections: Sequence[tuple[QuantWeight, BufferRef]],
+    x_dtype: str = "float32",
+) -> None:
+    """y_i = W_i x (fp32 out) for each `(W_i, y_i)`; all W_i share x's length and bit width."""
+    if not 1 <= len(projections) <= MAX_PROJECTIONS:
+        raise ValueError(f"between 1 and {MAX_PROJECTIONS} projections, got {len(projections)}")
+    first = projections[0][0]
+    for weight, _ in projections:
+        if (weight.in_dim, weight.bits) != (first.in_dim, first.bits):
+            raise ValueError("projections sharing one dispatch need the same input and bits")
+    rows = [w.rows for w, _ in projections]
+    first_threadgroup = np.concatenate(
+        [[0], np.cumsum([ceil_div(r, ROWS_PER_THREADGROUP) for r in rows])]
+    )
+    # Unused slots repeat the first projection so that every declared buffer is bound.
+    slots = list(projections) + [projections[0]] * (MAX_PROJECTIONS - len(projections))
+    padding = [0] * (MAX_PROJECTIONS - len(projections))
+    params = pack_params(
+        "II4I4I",
+        first.in_dim,
+        len(projections),
+        *(rows + padding),
+        *(list(first_threadgroup[:-1]) + padding),
+    )
+    buffers = {1: binding(x)}
+    for i, (weight, out) in enumerate(slots):
+        buffers[2 + 4 * i] = binding(weight.weight)
+        buffers[3 + 4 * i] = binding(weight.scales)
+        buffers[4 + 4 * i] = binding(weight.biases)
+        buffers[5 + 4 * i] = binding(out)
+    kernel = device.kernel(f"qgemv_{first.bits}_{element_type(x_dtype)}")
+    graph.dispatch(
+        kernel,
+        threadgroups=(int(first_threadgroup[-1]), 1, 1),
+        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        buffers=buffers,
+        bytes={0: params},
+    )
