@@ -1,0 +1,167 @@
+"""Recording of gated full attention for one decoded token (`metal/attention.metal`).
+
+Three dispatches, each needing a barrier before the next:
+
+1. `record_attention_prepare`: q/k RMSNorm, partial RoPE, and the append of the rotated key and
+   the value to the bf16 cache at the position held in the step buffer;
+2. `record_attention_decode`: attention over the whole context, split into `num_splits` ranges
+   that run as separate threadgroups and leave partial results in a scratch buffer;
+3. `record_attention_combine`: merges the partials and applies the sigmoid output gate.
+
+The KV cache of a layer is two bf16 arrays [num_kv_heads, capacity, 256]; the step buffer is
+uint32 [position, ...] and the context after the append is position + 1 tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lily.kernels import BufferRef, binding, pack_params
+
+if TYPE_CHECKING:
+    from lily.device import Device, Graph
+
+# Every head is covered by one simdgroup holding 8 dims per lane.
+HEAD_DIM = 256
+SIMD_WIDTH = 32
+# Enough threadgroups to spread a long context over a GPU's cores, few enough that the combine
+# pass stays negligible; a short context leaves most splits empty, which costs one early exit.
+DEFAULT_NUM_SPLITS = 32
+
+
+def cache_bytes(num_kv_heads: int, capacity: int) -> int:
+    """Size of one of a layer's two cache arrays (K or V)."""
+    return num_kv_heads * capacity * HEAD_DIM * 2
+
+
+def partial_out_bytes(num_q_heads: int, num_splits: int = DEFAULT_NUM_SPLITS) -> int:
+    """Scratch for the unnormalised per-split outputs, reusable across layers."""
+    return num_q_heads * num_splits * HEAD_DIM * 4
+
+
+def partial_stats_bytes(num_q_heads: int, num_splits: int = DEFAULT_NUM_SPLITS) -> int:
+    """Scratch for the per-split running max and sum, reusable across layers."""
+    return num_q_heads * num_splits * 2 * 4
+
+
+def _check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"the attention kernels need {HEAD_DIM}-dim heads, not {head_dim}")
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not share {num_kv_heads} kv heads")
+
+
+def record_attention_prepare(
+    graph: Graph,
+    device: Device,
+    *,
+    q_proj: BufferRef,
+    k_proj: BufferRef,
+    v_proj: BufferRef,
+    q_norm: BufferRef,
+    k_norm: BufferRef,
+    step: BufferRef,
+    queries: BufferRef,
+    k_cache: BufferRef,
+    v_cache: BufferRef,
+    num_q_heads: int,
+    num_kv_heads: int,
+    capacity: int,
+    rotary_dim: int,
+    rope_theta: float,
+    norm_eps: float = 1e-6,
+    head_dim: int = HEAD_DIM,
+) -> None:
+    """Normalise and rotate q and k, write the queries, and append k and v to the cache.
+
+    q_proj fp32 [Hq, 2, 256] (query | gate per head); k_proj, v_proj fp32 [Hkv, 256]; q_norm,
+    k_norm bf16 [256] (stored gains); queries fp32 [Hq, 256]; caches bf16 [Hkv, capacity, 256].
+    """
+    _check_heads(num_q_heads, num_kv_heads, head_dim)
+    if rotary_dim <= 0 or rotary_dim % (2 * SIMD_WIDTH) or rotary_dim > HEAD_DIM:
+        raise ValueError(f"rotary_dim {rotary_dim} must be a positive multiple of 64 up to 256")
+    graph.dispatch(
+        device.kernel("attention_prepare"),
+        threadgroups=(num_q_heads + num_kv_heads, 1, 1),
+        threads=(SIMD_WIDTH, 1, 1),
+        buffers={
+            1: binding(q_proj),
+            2: binding(k_proj),
+            3: binding(v_proj),
+            4: binding(q_norm),
+            5: binding(k_norm),
+            6: binding(step),
+            7: binding(queries),
+            8: binding(k_cache),
+            9: binding(v_cache),
+        },
+        bytes={
+            0: pack_params(
+                "IIIIff", num_q_heads, num_kv_heads, capacity, rotary_dim, rope_theta, norm_eps
+            )
+        },
+    )
+
+
+def record_attention_decode(
+    graph: Graph,
+    device: Device,
+    *,
+    queries: BufferRef,
+    k_cache: BufferRef,
+    v_cache: BufferRef,
+    step: BufferRef,
+    partial_out: BufferRef,
+    partial_stats: BufferRef,
+    num_q_heads: int,
+    num_kv_heads: int,
+    capacity: int,
+    num_splits: int = DEFAULT_NUM_SPLITS,
+    head_dim: int = HEAD_DIM,
+) -> None:
+    """Per-split softmax partials of every query head over the cached context (scale 1/16)."""
+    _check_heads(num_q_heads, num_kv_heads, head_dim)
+    if num_splits <= 0:
+        raise ValueError("num_splits must be positive")
+    graph.dispatch(
+        device.kernel("attention_decode"),
+        threadgroups=(num_splits, num_kv_heads, 1),
+        threads=(SIMD_WIDTH * (num_q_heads // num_kv_heads), 1, 1),
+        buffers={
+            1: binding(queries),
+            2: binding(k_cache),
+            3: binding(v_cache),
+            4: binding(step),
+            5: binding(partial_out),
+            6: binding(partial_stats),
+        },
+        bytes={
+            0: pack_params("IIIIf", num_q_heads, num_kv_heads, capacity, num_splits, head_dim**-0.5)
+        },
+    )
+
+
+def record_attention_combine(
+    graph: Graph,
+    device: Device,
+    *,
+    partial_out: BufferRef,
+    partial_stats: BufferRef,
+    q_proj: BufferRef,
+    out: BufferRef,
+    num_q_heads: int,
+    num_splits: int = DEFAULT_NUM_SPLITS,
+) -> None:
+    """`out = attention * sigmoid(gate)`, fp32 [Hq, 256], gate read from q_proj's second halves."""
+    graph.dispatch(
+        device.kernel("attention_combine"),
+        threadgroups=(num_q_heads, 1, 1),
+        threads=(HEAD_DIM, 1, 1),
+        buffers={
+            1: binding(partial_out),
+            2: binding(partial_stats),
+            3: binding(q_proj),
+            4: binding(out),
+        },
+        bytes={0: pack_params("II", num_q_heads, num_splits)},
+    )

@@ -1,0 +1,47 @@
+"""Recording of the Gated DeltaNet's causal conv1d step (`metal/conv1d.metal`).
+
+The window holds the last 3 pre-conv rows as fp32 [3, channels], oldest first, and is updated in
+place by the kernel, so one buffer per layer carries the convolution state across steps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lily.kernels import BufferRef, binding, ceil_div, pack_params
+
+if TYPE_CHECKING:
+    from lily.device import Device, Graph
+
+KERNEL_TAPS = 4
+THREADS_PER_THREADGROUP = 256
+
+
+def window_bytes(channels: int) -> int:
+    """Size of one layer's conv window."""
+    return (KERNEL_TAPS - 1) * channels * 4
+
+
+def record_conv1d_step(
+    graph: Graph,
+    device: Device,
+    *,
+    x: BufferRef,
+    weight: BufferRef,
+    window: BufferRef,
+    out: BufferRef,
+    channels: int,
+) -> None:
+    """`out = silu(conv(window ++ x))` per channel, then shift x into the window.
+
+    x, out: fp32 [channels]; weight: bf16 [channels, 4, 1] as stored in the checkpoint;
+    window: fp32 [3, channels].
+    """
+    groups = ceil_div(channels, THREADS_PER_THREADGROUP)
+    graph.dispatch(
+        device.kernel("conv1d_step"),
+        threadgroups=(groups, 1, 1),
+        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        buffers={1: binding(x), 2: binding(weight), 3: binding(window), 4: binding(out)},
+        bytes={0: pack_params("I", channels)},
+    )
