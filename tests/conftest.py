@@ -1,0 +1,34 @@
+"""Session fixtures: the tiny random checkpoints and mlx-lm's cached outputs on them.
+
+The builders live in tiny_models.py so that other test modules (and scripts) can call
+`tiny_checkpoint(name)` directly; these fixtures only make them session-scoped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import TINY_SPECS, mlx_reference, tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint() -> Path:
+    return tiny_checkpoint("small")
+
+
+@pytest.fixture(scope="session")
+def wide_checkpoint() -> Path:
+    return tiny_checkpoint("wide")
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_SPECS))
+def tiny_name(request: pytest.FixtureRequest) -> str:
+    """Each tiny configuration in turn ("small", "wide")."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def mlx_outputs(tiny_name: str) -> dict[str, np.ndarray]:
+    return mlx_reference(tiny_name)

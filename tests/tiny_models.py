@@ -1,0 +1,373 @@
+"""Tiny random Qwen3.6-MoE checkpoints in the real MLX format, and mlx-lm's outputs on them.
+
+A checkpoint is made the way spec/testing.md describes: a random model in the original Hugging
+Face layout (nested `text_config`, fused expert tensors, zero-centred norms stored as w), then
+`mlx_lm convert -q --q-group-size 64 --q-bits 4`, which renames the tensors, bakes 1+w into the
+norms, stores conv1d as [C, K, 1] and makes the router and shared-expert gates 8-bit, exactly as
+in the real file. The weights are deliberately not "nice": norms are non-identity so that a
+(1+w)-versus-w mistake shows, and GDN decay parameters span a realistic range.
+
+Everything is cached under `LILY_TEST_CACHE` (default `~/.cache/lily-tests`), keyed by a hash of
+the generator parameters and the mlx / mlx-lm versions. Builds happen in a temporary directory
+that is renamed into place, so concurrent test processes never see a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+# Bump when the generator changes in a way its parameters do not capture.
+GENERATOR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    seed: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    vocab_size: int
+    # The real model's head dims; the family validator requires them.
+    head_dim: int = 256
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+
+
+TINY_SPECS = {
+    # spec/testing.md's example: 8 layers (L L L F L L L F), expert and shared-expert sizes differ.
+    "small": TinySpec(
+        seed=1,
+        hidden_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        vocab_size=1024,
+    ),
+    # Different seed and sizes: wider hidden, 4 query heads per KV head and 4 value heads per key
+    # head (the real model has 8 and 2), more and larger experts, a smaller shared expert.
+    "wide": TinySpec(
+        seed=2,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=8,
+        num_experts=32,
+        num_experts_per_tok=8,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=64,
+        vocab_size=1536,
+    ),
+}
+
+# Prompt length and decode steps of the cached mlx-lm reference run.
+REFERENCE_PROMPT_TOKENS = 40
+REFERENCE_DECODE_STEPS = 16
+
+
+def cache_root() -> Path:
+    root = os.environ.get("LILY_TEST_CACHE") or Path.home() / ".cache" / "lily-tests"
+    return Path(root)
+
+
+def tiny_checkpoint(name: str) -> Path:
+    """The directory of the converted 4-bit MLX checkpoint `name` ("small" or "wide")."""
+    spec = TINY_SPECS[name]
+    return _cached(f"{name}-{_key(spec)}", lambda out: _build_checkpoint(spec, out))
+
+
+def eos_token_ids(spec: TinySpec) -> list[int]:
+    # <|im_end|> and <|endoftext|>, laid out as in the real vocabulary: the added special tokens
+    # follow the BPE ranks, <|endoftext|> first and <|im_end|> two after it.
+    end_of_text = spec.vocab_size - 64
+    return [end_of_text + 2, end_of_text]
+
+
+def reference_prompt(name: str) -> list[int]:
+    """A fixed pseudo-random prompt for `name`, avoiding the EOS ids."""
+    spec = TINY_SPECS[name]
+    rng = np.random.default_rng(spec.seed + 1000)
+    tokens = rng.integers(0, spec.vocab_size - 64, REFERENCE_PROMPT_TOKENS)
+    return [int(t) for t in tokens]
+
+
+def mlx_reference(name: str) -> dict[str, np.ndarray]:
+    """mlx-lm (float32) on the tiny checkpoint: cached npz with
+
+    `prompt` [P], `prompt_logits` [P, V] (teacher-forced over the prompt), `decode_tokens` [S]
+    (greedy), `decode_logits` [S, V] (logits after feeding decode_tokens[i] to the cache).
+    """
+    checkpoint = tiny_checkpoint(name)
+    key = f"mlx-reference-{checkpoint.name}-{REFERENCE_PROMPT_TOKENS}-{REFERENCE_DECODE_STEPS}"
+    path = _cached(key, lambda out: _run_mlx_lm(checkpoint, reference_prompt(name), out))
+    with np.load(path / "outputs.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+def read_tensors(checkpoint: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a single-file checkpoint by its full name, bf16 as raw uint16 bits."""
+    dtypes = {"BF16": np.uint16, "F32": np.float32, "U32": np.uint32}
+    data = (checkpoint / "model.safetensors").read_bytes()
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    header.pop("__metadata__", None)
+    tensors = {}
+    for name, entry in header.items():
+        start, end = (8 + header_len + offset for offset in entry["data_offsets"])
+        dtype = np.dtype(dtypes[entry["dtype"]])
+        flat = np.frombuffer(data, dtype, count=(end - start) // dtype.itemsize, offset=start)
+        tensors[name] = flat.reshape(entry["shape"])
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache plumbing
+# ---------------------------------------------------------------------------------------------
+
+
+def _key(spec: TinySpec) -> str:
+    versions = {pkg: metadata.version(pkg) for pkg in ("mlx", "mlx-lm")}
+    blob = json.dumps([GENERATOR_VERSION, asdict(spec), versions], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _cached(key: str, build: Callable[[Path], None]) -> Path:
+    """Return cache_root()/key, building it first (in a temp dir, renamed into place) if absent."""
+    final = cache_root() / key
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=final.parent))
+    try:
+        build(work / "out")
+        try:
+            os.rename(work / "out", final)
+        except OSError:
+            # Another process finished the same build first; its result is identical.
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def _build_checkpoint(spec: TinySpec, out: Path) -> None:
+    hf_dir = out.parent / "hf"
+    hf_dir.mkdir()
+    _write_hf_model(spec, hf_dir)
+    subprocess.run(
+        [
+            sys.executable, "-m", "mlx_lm", "convert",
+            "--hf-path", str(hf_dir), "--mlx-path", str(out),
+            "-q", "--q-group-size", "64", "--q-bits", "4",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+
+
+def _layer_types(spec: TinySpec) -> list[str]:
+    return [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+        for i in range(spec.num_hidden_layers)
+    ]
+
+
+def _hf_config(spec: TinySpec) -> dict:
+    eos = eos_token_ids(spec)
+    text = {
+        "model_type": "qwen3_5_moe_text",
+        "dtype": "bfloat16",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "layer_types": _layer_types(spec),
+        "full_attention_interval": 4,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "attn_output_gate": True,
+        "linear_num_key_heads": spec.linear_num_key_heads,
+        "linear_num_value_heads": spec.linear_num_value_heads,
+        "linear_key_head_dim": spec.linear_key_head_dim,
+        "linear_value_head_dim": spec.linear_value_head_dim,
+        "linear_conv_kernel_dim": spec.linear_conv_kernel_dim,
+        "num_experts": spec.num_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok,
+        "moe_intermediate_size": spec.moe_intermediate_size,
+        "shared_expert_intermediate_size": spec.shared_expert_intermediate_size,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+        "mtp_num_hidden_layers": 1,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "eos_token_id": eos,
+    }
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "eos_token_id": eos,
+    }
+
+
+def _hf_tensors(spec: TinySpec) -> dict[str, np.ndarray]:
+    """Random weights under the original Hugging Face names and layouts."""
+    rng = np.random.default_rng(spec.seed)
+    h = spec.hidden_size
+
+    def dense(out_dim: int, in_dim: int, *lead: int) -> np.ndarray:
+        # Scaled so activations stay O(1) through the residual stream.
+        return rng.normal(0, in_dim**-0.5, (*lead, out_dim, in_dim)).astype(np.float32)
+
+    def zero_centred_norm(dim: int) -> np.ndarray:
+        return rng.normal(0, 0.1, dim).astype(np.float32)
+
+    key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
+    value_dim = spec.linear_num_value_heads * spec.linear_value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    hv = spec.linear_num_value_heads
+    q_rows = spec.num_attention_heads * spec.head_dim
+    kv_rows = spec.num_key_value_heads * spec.head_dim
+
+    prefix = "model.language_model."
+    t = {
+        prefix + "embed_tokens.weight": rng.normal(0, 1, (spec.vocab_size, h)).astype(np.float32),
+        prefix + "norm.weight": zero_centred_norm(h),
+        "lm_head.weight": dense(spec.vocab_size, h),
+    }
+    for i, kind in enumerate(_layer_types(spec)):
+        layer = f"{prefix}layers.{i}."
+        t[layer + "input_layernorm.weight"] = zero_centred_norm(h)
+        t[layer + "post_attention_layernorm.weight"] = zero_centred_norm(h)
+        if kind == "linear_attention":
+            gdn = layer + "linear_attn."
+            t[gdn + "in_proj_qkv.weight"] = dense(conv_dim, h)
+            t[gdn + "in_proj_z.weight"] = dense(value_dim, h)
+            t[gdn + "in_proj_b.weight"] = dense(hv, h)
+            t[gdn + "in_proj_a.weight"] = dense(hv, h)
+            t[gdn + "conv1d.weight"] = rng.normal(
+                0, 0.5, (conv_dim, 1, spec.linear_conv_kernel_dim)
+            ).astype(np.float32)
+            t[gdn + "A_log"] = np.log(rng.uniform(0.1, 4.0, hv)).astype(np.float32)
+            t[gdn + "dt_bias"] = rng.normal(0, 0.5, hv).astype(np.float32)
+            # The gated norm is a plain gain (never +1): centre it on 1.
+            t[gdn + "norm.weight"] = (1 + zero_centred_norm(spec.linear_value_head_dim)).astype(
+                np.float32
+            )
+            t[gdn + "out_proj.weight"] = dense(h, value_dim)
+        else:
+            attn = layer + "self_attn."
+            t[attn + "q_proj.weight"] = dense(2 * q_rows, h)  # per head: [query | gate]
+            t[attn + "k_proj.weight"] = dense(kv_rows, h)
+            t[attn + "v_proj.weight"] = dense(kv_rows, h)
+            t[attn + "o_proj.weight"] = dense(h, q_rows)
+            t[attn + "q_norm.weight"] = zero_centred_norm(spec.head_dim)
+            t[attn + "k_norm.weight"] = zero_centred_norm(spec.head_dim)
+        mlp = layer + "mlp."
+        e, moe, shared = (
+            spec.num_experts,
+            spec.moe_intermediate_size,
+            spec.shared_expert_intermediate_size,
+        )
+        t[mlp + "gate.weight"] = dense(e, h)
+        t[mlp + "experts.gate_up_proj"] = dense(2 * moe, h, e)
+        t[mlp + "experts.down_proj"] = dense(h, moe, e)
+        t[mlp + "shared_expert.gate_proj.weight"] = dense(shared, h)
+        t[mlp + "shared_expert.up_proj.weight"] = dense(shared, h)
+        t[mlp + "shared_expert.down_proj.weight"] = dense(h, shared)
+        t[mlp + "shared_expert_gate.weight"] = dense(1, h)
+    return t
+
+
+def _write_hf_model(spec: TinySpec, hf_dir: Path) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(_hf_tensors(spec), str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    (hf_dir / "config.json").write_text(json.dumps(_hf_config(spec), indent=2))
+    _write_byte_tokenizer(spec, hf_dir)
+
+
+def _write_byte_tokenizer(spec: TinySpec, hf_dir: Path) -> None:
+    """A minimal byte-level tokenizer: mlx-lm's converter insists on loading one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 262144})
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# mlx-lm reference outputs
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_mlx_lm(checkpoint: Path, prompt: list[int], out: Path) -> None:
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, _ = load(str(checkpoint))
+    model.set_dtype(mx.float32)
+    cache = model.make_cache()
+    prompt_logits = model(mx.array([prompt]), cache=cache)[0]
+    next_token = int(mx.argmax(prompt_logits[-1]).item())
+    decode_tokens, decode_logits = [], []
+    for _ in range(REFERENCE_DECODE_STEPS):
+        decode_tokens.append(next_token)
+        logits = model(mx.array([[next_token]]), cache=cache)[0, -1]
+        decode_logits.append(np.array(logits))
+        next_token = int(mx.argmax(logits).item())
+    out.mkdir()
+    np.savez(
+        out / "outputs.npz",
+        prompt=np.array(prompt),
+        prompt_logits=np.array(prompt_logits),
+        decode_tokens=np.array(decode_tokens),
+        decode_logits=np.stack(decode_logits),
+    )
