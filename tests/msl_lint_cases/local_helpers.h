@@ -1,0 +1,3 @@
+// A local header the MSL7 case includes; quoted includes of our own headers are allowed.
+#pragma once
+#include <metal_stdlib>

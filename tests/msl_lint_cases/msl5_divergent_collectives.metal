@@ -1,0 +1,41 @@
+// MSL5: barriers and SIMD collectives in uniform control flow only.
+#include <metal_stdlib>
+using namespace metal;
+
+inline float block_sum(float v, threadgroup float* scratch, uint simdgroup, uint lane) {
+  float partial = simd_sum(v);
+  if (lane == 0) scratch[simdgroup] = partial;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return scratch[0] + scratch[1];
+}
+
+[[kernel]] void reduce(device const float* x [[buffer(0)]], device float* y [[buffer(1)]],
+                       constant uint& n [[buffer(2)]],
+                       uint row [[threadgroup_position_in_grid]],
+                       uint tid [[thread_index_in_threadgroup]],
+                       uint simdgroup [[simdgroup_index_in_threadgroup]],
+                       uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float scratch[2];
+  float v = x[row * 64 + tid];
+  uint index = tid * 2;
+  if (index < n) {
+    v = simd_sum(v);  // expect: MSL5
+  }
+  if (simdgroup == 0) {
+    v = simd_sum(v);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // expect: MSL5
+  } else {
+    v += block_sum(v, scratch, simdgroup, lane);  // expect: MSL5
+  }
+  for (uint k = lane; k < n; k += 32) {
+    v += simd_shuffle_xor(v, 1);  // expect: MSL5
+  }
+  const float total = simd_sum(v);
+  if (total > 0.0f) {
+    v = simd_max(v);
+  }
+  if (row >= n) return;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane >= n) return;
+  y[row] = simd_sum(v);  // expect: MSL5
+}
