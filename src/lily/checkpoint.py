@@ -1,0 +1,146 @@
+"""Finding a checkpoint (local directory, Hugging Face repo, or the demo) and loading it.
+
+Loading maps every shard read-only, validates names, shapes, dtypes and bit widths against the
+config, and hands out the tensors as read-only numpy views: no weight bytes are read or copied.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from lily.config import ModelConfig, load_config
+from lily.safetensors_mmap import (
+    INDEX_FILE,
+    CheckpointError,
+    Shard,
+    TensorInfo,
+    open_safetensors_dir,
+)
+from lily.validate import claims_real_model, validate
+
+__all__ = [
+    "DEFAULT_REPO",
+    "DEFAULT_REVISION",
+    "Checkpoint",
+    "CheckpointError",
+    "load_checkpoint",
+    "resolve_model",
+]
+
+DEFAULT_REPO = "mlx-community/Qwen3.6-35B-A3B-4bit"
+# The revision the reference engine was measured on; used when no revision is asked for.
+DEFAULT_REVISION = "38740b847e4cb78f352aba30aa41c76e08e6eb46"
+DEMO = "demo"
+
+# Only what Lily reads: weights, config, tokenizer and chat template (not the vision files).
+DOWNLOAD_PATTERNS = [
+    "*.safetensors",
+    INDEX_FILE,
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+]
+
+LoadLevel = Literal["strict", "family", "auto"]
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_model(model: str | None, revision: str | None = None) -> Path:
+    """The local directory of a model argument, downloading it from Hugging Face if needed.
+
+    `None` is the default repo at its pinned revision; an existing directory is used as is;
+    `"demo"` is the built-in random-weight demo model; anything else is a Hugging Face repo id.
+    With `HF_HUB_OFFLINE` set, only the local Hugging Face cache is consulted.
+    """
+    if model is None:
+        model, revision = DEFAULT_REPO, revision or DEFAULT_REVISION
+    if model == DEMO:
+        from lily.demo import demo_checkpoint_dir
+
+        return Path(demo_checkpoint_dir())
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise CheckpointError(
+            f"model {model!r} is neither an existing directory nor a Hugging Face repo id "
+            "(owner/name)"
+        )
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = _offline()
+    try:
+        path = snapshot_download(
+            model,
+            revision=revision,
+            allow_patterns=DOWNLOAD_PATTERNS,
+            local_files_only=offline,
+        )
+    except LocalEntryNotFoundError as e:
+        if offline:
+            raise CheckpointError(
+                f"{model} (revision {revision or 'main'}) is not in the local Hugging Face cache "
+                "and HF_HUB_OFFLINE is set: download it once online or pass a local directory"
+            ) from e
+        raise CheckpointError(f"could not download {model}: {e}") from e
+    except HFValidationError as e:
+        raise CheckpointError(f"{model!r} is not a valid Hugging Face repo id: {e}") from e
+    return Path(path)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint. `tensors` are read-only views over the memory-mapped shards.
+
+    BF16 tensors are `np.uint16` arrays of raw bits (see lily.safetensors_mmap). `locations`
+    gives each tensor's shard file and absolute byte offset; `shards` keeps each shard's map
+    (`Shard.buffer` spans the whole file) so a device can wrap a shard without copying it.
+    """
+
+    path: Path
+    config: ModelConfig
+    tensors: Mapping[str, np.ndarray]
+    locations: Mapping[str, TensorInfo]
+    shards: Mapping[Path, Shard]
+    level: Literal["strict", "family"]
+
+
+def load_checkpoint(path: str | Path, level: LoadLevel = "auto") -> Checkpoint:
+    """Open and validate the checkpoint in a directory.
+
+    `level`: "strict" (the real model), "family" (same architecture, any size), or "auto"
+    (strict if the config has the real model's dimensions, else family).
+    """
+    path = Path(path)
+    if level not in ("strict", "family", "auto"):
+        raise ValueError(f"level must be 'strict', 'family' or 'auto', not {level!r}")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    config = load_config(path)
+    if level == "auto":
+        level = "strict" if claims_real_model(config) else "family"
+    files = open_safetensors_dir(path)
+    locations = files.infos
+    validate(config, locations, level)
+    return Checkpoint(
+        path=path,
+        config=config,
+        tensors=files,
+        locations=locations,
+        shards=files.shards,
+        level=level,
+    )
