@@ -111,8 +111,7 @@ def _layer_types(text: dict[str, Any], n_layers: int) -> tuple[str, ...]:
     else:
         interval = int(text.get("full_attention_interval", 4))
         types = tuple(
-            FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
-            for i in range(n_layers)
+            FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(n_layers)
         )
     unknown = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
     if unknown:
