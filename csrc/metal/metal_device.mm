@@ -1,0 +1,581 @@
+// The Metal device: replays recorded graphs of the kernels in metal/*.metal on an Apple GPU.
+//
+// It knows buffers, kernels and graphs (device.h) and nothing else. No Mac was available when it
+// was written: tests/objc_api_check.py checks every selector and class it names against Apple's
+// public API, and .github/workflows/macos.yml compiles and runs it on macOS runners. Keep it
+// small and plain so that a reader can check it line by line against Apple's documentation.
+//
+// Compiled with ARC (-fobjc-arc): Objective-C objects held in C++ members and containers are
+// strong references, released by the C++ destructors.
+#import <Foundation/Foundation.h>
+#import <Metal/Metal.h>
+
+#include <sys/sysctl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "device.h"
+#include "metal/metal_device.h"
+
+// Residency sets and MTLMathMode exist from the macOS 15 SDK on; older SDKs build without them.
+#if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+#define LILY_MACOS_15_SDK 1
+#else
+#define LILY_MACOS_15_SDK 0
+#endif
+
+namespace fs = std::filesystem;
+
+namespace lily::metal {
+namespace {
+
+// CPU and GPU share these pages on Apple silicon; hazards are tracked by Metal across command
+// buffers, and inside one (concurrent) encoder by the explicit barriers between graph levels.
+constexpr MTLResourceOptions kSharedStorage = MTLResourceStorageModeShared;
+// setBytes:length:atIndex: is documented for data under 4 KB; larger blocks belong in buffers.
+constexpr size_t kMaxInlineBytes = 4096;
+
+NSString* to_ns(const std::string& text) { return [NSString stringWithUTF8String:text.c_str()]; }
+
+std::string to_std(NSString* text) {
+  return text == nil ? std::string() : std::string(text.UTF8String);
+}
+
+std::string describe(NSError* error) {
+  return error == nil ? std::string("no details from Metal") : to_std(error.localizedDescription);
+}
+
+bool at_least_macos_14() {
+  if (@available(macOS 14.0, *)) return true;
+  return false;
+}
+
+// Residency sets fail inside virtual machines such as GitHub's macOS runners (MLX skips them
+// there for the same reason).
+bool running_in_vm() {
+  int present = 0;
+  size_t size = sizeof present;
+  return sysctlbyname("kern.hv_vmm_present", &present, &size, nullptr, 0) == 0 && present != 0;
+}
+
+id<MTLDevice> default_device() {
+  id<MTLDevice> device = MTLCreateSystemDefaultDevice();
+  if (device == nil) {
+    // Without a display (e.g. over ssh on some systems) there may be no "default" device.
+    NSArray<id<MTLDevice>>* devices = MTLCopyAllDevices();
+    if (devices.count > 0) device = [devices objectAtIndex:0];
+  }
+  if (device == nil) throw std::runtime_error("no Metal device found on this Mac");
+  return device;
+}
+
+std::string gpu_family(id<MTLDevice> device) {
+  if ([device supportsFamily:MTLGPUFamilyApple9]) return "apple9";
+  if ([device supportsFamily:MTLGPUFamilyApple8]) return "apple8";
+  if ([device supportsFamily:MTLGPUFamilyApple7]) return "apple7";
+  return "none";
+}
+
+// The kernels use simdgroup_matrix and bfloat (MSL 3.1): an Apple7-family GPU (M1 or later)
+// with Metal 3, on macOS 14 or later. Empty when `device` qualifies.
+std::string unsupported_reason(id<MTLDevice> device) {
+  if (!at_least_macos_14()) {
+    return "the kernels need macOS 14 (Sonoma) or later for Metal Shading Language 3.1 (bfloat)";
+  }
+  if (![device supportsFamily:MTLGPUFamilyApple7] || ![device supportsFamily:MTLGPUFamilyMetal3]) {
+    return "the GPU \"" + to_std(device.name) +
+           "\" is not in MTLGPUFamilyApple7 and MTLGPUFamilyMetal3 (Apple M1 or later), which "
+           "the kernels need for simdgroup_matrix and bfloat";
+  }
+  return {};
+}
+
+// Keeps the device's buffers resident between command buffers (macOS 15 and later), so that
+// gigabytes of mapped files are not made resident again for every graph. Without a residency
+// set everything still works; Metal then makes each command buffer's buffers resident itself.
+class Residency {
+ public:
+  Residency(id<MTLDevice> device, id<MTLCommandQueue> queue) {
+#if LILY_MACOS_15_SDK
+    if (@available(macOS 15.0, *)) {
+      if (running_in_vm()) return;
+      MTLResidencySetDescriptor* descriptor = [[MTLResidencySetDescriptor alloc] init];
+      descriptor.initialCapacity = 64;
+      NSError* error = nil;
+      id<MTLResidencySet> set = [device newResidencySetWithDescriptor:descriptor error:&error];
+      if (set == nil) return;
+      [queue addResidencySet:set];
+      set_ = set;
+    }
+#endif
+  }
+
+  void add(id<MTLBuffer> buffer) {
+#if LILY_MACOS_15_SDK
+    if (@available(macOS 15.0, *)) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      id<MTLResidencySet> set = set_;
+      if (set == nil) return;
+      [set addAllocation:buffer];
+      [set commit];
+      [set requestResidency];
+    }
+#endif
+  }
+
+  void remove(id<MTLBuffer> buffer) {
+#if LILY_MACOS_15_SDK
+    if (@available(macOS 15.0, *)) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      id<MTLResidencySet> set = set_;
+      if (set == nil) return;
+      [set removeAllocation:buffer];
+      [set commit];
+    }
+#endif
+  }
+
+ private:
+  std::mutex mutex_;
+  id set_ = nil;  // an id<MTLResidencySet>; untyped so that older SDKs compile this class
+};
+
+// A buffer is a window onto an MTLBuffer: no-copy buffers must cover whole pages, so the
+// window of a wrapped region may start `offset_` bytes into its MTLBuffer.
+class MetalBuffer final : public Buffer {
+ public:
+  MetalBuffer(id<MTLBuffer> buffer, size_t offset, size_t size, bool writable,
+              std::shared_ptr<void> owner, std::shared_ptr<Residency> residency)
+      : buffer_(buffer),
+        offset_(offset),
+        size_(size),
+        writable_(writable),
+        owner_(std::move(owner)),
+        residency_(std::move(residency)) {
+    residency_->add(buffer_);
+  }
+  ~MetalBuffer() override { residency_->remove(buffer_); }
+
+  void* data() override { return static_cast<uint8_t*>([buffer_ contents]) + offset_; }
+  size_t size() const override { return size_; }
+  bool writable() const override { return writable_; }
+
+  id<MTLBuffer> metal_buffer() const { return buffer_; }
+  size_t offset() const { return offset_; }
+
+ private:
+  id<MTLBuffer> buffer_;
+  size_t offset_;
+  size_t size_;
+  bool writable_;
+  std::shared_ptr<void> owner_;  // keeps wrapped host memory alive as long as the buffer
+  std::shared_ptr<Residency> residency_;
+};
+
+class MetalKernel final : public Kernel {
+ public:
+  MetalKernel(std::string name, id<MTLComputePipelineState> pipeline)
+      : name_(std::move(name)), pipeline_(pipeline) {}
+
+  const std::string& name() const override { return name_; }
+  uint32_t max_threads_per_threadgroup() const override {
+    return uint32_t(pipeline_.maxTotalThreadsPerThreadgroup);
+  }
+  id<MTLComputePipelineState> pipeline() const { return pipeline_; }
+
+ private:
+  std::string name_;
+  id<MTLComputePipelineState> pipeline_;
+};
+
+// The path inside `#include "path"`, or empty for any other line (system includes stay).
+std::string quoted_include(const std::string& line) {
+  const size_t hash = line.find_first_not_of(" \t");
+  if (hash == std::string::npos || line[hash] != '#') return {};
+  const size_t word = line.find_first_not_of(" \t", hash + 1);
+  if (word == std::string::npos || line.compare(word, 7, "include") != 0) return {};
+  const size_t open = line.find('"', word + 7);
+  const size_t close = open == std::string::npos ? open : line.find('"', open + 1);
+  return close == std::string::npos ? std::string() : line.substr(open + 1, close - open - 1);
+}
+
+bool is_pragma_once(const std::string& line) {
+  return line.find("#pragma once") != std::string::npos;
+}
+
+// newLibraryWithSource compiles one string and has no include path, so quoted #includes are
+// inlined here (each file once, like #pragma once), with #line markers so that the compiler's
+// messages name the real file and line.
+void append_with_includes(const fs::path& file, std::set<fs::path>& seen, std::string& out) {
+  std::ifstream in(file);
+  if (!in) throw std::runtime_error("cannot read kernel source " + file.string());
+  out += "#line 1 \"" + file.filename().string() + "\"\n";
+  std::string line;
+  for (int number = 1; std::getline(in, line); ++number) {
+    const std::string header = quoted_include(line);
+    if (header.empty()) {
+      out += is_pragma_once(line) ? std::string() : line;
+      out += '\n';
+      continue;
+    }
+    const fs::path path = fs::weakly_canonical(file.parent_path() / header);
+    if (seen.insert(path).second) append_with_includes(path, seen, out);
+    out += "#line " + std::to_string(number + 1) + " \"" + file.filename().string() + "\"\n";
+  }
+}
+
+id<MTLLibrary> compile_source(id<MTLDevice> device, const fs::path& file) {
+  std::set<fs::path> seen;
+  std::string source;
+  append_with_includes(file, seen, source);
+  MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
+  if (@available(macOS 14.0, *)) options.languageVersion = MTLLanguageVersion3_1;
+  // No fast math: the sim computes IEEE results and the tests compare the two devices.
+#if LILY_MACOS_15_SDK
+  if (@available(macOS 15.0, *)) {
+    options.mathMode = MTLMathModeSafe;
+  } else {
+    options.fastMathEnabled = NO;
+  }
+#else
+  options.fastMathEnabled = NO;
+#endif
+  NSError* error = nil;
+  id<MTLLibrary> library = [device newLibraryWithSource:to_ns(source) options:options error:&error];
+  if (library == nil) {
+    throw std::runtime_error("Metal could not compile " + file.filename().string() + ":\n" +
+                             describe(error));
+  }
+  return library;
+}
+
+// The prebuilt metallib when there is one, else one library per .metal source file.
+std::vector<id<MTLLibrary>> load_libraries(id<MTLDevice> device, const KernelSources& sources) {
+  if (!sources.metallib_path.empty() && fs::exists(sources.metallib_path)) {
+    NSError* error = nil;
+    NSURL* url = [NSURL fileURLWithPath:to_ns(sources.metallib_path)];
+    id<MTLLibrary> library = [device newLibraryWithURL:url error:&error];
+    if (library == nil) {
+      throw std::runtime_error("Metal could not load " + sources.metallib_path + ": " +
+                               describe(error));
+    }
+    return {library};
+  }
+  std::vector<fs::path> files;
+  if (fs::is_directory(sources.source_dir)) {
+    for (const fs::directory_entry& entry : fs::directory_iterator(sources.source_dir)) {
+      if (entry.path().extension() == ".metal") files.push_back(entry.path());
+    }
+  }
+  if (files.empty()) {
+    throw std::runtime_error("no metallib at \"" + sources.metallib_path +
+                             "\" and no .metal sources in \"" + sources.source_dir + "\"");
+  }
+  std::sort(files.begin(), files.end());
+  std::vector<id<MTLLibrary>> libraries;
+  for (const fs::path& file : files) libraries.push_back(compile_source(device, file));
+  return libraries;
+}
+
+std::string command_buffer_failure(NSError* error) {
+  switch (static_cast<MTLCommandBufferError>(error.code)) {
+    case MTLCommandBufferErrorTimeout:
+      return "GPU timeout (a kernel ran too long or never finished): " + describe(error);
+    case MTLCommandBufferErrorPageFault:
+      return "GPU page fault (a kernel read or wrote outside its buffers): " + describe(error);
+    case MTLCommandBufferErrorOutOfMemory:
+      return "out of GPU memory: " + describe(error);
+    default:
+      return "command buffer error " + std::to_string(long(error.code)) + ": " + describe(error);
+  }
+}
+
+class MetalDevice final : public Device {
+ public:
+  MetalDevice(id<MTLDevice> device, std::vector<id<MTLLibrary>> libraries)
+      : device_(device),
+        queue_([device newCommandQueue]),
+        residency_(std::make_shared<Residency>(device, queue_)) {
+    for (id<MTLLibrary> library : libraries) {
+      for (NSString* function in library.functionNames) {
+        if (!libraries_.emplace(to_std(function), library).second) {
+          throw std::runtime_error("two kernel libraries define \"" + to_std(function) + "\"");
+        }
+      }
+    }
+  }
+
+  ~MetalDevice() override {
+    @autoreleasepool {
+      for (const InFlight& job : in_flight_) [job.commands waitUntilCompleted];
+    }
+  }
+
+  std::string name() const override { return "metal"; }
+
+  std::shared_ptr<Buffer> alloc(size_t bytes) override {
+    check_length(bytes);
+    id<MTLBuffer> buffer = [device_ newBufferWithLength:std::max<size_t>(bytes, 1)
+                                                options:kSharedStorage];
+    if (buffer == nil) {
+      throw std::runtime_error("Metal could not allocate " + std::to_string(bytes) + " bytes");
+    }
+    std::memset([buffer contents], 0, bytes);
+    return std::make_shared<MetalBuffer>(buffer, 0, bytes, true, nullptr, residency_);
+  }
+
+  std::shared_ptr<Buffer> wrap(void* data, size_t bytes, bool writable,
+                               std::shared_ptr<void> owner) override {
+    // Widen the region to whole pages, as no-copy buffers require. Those pages are mapped:
+    // each holds at least one byte of the region.
+    const uintptr_t page = uintptr_t(getpagesize());
+    const uintptr_t begin = uintptr_t(data);
+    const uintptr_t first_page = begin & ~(page - 1);
+    const uintptr_t end_page = (begin + std::max<size_t>(bytes, 1) + page - 1) & ~(page - 1);
+    check_length(end_page - first_page);
+    id<MTLBuffer> buffer = [device_ newBufferWithBytesNoCopy:reinterpret_cast<void*>(first_page)
+                                                      length:end_page - first_page
+                                                     options:kSharedStorage
+                                                 deallocator:nil];
+    if (buffer == nil) {
+      throw std::runtime_error("Metal could not wrap " + std::to_string(bytes) +
+                               " bytes of host memory without copying");
+    }
+    return std::make_shared<MetalBuffer>(buffer, begin - first_page, bytes, writable,
+                                         std::move(owner), residency_);
+  }
+
+  std::shared_ptr<Kernel> kernel(const std::string& host_name) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (auto cached = kernels_.find(host_name); cached != kernels_.end()) return cached->second;
+    const auto library = libraries_.find(host_name);
+    if (library == libraries_.end()) {
+      throw std::invalid_argument("no kernel named \"" + host_name + "\"");
+    }
+    NSError* error = nil;
+    id<MTLComputePipelineState> pipeline = nil;
+    @autoreleasepool {
+      id<MTLFunction> function = [library->second newFunctionWithName:to_ns(host_name)];
+      pipeline = [device_ newComputePipelineStateWithFunction:function error:&error];
+    }
+    if (pipeline == nil) {
+      throw std::runtime_error("Metal could not build a pipeline for \"" + host_name + "\": " +
+                               describe(error));
+    }
+    auto created = std::make_shared<MetalKernel>(host_name, pipeline);
+    kernels_.emplace(host_name, created);
+    return created;
+  }
+
+  std::vector<std::string> kernel_names() const override {
+    std::vector<std::string> names;
+    for (const auto& entry : libraries_) names.push_back(entry.first);
+    return names;
+  }
+
+  // One command buffer per graph, one concurrent compute encoder in it: the dispatches of a
+  // level may overlap on the GPU, and a buffer barrier separates consecutive levels.
+  uint64_t submit(const Graph& graph) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    InFlight job;
+    std::string problem;
+    @autoreleasepool {
+      id<MTLCommandBuffer> commands = [queue_ commandBuffer];
+      id<MTLComputeCommandEncoder> encoder =
+          [commands computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
+      for (size_t level = 0; level < graph.levels().size() && problem.empty(); ++level) {
+        if (level > 0) [encoder memoryBarrierWithScope:MTLBarrierScopeBuffers];
+        for (const Dispatch& dispatch : graph.levels()[level]) {
+          problem = encode(encoder, dispatch, job);
+          if (!problem.empty()) break;
+        }
+      }
+      [encoder endEncoding];
+      if (problem.empty()) {
+        [commands commit];
+        job.commands = commands;
+      }
+    }
+    if (!problem.empty()) throw std::invalid_argument(problem);
+    job.ticket = ++last_ticket_;
+    in_flight_.push_back(std::move(job));
+    return last_ticket_;
+  }
+
+  void wait(uint64_t ticket) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (ticket == 0 || ticket > last_ticket_) {
+      throw std::invalid_argument("unknown ticket " + std::to_string(ticket));
+    }
+    std::string failure;
+    while (!in_flight_.empty() && in_flight_.front().ticket <= ticket) {
+      const InFlight job = std::move(in_flight_.front());
+      in_flight_.pop_front();
+      @autoreleasepool {
+        [job.commands waitUntilCompleted];
+        if (job.commands.status == MTLCommandBufferStatusError) {
+          if (failure.empty()) {
+            failure = command_buffer_failure(job.commands.error) + describe_kernels(job);
+          }
+        } else {
+          last_gpu_seconds_ = job.commands.GPUEndTime - job.commands.GPUStartTime;
+        }
+      }
+    }
+    if (!failure.empty()) throw KernelError(failure);
+  }
+
+  double last_gpu_seconds() const { return last_gpu_seconds_; }
+
+ private:
+  // A submitted graph: its command buffer, plus the buffers and kernels it uses, held until it
+  // has been waited for so that wrapped host memory cannot be freed under the GPU.
+  struct InFlight {
+    uint64_t ticket = 0;
+    id<MTLCommandBuffer> commands = nil;
+    std::vector<std::shared_ptr<Buffer>> buffers;
+    std::vector<std::shared_ptr<Kernel>> kernels;
+  };
+
+  void check_length(size_t bytes) const {
+    if (bytes > device_.maxBufferLength) {
+      throw std::runtime_error("a buffer of " + std::to_string(bytes) +
+                               " bytes exceeds this GPU's maxBufferLength of " +
+                               std::to_string(uint64_t(device_.maxBufferLength)));
+    }
+  }
+
+  // Encodes one dispatch; returns what is wrong with it instead, if anything.
+  std::string encode(id<MTLComputeCommandEncoder> encoder, const Dispatch& dispatch,
+                     InFlight& job) {
+    auto* kernel = dynamic_cast<MetalKernel*>(dispatch.kernel.get());
+    if (kernel == nullptr) return "a dispatch's kernel does not come from the metal device";
+    const std::string& name = kernel->name();
+    if (dispatch.threadgroups.count() == 0) return {};  // an empty grid has nothing to run
+    if (dispatch.threads_per_threadgroup.count() > kernel->max_threads_per_threadgroup()) {
+      return name + ": " + std::to_string(dispatch.threads_per_threadgroup.count()) +
+             " threads per threadgroup, the pipeline allows " +
+             std::to_string(kernel->max_threads_per_threadgroup());
+    }
+    [encoder setComputePipelineState:kernel->pipeline()];
+    for (const BufferBinding& binding : dispatch.buffers) {
+      auto* buffer = dynamic_cast<MetalBuffer*>(binding.buffer.get());
+      if (buffer == nullptr) {
+        return name + ": buffer " + std::to_string(binding.index) +
+               " does not come from the metal device";
+      }
+      if (binding.offset > buffer->size()) {
+        return name + ": offset " + std::to_string(binding.offset) + " is past the end of buffer " +
+               std::to_string(binding.index);
+      }
+      [encoder setBuffer:buffer->metal_buffer()
+                  offset:buffer->offset() + binding.offset
+                 atIndex:binding.index];
+      job.buffers.push_back(binding.buffer);
+    }
+    for (const BytesBinding& binding : dispatch.bytes) {
+      if (binding.bytes.empty() || binding.bytes.size() > kMaxInlineBytes) {
+        return name + ": inline parameters at index " + std::to_string(binding.index) +
+               " must be 1 to " + std::to_string(kMaxInlineBytes) + " bytes";
+      }
+      [encoder setBytes:binding.bytes.data() length:binding.bytes.size() atIndex:binding.index];
+    }
+    NSUInteger threadgroup_bytes = [kernel->pipeline() staticThreadgroupMemoryLength];
+    for (const ThreadgroupBinding& binding : dispatch.threadgroup_memory) {
+      // Metal wants threadgroup memory lengths in multiples of 16 bytes.
+      const NSUInteger length = (NSUInteger(binding.bytes) + 15) & ~NSUInteger(15);
+      threadgroup_bytes += length;
+      [encoder setThreadgroupMemoryLength:length atIndex:binding.index];
+    }
+    if (threadgroup_bytes > device_.maxThreadgroupMemoryLength) {
+      return name + ": " + std::to_string(threadgroup_bytes) +
+             " bytes of threadgroup memory, the GPU allows " +
+             std::to_string(uint64_t(device_.maxThreadgroupMemoryLength));
+    }
+    const Size3& groups = dispatch.threadgroups;
+    const Size3& threads = dispatch.threads_per_threadgroup;
+    [encoder dispatchThreadgroups:MTLSizeMake(groups.x, groups.y, groups.z)
+            threadsPerThreadgroup:MTLSizeMake(threads.x, threads.y, threads.z)];
+    job.kernels.push_back(dispatch.kernel);
+    return {};
+  }
+
+  // Metal does not say which dispatch of a command buffer failed; name the graph's kernels.
+  static std::string describe_kernels(const InFlight& job) {
+    std::vector<std::string> names;
+    for (const auto& kernel : job.kernels) {
+      if (std::find(names.begin(), names.end(), kernel->name()) == names.end()) {
+        names.push_back(kernel->name());
+      }
+    }
+    std::string text = " (in a graph of " + std::to_string(job.kernels.size()) + " dispatches of";
+    for (size_t i = 0; i < names.size() && i < 8; ++i) text += " " + names[i];
+    return text + (names.size() > 8 ? " ...)" : ")");
+  }
+
+  id<MTLDevice> device_;
+  id<MTLCommandQueue> queue_;
+  std::shared_ptr<Residency> residency_;
+  std::map<std::string, id<MTLLibrary>> libraries_;  // kernel host name -> library defining it
+
+  std::mutex mutex_;  // Python may release the GIL while a graph runs
+  std::map<std::string, std::shared_ptr<MetalKernel>> kernels_;
+  std::deque<InFlight> in_flight_;
+  uint64_t last_ticket_ = 0;
+  double last_gpu_seconds_ = 0;
+};
+
+}  // namespace
+
+DeviceInfo device_info() {
+  DeviceInfo info;
+  @autoreleasepool {
+    id<MTLDevice> device = default_device();
+    info.name = to_std(device.name);
+    info.gpu_family = gpu_family(device);
+    info.unsupported_reason = unsupported_reason(device);
+    info.supported = info.unsupported_reason.empty();
+    info.recommended_working_set = device.recommendedMaxWorkingSetSize;
+    info.max_buffer_length = device.maxBufferLength;
+    info.physical_memory = [NSProcessInfo processInfo].physicalMemory;
+    info.os_version = to_std([NSProcessInfo processInfo].operatingSystemVersionString);
+  }
+  return info;
+}
+
+std::shared_ptr<Device> open_device(const KernelSources& sources) {
+  @autoreleasepool {
+    id<MTLDevice> device = default_device();
+    const std::string reason = unsupported_reason(device);
+    if (!reason.empty()) throw std::runtime_error("the metal device cannot run here: " + reason);
+    return std::make_shared<MetalDevice>(device, load_libraries(device, sources));
+  }
+}
+
+void check_memory(uint64_t bytes_needed) {
+  const DeviceInfo info = device_info();
+  const std::string advice =
+      memory_preflight_message(bytes_needed, info.recommended_working_set, info.physical_memory);
+  if (!advice.empty()) throw std::runtime_error(advice);
+}
+
+double last_gpu_seconds(const Device& device) {
+  const auto* metal = dynamic_cast<const MetalDevice*>(&device);
+  if (metal == nullptr) {
+    throw std::invalid_argument("GPU timestamps exist only on the metal device");
+  }
+  return metal->last_gpu_seconds();
+}
+
+}  // namespace lily::metal
