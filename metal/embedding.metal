@@ -1,0 +1,39 @@
+// Embedding lookup: the rows of an MLX-quantized table for a list of token ids, dequantized to
+// fp32. The ids are read from a device buffer so a replayed graph can feed back its own output.
+#include "common.h"
+#include "quantized.h"
+
+struct EmbeddingParams {
+  uint dim;   // row length, a multiple of 64
+  uint rows;  // vocabulary size
+};
+
+// Grid: x covers a row in words of codes (one word per thread), y is the token.
+template <uint BITS>
+[[kernel]] void embedding(constant EmbeddingParams& p [[buffer(0)]],
+                          device const uint* tokens [[buffer(1)]],
+                          device const uint* weight [[buffer(2)]],
+                          device const bfloat* scales [[buffer(3)]],
+                          device const bfloat* biases [[buffer(4)]],
+                          device float* out [[buffer(5)]],
+                          uint2 threadgroup_id [[threadgroup_position_in_grid]],
+                          uint thread_id [[thread_index_in_threadgroup]],
+                          uint threads [[threads_per_threadgroup]]) {
+  constexpr uint per_word = 32 / BITS;
+  constexpr uint mask = (1u << BITS) - 1u;
+  const uint words_per_row = p.dim / per_word;
+  const uint word = threadgroup_id.x * threads + thread_id;
+  if (word >= words_per_row) return;
+  // An id past the table would read outside it; the engine only produces ids below vocab_size.
+  const uint row = min(tokens[threadgroup_id.y], p.rows - 1);
+
+  const uint packed = weight[ulong(row) * words_per_row + word];
+  const ulong group = ulong(row) * (p.dim / QUANT_GROUP_SIZE) + word * per_word / QUANT_GROUP_SIZE;
+  const float scale = float(scales[group]);
+  const float bias = float(biases[group]);
+  device float* dst = out + ulong(threadgroup_id.y) * p.dim + word * per_word;
+  for (uint j = 0; j < per_word; ++j) dst[j] = scale * float((packed >> (j * BITS)) & mask) + bias;
+}
+
+template [[host_name("embedding_4")]] [[kernel]] decltype(embedding<4>) embedding<4>;
+template [[host_name("embedding_8")]] [[kernel]] decltype(embedding<8>) embedding<8>;

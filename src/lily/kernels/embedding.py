@@ -1,0 +1,39 @@
+"""Launching the quantized embedding lookup (`metal/embedding.metal`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lily.kernels import BufferRef, binding, ceil_div, pack_params
+from lily.kernels.quantized import QuantWeight
+
+if TYPE_CHECKING:
+    from lily.device import Device, Graph
+
+THREADS_PER_THREADGROUP = 64
+
+
+def record_embedding(
+    graph: Graph,
+    device: Device,
+    tokens: BufferRef,
+    table: QuantWeight,
+    out: BufferRef,
+    token_count: int = 1,
+) -> None:
+    """out[t] = dequantized row tokens[t] of `table` (fp32 [token_count, table.in_dim]); the
+    uint32 ids are read on the device."""
+    words_per_row = table.in_dim * table.bits // 32
+    graph.dispatch(
+        device.kernel(f"embedding_{table.bits}"),
+        threadgroups=(ceil_div(words_per_row, THREADS_PER_THREADGROUP), token_count, 1),
+        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        buffers={
+            1: binding(tokens),
+            2: binding(table.weight),
+            3: binding(table.scales),
+            4: binding(table.biases),
+            5: binding(out),
+        },
+        bytes={0: pack_params("II", table.in_dim, table.rows)},
+    )

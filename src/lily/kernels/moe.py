@@ -1,0 +1,195 @@
+"""Launching the sparse MoE block (`metal/moe.metal`) for one token.
+
+The block is four dispatches separated by barriers:
+1. the 8-bit router GEMV, with the shared-expert gate as a second projection of the same dispatch
+   (its one logit is written right after the router logits);
+2. routing: softmax, top-k, renormalised weights, expert ids, all on the device;
+3. gate and up projections of the chosen experts and the shared expert, with SwiGLU;
+4. down projections weighted by the router (and the sigmoid shared gate), summed into the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lily.kernels import BufferRef, binding, ceil_div, offset_by, pack_params
+from lily.kernels.quantized import QuantWeight, record_qgemv
+
+if TYPE_CHECKING:
+    from lily.device import Device, Graph
+
+# Must match MOE_SIMDGROUPS * MOE_ROWS_PER_SIMDGROUP and MOE_MAX_EXPERTS_PER_LANE in moe.metal.
+ROWS_PER_THREADGROUP = 8
+THREADS_PER_THREADGROUP = 64
+MAX_EXPERTS = 256
+
+
+@dataclass(frozen=True)
+class MoeWeights:
+    """One layer's MoE weights where they lie: the router and shared-expert gate (8-bit), the
+    stacked expert projections [experts, ...] and the shared expert's projections."""
+
+    router: QuantWeight
+    shared_expert_gate: QuantWeight
+    expert_gate: QuantWeight
+    expert_up: QuantWeight
+    expert_down: QuantWeight
+    shared_gate: QuantWeight
+    shared_up: QuantWeight
+    shared_down: QuantWeight
+
+
+@dataclass(frozen=True)
+class MoeScratch:
+    """Device buffers the block passes between its dispatches (all fp32 except ids)."""
+
+    logits: BufferRef  # [experts + 1]: router logits, then the shared-expert gate logit
+    expert_ids: BufferRef  # uint32 [top_k]
+    expert_weights: BufferRef  # [top_k]
+    hidden: BufferRef  # [top_k * expert_rows + shared_rows]
+
+    @staticmethod
+    def allocate(
+        device: Device, experts: int, top_k: int, expert_rows: int, shared_rows: int
+    ) -> MoeScratch:
+        return MoeScratch(
+            logits=device.alloc(4 * (experts + 1)),
+            expert_ids=device.alloc(4 * top_k),
+            expert_weights=device.alloc(4 * top_k),
+            hidden=device.alloc(4 * (top_k * expert_rows + shared_rows)),
+        )
+
+
+def record_moe_route(
+    graph: Graph,
+    device: Device,
+    logits: BufferRef,
+    experts: int,
+    top_k: int,
+    expert_ids: BufferRef,
+    expert_weights: BufferRef,
+    normalize: bool = True,
+    token_count: int = 1,
+) -> None:
+    """Softmax over `experts` logits, the top_k (ties to the lowest id) with their probabilities,
+    renormalised over the top_k when `normalize`."""
+    if experts > MAX_EXPERTS or not 1 <= top_k <= experts:
+        raise ValueError(f"routing supports top_k <= experts <= {MAX_EXPERTS}")
+    graph.dispatch(
+        device.kernel("moe_route"),
+        threadgroups=(token_count, 1, 1),
+        threads=(32, 1, 1),
+        buffers={1: binding(logits), 2: binding(expert_ids), 3: binding(expert_weights)},
+        bytes={0: pack_params("III", experts, top_k, int(normalize))},
+    )
+
+
+def record_moe_gate_up(
+    graph: Graph,
+    device: Device,
+    x: BufferRef,
+    expert_ids: BufferRef,
+    top_k: int,
+    w: MoeWeights,
+    hidden: BufferRef,
+) -> None:
+    """hidden = [silu(gate_e x) * up_e x for each chosen e] + [the same for the shared expert]."""
+    expert_rows, shared_rows = w.expert_gate.rows, w.shared_gate.rows
+    row_groups = ceil_div(max(expert_rows, shared_rows), ROWS_PER_THREADGROUP)
+    matrices = (w.expert_gate, w.expert_up, w.shared_gate, w.shared_up)
+    buffers = {1: binding(x), 2: binding(expert_ids), 15: binding(hidden)}
+    for i, m in enumerate(matrices):
+        buffers[3 + 3 * i] = binding(m.weight)
+        buffers[4 + 3 * i] = binding(m.scales)
+        buffers[5 + 3 * i] = binding(m.biases)
+    graph.dispatch(
+        device.kernel(f"moe_gate_up_swiglu_{w.expert_gate.bits}"),
+        threadgroups=(row_groups, top_k + 1, 1),
+        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        buffers=buffers,
+        bytes={0: pack_params("IIII", w.expert_gate.in_dim, expert_rows, shared_rows, top_k)},
+    )
+
+
+def record_moe_down(
+    graph: Graph,
+    device: Device,
+    hidden: BufferRef,
+    expert_ids: BufferRef,
+    expert_weights: BufferRef,
+    shared_gate_logit: BufferRef,
+    top_k: int,
+    w: MoeWeights,
+    out: BufferRef,
+) -> None:
+    """out = sum_k weight_k down_{e_k}(hidden_k) + sigmoid(shared gate) down_s(hidden_shared)."""
+    rows = w.expert_down.rows
+    graph.dispatch(
+        device.kernel(f"moe_down_{w.expert_down.bits}"),
+        threadgroups=(ceil_div(rows, ROWS_PER_THREADGROUP), 1, 1),
+        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        buffers={
+            1: binding(hidden),
+            2: binding(expert_ids),
+            3: binding(expert_weights),
+            4: binding(shared_gate_logit),
+            5: binding(w.expert_down.weight),
+            6: binding(w.expert_down.scales),
+            7: binding(w.expert_down.biases),
+            8: binding(w.shared_down.weight),
+            9: binding(w.shared_down.scales),
+            10: binding(w.shared_down.biases),
+            11: binding(out),
+        },
+        bytes={0: pack_params("IIII", w.expert_down.in_dim, w.shared_down.in_dim, rows, top_k)},
+    )
+
+
+def record_moe(
+    graph: Graph,
+    device: Device,
+    x: BufferRef,
+    w: MoeWeights,
+    top_k: int,
+    scratch: MoeScratch,
+    out: BufferRef,
+    normalize: bool = True,
+) -> None:
+    """The whole block, out = MoE(x), with barriers between its four dispatches (the caller
+    places the one before, x ready, and after, out ready)."""
+    experts = w.router.rows
+    record_qgemv(
+        graph,
+        device,
+        x,
+        [
+            (w.router, scratch.logits),
+            (w.shared_expert_gate, offset_by(scratch.logits, 4 * experts)),
+        ],
+    )
+    graph.barrier()
+    record_moe_route(
+        graph,
+        device,
+        scratch.logits,
+        experts,
+        top_k,
+        scratch.expert_ids,
+        scratch.expert_weights,
+        normalize,
+    )
+    graph.barrier()
+    record_moe_gate_up(graph, device, x, scratch.expert_ids, top_k, w, scratch.hidden)
+    graph.barrier()
+    record_moe_down(
+        graph,
+        device,
+        scratch.hidden,
+        scratch.expert_ids,
+        scratch.expert_weights,
+        offset_by(scratch.logits, 4 * experts),
+        top_k,
+        w,
+        out,
+    )
