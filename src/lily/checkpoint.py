@@ -7,6 +7,7 @@ config, and hands out the tensors as read-only numpy views: no weight bytes are 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from lily.safetensors_mmap import (
     Shard,
     TensorInfo,
     open_safetensors_dir,
+    write_aligned_copy,
 )
 from lily.validate import claims_real_model, validate
 
@@ -31,6 +33,7 @@ __all__ = [
     "CheckpointError",
     "load_checkpoint",
     "resolve_model",
+    "write_aligned_checkpoint",
 ]
 
 DEFAULT_REPO = "mlx-community/Qwen3.6-35B-A3B-4bit"
@@ -144,3 +147,20 @@ def load_checkpoint(path: str | Path, level: LoadLevel = "auto") -> Checkpoint:
         shards=files.shards,
         level=level,
     )
+
+
+def write_aligned_checkpoint(source: str | Path, destination: str | Path) -> Path:
+    """Copy a checkpoint directory with every shard rewritten 16-byte aligned.
+
+    Files written by mlx (mlx-lm conversions, mlx-community uploads) pack the header and the
+    tensors without padding, so their tensors generally do not start on 16-byte boundaries and
+    `load_checkpoint` refuses them. The copy holds the same tensors; other files are copied as is.
+    """
+    source, destination = Path(source), Path(destination)
+    destination.mkdir(parents=True, exist_ok=True)
+    for item in sorted(source.iterdir()):
+        if item.suffix == ".safetensors":
+            write_aligned_copy(item, destination / item.name)
+        elif item.is_file():
+            shutil.copy2(item, destination / item.name)
+    return destination
