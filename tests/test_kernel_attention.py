@@ -1,0 +1,370 @@
+"""The attention kernels (metal/attention.metal) on the sim against float64 numpy references.
+
+prepare (norms, RoPE, cache append), decode (split context) and combine (merge, output gate) are
+checked one by one, then chained in a recorded graph replayed over several positions as the
+engine does. Context lengths cover one token, partly and exactly filled splits, and long caches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lily import reference
+from lily.device import Graph, open_device
+from lily.kernels.attention import (
+    HEAD_DIM,
+    cache_bytes,
+    partial_out_bytes,
+    partial_stats_bytes,
+    record_attention_combine,
+    record_attention_decode,
+    record_attention_prepare,
+)
+from lily.quant import bf16_to_float32, float32_to_bf16
+
+EPS = 1e-6
+THETA = 1e7
+ROTARY_DIM = 64
+SCALE = HEAD_DIM**-0.5
+# A bf16 value no kernel output takes here, to see which cache rows were written.
+SENTINEL = np.uint16(0xC0E0)  # -7.0
+
+# (q heads, kv heads): the real model, and the tiny config.
+REAL, TINY = (16, 2), (4, 2)
+
+
+@pytest.fixture(scope="module", params=["forward", "reverse", "random"])
+def device(request: pytest.FixtureRequest):
+    return open_device("sim", lane_order=request.param, seed=0)
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return float32_to_bf16(np.asarray(x, dtype=np.float32))
+
+
+def _f64(bits: np.ndarray) -> np.ndarray:
+    return bf16_to_float32(bits).astype(np.float64)
+
+
+def _step_buffer(position: int) -> np.ndarray:
+    return np.array([position, 0], dtype=np.uint32)
+
+
+def _rope_tolerance(position: int) -> float:
+    """fp32 RoPE angles lose up to ~position * 2^-24 radians (mlx computes them the same way);
+    on values of order 1 that is the error of the rotated dims."""
+    return 1e-5 + 2 * position * 2.0**-24
+
+
+# --------------------------------------------------------------------------------------------
+# prepare
+# --------------------------------------------------------------------------------------------
+
+
+def _run_prepare(device, heads: tuple[int, int], position: int, capacity: int, seed: int):
+    num_q, num_kv = heads
+    rng = np.random.default_rng(seed)
+    q_proj = rng.normal(0, 2, (num_q, 2, HEAD_DIM)).astype(np.float32)
+    k_proj = rng.normal(0, 2, (num_kv, HEAD_DIM)).astype(np.float32)
+    v_proj = rng.normal(0, 2, (num_kv, HEAD_DIM)).astype(np.float32)
+    q_norm = _bf16(1 + rng.normal(0, 0.1, HEAD_DIM))
+    k_norm = _bf16(1 + rng.normal(0, 0.1, HEAD_DIM))
+    queries = np.full((num_q, HEAD_DIM), np.nan, dtype=np.float32)
+    k_cache = np.full((num_kv, capacity, HEAD_DIM), SENTINEL, dtype=np.uint16)
+    v_cache = np.full((num_kv, capacity, HEAD_DIM), SENTINEL, dtype=np.uint16)
+    assert k_cache.nbytes == cache_bytes(num_kv, capacity)
+    graph = Graph()
+    record_attention_prepare(
+        graph,
+        device,
+        q_proj=device.wrap(q_proj),
+        k_proj=device.wrap(k_proj),
+        v_proj=device.wrap(v_proj),
+        q_norm=device.wrap(q_norm),
+        k_norm=device.wrap(k_norm),
+        step=device.wrap(_step_buffer(position)),
+        queries=device.wrap(queries),
+        k_cache=device.wrap(k_cache),
+        v_cache=device.wrap(v_cache),
+        num_q_heads=num_q,
+        num_kv_heads=num_kv,
+        capacity=capacity,
+        rotary_dim=ROTARY_DIM,
+        rope_theta=THETA,
+        norm_eps=EPS,
+    )
+    device.run(graph)
+
+    def normed_rotated(x: np.ndarray, gain: np.ndarray) -> np.ndarray:
+        normed = reference.rms_norm(x.astype(np.float64), _f64(gain), EPS)
+        return reference.apply_rope(normed[:, None, :], [position], ROTARY_DIM, THETA)[:, 0]
+
+    expected_q = normed_rotated(q_proj[:, 0], q_norm)
+    expected_k = normed_rotated(k_proj, k_norm)
+    return queries, k_cache, v_cache, expected_q, expected_k, v_proj
+
+
+@pytest.mark.parametrize("heads", [REAL, TINY])
+@pytest.mark.parametrize("position", [0, 1, 255, 4095])
+def test_prepare_matches_reference(device, heads: tuple[int, int], position: int) -> None:
+    capacity = 4096
+    queries, k_cache, v_cache, expected_q, expected_k, v_proj = _run_prepare(
+        device, heads, position, capacity, seed=position
+    )
+    tol = _rope_tolerance(position)
+    # Queries stay fp32; the gate halves of q_proj must not leak in.
+    np.testing.assert_allclose(queries, expected_q, rtol=1e-5, atol=tol)
+    # The cache holds bf16: one rounding (2^-9 relative) on top of the fp32 error.
+    k_row = _f64(k_cache[:, position])
+    np.testing.assert_allclose(k_row, expected_k, rtol=2.0**-8, atol=tol)
+    np.testing.assert_array_equal(v_cache[:, position], _bf16(v_proj))
+    # Nothing else in the cache was written.
+    untouched = np.ones(capacity, dtype=bool)
+    untouched[position] = False
+    assert np.all(k_cache[:, untouched] == SENTINEL)
+    assert np.all(v_cache[:, untouched] == SENTINEL)
+
+
+def test_prepare_at_a_far_position(device) -> None:
+    """RoPE at position 65535, one kv head to keep the cache small."""
+    position = 65535
+    queries, k_cache, _, expected_q, expected_k, _ = _run_prepare(
+        device, (2, 1), position, position + 1, seed=3
+    )
+    tol = _rope_tolerance(position)
+    np.testing.assert_allclose(queries, expected_q, rtol=1e-5, atol=tol)
+    np.testing.assert_allclose(_f64(k_cache[:, position]), expected_k, rtol=2.0**-8, atol=tol)
+    # The dims past the rotary ones are only normalised: tight.
+    np.testing.assert_allclose(
+        queries[:, ROTARY_DIM:], expected_q[:, ROTARY_DIM:], rtol=1e-5, atol=1e-5
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# decode + combine
+# --------------------------------------------------------------------------------------------
+
+
+class DecodeCase:
+    """Random queries, a random bf16 cache of `context` tokens and a q_proj whose query halves
+    are NaN (combine must read only the gate halves)."""
+
+    def __init__(self, device, heads: tuple[int, int], context: int, num_splits: int, seed: int):
+        num_q, num_kv = heads
+        self.heads, self.context, self.num_splits = heads, context, num_splits
+        rng = np.random.default_rng(seed)
+        # Spare capacity past the context, so that a wrong head stride reads the sentinel rows.
+        self.capacity = context + 3
+        shape = (num_kv, self.capacity, HEAD_DIM)
+        self.k_cache = np.full(shape, SENTINEL, dtype=np.uint16)
+        self.v_cache = np.full(shape, SENTINEL, dtype=np.uint16)
+        self.k_cache[:, :context] = _bf16(rng.standard_normal((num_kv, context, HEAD_DIM)))
+        self.v_cache[:, :context] = _bf16(rng.standard_normal((num_kv, context, HEAD_DIM)))
+        # Queries of norm ~32 give scores of spread ~2: peaked enough to exercise the rescaling.
+        self.queries = rng.normal(0, 2, (num_q, HEAD_DIM)).astype(np.float32)
+        self.q_proj = np.full((num_q, 2, HEAD_DIM), np.nan, dtype=np.float32)
+        self.q_proj[:, 1] = rng.normal(0, 2, (num_q, HEAD_DIM))
+        self.out = np.full((num_q, HEAD_DIM), np.nan, dtype=np.float32)
+        self.partial_out = np.full(partial_out_bytes(num_q, num_splits) // 4, np.nan, np.float32)
+        self.partial_stats = np.full(
+            partial_stats_bytes(num_q, num_splits) // 4, np.nan, np.float32
+        )
+        self.step = _step_buffer(context - 1)
+
+    def run(self, device) -> None:
+        num_q, num_kv = self.heads
+        partial_out, partial_stats = device.wrap(self.partial_out), device.wrap(self.partial_stats)
+        q_proj = device.wrap(self.q_proj)
+        graph = Graph()
+        record_attention_decode(
+            graph,
+            device,
+            queries=device.wrap(self.queries),
+            k_cache=device.wrap(self.k_cache),
+            v_cache=device.wrap(self.v_cache),
+            step=device.wrap(self.step),
+            partial_out=partial_out,
+            partial_stats=partial_stats,
+            num_q_heads=num_q,
+            num_kv_heads=num_kv,
+            capacity=self.capacity,
+            num_splits=self.num_splits,
+        )
+        graph.barrier()
+        record_attention_combine(
+            graph,
+            device,
+            partial_out=partial_out,
+            partial_stats=partial_stats,
+            q_proj=q_proj,
+            out=device.wrap(self.out),
+            num_q_heads=num_q,
+            num_splits=self.num_splits,
+        )
+        device.run(graph)
+
+    def expected(self) -> np.ndarray:
+        k = _f64(self.k_cache[:, : self.context])
+        v = _f64(self.v_cache[:, : self.context])
+        q = self.queries.astype(np.float64)[:, None, :]
+        attended = reference.attention(q, k, v, SCALE, [self.context - 1])[:, 0]
+        return attended * reference.sigmoid(self.q_proj[:, 1].astype(np.float64))
+
+
+# fp32 online softmax against float64: outputs are of order 0.1 for short contexts and shrink
+# like 1/sqrt(context) for long random ones; absolute errors stay near 1e-6 and below, a formula
+# error (a missed key, a wrong rescale, a wrong head) is orders of magnitude larger.
+DECODE_RTOL, DECODE_ATOL = 1e-4, 1e-5
+
+
+@pytest.mark.parametrize(
+    ("heads", "context"),
+    [(heads, n) for heads in (REAL, TINY) for n in (1, 255, 256, 4096)],
+)
+def test_decode_matches_reference(device, heads: tuple[int, int], context: int) -> None:
+    case = DecodeCase(device, heads, context, num_splits=32, seed=context)
+    case.run(device)
+    np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
+
+
+@pytest.fixture(scope="module")
+def long_case() -> dict[str, np.ndarray]:
+    """The 65536-token cache, built once per module (one kv head, a group of two)."""
+    return {}
+
+
+def test_decode_at_65536_tokens(device, long_case: dict) -> None:
+    if "case" not in long_case:
+        long_case["case"] = DecodeCase(device, (2, 1), 65536, num_splits=32, seed=65536)
+        long_case["expected"] = long_case["case"].expected()
+    case = long_case["case"]
+    case.out[:] = np.nan
+    case.run(device)
+    np.testing.assert_allclose(case.out, long_case["expected"], rtol=DECODE_RTOL, atol=DECODE_ATOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_split_count_does_not_change_the_result(device, num_splits: int) -> None:
+    """Few splits (one long range each) and splits that do not divide the context."""
+    case = DecodeCase(device, TINY, 100, num_splits=num_splits, seed=5)
+    case.run(device)
+    np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
+
+
+# --------------------------------------------------------------------------------------------
+# the three kernels chained, replayed over positions
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads", [REAL, TINY])
+def test_replayed_graph_over_a_sequence(device, heads: tuple[int, int]) -> None:
+    """One graph recorded once; each replay appends the token at the position in the step
+    buffer and attends over everything appended so far."""
+    num_q, num_kv = heads
+    steps, capacity, num_splits = 6, 8, 4
+    rng = np.random.default_rng(21)
+    arrays = {
+        "q_proj": np.zeros((num_q, 2, HEAD_DIM), dtype=np.float32),
+        "k_proj": np.zeros((num_kv, HEAD_DIM), dtype=np.float32),
+        "v_proj": np.zeros((num_kv, HEAD_DIM), dtype=np.float32),
+        "q_norm": _bf16(1 + rng.normal(0, 0.1, HEAD_DIM)),
+        "k_norm": _bf16(1 + rng.normal(0, 0.1, HEAD_DIM)),
+        "step": _step_buffer(0),
+        "queries": np.zeros((num_q, HEAD_DIM), dtype=np.float32),
+        "k_cache": np.zeros((num_kv, capacity, HEAD_DIM), dtype=np.uint16),
+        "v_cache": np.zeros((num_kv, capacity, HEAD_DIM), dtype=np.uint16),
+        "partial_out": np.zeros(partial_out_bytes(num_q, num_splits), dtype=np.uint8),
+        "partial_stats": np.zeros(partial_stats_bytes(num_q, num_splits), dtype=np.uint8),
+        "out": np.zeros((num_q, HEAD_DIM), dtype=np.float32),
+    }
+    b = {name: device.wrap(array) for name, array in arrays.items()}
+    heads_kw = {"num_q_heads": num_q, "num_kv_heads": num_kv, "capacity": capacity}
+    cache_kw = {name: b[name] for name in ("step", "queries", "k_cache", "v_cache")}
+    partials_kw = {name: b[name] for name in ("partial_out", "partial_stats")}
+    graph = Graph()
+    record_attention_prepare(
+        graph,
+        device,
+        **{name: b[name] for name in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")},
+        **cache_kw,
+        **heads_kw,
+        rotary_dim=ROTARY_DIM,
+        rope_theta=THETA,
+        norm_eps=EPS,
+    )
+    graph.barrier()
+    record_attention_decode(
+        graph, device, **cache_kw, **partials_kw, **heads_kw, num_splits=num_splits
+    )
+    graph.barrier()
+    record_attention_combine(
+        graph,
+        device,
+        **partials_kw,
+        q_proj=b["q_proj"],
+        out=b["out"],
+        num_q_heads=num_q,
+        num_splits=num_splits,
+    )
+
+    for position in range(steps):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            arrays[name][:] = rng.normal(0, 2, arrays[name].shape)
+        arrays["step"][0] = position
+        device.run(graph)
+
+        def normed_rotated(x: np.ndarray, gain: np.ndarray, position: int = position):
+            normed = reference.rms_norm(x.astype(np.float64), _f64(gain), EPS)
+            return reference.apply_rope(normed[:, None, :], [position], ROTARY_DIM, THETA)[:, 0]
+
+        tol = _rope_tolerance(position)
+        queries = arrays["queries"]
+        expected_q = normed_rotated(arrays["q_proj"][:, 0], arrays["q_norm"])
+        np.testing.assert_allclose(queries, expected_q, rtol=1e-5, atol=tol)
+        k_row = _f64(arrays["k_cache"][:, position])
+        expected_k = normed_rotated(arrays["k_proj"], arrays["k_norm"])
+        np.testing.assert_allclose(k_row, expected_k, rtol=2.0**-8, atol=tol)
+        np.testing.assert_array_equal(arrays["v_cache"][:, position], _bf16(arrays["v_proj"]))
+        # Attention over what the cache holds now (bf16, checked above), from the queries.
+        k = _f64(arrays["k_cache"][:, : position + 1])
+        v = _f64(arrays["v_cache"][:, : position + 1])
+        attended = reference.attention(
+            queries[:, None, :].astype(np.float64), k, v, SCALE, [position]
+        )
+        gate = reference.sigmoid(arrays["q_proj"][:, 1].astype(np.float64))
+        np.testing.assert_allclose(
+            arrays["out"], attended[:, 0] * gate, rtol=DECODE_RTOL, atol=DECODE_ATOL
+        )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"head_dim": 128}, "256-dim"),
+        ({"rotary_dim": 48}, "rotary_dim"),
+        ({"num_q_heads": 5}, "share"),
+    ],
+)
+def test_rejects_dims_it_was_not_built_for(device, change: dict, message: str) -> None:
+    buffer = device.alloc(16)
+    names = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "q_norm",
+        "k_norm",
+        "step",
+        "queries",
+        "k_cache",
+        "v_cache",
+    )
+    dims = {
+        "num_q_heads": 4,
+        "num_kv_heads": 2,
+        "capacity": 8,
+        "rotary_dim": 64,
+        "rope_theta": THETA,
+    }
+    with pytest.raises(ValueError, match=message):
+        record_attention_prepare(Graph(), device, **dict.fromkeys(names, buffer), **(dims | change))
