@@ -239,6 +239,8 @@ class SourceFile:
         text = self.text(i)
         if text in ("const", "volatile"):
             return True
+        if text == "*":  # `T**`: the inner star ends a type if it is a declarator itself
+            return self.type_ends_at(i - 1)
         if self.kind(i) == "id":
             return self.is_type_name(text)
         return self.template_start(i) >= 0
@@ -514,7 +516,8 @@ def check_bfloat(src: SourceFile) -> None:
                         src.report(tok, "MSL4", f"{tok.text}() on a bfloat value; convert to float")
                         break
             elif tok.text in ("=", "+=", "-=", "*=", "/="):
-                target = _assignment_target(src, i, fn.body[0])
+                target_index = _assignment_target(src, i, fn.body[0])
+                target = None if target_index is None else src.text(target_index)
                 if target is None or target not in bfloats:
                     continue
                 indexed = src.text(i - 1) == "]"
@@ -558,14 +561,14 @@ def _is_bfloat_value(src: SourceFile, arg: tuple[int, int], bfloats: dict[str, b
     return False
 
 
-def _assignment_target(src: SourceFile, eq: int, stop: int) -> str | None:
-    """The variable written by the assignment at tokens[eq]: `x = `, `x[i] = `, `T x = `."""
+def _assignment_target(src: SourceFile, eq: int, stop: int) -> int | None:
+    """The token naming the variable the assignment at tokens[eq] writes (`x[i] = ` -> x)."""
     j = eq - 1
     if src.text(j) == "]":
         j = _matching(src.tokens, j, "]", "[", step=-1) - 1
     if j <= stop or src.tokens[j].kind != "id" or src.text(j - 1) in (".", "->"):
         return None
-    return src.text(j)
+    return j
 
 
 def _implicitly_non_bfloat(
@@ -632,21 +635,58 @@ def check_uniform_collectives(src: SourceFile, helpers: dict[str, bool]) -> None
             _check_kernel_collectives(src, fn, helpers)
 
 
-def _kernel_varying_params(src: SourceFile, fn: Function) -> dict[str, int]:
-    varying: dict[str, int] = {}
-    toks = src.tokens
+# A variable is known by the index of the token that declares it; names declared outside the
+# function (constants, globals) are known by their text.
+VariableKey = int | str
+
+
+def _is_declaration(src: SourceFile, j: int) -> bool:
+    """Whether the identifier at tokens[j] is a declared name (`device float* x = ...`)."""
+    if src.kind(j) != "id" or src.is_type_name(src.text(j)):
+        return False
+    if src.text(j + 1) not in ("=", ";", ",", "[", ")", ":", "{"):
+        return False
+    k = j - 1
+    while src.text(k) in ("*", "&", "&&", "const") or src.text(k) in ADDRESS_SPACES:
+        k -= 1
+    return src.type_ends_at(k)
+
+
+def resolve_variables(src: SourceFile, fn: Function) -> dict[int, VariableKey]:
+    """Each identifier token of a function mapped to the declaration it refers to, by C++ scope."""
+    resolved: dict[int, VariableKey] = {}
+    scopes: list[tuple[int, dict[str, int]]] = [(fn.body[1], {})]  # (last index, declarations)
+    for j in range(fn.params[0], fn.body[1]):
+        while len(scopes) > 1 and scopes[-1][0] < j:
+            scopes.pop()
+        text = src.text(j)
+        if text == "{" and j > fn.body[0]:
+            scopes.append((_matching(src.tokens, j, "{", "}"), {}))
+        elif text == "for" and src.text(j + 1) == "(":
+            scopes.append((_statement_end(src, j), {}))
+        elif src.kind(j) == "id":
+            if _is_declaration(src, j):
+                scopes[-1][1][text] = j
+            visible = (decls[text] for _, decls in reversed(scopes) if text in decls)
+            resolved[j] = next(visible, text)
+    return resolved
+
+
+def _kernel_varying_params(src: SourceFile, fn: Function) -> dict[VariableKey, int]:
+    varying: dict[VariableKey, int] = {}
     for i in range(fn.params[0], fn.params[1]):
         if src.is_attribute(i) and src.text(i + 2) in VARYING_ATTRIBUTES:
             level = VARYING_ATTRIBUTES[src.text(i + 2)]
-            if level and toks[i - 1].kind == "id":
-                varying[toks[i - 1].text] = level
+            if level and src.kind(i - 1) == "id":
+                varying[i - 1] = level
     return varying
 
 
 def _check_kernel_collectives(src: SourceFile, fn: Function, helpers: dict[str, bool]) -> None:
     toks = src.tokens
+    names = resolve_variables(src, fn)
     varying = _kernel_varying_params(src, fn)
-    _propagate_variation(src, fn, varying)
+    _propagate_variation(src, fn, names, varying)
 
     # Enclosing conditions as a stack of (closing index, variation level).
     conditions: list[tuple[int, int]] = []
@@ -657,7 +697,7 @@ def _check_kernel_collectives(src: SourceFile, fn: Function, helpers: dict[str, 
         tok = toks[i]
         if tok.text in CONTROL_KEYWORDS and src.text(i + 1) == "(":
             close = _matching(toks, i + 1, "(", ")")
-            level = _variation(src, i + 2, close, varying)
+            level = _variation(src, i + 2, close, names, varying)
             scope_end = _statement_end(src, close + 1)
             if tok.text == "if":
                 scope_end = _else_end(src, scope_end)
@@ -683,7 +723,9 @@ def _check_kernel_collectives(src: SourceFile, fn: Function, helpers: dict[str, 
         i += 1
 
 
-def _propagate_variation(src: SourceFile, fn: Function, varying: dict[str, int]) -> None:
+def _propagate_variation(
+    src: SourceFile, fn: Function, names: dict[int, VariableKey], varying: dict[VariableKey, int]
+) -> None:
     """Mark locals assigned from varying values as varying, until nothing changes."""
     toks = src.tokens
     changed = True
@@ -692,19 +734,26 @@ def _propagate_variation(src: SourceFile, fn: Function, varying: dict[str, int])
         for i in range(fn.body[0], fn.body[1]):
             if toks[i].text not in ("=", "+=", "-=", "*=", "/=", "|=", "&=", "^=", ">>=", "<<="):
                 continue
-            target = _assignment_target(src, i, fn.body[0])
-            if target is None:
+            target_index = _assignment_target(src, i, fn.body[0])
+            if target_index is None:
                 continue
+            target = names[target_index]
             end = i + 1
             while end < fn.body[1] and toks[end].text not in (";", ")", "{"):
                 end += 1
-            level = _variation(src, i + 1, end, varying)
+            level = _variation(src, i + 1, end, names, varying)
             if level > varying.get(target, UNIFORM):
                 varying[target] = level
                 changed = True
 
 
-def _variation(src: SourceFile, start: int, end: int, varying: dict[str, int]) -> int:
+def _variation(
+    src: SourceFile,
+    start: int,
+    end: int,
+    names: dict[int, VariableKey],
+    varying: dict[VariableKey, int],
+) -> int:
     """How much tokens[start:end] varies; a SIMD reduction of anything is simdgroup-uniform."""
     level = UNIFORM
     j = start
@@ -712,11 +761,11 @@ def _variation(src: SourceFile, start: int, end: int, varying: dict[str, int]) -
         text = src.text(j)
         if text in SIMD_REDUCTIONS and src.text(j + 1) == "(":
             close = _matching(src.tokens, j + 1, "(", ")")
-            level = max(level, min(_variation(src, j + 2, close, varying), SIMDGROUP))
+            level = max(level, min(_variation(src, j + 2, close, names, varying), SIMDGROUP))
             j = close + 1
             continue
         if src.text(j - 1) not in (".", "->"):
-            level = max(level, varying.get(text, UNIFORM))
+            level = max(level, varying.get(names.get(j, text), UNIFORM))
         j += 1
     return level
 
@@ -757,8 +806,8 @@ def _returns(src: SourceFile, start: int, end: int) -> bool:
 def check_threadgroup_initializers(src: SourceFile) -> None:
     toks = src.tokens
     for i, tok in enumerate(toks):
-        if tok.text != "threadgroup" or src.text(i - 1) == "(":
-            continue
+        if tok.text != "threadgroup" or src.text(i - 1) in ("(", ")", "const"):
+            continue  # a cast, or a member function qualifier
         j = i + 1
         while j < len(toks) and toks[j].text not in (";", "=", "{", ")", ",", "*", "&"):
             if toks[j].text == "[":
