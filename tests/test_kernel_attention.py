@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kernel_testing import LANE_ORDERS, sim_device
+from lily.device import Graph
 
 from lily import reference
-from lily.device import Graph, open_device
 from lily.kernels.attention import (
     HEAD_DIM,
     cache_bytes,
@@ -34,9 +35,9 @@ SENTINEL = np.uint16(0xC0E0)  # -7.0
 REAL, TINY = (16, 2), (4, 2)
 
 
-@pytest.fixture(scope="module", params=["forward", "reverse", "random"])
+@pytest.fixture(params=LANE_ORDERS)
 def device(request: pytest.FixtureRequest):
-    return open_device("sim", lane_order=request.param, seed=0)
+    return sim_device(request.param)
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -150,7 +151,7 @@ class DecodeCase:
     """Random queries, a random bf16 cache of `context` tokens and a q_proj whose query halves
     are NaN (combine must read only the gate halves)."""
 
-    def __init__(self, device, heads: tuple[int, int], context: int, num_splits: int, seed: int):
+    def __init__(self, heads: tuple[int, int], context: int, num_splits: int, seed: int) -> None:
         num_q, num_kv = heads
         self.heads, self.context, self.num_splits = heads, context, num_splits
         rng = np.random.default_rng(seed)
@@ -223,31 +224,30 @@ DECODE_RTOL, DECODE_ATOL = 1e-4, 1e-5
     [(heads, n) for heads in (REAL, TINY) for n in (1, 255, 256, 4096)],
 )
 def test_decode_matches_reference(device, heads: tuple[int, int], context: int) -> None:
-    case = DecodeCase(device, heads, context, num_splits=32, seed=context)
+    case = DecodeCase(heads, context, num_splits=32, seed=context)
     case.run(device)
     np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
 
 
 @pytest.fixture(scope="module")
-def long_case() -> dict[str, np.ndarray]:
-    """The 65536-token cache, built once per module (one kv head, a group of two)."""
-    return {}
+def long_case() -> tuple[DecodeCase, np.ndarray]:
+    """The 65536-token cache and its expected output, built once per module (one kv head, a
+    group of two: the context length is what this case is about)."""
+    case = DecodeCase((2, 1), 65536, num_splits=32, seed=65536)
+    return case, case.expected()
 
 
-def test_decode_at_65536_tokens(device, long_case: dict) -> None:
-    if "case" not in long_case:
-        long_case["case"] = DecodeCase(device, (2, 1), 65536, num_splits=32, seed=65536)
-        long_case["expected"] = long_case["case"].expected()
-    case = long_case["case"]
+def test_decode_at_65536_tokens(device, long_case: tuple[DecodeCase, np.ndarray]) -> None:
+    case, expected = long_case
     case.out[:] = np.nan
     case.run(device)
-    np.testing.assert_allclose(case.out, long_case["expected"], rtol=DECODE_RTOL, atol=DECODE_ATOL)
+    np.testing.assert_allclose(case.out, expected, rtol=DECODE_RTOL, atol=DECODE_ATOL)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
 def test_split_count_does_not_change_the_result(device, num_splits: int) -> None:
     """Few splits (one long range each) and splits that do not divide the context."""
-    case = DecodeCase(device, TINY, 100, num_splits=num_splits, seed=5)
+    case = DecodeCase(TINY, 100, num_splits=num_splits, seed=5)
     case.run(device)
     np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
 

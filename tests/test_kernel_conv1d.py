@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kernel_testing import LANE_ORDERS, sim_device
+from lily.device import Graph
 
 from lily import reference
-from lily.device import Graph, open_device
 from lily.kernels.conv1d import KERNEL_TAPS, record_conv1d_step
 from lily.quant import bf16_to_float32, float32_to_bf16
 
@@ -15,9 +16,9 @@ from lily.quant import bf16_to_float32, float32_to_bf16
 CHANNELS = [8192, 1024, 300]
 
 
-@pytest.fixture(scope="module", params=["forward", "reverse", "random"])
+@pytest.fixture(params=LANE_ORDERS)
 def device(request: pytest.FixtureRequest):
-    return open_device("sim", lane_order=request.param, seed=0)
+    return sim_device(request.param)
 
 
 def _conv_case(channels: int, seed: int):

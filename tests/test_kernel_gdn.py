@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kernel_testing import LANE_ORDERS, sim_device
+from lily.device import Graph
 
 from lily import reference
-from lily.device import Graph, open_device
 from lily.kernels.gdn import KEY_HEAD_DIM, VALUE_HEAD_DIM, record_gdn_step, state_bytes
 from lily.quant import bf16_to_float32, float32_to_bf16
 
@@ -19,9 +20,9 @@ EPS = 1e-6
 HEADS = [(16, 32), (2, 4)]
 
 
-@pytest.fixture(scope="module", params=["forward", "reverse", "random"])
+@pytest.fixture(params=LANE_ORDERS)
 def device(request: pytest.FixtureRequest):
-    return open_device("sim", lane_order=request.param, seed=0)
+    return sim_device(request.param)
 
 
 class GdnCase:
