@@ -11,10 +11,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
-from tiny_models import read_tensors, tiny_checkpoint
+from tiny_models import tiny_checkpoint
 
 from lily import reference as ref
-from lily.config import load_config
+from lily.checkpoint import load_checkpoint
 from lily.reference import ReferenceModel
 
 TOLERANCE = 1e-3  # issue 2's acceptance bound on logits
@@ -161,8 +161,8 @@ def test_operations_compute_in_float64_when_given_float64() -> None:
 
 @pytest.fixture(scope="module")
 def reference_model(tiny_name: str) -> ReferenceModel:
-    path = tiny_checkpoint(tiny_name)
-    return ReferenceModel(load_config(path), read_tensors(path))
+    checkpoint = load_checkpoint(tiny_checkpoint(tiny_name), level="family")
+    return ReferenceModel(checkpoint.config, checkpoint.tensors)
 
 
 def test_teacher_forced_logits_match_mlx_lm(
@@ -194,8 +194,8 @@ def test_greedy_tokens_match_mlx_lm_where_the_margin_is_clear(
 
 
 def test_prefill_then_decode_equals_step_by_step(tiny_name: str) -> None:
-    path = tiny_checkpoint(tiny_name)
-    model = ReferenceModel(load_config(path), read_tensors(path), dtype=np.float64)
+    checkpoint = load_checkpoint(tiny_checkpoint(tiny_name), level="family")
+    model = ReferenceModel(checkpoint.config, checkpoint.tensors, dtype=np.float64)
     tokens = list(range(3, 3 + 24))
     whole, _ = model.prefill(tokens)
     assert whole.dtype == np.float64

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from lily.safetensors_mmap import write_aligned_copy
+
 # Bump when the generator changes in a way its parameters do not capture.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,20 @@ def cache_root() -> Path:
     return Path(root)
 
 
-def tiny_checkpoint(name: str) -> Path:
-    """The directory of the converted 4-bit MLX checkpoint `name` ("small" or "wide")."""
+def tiny_checkpoint(name: str, aligned: bool = True) -> Path:
+    """The directory of the converted 4-bit MLX checkpoint `name` ("small" or "wide").
+
+    mlx writes safetensors without padding, so tensors in mlx-lm's output start at arbitrary
+    byte offsets, which Lily's loader refuses. By default the files are rewritten with every
+    tensor 16-byte aligned (same tensors, same bytes); `aligned=False` gives mlx-lm's output as
+    it wrote it.
+    """
     spec = TINY_SPECS[name]
-    return _cached(f"{name}-{_key(spec)}", lambda out: _build_checkpoint(spec, out))
+    key = f"{name}-{_key(spec)}"
+    converted = _cached(f"{key}-mlx", lambda out: _build_checkpoint(spec, out))
+    if not aligned:
+        return converted
+    return _cached(key, lambda out: _align_checkpoint(converted, out))
 
 
 def eos_token_ids(spec: TinySpec) -> list[int]:
@@ -124,27 +136,11 @@ def mlx_reference(name: str) -> dict[str, np.ndarray]:
     `prompt` [P], `prompt_logits` [P, V] (teacher-forced over the prompt), `decode_tokens` [S]
     (greedy), `decode_logits` [S, V] (logits after feeding decode_tokens[i] to the cache).
     """
-    checkpoint = tiny_checkpoint(name)
+    checkpoint = tiny_checkpoint(name, aligned=False)
     key = f"mlx-reference-{checkpoint.name}-{REFERENCE_PROMPT_TOKENS}-{REFERENCE_DECODE_STEPS}"
     path = _cached(key, lambda out: _run_mlx_lm(checkpoint, reference_prompt(name), out))
     with np.load(path / "outputs.npz") as data:
         return {k: data[k] for k in data.files}
-
-
-def read_tensors(checkpoint: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a single-file checkpoint by its full name, bf16 as raw uint16 bits."""
-    dtypes = {"BF16": np.uint16, "F32": np.float32, "U32": np.uint32}
-    data = (checkpoint / "model.safetensors").read_bytes()
-    header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + header_len])
-    header.pop("__metadata__", None)
-    tensors = {}
-    for name, entry in header.items():
-        start, end = (8 + header_len + offset for offset in entry["data_offsets"])
-        dtype = np.dtype(dtypes[entry["dtype"]])
-        flat = np.frombuffer(data, dtype, count=(end - start) // dtype.itemsize, offset=start)
-        tensors[name] = flat.reshape(entry["shape"])
-    return tensors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +192,15 @@ def _build_checkpoint(spec: TinySpec, out: Path) -> None:
         check=True,
         capture_output=True,
     )  # fmt: skip
+
+
+def _align_checkpoint(source: Path, out: Path) -> None:
+    out.mkdir()
+    for item in sorted(source.iterdir()):
+        if item.suffix == ".safetensors":
+            write_aligned_copy(item, out / item.name)
+        else:
+            shutil.copy2(item, out / item.name)
 
 
 def _layer_types(spec: TinySpec) -> list[str]:
