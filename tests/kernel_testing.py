@@ -1,0 +1,105 @@
+"""Shared helpers of the kernel tests: sim devices per lane order, running one recorded dispatch,
+random MLX-quantized weights, float64 references, and tolerances stated in ulps.
+
+Every kernel test runs under the three lane orders of the sim (forward, reverse, seeded random):
+a missing barrier or a read of another lane's unwritten value shows up as a difference between
+them, or as the NaN poison the sim puts in threadgroup memory.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from lily.device import Graph, open_device
+from lily.quant import bf16_to_float32, float32_to_bf16, unpack_codes
+
+LANE_ORDERS = ("forward", "reverse", "random")
+FLOAT32_EPS = float(np.finfo(np.float32).eps)
+
+
+@functools.cache
+def sim_device(lane_order: str):
+    return open_device("sim", lane_order=lane_order, seed=0)
+
+
+def run(device, record: Callable[[Graph], None]) -> None:
+    """Records one or more dispatches into a fresh graph and runs it to completion."""
+    graph = Graph()
+    record(graph)
+    device.run(graph)
+
+
+def float_buffer(device, count: int):
+    """A zeroed device buffer of `count` float32 values."""
+    return device.alloc(4 * count)
+
+
+def as_float32(buffer, count: int, offset: int = 0) -> np.ndarray:
+    return buffer.numpy()[offset : offset + 4 * count].view(np.float32)
+
+
+def random_bf16(
+    rng: np.random.Generator, shape, scale: float = 1.0, loc: float = 0.0
+) -> np.ndarray:
+    """Raw bf16 bits of normally distributed values."""
+    return float32_to_bf16(rng.normal(loc, scale, shape).astype(np.float32))
+
+
+def random_quantized(
+    rng: np.random.Generator, rows: int, in_dim: int, bits: int, experts: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A random MLX-quantized triple: uniformly random codes, small scales, and biases near
+    -scale * 2^(bits-1) as MLX's quantizer produces for zero-centred weights."""
+    lead = () if experts is None else (experts,)
+    words = rng.integers(0, 2**32, (*lead, rows, in_dim * bits // 32), dtype=np.uint32)
+    scale = rng.uniform(0.002, 0.02, (*lead, rows, in_dim // 64)).astype(np.float32)
+    bias = -scale * 2 ** (bits - 1) + rng.normal(0, 0.01, scale.shape).astype(np.float32)
+    return words, float32_to_bf16(scale), float32_to_bf16(bias)
+
+
+def reference_qgemv(
+    weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, x: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """W x in float64, and for each row the magnitude the kernel's fp32 rounding scales with:
+    sum over groups of |scale| * sum|code * x| + |bias| * sum|x| (the affine form it evaluates).
+    Rows are done in blocks so the 248320-row lm_head never needs a dense float64 copy."""
+    x = np.asarray(x, dtype=np.float64)
+    groups = x.reshape(-1, 64)
+    y = np.empty(weight.shape[0])
+    magnitude = np.empty(weight.shape[0])
+    for start in range(0, weight.shape[0], 8192):
+        block = slice(start, start + 8192)
+        codes = unpack_codes(weight[block], bits).astype(np.float64).reshape(-1, *groups.shape)
+        s = bf16_to_float32(scales[block]).astype(np.float64)
+        b = bf16_to_float32(biases[block]).astype(np.float64)
+        code_dot = np.einsum("rgi,gi->rg", codes, groups)
+        code_abs = np.einsum("rgi,gi->rg", codes, np.abs(groups))
+        y[block] = (s * code_dot + b * groups.sum(axis=1)).sum(axis=1)
+        magnitude[block] = (np.abs(s) * code_abs + np.abs(b) * np.abs(groups).sum(axis=1)).sum(
+            axis=1
+        )
+    return y, magnitude
+
+
+def assert_within_ulps(actual: np.ndarray, expected: np.ndarray, magnitude, ulps: float) -> None:
+    """|actual - expected| <= ulps * eps(float32) * magnitude, elementwise: an error bound in
+    float32 ulps of the magnitude the rounding errors scale with."""
+    assert_within(actual, expected, ulps * FLOAT32_EPS * np.asarray(magnitude, dtype=np.float64))
+
+
+def assert_within(actual: np.ndarray, expected: np.ndarray, bound) -> None:
+    """|actual - expected| <= bound, elementwise, with a message naming the worst element."""
+    actual = np.asarray(actual, dtype=np.float64)
+    bound = np.broadcast_to(np.asarray(bound, dtype=np.float64), np.shape(expected))
+    assert np.all(np.isfinite(actual)), "non-finite output"
+    error = np.abs(actual - expected)
+    if not np.all(error <= bound):
+        worst = int(np.argmax(error - bound))
+        raise AssertionError(
+            f"{int(np.sum(error > bound))} of {error.size} values outside the bound; worst at "
+            f"{worst}: got {actual.flat[worst]!r}, expected {expected.flat[worst]!r}, "
+            f"bound {bound.flat[worst]!r}"
+        )
