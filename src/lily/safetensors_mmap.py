@@ -22,7 +22,6 @@ import os
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +51,9 @@ _HEADER_LENGTH_BYTES = 8
 # Far above any real header (the 19.5 GB checkpoint's are well under 1 MB); guards against
 # mapping garbage as JSON.
 _MAX_HEADER_BYTES = 100 << 20
+# The largest gap between consecutive tensors that still counts as padding (see
+# write_aligned_copy); used only to tell a cut-off file from offsets pointing nowhere.
+_MAX_PADDING = 64
 
 
 class CheckpointError(ValueError):
@@ -196,11 +198,13 @@ def _check_ranges(
     beyond = [(name, span) for name, span in ordered if span[3] > data_size]
     if not beyond:
         return
-    # A file whose tensors tile the data section without gaps but end past the file's end was
-    # cut short; anything else is a header pointing somewhere the file never had.
-    contiguous = all(a[1][3] == b[1][2] for a, b in pairwise(ordered) if a[1][3] > a[1][2])
+    # A file whose tensors follow each other (at most alignment padding apart) but end past
+    # the file's end was cut short; anything else is a header pointing where the file never had.
+    starts = [span[2] for _, span in ordered]
+    ends = [0] + [span[3] for _, span in ordered[:-1]]
+    packed = all(0 <= start - end < _MAX_PADDING for start, end in zip(starts, ends, strict=True))
     name, (_, _, begin, end) = beyond[0]
-    if contiguous and (not ordered or ordered[0][1][2] == 0):
+    if packed:
         raise CheckpointError(
             f"{path}: truncated file: the header describes {previous_end} data bytes but only "
             f"{data_size} are present (tensor {name!r} is cut off)"

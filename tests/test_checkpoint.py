@@ -1,0 +1,249 @@
+"""Loading mlx-lm-converted tiny checkpoints, refusing damaged files, and resolving model names."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tiny_models import tiny_checkpoint
+
+from lily import checkpoint as checkpoint_module
+from lily.checkpoint import (
+    DEFAULT_REPO,
+    DEFAULT_REVISION,
+    CheckpointError,
+    load_checkpoint,
+    resolve_model,
+    write_aligned_checkpoint,
+)
+from lily.safetensors_mmap import Shard
+
+SHARD = "model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def aligned() -> dict[str, Path]:
+    """The tiny checkpoints, rewritten 16-byte aligned (mlx writes unpadded files)."""
+    return {name: tiny_checkpoint(name) for name in ("small", "wide")}
+
+
+def read_with_mlx(directory: Path) -> dict[str, np.ndarray]:
+    """Every tensor of mlx-lm's own output, read by mlx (bf16 as raw uint16 bits)."""
+    import mlx.core as mx
+
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        for name, array in mx.load(str(path)).items():
+            if array.dtype == mx.bfloat16:
+                array = array.view(mx.uint16)
+            out[name] = np.array(array)
+    return out
+
+
+@pytest.fixture
+def small_copy(aligned, tmp_path) -> Path:
+    return Path(shutil.copytree(aligned["small"], tmp_path / "small"))
+
+
+def rewrite_header(path: Path, mutate) -> None:
+    """Apply `mutate` to a shard's parsed header, keeping the data section byte for byte."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    mutate(header)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-(8 + len(encoded)) % 16)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + length :])
+
+
+@pytest.mark.parametrize("name", ["small", "wide"])
+def test_tiny_checkpoints_load_as_family_members(aligned, name):
+    checkpoint = load_checkpoint(aligned[name])
+    assert checkpoint.level == "family"
+    assert checkpoint.config.hidden_size == {"small": 128, "wide": 256}[name]
+    # Every tensor mlx-lm wrote, read independently, equals the view Lily hands out.
+    independent = read_with_mlx(tiny_checkpoint(name, aligned=False))
+    assert set(checkpoint.tensors) == set(independent)
+    for tensor_name, expected in independent.items():
+        view = checkpoint.tensors[tensor_name]
+        assert not view.flags.writeable
+        np.testing.assert_array_equal(view, expected, err_msg=tensor_name)
+        location = checkpoint.locations[tensor_name]
+        assert location.offset % 16 == 0
+        shard = checkpoint.shards[location.shard]
+        assert np.shares_memory(view, shard.buffer)
+
+
+def test_real_mlx_lm_output_is_refused_for_misalignment():
+    # What mlx writes is packed without padding, so the device could not bind it by offset.
+    with pytest.raises(CheckpointError, match=r"tensor '[\w.]+' starts at byte \d+, not aligned"):
+        load_checkpoint(tiny_checkpoint("small", aligned=False))
+
+
+def test_aligned_copy_holds_the_same_tensors(tmp_path):
+    original = tiny_checkpoint("wide", aligned=False)
+    copy = write_aligned_checkpoint(original, tmp_path / "copy")
+    assert (copy / "config.json").read_bytes() == (original / "config.json").read_bytes()
+    before = Shard(original / SHARD, alignment=1)
+    after = Shard(copy / SHARD)
+    assert before.tensors.keys() == after.tensors.keys()
+    for name in before.tensors:
+        assert after.tensors[name].offset % 16 == 0
+        assert after.tensors[name].dtype == before.tensors[name].dtype
+        np.testing.assert_array_equal(after.array(name), before.array(name))
+
+
+def test_strict_refuses_a_tiny_model(aligned):
+    with pytest.raises(CheckpointError, match="hidden_size is 128, the real model has 2048"):
+        load_checkpoint(aligned["small"], level="strict")
+
+
+def test_missing_shard(small_copy):
+    (small_copy / SHARD).unlink()
+    with pytest.raises(CheckpointError, match=r"missing shard file .*model\.safetensors"):
+        load_checkpoint(small_copy)
+
+
+def test_truncated_shard(small_copy):
+    path = small_copy / SHARD
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated file"):
+        load_checkpoint(small_copy)
+
+
+def test_invalid_header_json(small_copy):
+    path = small_copy / SHARD
+    raw = bytearray(path.read_bytes())
+    raw[8:20] = b"not json at "
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: invalid header JSON"):
+        load_checkpoint(small_copy)
+
+
+def test_offsets_out_of_range(small_copy):
+    name = "language_model.model.layers.0.linear_attn.A_log"
+
+    def move_far(header):
+        begin, end = header[name]["data_offsets"]
+        header[name]["data_offsets"] = [begin + (1 << 30), end + (1 << 30)]
+
+    rewrite_header(small_copy / SHARD, move_far)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' data_offsets .* out of range"):
+        load_checkpoint(small_copy)
+
+
+def test_overlapping_offsets(small_copy):
+    q = "language_model.model.layers.3.self_attn.q_norm.weight"
+    k = "language_model.model.layers.3.self_attn.k_norm.weight"
+
+    def alias(header):
+        header[k]["data_offsets"] = header[q]["data_offsets"]
+
+    rewrite_header(small_copy / SHARD, alias)
+    with pytest.raises(
+        CheckpointError, match=r"tensors '.*_norm.weight' and '.*_norm.weight' overlap"
+    ):
+        load_checkpoint(small_copy)
+
+
+def test_misaligned_offset(small_copy):
+    name = "language_model.model.norm.weight"
+    path = small_copy / SHARD
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    begin, end = header[name]["data_offsets"]
+    # Move this one tensor 4 bytes into the free space at the end of the data section.
+    data = raw[8 + length :]
+    header[name]["data_offsets"] = [len(data) + 4, len(data) + 4 + end - begin]
+    data += bytes(4) + data[begin:end]
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-(8 + len(encoded)) % 16)
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' starts at byte \d+, not aligned"):
+        load_checkpoint(small_copy)
+
+
+def test_missing_config(small_copy):
+    (small_copy / "config.json").unlink()
+    with pytest.raises(ValueError, match="no config.json"):
+        load_checkpoint(small_copy)
+
+
+def test_unknown_level(aligned):
+    with pytest.raises(ValueError, match="level must be"):
+        load_checkpoint(aligned["small"], level="loose")
+
+
+# --- resolve_model ------------------------------------------------------------------------
+
+
+def test_local_directory_is_used_as_is(tmp_path):
+    assert resolve_model(str(tmp_path)) == tmp_path
+
+
+def test_demo_comes_from_lily_demo(monkeypatch, tmp_path):
+    fake = types.ModuleType("lily.demo")
+    fake.demo_checkpoint_dir = lambda: tmp_path
+    monkeypatch.setitem(sys.modules, "lily.demo", fake)
+    assert resolve_model("demo") == tmp_path
+
+
+@pytest.fixture
+def recorded_downloads(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(tmp_path)
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return calls
+
+
+def test_default_model_is_the_pinned_repo(recorded_downloads, tmp_path):
+    assert resolve_model(None) == tmp_path
+    [(repo, kwargs)] = recorded_downloads
+    assert repo == DEFAULT_REPO == "mlx-community/Qwen3.6-35B-A3B-4bit"
+    assert kwargs["revision"] == DEFAULT_REVISION == "38740b847e4cb78f352aba30aa41c76e08e6eb46"
+    assert kwargs["local_files_only"] is False
+
+
+def test_repo_download_fetches_only_what_lily_reads(recorded_downloads):
+    resolve_model("someone/some-model", revision="v1")
+    [(repo, kwargs)] = recorded_downloads
+    assert (repo, kwargs["revision"]) == ("someone/some-model", "v1")
+    patterns = kwargs["allow_patterns"]
+    for needed in ("model-00001-of-00004.safetensors", "config.json", "tokenizer.json"):
+        assert any(Path(needed).match(p) for p in patterns), needed
+    for unwanted in ("preprocessor_config.json", "README.md", "video_preprocessor_config.json"):
+        assert not any(Path(unwanted).match(p) for p in patterns), unwanted
+
+
+def test_offline_and_not_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(
+        CheckpointError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE"
+    ):
+        resolve_model("someone/not-cached")
+
+
+@pytest.mark.parametrize("bad", ["./no/such/dir", "/no/such/dir", "a/b/c", "plainname"])
+def test_neither_directory_nor_repo_id(bad):
+    with pytest.raises(CheckpointError, match="neither an existing directory nor"):
+        resolve_model(bad)
+
+
+def test_checkpoint_module_names_its_public_api():
+    assert set(checkpoint_module.__all__) >= {"load_checkpoint", "resolve_model", "Checkpoint"}
