@@ -1,0 +1,127 @@
+"""The user-facing entry point: `lily.load()` returns a `Lily`, which generates text.
+
+    import lily
+    with lily.load("demo") as llm:
+        print(llm.generate("Once upon a time", max_tokens=16))
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from lily.checkpoint import Checkpoint, load_checkpoint, resolve_model
+from lily.detokenize import IncrementalDecoder
+from lily.engine import DeviceEngine, Engine, ReferenceEngine
+from lily.tokenizer import Tokenizer
+
+DEVICES = ("auto", "sim", "metal", "reference")
+# Context length when the caller does not choose one: long enough for real conversations, and
+# only 0.65 GB of bf16 KV cache on the real model.
+DEFAULT_MAX_SEQ = 32768
+
+
+def _is_apple_silicon() -> bool:
+    return sys.platform == "darwin" and platform.machine() == "arm64"
+
+
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
+    if device == "auto":
+        return "metal" if _is_apple_silicon() else "sim"
+    return device
+
+
+def _make_engine(checkpoint: Checkpoint, device: str, max_seq: int) -> Engine:
+    if device == "reference":
+        return ReferenceEngine(checkpoint, max_seq)
+    from lily.device import open_device
+
+    return DeviceEngine(checkpoint, open_device(device), max_seq)
+
+
+class Lily:
+    """One loaded model on one device. A context manager: `close()` frees the device."""
+
+    def __init__(self, model_dir: Path, tokenizer: Tokenizer, engine: Engine, device: str):
+        self.model_dir = model_dir
+        self.tokenizer = tokenizer
+        self.config = engine.config
+        self.device = device
+        self._engine: Engine | None = engine
+        # Token counts of the last generation: (prompt tokens, generated tokens).
+        self.last_token_counts = (0, 0)
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("this Lily has been closed")
+        return self._engine
+
+    @property
+    def max_seq(self) -> int:
+        return self.engine.max_seq
+
+    def stream(self, prompt: str, *, max_tokens: int = 256) -> Iterator[str]:
+        """Raw completion of `prompt` (no chat template), greedy, yielded as text pieces that
+        never split a UTF-8 character."""
+        prompt_ids = self.tokenizer.encode(prompt)
+        decoder = IncrementalDecoder(self.tokenizer)
+        self.last_token_counts = (len(prompt_ids), 0)
+        for token in self.engine.generate_greedy(
+            prompt_ids, max_tokens, self.tokenizer.stop_token_ids
+        ):
+            self.last_token_counts = (len(prompt_ids), self.last_token_counts[1] + 1)
+            if piece := decoder.add(token):
+                yield piece
+        if tail := decoder.flush():
+            yield tail
+
+    def generate(self, prompt: str, *, max_tokens: int = 256) -> str:
+        """Raw completion of `prompt` as one string."""
+        return "".join(self.stream(prompt, max_tokens=max_tokens))
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def __enter__(self) -> Lily:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Lily(model={str(self.model_dir)!r}, device={self.device!r})"
+
+
+def load(
+    model: str | None = None,
+    *,
+    revision: str | None = None,
+    device: str = "auto",
+    max_seq: int | None = None,
+) -> Lily:
+    """Load a checkpoint and prepare it on a device.
+
+    `model`: None (the default Hugging Face repo, pinned revision), a repo id, a local directory,
+    or "demo" (a tiny model with random weights). `device`: "auto" (metal on Apple silicon, else
+    sim), "sim", "metal" or "reference" (the numpy model). `max_seq`: the context length.
+    """
+    device = resolve_device(device)
+    model_dir = resolve_model(model, revision)
+    checkpoint = load_checkpoint(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir, config_eos_ids=checkpoint.config.eos_token_ids)
+    if max_seq is None:
+        max_seq = min(DEFAULT_MAX_SEQ, checkpoint.config.max_position_embeddings)
+    if not 1 <= max_seq <= checkpoint.config.max_position_embeddings:
+        raise ValueError(
+            f"max_seq must be between 1 and {checkpoint.config.max_position_embeddings}, "
+            f"got {max_seq}"
+        )
+    engine = _make_engine(checkpoint, device, max_seq)
+    return Lily(model_dir, tokenizer, engine, device)

@@ -1,0 +1,155 @@
+"""Engines turn token ids into next-token predictions. Two implement one small interface:
+
+- `DeviceEngine` replays the recorded decode graph on a device (sim or metal), one native call per
+  token, keeping up to two steps in flight: step N+1 is queued before step N's token is read,
+  which works because the graph itself advances its step buffer.
+- `ReferenceEngine` runs the numpy reference model: the oracle, and a device-free fallback that a
+  user must ask for by name (`device="reference"`).
+
+Prompts are fed through the decode graph one token at a time (batched prefill comes later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from lily.decode_graph import DecodeGraph
+from lily.kernels.step import POSITION, PROMPT_END, TOKEN
+from lily.reference import ReferenceModel
+
+if TYPE_CHECKING:
+    from lily.checkpoint import Checkpoint
+    from lily.config import ModelConfig
+    from lily.device import Device
+
+PIPELINE_DEPTH = 2
+
+
+class ContextFullError(ValueError):
+    """The prompt plus the tokens asked for do not fit in the engine's context (`max_seq`)."""
+
+
+class Engine(Protocol):
+    config: ModelConfig
+    max_seq: int
+
+    def generate_greedy(
+        self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Collection[int] = ()
+    ) -> Iterator[int]:
+        """Yields greedy tokens after `prompt` (a fresh sequence), stopping after a stop token."""
+        ...
+
+    def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Logits [len(tokens), vocab] of a fresh sequence fed `tokens`: row i predicts i + 1."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
+    if prompt_length == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if prompt_length + max_new_tokens > max_seq:
+        raise ContextFullError(
+            f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"context of {max_seq} tokens; load with a larger max_seq or ask for fewer tokens"
+        )
+
+
+class DeviceEngine:
+    def __init__(self, checkpoint: Checkpoint, device: Device, max_seq: int) -> None:
+        self.config = checkpoint.config
+        self.device = device
+        self.max_seq = max_seq
+        self._decode = DecodeGraph(checkpoint, device, capacity=max_seq)
+
+    def _start(self, tokens: Sequence[int], prompt_end: int) -> None:
+        """Clears the recurrent state and points the step buffer at the first token."""
+        for buffer in self._decode.state.recurrent_buffers():
+            buffer.numpy()[:] = 0
+        history = self._decode.history_view()
+        history[: len(tokens)] = tokens
+        step = self._decode.step_view()
+        step[POSITION], step[PROMPT_END], step[TOKEN] = 0, prompt_end, tokens[0]
+
+    def generate_greedy(
+        self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Collection[int] = ()
+    ) -> Iterator[int]:
+        prompt = [int(t) for t in prompt]
+        _check_fits(len(prompt), max_new_tokens, self.max_seq)
+        if max_new_tokens == 0:
+            return
+        self._start(prompt, prompt_end=len(prompt))
+        history = self._decode.history_view()
+        graph = self._decode.graph
+        # Step s consumes token s and predicts token s + 1; the first prediction that is not
+        # prompt comes from step len(prompt) - 1.
+        last_step = len(prompt) - 2 + max_new_tokens
+        in_flight: deque[tuple[int, int]] = deque()
+        next_step = 0
+        while True:
+            while next_step <= last_step and len(in_flight) < PIPELINE_DEPTH:
+                in_flight.append((next_step, self.device.submit(graph)))
+                next_step += 1
+            if not in_flight:
+                return
+            step, ticket = in_flight.popleft()
+            self.device.wait(ticket)
+            if step + 1 < len(prompt):
+                continue
+            token = int(history[step + 1])
+            yield token
+            if token in stop_token_ids:
+                # A speculative step may still run; it only writes state the next call clears.
+                for _, pending in in_flight:
+                    self.device.wait(pending)
+                return
+
+    def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        tokens = [int(t) for t in tokens]
+        _check_fits(len(tokens), 0, self.max_seq)
+        self._start(tokens, prompt_end=len(tokens))
+        logits = np.empty((len(tokens), self.config.vocab_size), np.float32)
+        for i in range(len(tokens)):
+            self.device.run(self._decode.graph)
+            logits[i] = self._decode.logits_view()
+        return logits
+
+    def close(self) -> None:
+        self._decode = None  # type: ignore[assignment]
+
+
+class ReferenceEngine:
+    def __init__(self, checkpoint: Checkpoint, max_seq: int) -> None:
+        self.config = checkpoint.config
+        self.max_seq = max_seq
+        self._model = ReferenceModel(checkpoint.config, checkpoint.tensors)
+
+    def generate_greedy(
+        self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Collection[int] = ()
+    ) -> Iterator[int]:
+        _check_fits(len(prompt), max_new_tokens, self.max_seq)
+        if max_new_tokens == 0:
+            return
+        logits, state = self._model.prefill(prompt)
+        next_logits = logits[-1]
+        for produced in range(max_new_tokens):
+            token = int(np.argmax(next_logits))
+            yield token
+            if token in stop_token_ids or produced + 1 == max_new_tokens:
+                return
+            next_logits = self._model.decode(token, state)
+
+    def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        _check_fits(len(tokens), 0, self.max_seq)
+        logits, _ = self._model.prefill(tokens)
+        return logits.astype(np.float32)
+
+    def close(self) -> None:
+        self._model = None  # type: ignore[assignment]
