@@ -184,7 +184,9 @@ def test_greedy_tokens_match_mlx_lm_where_the_margin_is_clear(
     expected = mlx_outputs["decode_tokens"]
     ours = reference_model.generate_greedy(mlx_outputs["prompt"].tolist(), len(expected))
     # The logits mlx-lm took each greedy token from.
-    deciding = np.concatenate([mlx_outputs["prompt_logits"][-1:], mlx_outputs["decode_logits"]])
+    deciding = np.concatenate(
+        [mlx_outputs["prompt_logits"][-1:], mlx_outputs["decode_logits"][:-1]]
+    )
     top_two = np.sort(deciding, axis=-1)[:, -2:]
     clear = top_two[:, 1] - top_two[:, 0] > TOLERANCE
     # Past the first too-close call the two sequences may legitimately part ways.

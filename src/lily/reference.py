@@ -145,6 +145,11 @@ def moe_route(
     return expert_ids, weights
 
 
+def swiglu_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """One expert (routed or shared): `down(silu(gate x) * up x)`; weights [out, in]."""
+    return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
 # ---------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +344,7 @@ class ReferenceModel:
         out = np.zeros_like(x)
         for e in np.unique(expert_ids):
             token_rows, slot = np.nonzero(expert_ids == e)
-            y = self._swiglu(
+            y = swiglu_mlp(
                 x[token_rows],
                 self._dequantized(experts + "gate_proj", e),
                 self._dequantized(experts + "up_proj", e),
@@ -347,14 +352,10 @@ class ReferenceModel:
             )
             out[token_rows] += weights[token_rows, slot][:, None] * y
         shared = prefix + "shared_expert."
-        shared_y = self._swiglu(
+        shared_y = swiglu_mlp(
             x,
             self._dequantized(shared + "gate_proj"),
             self._dequantized(shared + "up_proj"),
             self._dequantized(shared + "down_proj"),
         )
         return out + sigmoid(self._linear(prefix + "shared_expert_gate", x)) * shared_y
-
-    @staticmethod
-    def _swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
-        return (silu(x @ gate.T) * (x @ up.T)) @ down.T
