@@ -5,10 +5,11 @@ Usage: python benchmarks/make_synthetic_checkpoint.py OUT_DIR [--seed N] [--shar
 Exactly the real tensor names, shapes and dtypes (taken from lily.validate's expected layout of
 the real config) and a config.json with the real values and mlx-lm's per-path quantization
 overrides: about 19.5 GB in ~5 GB shards with model.safetensors.index.json. Weights are random
-(not a model): uniform 4/8-bit codes, scales ~0.02 and biases = -8 * scale so dequantized
-weights are centred and small, norms near 1. Tensors are streamed in chunks, so memory stays
-small whatever the checkpoint size. The output is a deterministic function of the seed.
-Every tensor starts on a 16-byte boundary of its shard, as Lily's loader requires.
+(not a model): uniform 4/8-bit codes with scales and biases that centre each dequantized
+projection on 0 with about 1/sqrt(in_features) spread, norms near 1. Tensors are streamed
+in chunks, so memory stays small whatever the checkpoint size. The output is a deterministic
+function of the seed. Every tensor starts on a 16-byte boundary of its shard, as Lily's
+loader requires.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tqdm import tqdm
 
 from lily.config import parse_config
 from lily.safetensors_mmap import DATA_ALIGNMENT, INDEX_FILE, NUMPY_DTYPES
-from lily.validate import GATE_SUFFIXES, REAL_MODEL, ExpectedTensor, expected_tensors
+from lily.validate import GATE_SUFFIXES, GROUP_SIZE, REAL_MODEL, ExpectedTensor, expected_tensors
 
 CHUNK_ELEMENTS = 16 << 20
 ZERO_CENTRED_NORMS = (
@@ -96,8 +97,14 @@ def tensor_chunks(t: ExpectedTensor, seed: int) -> Iterator[np.ndarray]:
         if t.dtypes[0] == "U32":
             yield rng.integers(0, 1 << 32, n, dtype=np.uint32)
         elif name.endswith((".scales", ".biases")):
-            scales = 0.02 * rng.uniform(0.5, 1.5, n)
-            yield to_bf16_bits(scales if name.endswith(".scales") else -8 * scales)
+            # Codes are uniform in [0, 2^bits), so bias = -(2^bits - 1)/2 * scale centres the
+            # weights on 0, and a scale of ~1 / (code std * sqrt(in_features)) keeps a
+            # projection's outputs at the size of its inputs.
+            in_features = t.shape[-1] * GROUP_SIZE
+            levels = 2 ** (8 if module.endswith(GATE_SUFFIXES) else 4)
+            code_std = levels / 12**0.5
+            scales = rng.uniform(0.5, 1.5, n) / (code_std * in_features**0.5)
+            yield to_bf16_bits(scales if name.endswith(".scales") else -(levels - 1) / 2 * scales)
         elif name.endswith("A_log"):
             yield np.log(rng.uniform(0.1, 4.0, n)).astype(np.float32)
         elif name.endswith("dt_bias"):
