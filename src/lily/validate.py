@@ -16,7 +16,7 @@ Only metadata (dtype code and shape) is read; no tensor data is touched.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -216,6 +216,8 @@ GROUP_SIZE = 64
 DEFAULT_BITS = 4
 GATE_BITS = 8
 GATE_SUFFIXES = (".mlp.gate", ".mlp.shared_expert_gate")
+# Bit widths MLX affine quantization can produce (to tell a bit-width from a shape mismatch).
+MLX_BIT_WIDTHS = (2, 3, 4, 5, 6, 8)
 
 
 def claims_real_model(config: ModelConfig) -> bool:
@@ -334,7 +336,9 @@ def _list(names: list[str], limit: int = 5) -> str:
     return shown + (f", ... ({len(names)} in total)" if len(names) > limit else "")
 
 
-def _check_linear(lin: QuantizedLinear, tensors: Mapping[str, TensorInfo], float_dtype: str):
+def _check_linear(
+    lin: QuantizedLinear, tensors: Mapping[str, TensorInfo], float_dtype: str
+) -> Iterator[str]:
     weight, scales, biases = (tensors[f"{lin.path}.{p}"] for p in ("weight", "scales", "biases"))
     if weight.dtype != "U32":
         yield (
@@ -342,20 +346,25 @@ def _check_linear(lin: QuantizedLinear, tensors: Mapping[str, TensorInfo], float
             "so it must be U32 packed codes"
         )
         return
-    lead = len(lin.lead)
-    if weight.shape[:-1] != lin.lead or len(weight.shape) != lead + 1:
+    packed = weight.shape[-1] if weight.shape else 0
+    bits = packed * 32 / lin.in_features
+    if weight.shape[:-1] != lin.lead or len(weight.shape) != len(lin.lead) + 1:
         yield (
             f"{weight.name} has shape {list(weight.shape)}, "
             f"the config implies {list(lin.weight_shape)}"
         )
         return
-    packed = weight.shape[-1]
-    if packed * 32 != lin.in_features * lin.quant.bits:
-        actual = packed * 32 / lin.in_features
-        yield (
-            f"{weight.name} is {actual:g}-bit ({packed} u32 columns for {lin.in_features} inputs), "
-            f"but the config says {lin.quant.bits}-bit for {lin.path}"
-        )
+    if bits != lin.quant.bits:
+        if bits in MLX_BIT_WIDTHS:
+            yield (
+                f"{weight.name} is {bits:g}-bit ({packed} u32 columns for {lin.in_features} "
+                f"inputs), but the config says {lin.quant.bits}-bit for {lin.path}"
+            )
+        else:
+            yield (
+                f"{weight.name} has shape {list(weight.shape)}, "
+                f"the config implies {list(lin.weight_shape)}"
+            )
         return
     for part in (scales, biases):
         if part.dtype != float_dtype:
@@ -367,7 +376,7 @@ def _check_linear(lin: QuantizedLinear, tensors: Mapping[str, TensorInfo], float
             )
 
 
-def _check_plain(t: PlainTensor, info: TensorInfo):
+def _check_plain(t: PlainTensor, info: TensorInfo) -> Iterator[str]:
     if info.dtype not in t.dtypes:
         yield f"{info.name} has dtype {info.dtype}, the config implies {' or '.join(t.dtypes)}"
     elif info.shape != t.shape:
