@@ -189,6 +189,14 @@ def test_token_bytes_concatenate_to_the_text(demo):
         demo.token_bytes(10**6)
 
 
+def test_token_text_for_logprobs(demo):
+    lead = demo.encode("😀")[0]
+    assert demo.token_bytes(lead) == b"\xf0"
+    assert demo.token_text(lead) == "bytes:\\xf0"
+    assert demo.token_text(demo.encode(" the")[0]) == " the"
+    assert demo.token_text(4025) == "</think>"
+
+
 def copy_demo(tmp_path: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes(DEMO_DIR.joinpath(name).read_bytes())

@@ -161,6 +161,7 @@ class ChatTemplate:
             variables["enable_thinking"] = enable_thinking
         variables["messages"] = [template_message(m) for m in messages]
         variables["tools"] = list(tools) if tools else None
+        variables["documents"] = None  # transformers always defines it
         variables["add_generation_prompt"] = add_generation_prompt
         try:
             return self._template.render(**variables)

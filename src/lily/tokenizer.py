@@ -174,6 +174,16 @@ class Tokenizer:
         self._bytes_cache[token_id] = data
         return data
 
+    def token_text(self, token_id: int) -> str:
+        """A token as the `token` field of OpenAI logprobs: its text, or, when its bytes are not
+        valid UTF-8 on their own (part of a character), OpenAI's `bytes:\\xe4\\xb8` spelling.
+        The exact bytes always go in the logprob's `bytes` field."""
+        data = self.token_bytes(token_id)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
