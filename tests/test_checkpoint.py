@@ -184,8 +184,23 @@ def test_unknown_level(aligned):
 # --- resolve_model ------------------------------------------------------------------------
 
 
-def test_local_directory_is_used_as_is(tmp_path):
-    assert resolve_model(str(tmp_path)) == tmp_path
+def test_aligned_local_directory_is_used_as_is(aligned):
+    assert resolve_model(str(aligned["small"])) == aligned["small"]
+
+
+def test_unaligned_local_directory_resolves_to_an_aligned_copy(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("LILY_CACHE", str(tmp_path))
+    original = tiny_checkpoint("small", aligned=False)
+    resolved = resolve_model(str(original))
+    assert resolved.parent == tmp_path / "aligned"
+    assert "not 16-byte aligned" in capsys.readouterr().err
+    checkpoint = load_checkpoint(resolved)
+    assert set(checkpoint.tensors) == set(Shard(original / SHARD, alignment=1).tensors)
+    # Made once: the second resolution reuses the copy without rewriting it.
+    written = (resolved / SHARD).stat().st_mtime_ns
+    assert resolve_model(str(original)) == resolved
+    assert (resolved / SHARD).stat().st_mtime_ns == written
+    assert capsys.readouterr().err == ""
 
 
 def test_demo_comes_from_lily_demo(monkeypatch, tmp_path):

@@ -6,8 +6,12 @@ config, and hands out the tensors as read-only numpy views: no weight bytes are 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
+import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +21,7 @@ import numpy as np
 
 from lily.config import ModelConfig, load_config
 from lily.safetensors_mmap import (
+    DATA_ALIGNMENT,
     INDEX_FILE,
     CheckpointError,
     Shard,
@@ -30,6 +35,7 @@ __all__ = [
     "DEFAULT_REPO",
     "DEFAULT_REVISION",
     "Checkpoint",
+    "aligned_checkpoint",
     "CheckpointError",
     "load_checkpoint",
     "resolve_model",
@@ -65,7 +71,9 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
 
     `None` is the default repo at its pinned revision; an existing directory is used as is;
     `"demo"` is the built-in random-weight demo model; anything else is a Hugging Face repo id.
-    With `HF_HUB_OFFLINE` set, only the local Hugging Face cache is consulted.
+    With `HF_HUB_OFFLINE` set, only the local Hugging Face cache is consulted. A directory
+    whose shards are not 16-byte aligned (anything mlx wrote) resolves to an aligned copy of it
+    (see `aligned_checkpoint`).
     """
     if model is None:
         model, revision = DEFAULT_REPO, revision or DEFAULT_REVISION
@@ -75,7 +83,7 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
         return Path(demo_checkpoint_dir())
     local = Path(model).expanduser()
     if local.is_dir():
-        return local
+        return aligned_checkpoint(local)
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise CheckpointError(
             f"model {model!r} is neither an existing directory nor a Hugging Face repo id "
@@ -102,7 +110,56 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
         raise CheckpointError(f"could not download {model}: {e}") from e
     except HFValidationError as e:
         raise CheckpointError(f"{model!r} is not a valid Hugging Face repo id: {e}") from e
-    return Path(path)
+    return aligned_checkpoint(Path(path))
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("LILY_CACHE") or Path.home() / ".cache" / "lily")
+
+
+def _is_aligned(shard_path: Path) -> bool:
+    try:
+        shard = Shard(shard_path, alignment=1)
+    except CheckpointError:
+        return True  # not ours to judge here: load_checkpoint reports the defect
+    return all(info.offset % DATA_ALIGNMENT == 0 for info in shard.tensors.values())
+
+
+def aligned_checkpoint(path: Path) -> Path:
+    """`path` if every tensor of its shards is 16-byte aligned, else a cached aligned copy.
+
+    mlx writes safetensors without padding, so mlx-community uploads and mlx-lm conversions
+    generally have tensors at unaligned offsets, which the device cannot bind in place. The
+    copy is made once (streamed, same tensors; it takes as much disk as the weights) under
+    `$LILY_CACHE/aligned` (default `~/.cache/lily`), keyed by the source path and the shards'
+    sizes and modification times.
+    """
+    shards = sorted(path.glob("*.safetensors"))
+    if all(_is_aligned(shard) for shard in shards):
+        return path
+    stats = [(s.name, s.stat().st_size, s.stat().st_mtime_ns) for s in shards]
+    key = hashlib.sha256(json.dumps([str(path.resolve()), stats]).encode()).hexdigest()[:16]
+    target = _cache_root() / "aligned" / f"{path.name}-{key}"
+    if target.is_dir():
+        return target
+    size_gb = sum(size for _, size, _ in stats) / 1e9
+    print(
+        f"lily: {path} is not 16-byte aligned; writing an aligned copy ({size_gb:.2f} GB) "
+        f"to {target} (once)",
+        file=sys.stderr,
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write_aligned_checkpoint(path, work / "copy")
+        try:
+            os.rename(work / "copy", target)
+        except OSError:
+            if not target.is_dir():  # else another process finished the same copy first
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
 
 
 @dataclass(frozen=True)
