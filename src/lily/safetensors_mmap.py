@@ -20,7 +20,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,7 +233,11 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         return self._owner[name].array(name)
 
-    def __iter__(self):
+    def __contains__(self, name: object) -> bool:
+        # Mapping's default would build the view just to answer.
+        return name in self._owner
+
+    def __iter__(self) -> Iterator[str]:
         return iter(self._owner)
 
     def __len__(self) -> int:
