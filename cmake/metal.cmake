@@ -1,0 +1,59 @@
+# The Metal device, for Apple platforms only: included from CMakeLists.txt after the _native
+# target exists.
+#
+# * compiles csrc/metal/metal_device.mm (Objective-C++, ARC) into _native and links Metal and
+#   Foundation; defines LILY_METAL so that bindings.cpp can expose the device;
+# * when Xcode's Metal toolchain is installed (`xcrun metal`), compiles metal/*.metal into
+#   lily.metallib and installs it beside the module. Without the toolchain (Command Line Tools
+#   only, or Xcode 26 without the separately downloaded Metal toolchain) nothing fails: the
+#   device compiles the shipped .metal sources at first run instead.
+
+enable_language(OBJCXX)
+
+target_sources(_native PRIVATE "${PROJECT_SOURCE_DIR}/csrc/metal/metal_device.mm")
+set_source_files_properties("${PROJECT_SOURCE_DIR}/csrc/metal/metal_device.mm"
+  PROPERTIES COMPILE_OPTIONS "-fobjc-arc")
+set_target_properties(_native PROPERTIES OBJCXX_STANDARD 20 OBJCXX_STANDARD_REQUIRED ON)
+target_compile_definitions(_native PRIVATE LILY_METAL=1)
+target_link_libraries(_native PRIVATE "-framework Metal" "-framework Foundation")
+
+# The kernels use MSL 3.1 (bfloat): the same language version and math mode as the run-time
+# compile in metal_device.mm, so both paths build the same library.
+set(LILY_METAL_FLAGS -std=metal3.1 -mmacosx-version-min=14.0 -fno-fast-math)
+
+execute_process(
+  COMMAND xcrun -sdk macosx metal --version
+  RESULT_VARIABLE lily_metal_toolchain_missing
+  OUTPUT_QUIET ERROR_QUIET)
+
+file(GLOB LILY_METAL_SOURCES CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.metal")
+file(GLOB LILY_METAL_HEADERS CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.h")
+
+if(lily_metal_toolchain_missing OR NOT LILY_METAL_SOURCES)
+  message(STATUS "Lily: no Metal toolchain (xcrun metal) or no kernels: the metal device will "
+                 "compile metal/*.metal at first run")
+else()
+  set(lily_air_files "")
+  foreach(source IN LISTS LILY_METAL_SOURCES)
+    get_filename_component(stem "${source}" NAME_WE)
+    set(air "${CMAKE_CURRENT_BINARY_DIR}/metal/${stem}.air")
+    add_custom_command(
+      OUTPUT "${air}"
+      COMMAND "${CMAKE_COMMAND}" -E make_directory "${CMAKE_CURRENT_BINARY_DIR}/metal"
+      COMMAND xcrun -sdk macosx metal ${LILY_METAL_FLAGS} -c "${source}" -o "${air}"
+      DEPENDS "${source}" ${LILY_METAL_HEADERS}
+      COMMENT "Compiling Metal kernels ${stem}.metal"
+      VERBATIM)
+    list(APPEND lily_air_files "${air}")
+  endforeach()
+  set(lily_metallib "${CMAKE_CURRENT_BINARY_DIR}/lily.metallib")
+  add_custom_command(
+    OUTPUT "${lily_metallib}"
+    COMMAND xcrun -sdk macosx metallib ${lily_air_files} -o "${lily_metallib}"
+    DEPENDS ${lily_air_files}
+    COMMENT "Linking lily.metallib"
+    VERBATIM)
+  add_custom_target(lily_metallib ALL DEPENDS "${lily_metallib}")
+  install(FILES "${lily_metallib}" DESTINATION lily)
+  message(STATUS "Lily: building lily.metallib with xcrun metal")
+endif()
