@@ -205,3 +205,30 @@ def test_tool_calls_split_across_tokens_and_random_chunks():
             "".join(pieces[a:b]) for a, b in zip([0, *cuts], [*cuts, len(pieces)], strict=True)
         ]
         assert stream(chunks) == expected
+
+
+def test_a_missing_function_end_and_stray_text_are_tolerated():
+    text = (
+        "<tool_call>\n<function=search>\nnoise <parameter=limit>\n4\n</parameter>\n</tool_call>ok"
+    )
+    content, calls = stream([text])
+    assert content == "ok" and json.loads(calls[0][2]) == {"limit": 4}
+
+
+def test_malformed_and_truncated_calls_stream_like_a_whole_parse():
+    variants = [
+        TWO_CALLS,
+        TWO_CALLS.replace("<tool_call>\n", ""),
+        TWO_CALLS.replace("</parameter>\n", ""),
+        TWO_CALLS.replace("</function>\n", ""),
+        "text <function=now></function> more <function=search><parameter=limit>1</parameter>",
+    ]
+    rng = random.Random(1)
+    for text in variants:
+        for _ in range(40):
+            truncated = text[: rng.randint(0, len(text))]
+            cuts = sorted(rng.sample(range(len(truncated) + 1), k=min(6, len(truncated) + 1)))
+            pieces = [
+                truncated[a:b] for a, b in zip([0, *cuts], [*cuts, len(truncated)], strict=True)
+            ]
+            assert stream(pieces) == stream([truncated]), pieces

@@ -219,101 +219,121 @@ class ToolCallParser:
 
     def _step(self, content: list[str], deltas: list[ToolCallDelta], final: bool) -> bool:
         """Consume what the buffer allows in the current state; False when more text is needed."""
+        handler = {
+            _State.CONTENT: self._content,
+            _State.CALL_OPENED: self._call_opened,
+            _State.FUNCTION_NAME: self._function_name,
+            _State.IN_FUNCTION: self._in_function,
+            _State.PARAMETER_NAME: self._parameter_name,
+            _State.PARAMETER_VALUE: self._parameter_value,
+            _State.CALL_CLOSING: self._call_closing,
+        }[self._state]
+        return handler(content, deltas, final)
+
+    def _content(self, content: list[str], deltas: list[ToolCallDelta], final: bool) -> bool:
         buffer = self._buffer
-        state = self._state
-        if state is _State.CONTENT:
-            if self._after_call:
-                buffer = self._buffer = buffer.lstrip()
-            starts = [(buffer.find(m), m) for m in (TOOL_CALL_START, FUNCTION_START)]
-            found = [(at, m) for at, m in starts if at >= 0]
-            if found:
-                at, marker = min(found)
-                content.append(buffer[:at].rstrip())
-                self._buffer = buffer[at + len(marker) :]
-                wrapped = marker == TOOL_CALL_START
-                self._state = _State.CALL_OPENED if wrapped else _State.FUNCTION_NAME
-                return True
-            if final:
-                return False
-            # Hold back a possible marker start, and trailing whitespace that would not be
-            # content if a call follows.
-            hold = partial_marker_length(buffer, (TOOL_CALL_START, FUNCTION_START))
-            body = buffer[: len(buffer) - hold]
-            emit = body.rstrip()
-            content.append(emit)
-            self._buffer = buffer[len(emit) :]
-            if emit:
-                self._after_call = False
-            return False
-        if state is _State.CALL_OPENED:
+        if self._after_call:
             buffer = self._buffer = buffer.lstrip()
-            if buffer.startswith(FUNCTION_START):
-                self._buffer = buffer[len(FUNCTION_START) :]
-                self._state = _State.FUNCTION_NAME
-                return True
-            if buffer.startswith(TOOL_CALL_END):  # an empty call
-                self._buffer = buffer[len(TOOL_CALL_END) :]
-                self._state, self._after_call = _State.CONTENT, True
-                return True
-            if _could_become(buffer, (FUNCTION_START, TOOL_CALL_END)):
-                return False
-            # Not the XML format: give the text back as content rather than lose it.
-            content.append(TOOL_CALL_START + buffer)
-            self._buffer, self._state = "", _State.CONTENT
-            return False
-        if state is _State.FUNCTION_NAME:
-            end = _first_of(buffer, (">", "\n"))
-            if end < 0:
-                return False
-            self._buffer = buffer[end + 1 :]
-            self._open_function(buffer[:end].strip(), deltas)
-            return True
-        if state is _State.IN_FUNCTION:
-            buffer = self._buffer = buffer.lstrip()
-            if buffer.startswith(PARAMETER_START):
-                self._buffer = buffer[len(PARAMETER_START) :]
-                self._state = _State.PARAMETER_NAME
-                return True
-            for marker, next_state in ((FUNCTION_END, _State.CALL_CLOSING), (TOOL_CALL_END, None)):
-                if buffer.startswith(marker):
-                    self._buffer = buffer[len(marker) :]
-                    self._close_function(deltas)
-                    if next_state is None:
-                        self._state, self._after_call = _State.CONTENT, True
-                    else:
-                        self._state = next_state
-                    return True
-            if _could_become(buffer, (PARAMETER_START, FUNCTION_END, TOOL_CALL_END)):
-                return False
-            # Text between parameters is not part of the format: skip to the next tag.
-            next_tag = buffer.find("<", 1)
-            self._buffer = buffer[next_tag:] if next_tag > 0 else ""
-            return next_tag > 0
-        if state is _State.PARAMETER_NAME:
-            end = _first_of(buffer, (">", "\n"))
-            if end < 0:
-                return False
-            self._parameter = buffer[:end].strip()
-            self._buffer = buffer[end + 1 :]
-            self._state = _State.PARAMETER_VALUE
-            return True
-        if state is _State.PARAMETER_VALUE:
-            ends = [(buffer.find(m), m) for m in _VALUE_ENDS]
-            found = [(at, m) for at, m in ends if at >= 0]
-            if not found:
-                return False
+        starts = [(buffer.find(m), m) for m in (TOOL_CALL_START, FUNCTION_START)]
+        found = [(at, m) for at, m in starts if at >= 0]
+        if found:
             at, marker = min(found)
-            self._add_parameter(buffer[:at], deltas)
-            consumed = at + len(marker) if marker == PARAMETER_END else at
-            self._buffer = buffer[consumed:]
-            self._state = _State.IN_FUNCTION
+            content.append(buffer[:at].rstrip())
+            self._buffer = buffer[at + len(marker) :]
+            wrapped = marker == TOOL_CALL_START
+            self._state = _State.CALL_OPENED if wrapped else _State.FUNCTION_NAME
             return True
-        # CALL_CLOSING: an optional </tool_call> after </function>.
-        buffer = self._buffer = buffer.lstrip()
+        if final:
+            return False
+        # Hold back a possible marker start, and trailing whitespace that would not be content
+        # if a call follows.
+        hold = partial_marker_length(buffer, (TOOL_CALL_START, FUNCTION_START))
+        emit = buffer[: len(buffer) - hold].rstrip()
+        content.append(emit)
+        self._buffer = buffer[len(emit) :]
+        if emit:
+            self._after_call = False
+        return False
+
+    def _call_opened(self, content: list[str], deltas: list[ToolCallDelta], final: bool) -> bool:
+        buffer = self._buffer = self._buffer.lstrip()
+        if buffer.startswith(FUNCTION_START):
+            self._buffer = buffer[len(FUNCTION_START) :]
+            self._state = _State.FUNCTION_NAME
+            return True
+        if buffer.startswith(TOOL_CALL_END):  # an empty call
+            self._buffer = buffer[len(TOOL_CALL_END) :]
+            self._state, self._after_call = _State.CONTENT, True
+            return True
+        if _could_become(buffer, (FUNCTION_START, TOOL_CALL_END)):
+            return False
+        # Not the XML format: give the text back as content rather than lose it.
+        content.append(TOOL_CALL_START + buffer)
+        self._buffer, self._state = "", _State.CONTENT
+        return False
+
+    def _function_name(self, content: list[str], deltas: list[ToolCallDelta], final: bool) -> bool:
+        end = _first_of(self._buffer, (">", "\n"))
+        if end < 0:
+            return False
+        name = self._buffer[:end].strip()
+        self._buffer = self._buffer[end + 1 :]
+        self._open_function(name, deltas)
+        return True
+
+    def _in_function(self, content: list[str], deltas: list[ToolCallDelta], final: bool) -> bool:
+        buffer = self._buffer = self._buffer.lstrip()
+        if buffer.startswith(PARAMETER_START):
+            self._buffer = buffer[len(PARAMETER_START) :]
+            self._state = _State.PARAMETER_NAME
+            return True
+        if buffer.startswith(FUNCTION_END):
+            self._buffer = buffer[len(FUNCTION_END) :]
+            self._close_function(deltas)
+            self._state = _State.CALL_CLOSING
+            return True
+        if buffer.startswith(TOOL_CALL_END):  # </function> forgotten
+            self._buffer = buffer[len(TOOL_CALL_END) :]
+            self._close_function(deltas)
+            self._state, self._after_call = _State.CONTENT, True
+            return True
+        if _could_become(buffer, (PARAMETER_START, FUNCTION_END, TOOL_CALL_END)):
+            return False
+        # Text between parameters is not part of the format: skip to the next tag.
+        next_tag = buffer.find("<", 1)
+        self._buffer = buffer[next_tag:] if next_tag > 0 else ""
+        return next_tag > 0
+
+    def _parameter_name(self, content: list[str], deltas: list[ToolCallDelta], final: bool) -> bool:
+        end = _first_of(self._buffer, (">", "\n"))
+        if end < 0:
+            return False
+        self._parameter = self._buffer[:end].strip()
+        self._buffer = self._buffer[end + 1 :]
+        self._state = _State.PARAMETER_VALUE
+        return True
+
+    def _parameter_value(
+        self, content: list[str], deltas: list[ToolCallDelta], final: bool
+    ) -> bool:
+        ends = [(self._buffer.find(m), m) for m in _VALUE_ENDS]
+        found = [(at, m) for at, m in ends if at >= 0]
+        if not found:
+            return False
+        at, marker = min(found)
+        self._add_parameter(self._buffer[:at], deltas)
+        # A well-formed value ends with </parameter>; any other end tag is left to be read.
+        consumed = at + len(marker) if marker == PARAMETER_END else at
+        self._buffer = self._buffer[consumed:]
+        self._state = _State.IN_FUNCTION
+        return True
+
+    def _call_closing(self, content: list[str], deltas: list[ToolCallDelta], final: bool) -> bool:
+        buffer = self._buffer = self._buffer.lstrip()
         if buffer.startswith(TOOL_CALL_END):
             self._buffer = buffer[len(TOOL_CALL_END) :]
         elif TOOL_CALL_END.startswith(buffer) and not final:
-            return False
+            return False  # wait: the optional </tool_call> may be arriving
         self._state, self._after_call = _State.CONTENT, True
         return True
 
