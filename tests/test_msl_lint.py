@@ -8,21 +8,26 @@ is also shown to fire on planted mistakes (tests/msl_lint_cases/), so a clean ru
 
 from __future__ import annotations
 
+import functools
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from msl_lint import lint_paths, metal_files
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 KERNEL_DIR = ROOT / "metal"
+SIM_DIR = ROOT / "csrc" / "sim"
 CASES = TESTS / "msl_lint_cases"
 LINT_RULES = [f"MSL{n}" for n in range(1, 9)]
 EXPECT = re.compile(r"//\s*expect:\s*(MSL\d(?:\s+MSL\d)*)")
+EXPECT_CLANG_ERROR = re.compile(r"//\s*expect-clang:\s*error")
+OLDEST_CLANG = 17  # the sim's half/bfloat flags need it (spec/devices.md)
 
 KERNEL_FILES = metal_files([KERNEL_DIR])
 CASE_FILES = sorted(CASES.glob("*.metal"))
@@ -81,3 +86,85 @@ def test_lint_runs_as_a_script() -> None:
         check=False,
     )
     assert (clean.returncode, clean.stdout) == (0, "")
+
+
+# ---------------------------------------------------------------------------------------------
+# The clang address-space pass: the sim's pre-pass, then a syntax-only compile with the sim's
+# MSL header in its LILY_ADDRESS_SPACE_CHECK mode (device/constant/threadgroup = clang address
+# spaces 1/2/3, thread = the default one).
+
+
+@functools.cache
+def clang() -> str:
+    """The C++ compiler the sim builds with: $LILY_CLANG, or the newest clang++ >= 17."""
+    candidates = [os.environ.get("LILY_CLANG", "")]
+    candidates += [f"clang++-{v}" for v in range(22, OLDEST_CLANG - 1, -1)] + ["clang++"]
+    for candidate in filter(None, candidates):
+        path = shutil.which(candidate)
+        if path is None:
+            continue
+        version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
+        major = re.search(r"clang version (\d+)", version)
+        if major and int(major.group(1)) >= OLDEST_CLANG:
+            return path
+    pytest.fail(
+        f"no clang++ >= {OLDEST_CLANG} found (set LILY_CLANG); Debian: apt install clang-19"
+    )
+
+
+def address_space_check(source: Path, work_dir: Path) -> subprocess.CompletedProcess[str]:
+    """Pre-pass `source` as the sim build does, then type-check it with distinct address spaces."""
+    translated = work_dir / (source.stem + ".cpp")
+    prepass = [
+        sys.executable,
+        str(SIM_DIR / "prepass.py"),
+        "--clang",
+        clang(),
+        "--include-dir",
+        str(SIM_DIR / "include"),
+        "-I",
+        str(source.parent),
+        "-I",
+        str(KERNEL_DIR),
+        str(source),
+        str(translated),
+    ]
+    result = subprocess.run(prepass, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        return result
+    compile_ = [
+        clang(),
+        "-fsyntax-only",
+        "-std=c++20",
+        "-DLILY_ADDRESS_SPACE_CHECK",
+        "-Wno-unknown-attributes",
+        "-I",
+        str(SIM_DIR / "include"),
+        "-x",
+        "c++",
+        str(translated),
+    ]
+    return subprocess.run(compile_, capture_output=True, text=True, check=False)
+
+
+@pytest.mark.parametrize(
+    "kernel", [p for p in KERNEL_FILES if p.suffix == ".metal"], ids=lambda p: p.name
+)
+def test_kernels_pass_the_address_space_check(kernel: Path, tmp_path: Path) -> None:
+    result = address_space_check(kernel, tmp_path)
+    assert result.returncode == 0, f"address-space check of {kernel.name}:\n{result.stderr}"
+
+
+def test_address_space_check_catches_mismatches(tmp_path: Path) -> None:
+    case = CASES / "address_space_mismatch.metal"
+    lines = case.read_text().splitlines()
+    expected = {n for n, line in enumerate(lines, start=1) if EXPECT_CLANG_ERROR.search(line)}
+    assert expected, "the case plants no mismatch"
+
+    result = address_space_check(case, tmp_path)
+    error_lines = {
+        int(m.group(1))
+        for m in re.finditer(rf"{re.escape(case.name)}:(\d+):\d+: error:", result.stderr)
+    }
+    assert result.returncode != 0
+    assert error_lines == expected, result.stderr
