@@ -234,6 +234,12 @@ def test_eos_given_as_added_token_dict(tmp_path):
     assert Tokenizer.from_dir(tmp_path).stop_token_ids == {4000}
 
 
+def test_a_tokenizer_that_is_not_byte_level_is_refused():
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0}, unk_token="a"))
+    with pytest.raises(TokenizerError, match="byte-level"):
+        Tokenizer(backend, stop_token_ids=[0])
+
+
 def test_missing_or_eos_less_tokenizer_is_refused(tmp_path):
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
         Tokenizer.from_dir(tmp_path)

@@ -10,6 +10,8 @@ from importlib import resources
 import pytest
 
 from lily.detokenize import IncrementalDecoder
+from lily.reasoning import ReasoningParser
+from lily.stop import StopStringMatcher
 from lily.tokenizer import Tokenizer
 from lily.tool_calls import ToolCallParser, convert_parameter, parse_tool_calls
 
@@ -232,3 +234,48 @@ def test_malformed_and_truncated_calls_stream_like_a_whole_parse():
                 truncated[a:b] for a, b in zip([0, *cuts], [*cuts, len(truncated)], strict=True)
             ]
             assert stream(pieces) == stream([truncated]), pieces
+
+
+def test_the_text_side_of_a_tool_calling_turn():
+    """Token ids -> detokenizer -> stop strings -> reasoning -> tool calls, as the engine chains
+    them, on what the model writes after a thinking-on generation prompt."""
+    tokenizer = Tokenizer.from_dir(str(resources.files("lily").joinpath("data/demo")))
+    output = (
+        "The user wants the weather.\n</think>\n\nLet me look that up.\n\n"
+        "<tool_call>\n<function=search>\n<parameter=query>\nweather in Paris\n</parameter>\n"
+        "<parameter=limit>\n1\n</parameter>\n</function>\n</tool_call><|im_end|>"
+    )
+    decoder = IncrementalDecoder(tokenizer)
+    stop = StopStringMatcher(["Observation:"])
+    thinking = ReasoningParser(thinking=True)
+    tools = ToolCallParser(TOOLS, make_id=counting_ids())
+    reasoning, content, deltas = "", "", []
+
+    def push(text: str) -> None:
+        nonlocal reasoning, content
+        split = thinking.feed(stop.feed(text))
+        reasoning += split.reasoning
+        parsed = tools.feed(split.content)
+        content += parsed.content
+        deltas.extend(parsed.tool_calls)
+
+    for token_id in tokenizer.encode(output):
+        if token_id in tokenizer.stop_token_ids:
+            break
+        push(decoder.add(token_id))
+    # End of stream: flush each stage into the next, in order.
+    push(decoder.flush())
+    push(stop.flush())
+    tail = thinking.flush()
+    reasoning += tail.reasoning
+    parsed = tools.feed(tail.content)
+    last = tools.flush()
+    content += parsed.content + last.content
+    deltas.extend(parsed.tool_calls + last.tool_calls)
+
+    assert reasoning == "The user wants the weather."
+    assert content == "Let me look that up."
+    assert [(c.name, json.loads(c.arguments)) for c in tools.calls] == [
+        ("search", {"query": "weather in Paris", "limit": 1})
+    ]
+    assert "".join(d.arguments for d in deltas) == tools.calls[0].arguments

@@ -100,8 +100,7 @@ class Tokenizer:
 
     @staticmethod
     def _check_byte_level(backend: tokenizers.Tokenizer) -> None:
-        spec = json.loads(backend.to_str())
-        decoder = spec.get("decoder") or {}
+        decoder = json.loads(backend.decoder.__getstate__()) if backend.decoder else {}
         kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
         if "ByteLevel" not in kinds:
             raise TokenizerError(
