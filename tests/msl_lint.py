@@ -75,6 +75,7 @@ VECTOR_TYPE = re.compile(r"^(?:packed_)?(?:" + "|".join(_SCALARS + _FLOATS) + r"
 MATRIX_TYPE = re.compile(r"^(?:half|float|bfloat)[234]x[234]$|^simdgroup_(?:half|float|bfloat)8x8$")
 BOOL_VECTOR_TYPE = re.compile(r"^(?:packed_)?bool[234]$")
 BFLOAT_TYPE = re.compile(r"^bfloat[234]?$")
+FLOAT_OR_HALF_TYPE = re.compile(r"^(?:half|float)[234]?$")
 FLOAT_LITERAL = re.compile(r"^(?:\d*\.\d*|\d+[eE])[\w+-]*$|^\d+[fh]$")
 SWIZZLE = re.compile(r"^(?:[xyzw]{2,4}|[rgba]{2,4})$")
 BUILTIN_TEMPLATE_TYPES = frozenset(
@@ -147,7 +148,7 @@ _TOKEN = re.compile(
   | (?P<str>"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')
   | (?P<num>\.?\d(?:[eEpP][+-]|[\w.])*)
   | (?P<id>[A-Za-z_]\w*)
-  | (?P<punct>::|->|\+\+|--|<<=|>>=|<=|>=|==|!=|&&|\|\||[-+*/%&|^!=<>]=|\.\.\.|.)
+  | (?P<punct>::|->|\+\+|--|<<=|>>=|<<|<=|>=|==|!=|&&|\|\||[-+*/%&|^!=<>]=|\.\.\.|.)
     """,
     re.VERBOSE | re.DOTALL | re.MULTILINE,
 )
@@ -393,8 +394,10 @@ def find_functions(src: SourceFile) -> list[Function]:
             open_paren = _matching(toks, close_paren, ")", "(", step=-1)
             if open_paren > 0 and src.text(open_paren - 1) not in CONTROL_KEYWORDS:
                 end = _matching(toks, i, "{", "}")
-                head = {t.text for t in toks[max(0, open_paren - 12) : open_paren]}
-                is_kernel = "kernel" in head
+                head_start = open_paren
+                while head_start > 0 and toks[head_start - 1].text not in (";", "{", "}"):
+                    head_start -= 1
+                is_kernel = any(t.text == "kernel" for t in toks[head_start:open_paren])
                 functions.append(Function((open_paren, close_paren), (i, end), is_kernel))
                 i = end if end > 0 else len(toks)
         i += 1
@@ -445,6 +448,8 @@ def check_bool_vectors(src: SourceFile) -> None:
         for i in range(fn.body[0], fn.body[1]):
             if toks[i].text not in _COMPARISONS or _is_template_bracket(src, i, vectors):
                 continue
+            if toks[i].text == ">" and ">" in (src.text(i - 1), src.text(i + 1)):
+                continue  # a right shift (`>>` stays two tokens for nested templates)
             if not (
                 _vector_operand(src, i - 1, vectors, -1) or _vector_operand(src, i + 1, vectors, 1)
             ):
@@ -503,10 +508,7 @@ def check_bfloat(src: SourceFile) -> None:
     for fn in find_functions(src):
         names = declared_types(src, fn.params[0], fn.body[1])
         bfloats = {n: ind for n, (base, ind) in names.items() if BFLOAT_TYPE.match(base)}
-        others = {n: ind for n, (base, ind) in names.items() if base in ("float", "half")}
-        others |= {
-            n: ind for n, (base, ind) in names.items() if re.match(r"^(?:half|float)[234]$", base)
-        }
+        others = {n: ind for n, (base, ind) in names.items() if FLOAT_OR_HALF_TYPE.match(base)}
         for i in range(fn.body[0], fn.body[1]):
             tok = toks[i]
             if tok.text in MATH_FUNCTIONS and src.text(i + 1) == "(" and src.text(i - 1) != ".":
@@ -584,15 +586,11 @@ def _implicitly_non_bfloat(
             j = _matching(src.tokens, j, "(", ")") + 1  # inside a call or a parenthesis
             continue
         if tok.kind == "id" and src.text(j + 1) == "(":
-            if tok.text in ("float", "half") or re.match(r"^(?:half|float)[234]$", tok.text):
+            if FLOAT_OR_HALF_TYPE.match(tok.text):
                 return True
             j = _matching(src.tokens, j + 1, "(", ")") + 1
             continue
-        if (
-            tok.kind == "num"
-            and re.search(r"[.eE]|[fh]$", tok.text)
-            and not tok.text.startswith("0x")
-        ):
+        if tok.kind == "num" and FLOAT_LITERAL.match(tok.text):
             return True
         if tok.kind == "id" and tok.text in others and src.text(j - 1) not in (".", "->"):
             indexed = src.text(j + 1) == "["
@@ -623,7 +621,7 @@ def collective_helpers(files: list[SourceFile]) -> dict[str, bool]:
             if not reached:
                 continue
             barrier = bool(calls & THREADGROUP_BARRIERS) or any(helpers.get(c) for c in calls)
-            if helpers.get(name) != barrier and not helpers.get(name):
+            if name not in helpers or (barrier and not helpers[name]):
                 helpers[name] = barrier
                 changed = True
     return helpers

@@ -23,7 +23,10 @@ inline T dot_n(device const T* a, thread const T* b) {
                       uint simdgroup [[simdgroup_index_in_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
   static_assert(sizeof(float) == 4, "float* and (float4)x and double in a string");
+  if (row >= p.n) return;  // the whole threadgroup leaves together
   uint count = p.n & 3;
+  const uint4 codes = uint4(count);
+  const uint4 shifted = (codes >> 4) | (codes << 2);
   float mask_product = float(count) * float(p.n > 2 && count < 4);
   float local[4] = {1.0f, 2.0f, 3.0f, 4.0f};
   thread float* lp = local;
@@ -33,9 +36,10 @@ inline T dot_n(device const T* a, thread const T* b) {
   partial = simd_sum(partial);
   if (lane == 0) scratch[simdgroup] = partial;
   threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (simdgroup >= 2) return;  // whole SIMD-groups leave; the collectives below stay uniform
   if (simdgroup == 0) {
     float v = lane < 2 ? scratch[lane] : 0.0f;
     v = simd_sum(v);
-    if (lane == 0) y[row] = v * p.scale + dot_n<float, 4>(x, lp) + mask_product;
+    if (lane == 0) y[row] = v * p.scale + dot_n<float, 4>(x, lp) + mask_product + float(shifted.x);
   }
 }
