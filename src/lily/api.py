@@ -1,8 +1,8 @@
 """The user-facing entry point: `lily.load()` returns a `Lily`, which generates text.
 
-    import lily
-    with lily.load("demo") as llm:
-        print(llm.generate("Once upon a time", max_tokens=16))
+import lily
+with lily.load("demo") as llm:
+    print(llm.generate("Once upon a time", max_tokens=16))
 """
 
 from __future__ import annotations

@@ -124,10 +124,7 @@ class DecodeGraph:
                 window_rows = c.linear_conv_kernel_dim - 1
                 state.conv_windows[i] = dev.alloc(4 * window_rows * c.linear_conv_dim)
                 state.recurrent[i] = dev.alloc(
-                    4
-                    * c.linear_num_value_heads
-                    * c.linear_value_head_dim
-                    * c.linear_key_head_dim
+                    4 * c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim
                 )
         return state
 
@@ -214,9 +211,7 @@ class DecodeGraph:
             )
             g.barrier()
         head = MODEL + "embed_tokens" if c.tie_word_embeddings else LM_HEAD
-        record_lm_head(
-            g, dev, s.normed, w.quantized(head), self.state.logits, self.state.predicted
-        )
+        record_lm_head(g, dev, s.normed, w.quantized(head), self.state.logits, self.state.predicted)
         g.barrier()
         record_step_advance(
             g, dev, self.state.step, self.state.history, self.state.predicted, self.capacity

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from lily.decode_graph import DecodeGraph
+from lily.errors import ContextLengthError
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 from lily.reference import ReferenceModel
 
@@ -27,10 +28,6 @@ if TYPE_CHECKING:
     from lily.device import Device
 
 PIPELINE_DEPTH = 2
-
-
-class ContextFullError(ValueError):
-    """The prompt plus the tokens asked for do not fit in the engine's context (`max_seq`)."""
 
 
 class Engine(Protocol):
@@ -56,7 +53,7 @@ def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if prompt_length + max_new_tokens > max_seq:
-        raise ContextFullError(
+        raise ContextLengthError(
             f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"context of {max_seq} tokens; load with a larger max_seq or ask for fewer tokens"
         )

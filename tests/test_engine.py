@@ -1,0 +1,85 @@
+"""The sim engine (every decode kernel, the recorded graph, the step loop) against the numpy
+reference model, on tiny random checkpoints converted by mlx-lm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny_models import tiny_checkpoint
+
+from lily.checkpoint import load_checkpoint
+from lily.device import open_device
+from lily.engine import DeviceEngine, ReferenceEngine
+from lily.errors import ContextLengthError
+
+PROMPT_LENGTH = 31
+DECODE_STEPS = 32
+TOLERANCE = 1e-2
+
+
+def _prompt(vocab_size: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab_size, PROMPT_LENGTH).tolist()
+
+
+@pytest.fixture(scope="module", params=["small", "wide"])
+def engines(request):
+    checkpoint = load_checkpoint(tiny_checkpoint(request.param))
+    max_seq = PROMPT_LENGTH + DECODE_STEPS + 1
+    sim = DeviceEngine(checkpoint, open_device("sim"), max_seq)
+    reference = ReferenceEngine(checkpoint, max_seq)
+    yield sim, reference
+    sim.close()
+
+
+def test_teacher_forced_logits_match_reference(engines):
+    sim, reference = engines
+    prompt = _prompt(sim.config.vocab_size, seed=1)
+    continuation = list(reference.generate_greedy(prompt, DECODE_STEPS))
+    tokens = prompt + continuation
+    expected = reference.teacher_forced_logits(tokens)
+    actual = sim.teacher_forced_logits(tokens)
+    assert actual.shape == expected.shape
+    worst = np.abs(actual - expected).max()
+    assert worst < TOLERANCE, f"largest logit difference {worst:.2e}"
+
+
+def test_greedy_tokens_match_reference_where_decided(engines):
+    sim, reference = engines
+    prompt = _prompt(sim.config.vocab_size, seed=2)
+    expected = list(reference.generate_greedy(prompt, DECODE_STEPS))
+    actual = list(sim.generate_greedy(prompt, DECODE_STEPS))
+    assert len(actual) == DECODE_STEPS
+    # Compare up to the first position where the reference's top-2 margin is within tolerance:
+    # there either choice is right, and the sequences may legitimately diverge after it.
+    logits = reference.teacher_forced_logits(prompt + expected)[PROMPT_LENGTH - 1 :]
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    decided = top2[:, 1] - top2[:, 0] > TOLERANCE
+    undecided = np.flatnonzero(~decided)
+    horizon = int(undecided[0]) if undecided.size else DECODE_STEPS
+    assert horizon > 0, "the reference's first token is a near-tie; pick another seed"
+    assert actual[:horizon] == expected[:horizon]
+
+
+def test_generation_stops_after_a_stop_token(engines):
+    sim, reference = engines
+    prompt = _prompt(sim.config.vocab_size, seed=3)
+    expected = list(reference.generate_greedy(prompt, 8))
+    stop = expected[3]
+    produced = list(sim.generate_greedy(prompt, 8, stop_token_ids={stop}))
+    assert produced == expected[: expected.index(stop) + 1]
+
+
+def test_a_new_generation_starts_from_a_clean_state(engines):
+    sim, _ = engines
+    prompt = _prompt(sim.config.vocab_size, seed=4)
+    first = list(sim.generate_greedy(prompt, 6))
+    list(sim.generate_greedy(_prompt(sim.config.vocab_size, seed=5), 6))
+    assert list(sim.generate_greedy(prompt, 6)) == first
+
+
+def test_context_overflow_is_refused_before_running(engines):
+    sim, _ = engines
+    with pytest.raises(ContextLengthError, match="exceeds the context"):
+        list(sim.generate_greedy([1] * sim.max_seq, 1))
+    with pytest.raises(ValueError, match="empty"):
+        list(sim.generate_greedy([], 1))
