@@ -120,7 +120,9 @@ def clang() -> str:
 
 
 def address_space_check(source: Path, work_dir: Path) -> subprocess.CompletedProcess[str]:
-    """Pre-pass `source` as the sim build does, then type-check it with distinct address spaces."""
+    """Pre-pass `source` as the sim build does, then type-check it with distinct address spaces.
+
+    Both run from the repository root on relative paths, so messages name `metal/x.metal:line`."""
     translated = work_dir / (source.stem + ".cpp")
     prepass = [
         sys.executable,
@@ -130,13 +132,13 @@ def address_space_check(source: Path, work_dir: Path) -> subprocess.CompletedPro
         "--include-dir",
         str(SIM_DIR / "include"),
         "-I",
-        str(source.parent),
+        str(source.parent.relative_to(ROOT)),
         "-I",
-        str(KERNEL_DIR),
-        str(source),
+        str(KERNEL_DIR.relative_to(ROOT)),
+        str(source.relative_to(ROOT)),
         str(translated),
     ]
-    result = subprocess.run(prepass, capture_output=True, text=True, check=False)
+    result = subprocess.run(prepass, capture_output=True, text=True, check=False, cwd=ROOT)
     if result.returncode != 0:
         return result
     compile_ = [
@@ -151,7 +153,7 @@ def address_space_check(source: Path, work_dir: Path) -> subprocess.CompletedPro
         "c++",
         str(translated),
     ]
-    return subprocess.run(compile_, capture_output=True, text=True, check=False)
+    return subprocess.run(compile_, capture_output=True, text=True, check=False, cwd=ROOT)
 
 
 @pytest.mark.parametrize("source", TYPE_CHECKED, ids=lambda p: p.name)
