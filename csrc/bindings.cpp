@@ -1,10 +1,36 @@
-// Python bindings of the device layer (lily._native).
+// Python bindings of the device layer (lily._native). Python reaches them only through
+// lily/device.py, which adds argument normalisation and friendlier errors.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include "device.h"
+#include "sim/sim_device.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+lily::Size3 size3(const std::tuple<uint32_t, uint32_t, uint32_t>& t) {
+  return {std::get<0>(t), std::get<1>(t), std::get<2>(t)};
+}
+
+// Keeps a Python object alive from C++; the reference is dropped under the GIL.
+std::shared_ptr<void> hold(nb::object owner) {
+  auto* held = new nb::object(std::move(owner));
+  return std::shared_ptr<void>(held, [](void* p) {
+    if (!Py_IsInitialized()) return;  // interpreter gone: leak rather than crash
+    nb::gil_scoped_acquire gil;
+    delete static_cast<nb::object*>(p);
+  });
+}
+
+}  // namespace
 
 NB_MODULE(_native, m) {
   m.doc() = "Lily's native device layer";
@@ -14,4 +40,86 @@ NB_MODULE(_native, m) {
     info["compiler"] = __VERSION__;
     return info;
   });
+
+  nb::exception<lily::KernelError>(m, "KernelError", PyExc_RuntimeError);
+
+  nb::class_<lily::Buffer>(m, "Buffer")
+      .def_prop_ro("size", &lily::Buffer::size)
+      .def_prop_ro("writable", &lily::Buffer::writable)
+      .def(
+          "numpy",
+          [](nb::handle self) -> nb::object {
+            auto& b = nb::cast<lily::Buffer&>(self);
+            size_t shape[1] = {b.size()};
+            if (b.writable()) {
+              return nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(
+                  static_cast<uint8_t*>(b.data()), 1, shape, self));
+            }
+            return nb::cast(nb::ndarray<nb::numpy, const uint8_t, nb::ndim<1>>(
+                static_cast<const uint8_t*>(b.data()), 1, shape, self));
+          },
+          "A uint8 view of the buffer's memory that keeps the buffer alive.");
+
+  nb::class_<lily::Kernel>(m, "Kernel")
+      .def_prop_ro("name", &lily::Kernel::name)
+      .def_prop_ro("max_threads_per_threadgroup", &lily::Kernel::max_threads_per_threadgroup);
+
+  nb::class_<lily::Graph>(m, "Graph")
+      .def(nb::init<>())
+      .def(
+          "dispatch",
+          [](lily::Graph& g, std::shared_ptr<lily::Kernel> kernel,
+             std::tuple<uint32_t, uint32_t, uint32_t> threadgroups,
+             std::tuple<uint32_t, uint32_t, uint32_t> threads,
+             std::vector<std::tuple<uint32_t, std::shared_ptr<lily::Buffer>, size_t>> buffers,
+             std::vector<std::pair<uint32_t, nb::bytes>> bytes,
+             std::vector<std::pair<uint32_t, uint32_t>> threadgroup_memory) {
+            lily::Dispatch d;
+            d.kernel = std::move(kernel);
+            d.threadgroups = size3(threadgroups);
+            d.threads_per_threadgroup = size3(threads);
+            for (auto& [index, buffer, offset] : buffers) d.buffers.push_back({index, buffer, offset});
+            for (auto& [index, data] : bytes) {
+              auto* p = static_cast<const uint8_t*>(data.data());
+              d.bytes.push_back({index, std::vector<uint8_t>(p, p + data.size())});
+            }
+            for (auto& [index, n] : threadgroup_memory) d.threadgroup_memory.push_back({index, n});
+            g.dispatch(std::move(d));
+          },
+          "kernel"_a, "threadgroups"_a, "threads"_a, "buffers"_a, "bytes"_a,
+          "threadgroup_memory"_a)
+      .def("barrier", &lily::Graph::barrier)
+      .def_prop_ro("dispatch_count", &lily::Graph::dispatch_count)
+      .def_prop_ro("barrier_count", &lily::Graph::barrier_count);
+
+  nb::class_<lily::Device>(m, "Device")
+      .def_prop_ro("name", &lily::Device::name)
+      .def("alloc", &lily::Device::alloc, "nbytes"_a)
+      .def(
+          "wrap",
+          [](lily::Device& d, uintptr_t address, size_t nbytes, bool writable, nb::object owner) {
+            return d.wrap(reinterpret_cast<void*>(address), nbytes, writable, hold(owner));
+          },
+          "address"_a, "nbytes"_a, "writable"_a, "owner"_a)
+      .def("kernel", &lily::Device::kernel, "host_name"_a)
+      .def("kernel_names", &lily::Device::kernel_names)
+      .def("submit", &lily::Device::submit, "graph"_a)
+      .def("wait", &lily::Device::wait, "ticket"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("run", &lily::Device::run, "graph"_a, nb::call_guard<nb::gil_scoped_release>());
+
+  m.def(
+      "open_sim_device",
+      [](const std::string& lane_order, uint64_t seed, unsigned workers) {
+        lily_sim::LaneOrder order;
+        if (lane_order == "forward")
+          order = lily_sim::LaneOrder::forward;
+        else if (lane_order == "reverse")
+          order = lily_sim::LaneOrder::reverse;
+        else if (lane_order == "random")
+          order = lily_sim::LaneOrder::random;
+        else
+          throw std::invalid_argument("lane_order must be 'forward', 'reverse' or 'random'");
+        return lily::open_sim_device(order, seed, workers);
+      },
+      "lane_order"_a, "seed"_a, "workers"_a);
 }

@@ -1,0 +1,76 @@
+// What a simulated GPU thread sees of the sim runtime: its built-in ids, the dispatch's buffers,
+// and the runtime calls that may switch fibers (rendezvous) or abandon the dispatch (fail).
+//
+// Included by <metal_stdlib> before any MSL keyword macro is defined, and by the runtime itself.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace lily_sim {
+
+// A collective operation: computes every waiting lane's result at once, when all live lanes of
+// the simdgroup have reached the same call site. `in`/`out` of inactive (returned) lanes are null.
+struct CollectiveSlots {
+  const void* in[32];
+  void* out[32];
+  uint32_t active_mask;  // bit l set when lane l of the simdgroup takes part
+};
+using CollectiveOp = void (*)(const CollectiveSlots& slots);
+
+struct CallSite {
+  const char* file;
+  unsigned line;
+  const char* what;  // "threadgroup_barrier", "simd_sum", ...
+};
+
+struct Ids3 {
+  uint32_t x, y, z;
+};
+
+// One simulated thread. Built-ins are filled in before the lane first runs.
+struct Lane {
+  Ids3 thread_position_in_grid;
+  Ids3 threadgroup_position_in_grid;
+  Ids3 thread_position_in_threadgroup;
+  Ids3 threads_per_threadgroup;
+  Ids3 threadgroups_per_grid;
+  Ids3 threads_per_grid;
+  uint32_t thread_index_in_threadgroup;
+  uint32_t simdgroup_index_in_threadgroup;
+  uint32_t thread_index_in_simdgroup;
+  uint32_t simdgroups_per_threadgroup;
+  void* const* buffers;             // by [[buffer(n)]] index; unbound ones point at PROT_NONE pages
+  void* const* threadgroup_args;    // by [[threadgroup(n)]] index
+  void* group;                      // the runtime's threadgroup state (opaque here)
+};
+
+static constexpr unsigned kMaxBufferBindings = 31;
+static constexpr unsigned kMaxThreadgroupBindings = 31;
+static constexpr unsigned kSimdWidth = 32;
+
+// The lane running on this OS thread; set by the runtime before it switches into a fiber.
+extern thread_local constinit Lane* current_lane __attribute__((tls_model("initial-exec")));
+
+// Suspends the current lane until every live lane of its simdgroup reaches a collective at the
+// same call site, then runs `op` for all of them. Divergence is reported as a KernelError.
+void simd_rendezvous(const CallSite& site, CollectiveOp op, const void* in, void* out);
+// Suspends the current lane until every live lane of the threadgroup reaches this barrier.
+void threadgroup_rendezvous(const CallSite& site);
+// Storage shared by the threadgroup for the `slot`-th threadgroup variable of a kernel body;
+// the first lane to ask allocates it (poisoned) and the others get the same bytes.
+void* threadgroup_variable(unsigned slot, size_t bytes, size_t align);
+// Abandons the dispatch with a KernelError naming the kernel and threadgroup.
+[[noreturn]] void fail(const char* message);
+
+// A kernel as the pre-pass registers it.
+using KernelEntry = void (*)(const Lane& lane);
+struct KernelInfo {
+  const char* host_name;
+  KernelEntry entry;
+  const char* source_file;
+};
+// Called by static initialisers of the generated kernel translation units.
+void register_kernels(const KernelInfo* kernels, size_t count);
+
+}  // namespace lily_sim

@@ -1,0 +1,546 @@
+// The sim's fiber runtime.
+//
+// Scheduling. A worker runs one threadgroup at a time. Lanes start in the configured lane order
+// (forward, reverse or seeded random) and each runs until it returns or reaches a collective; a
+// kernel without collectives therefore runs its lanes to completion one after another on one
+// reused stack. When no lane can run, the worker resolves: a simdgroup whose live lanes all wait
+// at the same simd collective gets its results computed and runs on; otherwise every live lane
+// must wait at the same threadgroup barrier, which then opens. Anything else (lanes at different
+// call sites, a barrier some lanes of a simdgroup returned before) is divergent control flow and
+// fails the dispatch.
+//
+// Faults. Every fiber stack sits above a PROT_NONE guard page, and unbound buffer indices point
+// into PROT_NONE regions. A SIGSEGV/SIGBUS handler running on a per-worker alternate signal stack
+// recognises a fault raised while a lane runs, records what it was (stack overflow, unbound
+// buffer n, other bad address), unblocks the signal and switches straight back to the worker's
+// scheduler context, abandoning the faulting fiber; the dispatch then fails with a KernelError.
+// Faults that are not ours are handed to the previously installed handler.
+#include "runtime.h"
+
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "../device.h"
+#include "fiber.h"
+
+namespace lily_sim {
+
+constinit thread_local Lane* current_lane __attribute__((tls_model("initial-exec"))) = nullptr;
+
+namespace {
+
+constexpr size_t kStackSize = 64 * 1024;
+constexpr size_t kGuardSize = 4096;
+constexpr size_t kStackSlot = kStackSize + kGuardSize;
+constexpr size_t kAltStackSize = 64 * 1024;
+constexpr unsigned kMaxThreadgroupVariables = 64;
+constexpr size_t kUnboundRegion = size_t(64) << 20;
+constexpr unsigned char kPoison = 0xff;  // NaN in every floating type, -1 in integers
+
+enum class LaneState : uint8_t { not_started, runnable, waiting_simd, waiting_barrier, exited };
+
+struct LaneSlot {
+  Lane lane;  // first: current_lane points here
+  FiberContext context;
+  LaneState state;
+  int32_t stack = -1;
+  CallSite site;
+  CollectiveOp op;
+  const void* in;
+  void* out;
+};
+
+enum class Fault : int { none, stack_overflow, unbound_buffer, bad_address };
+
+char* unbound_base() {
+  static char* base = [] {
+    void* p = mmap(nullptr, kUnboundRegion * kMaxBufferBindings, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("sim: cannot reserve unbound-buffer pages");
+    return static_cast<char*>(p);
+  }();
+  return base;
+}
+
+std::string lane_list(const std::vector<uint32_t>& lanes) {
+  std::string out;
+  for (size_t i = 0; i < lanes.size();) {
+    size_t j = i;
+    while (j + 1 < lanes.size() && lanes[j + 1] == lanes[j] + 1) ++j;
+    if (!out.empty()) out += ",";
+    out += std::to_string(lanes[i]);
+    if (j > i) out += "-" + std::to_string(lanes[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+std::string describe(const CallSite& s) {
+  return std::string(s.what) + " at " + s.file + ":" + std::to_string(s.line);
+}
+
+bool same_site(const CallSite& a, const CallSite& b) {
+  return a.line == b.line && (a.file == b.file || std::strcmp(a.file, b.file) == 0) &&
+         std::strcmp(a.what, b.what) == 0;
+}
+
+uint64_t splitmix(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+void* unbound_buffer(unsigned index) {
+  return unbound_base() + index * kUnboundRegion + kUnboundRegion / 2;
+}
+
+class Worker {
+ public:
+  Worker() {
+    lanes_.resize(kMaxThreadsPerThreadgroup);
+    order_.reserve(kMaxThreadsPerThreadgroup);
+    void* stacks = mmap(nullptr, kStackSlot * kMaxThreadsPerThreadgroup, PROT_NONE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (stacks == MAP_FAILED) throw std::runtime_error("sim: cannot reserve fiber stacks");
+    stacks_ = static_cast<char*>(stacks);
+    memory_ = static_cast<unsigned char*>(std::aligned_alloc(64, kThreadgroupMemoryLimit));
+    alt_stack_.resize(kAltStackSize);
+  }
+  ~Worker() {
+    munmap(stacks_, kStackSlot * kMaxThreadsPerThreadgroup);
+    std::free(memory_);
+  }
+
+  // Called on the worker's OS thread before it runs anything.
+  void attach() {
+    stack_t ss{};
+    ss.ss_sp = alt_stack_.data();
+    ss.ss_size = alt_stack_.size();
+    sigaltstack(&ss, nullptr);
+  }
+
+  void run_threadgroup(const PreparedDispatch& d, uint64_t group, LaneOrder order, uint64_t seed);
+
+  // Fault handling, read by the signal handler on this thread.
+  volatile sig_atomic_t in_lane = 0;
+  volatile Fault fault = Fault::none;
+  volatile uintptr_t fault_address = 0;
+  FiberContext scheduler;
+
+  bool owns_guard(uintptr_t a) const {
+    auto base = reinterpret_cast<uintptr_t>(stacks_);
+    if (a < base || a >= base + kStackSlot * prepared_stacks_) return false;
+    return (a - base) % kStackSlot < kGuardSize;
+  }
+
+  void* threadgroup_variable(unsigned slot, size_t bytes, size_t align);
+  std::string failure;  // set by a lane that threw Failure
+
+ private:
+  void prepare_stacks(uint32_t count);
+  void start_lane(LaneSlot& s);
+  void run_lane(LaneSlot& s);
+  void resolve();
+  [[noreturn]] void throw_fault();
+  static void lane_main(void* arg);
+
+  std::vector<LaneSlot> lanes_;
+  std::vector<uint32_t> order_;
+  std::vector<int32_t> free_stacks_;
+  char* stacks_ = nullptr;
+  uint32_t prepared_stacks_ = 0;
+  std::vector<char> alt_stack_;
+
+  const PreparedDispatch* dispatch_ = nullptr;
+  uint32_t lane_count_ = 0;
+  uint32_t live_ = 0;
+  unsigned char* memory_ = nullptr;
+  uint32_t memory_used_ = 0;
+  uint32_t argument_bytes_ = 0;
+  int32_t variable_offset_[kMaxThreadgroupVariables];
+  void* threadgroup_args_[kMaxThreadgroupBindings] = {};
+};
+
+namespace {
+thread_local Worker* this_worker __attribute__((tls_model("initial-exec"))) = nullptr;
+}
+
+void Worker::prepare_stacks(uint32_t count) {
+  for (; prepared_stacks_ < count; ++prepared_stacks_) {
+    char* slot = stacks_ + prepared_stacks_ * kStackSlot;
+    if (mprotect(slot + kGuardSize, kStackSize, PROT_READ | PROT_WRITE) != 0)
+      throw std::runtime_error("sim: cannot map a fiber stack");
+    free_stacks_.push_back(int32_t(prepared_stacks_));
+  }
+}
+
+void Worker::lane_main(void* arg) {
+  auto& s = *static_cast<LaneSlot*>(arg);
+  auto& w = *static_cast<Worker*>(s.lane.group);
+  try {
+    w.dispatch_->kernel->entry(s.lane);
+  } catch (const Failure& f) {
+    w.failure = f.message;
+  } catch (const std::exception& e) {
+    w.failure = e.what();
+  }
+  s.state = LaneState::exited;
+  fiber_switch(s.context, w.scheduler);
+  __builtin_trap();  // an exited fiber is never resumed
+}
+
+void Worker::start_lane(LaneSlot& s) {
+  s.stack = free_stacks_.back();
+  free_stacks_.pop_back();
+  char* stack = stacks_ + size_t(s.stack) * kStackSlot + kGuardSize;
+  fiber_prepare(s.context, stack, kStackSize, &Worker::lane_main, &s);
+}
+
+void Worker::run_lane(LaneSlot& s) {
+  if (s.state == LaneState::not_started) start_lane(s);
+  s.state = LaneState::runnable;
+  current_lane = &s.lane;
+  in_lane = 1;
+  fiber_switch(scheduler, s.context);
+  in_lane = 0;
+  if (fault != Fault::none) throw_fault();
+  if (s.state == LaneState::exited) {
+    free_stacks_.push_back(s.stack);
+    s.stack = -1;
+    --live_;
+    if (!failure.empty()) throw Failure{failure};
+  }
+}
+
+void Worker::throw_fault() {
+  std::string what;
+  switch (fault) {
+    case Fault::stack_overflow:
+      what = "fiber stack overflow (" + std::to_string(kStackSize / 1024) +
+             " KiB per simulated thread): unbounded recursion or large local arrays";
+      break;
+    case Fault::unbound_buffer: {
+      auto index = (fault_address - reinterpret_cast<uintptr_t>(unbound_base())) / kUnboundRegion;
+      what = "access to buffer index " + std::to_string(index) + ", which is not bound";
+      break;
+    }
+    default: {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%#lx", static_cast<unsigned long>(fault_address));
+      what = std::string("invalid memory access at address ") + buf;
+    }
+  }
+  throw Failure{what};
+}
+
+void* Worker::threadgroup_variable(unsigned slot, size_t bytes, size_t align) {
+  if (slot >= kMaxThreadgroupVariables)
+    throw Failure{"more than " + std::to_string(kMaxThreadgroupVariables) +
+                  " threadgroup variables in one kernel"};
+  if (variable_offset_[slot] < 0) {
+    size_t offset = (memory_used_ + align - 1) / align * align;
+    if (offset + bytes > kThreadgroupMemoryLimit)
+      throw Failure{"threadgroup memory of " + std::to_string(offset + bytes) +
+                    " bytes (arguments " + std::to_string(argument_bytes_) +
+                    ") exceeds the 32 KiB limit"};
+    std::memset(memory_ + offset, kPoison, bytes);
+    variable_offset_[slot] = int32_t(offset);
+    memory_used_ = uint32_t(offset + bytes);
+  }
+  return memory_ + variable_offset_[slot];
+}
+
+void Worker::run_threadgroup(const PreparedDispatch& d, uint64_t group, LaneOrder order,
+                             uint64_t seed) {
+  dispatch_ = &d;
+  const Ids3 tg{uint32_t(group % d.threadgroups.x),
+                uint32_t(group / d.threadgroups.x % d.threadgroups.y),
+                uint32_t(group / (uint64_t(d.threadgroups.x) * d.threadgroups.y))};
+  const uint32_t n = d.threads.x * d.threads.y * d.threads.z;
+  lane_count_ = live_ = n;
+  prepare_stacks(std::min(n, kMaxThreadsPerThreadgroup));
+
+  // Threadgroup memory: arguments first, then kernel-body variables as lanes declare them.
+  memory_used_ = 0;
+  for (unsigned i = 0; i < kMaxThreadgroupBindings; ++i) {
+    threadgroup_args_[i] = nullptr;
+    if (!d.threadgroup_bytes[i]) continue;
+    threadgroup_args_[i] = memory_ + memory_used_;
+    std::memset(memory_ + memory_used_, kPoison, d.threadgroup_bytes[i]);
+    memory_used_ += (d.threadgroup_bytes[i] + 15) / 16 * 16;
+  }
+  argument_bytes_ = memory_used_;
+  std::fill(std::begin(variable_offset_), std::end(variable_offset_), -1);
+  failure.clear();
+
+  const uint32_t simdgroups = (n + kSimdWidth - 1) / kSimdWidth;
+  for (uint32_t i = 0; i < n; ++i) {
+    LaneSlot& s = lanes_[i];
+    Lane& l = s.lane;
+    l.thread_position_in_threadgroup = {i % d.threads.x, i / d.threads.x % d.threads.y,
+                                        i / (d.threads.x * d.threads.y)};
+    l.threadgroup_position_in_grid = tg;
+    l.thread_position_in_grid = {tg.x * d.threads.x + l.thread_position_in_threadgroup.x,
+                                 tg.y * d.threads.y + l.thread_position_in_threadgroup.y,
+                                 tg.z * d.threads.z + l.thread_position_in_threadgroup.z};
+    l.threads_per_threadgroup = d.threads;
+    l.threadgroups_per_grid = d.threadgroups;
+    l.threads_per_grid = {d.threadgroups.x * d.threads.x, d.threadgroups.y * d.threads.y,
+                          d.threadgroups.z * d.threads.z};
+    l.thread_index_in_threadgroup = i;
+    l.simdgroup_index_in_threadgroup = i / kSimdWidth;
+    l.thread_index_in_simdgroup = i % kSimdWidth;
+    l.simdgroups_per_threadgroup = simdgroups;
+    l.buffers = d.buffers;
+    l.threadgroup_args = threadgroup_args_;
+    l.group = this;
+    s.state = LaneState::not_started;
+  }
+
+  order_.resize(n);
+  for (uint32_t i = 0; i < n; ++i) order_[i] = order == LaneOrder::reverse ? n - 1 - i : i;
+  if (order == LaneOrder::random) {
+    uint64_t state = seed * 0x2545f4914f6cdd1dull + group;
+    for (uint32_t i = n; i > 1; --i) std::swap(order_[i - 1], order_[splitmix(state) % i]);
+  }
+
+  try {
+    while (true) {
+      for (uint32_t i : order_) {
+        LaneSlot& s = lanes_[i];
+        if (s.state == LaneState::not_started || s.state == LaneState::runnable) run_lane(s);
+      }
+      if (live_ == 0) break;
+      resolve();
+    }
+  } catch (...) {
+    // Abandon the suspended fibers: their stacks are simply reused.
+    free_stacks_.clear();
+    for (uint32_t i = 0; i < prepared_stacks_; ++i) free_stacks_.push_back(int32_t(i));
+    fault = Fault::none;
+    throw;
+  }
+}
+
+void Worker::resolve() {
+  const uint32_t n = lane_count_;
+  bool progressed = false;
+  for (uint32_t base = 0; base < n; base += kSimdWidth) {
+    const uint32_t end = std::min(n, base + kSimdWidth);
+    LaneSlot* first = nullptr;
+    bool has_barrier = false;
+    for (uint32_t i = base; i < end; ++i) {
+      if (lanes_[i].state == LaneState::waiting_simd && !first) first = &lanes_[i];
+      has_barrier |= lanes_[i].state == LaneState::waiting_barrier;
+    }
+    if (!first || has_barrier) continue;
+    CollectiveSlots slots{};
+    std::vector<uint32_t> elsewhere;
+    for (uint32_t i = base; i < end; ++i) {
+      LaneSlot& s = lanes_[i];
+      if (s.state != LaneState::waiting_simd) continue;
+      if (!same_site(s.site, first->site) || s.op != first->op) {
+        elsewhere.push_back(i);
+        continue;
+      }
+      slots.in[i - base] = s.in;
+      slots.out[i - base] = s.out;
+      slots.active_mask |= 1u << (i - base);
+    }
+    if (!elsewhere.empty()) {
+      throw Failure{"collectives in divergent control flow in simdgroup " +
+                    std::to_string(base / kSimdWidth) + ": " + describe(first->site) +
+                    " waits for lanes " + lane_list(elsewhere) + ", which are at " +
+                    describe(lanes_[elsewhere[0]].site)};
+    }
+    first->op(slots);
+    for (uint32_t i = base; i < end; ++i)
+      if (lanes_[i].state == LaneState::waiting_simd) lanes_[i].state = LaneState::runnable;
+    progressed = true;
+  }
+  if (progressed) return;
+
+  // No simd collective can complete: every live lane must be at one threadgroup barrier.
+  const LaneSlot* barrier = nullptr;
+  for (uint32_t i = 0; i < n && !barrier; ++i)
+    if (lanes_[i].state == LaneState::waiting_barrier) barrier = &lanes_[i];
+  for (uint32_t base = 0; base < n; base += kSimdWidth) {
+    const uint32_t end = std::min(n, base + kSimdWidth);
+    std::vector<uint32_t> exited, at_barrier, at_simd;
+    for (uint32_t i = base; i < end; ++i) {
+      switch (lanes_[i].state) {
+        case LaneState::exited: exited.push_back(i); break;
+        case LaneState::waiting_barrier: at_barrier.push_back(i); break;
+        default: at_simd.push_back(i);
+      }
+    }
+    if (!at_simd.empty()) {
+      throw Failure{"divergent control flow in simdgroup " + std::to_string(base / kSimdWidth) +
+                    ": lanes " + lane_list(at_simd) + " wait at " +
+                    describe(lanes_[at_simd[0]].site) + " while lanes " + lane_list(at_barrier) +
+                    " wait at " + describe(barrier->site)};
+    }
+    if (!at_barrier.empty() && !exited.empty()) {
+      throw Failure{describe(barrier->site) + " in divergent control flow: lanes " +
+                    lane_list(at_barrier) + " wait there but lanes " + lane_list(exited) +
+                    " of the same simdgroup returned"};
+    }
+    for (uint32_t i : at_barrier) {
+      if (!same_site(lanes_[i].site, barrier->site)) {
+        throw Failure{"threadgroup barriers in divergent control flow: lane " +
+                      std::to_string(barrier - lanes_.data()) + " waits at " +
+                      describe(barrier->site) + ", lane " + std::to_string(i) + " at " +
+                      describe(lanes_[i].site)};
+      }
+    }
+  }
+  for (uint32_t i = 0; i < n; ++i)
+    if (lanes_[i].state == LaneState::waiting_barrier) lanes_[i].state = LaneState::runnable;
+}
+
+// ---- the calls kernels make --------------------------------------------------------------------
+
+void simd_rendezvous(const CallSite& site, CollectiveOp op, const void* in, void* out) {
+  auto* s = reinterpret_cast<LaneSlot*>(current_lane);
+  s->state = LaneState::waiting_simd;
+  s->site = site;
+  s->op = op;
+  s->in = in;
+  s->out = out;
+  fiber_switch(s->context, static_cast<Worker*>(s->lane.group)->scheduler);
+}
+
+void threadgroup_rendezvous(const CallSite& site) {
+  auto* s = reinterpret_cast<LaneSlot*>(current_lane);
+  s->state = LaneState::waiting_barrier;
+  s->site = site;
+  fiber_switch(s->context, static_cast<Worker*>(s->lane.group)->scheduler);
+}
+
+void* threadgroup_variable(unsigned slot, size_t bytes, size_t align) {
+  return static_cast<Worker*>(current_lane->group)->threadgroup_variable(slot, bytes, align);
+}
+
+void fail(const char* message) { throw Failure{message}; }
+
+// ---- fault handling ----------------------------------------------------------------------------
+
+namespace {
+
+struct sigaction previous_segv, previous_bus;
+
+void on_fault(int sig, siginfo_t* info, void*) {
+  Worker* w = this_worker;
+  if (w && w->in_lane) {
+    auto a = reinterpret_cast<uintptr_t>(info->si_addr);
+    auto unbound = reinterpret_cast<uintptr_t>(unbound_base());
+    if (w->owns_guard(a))
+      w->fault = Fault::stack_overflow;
+    else if (a >= unbound && a < unbound + kUnboundRegion * kMaxBufferBindings)
+      w->fault = Fault::unbound_buffer;
+    else
+      w->fault = Fault::bad_address;
+    w->fault_address = a;
+    w->in_lane = 0;
+    // We leave the handler without returning, so undo the signal's blocking ourselves.
+    sigset_t unblock;
+    sigemptyset(&unblock);
+    sigaddset(&unblock, sig);
+    pthread_sigmask(SIG_UNBLOCK, &unblock, nullptr);
+    FiberContext abandoned;
+    fiber_switch(abandoned, w->scheduler);
+  }
+  // Not ours: restore the previous handler and let the fault happen again under it.
+  sigaction(sig, sig == SIGSEGV ? &previous_segv : &previous_bus, nullptr);
+}
+
+void install_fault_handler() {
+  for (int sig : {SIGSEGV, SIGBUS}) {
+    struct sigaction current;
+    sigaction(sig, nullptr, &current);
+    if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == &on_fault) continue;
+    struct sigaction ours{};
+    ours.sa_sigaction = &on_fault;
+    ours.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&ours.sa_mask);
+    sigaction(sig, &ours, sig == SIGSEGV ? &previous_segv : &previous_bus);
+  }
+}
+
+}  // namespace
+
+// ---- the executor ------------------------------------------------------------------------------
+
+Executor::Executor(LaneOrder order, uint64_t seed, unsigned workers) : order_(order), seed_(seed) {
+  if (workers == 0) workers = std::max(1u, std::thread::hardware_concurrency());
+  unbound_base();
+  for (unsigned i = 0; i < workers; ++i) workers_.push_back(std::make_unique<Worker>());
+  for (auto& w : workers_) threads_.emplace_back([this, &w] { worker_loop(*w); });
+}
+
+Executor::~Executor() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  start_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void Executor::worker_loop(Worker& worker) {
+  this_worker = &worker;
+  worker.attach();
+  uint64_t seen = 0;
+  while (true) {
+    const PreparedDispatch* d;
+    {
+      std::unique_lock lock(mutex_);
+      start_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+      if (stopping_) return;
+      seen = generation_;
+      d = dispatch_;
+    }
+    while (!abort_.load(std::memory_order_relaxed)) {
+      uint64_t g = next_group_.fetch_add(1, std::memory_order_relaxed);
+      if (g >= group_count_) break;
+      try {
+        worker.run_threadgroup(*d, g, order_, seed_);
+      } catch (const Failure& f) {
+        const Ids3 n = d->threadgroups;
+        std::string where = "kernel '" + std::string(d->kernel->host_name) + "' threadgroup (" +
+                            std::to_string(g % n.x) + "," + std::to_string(g / n.x % n.y) + "," +
+                            std::to_string(g / (uint64_t(n.x) * n.y)) + "): ";
+        std::lock_guard lock(mutex_);
+        if (!abort_.exchange(true)) error_ = where + f.message;
+      }
+    }
+    std::lock_guard lock(mutex_);
+    if (--busy_ == 0) done_.notify_all();
+  }
+}
+
+void Executor::run(const PreparedDispatch& d) {
+  const uint64_t groups = uint64_t(d.threadgroups.x) * d.threadgroups.y * d.threadgroups.z;
+  if (groups == 0 || uint64_t(d.threads.x) * d.threads.y * d.threads.z == 0) return;
+  install_fault_handler();
+  std::unique_lock lock(mutex_);
+  dispatch_ = &d;
+  group_count_ = groups;
+  next_group_ = 0;
+  abort_ = false;
+  error_.clear();
+  busy_ = unsigned(workers_.size());
+  ++generation_;
+  start_.notify_all();
+  done_.wait(lock, [&] { return busy_ == 0; });
+  if (abort_) throw lily::KernelError(error_);
+}
+
+}  // namespace lily_sim

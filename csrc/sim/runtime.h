@@ -1,0 +1,75 @@
+// The sim's executor: runs the threadgroups of a dispatch on a pool of OS threads, each
+// threadgroup's simulated threads as fibers on one OS thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lily_sim_lane.h"
+
+namespace lily_sim {
+
+// Thrown inside the runtime (and by fail()); the executor turns it into lily::KernelError.
+struct Failure {
+  std::string message;
+};
+
+enum class LaneOrder { forward, reverse, random };
+
+struct PreparedDispatch {
+  const KernelInfo* kernel = nullptr;
+  void* buffers[kMaxBufferBindings] = {};  // unbound ones point at unbound_buffer(index)
+  uint32_t threadgroup_bytes[kMaxThreadgroupBindings] = {};
+  Ids3 threadgroups{1, 1, 1};
+  Ids3 threads{1, 1, 1};
+};
+
+// An address in a PROT_NONE region reserved for buffer index `index`; any access through it
+// becomes a KernelError naming the index.
+void* unbound_buffer(unsigned index);
+
+// The threadgroup memory limit of Apple GPUs.
+static constexpr uint32_t kThreadgroupMemoryLimit = 32 * 1024;
+static constexpr uint32_t kMaxThreadsPerThreadgroup = 1024;
+
+class Worker;
+
+class Executor {
+ public:
+  Executor(LaneOrder order, uint64_t seed, unsigned workers);
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // Runs every threadgroup of the dispatch; throws lily::KernelError on the first failure.
+  void run(const PreparedDispatch& dispatch);
+  unsigned workers() const { return unsigned(workers_.size()); }
+
+ private:
+  friend class Worker;
+  void worker_loop(Worker& worker);
+
+  LaneOrder order_;
+  uint64_t seed_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::vector<std::thread> threads_;
+
+  std::mutex mutex_;
+  std::condition_variable start_, done_;
+  uint64_t generation_ = 0;
+  unsigned busy_ = 0;
+  bool stopping_ = false;
+  const PreparedDispatch* dispatch_ = nullptr;
+  uint64_t group_count_ = 0;
+  std::atomic<uint64_t> next_group_{0};
+  std::atomic<bool> abort_{false};
+  std::string error_;
+};
+
+}  // namespace lily_sim
