@@ -10,24 +10,36 @@ exits 1 if there is any.
 
 Rules checked (numbers follow devices.md):
 
-- MSL1: a pointer or reference (parameter, local, cast, return type) without an address space.
+- MSL1: a pointer or reference (parameter, local, cast, return type) without an address space,
+  at every level (`device float** p` leaves the outer pointer bare; `auto&` needs one too).
 - MSL2: a C-style, ``static_cast`` or ``reinterpret_cast`` conversion to a vector type.
 - MSL3: a ``boolN`` type, or a comparison of vector variables outside ``select``/``any``/``all``.
-- MSL4: a metal math function called on a bfloat value; a non-bfloat value stored into a bfloat
+- MSL4: a metal math function called on a bfloat value; a float/half value stored into a bfloat
   variable or element without an explicit ``bfloat(...)`` conversion.
-- MSL5: a barrier or SIMD collective under a condition (or after an early exit) that depends on the
-  thread's position: lane-dependent for any collective, simdgroup-dependent for threadgroup
-  barriers. Dependence is followed through assignments within a kernel; helper-function
-  parameters are assumed uniform, and ``break``/``continue`` are not tracked.
+- MSL5: in a kernel, a barrier or SIMD collective (or a helper that reaches one) under a
+  condition, or after an early ``return``, that depends on the thread's position. Conditions
+  varying per lane are divergent for every collective; conditions varying only per simdgroup
+  (`simdgroup_index_in_threadgroup`) are divergent for threadgroup barriers only, so a
+  whole-simdgroup early exit is fine. Variation is followed through assignments, scope-aware;
+  the result of a SIMD reduction counts as simdgroup-uniform.
 - MSL6: an initializer on threadgroup memory (it is never zeroed; Metal rejects initializers).
 - MSL7: ``double``, the C++ standard library (``std::``, non-metal ``#include <...>``),
   exceptions, ``new``/``delete``, ``virtual``, ``__metal_*`` intrinsics.
 - MSL8: an explicit instantiation of a kernel template without ``[[host_name("...")]]``, or one
   host name used twice.
 
-Types are known only by name: built-in scalar, vector and matrix types, and the structs,
-typedefs, aliases and template type parameters declared in the linted files. Values whose type
-comes from a template parameter or a macro argument are out of reach of MSL2-MSL4.
+Rule 9 (ulp-tolerance tests) is about tests, not kernel text. Limits, by design of a token pass:
+
+- Types are known only by name: built-in scalar, vector and matrix types, and the structs,
+  typedefs, aliases and template type parameters declared in the linted files. Values whose
+  type comes from a template parameter or a macro argument are out of reach of MSL2-MSL4, and
+  `T*` with `T` a macro parameter is not seen by MSL1 (the address-space pass sees it once the
+  macro is used).
+- MSL5 does not know launch shapes: `thread_position_in_threadgroup.y` counts as lane-varying
+  even when the threadgroup is one simdgroup wide, and `if (tid < 32)` is divergent to it even
+  though it selects whole simdgroups; write such conditions on the simdgroup index. Helper
+  functions are checked only through the kernels that call them (their parameters are unknown),
+  and ``break``/``continue``, ``do``-``while`` conditions and ``?:`` are not followed.
 """
 
 from __future__ import annotations
