@@ -19,29 +19,29 @@ target_link_libraries(_native PRIVATE "-framework Metal" "-framework Foundation"
 
 # The kernels use MSL 3.1 (bfloat): the same language version and math mode as the run-time
 # compile in metal_device.mm, so both paths build the same library.
-set(LILY_METAL_FLAGS -std=metal3.1 -mmacosx-version-min=14.0 -fno-fast-math)
+set(lily_metallib_flags -std=metal3.1 -mmacosx-version-min=14.0 -fno-fast-math)
 
 execute_process(
   COMMAND xcrun -sdk macosx metal --version
   RESULT_VARIABLE lily_metal_toolchain_missing
   OUTPUT_QUIET ERROR_QUIET)
 
-file(GLOB LILY_METAL_SOURCES CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.metal")
-file(GLOB LILY_METAL_HEADERS CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.h")
+file(GLOB lily_metallib_sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.metal")
+file(GLOB lily_metallib_headers CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.h")
 
-if(lily_metal_toolchain_missing OR NOT LILY_METAL_SOURCES)
+if(lily_metal_toolchain_missing OR NOT lily_metallib_sources)
   message(STATUS "Lily: no Metal toolchain (xcrun metal) or no kernels: the metal device will "
                  "compile metal/*.metal at first run")
 else()
   set(lily_air_files "")
-  foreach(source IN LISTS LILY_METAL_SOURCES)
+  foreach(source IN LISTS lily_metallib_sources)
     get_filename_component(stem "${source}" NAME_WE)
     set(air "${CMAKE_CURRENT_BINARY_DIR}/metal/${stem}.air")
     add_custom_command(
       OUTPUT "${air}"
       COMMAND "${CMAKE_COMMAND}" -E make_directory "${CMAKE_CURRENT_BINARY_DIR}/metal"
-      COMMAND xcrun -sdk macosx metal ${LILY_METAL_FLAGS} -c "${source}" -o "${air}"
-      DEPENDS "${source}" ${LILY_METAL_HEADERS}
+      COMMAND xcrun -sdk macosx metal ${lily_metallib_flags} -c "${source}" -o "${air}"
+      DEPENDS "${source}" ${lily_metallib_headers}
       COMMENT "Compiling Metal kernels ${stem}.metal"
       VERBATIM)
     list(APPEND lily_air_files "${air}")

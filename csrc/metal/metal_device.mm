@@ -414,14 +414,18 @@ class MetalDevice final : public Device {
   }
 
   void wait(uint64_t ticket) override {
+    // Declared before the lock so that the finished graphs' buffers are released after it: a
+    // wrapped buffer's owner may need Python's GIL, which a thread blocked in submit() holds.
+    std::vector<InFlight> finished;
     std::lock_guard<std::mutex> lock(mutex_);
     if (ticket == 0 || ticket > last_ticket_) {
       throw std::invalid_argument("unknown ticket " + std::to_string(ticket));
     }
     std::string failure;
     while (!in_flight_.empty() && in_flight_.front().ticket <= ticket) {
-      const InFlight job = std::move(in_flight_.front());
+      finished.push_back(std::move(in_flight_.front()));
       in_flight_.pop_front();
+      const InFlight& job = finished.back();
       @autoreleasepool {
         [job.commands waitUntilCompleted];
         if (job.commands.status == MTLCommandBufferStatusError) {
