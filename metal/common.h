@@ -21,7 +21,8 @@ inline uint simd_argmax(float value, uint index) {
 }
 
 // Sum of `value` over the whole threadgroup; every thread gets the same result, summed in the same
-// order. `scratch` holds one float per SIMD-group. Call from uniform control flow only.
+// order. `scratch` holds one float per SIMD-group and must not be reused before a barrier. Call
+// from uniform control flow only.
 inline float threadgroup_sum(float value, threadgroup float* scratch, uint threads,
                              uint simdgroup, uint lane) {
   const float partial = simd_sum(value);

@@ -85,17 +85,20 @@ def check_multi_projection(lane_order: str, in_dim: int, rows: list[int], bits: 
     rng = np.random.default_rng(len(rows) * in_dim)
     device = sim_device(lane_order)
     triples = [random_quantized(rng, r, in_dim, bits) for r in rows]
-    blob = np.concatenate([a.view(np.uint8).ravel() for triple in triples for a in triple])
-    blob_buffer = device.wrap(blob)
+    # Tensors start on 16-byte boundaries, as in an aligned checkpoint shard.
+    pieces, offsets, offset = [], [], 0
+    for array in (a for triple in triples for a in triple):
+        offsets.append(offset)
+        padded = -(-array.nbytes // 16) * 16
+        pieces.append(np.pad(array.view(np.uint8).ravel(), (0, padded - array.nbytes)))
+        offset += padded
+    blob_buffer = device.wrap(np.concatenate(pieces))
     out = float_buffer(device, sum(rows))
     x, x64 = random_input(rng, in_dim, "float32")
 
-    projections, offset, out_offset = [], 0, 0
-    for (weight, scales, biases), r in zip(triples, rows, strict=True):
-        refs = []
-        for array in (weight, scales, biases):
-            refs.append((blob_buffer, offset))
-            offset += array.nbytes
+    projections, out_offset = [], 0
+    for i, r in enumerate(rows):
+        refs = [(blob_buffer, offsets[3 * i + j]) for j in range(3)]
         projections.append(
             (QuantWeight(*refs, rows=r, in_dim=in_dim, bits=bits), (out, out_offset))
         )
