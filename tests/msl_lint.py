@@ -585,13 +585,25 @@ def _assignment_target(src: SourceFile, eq: int, stop: int) -> int | None:
     return j
 
 
+def _after_condition(src: SourceFile, start: int, end: int) -> int:
+    """Where the values of `cond ? a : b` in tokens[start:end] begin (`start` if no `?`)."""
+    depth = 0
+    for j in range(start, end):
+        text = src.text(j)
+        depth += text in ("(", "[")
+        depth -= text in (")", "]")
+        if text == "?" and depth == 0:
+            return j + 1
+    return start
+
+
 def _implicitly_non_bfloat(
     src: SourceFile, start: int, end: int, bfloats: dict[str, bool], others: dict[str, bool]
 ) -> bool:
     """Whether the expression tokens[start:end] visibly has a float/half type at its top level."""
     if src.text(start) == "{":
         return False
-    j = start
+    j = _after_condition(src, start, end)
     while j < end:
         tok = src.tokens[j]
         if tok.text == "(":

@@ -13,4 +13,6 @@ using namespace metal;
   bfloat w = 0.5f;  // expect: MSL4
   y[i] = bfloat(good + e + t) + w;
   y[i] = x[i];
+  y[i] = good > 0.0f ? x[i] : bfloat(0.0f);
+  y[i] = good > 0.0f ? x[i] : e;  // expect: MSL4
 }
