@@ -17,6 +17,10 @@ DECODE_STEPS = 32
 TOLERANCE = 1e-2
 
 
+def _greedy(engine, prompt, steps, stop_token_ids=()) -> list[int]:
+    return [t.id for t in engine.generate(prompt, steps, stop_token_ids)]
+
+
 def _prompt(vocab_size: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab_size, PROMPT_LENGTH).tolist()
 
@@ -34,7 +38,7 @@ def engines(request):
 def test_teacher_forced_logits_match_reference(engines):
     sim, reference = engines
     prompt = _prompt(sim.config.vocab_size, seed=1)
-    continuation = list(reference.generate_greedy(prompt, DECODE_STEPS))
+    continuation = _greedy(reference, prompt, DECODE_STEPS)
     tokens = prompt + continuation
     expected = reference.teacher_forced_logits(tokens)
     actual = sim.teacher_forced_logits(tokens)
@@ -46,8 +50,8 @@ def test_teacher_forced_logits_match_reference(engines):
 def test_greedy_tokens_match_reference_where_decided(engines):
     sim, reference = engines
     prompt = _prompt(sim.config.vocab_size, seed=2)
-    expected = list(reference.generate_greedy(prompt, DECODE_STEPS))
-    actual = list(sim.generate_greedy(prompt, DECODE_STEPS))
+    expected = _greedy(reference, prompt, DECODE_STEPS)
+    actual = _greedy(sim, prompt, DECODE_STEPS)
     assert len(actual) == DECODE_STEPS
     # Compare up to the first position where the reference's top-2 margin is within tolerance:
     # there either choice is right, and the sequences may legitimately diverge after it.
@@ -63,23 +67,23 @@ def test_greedy_tokens_match_reference_where_decided(engines):
 def test_generation_stops_after_a_stop_token(engines):
     sim, reference = engines
     prompt = _prompt(sim.config.vocab_size, seed=3)
-    expected = list(reference.generate_greedy(prompt, 8))
+    expected = _greedy(reference, prompt, 8)
     stop = expected[3]
-    produced = list(sim.generate_greedy(prompt, 8, stop_token_ids={stop}))
+    produced = _greedy(sim, prompt, 8, {stop})
     assert produced == expected[: expected.index(stop) + 1]
 
 
 def test_a_new_generation_starts_from_a_clean_state(engines):
     sim, _ = engines
     prompt = _prompt(sim.config.vocab_size, seed=4)
-    first = list(sim.generate_greedy(prompt, 6))
-    list(sim.generate_greedy(_prompt(sim.config.vocab_size, seed=5), 6))
-    assert list(sim.generate_greedy(prompt, 6)) == first
+    first = _greedy(sim, prompt, 6)
+    _greedy(sim, _prompt(sim.config.vocab_size, seed=5), 6)
+    assert _greedy(sim, prompt, 6) == first
 
 
 def test_context_overflow_is_refused_before_running(engines):
     sim, _ = engines
     with pytest.raises(ContextLengthError, match="exceeds the context"):
-        list(sim.generate_greedy([1] * sim.max_seq, 1))
+        _greedy(sim, [1] * sim.max_seq, 1)
     with pytest.raises(ValueError, match="empty"):
-        list(sim.generate_greedy([], 1))
+        _greedy(sim, [], 1)

@@ -71,11 +71,9 @@ class Lily:
         prompt_ids = self.tokenizer.encode(prompt)
         decoder = IncrementalDecoder(self.tokenizer)
         self.last_token_counts = (len(prompt_ids), 0)
-        for token in self.engine.generate_greedy(
-            prompt_ids, max_tokens, self.tokenizer.stop_token_ids
-        ):
+        for token in self.engine.generate(prompt_ids, max_tokens, self.tokenizer.stop_token_ids):
             self.last_token_counts = (len(prompt_ids), self.last_token_counts[1] + 1)
-            if piece := decoder.add(token):
+            if piece := decoder.add(token.id):
                 yield piece
         if tail := decoder.flush():
             yield tail

@@ -21,6 +21,10 @@ from lily.decode_graph import DecodeGraph
 from lily.errors import ContextLengthError
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 from lily.reference import ReferenceModel
+from lily.sampling import GeneratedToken, SamplingParams, sampling_distribution
+from lily.sampling import top_logprobs as top_logprobs_of
+
+GREEDY = SamplingParams()
 
 if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
@@ -34,10 +38,17 @@ class Engine(Protocol):
     config: ModelConfig
     max_seq: int
 
-    def generate_greedy(
-        self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Collection[int] = ()
-    ) -> Iterator[int]:
-        """Yields greedy tokens after `prompt` (a fresh sequence), stopping after a stop token."""
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Collection[int] = (),
+        sampling: SamplingParams = GREEDY,
+        top_logprobs: int | None = None,
+    ) -> Iterator[GeneratedToken]:
+        """Yields the tokens generated after `prompt` (a fresh sequence), stopping after a stop
+        token; with `top_logprobs` set, each carries its logprob and that many alternatives.
+        Closing the iterator stops the generation."""
         ...
 
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -75,11 +86,18 @@ class DeviceEngine:
         step = self._decode.step_view()
         step[POSITION], step[PROMPT_END], step[TOKEN] = 0, prompt_end, tokens[0]
 
-    def generate_greedy(
-        self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Collection[int] = ()
-    ) -> Iterator[int]:
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Collection[int] = (),
+        sampling: SamplingParams = GREEDY,
+        top_logprobs: int | None = None,
+    ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
+        if not sampling.greedy or top_logprobs is not None:
+            raise NotImplementedError("device sampling and logprobs are not wired in yet")
         if max_new_tokens == 0:
             return
         self._start(prompt, prompt_end=len(prompt))
@@ -90,23 +108,26 @@ class DeviceEngine:
         last_step = len(prompt) - 2 + max_new_tokens
         in_flight: deque[tuple[int, int]] = deque()
         next_step = 0
-        while True:
-            while next_step <= last_step and len(in_flight) < PIPELINE_DEPTH:
-                in_flight.append((next_step, self.device.submit(graph)))
-                next_step += 1
-            if not in_flight:
-                return
-            step, ticket = in_flight.popleft()
-            self.device.wait(ticket)
-            if step + 1 < len(prompt):
-                continue
-            token = int(history[step + 1])
-            yield token
-            if token in stop_token_ids:
-                # A speculative step may still run; it only writes state the next call clears.
-                for _, pending in in_flight:
-                    self.device.wait(pending)
-                return
+        try:
+            while True:
+                while next_step <= last_step and len(in_flight) < PIPELINE_DEPTH:
+                    in_flight.append((next_step, self.device.submit(graph)))
+                    next_step += 1
+                if not in_flight:
+                    return
+                step, ticket = in_flight.popleft()
+                self.device.wait(ticket)
+                if step + 1 < len(prompt):
+                    continue
+                token = int(history[step + 1])
+                yield GeneratedToken(token)
+                if token in stop_token_ids:
+                    return
+        finally:
+            # A speculative step may still be running (after a stop token, or when the caller
+            # closed the iterator); it only writes state the next generation clears.
+            for _, pending in in_flight:
+                self.device.wait(pending)
 
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
         tokens = [int(t) for t in tokens]
@@ -128,17 +149,33 @@ class ReferenceEngine:
         self.max_seq = max_seq
         self._model = ReferenceModel(checkpoint.config, checkpoint.tensors)
 
-    def generate_greedy(
-        self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Collection[int] = ()
-    ) -> Iterator[int]:
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Collection[int] = (),
+        sampling: SamplingParams = GREEDY,
+        top_logprobs: int | None = None,
+    ) -> Iterator[GeneratedToken]:
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
         if max_new_tokens == 0:
             return
+        sampling = sampling.with_seed()
         logits, state = self._model.prefill(prompt)
         next_logits = logits[-1]
         for produced in range(max_new_tokens):
-            token = int(np.argmax(next_logits))
-            yield token
+            position = len(prompt) + produced
+            if sampling.greedy:
+                token = int(np.argmax(next_logits))
+            else:
+                # One generator per (seed, position): a seed reproduces a run, step by step.
+                rng = np.random.default_rng([sampling.seed, position])
+                p = sampling_distribution(next_logits, sampling)
+                token = int(rng.choice(p.size, p=p))
+            logprobs = None
+            if top_logprobs is not None:
+                logprobs = top_logprobs_of(next_logits, token, top_logprobs)
+            yield GeneratedToken(token, logprobs)
             if token in stop_token_ids or produced + 1 == max_new_tokens:
                 return
             next_logits = self._model.decode(token, state)
