@@ -16,7 +16,8 @@ Rules checked (numbers follow devices.md):
 - MSL3: a ``boolN`` type, or a comparison of vector variables outside ``select``/``any``/``all``.
 - MSL4: a metal math function called on a bfloat value; a float/half value stored into a bfloat
   variable or element without an explicit ``bfloat(...)`` conversion.
-- MSL5: in a kernel, a barrier or SIMD collective (or a helper that reaches one) under a
+- MSL5: in a kernel, or in a helper as called from a kernel (with the variation of the
+  arguments it is passed), a barrier or SIMD collective (or a call that reaches one) under a
   condition, or after an early ``return``, that depends on the thread's position. Conditions
   varying per lane are divergent for every collective; conditions varying only per simdgroup
   (`simdgroup_index_in_threadgroup`) are divergent for threadgroup barriers only, so a
@@ -37,9 +38,9 @@ Rule 9 (ulp-tolerance tests) is about tests, not kernel text. Limits, by design 
   macro is used).
 - MSL5 does not know launch shapes: `thread_position_in_threadgroup.y` counts as lane-varying
   even when the threadgroup is one simdgroup wide, and `if (tid < 32)` is divergent to it even
-  though it selects whole simdgroups; write such conditions on the simdgroup index. Helper
-  functions are checked only through the kernels that call them (their parameters are unknown),
-  and ``break``/``continue``, ``do``-``while`` conditions and ``?:`` are not followed.
+  though it selects whole simdgroups; write such conditions on the simdgroup index. A helper is
+  followed only when its name and argument count pick one definition, and ``break``/``continue``,
+  ``do``-``while`` conditions and ``?:`` are not followed.
 """
 
 from __future__ import annotations
@@ -651,10 +652,9 @@ def collective_helpers(files: list[SourceFile]) -> dict[str, bool]:
     return helpers
 
 
-def check_uniform_collectives(src: SourceFile, helpers: dict[str, bool]) -> None:
-    for fn in find_functions(src):
-        if fn.is_kernel:
-            _check_kernel_collectives(src, fn, helpers)
+def check_uniform_collectives(files: list[SourceFile]) -> None:
+    """MSL5 over every kernel, and over every helper in the context of each kernel's call."""
+    CollectiveCheck(files).run()
 
 
 # A variable is known by the index of the token that declares it; names declared outside the
@@ -704,45 +704,109 @@ def _kernel_varying_params(src: SourceFile, fn: Function) -> dict[VariableKey, i
     return varying
 
 
-def _check_kernel_collectives(src: SourceFile, fn: Function, helpers: dict[str, bool]) -> None:
-    toks = src.tokens
-    names = resolve_variables(src, fn)
-    varying = _kernel_varying_params(src, fn)
-    _propagate_variation(src, fn, names, varying)
+def _parameter_names(src: SourceFile, fn: Function) -> list[int]:
+    """The token index of each parameter's name, in order."""
+    names = []
+    for start, end in _split_args(src, fn.params[0] + 1, fn.params[1]):
+        declared = [j for j in range(start, end) if _is_declaration(src, j)]
+        if declared:
+            names.append(declared[0])
+    return names
 
-    # Enclosing conditions as a stack of (closing index, variation level).
-    conditions: list[tuple[int, int]] = []
-    exited = UNIFORM  # the most varying condition under which some threads have returned
-    i = fn.body[0] + 1
-    while i < fn.body[1]:
-        conditions = [c for c in conditions if c[0] > i]
-        tok = toks[i]
-        if tok.text in CONTROL_KEYWORDS and src.text(i + 1) == "(":
-            close = _matching(toks, i + 1, "(", ")")
-            level = _variation(src, i + 2, close, names, varying)
-            scope_end = _statement_end(src, close + 1)
-            if tok.text == "if":
-                scope_end = _else_end(src, scope_end)
-                if level and _returns(src, close + 1, scope_end):
-                    exited = max(exited, level)
-            conditions.append((scope_end, level))
-        elif (
-            tok.text in SIMD_COLLECTIVES | THREADGROUP_BARRIERS | helpers.keys()
-            and src.text(i + 1) == "("
-            and src.text(i - 1) not in (".", "->")
-        ):
-            is_barrier = tok.text in THREADGROUP_BARRIERS or helpers.get(tok.text, False)
-            threshold = SIMDGROUP if is_barrier else LANE
+
+class CollectiveCheck:
+    """Walks each kernel, and each helper it calls with the variation of the arguments it passes,
+    reporting collectives reached under thread-dependent control flow."""
+
+    def __init__(self, files: list[SourceFile]):
+        self.files = files
+        self.helpers = collective_helpers(files)
+        self.definitions: dict[str, list[tuple[SourceFile, Function]]] = {}
+        for src in files:
+            for fn in find_functions(src):
+                if not fn.is_kernel:
+                    name = src.text(fn.params[0] - 1)
+                    self.definitions.setdefault(name, []).append((src, fn))
+        self.visited: set[tuple[str, int, tuple[int, ...]]] = set()
+
+    def run(self) -> None:
+        for src in self.files:
+            for fn in find_functions(src):
+                if fn.is_kernel:
+                    kernel = src.text(fn.params[0] - 1)
+                    self.check(src, fn, _kernel_varying_params(src, fn), kernel)
+
+    def check(
+        self, src: SourceFile, fn: Function, varying: dict[VariableKey, int], kernel: str
+    ) -> None:
+        """Check one function body, given how much its parameters vary."""
+        toks = src.tokens
+        names = resolve_variables(src, fn)
+        _propagate_variation(src, fn, names, varying)
+        context = "" if fn.is_kernel else f" (called from kernel {kernel})"
+
+        conditions: list[tuple[int, int]] = []  # enclosing (last index, variation level)
+        exited = UNIFORM  # the most varying condition under which some threads have returned
+        for i in range(fn.body[0] + 1, fn.body[1]):
+            conditions = [c for c in conditions if c[0] > i]
+            tok = toks[i]
+            if tok.text in CONTROL_KEYWORDS and src.text(i + 1) == "(":
+                close = _matching(toks, i + 1, "(", ")")
+                level = _variation(src, i + 2, close, names, varying)
+                scope_end = _statement_end(src, close + 1)
+                if tok.text == "if":
+                    scope_end = _else_end(src, scope_end)
+                    if level and _returns(src, close + 1, scope_end):
+                        exited = max(exited, level)
+                conditions.append((scope_end, level))
+                continue
+            is_collective = tok.text in SIMD_COLLECTIVES | THREADGROUP_BARRIERS
+            if not (
+                (is_collective or tok.text in self.helpers)
+                and src.text(i + 1) == "("
+                and src.text(i - 1) not in (".", "->")
+            ):
+                continue
+            is_barrier = tok.text in THREADGROUP_BARRIERS or self.helpers.get(tok.text, False)
             level = max([lvl for _, lvl in conditions], default=UNIFORM)
             what = tok.text
-            if tok.text in helpers:
+            if not is_collective:
                 reached = "threadgroup barrier" if is_barrier else "SIMD collective"
                 what = f"{tok.text} (which reaches a {reached})"
-            if level >= threshold:
-                src.report(tok, "MSL5", f"{what} under a thread-dependent condition")
+                self.enter_helper(src, i, names, varying, kernel)
+            if level >= (SIMDGROUP if is_barrier else LANE):
+                src.report(tok, "MSL5", f"{what} under a thread-dependent condition{context}")
             elif exited == LANE:
-                src.report(tok, "MSL5", f"{what} after a lane-dependent early exit")
-        i += 1
+                src.report(tok, "MSL5", f"{what} after a lane-dependent early exit{context}")
+
+    def enter_helper(
+        self,
+        src: SourceFile,
+        call: int,
+        names: dict[int, VariableKey],
+        varying: dict[VariableKey, int],
+        kernel: str,
+    ) -> None:
+        """Check the helper called at tokens[call] with the variation of the arguments passed."""
+        close = _matching(src.tokens, call + 1, "(", ")")
+        levels = tuple(
+            _variation(src, start, end, names, varying)
+            for start, end in _split_args(src, call + 2, close)
+        )
+        # Overloads and same-named members are told apart only by their parameter count.
+        candidates = [
+            (helper_src, helper, params)
+            for helper_src, helper in self.definitions.get(src.text(call), [])
+            if len(params := _parameter_names(helper_src, helper)) == len(levels)
+        ]
+        if len(candidates) != 1:
+            return
+        helper_src, helper, params = candidates[0]
+        key = (helper_src.path, helper.body[0], levels)
+        if key not in self.visited:
+            self.visited.add(key)
+            seed: dict[VariableKey, int] = dict(zip(params, levels, strict=True))
+            self.check(helper_src, helper, seed, kernel)
 
 
 def _propagate_variation(
@@ -913,19 +977,19 @@ def lint_sources(sources: dict[str, str]) -> list[Violation]:
         template_types |= templates
     files = [SourceFile(p, t, type_names, template_types) for p, t in sources.items()]
     kernel_templates = set().union(*(kernel_template_names(f) for f in files)) if files else set()
-    helpers = collective_helpers(files)
     host_names: dict[str, str] = {}
-    violations: list[Violation] = []
     for src in files:
         check_address_spaces(src)
         check_vector_casts(src)
         check_bool_vectors(src)
         check_bfloat(src)
-        check_uniform_collectives(src, helpers)
         check_threadgroup_initializers(src)
         check_forbidden(src)
         check_host_names(src, kernel_templates, host_names)
-        violations += sorted(set(src.violations), key=lambda v: (v.line, v.rule))
+    check_uniform_collectives(files)  # reports into the files that define helpers, too
+    violations: list[Violation] = []
+    for src in files:
+        violations += sorted(set(src.violations), key=lambda v: (v.line, v.rule, v.message))
     return violations
 
 

@@ -9,6 +9,11 @@ inline float block_sum(float v, threadgroup float* scratch, uint simdgroup, uint
   return scratch[0] + scratch[1];
 }
 
+// Uniform or not depending on what the caller passes: checked per call.
+inline void sync_if(bool flag) {
+  if (flag) threadgroup_barrier(mem_flags::mem_threadgroup);  // expect: MSL5
+}
+
 [[kernel]] void reduce(device const float* x [[buffer(0)]], device float* y [[buffer(1)]],
                        constant uint& n [[buffer(2)]],
                        uint row [[threadgroup_position_in_grid]],
@@ -30,6 +35,8 @@ inline float block_sum(float v, threadgroup float* scratch, uint simdgroup, uint
   for (uint k = lane; k < n; k += 32) {
     v += simd_shuffle_xor(v, 1);  // expect: MSL5
   }
+  sync_if(row > 3);  // a uniform flag: the barrier inside stays uniform
+  sync_if(lane == 0);
   const float total = simd_sum(v);
   if (total > 0.0f) {
     v = simd_max(v);
