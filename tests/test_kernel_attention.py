@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, sim_device
-from lily.device import Graph
 
 from lily import reference
+from lily.device import Graph
 from lily.kernels.attention import (
     HEAD_DIM,
     cache_bytes,
@@ -160,8 +160,9 @@ class DecodeCase:
         shape = (num_kv, self.capacity, HEAD_DIM)
         self.k_cache = np.full(shape, SENTINEL, dtype=np.uint16)
         self.v_cache = np.full(shape, SENTINEL, dtype=np.uint16)
-        self.k_cache[:, :context] = _bf16(rng.standard_normal((num_kv, context, HEAD_DIM)))
-        self.v_cache[:, :context] = _bf16(rng.standard_normal((num_kv, context, HEAD_DIM)))
+        filled = (num_kv, context, HEAD_DIM)
+        self.k_cache[:, :context] = _bf16(rng.standard_normal(filled, dtype=np.float32))
+        self.v_cache[:, :context] = _bf16(rng.standard_normal(filled, dtype=np.float32))
         # Queries of norm ~32 give scores of spread ~2: peaked enough to exercise the rescaling.
         self.queries = rng.normal(0, 2, (num_q, HEAD_DIM)).astype(np.float32)
         self.q_proj = np.full((num_q, 2, HEAD_DIM), np.nan, dtype=np.float32)

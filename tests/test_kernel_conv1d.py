@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, sim_device
-from lily.device import Graph
 
 from lily import reference
+from lily.device import Graph
 from lily.kernels.conv1d import KERNEL_TAPS, record_conv1d_step
 from lily.quant import bf16_to_float32, float32_to_bf16
 

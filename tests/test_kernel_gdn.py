@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, sim_device
-from lily.device import Graph
 
 from lily import reference
+from lily.device import Graph
 from lily.kernels.gdn import KEY_HEAD_DIM, VALUE_HEAD_DIM, record_gdn_step, state_bytes
 from lily.quant import bf16_to_float32, float32_to_bf16
 
