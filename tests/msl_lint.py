@@ -27,7 +27,7 @@ Rules checked (numbers follow devices.md):
 - MSL7: ``double``, the C++ standard library (``std::``, non-metal ``#include <...>``),
   exceptions, ``new``/``delete``, ``virtual``, ``__metal_*`` intrinsics.
 - MSL8: an explicit instantiation of a kernel template without ``[[host_name("...")]]``, or one
-  host name used twice.
+  kernel name (host name, or function name of a plain kernel) used twice across all files.
 
 Rule 9 (ulp-tolerance tests) is about tests, not kernel text. Limits, by design of a token pass:
 
@@ -395,6 +395,7 @@ class Function:
     params: tuple[int, int]  # token span of `( ... )`
     body: tuple[int, int]  # token span of `{ ... }`
     is_kernel: bool
+    is_template: bool
 
 
 def find_functions(src: SourceFile) -> list[Function]:
@@ -410,8 +411,12 @@ def find_functions(src: SourceFile) -> list[Function]:
                 head_start = open_paren
                 while head_start > 0 and toks[head_start - 1].text not in (";", "{", "}"):
                     head_start -= 1
-                is_kernel = any(t.text == "kernel" for t in toks[head_start:open_paren])
-                functions.append(Function((open_paren, close_paren), (i, end), is_kernel))
+                head = {t.text for t in toks[head_start:open_paren]}
+                functions.append(
+                    Function(
+                        (open_paren, close_paren), (i, end), "kernel" in head, "template" in head
+                    )
+                )
                 i = end if end > 0 else len(toks)
         i += 1
     return functions
@@ -930,6 +935,7 @@ def check_forbidden(src: SourceFile) -> None:
 
 
 def kernel_template_names(src: SourceFile) -> set[str]:
+    """Names of the kernel templates a file defines (`template <...> [[kernel]] void name(`)."""
     names = set()
     toks = src.tokens
     for i, tok in enumerate(toks):
@@ -939,21 +945,28 @@ def kernel_template_names(src: SourceFile) -> set[str]:
             while head_end < len(toks) and toks[head_end].text not in ("(", ";", "{"):
                 head_end += 1
             head = [t.text for t in toks[j:head_end]]
-            if "kernel" in head and head:
+            if "kernel" in head:
                 names.add(head[-1])
     return names
 
 
 def check_host_names(src: SourceFile, kernel_templates: set[str], seen: dict[str, str]) -> None:
+    """MSL8; `seen` maps each kernel name met so far (in any file) to where it was defined."""
     toks = src.tokens
+    kernel_names = {
+        fn.params[0] - 1: src.text(fn.params[0] - 1)  # a plain kernel is named by its function
+        for fn in find_functions(src)
+        if fn.is_kernel and not fn.is_template
+    }
     for i, tok in enumerate(toks):
-        if tok.text == "host_name" and src.text(i + 1) == "(" and toks[i + 2].kind == "str":
-            name = toks[i + 2].text
-            where = f"{src.path}:{tok.line}"
+        name = kernel_names.get(i)
+        if tok.text == "host_name" and src.text(i + 1) == "(" and src.kind(i + 2) == "str":
+            name = toks[i + 2].text.strip('"')
+        if name is not None:
             if name in seen:
-                src.report(tok, "MSL8", f"host name {name} already used at {seen[name]}")
+                src.report(tok, "MSL8", f'kernel name "{name}" already used at {seen[name]}')
             else:
-                seen[name] = where
+                seen[name] = f"{src.path}:{tok.line}"
         if tok.text != "template" or src.text(i + 1) == "<" or src.text(i - 1) in (".", "->", "::"):
             continue
         end = i
