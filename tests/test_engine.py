@@ -29,8 +29,9 @@ def _prompt(vocab_size: int, seed: int) -> list[int]:
 def engines(request):
     checkpoint = load_checkpoint(tiny_checkpoint(request.param))
     max_seq = PROMPT_LENGTH + DECODE_STEPS + 1
-    sim = DeviceEngine(checkpoint, open_device("sim"), max_seq)
-    reference = ReferenceEngine(checkpoint, max_seq)
+    vocab = checkpoint.config.vocab_size
+    sim = DeviceEngine(checkpoint, open_device("sim"), max_seq, vocab)
+    reference = ReferenceEngine(checkpoint, max_seq, vocab)
     yield sim, reference
     sim.close()
 

@@ -7,14 +7,18 @@ with lily.load("demo") as llm:
 
 from __future__ import annotations
 
+import json
 import platform
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from lily.checkpoint import Checkpoint, load_checkpoint, resolve_model
+from lily.chat import Chat
+from lily.chat_template import ChatTemplate
+from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
 from lily.detokenize import IncrementalDecoder
 from lily.engine import DeviceEngine, Engine, ReferenceEngine
+from lily.sampling import SamplingParams
 from lily.tokenizer import Tokenizer
 
 DEVICES = ("auto", "sim", "metal", "reference")
@@ -35,22 +39,49 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _make_engine(checkpoint: Checkpoint, device: str, max_seq: int) -> Engine:
+def _make_engine(checkpoint: Checkpoint, device: str, max_seq: int, token_count: int) -> Engine:
     if device == "reference":
-        return ReferenceEngine(checkpoint, max_seq)
+        return ReferenceEngine(checkpoint, max_seq, token_count)
     from lily.device import open_device
 
-    return DeviceEngine(checkpoint, open_device(device), max_seq)
+    return DeviceEngine(checkpoint, open_device(device), max_seq, token_count)
+
+
+def default_sampling(model_dir: Path) -> SamplingParams:
+    """The checkpoint's recommended sampling (`generation_config.json`, as transformers reads
+    it), else OpenAI's default of temperature 1."""
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if config.get("do_sample") is False:
+        return SamplingParams()
+    return SamplingParams(
+        temperature=float(config.get("temperature", 1.0)),
+        top_k=int(config.get("top_k", 0)),
+        top_p=float(config.get("top_p", 1.0)),
+        min_p=float(config.get("min_p", 0.0)),
+    )
 
 
 class Lily:
-    """One loaded model on one device. A context manager: `close()` frees the device."""
+    """One loaded model on one device. A context manager: `close()` frees the device.
 
-    def __init__(self, model_dir: Path, tokenizer: Tokenizer, engine: Engine, device: str):
+    `llm.chat.completions.create(...)` is the OpenAI-shaped chat API; `generate` and `stream`
+    complete raw text.
+    """
+
+    def __init__(
+        self, model_id: str, model_dir: Path, tokenizer: Tokenizer, engine: Engine, device: str
+    ):
+        self.model_id = model_id
         self.model_dir = model_dir
         self.tokenizer = tokenizer
+        self.chat_template = ChatTemplate.from_dir(
+            model_dir, special_tokens=tokenizer.special_tokens
+        )
+        self.default_sampling = default_sampling(model_dir)
         self.config = engine.config
         self.device = device
+        self.chat = Chat(self)
         self._engine: Engine | None = engine
         # Token counts of the last generation: (prompt tokens, generated tokens).
         self.last_token_counts = (0, 0)
@@ -121,5 +152,17 @@ def load(
             f"max_seq must be between 1 and {checkpoint.config.max_position_embeddings}, "
             f"got {max_seq}"
         )
-    engine = _make_engine(checkpoint, device, max_seq)
-    return Lily(model_dir, tokenizer, engine, device)
+    if tokenizer.vocab_size > checkpoint.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
+            f"{checkpoint.config.vocab_size}: they do not belong together"
+        )
+    engine = _make_engine(checkpoint, device, max_seq, tokenizer.vocab_size)
+    # The name clients pass as `model`: the repo id, "demo", or the directory's name.
+    if model is None:
+        model_id = DEFAULT_REPO
+    elif Path(model).is_dir():
+        model_id = model_dir.name
+    else:
+        model_id = model
+    return Lily(model_id, model_dir, tokenizer, engine, device)

@@ -23,7 +23,7 @@ from lily.kernels import attention
 from lily.kernels.conv1d import record_conv1d_step
 from lily.kernels.embedding import record_embedding
 from lily.kernels.gdn import record_gdn_step
-from lily.kernels.lm_head import record_lm_head
+from lily.kernels.lm_head import record_argmax
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
 from lily.kernels.norm import record_add_rms_norm, record_rms_norm
 from lily.kernels.quantized import record_qgemv
@@ -95,13 +95,18 @@ class _Scratch:
 class DecodeGraph:
     """The recorded step graph and the buffers it runs on."""
 
-    def __init__(self, checkpoint: Checkpoint, device: Device, capacity: int) -> None:
-        self.config = c = checkpoint.config
+    def __init__(
+        self, checkpoint: Checkpoint, device: Device, capacity: int, token_count: int
+    ) -> None:
+        """`token_count`: ids the tokenizer can produce. The lm_head has padding rows past it
+        (248320 vs 248077 on the real model) that must never be chosen."""
+        self.config = checkpoint.config
         self.device = device
         self.capacity = capacity
+        self.token_count = token_count
         self.weights = DeviceWeights(checkpoint, device)
         self.state = self._allocate_state()
-        self._scratch = _Scratch(c, device)
+        self._scratch = _Scratch(self.config, device)
         self.graph = Graph()
         self._record()
 
@@ -211,7 +216,9 @@ class DecodeGraph:
             )
             g.barrier()
         head = MODEL + "embed_tokens" if c.tie_word_embeddings else LM_HEAD
-        record_lm_head(g, dev, s.normed, w.quantized(head), self.state.logits, self.state.predicted)
+        record_qgemv(g, dev, s.normed, [(w.quantized(head), self.state.logits)])
+        g.barrier()
+        record_argmax(g, dev, self.state.logits, self.token_count, self.state.predicted)
         g.barrier()
         record_step_advance(
             g, dev, self.state.step, self.state.history, self.state.predicted, self.capacity

@@ -71,11 +71,14 @@ def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
 
 
 class DeviceEngine:
-    def __init__(self, checkpoint: Checkpoint, device: Device, max_seq: int) -> None:
+    def __init__(
+        self, checkpoint: Checkpoint, device: Device, max_seq: int, token_count: int
+    ) -> None:
+        """`token_count`: how many ids the tokenizer can produce; only those are generated."""
         self.config = checkpoint.config
         self.device = device
         self.max_seq = max_seq
-        self._decode = DecodeGraph(checkpoint, device, capacity=max_seq)
+        self._decode = DecodeGraph(checkpoint, device, max_seq, token_count)
 
     def _start(self, tokens: Sequence[int], prompt_end: int) -> None:
         """Clears the recurrent state and points the step buffer at the first token."""
@@ -144,9 +147,11 @@ class DeviceEngine:
 
 
 class ReferenceEngine:
-    def __init__(self, checkpoint: Checkpoint, max_seq: int) -> None:
+    def __init__(self, checkpoint: Checkpoint, max_seq: int, token_count: int) -> None:
+        """`token_count`: how many ids the tokenizer can produce; only those are generated."""
         self.config = checkpoint.config
         self.max_seq = max_seq
+        self.token_count = token_count
         self._model = ReferenceModel(checkpoint.config, checkpoint.tensors)
 
     def generate(
@@ -162,7 +167,7 @@ class ReferenceEngine:
             return
         sampling = sampling.with_seed()
         logits, state = self._model.prefill(prompt)
-        next_logits = logits[-1]
+        next_logits = logits[-1, : self.token_count]
         for produced in range(max_new_tokens):
             position = len(prompt) + produced
             if sampling.greedy:
@@ -178,7 +183,7 @@ class ReferenceEngine:
             yield GeneratedToken(token, logprobs)
             if token in stop_token_ids or produced + 1 == max_new_tokens:
                 return
-            next_logits = self._model.decode(token, state)
+            next_logits = self._model.decode(token, state)[: self.token_count]
 
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
         _check_fits(len(tokens), 0, self.max_seq)
