@@ -3,6 +3,7 @@ macOS workflow. None of these need a Mac; each check is shown to fail on a plant
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -225,6 +226,232 @@ def test_preflight_refuses_what_cannot_fit(preflight_output):
     message = preflight_output[2]
     assert "does not fit" in message
     assert "sysctl" not in message
+
+
+# --- the device compiled here against declarations transcribed from Apple's headers ------------
+#
+# clang on Linux type-checks Objective-C++ (ARC, blocks, @available) when given the headers. These
+# stand-ins declare, with the signatures of Apple's Foundation and Metal headers, exactly what the
+# device uses; test_stub_declarations_are_real_api checks each of their selectors against
+# metal_api.txt. They catch syntax, ARC and type mistakes; only a Mac checks the real headers.
+
+APPLE_HEADER_STUBS = {
+    "Foundation/Foundation.h": r"""
+#pragma once
+#include <cstdint>
+#include <cstddef>
+typedef signed char BOOL;
+#define YES ((BOOL)1)
+#define NO ((BOOL)0)
+typedef long NSInteger;
+typedef unsigned long NSUInteger;
+typedef double CFTimeInterval;
+#define nil nullptr
+@protocol NSObject
+@end
+__attribute__((objc_root_class)) @interface NSObject <NSObject>
++ (instancetype)alloc;
+- (instancetype)init;
+@end
+typedef struct {
+  unsigned long state;
+  id __unsafe_unretained* itemsPtr;
+  unsigned long* mutationsPtr;
+  unsigned long extra[5];
+} NSFastEnumerationState;
+@protocol NSFastEnumeration
+- (NSUInteger)countByEnumeratingWithState:(NSFastEnumerationState*)state
+                                  objects:(id __unsafe_unretained[])buffer
+                                    count:(NSUInteger)len;
+@end
+@interface NSString : NSObject
++ (instancetype)stringWithUTF8String:(const char*)s;
+@property(readonly) const char* UTF8String;
+@end
+@interface NSArray<ObjectType> : NSObject <NSFastEnumeration>
+@property(readonly) NSUInteger count;
+- (ObjectType)objectAtIndex:(NSUInteger)index;
+@end
+@interface NSError : NSObject
+@property(readonly) NSInteger code;
+@property(readonly, copy) NSString* localizedDescription;
+@end
+@interface NSURL : NSObject
++ (NSURL*)fileURLWithPath:(NSString*)path;
+@end
+@interface NSProcessInfo : NSObject
+@property(class, readonly, strong) NSProcessInfo* processInfo;
+@property(readonly) unsigned long long physicalMemory;
+@property(readonly, copy) NSString* operatingSystemVersionString;
+@end
+extern "C" void objc_enumerationMutation(id);
+""",
+    "Metal/Metal.h": r"""
+#pragma once
+#import <Foundation/Foundation.h>
+typedef enum MTLResourceOptions : NSUInteger {
+  MTLResourceStorageModeShared = 0
+} MTLResourceOptions;
+typedef enum MTLGPUFamily : NSInteger {
+  MTLGPUFamilyApple7 = 1007, MTLGPUFamilyApple8 = 1008, MTLGPUFamilyApple9 = 1009,
+  MTLGPUFamilyMetal3 = 5001
+} MTLGPUFamily;
+typedef enum MTLLanguageVersion : NSUInteger {
+  MTLLanguageVersion3_1 = (3 << 16) + 1
+} MTLLanguageVersion;
+typedef enum MTLMathMode : NSInteger {
+  MTLMathModeSafe = 0, MTLMathModeRelaxed = 1, MTLMathModeFast = 2
+} MTLMathMode;
+typedef enum MTLDispatchType : NSUInteger {
+  MTLDispatchTypeSerial = 0, MTLDispatchTypeConcurrent = 1
+} MTLDispatchType;
+typedef enum MTLBarrierScope : NSUInteger { MTLBarrierScopeBuffers = 1 } MTLBarrierScope;
+typedef enum MTLCommandBufferStatus : NSUInteger {
+  MTLCommandBufferStatusCompleted = 4, MTLCommandBufferStatusError = 5
+} MTLCommandBufferStatus;
+typedef enum MTLCommandBufferError : NSUInteger {
+  MTLCommandBufferErrorNone = 0, MTLCommandBufferErrorTimeout = 2,
+  MTLCommandBufferErrorPageFault = 3, MTLCommandBufferErrorOutOfMemory = 8
+} MTLCommandBufferError;
+typedef struct { NSUInteger width, height, depth; } MTLSize;
+inline MTLSize MTLSizeMake(NSUInteger w, NSUInteger h, NSUInteger d) { return {w, h, d}; }
+@protocol MTLResource <NSObject>
+@end
+@protocol MTLAllocation <NSObject>
+@end
+@protocol MTLBuffer <MTLResource, MTLAllocation>
+- (void*)contents;
+@property(readonly) NSUInteger length;
+@end
+@protocol MTLFunction <NSObject>
+@end
+@protocol MTLLibrary <NSObject>
+- (id<MTLFunction>)newFunctionWithName:(NSString*)functionName;
+@property(readonly) NSArray<NSString*>* functionNames;
+@end
+@protocol MTLComputePipelineState <NSObject>
+@property(readonly) NSUInteger maxTotalThreadsPerThreadgroup;
+@property(readonly) NSUInteger staticThreadgroupMemoryLength;
+@end
+@protocol MTLComputeCommandEncoder <NSObject>
+- (void)setComputePipelineState:(id<MTLComputePipelineState>)state;
+- (void)setBuffer:(id<MTLBuffer>)buffer offset:(NSUInteger)offset atIndex:(NSUInteger)index;
+- (void)setBytes:(const void*)bytes length:(NSUInteger)length atIndex:(NSUInteger)index;
+- (void)setThreadgroupMemoryLength:(NSUInteger)length atIndex:(NSUInteger)index;
+- (void)dispatchThreadgroups:(MTLSize)threadgroupsPerGrid
+    threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
+- (void)memoryBarrierWithScope:(MTLBarrierScope)scope;
+- (void)endEncoding;
+@end
+@protocol MTLCommandBuffer <NSObject>
+- (id<MTLComputeCommandEncoder>)computeCommandEncoderWithDispatchType:(MTLDispatchType)dispatchType;
+- (void)commit;
+- (void)waitUntilCompleted;
+@property(readonly) MTLCommandBufferStatus status;
+@property(readonly) NSError* error;
+@property(readonly) CFTimeInterval GPUStartTime;
+@property(readonly) CFTimeInterval GPUEndTime;
+@end
+@protocol MTLResidencySet <NSObject>
+- (void)addAllocation:(id<MTLAllocation>)allocation;
+- (void)removeAllocation:(id<MTLAllocation>)allocation;
+- (void)commit;
+- (void)requestResidency;
+@end
+@interface MTLResidencySetDescriptor : NSObject
+@property NSUInteger initialCapacity;
+@end
+@protocol MTLCommandQueue <NSObject>
+- (id<MTLCommandBuffer>)commandBuffer;
+- (void)addResidencySet:(id<MTLResidencySet>)residencySet;
+@end
+@interface MTLCompileOptions : NSObject
+@property MTLLanguageVersion languageVersion;
+@property BOOL fastMathEnabled;
+@property MTLMathMode mathMode;
+@end
+@protocol MTLDevice <NSObject>
+@property(readonly) NSString* name;
+- (BOOL)supportsFamily:(MTLGPUFamily)gpuFamily;
+@property(readonly) uint64_t recommendedMaxWorkingSetSize;
+@property(readonly) NSUInteger maxBufferLength;
+@property(readonly) NSUInteger maxThreadgroupMemoryLength;
+- (id<MTLCommandQueue>)newCommandQueue;
+- (id<MTLBuffer>)newBufferWithLength:(NSUInteger)length options:(MTLResourceOptions)options;
+- (id<MTLBuffer>)newBufferWithBytesNoCopy:(void*)pointer
+                                   length:(NSUInteger)length
+                                  options:(MTLResourceOptions)options
+                              deallocator:(void (^)(void* pointer, NSUInteger length))deallocator;
+- (id<MTLLibrary>)newLibraryWithSource:(NSString*)source
+                               options:(MTLCompileOptions*)options
+                                 error:(NSError**)error;
+- (id<MTLLibrary>)newLibraryWithURL:(NSURL*)url error:(NSError**)error;
+- (id<MTLComputePipelineState>)newComputePipelineStateWithFunction:(id<MTLFunction>)function
+                                                             error:(NSError**)error;
+- (id<MTLResidencySet>)newResidencySetWithDescriptor:(MTLResidencySetDescriptor*)desc
+                                               error:(NSError**)error;
+@end
+extern "C" id<MTLDevice> MTLCreateSystemDefaultDevice(void) __attribute__((ns_returns_retained));
+extern "C" NSArray<id<MTLDevice>>* MTLCopyAllDevices(void) __attribute__((ns_returns_retained));
+""",
+    "sys/sysctl.h": r"""
+#pragma once
+#include <cstddef>
+extern "C" int sysctlbyname(const char*, void*, size_t*, void*, size_t);
+""",
+}
+
+
+def type_check_device(source: str, tmp_path: Path, sdk: int) -> subprocess.CompletedProcess:
+    """clang -fsyntax-only over `source` as Objective-C++ with ARC; `sdk` as macOS SDK version."""
+    for name, text in APPLE_HEADER_STUBS.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    device = tmp_path / "metal_device.mm"
+    device.write_text(source)
+    command = [
+        cxx_compiler(), "-x", "objective-c++", "-std=c++20", "-fobjc-arc", "-fblocks",
+        "-fobjc-runtime=macosx-14.0", "-fsyntax-only", "-Wall", "-Wextra", "-Werror",
+        f"-D__MAC_OS_X_VERSION_MAX_ALLOWED={sdk}", "-I", str(tmp_path),
+        "-I", str(REPO / "csrc"), str(device),
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("sdk", [150000, 140000], ids=["macos15-sdk", "macos14-sdk"])
+def test_device_type_checks_against_apple_declarations(source, tmp_path, sdk):
+    result = type_check_device(source, tmp_path, sdk)
+    assert result.returncode == 0, result.stderr
+
+
+def test_type_check_catches_a_planted_mistake(source, tmp_path):
+    # Fast enumeration of an NSArray is `for (x in array)`; a C++ range-for does not compile.
+    broken = planted(source, "NSString* function in library", "NSString* function : library")
+    assert type_check_device(broken, tmp_path, 150000).returncode != 0
+
+
+def declared_selectors(header: str) -> set[str]:
+    """Selectors of the methods and properties an Objective-C header declares."""
+    names = set()
+    for statement in " ".join(header.split()).split(";"):
+        method = re.search(r"(?:^|\s)[-+] \((?:[^()]|\([^()]*\))*\)\s*(\w+)(.*)$", statement)
+        prop = re.search(r"@property\s*(\([^)]*\))?.*?(\w+)\s*$", statement)
+        if method:
+            keywords = re.findall(r"(\w+)\s*:\s*\(", method.group(1) + method.group(2))
+            names.add("".join(k + ":" for k in keywords) if keywords else method.group(1))
+        elif prop:
+            names.add(prop.group(2))
+            if "readonly" not in (prop.group(1) or ""):
+                names.add("set" + prop.group(2)[0].upper() + prop.group(2)[1:] + ":")
+    return names
+
+
+def test_stub_declarations_are_real_api(api):
+    known = objc_api_check.read_name_list(api)
+    allowed = objc_api_check.read_name_list(objc_api_check.DEFAULT_ALLOWLIST)
+    declared = set().union(*(declared_selectors(text) for text in APPLE_HEADER_STUBS.values()))
+    assert "newBufferWithBytesNoCopy:length:options:deallocator:" in declared
+    assert declared - known["selectors"] - allowed["selectors"] == set()
 
 
 # --- the macOS workflow -------------------------------------------------------------------------

@@ -61,14 +61,6 @@ bool at_least_macos_14() {
   return false;
 }
 
-// Residency sets fail inside virtual machines such as GitHub's macOS runners (MLX skips them
-// there for the same reason).
-bool running_in_vm() {
-  int present = 0;
-  size_t size = sizeof present;
-  return sysctlbyname("kern.hv_vmm_present", &present, &size, nullptr, 0) == 0 && present != 0;
-}
-
 id<MTLDevice> default_device() {
   id<MTLDevice> device = MTLCreateSystemDefaultDevice();
   if (device == nil) {
@@ -104,10 +96,18 @@ std::string unsupported_reason(id<MTLDevice> device) {
 // Keeps the device's buffers resident between command buffers (macOS 15 and later), so that
 // gigabytes of mapped files are not made resident again for every graph. Without a residency
 // set everything still works; Metal then makes each command buffer's buffers resident itself.
+#if LILY_MACOS_15_SDK
+// Residency sets fail inside virtual machines such as GitHub's macOS runners (MLX skips them
+// there for the same reason).
+bool running_in_vm() {
+  int present = 0;
+  size_t size = sizeof present;
+  return sysctlbyname("kern.hv_vmm_present", &present, &size, nullptr, 0) == 0 && present != 0;
+}
+
 class Residency {
  public:
   Residency(id<MTLDevice> device, id<MTLCommandQueue> queue) {
-#if LILY_MACOS_15_SDK
     if (@available(macOS 15.0, *)) {
       if (running_in_vm()) return;
       MTLResidencySetDescriptor* descriptor = [[MTLResidencySetDescriptor alloc] init];
@@ -118,11 +118,9 @@ class Residency {
       [queue addResidencySet:set];
       set_ = set;
     }
-#endif
   }
 
   void add(id<MTLBuffer> buffer) {
-#if LILY_MACOS_15_SDK
     if (@available(macOS 15.0, *)) {
       std::lock_guard<std::mutex> lock(mutex_);
       id<MTLResidencySet> set = set_;
@@ -131,11 +129,9 @@ class Residency {
       [set commit];
       [set requestResidency];
     }
-#endif
   }
 
   void remove(id<MTLBuffer> buffer) {
-#if LILY_MACOS_15_SDK
     if (@available(macOS 15.0, *)) {
       std::lock_guard<std::mutex> lock(mutex_);
       id<MTLResidencySet> set = set_;
@@ -143,13 +139,20 @@ class Residency {
       [set removeAllocation:buffer];
       [set commit];
     }
-#endif
   }
 
  private:
   std::mutex mutex_;
-  id set_ = nil;  // an id<MTLResidencySet>; untyped so that older SDKs compile this class
+  id set_ = nil;  // an id<MTLResidencySet>, untyped because the type needs macOS 15 at run time
 };
+#else
+class Residency {
+ public:
+  Residency(id<MTLDevice>, id<MTLCommandQueue>) {}
+  void add(id<MTLBuffer>) {}
+  void remove(id<MTLBuffer>) {}
+};
+#endif
 
 // A buffer is a window onto an MTLBuffer: no-copy buffers must cover whole pages, so the
 // window of a wrapped region may start `offset_` bytes into its MTLBuffer.
