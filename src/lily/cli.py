@@ -1,39 +1,72 @@
-"""The `lily` command line."""
+"""The `lily` command line: chat, generate, serve, bench, info.
+
+Every command that runs a model takes the same model arguments (`--model`, `--revision`,
+`--device`, `--max-seq`). Heavy imports (numpy, the native module, uvicorn) happen inside the
+commands so that `lily --help` answers at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
 from lily.api import DEVICES
 
+if TYPE_CHECKING:
+    from lily.api import Lily
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+DEMO_NOTE = "[demo model: random weights, the text is meant to be nonsense]"
+# The benchmark contract (product.md): exactly this many measured decode steps per arm.
+BENCH_DECODE_STEPS = 64
+BENCH_CONTEXTS_HELP = (
+    "prompt lengths in tokens, one arm each (several run each in a fresh process); the contract "
+    "uses 256..131072 on the real model, keep it small on the CPU simulator"
+)
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str | None) -> None:
+    shown = default_model or "mlx-community/Qwen3.6-35B-A3B-4bit"
     parser.add_argument(
         "--model",
-        default=None,
+        default=default_model,
         help="a local checkpoint directory, a Hugging Face repo id, or 'demo' (a tiny model with "
-        "random weights); default: mlx-community/Qwen3.6-35B-A3B-4bit",
+        f"random weights that runs anywhere); default: {shown}",
     )
     parser.add_argument("--revision", default=None, help="the repo revision to download")
     parser.add_argument(
         "--device",
         default="auto",
         choices=DEVICES,
-        help="auto: metal on Apple silicon, the CPU simulator elsewhere",
+        help="auto: metal on Apple silicon, the CPU simulator elsewhere; reference: the numpy "
+        "model (slow, for checking)",
     )
     parser.add_argument("--max-seq", type=int, default=None, help="context length in tokens")
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace, max_seq: int | None = None) -> Lily:
     from lily.api import load
 
-    llm = load(args.model, revision=args.revision, device=args.device, max_seq=args.max_seq)
-    with llm:
-        if args.model == "demo":
-            print("[demo model: random weights, the text is meant to be nonsense]", file=sys.stderr)
+    llm = load(
+        args.model, revision=args.revision, device=args.device, max_seq=max_seq or args.max_seq
+    )
+    if args.model == "demo":
+        print(DEMO_NOTE, file=sys.stderr)
+    return llm
+
+
+# --- generate ---------------------------------------------------------------------------------
+
+
+def _generate(args: argparse.Namespace) -> int:
+    with _load(args) as llm:
         start = time.perf_counter()
         print(args.prompt, end="", flush=True)
         for piece in llm.stream(args.prompt, max_tokens=args.max_tokens):
@@ -49,17 +82,392 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- chat -------------------------------------------------------------------------------------
+
+CHAT_HELP = (
+    "commands: /reset forgets the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops a reply"
+)
+
+
+class ChatSession:
+    """An interactive conversation: keeps the history, streams each reply to `out`.
+
+    Ctrl-C (KeyboardInterrupt) while a reply streams closes the generation (the engine stops
+    within one token) and keeps what was shown as the assistant's turn; the chat goes on.
+    """
+
+    def __init__(
+        self,
+        llm: Lily,
+        out: IO[str],
+        *,
+        system: str | None = None,
+        request: dict[str, Any] | None = None,
+    ):
+        self.llm = llm
+        self.out = out
+        self.system = system
+        self.request = request or {}
+        self.history: list[dict[str, str]] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.history = [{"role": "system", "content": self.system}] if self.system else []
+
+    def handle(self, line: str) -> bool:
+        """Acts on one line of input; False when the user asked to leave."""
+        text = line.strip()
+        if not text:
+            return True
+        if text in ("/exit", "/quit"):
+            return False
+        if text == "/reset":
+            self.reset()
+            self.out.write("[conversation forgotten]\n")
+        elif text == "/help":
+            self.out.write(CHAT_HELP + "\n")
+        else:
+            self.reply(text)
+        return True
+
+    def reply(self, text: str) -> None:
+        self.history.append({"role": "user", "content": text})
+        stream = self.llm.chat.completions.create(
+            messages=self.history, stream=True, **self.request
+        )
+        answer: list[str] = []
+        thinking = False
+        try:
+            for chunk in stream:
+                if not chunk.choices:
+                    continue
+                delta = chunk.choices[0].delta
+                if delta.reasoning_content:
+                    if not thinking:
+                        self.out.write("[thinking] ")
+                        thinking = True
+                    self.out.write(delta.reasoning_content)
+                if delta.content:
+                    if thinking:
+                        self.out.write("\n[answer] ")
+                        thinking = False
+                    answer.append(delta.content)
+                    self.out.write(delta.content)
+                self.out.flush()
+        except KeyboardInterrupt:
+            self.out.write(" [stopped]")
+        finally:
+            stream.close()
+            self.out.write("\n")
+            self.out.flush()
+        self.history.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _read_lines(prompt: str) -> Iterator[str]:
+    """Input lines until end of input; Ctrl-C at the prompt only cancels that line."""
+    while True:
+        try:
+            yield input(prompt)
+        except EOFError:
+            return
+        except KeyboardInterrupt:
+            print("\n" + CHAT_HELP, file=sys.stderr)
+
+
+def _chat_request(args: argparse.Namespace) -> dict[str, Any]:
+    request: dict[str, Any] = {"max_tokens": args.max_tokens}
+    if args.temperature is not None:
+        request["temperature"] = args.temperature
+    if args.seed is not None:
+        request["seed"] = args.seed
+    if args.no_thinking:
+        request["chat_template_kwargs"] = {"enable_thinking": False}
+    return request
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from lily.errors import RequestError
+
+    with _load(args) as llm:
+        session = ChatSession(llm, sys.stdout, system=args.system, request=_chat_request(args))
+        print(f"[{llm.model_id} on {llm.device}; {CHAT_HELP}]", file=sys.stderr)
+        prompt = "> " if sys.stdin.isatty() else ""
+        for line in _read_lines(prompt):
+            try:
+                if not session.handle(line):
+                    break
+            except RequestError as exc:
+                # E.g. the conversation outgrew the context: say so and let the user /reset.
+                session.history.pop()
+                print(f"[error: {exc.message}]", file=sys.stderr)
+    return 0
+
+
+# --- serve ------------------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from lily.server import serve
+
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        device=args.device,
+        revision=args.revision,
+        max_seq=args.max_seq,
+        queue_limit=args.queue_limit,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+# --- bench ------------------------------------------------------------------------------------
+
+
+def synthetic_prompt(length: int, vocab_size: int) -> list[int]:
+    """The benchmark contract's prompt: token i = ((i * 2654435761) mod 2^32) mod vocab."""
+    return [((i * 2654435761) % 2**32) % vocab_size for i in range(length)]
+
+
+def measure(llm: Lily, context: int) -> dict[str, float]:
+    """One arm: an exact-shape warm-up, then one measured prefill (until the first token is
+    delivered, with the next step already submitted) and exactly 64 measured greedy decode
+    steps. No stop tokens: every step counts."""
+    prompt = synthetic_prompt(context, llm.config.vocab_size)
+    steps = BENCH_DECODE_STEPS + 1  # the prefill's token, then the measured decode steps
+    for _ in llm.engine.generate(prompt, steps):
+        pass
+    start = time.perf_counter()
+    tokens = llm.engine.generate(prompt, steps)
+    next(tokens)
+    first_token = time.perf_counter()
+    decoded = sum(1 for _ in tokens)
+    end = time.perf_counter()
+    if decoded != BENCH_DECODE_STEPS:
+        raise RuntimeError(f"decoded {decoded} steps instead of {BENCH_DECODE_STEPS}")
+    prefill_s, decode_s = first_token - start, end - first_token
+    return {
+        "context": context,
+        "prefill_s": prefill_s,
+        "prefill_tok_s": context / prefill_s,
+        "decode_steps": decoded,
+        "decode_s": decode_s,
+        "decode_tok_s": decoded / decode_s,
+    }
+
+
+def _print_arm(arm: dict[str, float], device: str) -> None:
+    print(
+        f"{device} context {arm['context']}: prefill {arm['prefill_tok_s']:.1f} tok/s "
+        f"({arm['prefill_s']:.3f} s), decode {arm['decode_tok_s']:.1f} tok/s "
+        f"({arm['decode_steps']} steps in {arm['decode_s']:.3f} s)",
+        flush=True,
+    )
+
+
+def _model_arguments_of(args: argparse.Namespace) -> list[str]:
+    argv = ["--device", args.device]
+    if args.model is not None:
+        argv += ["--model", args.model]
+    if args.revision is not None:
+        argv += ["--revision", args.revision]
+    return argv
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if len(args.context) > 1:
+        # The contract wants a fresh process per arm: nothing warm carries over between arms.
+        for context in args.context:
+            argv = ["bench", "--context", str(context), *_model_arguments_of(args)]
+            if args.json:
+                argv.append("--json")
+            done = subprocess.run([sys.executable, "-m", "lily.cli", *argv], check=False)
+            if done.returncode != 0:
+                return done.returncode
+        return 0
+    (context,) = args.context
+    if context < 1:
+        print("lily bench: --context must be at least 1", file=sys.stderr)
+        return 2
+    with _load(args, max_seq=max(args.max_seq or 0, context + BENCH_DECODE_STEPS + 1)) as llm:
+        arm = measure(llm, context)
+        if args.json:
+            print(json.dumps({"device": llm.device, **arm}), flush=True)
+        else:
+            _print_arm(arm, llm.device)
+    return 0
+
+
+# --- info -------------------------------------------------------------------------------------
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gpu_lines() -> list[str]:
+    from lily import _native
+    from lily.api import resolve_device
+
+    lines = [f"device (auto):   {resolve_device('auto')}"]
+    if not hasattr(_native, "metal_device_info"):
+        lines.append("metal:           not in this build (Apple silicon and macOS only)")
+        return lines
+    try:
+        info = _native.metal_device_info()
+    except RuntimeError as exc:
+        return [*lines, f"metal:           unavailable ({exc})"]
+    lines.append(f"gpu:             {info['name']}, family {info['gpu_family']}")
+    if info.get("recommended_working_set"):
+        lines.append(f"gpu working set: {_gib(info['recommended_working_set'])} recommended")
+    if not info.get("supported", True):
+        lines.append(f"metal:           cannot run Lily's kernels: {info['unsupported_reason']}")
+    return lines
+
+
+def _cached_default_checkpoint() -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from lily.checkpoint import DEFAULT_REPO, DEFAULT_REVISION, DOWNLOAD_PATTERNS
+
+    label = f"{DEFAULT_REPO}@{DEFAULT_REVISION[:10]}"
+    try:
+        path = Path(
+            snapshot_download(
+                DEFAULT_REPO,
+                revision=DEFAULT_REVISION,
+                allow_patterns=DOWNLOAD_PATTERNS,
+                local_files_only=True,
+            )
+        )
+    except (LocalEntryNotFoundError, OSError):
+        return f"{label}: not downloaded (the first `lily.load()` fetches it)"
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return f"{label}: partly downloaded at {path} (no shard index yet)"
+    shards = set(json.loads(index.read_text())["weight_map"].values())
+    present = {p.name for p in path.glob("*.safetensors")}
+    missing = len(shards - present)
+    if missing:
+        return f"{label}: partly downloaded at {path} ({missing} of {len(shards)} shards missing)"
+    size = sum((path / name).stat().st_size for name in shards)
+    return f"{label}: cached at {path} ({_gib(size)})"
+
+
+def _cached_demo() -> str:
+    root = Path(os.environ.get("LILY_CACHE") or Path.home() / ".cache" / "lily")
+    demos = sorted(root.glob("demo-*"))
+    if not demos:
+        return "demo: not generated yet (made on first use, a few seconds)"
+    return f"demo: generated at {demos[-1]}"
+
+
+def _info(args: argparse.Namespace) -> int:
+    from lily import __version__
+
+    memory = _physical_memory()
+    lines = [
+        f"lily:            {__version__}",
+        f"python:          {platform.python_version()} on {platform.system()} {platform.machine()}",
+        f"memory:          {_gib(memory) if memory else 'unknown'}",
+        *_gpu_lines(),
+        f"checkpoint:      {_cached_default_checkpoint()}",
+        f"                 {_cached_demo()}",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+# --- the parser -------------------------------------------------------------------------------
+
+
 def _parser() -> argparse.ArgumentParser:
+    from lily.server import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_QUEUE_LIMIT
+
     parser = argparse.ArgumentParser(
         prog="lily",
-        description="Run Qwen3.6-35B-A3B through Lily's hand-written kernels.",
+        description="Run Qwen3.6-35B-A3B through Lily's hand-written kernels. Try it anywhere "
+        "with the tiny random-weight demo model: lily chat --model demo",
+        epilog="Run `lily COMMAND --help` for the options of one command.",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    generate = commands.add_parser("generate", help="complete a raw prompt (no chat template)")
-    _add_model_arguments(generate)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, summary: str, run: Callable[[argparse.Namespace], int]) -> Any:
+        sub = commands.add_parser(name, help=summary, description=summary)
+        sub.set_defaults(run=run)
+        return sub
+
+    chat = command(
+        "chat",
+        "talk with the model in the terminal (streaming; " + CHAT_HELP + ")",
+        _chat,
+    )
+    _add_model_arguments(chat, default_model=None)
+    chat.add_argument("--system", default=None, help="a system message that starts the chat")
+    chat.add_argument("--max-tokens", type=int, default=1024, help="longest reply, in tokens")
+    chat.add_argument("--temperature", type=float, default=None, help="0 is greedy")
+    chat.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    chat.add_argument(
+        "--no-thinking", action="store_true", help="answer without the <think> reasoning phase"
+    )
+
+    generate = command("generate", "complete a raw prompt (no chat template), greedily", _generate)
+    _add_model_arguments(generate, default_model=None)
     generate.add_argument("prompt", help="the text to continue")
     generate.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
-    generate.set_defaults(run=_generate)
+
+    serve = command(
+        "serve",
+        "serve the OpenAI chat-completions API (POST /v1/chat/completions, GET /v1/models, "
+        "GET /health, GET /openapi.json)",
+        _serve,
+    )
+    _add_model_arguments(serve, default_model=None)
+    serve.add_argument(
+        "--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)"
+    )
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("LILY_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LILY_API_KEY, or "
+        "no key)",
+    )
+    serve.add_argument(
+        "--queue-limit",
+        type=int,
+        default=DEFAULT_QUEUE_LIMIT,
+        help="requests that may wait while one runs; more get 503 with Retry-After",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+    )
+
+    bench = command(
+        "bench",
+        f"measure prefill and decode speed (greedy, synthetic prompt, warm-up, one prefill, "
+        f"{BENCH_DECODE_STEPS} decode steps)",
+        _bench,
+    )
+    _add_model_arguments(bench, default_model=None)
+    bench.add_argument(
+        "--context", type=int, nargs="+", default=[256], metavar="TOKENS", help=BENCH_CONTEXTS_HELP
+    )
+    bench.add_argument("--json", action="store_true", help="one JSON object per arm")
+
+    command("info", "show the device, GPU family, memory and which checkpoints are cached", _info)
     return parser
 
 

@@ -1,0 +1,805 @@
+"""`lily serve`: the OpenAI chat-completions API over HTTP, on one engine.
+
+Routes: `POST /v1/chat/completions` (JSON, or server-sent events ending in `data: [DONE]`),
+`GET /v1/models`, `GET /v1/models/{model}`, `GET /health`, and `GET /openapi.json` describing them.
+
+The engine runs one generation at a time and is not thread-safe, so one worker thread owns it and
+takes requests from a bounded first-in first-out queue: requests never interleave, a full queue
+answers 503 with `Retry-After`, a streaming client that goes away has its generation closed
+(the facade stops within one token) and the worker moves on to the next request. The HTTP side is
+Starlette on uvicorn; it only parses, checks and relays.
+
+Every failure a client can cause is an OpenAI error object,
+`{"error": {"message", "type", "param", "code"}}`, with the status the `openai` SDK expects:
+400 bad request, 401 missing or wrong API key, 404 unknown model or route, 413 body over the limit,
+422 well-formed JSON whose fields have the wrong type or range, 503 queue full. Anything else is
+a 500 whose body says nothing about the server's internals (the log has the traceback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import inspect
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from lily import __version__
+from lily.errors import RequestError, UnsupportedParameterError
+
+if TYPE_CHECKING:
+    from lily.api import Lily
+
+logger = logging.getLogger("lily.server")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+# Requests allowed to wait while one runs. A full queue answers 503 instead of growing unbounded.
+DEFAULT_QUEUE_LIMIT = 64
+# Largest request body accepted (413 above): far more text than any context holds, small enough
+# that a hostile client cannot make the server buffer gigabytes.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# What a 503 tells clients to wait before retrying (the openai SDK honours it).
+RETRY_AFTER_SECONDS = 1
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+# --- Errors ---------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error the server answers with an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    @classmethod
+    def from_request_error(cls, error: RequestError) -> APIError:
+        return cls(
+            error.status,
+            error.message,
+            error_type=error.error_type,
+            param=error.param,
+            code=error.code,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _internal_error() -> APIError:
+    return APIError(
+        500,
+        "the server failed while handling this request; it is still serving, see its log",
+        error_type="server_error",
+        code="internal_error",
+    )
+
+
+def _as_api_error(exc: BaseException) -> APIError:
+    """The answer for an exception raised while serving a request: request errors keep their
+    status and names; anything else is logged and becomes an opaque 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestError):
+        return APIError.from_request_error(exc)
+    logger.error("request failed", exc_info=exc)
+    return _internal_error()
+
+
+# --- Request schema: one description used to validate requests and to publish OpenAPI --------
+
+_STRING: dict[str, Any] = {"type": "string"}
+_CONTENT_PART = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": _STRING, "text": _STRING},
+}
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": _STRING,
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": _STRING, "arguments": _STRING},
+        },
+    },
+}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"type": ["string", "array", "null"], "items": _CONTENT_PART},
+        "reasoning_content": {"type": ["string", "null"]},
+        "name": _STRING,
+        "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL},
+        "tool_call_id": _STRING,
+    },
+}
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": _STRING,
+                "description": _STRING,
+                "parameters": {"type": "object"},
+                "strict": {"type": ["boolean", "null"]},
+            },
+        },
+    },
+}
+
+
+def _nullable(kind: str, **bounds: Any) -> dict[str, Any]:
+    return {"type": [kind, "null"], **bounds}
+
+
+CHAT_REQUEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["messages"],
+    "description": "Fields set to null take their default. Fields not listed are answered with "
+    "400 unsupported_parameter unless Lily implements them.",
+    "properties": {
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "model": _nullable("string"),
+        "max_tokens": _nullable("integer", minimum=0),
+        "max_completion_tokens": _nullable("integer", minimum=0),
+        "stream": _nullable("boolean"),
+        "stream_options": {
+            "type": ["object", "null"],
+            "properties": {"include_usage": {"type": "boolean"}},
+        },
+        "stop": {"type": ["string", "array", "null"], "items": _STRING},
+        "temperature": _nullable("number", minimum=0, maximum=2),
+        "top_p": _nullable("number", minimum=0, maximum=1),
+        "top_k": _nullable("integer", minimum=0),
+        "min_p": _nullable("number", minimum=0, maximum=1),
+        "seed": _nullable("integer", minimum=0),
+        "logprobs": _nullable("boolean"),
+        "top_logprobs": _nullable("integer", minimum=0, maximum=20),
+        "tools": {"type": ["array", "null"], "items": _TOOL},
+        "tool_choice": {
+            "type": ["string", "object", "null"],
+            "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "properties": {"name": _STRING}},
+            },
+        },
+        "prompt_cache_key": _nullable("string"),
+        "chat_template_kwargs": _nullable("object"),
+    },
+}
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+    "null": lambda v: v is None,
+}
+
+
+def _schema_error(where: str, message: str) -> APIError:
+    return APIError(422, f"{where}: {message}", param=where, code="invalid_type")
+
+
+def validate(value: Any, schema: dict[str, Any], where: str) -> None:
+    """Checks `value` against the JSON Schema subset used above (type, enum, minimum, maximum,
+    minItems, items, properties, required); raises a 422 naming the first offending field."""
+    kinds = schema.get("type")
+    if kinds is not None:
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        if not any(_JSON_TYPES[kind](value) for kind in kinds):
+            expected = " or ".join("null" if k == "null" else f"{k}" for k in kinds)
+            raise _schema_error(where, f"expected {expected}, got {_json_type_name(value)}")
+    if "enum" in schema and value not in schema["enum"]:
+        raise _schema_error(where, f"must be one of {', '.join(map(str, schema['enum']))}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        low = schema.get("minimum", _INT64[0] if isinstance(value, int) else -math.inf)
+        high = schema.get("maximum", _INT64[1] if isinstance(value, int) else math.inf)
+        if not low <= value <= high:
+            raise _schema_error(where, f"must be between {low} and {high}, got {value}")
+    if isinstance(value, list):
+        if len(value) < schema.get("minItems", 0):
+            raise _schema_error(where, f"needs at least {schema['minItems']} item(s)")
+        if "items" in schema:
+            for i, item in enumerate(value):
+                validate(item, schema["items"], f"{where}[{i}]")
+    if isinstance(value, dict):
+        for name in schema.get("required", ()):
+            if name not in value:
+                raise _schema_error(f"{where}.{name}", "is required")
+        for name, sub in schema.get("properties", {}).items():
+            if name in value:
+                validate(value[name], sub, f"{where}.{name}")
+
+
+def _json_type_name(value: Any) -> str:
+    for name in ("null", "boolean", "integer", "number", "string", "array", "object"):
+        if _JSON_TYPES[name](value):
+            return name
+    return type(value).__name__
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_text_is_unicode(document: Any) -> None:
+    """JSON allows lone surrogates (\\ud800) that no tokenizer can encode; refuse them here.
+    Iterative so that a deeply nested body cannot exhaust the stack."""
+    stack = [document]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "the body contains text that is not valid Unicode") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def parse_chat_request(body: bytes) -> dict[str, Any]:
+    """The request's fields, checked for JSON shape and types; null fields are dropped (they
+    mean "the default" in the OpenAI API)."""
+    try:
+        document = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        message = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        raise APIError(400, f"the body is not valid JSON: {message}", code="invalid_json") from None
+    if not isinstance(document, dict):
+        raise APIError(
+            400,
+            f"the body must be a JSON object, got {_json_type_name(document)}",
+            code="invalid_json",
+        )
+    _check_text_is_unicode(document)
+    request = {name: value for name, value in document.items() if value is not None}
+    for name, schema in CHAT_REQUEST_SCHEMA["properties"].items():
+        if name in request:
+            validate(request[name], schema, name)
+    if "messages" not in request:
+        raise APIError(400, "messages is required", param="messages", code="missing_required")
+    return request
+
+
+def _accepted_parameters(create: Callable[..., Any]) -> set[str] | None:
+    """The keyword names the facade's `create` takes, or None if it takes any (`**kwargs`)."""
+    parameters = inspect.signature(create).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters}
+
+
+# --- The engine worker ------------------------------------------------------------------------
+
+_DONE = object()
+
+
+@dataclass
+class Job:
+    """One request for the worker. Its results go back to the event loop through `events`:
+    a ChatCompletion, ChatCompletionChunks then `_DONE`, or an exception."""
+
+    params: dict[str, Any]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Set when the client has gone: a queued job is skipped, a running stream is closed.
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop has shut down
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    async def next_event(self) -> Any:
+        return await self.events.get()
+
+
+class QueueFullError(Exception):
+    pass
+
+
+class EngineWorker:
+    """The one thread that touches the engine: runs jobs one at a time, in arrival order."""
+
+    def __init__(self, llm: Lily, queue_limit: int):
+        if queue_limit < 1:
+            raise ValueError(f"queue_limit must be at least 1, got {queue_limit}")
+        self.llm = llm
+        self.queue_limit = queue_limit
+        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_limit)
+        self._running: Job | None = None
+        self._stopping = False
+        self.completed = 0
+        self._thread = threading.Thread(target=self._serve, name="lily-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    def submit(self, job: Job) -> None:
+        if self._stopping:
+            raise QueueFullError("the server is shutting down")
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFullError(
+                f"the server is busy: {self.queue_limit} request(s) already waiting"
+            ) from None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuses new jobs, fails the waiting ones, stops the running one, joins the thread."""
+        self._stopping = True
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit(QueueFullError("the server is shutting down"))
+        if self._running is not None:
+            self._running.cancelled.set()
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if job.cancelled.is_set():
+                continue
+            self._running = job
+            try:
+                self._run(job)
+            finally:
+                self._running = None
+                self.completed += 1
+
+    def _run(self, job: Job) -> None:
+        try:
+            result = self.llm.chat.completions.create(**job.params)
+            if not job.params.get("stream"):
+                job.emit(result)
+                return
+            try:
+                for chunk in result:
+                    if job.cancelled.is_set():
+                        break
+                    job.emit(chunk)
+            finally:
+                # Stops the generation within one token and releases the engine.
+                result.close()
+            job.emit(_DONE)
+        except Exception as exc:  # the request fails; the worker and the engine go on
+            job.emit(exc)
+
+
+# --- HTTP -------------------------------------------------------------------------------------
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_large = APIError(
+        413, f"the request body is larger than {limit} bytes", code="request_too_large"
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer started."""
+
+
+async def _first_event_or_disconnect(request: Request, job: Job) -> Any:
+    """The job's first event; if the client disconnects first, cancels the job and raises
+    ClientGone."""
+    event = asyncio.ensure_future(job.next_event())
+    disconnect = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({event, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not event.done():
+            event.cancel()
+            job.cancelled.set()
+    if not event.done() or event.cancelled():
+        raise ClientGone
+    return event.result()
+
+
+def _sse(data: str) -> bytes:
+    return f"data: {data}\n\n".encode()
+
+
+class Server:
+    """The routes, bound to one loaded model and its worker."""
+
+    def __init__(self, llm: Lily, *, api_key: str | None, queue_limit: int, max_body_bytes: int):
+        self.llm = llm
+        self.model_id: str = llm.model_id
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.worker = EngineWorker(llm, queue_limit)
+        self.started = int(time.time())
+        self._accepted = _accepted_parameters(llm.chat.completions.create)
+
+    def _check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    def _check_supported(self, params: dict[str, Any]) -> None:
+        if self._accepted is None:
+            return
+        unknown = [name for name in params if name not in self._accepted]
+        if unknown:
+            raise UnsupportedParameterError(unknown)
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._check_api_key(request)
+        params = parse_chat_request(await _read_body(request, self.max_body_bytes))
+        self._check_supported(params)
+        job = Job(params, asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFullError as exc:
+            raise APIError(
+                503,
+                str(exc),
+                error_type="server_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
+        try:
+            first = await _first_event_or_disconnect(request, job)
+        except ClientGone:
+            # Nobody reads this answer; 499 is what nginx logs for a client that left.
+            return Response(status_code=499)
+        if isinstance(first, QueueFullError):
+            raise APIError(503, str(first), error_type="server_error", code="shutting_down")
+        if isinstance(first, BaseException):
+            raise first
+        if not params.get("stream"):
+            return Response(first.model_dump_json(), media_type="application/json")
+        return StreamingResponse(
+            self._event_stream(job, first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _event_stream(self, job: Job, first: Any) -> AsyncIterator[bytes]:
+        """SSE lines for the chunks; when the client disconnects Starlette cancels this
+        generator, and the `finally` tells the worker to close the generation."""
+        try:
+            event = first
+            while event is not _DONE:
+                if isinstance(event, BaseException):
+                    # Headers are gone already: report in-band, as OpenAI does.
+                    yield _sse(json.dumps(_as_api_error(event).body()))
+                    return
+                yield _sse(event.model_dump_json())
+                event = await job.next_event()
+            yield _sse("[DONE]")
+        finally:
+            job.cancelled.set()
+
+    async def list_models(self, request: Request) -> Response:
+        self._check_api_key(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: Request) -> Response:
+        self._check_api_key(request)
+        requested = request.path_params["model"]
+        if requested != self.model_id:
+            raise APIError(
+                404,
+                f"model {requested!r} is not served here; this server runs {self.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "lily",
+            "max_model_len": self.llm.max_seq,
+        }
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": self.model_id,
+                "device": self.llm.device,
+                "busy": self.worker.busy,
+                "waiting": self.worker.waiting,
+                "queue_limit": self.worker.queue_limit,
+                "completed": self.worker.completed,
+            }
+        )
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_document())
+
+
+def _guarded(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable:
+    """Turns every exception of an endpoint into an OpenAI error response."""
+
+    async def run(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except Exception as exc:
+            return _as_api_error(exc).response()
+
+    return run
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
+
+
+def create_app(
+    llm: Lily,
+    *,
+    api_key: str | None = None,
+    queue_limit: int = DEFAULT_QUEUE_LIMIT,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> Starlette:
+    """The ASGI app serving `llm`. The worker thread starts and stops with the app's lifespan;
+    the caller keeps ownership of `llm` (and closes it)."""
+    server = Server(llm, api_key=api_key, queue_limit=queue_limit, max_body_bytes=max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.worker.stop)
+
+    routes = [
+        Route("/v1/chat/completions", _guarded(server.chat_completions), methods=["POST"]),
+        Route("/v1/models", _guarded(server.list_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _guarded(server.get_model), methods=["GET"]),
+        Route("/health", _guarded(server.health), methods=["GET"]),
+        Route("/openapi.json", _guarded(server.openapi), methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+    )
+    app.state.server = server
+    return app
+
+
+def serve(
+    model: str | None = None,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    api_key: str | None = None,
+    device: str = "auto",
+    revision: str | None = None,
+    max_seq: int | None = None,
+    queue_limit: int = DEFAULT_QUEUE_LIMIT,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    log_level: str = "info",
+) -> None:
+    """Loads the model and serves it until interrupted (Ctrl-C)."""
+    import uvicorn
+
+    from lily.api import load
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
+    with load(model, revision=revision, device=device, max_seq=max_seq) as llm:
+        app = create_app(
+            llm, api_key=api_key, queue_limit=queue_limit, max_body_bytes=max_body_bytes
+        )
+        logger.info("serving %s on %s at http://%s:%d/v1", llm.model_id, llm.device, host, port)
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+# --- OpenAPI ----------------------------------------------------------------------------------
+
+
+def _error_response(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 description of the routes; the request schema is the one the server
+    validates with."""
+    errors = {
+        "400": _error_response("Malformed JSON or a request Lily will not run"),
+        "401": _error_response("Missing or wrong API key (only with --api-key)"),
+        "404": _error_response("Unknown model"),
+        "413": _error_response("Body over the size limit"),
+        "422": _error_response("A field has the wrong type or is out of range"),
+        "503": _error_response("Queue full; retry after Retry-After seconds"),
+    }
+    json_object = {"type": "object"}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Lily",
+            "version": __version__,
+            "description": "The OpenAI chat-completions API served by Lily on one local model.",
+        },
+        "paths": {
+            "/v1/chat/completions": {
+                "post": {
+                    "operationId": "createChatCompletion",
+                    "summary": "Generate a chat completion (JSON, or SSE when stream is true)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": CHAT_REQUEST_SCHEMA}},
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "A chat.completion object, or with stream=true a "
+                            "text/event-stream of chat.completion.chunk objects ending with "
+                            "'data: [DONE]'",
+                            "content": {
+                                "application/json": {"schema": json_object},
+                                "text/event-stream": {"schema": {"type": "string"}},
+                            },
+                        },
+                        **errors,
+                    },
+                }
+            },
+            "/v1/models": {
+                "get": {
+                    "operationId": "listModels",
+                    "summary": "The model this server runs",
+                    "responses": {
+                        "200": {
+                            "description": "A list object",
+                            "content": {"application/json": {"schema": json_object}},
+                        },
+                        "401": errors["401"],
+                    },
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "operationId": "retrieveModel",
+                    "summary": "One model by id",
+                    "parameters": [
+                        {"name": "model", "in": "path", "required": True, "schema": _STRING}
+                    ],
+                    "responses": {
+                        "200": {
+                            "description": "A model object",
+                            "content": {"application/json": {"schema": json_object}},
+                        },
+                        "401": errors["401"],
+                        "404": errors["404"],
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "operationId": "health",
+                    "summary": "Liveness and queue state (never needs the API key)",
+                    "responses": {
+                        "200": {
+                            "description": "Server status",
+                            "content": {"application/json": {"schema": json_object}},
+                        }
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": {
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "required": ["message", "type", "param", "code"],
+                            "properties": {
+                                "message": _STRING,
+                                "type": _STRING,
+                                "param": {"type": ["string", "null"]},
+                                "code": {"type": ["string", "null"]},
+                            },
+                        }
+                    },
+                }
+            },
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
