@@ -3,6 +3,7 @@
 #
 # * compiles csrc/metal/metal_device.mm (Objective-C++, ARC) into _native and links Metal and
 #   Foundation; defines LILY_METAL so that bindings.cpp can expose the device;
+# * installs metal/*.metal and metal/*.h as lily/metal/ (compiled at first run without a metallib);
 # * when Xcode's Metal toolchain is installed (`xcrun metal`), compiles metal/*.metal into
 #   lily.metallib and installs it beside the module. Without the toolchain (Command Line Tools
 #   only, or Xcode 26 without the separately downloaded Metal toolchain) nothing fails: the
@@ -16,6 +17,10 @@ set_source_files_properties("${PROJECT_SOURCE_DIR}/csrc/metal/metal_device.mm"
 set_target_properties(_native PROPERTIES OBJCXX_STANDARD 20 OBJCXX_STANDARD_REQUIRED ON)
 target_compile_definitions(_native PRIVATE LILY_METAL=1)
 target_link_libraries(_native PRIVATE "-framework Metal" "-framework Foundation")
+
+# The .metal sources ship in the package: without a prebuilt metallib the device compiles them.
+install(DIRECTORY "${PROJECT_SOURCE_DIR}/metal/" DESTINATION lily/metal
+  FILES_MATCHING PATTERN "*.metal" PATTERN "*.h")
 
 # The kernels use MSL 3.1 (bfloat): the same language version and math mode as the run-time
 # compile in metal_device.mm, so both paths build the same library.
