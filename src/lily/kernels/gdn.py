@@ -17,8 +17,10 @@ if TYPE_CHECKING:
 # The kernel keeps a head's key vector in registers, 4 dims per lane.
 KEY_HEAD_DIM = 128
 VALUE_HEAD_DIM = 128
-# 8 simdgroups, 16 state rows each: enough rows in flight per head without idle lanes.
-THREADS_PER_THREADGROUP = 256
+# 32 simdgroups, 4 state rows each: a simdgroup walks its rows one after another (two dependent
+# reductions per row), so more simdgroups per head means more of the state in flight at once,
+# which is what a pass over 2 MiB of state per layer is bound by.
+THREADS_PER_THREADGROUP = 1024
 
 
 def state_bytes(num_value_heads: int) -> int:
