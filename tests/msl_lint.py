@@ -21,8 +21,10 @@ Rules checked (numbers follow devices.md):
   condition, or after an early ``return``, that depends on the thread's position. Conditions
   varying per lane are divergent for every collective; conditions varying only per simdgroup
   (`simdgroup_index_in_threadgroup`) are divergent for threadgroup barriers only, so a
-  whole-simdgroup early exit is fine. Variation is followed through assignments, scope-aware;
-  the result of a SIMD reduction counts as simdgroup-uniform.
+  whole-simdgroup early exit is fine. A call after `&&`, `||` or `?` is conditional on what
+  precedes it. Variation is followed through assignments, scope-aware, and through the results
+  of helpers; a SIMD reduction is simdgroup-uniform, and shared memory read back at a uniform
+  index is uniform (see FunctionVariation).
 - MSL6: an initializer on threadgroup memory (it is never zeroed; Metal rejects initializers).
 - MSL7: ``double``, the C++ standard library (``std::``, non-metal ``#include <...>``),
   exceptions, ``new``/``delete``, ``virtual``, ``__metal_*`` intrinsics.
@@ -47,7 +49,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -719,6 +721,116 @@ def _parameter_names(src: SourceFile, fn: Function) -> list[int]:
     return names
 
 
+# The callback through which a variation analysis asks how much a helper's result varies.
+CallLevel = Callable[["SourceFile", int, "FunctionVariation"], "int | None"]
+_ASSIGNMENTS = frozenset({"=", "+=", "-=", "*=", "/=", "|=", "&=", "^=", ">>=", "<<="})
+_MEMORY_SPACES = frozenset({"device", "constant", "threadgroup"})
+
+
+class FunctionVariation:
+    """How much each variable of one function varies between the threads that run it, given how
+    much its parameters vary: a local assigned from a varying value varies as much.
+
+    Writes through a device/constant/threadgroup pointer or array (`scratch[s] = v`) do not make
+    the pointer vary: reading shared memory back at a uniform index counts as uniform, which is
+    what a reduction through threadgroup memory after a barrier relies on. Control dependence
+    (`if (lane == 0) x = 1;`) is not followed."""
+
+    def __init__(
+        self, src: SourceFile, fn: Function, seed: dict[VariableKey, int], call_level: CallLevel
+    ):
+        self.src = src
+        self.fn = fn
+        self.names = resolve_variables(src, fn)
+        self.varying = dict(seed)
+        self.call_level = call_level
+        self.memory = {
+            self.names[j] for j in self.names if _is_declaration(src, j) and _in_memory(src, j)
+        }
+        self._propagate()
+
+    def of(self, start: int, end: int) -> int:
+        """How much tokens[start:end] varies; a SIMD reduction of anything is simdgroup-uniform."""
+        src = self.src
+        level = UNIFORM
+        j = start
+        while j < end:
+            text = src.text(j)
+            if src.kind(j) == "id" and src.text(j + 1) == "(":
+                close = _matching(src.tokens, j + 1, "(", ")")
+                if text in SIMD_REDUCTIONS:
+                    level = max(level, min(self.of(j + 2, close), SIMDGROUP))
+                    j = close + 1
+                    continue
+                result = self.call_level(src, j, self)
+                if result is not None:
+                    level = max(level, result)
+                    j = close + 1
+                    continue
+            if src.text(j - 1) not in (".", "->"):
+                level = max(level, self.varying.get(self.names.get(j, text), UNIFORM))
+            j += 1
+        return level
+
+    def short_circuit(self, start: int, call: int) -> int:
+        """How much the decision to evaluate the call at tokens[call] at all varies, when the
+        call is an operand after `&&`, `||` or `?` in the statement starting at tokens[start]."""
+        depth = 0  # groups closed between tokens[j] and the call: their operators do not guard it
+        for j in range(call - 1, start - 1, -1):
+            text = self.src.text(j)
+            if text == ")":
+                depth += 1
+            elif text == "(":
+                depth = max(depth - 1, 0)
+            elif text in ("&&", "||", "?") and depth == 0:
+                return self.of(start, call)
+        return UNIFORM
+
+    def returned(self) -> int:
+        """How much the function's result varies (over all its return statements)."""
+        return max(
+            (
+                self.of(j + 1, _statement_end(self.src, j))
+                for j in range(*self.fn.body)
+                if self.src.text(j) == "return"
+            ),
+            default=UNIFORM,
+        )
+
+    def _propagate(self) -> None:
+        src, (body_start, body_end) = self.src, self.fn.body
+        changed = True
+        while changed:
+            changed = False
+            for i in range(body_start, body_end):
+                if src.text(i) not in _ASSIGNMENTS:
+                    continue
+                target_index = _assignment_target(src, i, body_start)
+                if target_index is None:
+                    continue
+                target = self.names[target_index]
+                through_pointer = src.text(i - 1) == "]" or src.text(target_index - 1) == "*"
+                if through_pointer and target in self.memory:
+                    continue
+                end = i + 1
+                while end < body_end and src.text(end) not in (";", ")", "{"):
+                    end += 1
+                level = self.of(i + 1, end)
+                if level > self.varying.get(target, UNIFORM):
+                    self.varying[target] = level
+                    changed = True
+
+
+def _in_memory(src: SourceFile, name: int) -> bool:
+    """Whether the name declared at tokens[name] is in device, constant or threadgroup memory."""
+    j = name - 1
+    while j >= 0 and src.text(j) not in ("(", ",", ";", "{", "}"):
+        if src.text(j) in _MEMORY_SPACES:
+            return True
+        j -= 1
+    return False
+
+
 class CollectiveCheck:
     """Walks each kernel, and each helper it calls with the variation of the arguments it passes,
     reporting collectives reached under thread-dependent control flow."""
@@ -732,7 +844,8 @@ class CollectiveCheck:
                 if not fn.is_kernel:
                     name = src.text(fn.params[0] - 1)
                     self.definitions.setdefault(name, []).append((src, fn))
-        self.visited: set[tuple[str, int, tuple[int, ...]]] = set()
+        self.checked: set[tuple[str, int, tuple[int, ...]]] = set()
+        self.results: dict[tuple[str, int, tuple[int, ...]], int] = {}
 
     def run(self) -> None:
         for src in self.files:
@@ -742,28 +855,31 @@ class CollectiveCheck:
                     self.check(src, fn, _kernel_varying_params(src, fn), kernel)
 
     def check(
-        self, src: SourceFile, fn: Function, varying: dict[VariableKey, int], kernel: str
+        self, src: SourceFile, fn: Function, seed: dict[VariableKey, int], kernel: str
     ) -> None:
         """Check one function body, given how much its parameters vary."""
         toks = src.tokens
-        names = resolve_variables(src, fn)
-        _propagate_variation(src, fn, names, varying)
+        variation = FunctionVariation(src, fn, seed, self.result_level)
         context = "" if fn.is_kernel else f" (called from kernel {kernel})"
 
-        conditions: list[tuple[int, int]] = []  # enclosing (last index, variation level)
+        # Statements run under a condition: (first index, last index, variation level).
+        conditions: list[tuple[int, int, int]] = []
         exited = UNIFORM  # the most varying condition under which some threads have returned
+        statement_start = fn.body[0] + 1
         for i in range(fn.body[0] + 1, fn.body[1]):
-            conditions = [c for c in conditions if c[0] > i]
+            conditions = [c for c in conditions if c[1] > i]
             tok = toks[i]
+            if toks[i - 1].text in (";", "{", "}"):
+                statement_start = i
             if tok.text in CONTROL_KEYWORDS and src.text(i + 1) == "(":
                 close = _matching(toks, i + 1, "(", ")")
-                level = _variation(src, i + 2, close, names, varying)
+                level = variation.of(i + 2, close)
                 scope_end = _statement_end(src, close + 1)
                 if tok.text == "if":
                     scope_end = _else_end(src, scope_end)
                     if level and _returns(src, close + 1, scope_end):
                         exited = max(exited, level)
-                conditions.append((scope_end, level))
+                conditions.append((close + 1, scope_end, level))
                 continue
             is_collective = tok.text in SIMD_COLLECTIVES | THREADGROUP_BARRIERS
             if not (
@@ -773,92 +889,65 @@ class CollectiveCheck:
             ):
                 continue
             is_barrier = tok.text in THREADGROUP_BARRIERS or self.helpers.get(tok.text, False)
-            level = max([lvl for _, lvl in conditions], default=UNIFORM)
+            level = max(
+                [lvl for first, _, lvl in conditions if first <= i]
+                + [variation.short_circuit(statement_start, i)]
+            )
             what = tok.text
             if not is_collective:
                 reached = "threadgroup barrier" if is_barrier else "SIMD collective"
                 what = f"{tok.text} (which reaches a {reached})"
-                self.enter_helper(src, i, names, varying, kernel)
+                self.enter_helper(src, i, variation, kernel)
             if level >= (SIMDGROUP if is_barrier else LANE):
                 src.report(tok, "MSL5", f"{what} under a thread-dependent condition{context}")
             elif exited == LANE:
                 src.report(tok, "MSL5", f"{what} after a lane-dependent early exit{context}")
 
-    def enter_helper(
-        self,
-        src: SourceFile,
-        call: int,
-        names: dict[int, VariableKey],
-        varying: dict[VariableKey, int],
-        kernel: str,
-    ) -> None:
-        """Check the helper called at tokens[call] with the variation of the arguments passed."""
+    def callee(
+        self, src: SourceFile, call: int, variation: FunctionVariation
+    ) -> tuple[SourceFile, Function, dict[VariableKey, int], tuple[int, ...]] | None:
+        """The helper called at tokens[call] and how much each of its parameters varies there.
+        Overloads and same-named members are told apart only by their parameter count."""
         close = _matching(src.tokens, call + 1, "(", ")")
-        levels = tuple(
-            _variation(src, start, end, names, varying)
-            for start, end in _split_args(src, call + 2, close)
-        )
-        # Overloads and same-named members are told apart only by their parameter count.
+        levels = tuple(variation.of(a, b) for a, b in _split_args(src, call + 2, close))
         candidates = [
             (helper_src, helper, params)
             for helper_src, helper in self.definitions.get(src.text(call), [])
             if len(params := _parameter_names(helper_src, helper)) == len(levels)
         ]
         if len(candidates) != 1:
-            return
+            return None
         helper_src, helper, params = candidates[0]
+        return helper_src, helper, dict(zip(params, levels, strict=True)), levels
+
+    def enter_helper(
+        self, src: SourceFile, call: int, variation: FunctionVariation, kernel: str
+    ) -> None:
+        """Check the helper called at tokens[call] with the variation of the arguments passed."""
+        callee = self.callee(src, call, variation)
+        if callee is None:
+            return
+        helper_src, helper, seed, levels = callee
         key = (helper_src.path, helper.body[0], levels)
-        if key not in self.visited:
-            self.visited.add(key)
-            seed: dict[VariableKey, int] = dict(zip(params, levels, strict=True))
+        if key not in self.checked:
+            self.checked.add(key)
             self.check(helper_src, helper, seed, kernel)
 
-
-def _propagate_variation(
-    src: SourceFile, fn: Function, names: dict[int, VariableKey], varying: dict[VariableKey, int]
-) -> None:
-    """Mark locals assigned from varying values as varying, until nothing changes."""
-    toks = src.tokens
-    changed = True
-    while changed:
-        changed = False
-        for i in range(fn.body[0], fn.body[1]):
-            if toks[i].text not in ("=", "+=", "-=", "*=", "/=", "|=", "&=", "^=", ">>=", "<<="):
-                continue
-            target_index = _assignment_target(src, i, fn.body[0])
-            if target_index is None:
-                continue
-            target = names[target_index]
-            end = i + 1
-            while end < fn.body[1] and toks[end].text not in (";", ")", "{"):
-                end += 1
-            level = _variation(src, i + 1, end, names, varying)
-            if level > varying.get(target, UNIFORM):
-                varying[target] = level
-                changed = True
-
-
-def _variation(
-    src: SourceFile,
-    start: int,
-    end: int,
-    names: dict[int, VariableKey],
-    varying: dict[VariableKey, int],
-) -> int:
-    """How much tokens[start:end] varies; a SIMD reduction of anything is simdgroup-uniform."""
-    level = UNIFORM
-    j = start
-    while j < end:
-        text = src.text(j)
-        if text in SIMD_REDUCTIONS and src.text(j + 1) == "(":
-            close = _matching(src.tokens, j + 1, "(", ")")
-            level = max(level, min(_variation(src, j + 2, close, names, varying), SIMDGROUP))
-            j = close + 1
-            continue
-        if src.text(j - 1) not in (".", "->"):
-            level = max(level, varying.get(names.get(j, text), UNIFORM))
-        j += 1
-    return level
+    def result_level(self, src: SourceFile, call: int, variation: FunctionVariation) -> int | None:
+        """How much the result of a call to a collective helper varies (None for other calls,
+        whose result is taken to vary as much as their arguments)."""
+        if src.text(call) not in self.helpers:
+            return None
+        callee = self.callee(src, call, variation)
+        if callee is None:
+            return None
+        helper_src, helper, seed, levels = callee
+        key = (helper_src.path, helper.body[0], levels)
+        if key not in self.results:
+            self.results[key] = max(levels, default=UNIFORM)  # while recursing into itself
+            analysis = FunctionVariation(helper_src, helper, seed, self.result_level)
+            self.results[key] = analysis.returned()
+        return self.results[key]
 
 
 def _statement_end(src: SourceFile, i: int) -> int:

@@ -37,6 +37,13 @@ inline void sync_if(bool flag) {
   }
   sync_if(row > 3);  // a uniform flag: the barrier inside stays uniform
   sync_if(lane == 0);
+  // A reduction through threadgroup memory returns the same value to every thread.
+  const float shared_total = block_sum(v, scratch, simdgroup, lane);
+  if (shared_total > 0.0f) threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (block_sum(v, scratch, simdgroup, lane) > 1.0f) v += 1.0f;
+  if (lane == 0 || block_sum(v, scratch, simdgroup, lane) > 0.0f) {  // expect: MSL5
+    v += 1.0f;
+  }
   const float total = simd_sum(v);
   if (total > 0.0f) {
     v = simd_max(v);
