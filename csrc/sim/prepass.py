@@ -334,9 +334,9 @@ class Prepass:
                 raise PrepassError(f"{where}: declare one threadgroup variable per statement")
             type_text = m.group(1).strip()
             dims = "".join(m.group(3).split())
-            new = (
-                f"auto& {m.group(2)} = ::lily_sim::threadgroup_storage<{type_text}{dims}>({slot});"
-            )
+            # The type keeps its address space for the LILY_ADDRESS_SPACE_CHECK compile.
+            storage = f"::lily_sim::threadgroup_storage<threadgroup {type_text}{dims}>({slot})"
+            new = f"auto& {m.group(2)} = {storage};"
             self.edits.replace(start + m.start(), start + m.end(), new)
             slot += 1
 
