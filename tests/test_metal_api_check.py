@@ -233,7 +233,8 @@ def test_preflight_refuses_what_cannot_fit(preflight_output):
 # clang on Linux type-checks Objective-C++ (ARC, blocks, @available) when given the headers. These
 # stand-ins declare, with the signatures of Apple's Foundation and Metal headers, exactly what the
 # device uses; test_stub_declarations_are_real_api checks each of their selectors against
-# metal_api.txt. They catch syntax, ARC and type mistakes; only a Mac checks the real headers.
+# metal_api.txt (their enum values and parameter types were read off Apple's metal-cpp headers for
+# the macOS 26 SDK). They catch syntax, ARC and type mistakes; only a Mac checks the real headers.
 
 APPLE_HEADER_STUBS = {
     "Foundation/Foundation.h": r"""
