@@ -1,0 +1,290 @@
+// The last step of a decode when sampling is requested: choose the next token from the fp32
+// logits with temperature, top-k, top-p and min-p, and report log-probabilities, on the device.
+//
+// The request's sampling parameters live in a small device buffer the host writes once per
+// request, and the random numbers come from a counter-based generator keyed by (seed, position),
+// so the recorded graph is the same for every request and a seed reproduces a run exactly with
+// no generator state carried between steps.
+//
+// Definition (z is fp32, every comparison below is on fp32 values):
+//   z_i = logits_i * inverse_temperature                      (greedy argmax when it is 0)
+//   order key: the fp32 bits of z mapped to a uint32 that sorts like the value (-0 as +0)
+//   top-k:  t_k = the k-th largest key; keep key_i >= t_k      (ties at the k-th value all kept)
+//   top-p:  mass_i = exp(z_i - max z); t_p = the largest key t with
+//           sum(mass_i : key_i >= max(t, t_k)) >= top_p * sum(mass_i : key_i >= t_k)
+//           keep key_i >= t_p                                 (ties at the boundary all kept)
+//   min-p:  keep z_i - max z >= log(min_p)                    (log taken on the host)
+//   sample: i with probability proportional to mass_i among the kept tokens, drawn as the
+//           Gumbel-max argmax of z_i + G_i, G_i = -log(E_i), E_i ~ Exp(1) from Philox4x32-10
+//           with key (seed_low, seed_high) and counter (i, position, 0, 0).
+// The token holding the largest z is always kept, so at least one token survives.
+//
+// The thresholds are found by bisection on the order key (32 passes over the logits, each a
+// threadgroup reduction), never by sorting: a pass costs one read of the logits, which for the
+// 248320-token vocabulary stays in the GPU's cache.
+#include "common.h"
+
+constexpr constant uint NO_TOKEN = 0xFFFFFFFFu;
+// Entries per log-probability ring slot: the chosen token, then up to 20 alternatives.
+constexpr constant uint MAX_TOP_LOGPROBS = 20;
+constexpr constant uint LOGPROB_ENTRIES = 1 + MAX_TOP_LOGPROBS;
+constexpr constant float TWO_TO_MINUS_32 = 1.0f / 4294967296.0f;
+constexpr constant float LARGEST_BELOW_ONE = 1.0f - 1.0f / 16777216.0f;
+// Below this, -log(1 - u) = u + u^2/2 to fp32 precision.
+constexpr constant float SERIES_LIMIT = 1.0f / 4096.0f;
+
+// Written by the host once per request (lily.kernels.sampling.SamplingParams).
+struct SamplingParams {
+  float inverse_temperature;  // 1 / temperature; 0 selects greedy decoding
+  uint top_k;                 // 0 (or >= vocab): off
+  float top_p;                // in (0, 1]; 1: off
+  float log_min_p;            // log(min_p); the lowest float when min-p is off
+  uint seed_low;
+  uint seed_high;
+  uint want_logprobs;  // 0: skip the log-probability pass
+  uint top_logprobs;   // alternatives to report, at most MAX_TOP_LOGPROBS
+};
+
+// Fixed when the graph is recorded.
+struct SampleShape {
+  uint vocab;
+  uint ring_slots;  // slots of the log-probability ring
+};
+
+struct LogprobEntry {
+  uint token;
+  float logprob;
+};
+
+// Philox4x32-10 (Salmon et al., SC'11): four 32-bit outputs from a 128-bit counter and a 64-bit
+// key. Only the first output is used; the others are free for later uses of the same counter.
+inline uint philox_first_word(uint4 counter, uint2 key) {
+  for (uint round = 0; round < 10; ++round) {
+    const ulong product0 = ulong(0xD2511F53u) * ulong(counter.x);
+    const ulong product1 = ulong(0xCD9E8D57u) * ulong(counter.z);
+    counter = uint4(uint(product1 >> 32) ^ counter.y ^ key.x, uint(product1),
+                    uint(product0 >> 32) ^ counter.w ^ key.y, uint(product0));
+    key += uint2(0x9E3779B9u, 0xBB67AE85u);
+  }
+  return counter.x;
+}
+
+// An Exp(1) variate from 32 random bits, -log(1 - u) with u in (0, 1). Small values are the ones
+// that let unlikely tokens win the Gumbel race, so u keeps its full 2^-32 resolution near 0 and
+// the log(1 - u) cancellation there is avoided by its series.
+inline float exponential_variate(uint bits) {
+  const float u = min((float(bits) + 0.5f) * TWO_TO_MINUS_32, LARGEST_BELOW_ONE);
+  return u < SERIES_LIMIT ? u * (1.0f + 0.5f * u) : -log(1.0f - u);
+}
+
+// An order-preserving uint32 image of a float (NaN excluded): larger floats give larger keys.
+inline uint order_key(float value) {
+  const uint bits = as_type<uint>(value == 0.0f ? 0.0f : value);
+  return (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
+}
+
+// Threadgroup reductions. Each ends with a barrier, so the scratch arrays can be reused by the
+// next call at once. Call from uniform control flow only.
+inline float group_sum(float value, threadgroup float* scratch, uint simdgroups, uint simdgroup,
+                       uint lane) {
+  const float partial = simd_sum(value);
+  if (lane == 0) scratch[simdgroup] = partial;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float total = 0.0f;
+  for (uint s = 0; s < simdgroups; ++s) total += scratch[s];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return total;
+}
+
+inline uint group_count(uint value, threadgroup uint* scratch, uint simdgroups, uint simdgroup,
+                        uint lane) {
+  const uint partial = simd_sum(value);
+  if (lane == 0) scratch[simdgroup] = partial;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint total = 0;
+  for (uint s = 0; s < simdgroups; ++s) total += scratch[s];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return total;
+}
+
+// The candidate with the largest value, ties to the lowest index, over the threadgroup; a
+// thread without a candidate passes index NO_TOKEN. Returns NO_TOKEN when no thread has one.
+inline uint group_argmax(float value, uint index, threadgroup float* values,
+                         threadgroup uint* indices, uint simdgroups, uint simdgroup, uint lane) {
+  const float candidate = index == NO_TOKEN ? -INFINITY : value;
+  const uint simd_winner = simd_argmax(candidate, index);
+  const float simd_winner_value = simd_max(candidate);
+  if (lane == 0) {
+    values[simdgroup] = simd_winner_value;
+    indices[simdgroup] = simd_winner;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float best = values[0];
+  uint winner = indices[0];
+  for (uint s = 1; s < simdgroups; ++s) {
+    const uint i = indices[s];
+    if (i != NO_TOKEN &&
+        (winner == NO_TOKEN || values[s] > best || (values[s] == best && i < winner))) {
+      best = values[s];
+      winner = i;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return winner;
+}
+
+// The largest key t with count(key_i >= t) >= k: the k-th largest key (1 <= k <= vocab).
+inline uint kth_largest_key(device const float* logits, uint vocab, float inverse_temperature,
+                            uint k, threadgroup uint* scratch, uint thread_id, uint threads,
+                            uint simdgroups, uint simdgroup, uint lane) {
+  uint found = 0;
+  for (uint bit = 32; bit-- > 0;) {
+    const uint candidate = found | (1u << bit);
+    uint count = 0;
+    for (uint i = thread_id; i < vocab; i += threads) {
+      count += order_key(logits[i] * inverse_temperature) >= candidate ? 1u : 0u;
+    }
+    if (group_count(count, scratch, simdgroups, simdgroup, lane) >= k) found = candidate;
+  }
+  return found;
+}
+
+// Sum of exp(z_i - max_z) over the tokens with key_i >= threshold.
+inline float mass_above(device const float* logits, uint vocab, float inverse_temperature,
+                        float max_z, uint threshold, threadgroup float* scratch, uint thread_id,
+                        uint threads, uint simdgroups, uint simdgroup, uint lane) {
+  float mass = 0.0f;
+  for (uint i = thread_id; i < vocab; i += threads) {
+    const float z = logits[i] * inverse_temperature;
+    if (order_key(z) >= threshold) mass += exp(z - max_z);
+  }
+  return group_sum(mass, scratch, simdgroups, simdgroup, lane);
+}
+
+// The largest key t with mass_above(max(t, floor)) >= target, given mass_above(floor) >= target.
+inline uint top_p_key(device const float* logits, uint vocab, float inverse_temperature,
+                      float max_z, uint floor, float target, threadgroup float* scratch,
+                      uint thread_id, uint threads, uint simdgroups, uint simdgroup, uint lane) {
+  uint found = 0;
+  for (uint bit = 32; bit-- > 0;) {
+    const uint candidate = found | (1u << bit);
+    if (mass_above(logits, vocab, inverse_temperature, max_z, max(candidate, floor), scratch,
+                   thread_id, threads, simdgroups, simdgroup, lane) >= target) {
+      found = candidate;
+    }
+  }
+  return found;
+}
+
+[[kernel]] void sample_token(constant SampleShape& shape [[buffer(0)]],
+                             device const SamplingParams& params [[buffer(1)]],
+                             device const float* logits [[buffer(2)]],
+                             device const uint* position [[buffer(3)]],
+                             device uint* predicted [[buffer(4)]],
+                             device LogprobEntry* logprob_ring [[buffer(5)]],
+                             uint draw [[threadgroup_position_in_grid]],
+                             uint thread_id [[thread_index_in_threadgroup]],
+                             uint threads [[threads_per_threadgroup]],
+                             uint simdgroup [[simdgroup_index_in_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float float_scratch[SIMD_WIDTH];
+  threadgroup uint uint_scratch[SIMD_WIDTH];
+  const uint vocab = shape.vocab;
+  const uint simdgroups = (threads + SIMD_WIDTH - 1) / SIMD_WIDTH;
+  // Threadgroup g draws for position + g: one dispatch can draw many samples (the tests do).
+  const uint step_position = position[0] + draw;
+
+  // The largest logit; its lowest index is the greedy choice. Each thread scans its indices in
+  // increasing order, so a strict > keeps the lowest index on ties.
+  float best = 0.0f;
+  uint best_index = NO_TOKEN;
+  for (uint i = thread_id; i < vocab; i += threads) {
+    const float v = logits[i];
+    if (best_index == NO_TOKEN || v > best) {
+      best = v;
+      best_index = i;
+    }
+  }
+  const uint argmax_index =
+      group_argmax(best, best_index, float_scratch, uint_scratch, simdgroups, simdgroup, lane);
+  const float max_logit = logits[argmax_index];
+
+  uint chosen = argmax_index;
+  const float inverse_temperature = params.inverse_temperature;
+  if (inverse_temperature != 0.0f) {
+    // Multiplication by a positive number is monotonic in fp32, so this is the largest z.
+    const float max_z = max_logit * inverse_temperature;
+    uint threshold = 0;
+    if (params.top_k != 0 && params.top_k < vocab) {
+      threshold = kth_largest_key(logits, vocab, inverse_temperature, params.top_k, uint_scratch,
+                                  thread_id, threads, simdgroups, simdgroup, lane);
+    }
+    if (params.top_p < 1.0f) {
+      const float kept_mass = mass_above(logits, vocab, inverse_temperature, max_z, threshold,
+                                         float_scratch, thread_id, threads, simdgroups, simdgroup,
+                                         lane);
+      threshold = top_p_key(logits, vocab, inverse_temperature, max_z, threshold,
+                            params.top_p * kept_mass, float_scratch, thread_id, threads,
+                            simdgroups, simdgroup, lane);
+    }
+    // Keeps the most likely token even if rounding (or a denormal top_p) pushed the key past it.
+    threshold = min(threshold, order_key(max_z));
+
+    const uint2 key = uint2(params.seed_low, params.seed_high);
+    float best_score = 0.0f;
+    uint winner = NO_TOKEN;
+    for (uint i = thread_id; i < vocab; i += threads) {
+      const float z = logits[i] * inverse_temperature;
+      if (order_key(z) < threshold || !(z - max_z >= params.log_min_p)) continue;
+      const uint bits = philox_first_word(uint4(i, step_position, 0, 0), key);
+      const float score = z - log(exponential_variate(bits));
+      if (winner == NO_TOKEN || score > best_score) {
+        best_score = score;
+        winner = i;
+      }
+    }
+    const uint sampled =
+        group_argmax(best_score, winner, float_scratch, uint_scratch, simdgroups, simdgroup, lane);
+    // Only an all -inf (or NaN) row keeps nothing; fall back to the greedy choice.
+    if (sampled != NO_TOKEN) chosen = sampled;
+  }
+  if (thread_id == 0) predicted[draw] = chosen;
+
+  if (params.want_logprobs == 0) return;
+  // Log-probabilities of the model's own distribution: log_softmax of the raw logits, before
+  // temperature and filtering (what OpenAI's API reports).
+  float exp_sum = 0.0f;
+  for (uint i = thread_id; i < vocab; i += threads) exp_sum += exp(logits[i] - max_logit);
+  const float log_normalizer =
+      log(group_sum(exp_sum, float_scratch, simdgroups, simdgroup, lane));
+  device LogprobEntry* slot =
+      logprob_ring + ulong(step_position % shape.ring_slots) * LOGPROB_ENTRIES;
+  if (thread_id == 0) {
+    slot[0] = LogprobEntry{chosen, (logits[chosen] - max_logit) - log_normalizer};
+  }
+
+  // The alternatives, most likely first (ties to the lowest id): each pass takes the best
+  // token ordered after the previous one in (logit descending, id ascending).
+  const uint wanted = min(params.top_logprobs, min(MAX_TOP_LOGPROBS, vocab));
+  float previous_value = 0.0f;
+  uint previous_index = NO_TOKEN;
+  for (uint n = 0; n < wanted; ++n) {
+    float value = 0.0f;
+    uint index = NO_TOKEN;
+    for (uint i = thread_id; i < vocab; i += threads) {
+      const float v = logits[i];
+      const bool after_previous = previous_index == NO_TOKEN || v < previous_value ||
+                                  (v == previous_value && i > previous_index);
+      if (after_previous && (index == NO_TOKEN || v > value)) {
+        value = v;
+        index = i;
+      }
+    }
+    previous_index =
+        group_argmax(value, index, float_scratch, uint_scratch, simdgroups, simdgroup, lane);
+    previous_value = logits[previous_index];
+    if (thread_id == 0) {
+      slot[1 + n] = LogprobEntry{previous_index, (previous_value - max_logit) - log_normalizer};
+    }
+  }
+}

@@ -1,0 +1,188 @@
+"""Sampling and log-probabilities on the device (`metal/sampling.metal`).
+
+`record_sample` replaces the greedy argmax at the end of a decode step. What it computes, with
+every quantity in fp32:
+
+1. ``z = logits * inverse_temperature``, where the host rounds ``1 / temperature`` to fp32.
+   A temperature below `GREEDY_TEMPERATURE` (0 included) selects greedy decoding: the index of
+   the largest logit, ties to the lowest index.
+2. top-k (``top_k`` = 0 or >= vocab: off): keep the tokens whose z is at least the k-th largest
+   z. Tokens tied with the k-th value are all kept.
+3. top-p (``top_p`` = 1: off): over the tokens top-k kept, with probabilities renormalised,
+   keep the smallest set of most likely tokens whose mass is >= top_p; tokens tied with the
+   last one taken are all kept. The masses are fp32 sums of ``exp(z - max z)``, so a token
+   whose cumulative mass lies within fp32 rounding of top_p may fall on either side.
+4. min-p (``min_p`` = 0: off): keep the tokens with ``z - max z >= log(min_p)`` (the relative
+   probability test in log space; the host takes the log), i.e. probability >= min_p times the
+   largest probability.
+5. Draw one kept token with probability proportional to ``exp(z)``: the Gumbel-max argmax of
+   ``z_i - log(E_i)``, E_i ~ Exp(1) built from the first word of Philox4x32-10 with key
+   ``seed`` (low word first) and counter ``(token id, position, 0, 0)``. The position is read
+   from the step buffer, so a (seed, position) pair always gives the same token and no
+   generator state exists. The 32-bit variates cut the Gumbel tail: a token more than about
+   25 nats below the most likely one can never be drawn (its true probability is < 1e-11).
+
+The most likely token always survives the filters. Ties in the sampling race go to the lowest
+id (probability ~0). NaN logits are not supported.
+
+Log-probabilities (when requested) are those of the model's own distribution, the log_softmax of
+the raw logits (before temperature and filtering, as OpenAI reports them): the chosen token's,
+then the `top_logprobs` most likely tokens (largest logit first, ties to the lowest id). They are
+written to a ring of `ring_slots` slots, slot ``position % ring_slots``, each `LOGPROB_ENTRIES`
+(token uint32, logprob fp32) pairs, so the host can read step N's while step N+1 runs.
+
+Limits, checked when a graph is recorded or parameters are packed: one threadgroup of at most
+1024 threads (a multiple of 32) per draw; at most `MAX_TOP_LOGPROBS` alternatives; the vocab
+below 2^32. The thresholds are found by bisection on an order-preserving integer image of z (32
+reduction passes each for top-k and top-p), never by sorting, so top_k is not bounded.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lily.kernels import BufferRef, binding, pack_params
+
+if TYPE_CHECKING:
+    from lily.device import Buffer, Device, Graph
+
+SAMPLE_THREADS = 1024
+MAX_TOP_LOGPROBS = 20
+# Entries of one ring slot: the chosen token, then the alternatives.
+LOGPROB_ENTRIES = 1 + MAX_TOP_LOGPROBS
+LOGPROB_ENTRY = np.dtype([("token", "<u4"), ("logprob", "<f4")])
+# Temperatures below this decode greedily (as vLLM does), so that 1/temperature stays finite.
+GREEDY_TEMPERATURE = 1e-5
+# The SamplingParams struct of sampling.metal: 8 four-byte fields.
+SAMPLING_PARAMS_FORMAT = "<fIffIIII"
+SAMPLING_PARAMS_BYTES = struct.calcsize(SAMPLING_PARAMS_FORMAT)
+
+_LOWEST_FLOAT32 = float(np.finfo(np.float32).min)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling settings, as the OpenAI-style API takes them."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def pack(self) -> bytes:
+        """The bytes of the device-side SamplingParams struct. The seed is taken modulo 2^64
+        (a negative seed as its two's complement)."""
+        inverse_temperature = 0.0 if self.greedy else 1.0 / self.temperature
+        log_min_p = math.log(self.min_p) if self.min_p > 0 else _LOWEST_FLOAT32
+        seed = self.seed % 2**64
+        return struct.pack(
+            SAMPLING_PARAMS_FORMAT,
+            inverse_temperature,
+            self.top_k,
+            self.top_p,
+            max(log_min_p, _LOWEST_FLOAT32),
+            seed & 0xFFFFFFFF,
+            seed >> 32,
+            int(self.logprobs or self.top_logprobs > 0),
+            self.top_logprobs,
+        )
+
+
+def write_sampling_params(buffer: BufferRef, params: SamplingParams) -> None:
+    """Store `params` in the device-resident parameter buffer the recorded graph reads. Write it
+    only while no submitted step is still running."""
+    target, offset = binding(buffer)
+    data = params.pack()
+    target.numpy()[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+
+def logprob_ring_bytes(ring_slots: int) -> int:
+    return ring_slots * LOGPROB_ENTRIES * LOGPROB_ENTRY.itemsize
+
+
+def read_logprobs(
+    ring: Buffer, ring_slots: int, position: int, top_logprobs: int
+) -> tuple[tuple[int, float], list[tuple[int, float]]]:
+    """The (token, logprob) of the token chosen at step `position`, and its `top_logprobs`
+    alternatives, most likely first. Valid until the ring wraps round to that slot again."""
+    entries = ring.numpy()[: logprob_ring_bytes(ring_slots)].view(LOGPROB_ENTRY)
+    slot = entries.reshape(ring_slots, LOGPROB_ENTRIES)[position % ring_slots]
+    pairs = [(int(e["token"]), float(e["logprob"])) for e in slot[: 1 + top_logprobs]]
+    return pairs[0], pairs[1:]
+
+
+def record_sample(
+    graph: Graph,
+    device: Device,
+    *,
+    logits: BufferRef,
+    vocab: int,
+    params: BufferRef,
+    position: BufferRef,
+    predicted: BufferRef,
+    logprob_ring: BufferRef,
+    ring_slots: int,
+    draws: int = 1,
+    threads: int = SAMPLE_THREADS,
+) -> None:
+    """predicted[g] (uint32) = the token sampled from `vocab` fp32 logits under the parameters
+    in `params` (written by `write_sampling_params`), for g < `draws`. `position` points at the
+    uint32 step position (the step buffer's first field). Draw g uses position + g as its
+    counter and logprob ring slot: the decode graph records one draw, the tests many."""
+    if not 1 <= vocab < 2**32 - 1:
+        raise ValueError(f"vocab must be in [1, 2^32 - 1), got {vocab}")
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+    if draws < 1 or ring_slots < 1:
+        raise ValueError(f"draws and ring_slots must be >= 1, got {draws} and {ring_slots}")
+    for name, ref, nbytes in (
+        ("logits", logits, 4 * vocab),
+        ("params", params, SAMPLING_PARAMS_BYTES),
+        ("position", position, 4),
+        ("predicted", predicted, 4 * draws),
+        ("logprob_ring", logprob_ring, logprob_ring_bytes(ring_slots)),
+    ):
+        buffer, offset = binding(ref)
+        if buffer.size - offset < nbytes:
+            raise ValueError(f"{name} needs {nbytes} bytes at offset {offset}: too small")
+    graph.dispatch(
+        device.kernel("sample_token"),
+        threadgroups=(draws, 1, 1),
+        threads=(threads, 1, 1),
+        buffers={
+            1: binding(params),
+            2: binding(logits),
+            3: binding(position),
+            4: binding(predicted),
+            5: binding(logprob_ring),
+        },
+        bytes={0: pack_params("II", vocab, ring_slots)},
+    )
