@@ -68,8 +68,10 @@ struct AttentionPrepareParams {
     const uint i = lane + SIMD_WIDTH * j;
     const float inv_freq = exp2(-float(2 * i) / float(params.rotary_dim) * log2_theta);
     const float angle = float(position) * inv_freq;
-    const float c = cos(angle);
-    const float s = sin(angle);
+    // Angles reach the hundreds of thousands of radians; the fast-math versions are only
+    // accurate near [-pi, pi], and this runs 32 times per head, so take the precise ones.
+    const float c = precise::cos(angle);
+    const float s = precise::sin(angle);
     const float first = x[j];
     const float second = x[j + pair_offset];
     x[j] = first * c - second * s;
