@@ -2,8 +2,10 @@
 
 Two passes: the token lint of msl_lint.py (rules 1-8), and a clang type-check that compiles each
 kernel file with `device`/`constant`/`threadgroup` as distinct clang address spaces, so passing a
-pointer to the wrong address space is a compile error as it is for Apple's compiler. Each pass
-is also shown to fire on planted mistakes (tests/msl_lint_cases/), so a clean run means something.
+pointer to the wrong address space is a compile error as it is for Apple's compiler (whole-struct
+copies across address spaces, legal MSL that clang C++ rejects, are the one class of error it
+ignores). Each pass is also shown to fire on planted mistakes (tests/msl_lint_cases/), so a clean
+run means something.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -119,8 +122,58 @@ def clang() -> str:
     )
 
 
-def address_space_check(source: Path, work_dir: Path) -> subprocess.CompletedProcess[str]:
-    """Pre-pass `source` as the sim build does, then type-check it with distinct address spaces.
+@dataclass(frozen=True)
+class ClangError:
+    path: str
+    line: int
+    message: str
+    notes: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return "\n    ".join([f"{self.path}:{self.line}: {self.message}", *self.notes])
+
+
+DIAGNOSTIC = re.compile(r"^(\S+?):(\d+):\d+: (fatal error|error|warning|note): (.*)$")
+# MSL copies whole structs between address spaces (`Params q = p;`, `out[i] = Entry{...};`);
+# clang C++ has no copy constructor or assignment across address spaces and says so in these
+# two ways. They are not pointer mismatches, and any other type error in such a statement still
+# fails the regular sim build, so the pass ignores them.
+STRUCT_COPY = re.compile(
+    r"no viable conversion from '(?:const )?"
+    r"(?:device|constant|threadgroup|__attribute__\(\(address_space\(\d\)\)\)) [^'*&]*'"
+)
+STRUCT_ASSIGNMENT_NOTE = re.compile(r"implicit (?:copy|move) assignment operator\) not viable")
+
+
+def clang_errors(stderr: str) -> list[ClangError]:
+    """The errors of a clang run, each with the notes that follow it."""
+    errors: list[ClangError] = []
+    for line in stderr.splitlines():
+        match = DIAGNOSTIC.match(line)
+        if not match:
+            continue
+        path, number, kind, message = match.groups()
+        if kind == "note" and errors:
+            last = errors[-1]
+            errors[-1] = ClangError(last.path, last.line, last.message, (*last.notes, message))
+        elif kind != "note" and kind != "warning":
+            errors.append(ClangError(path, int(number), message, ()))
+    return errors
+
+
+def is_struct_copy(error: ClangError) -> bool:
+    if STRUCT_COPY.search(error.message):
+        return True
+    return (
+        error.message == "no viable overloaded '='"
+        and bool(error.notes)
+        and all(STRUCT_ASSIGNMENT_NOTE.search(note) for note in error.notes)
+    )
+
+
+def address_space_errors(source: Path, work_dir: Path) -> list[ClangError]:
+    """Pre-pass `source` as the sim build does, type-check it with distinct address spaces, and
+    return the errors that are about address spaces.
 
     Both run from the repository root on relative paths, so messages name `metal/x.metal:line`."""
     translated = work_dir / (source.stem + ".cpp")
@@ -140,35 +193,31 @@ def address_space_check(source: Path, work_dir: Path) -> subprocess.CompletedPro
     ]
     result = subprocess.run(prepass, capture_output=True, text=True, check=False, cwd=ROOT)
     if result.returncode != 0:
-        return result
+        pytest.fail(f"the sim pre-pass failed on {source.name}:\n{result.stderr}")
     compile_ = [
         clang(),
         "-fsyntax-only",
         "-std=c++20",
         "-DLILY_ADDRESS_SPACE_CHECK",
         "-Wno-unknown-attributes",
+        "-ferror-limit=0",  # ignored struct-copy errors must not crowd out the rest
         "-I",
         str(SIM_DIR / "include"),
         "-x",
         "c++",
         str(translated),
     ]
-    return subprocess.run(compile_, capture_output=True, text=True, check=False, cwd=ROOT)
-
-
-# clang C++ has no copy constructor across address spaces; Apple's compiler does.
-STRUCT_COPY_HINT = (
-    "(if the error is on a copy of a whole struct out of constant/device memory, such as "
-    "`Params q = p;`, that is legal MSL that clang C++ cannot type-check: read the fields instead)"
-)
+    result = subprocess.run(compile_, capture_output=True, text=True, check=False, cwd=ROOT)
+    errors = clang_errors(result.stderr)
+    if result.returncode != 0 and not errors:
+        pytest.fail(f"clang failed on {source.name} without a diagnostic:\n{result.stderr}")
+    return [error for error in errors if not is_struct_copy(error)]
 
 
 @pytest.mark.parametrize("source", TYPE_CHECKED, ids=lambda p: p.name)
 def test_kernels_pass_the_address_space_check(source: Path, tmp_path: Path) -> None:
-    result = address_space_check(source, tmp_path)
-    assert result.returncode == 0, (
-        f"address-space check of {source.name}:\n{result.stderr}\n{STRUCT_COPY_HINT}"
-    )
+    errors = address_space_errors(source, tmp_path)
+    assert not errors, f"address-space check of {source.name}:\n" + "\n".join(map(str, errors))
 
 
 def test_address_space_check_catches_mismatches(tmp_path: Path) -> None:
@@ -177,10 +226,6 @@ def test_address_space_check_catches_mismatches(tmp_path: Path) -> None:
     expected = {n for n, line in enumerate(lines, start=1) if EXPECT_CLANG_ERROR.search(line)}
     assert expected, "the case plants no mismatch"
 
-    result = address_space_check(case, tmp_path)
-    error_lines = {
-        int(m.group(1))
-        for m in re.finditer(rf"{re.escape(case.name)}:(\d+):\d+: error:", result.stderr)
-    }
-    assert result.returncode != 0
-    assert error_lines == expected, result.stderr
+    errors = address_space_errors(case, tmp_path)
+    assert all(Path(error.path).name == case.name for error in errors), errors
+    assert {error.line for error in errors} == expected, "\n".join(map(str, errors))
