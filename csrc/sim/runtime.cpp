@@ -85,7 +85,7 @@ std::string describe(const CallSite& s) {
 
 bool same_site(const CallSite& a, const CallSite& b) {
   return a.line == b.line && (a.file == b.file || std::strcmp(a.file, b.file) == 0) &&
-         std::strcmp(a.what, b.what) == 0;
+         (a.what == b.what || std::strcmp(a.what, b.what) == 0);
 }
 
 uint64_t splitmix(uint64_t& state) {
@@ -148,6 +148,7 @@ class Worker {
   void start_lane(LaneSlot& s);
   void run_lane(LaneSlot& s);
   void resolve();
+  [[noreturn]] void barrier_failure(uint32_t base, uint32_t end, const LaneSlot& barrier);
   [[noreturn]] void throw_fault();
   static void lane_main(void* arg);
 
@@ -373,36 +374,51 @@ void Worker::resolve() {
     if (lanes_[i].state == LaneState::waiting_barrier) barrier = &lanes_[i];
   for (uint32_t base = 0; base < n; base += kSimdWidth) {
     const uint32_t end = std::min(n, base + kSimdWidth);
-    std::vector<uint32_t> exited, at_barrier, at_simd;
+    uint32_t exited = 0, at_barrier = 0, elsewhere = 0;
     for (uint32_t i = base; i < end; ++i) {
-      switch (lanes_[i].state) {
-        case LaneState::exited: exited.push_back(i); break;
-        case LaneState::waiting_barrier: at_barrier.push_back(i); break;
-        default: at_simd.push_back(i);
-      }
+      const LaneSlot& s = lanes_[i];
+      if (s.state == LaneState::exited)
+        ++exited;
+      else if (s.state == LaneState::waiting_barrier && same_site(s.site, barrier->site))
+        ++at_barrier;
+      else
+        ++elsewhere;
     }
-    if (!at_simd.empty()) {
-      throw Failure{"divergent control flow in simdgroup " + std::to_string(base / kSimdWidth) +
-                    ": lanes " + lane_list(at_simd) + " wait at " +
-                    describe(lanes_[at_simd[0]].site) + " while lanes " + lane_list(at_barrier) +
-                    " wait at " + describe(barrier->site)};
-    }
-    if (!at_barrier.empty() && !exited.empty()) {
-      throw Failure{describe(barrier->site) + " in divergent control flow: lanes " +
-                    lane_list(at_barrier) + " wait there but lanes " + lane_list(exited) +
-                    " of the same simdgroup returned"};
-    }
-    for (uint32_t i : at_barrier) {
-      if (!same_site(lanes_[i].site, barrier->site)) {
-        throw Failure{"threadgroup barriers in divergent control flow: lane " +
-                      std::to_string(barrier - lanes_.data()) + " waits at " +
-                      describe(barrier->site) + ", lane " + std::to_string(i) + " at " +
-                      describe(lanes_[i].site)};
-      }
-    }
+    if (elsewhere || (at_barrier && exited)) barrier_failure(base, end, *barrier);
   }
   for (uint32_t i = 0; i < n; ++i)
     if (lanes_[i].state == LaneState::waiting_barrier) lanes_[i].state = LaneState::runnable;
+}
+
+// Explains why the lanes of simdgroup [base, end) cannot pass `barrier` (the slow path).
+void Worker::barrier_failure(uint32_t base, uint32_t end, const LaneSlot& barrier) {
+  std::vector<uint32_t> exited, at_barrier, at_other_barrier, at_simd;
+  for (uint32_t i = base; i < end; ++i) {
+    const LaneSlot& s = lanes_[i];
+    if (s.state == LaneState::exited)
+      exited.push_back(i);
+    else if (s.state == LaneState::waiting_simd)
+      at_simd.push_back(i);
+    else if (same_site(s.site, barrier.site))
+      at_barrier.push_back(i);
+    else
+      at_other_barrier.push_back(i);
+  }
+  const std::string simdgroup = std::to_string(base / kSimdWidth);
+  if (!at_simd.empty()) {
+    throw Failure{"divergent control flow in simdgroup " + simdgroup + ": lanes " +
+                  lane_list(at_simd) + " wait at " + describe(lanes_[at_simd[0]].site) +
+                  " while other lanes wait at " + describe(barrier.site)};
+  }
+  if (!at_other_barrier.empty()) {
+    throw Failure{"threadgroup barriers in divergent control flow: lane " +
+                  std::to_string(&barrier - lanes_.data()) + " waits at " +
+                  describe(barrier.site) + ", lanes " + lane_list(at_other_barrier) + " at " +
+                  describe(lanes_[at_other_barrier[0]].site)};
+  }
+  throw Failure{describe(barrier.site) + " in divergent control flow: lanes " +
+                lane_list(at_barrier) + " of simdgroup " + simdgroup + " wait there but lanes " +
+                lane_list(exited) + " returned"};
 }
 
 // ---- the calls kernels make --------------------------------------------------------------------
