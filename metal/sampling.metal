@@ -78,8 +78,10 @@ inline float exponential_variate(uint bits) {
 }
 
 // An order-preserving uint32 image of a float (NaN excluded): larger floats give larger keys.
+// -0 is folded into +0 on the integer side, where fast math cannot drop the test.
 inline uint order_key(float value) {
-  const uint bits = as_type<uint>(value == 0.0f ? 0.0f : value);
+  const uint raw = as_type<uint>(value);
+  const uint bits = raw == 0x80000000u ? 0u : raw;
   return (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
 }
 
@@ -173,7 +175,9 @@ inline uint top_p_key(device const float* logits, uint vocab, float inverse_temp
       found = candidate;
     }
   }
-  return found;
+  // The caller's mass_above(floor) may have been compiled with other contractions than these
+  // passes; never let a rounding difference undo the top-k cut.
+  return max(found, floor);
 }
 
 [[kernel]] void sample_token(constant SampleShape& shape [[buffer(0)]],

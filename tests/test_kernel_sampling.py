@@ -68,7 +68,7 @@ def reference_kept(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.min_p > 0:
         relative = z - np.float32(z.max())
         log_min_p = np.float32(math.log(params.min_p))
-        assert np.all(np.abs(relative - log_min_p) > 1e-4), "min_p on a rounding boundary"
+        assert np.all(np.abs(relative[kept] - log_min_p) > 1e-4), "min_p on a rounding boundary"
         kept &= relative >= log_min_p
     return kept
 
@@ -246,11 +246,14 @@ DISTRIBUTION_CASES = {
     "cold top-k": SamplingParams(temperature=0.7, top_k=12, seed=12),
     "hot top-p": SamplingParams(temperature=1.3, top_p=0.75, seed=13),
     "min-p": SamplingParams(temperature=1.0, min_p=0.08, seed=14),
-    "all filters": SamplingParams(temperature=0.9, top_k=25, top_p=0.9, min_p=0.03, seed=15),
+    "all filters": SamplingParams(temperature=0.9, top_k=25, top_p=0.95, min_p=0.2, seed=15),
 }
 
 
 DRAWS = 3000
+REAL_CASE = SamplingParams(
+    temperature=0.8, top_k=30, top_p=0.9, min_p=0.3, logprobs=True, top_logprobs=20, seed=20
+)
 
 
 @functools.cache
@@ -264,6 +267,23 @@ def drawn_tokens(case: str) -> np.ndarray:
 
 def drawn_counts(case: str) -> np.ndarray:
     return np.bincount(drawn_tokens(case), minlength=STATISTICS_VOCAB)
+
+
+def test_each_filter_removes_tokens_in_the_combined_cases():
+    """Otherwise the combined cases would not test how the filters compose."""
+    for params, vocab in (
+        (DISTRIBUTION_CASES["all filters"], STATISTICS_VOCAB),
+        (REAL_CASE, REAL_VOCAB),
+    ):
+        logits = peaked_logits(vocab, params.seed)
+        stages = [
+            SamplingParams(temperature=params.temperature),
+            SamplingParams(temperature=params.temperature, top_k=params.top_k),
+            SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p),
+            params,
+        ]
+        sizes = [int(reference_kept(logits, stage).sum()) for stage in stages]
+        assert sizes == sorted(set(sizes), reverse=True), sizes
 
 
 @pytest.mark.parametrize("case", sorted(DISTRIBUTION_CASES))
@@ -304,3 +324,201 @@ def test_draws_replay_the_reference_race(case):
             assert tokens[position] == int(np.argmax(scores)), f"position {position}"
             checked += 1
     assert checked > 0.9 * len(positions)
+
+
+# ---- reproducibility ---------------------------------------------------------------------------
+
+
+def test_a_seed_and_position_always_give_the_same_token():
+    device = sim_device("random")
+    logits = peaked_logits(500, seed=3)
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=2**40 + 7)
+    first, _ = device_sample(device, logits, params, draws=64, position=1000)
+    again, _ = device_sample(device, logits, params, draws=64, position=1000)
+    shifted, _ = device_sample(device, logits, params, draws=32, position=1032)
+    np.testing.assert_array_equal(first, again)
+    # The counter is the position, not the draw's place in a dispatch.
+    np.testing.assert_array_equal(first[32:], shifted)
+    single, _ = device_sample(device, logits, params, draws=1, position=1010)
+    assert single[0] == first[10]
+
+
+def test_different_seeds_give_different_tokens():
+    device = sim_device("forward")
+    logits = peaked_logits(500, seed=4)
+    runs = [
+        device_sample(device, logits, SamplingParams(temperature=1.0, seed=seed), draws=100)[0]
+        for seed in (1, 2, 2**32 + 1, -1)
+    ]
+    for i in range(len(runs)):
+        for j in range(i):
+            assert np.mean(runs[i] == runs[j]) < 0.5, (i, j)
+
+
+# ---- greedy and edge cases ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize("temperature", [0.0, 1e-6])
+def test_greedy_is_the_argmax_with_ties_to_the_lowest_id(lane_order, temperature):
+    device = sim_device(lane_order)
+    logits = np.random.default_rng(5).normal(0, 1, 5000).astype(np.float32)
+    params = SamplingParams(temperature=temperature, top_k=3, seed=9)
+    for tied in ([4999, 1025, 3000], [2047, 1023], [17]):
+        values = logits.copy()
+        values[tied] = 6.0
+        tokens, _ = device_sample(device, values, params, draws=2, threads=1024)
+        assert tokens.tolist() == [min(tied)] * 2
+
+
+def test_top_k_one_keeps_only_the_largest_and_its_ties():
+    device = sim_device("forward")
+    logits = peaked_logits(300, seed=6)
+    hot = SamplingParams(temperature=5.0, top_k=1, seed=1)
+    tokens, _ = device_sample(device, logits, hot, draws=64)
+    assert set(tokens.tolist()) == {int(np.argmax(logits))}
+    tied = logits.copy()
+    tied[[7, 250]] = logits.max()
+    tokens, _ = device_sample(device, tied, hot, draws=64)
+    assert set(tokens.tolist()) == {7, 250, int(np.argmax(logits))}
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_filters_at_their_limits(lane_order):
+    device = sim_device(lane_order)
+    logits = peaked_logits(777, seed=7)
+    top = int(np.argmax(logits))
+    for params in (
+        SamplingParams(temperature=3.0, top_p=1e-6, seed=2),
+        SamplingParams(temperature=3.0, min_p=1.0, seed=3),
+        SamplingParams(temperature=3.0, top_k=5, top_p=1e-30, seed=4),
+    ):
+        tokens, _ = device_sample(device, logits, params, draws=16)
+        assert set(tokens.tolist()) == {top}, params
+    # top_k at or past the vocab is off: the same race as without it.
+    off, _ = device_sample(device, logits, SamplingParams(seed=5), draws=32)
+    for top_k in (777, 5000):
+        same, _ = device_sample(device, logits, SamplingParams(top_k=top_k, seed=5), draws=32)
+        np.testing.assert_array_equal(same, off)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_only_finite_logits_are_drawn(lane_order):
+    device = sim_device(lane_order)
+    logits = np.full(1000, -np.inf, dtype=np.float32)
+    logits[613] = -3.0
+    params = SamplingParams(temperature=1.0, top_p=0.5, logprobs=True, top_logprobs=3, seed=8)
+    tokens, ring = device_sample(device, logits, params, draws=8)
+    assert set(tokens.tolist()) == {613}
+    chosen, alternatives = read_logprobs(ring, 8, 0, 3)
+    assert chosen == (613, 0.0)
+    assert alternatives == [(613, 0.0), (0, -math.inf), (1, -math.inf)]
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_fewer_tokens_than_threads(lane_order):
+    """33 tokens in a 1024-thread threadgroup: most threads hold nothing."""
+    device = sim_device(lane_order)
+    logits = np.linspace(-1, 1, 33).astype(np.float32)
+    params = SamplingParams(temperature=0.5, top_k=4, seed=10)
+    tokens, _ = device_sample(device, logits, params, draws=64, threads=1024)
+    assert set(tokens.tolist()) == {29, 30, 31, 32}
+    for position in range(0, 64, 8):
+        assert tokens[position] == int(np.argmax(race_scores(logits, params, position)))
+
+
+# ---- log-probabilities -------------------------------------------------------------------------
+
+
+def reference_log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    shifted = x - x.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def check_logprobs(ring, ring_slots, position, logits, token, top_logprobs, threads):
+    """The ring slot of `position` against float64 log_softmax. The kernel rounds x - max once
+    and sums exp terms serially per thread (vocab / threads of them), then over the group."""
+    expected = reference_log_softmax(logits)
+    order = np.lexsort((np.arange(len(logits)), -logits.astype(np.float64)))[:top_logprobs]
+    chosen, alternatives = read_logprobs(ring, ring_slots, position, top_logprobs)
+    assert chosen[0] == token
+    assert [t for t, _ in alternatives] == order.tolist()
+    ids = np.array([token, *order.tolist()])
+    actual = np.array([chosen[1], *(lp for _, lp in alternatives)])
+    shifted = np.abs(logits[ids].astype(np.float64) - logits.max())
+    bound = FLOAT32_EPS * (2 * shifted + len(logits) / threads + 64)
+    assert_within(actual, expected[ids], bound)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_logprobs_match_log_softmax_with_ties_ordered_by_id(lane_order):
+    device = sim_device(lane_order)
+    logits = peaked_logits(4096, seed=12)
+    logits[[4000, 100, 2500]] = logits.max()  # a three-way tie at the top
+    logits[[3, 1500]] = np.sort(logits)[-10]  # and one further down
+    params = SamplingParams(temperature=1.0, top_k=50, logprobs=True, top_logprobs=20, seed=3)
+    tokens, ring = device_sample(device, logits, params, draws=3, position=5, ring_slots=4)
+    for draw in range(3):
+        check_logprobs(ring, 4, 5 + draw, logits, tokens[draw], 20, threads=64)
+    # Position 4 (slot 0) was not drawn: its slot is untouched.
+    untouched = ring.numpy()[: LOGPROB_ENTRIES * LOGPROB_ENTRY.itemsize]
+    assert not untouched.any()
+
+
+def test_no_logprobs_requested_leaves_the_ring_alone():
+    device = sim_device("forward")
+    _, ring = device_sample(device, peaked_logits(300, 1), SamplingParams(seed=1), draws=4)
+    assert not ring.numpy().any()
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_real_vocabulary(lane_order):
+    """248320 tokens, 1024 threads, every filter and 20 alternatives: the tokens replay the
+    reference race and the log-probabilities match log_softmax."""
+    device = sim_device(lane_order)
+    params = REAL_CASE
+    logits = peaked_logits(REAL_VOCAB, seed=params.seed)
+    tokens, ring = device_sample(device, logits, params, draws=2, position=123, threads=1024)
+    for draw in range(2):
+        scores = race_scores(logits, params, 123 + draw)
+        assert tokens[draw] == int(np.argmax(scores))
+        check_logprobs(ring, 2, 123 + draw, logits, tokens[draw], 20, threads=1024)
+
+
+# ---- host-side checks --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -0.1},
+        {"temperature": math.inf},
+        {"top_k": -1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"min_p": -0.1},
+        {"min_p": 1.01},
+        {"top_logprobs": 21},
+    ],
+)
+def test_invalid_parameters_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def test_recording_refuses_bad_launches():
+    device = sim_device("forward")
+    buffer = device.alloc(4096)
+    small = device.alloc(4)
+    common = dict(logits=buffer, params=buffer, position=buffer, predicted=buffer)
+    from lily.device import Graph
+
+    with pytest.raises(ValueError, match="threads"):
+        record_sample(
+            Graph(), device, vocab=64, logprob_ring=buffer, ring_slots=1, threads=48, **common
+        )
+    with pytest.raises(ValueError, match="logprob_ring"):
+        record_sample(Graph(), device, vocab=64, logprob_ring=small, ring_slots=1, **common)
+    with pytest.raises(ValueError, match="logits"):
+        record_sample(Graph(), device, vocab=2048, logprob_ring=buffer, ring_slots=1, **common)
