@@ -274,3 +274,32 @@ def test_math_functions(dev):
     np.testing.assert_array_equal(
         hout, np.exp(b.astype(np.float16).astype(np.float32)).astype(np.float16)
     )
+
+
+def test_more_simd_and_quad_functions(dev):
+    x = np.random.default_rng(13).integers(0, 256, 64).astype(np.int32)
+    out = np.zeros((12, 64), dtype=np.int64)
+    out32 = np.zeros((12, 64), dtype=np.int32)
+    run(dev, "test_simd_more", 1, 64, {0: x, 1: out32})
+    lanes = np.arange(32)
+    for base in (0, 32):
+        v = x[base : base + 32].astype(np.int64)
+        p = v % 3 + 2
+        quads = v.reshape(8, 4)
+        rows = [
+            np.bitwise_and.reduce(v),
+            np.bitwise_or.reduce(v),
+            np.bitwise_xor.reduce(v),
+            np.prod(p) % 2**32,
+            np.cumprod(p) // p % 2**32,
+            v[(lanes + 5) % 32],
+            v[(lanes - 3) % 32],
+            quads.sum(axis=1).repeat(4),
+            quads.max(axis=1).repeat(4),
+            v[lanes ^ 1],
+            quads[:, 2].repeat(4),
+            lanes == 0,
+        ]
+        for k, row in enumerate(rows):
+            out[k, base : base + 32] = row
+    np.testing.assert_array_equal(out32.view(np.uint32), out.astype(np.uint32))

@@ -233,3 +233,29 @@ constant uint kMathOps = 24;
   for (uint k = 0; k < kMathOps; ++k) out[k * n + i] = r[k];
   hout[i] = exp(half(b));
 }
+
+constant uint kMoreSimdOps = 12;
+
+// out[op * n + i]: integer reductions, rotations, products and quad-group functions.
+[[kernel]] void test_simd_more(device const int* x [[buffer(0)]], device int* out [[buffer(1)]],
+                               uint i [[thread_position_in_grid]],
+                               uint3 grid [[threads_per_grid]],
+                               ushort lane [[thread_index_in_simdgroup]]) {
+  const uint n = grid.x;
+  int v = x[i];
+  int r[kMoreSimdOps] = {
+      simd_and(v),
+      simd_or(v),
+      simd_xor(v),
+      simd_product(v % 3 + 2),
+      simd_prefix_exclusive_product(v % 3 + 2),
+      simd_shuffle_rotate_down(v, ushort(5)),
+      simd_shuffle_rotate_up(v, ushort(3)),
+      quad_sum(v),
+      quad_max(v),
+      quad_shuffle_xor(v, ushort(1)),
+      quad_broadcast(v, ushort(2)),
+      simd_is_first() ? 1 : 0,
+  };
+  for (uint k = 0; k < kMoreSimdOps; ++k) out[k * n + i] = r[k];
+}
