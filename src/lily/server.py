@@ -130,6 +130,7 @@ def _as_api_error(exc: BaseException) -> APIError:
 # --- Request schema: one description used to validate requests and to publish OpenAPI --------
 
 _STRING: dict[str, Any] = {"type": "string"}
+# Parts other than text (images, audio) are refused by the facade: 400, naming the part.
 _CONTENT_PART = {
     "type": "object",
     "required": ["type"],
@@ -186,21 +187,24 @@ def _nullable(kind: str, **bounds: Any) -> dict[str, Any]:
 CHAT_REQUEST_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["messages"],
-    "description": "Fields set to null take their default. Fields not listed are answered with "
-    "400 unsupported_parameter unless Lily implements them.",
+    "description": "Fields set to null take their default. Other fields are answered with "
+    "400 unsupported_parameter, naming them.",
+    # Enforced by the facade (400, naming the fields) rather than by `validate` (422).
+    "additionalProperties": False,
     "properties": {
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "model": _nullable("string"),
-        "max_tokens": _nullable("integer", minimum=0),
-        "max_completion_tokens": _nullable("integer", minimum=0),
+        "max_tokens": _nullable("integer", minimum=1),
+        "max_completion_tokens": _nullable("integer", minimum=1),
         "stream": _nullable("boolean"),
         "stream_options": {
             "type": ["object", "null"],
             "properties": {"include_usage": {"type": "boolean"}},
+            "additionalProperties": False,
         },
         "stop": {"type": ["string", "array", "null"], "items": _STRING},
         "temperature": _nullable("number", minimum=0, maximum=2),
-        "top_p": _nullable("number", minimum=0, maximum=1),
+        "top_p": _nullable("number", exclusiveMinimum=0, maximum=1),
         "top_k": _nullable("integer", minimum=0),
         "min_p": _nullable("number", minimum=0, maximum=1),
         "seed": _nullable("integer", minimum=0),
@@ -236,7 +240,8 @@ def _schema_error(where: str, message: str) -> APIError:
 
 def validate(value: Any, schema: dict[str, Any], where: str) -> None:
     """Checks `value` against the JSON Schema subset used above (type, enum, minimum, maximum,
-    minItems, items, properties, required); raises a 422 naming the first offending field."""
+    exclusiveMinimum, minItems, items, properties, required); raises a 422 naming the first
+    offending field."""
     kinds = schema.get("type")
     if kinds is not None:
         kinds = [kinds] if isinstance(kinds, str) else kinds
@@ -250,6 +255,8 @@ def validate(value: Any, schema: dict[str, Any], where: str) -> None:
         high = schema.get("maximum", _INT64[1] if isinstance(value, int) else math.inf)
         if not low <= value <= high:
             raise _schema_error(where, f"must be between {low} and {high}, got {value}")
+        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
+            raise _schema_error(where, f"must be above {schema['exclusiveMinimum']}, got {value}")
     if isinstance(value, list):
         if len(value) < schema.get("minItems", 0):
             raise _schema_error(where, f"needs at least {schema['minItems']} item(s)")
@@ -311,8 +318,13 @@ def parse_chat_request(body: bytes) -> dict[str, Any]:
     _check_text_is_unicode(document)
     request = {name: value for name, value in document.items() if value is not None}
     for name, schema in CHAT_REQUEST_SCHEMA["properties"].items():
-        if name in request:
-            validate(request[name], schema, name)
+        if name not in request:
+            continue
+        value = request[name]
+        # JSON has one number type: 2.0 is as much an integer as 2 (JSON Schema agrees).
+        if "integer" in schema.get("type", ()) and isinstance(value, float) and value.is_integer():
+            value = request[name] = int(value)
+        validate(value, schema, name)
     if "messages" not in request:
         raise APIError(400, "messages is required", param="messages", code="missing_required")
     return request

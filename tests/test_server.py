@@ -1,0 +1,486 @@
+"""`lily serve` driven by the official `openai` client (sync, async, streaming) on the demo model
+on the sim: answers equal the facade's, requests queue and never interleave, a full queue gives
+503, a client that leaves frees the engine, bad input gets OpenAI error objects, and a bounded
+schemathesis run over the OpenAPI description finds no 5xx.
+
+The demo on the sim takes about 0.1 s per token (prompt tokens included), so answers are a few
+tokens long. Greedy decoding (temperature 0) with a different prompt per client makes every
+client's expected answer distinct.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import schemathesis
+import uvicorn
+from hypothesis import HealthCheck, given, settings
+from schemathesis import checks
+
+import lily
+from lily.api import Lily
+from lily.server import create_app, openapi_document
+
+MAX_SEQ = 96
+MODEL = "demo"
+GREEDY = {"temperature": 0, "seed": 7}
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+# The fuzzed server's context: a templated prompt of a few words leaves room for a few tokens.
+FUZZ_MAX_SEQ = 32
+FUZZ_EXAMPLES = 100
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+class RunningServer:
+    """uvicorn serving `app` from a thread on a free loopback port."""
+
+    def __init__(self, app: Any):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]})
+
+    def __enter__(self) -> RunningServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "none"),
+                             **kwargs)  # fmt: skip
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/health").json()
+
+    def wait_idle(self, timeout: float = 60) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while (state := self.health())["busy"] or state["waiting"]:
+            assert time.monotonic() < deadline, f"engine still busy: {state}"
+            time.sleep(0.05)
+        return state
+
+
+class CountingEngine:
+    """Wraps the engine's `generate` to count the tokens it really produced, and can be told to
+    fail the next generation."""
+
+    def __init__(self, llm: Lily):
+        self.llm = llm
+        self.inner = llm.engine.generate
+        self.tokens = 0
+        self.fail_next = False
+
+    def generate(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("planted engine failure /secret/path/engine.py line 42")
+        for token in self.inner(*args, **kwargs):
+            self.tokens += 1
+            yield token
+
+
+@pytest.fixture(scope="module")
+def served_llm() -> Iterator[Lily]:
+    with lily.load("demo", device="sim", max_seq=MAX_SEQ) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def counting(served_llm: Lily) -> Iterator[CountingEngine]:
+    engine = served_llm.engine
+    counter = CountingEngine(served_llm)
+    engine.generate = counter.generate
+    yield counter
+    del engine.generate
+
+
+@pytest.fixture(scope="module")
+def server(served_llm: Lily, counting: CountingEngine) -> Iterator[RunningServer]:
+    with RunningServer(create_app(served_llm, queue_limit=16, max_body_bytes=64 * 1024)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def facade() -> Iterator[Lily]:
+    """A second copy of the demo model, called directly: the answers the server must give."""
+    with lily.load("demo", device="sim", max_seq=MAX_SEQ) as llm:
+        yield llm
+
+
+_expected_cache: dict[str, Any] = {}
+
+
+def expected(facade: Lily, text: str, max_tokens: int, **params: Any) -> Any:
+    key = json.dumps([text, max_tokens, params], sort_keys=True)
+    if key not in _expected_cache:
+        _expected_cache[key] = facade.chat.completions.create(
+            model=MODEL, messages=user(text), max_tokens=max_tokens, **GREEDY, **params
+        )
+    return _expected_cache[key]
+
+
+def joined(chunks: list[Any]) -> tuple[str, str, str | None]:
+    """(content, reasoning, finish_reason) of a stream of chunks."""
+    content = reasoning = ""
+    finish = None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            finish = choice.finish_reason or finish
+    return content, reasoning, finish
+
+
+# -- models, health, OpenAPI -------------------------------------------------------------------
+
+
+def test_models_health_and_openapi(server: RunningServer) -> None:
+    client = server.client()
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["demo"]
+    assert client.models.retrieve("demo").id == "demo"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    health = server.health()
+    assert health["status"] == "ok" and health["device"] == "sim"
+    document = httpx.get(f"{server.url}/openapi.json").json()
+    assert document["openapi"].startswith("3.1")
+    assert {"/v1/chat/completions", "/v1/models", "/health"} <= set(document["paths"])
+
+
+# -- answers equal the facade's ----------------------------------------------------------------
+
+
+def test_sync_client_gets_the_facade_answer(server: RunningServer, facade: Lily) -> None:
+    want = expected(facade, "Hi", 5)
+    got = server.client().chat.completions.create(
+        model=MODEL, messages=user("Hi"), max_tokens=5, **GREEDY
+    )
+    assert (got.choices[0].message.content or "") == (want.choices[0].message.content or "")
+    assert got.choices[0].message.model_extra.get("reasoning_content") == (
+        want.choices[0].message.reasoning_content
+    )
+    assert got.choices[0].finish_reason == want.choices[0].finish_reason
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    assert got.usage.completion_tokens == want.usage.completion_tokens == 5
+
+
+def test_streaming_client_gets_the_facade_answer(server: RunningServer, facade: Lily) -> None:
+    want = facade.chat.completions.create(
+        model=MODEL, messages=user("Tell me"), max_tokens=4, **GREEDY, **NO_THINKING
+    )
+    stream = server.client().chat.completions.create(
+        model=MODEL,
+        messages=user("Tell me"),
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+        extra_body=NO_THINKING,
+    )
+    chunks = list(stream)
+    content, reasoning, finish = joined(chunks)
+    assert content == (want.choices[0].message.content or "")
+    assert reasoning == ""
+    assert finish == want.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_raw_stream_is_server_sent_events_ending_in_done(server: RunningServer) -> None:
+    body = {"messages": user("Hi"), "max_tokens": 2, "stream": True, **GREEDY}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_async_clients_are_served_one_after_the_other(server: RunningServer, facade: Lily) -> None:
+    prompts = ["One", "Two", "Three"]
+    wants = [expected(facade, p, 3) for p in prompts]
+
+    async def ask_all() -> list[Any]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none")
+        async with client:
+            return await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model=MODEL, messages=user(p), max_tokens=3, **GREEDY
+                    )
+                    for p in prompts
+                )
+            )
+
+    for got, want in zip(asyncio.run(ask_all()), wants, strict=True):
+        message = want.choices[0].message
+        assert got.choices[0].message.model_extra.get("reasoning_content") == (
+            message.reasoning_content
+        )
+        assert (got.choices[0].message.content or "") == (message.content or "")
+
+
+# -- under load --------------------------------------------------------------------------------
+
+
+def test_concurrent_streaming_clients_each_get_their_sequential_answer(
+    server: RunningServer, facade: Lily
+) -> None:
+    """Eight clients at once: had two requests' tokens interleaved on the engine, some
+    client's text would differ from what the facade produces for its prompt alone."""
+    prompts = [f"Client {i} says" for i in range(8)]
+    wants = [expected(facade, p, 3) for p in prompts]
+    results: dict[int, tuple[str, str, str | None]] = {}
+
+    def run(i: int) -> None:
+        stream = server.client().chat.completions.create(
+            model=MODEL, messages=user(prompts[i]), max_tokens=3, stream=True, **GREEDY
+        )
+        results[i] = joined(list(stream))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == list(range(len(prompts)))
+    for i, want in enumerate(wants):
+        message = want.choices[0].message
+        assert results[i] == (
+            message.content or "",
+            message.reasoning_content or "",
+            want.choices[0].finish_reason,
+        ), prompts[i]
+
+
+def test_full_queue_answers_503_and_a_leaving_client_frees_the_engine(
+    served_llm: Lily, counting: CountingEngine
+) -> None:
+    with RunningServer(create_app(served_llm, queue_limit=1)) as small:
+        long_request = {"messages": user("Go"), "max_tokens": 80, "stream": True, **GREEDY}
+        started = counting.tokens
+        with httpx.stream(
+            "POST", f"{small.url}/v1/chat/completions", json=long_request, timeout=60
+        ) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            waiting = threading.Thread(
+                target=lambda: small.client().chat.completions.create(
+                    model=MODEL, messages=user("Me next"), max_tokens=2, **GREEDY
+                )
+            )
+            waiting.start()
+            deadline = time.monotonic() + 30
+            while small.health()["waiting"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            with pytest.raises(openai.APIStatusError) as refused:
+                small.client(max_retries=0).chat.completions.create(
+                    model=MODEL, messages=user("No room"), max_tokens=2
+                )
+            assert refused.value.status_code == 503
+            assert refused.value.response.headers["retry-after"].isdigit()
+            assert refused.value.body["code"] == "queue_full"
+        # The long stream's client has gone: its generation stops, the waiting one runs.
+        waiting.join(60)
+        assert not waiting.is_alive()
+        state = small.wait_idle()
+    assert state["completed"] == 2
+    produced_by_long = counting.tokens - started - 2
+    assert produced_by_long < 40, "the abandoned generation was not stopped"
+
+
+def test_a_failing_request_leaves_the_engine_usable(
+    server: RunningServer, counting: CountingEngine, facade: Lily
+) -> None:
+    client = server.client(max_retries=0)
+    counting.fail_next = True
+    with pytest.raises(openai.InternalServerError) as failed:
+        client.chat.completions.create(model=MODEL, messages=user("Hi"), max_tokens=2, **GREEDY)
+    text = failed.value.response.text
+    assert "secret" not in text and "Traceback" not in text
+    assert failed.value.body["type"] == "server_error"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=user("x " * 200), max_tokens=2)
+    got = client.chat.completions.create(model=MODEL, messages=user("Hi"), max_tokens=5, **GREEDY)
+    assert got.choices[0].message.model_extra.get("reasoning_content") == (
+        expected(facade, "Hi", 5).choices[0].message.reasoning_content
+    )
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def post(server: RunningServer, content: bytes | str, **headers: str) -> httpx.Response:
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=content,
+        headers={"content-type": "application/json", **headers},
+    )
+    assert "Traceback" not in response.text
+    return response
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ('{"messages": [', 400, None),
+        ("[1, 2]", 400, None),
+        ('"just a string"', 400, None),
+        ('{"messages": [{"role": "user", "content": "a"}], "temperature": NaN}', 400, None),
+        ('{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
+        ("{}", 400, "messages"),
+        ('{"messages": []}', 422, "messages"),
+        ('{"messages": "hello"}', 422, "messages"),
+        ('{"messages": [{"role": "robot", "content": "a"}]}', 422, "messages[0].role"),
+        ('{"messages": [{"role": "user", "content": 5}]}', 422, "messages[0].content"),
+        ('{"messages": [{"role": "user", "content": "a"}], "max_tokens": "5"}', 422, "max_tokens"),
+        ('{"messages": [{"role": "user", "content": "a"}], "max_tokens": true}', 422, "max_tokens"),
+        ('{"messages": [{"role": "user", "content": "a"}], "stream": "yes"}', 422, "stream"),
+        ('{"messages": [{"role": "user", "content": "a"}], "seed": 1e400}', 422, "seed"),
+        ('{"messages": [{"role": "user", "content": "a"}], "seed": 99999999999999999999}', 422,
+         "seed"),
+        ('{"messages": [{"role": "user", "content": "a"}], "top_logprobs": 21}', 422,
+         "top_logprobs"),
+        ('{"messages": [{"role": "user"}]}', 400, "messages[0].content"),
+        ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
+         "messages[0].content[0].type"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_error_objects(
+    server: RunningServer, body: str, status: int, param: str | None
+) -> None:
+    response = post(server, body)
+    assert response.status_code == status, response.text
+    error = error_of(response)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+def test_deeply_nested_json_is_a_400(server: RunningServer) -> None:
+    response = post(server, '{"messages": ' + "[" * 50_000)
+    assert response.status_code == 400
+    error_of(response)
+
+
+def test_errors_through_the_openai_client(server: RunningServer) -> None:
+    client = server.client(max_retries=0)
+    with pytest.raises(openai.NotFoundError) as unknown_model:
+        client.chat.completions.create(model="gpt-4o", messages=user("a"), max_tokens=1)
+    assert unknown_model.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        client.chat.completions.create(
+            model=MODEL, messages=user("a"), logit_bias={"1": 1}, presence_penalty=0.5
+        )
+    assert unsupported.value.body["code"] == "unsupported_parameter"
+    assert "logit_bias, presence_penalty" in unsupported.value.message
+    with pytest.raises(openai.BadRequestError) as several_choices:
+        client.chat.completions.create(model=MODEL, messages=user("a"), n=2)
+    assert several_choices.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model=MODEL, messages=user("a"), max_tokens=MAX_SEQ)
+    assert too_long.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as oversized:
+        client.chat.completions.create(model=MODEL, messages=user("word " * 5000), max_tokens=1)
+    assert oversized.value.body["code"] == "context_length_exceeded"
+
+
+def test_bodies_over_the_limit_get_413(server: RunningServer) -> None:
+    big = json.dumps({"messages": user("a" * 100_000)})
+    assert error_of(post(server, big))["code"] == "request_too_large"
+    assert post(server, big).status_code == 413
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit holds while reading
+        for _ in range(100):
+            yield b" " * 1024
+
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=chunks())
+    assert response.status_code == 413
+
+
+def test_unknown_routes_and_methods(server: RunningServer) -> None:
+    assert error_of(httpx.get(f"{server.url}/v1/nothing"))["code"] == "not_found"
+    response = httpx.get(f"{server.url}/v1/chat/completions")
+    assert response.status_code == 405 and error_of(response)["code"] == "method_not_allowed"
+
+
+def test_api_key(served_llm: Lily) -> None:
+    with RunningServer(create_app(served_llm, api_key="sesame")) as locked:
+        with pytest.raises(openai.AuthenticationError):
+            locked.client(api_key="wrong", max_retries=0).models.list()
+        response = httpx.get(f"{locked.url}/v1/models")
+        assert response.status_code == 401 and error_of(response)["code"] == "invalid_api_key"
+        assert locked.client(api_key="sesame").models.list().data[0].id == "demo"
+        assert locked.health()["status"] == "ok"  # liveness checks need no key
+
+
+# -- fuzzing -----------------------------------------------------------------------------------
+
+
+def test_schemathesis_finds_no_server_error() -> None:
+    """Positive and negative cases generated from the OpenAPI description; every answer must be
+    a documented status with a conforming body, never a 5xx. Bounded by the example count; the
+    model's context is short so that valid requests generate few tokens."""
+    statuses: dict[int, int] = {}
+    conformance = [
+        checks.not_a_server_error,
+        checks.status_code_conformance,
+        checks.content_type_conformance,
+        checks.response_schema_conformance,
+    ]
+    schema = schemathesis.openapi.from_dict(openapi_document())
+    with (
+        lily.load("demo", device="sim", max_seq=FUZZ_MAX_SEQ) as fuzz_llm,
+        RunningServer(create_app(fuzz_llm, queue_limit=4)) as fuzzed,
+    ):
+        for mode in schemathesis.GenerationMode:
+
+            @settings(
+                max_examples=FUZZ_EXAMPLES,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+            )
+            @given(case=schema.as_strategy(generation_mode=mode))
+            def check(case: Any) -> None:
+                response = case.call(base_url=fuzzed.url, timeout=60)
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+                case.validate_response(response, checks=conformance)
+
+            check()
+    print(f"schemathesis: {sum(statuses.values())} cases, statuses {sorted(statuses.items())}")
+    assert sum(statuses.values()) >= FUZZ_EXAMPLES
+    assert not [status for status in statuses if status >= 500]
