@@ -439,7 +439,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port")
     serve.add_argument(
         "--api-key",
-        default=os.environ.get("LILY_API_KEY"),
+        default=os.environ.get("LILY_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LILY_API_KEY, or "
         "no key)",
     )

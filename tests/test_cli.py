@@ -1,0 +1,252 @@
+"""The `lily` command line: help, argument wiring, and each command run for real on the demo
+model on the sim (in-process where possible, as a subprocess for `serve` and `chat`'s stdin loop).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+import lily
+from lily.api import Lily
+from lily.cli import BENCH_DECODE_STEPS, ChatSession, main, synthetic_prompt
+
+GREEDY = {"temperature": 0, "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def demo() -> Iterator[Lily]:
+    with lily.load("demo", device="sim", max_seq=256) as llm:
+        yield llm
+
+
+def run_lily(*argv: str, **kwargs: Any) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lily.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
+
+
+# -- help and argument wiring ------------------------------------------------------------------
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("chat", "generate", "serve", "bench", "info"):
+        assert f"\n    {command} " in out
+
+
+@pytest.mark.parametrize(
+    ("command", "options"),
+    [
+        ("serve", ["--host", "--port", "--api-key", "--queue-limit", "--max-seq", "--model",
+                   "--device"]),
+        ("chat", ["--system", "--max-tokens", "--temperature", "--seed", "--no-thinking"]),
+        ("bench", ["--context", "--json", "--model", "--device"]),
+        ("generate", ["--max-tokens", "--model"]),
+    ],
+)  # fmt: skip
+def test_command_help_names_its_options(
+    command: str, options: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    for option in options:
+        assert option in out
+
+
+def test_serve_arguments_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[tuple, dict]] = []
+    monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.delenv("LILY_API_KEY", raising=False)
+    main(["serve", "--model", "demo", "--device", "sim", "--port", "9123", "--queue-limit", "3"])
+    main(["serve", "--host", "0.0.0.0", "--api-key", "k", "--max-seq", "64"])
+    (first_args, first), (second_args, second) = calls
+    assert first_args == ("demo",) and second_args == (None,)
+    assert first["host"] == "127.0.0.1" and first["port"] == 9123 and first["queue_limit"] == 3
+    assert first["device"] == "sim" and first["api_key"] is None
+    assert second["host"] == "0.0.0.0" and second["api_key"] == "k" and second["max_seq"] == 64
+
+
+def test_serve_takes_the_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict] = []
+    monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append(k))
+    monkeypatch.setenv("LILY_API_KEY", "from-env")
+    main(["serve"])
+    assert calls[0]["api_key"] == "from-env"
+
+
+# -- the commands, for real --------------------------------------------------------------------
+
+
+def test_generate_prints_the_prompt_and_its_greedy_continuation(
+    demo: Lily, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompt = "Once upon a time"
+    assert (
+        main(["generate", "--model", "demo", "--device", "sim", "--max-tokens", "4", prompt]) == 0
+    )
+    captured = capsys.readouterr()
+    assert captured.out == prompt + demo.generate(prompt, max_tokens=4) + "\n"
+    assert "random weights" in captured.err and "tokens/s" in captured.err
+
+
+def test_synthetic_prompt_follows_the_benchmark_contract() -> None:
+    i = np.arange(5000, dtype=np.uint64)
+    expected = ((i * np.uint64(2654435761)) % np.uint64(2**32)) % np.uint64(248320)
+    assert synthetic_prompt(5000, 248320) == expected.tolist()
+    assert max(synthetic_prompt(300, 4096)) < 4096
+
+
+def test_bench_measures_one_prefill_and_64_decode_steps(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "--model", "demo", "--device", "sim", "--context", "3", "--json"]) == 0
+    arm = json.loads(capsys.readouterr().out)
+    assert arm["device"] == "sim" and arm["context"] == 3
+    assert arm["decode_steps"] == BENCH_DECODE_STEPS == 64
+    assert arm["prefill_tok_s"] == pytest.approx(3 / arm["prefill_s"])
+    assert arm["decode_tok_s"] == pytest.approx(64 / arm["decode_s"])
+
+
+def test_info_reports_device_memory_and_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LILY_CACHE", str(tmp_path / "lily"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "device (auto):   sim" in out or "device (auto):   metal" in out
+    assert "memory:" in out and "GiB" in out
+    assert "Qwen3.6-35B-A3B-4bit" in out and "not downloaded" in out
+    assert "demo: not generated yet" in out
+    (tmp_path / "lily" / "demo-0123").mkdir(parents=True)
+    main(["info"])
+    assert "demo: generated at" in capsys.readouterr().out
+
+
+class InterruptingOutput(io.StringIO):
+    """Raises KeyboardInterrupt on the n-th write, as Ctrl-C would in the middle of a reply."""
+
+    def __init__(self, interrupt_at: int):
+        super().__init__()
+        self.interrupt_at = interrupt_at
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        if self.writes == self.interrupt_at:
+            raise KeyboardInterrupt
+        return super().write(text)
+
+
+def test_chat_keeps_history_and_resets(demo: Lily) -> None:
+    out = io.StringIO()
+    session = ChatSession(demo, out, system="Be brief.", request=GREEDY)
+    assert session.handle("Hi")
+    assert [m["role"] for m in session.history] == ["system", "user", "assistant"]
+    want = demo.chat.completions.create(
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        **GREEDY,
+    )
+    assert session.history[-1]["content"] == (want.choices[0].message.content or "")
+    assert "[thinking]" in out.getvalue()  # the demo's template thinks by default
+    assert session.handle("And then?")
+    assert len(session.history) == 5
+    assert session.handle("/reset")
+    assert session.history == [{"role": "system", "content": "Be brief."}]
+    assert "forgotten" in out.getvalue()
+    assert session.handle("   ") and len(session.history) == 1
+    assert not session.handle("/exit")
+
+
+def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(demo: Lily) -> None:
+    produced = []
+    inner = demo.engine.generate
+
+    def counting_generate(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        for token in inner(*args, **kwargs):
+            produced.append(token)
+            yield token
+
+    demo.engine.generate = counting_generate
+    try:
+        out = InterruptingOutput(interrupt_at=3)
+        session = ChatSession(demo, out, request={"temperature": 0, "max_tokens": 60})
+        session.handle("Tell me a long story")
+        assert "[stopped]" in out.getvalue()
+        assert len(produced) < 10, "the generation went on after Ctrl-C"
+        assert session.history[-1]["role"] == "assistant"
+        produced.clear()
+        session.request = GREEDY
+        session.handle("Shorter")
+        assert len(produced) == 3 and len(session.history) == 4
+    finally:
+        del demo.engine.generate
+
+
+def test_chat_reads_stdin_until_its_end() -> None:
+    done = run_lily(
+        "chat", "--model", "demo", "--device", "sim", "--temperature", "0", "--max-tokens", "2",
+        input="Hello\n/reset\nHi\n",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "[conversation forgotten]" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_lily_serve_answers_then_stops_on_ctrl_c() -> None:
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lily.cli", "serve", "--model", "demo", "--device", "sim",
+         "--port", str(port), "--max-seq", "64", "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={name: value for name, value in os.environ.items() if name != "LILY_API_KEY"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline, "lily serve did not come up"
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert health["model"] == "demo" and health["device"] == "sim"
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        assert models["data"][0]["id"] == "demo"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
