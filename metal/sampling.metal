@@ -28,6 +28,9 @@ constexpr constant uint NO_TOKEN = 0xFFFFFFFFu;
 // Entries per log-probability ring slot: the chosen token, then up to 20 alternatives.
 constexpr constant uint MAX_TOP_LOGPROBS = 20;
 constexpr constant uint LOGPROB_ENTRIES = 1 + MAX_TOP_LOGPROBS;
+constexpr constant uint MAX_THREADS = 1024;
+// Tokens gathered into threadgroup memory when top-k bounds them (8 bytes each).
+constexpr constant uint GATHER_CAPACITY = 2048;
 constexpr constant float TWO_TO_MINUS_32 = 1.0f / 4294967296.0f;
 constexpr constant float LARGEST_BELOW_ONE = 1.0f - 1.0f / 16777216.0f;
 // Below this, -log(1 - u) = u + u^2/2 to fp32 precision.
@@ -135,43 +138,63 @@ inline uint group_argmax(float value, uint index, threadgroup float* values,
   return winner;
 }
 
-// The largest key t with count(key_i >= t) >= k: the k-th largest key (1 <= k <= vocab).
-inline uint kth_largest_key(device const float* logits, uint vocab, float inverse_temperature,
-                            uint k, threadgroup uint* scratch, uint thread_id, uint threads,
-                            uint simdgroups, uint simdgroup, uint lane) {
+// The tokens the filters and the race run over: either every token, read from the logits, or
+// the ones gathered into threadgroup memory when top-k bounds them (then every later pass reads
+// a few hundred values instead of the whole vocabulary).
+struct Tokens {
+  device const float* logits;
+  threadgroup const float* gathered_z;
+  threadgroup const uint* gathered_ids;
+  float inverse_temperature;
+  uint count;
+  bool gathered;
+};
+
+inline float token_z(thread const Tokens& tokens, uint j) {
+  return tokens.gathered ? tokens.gathered_z[j] : tokens.logits[j] * tokens.inverse_temperature;
+}
+
+inline uint token_id(thread const Tokens& tokens, uint j) {
+  return tokens.gathered ? tokens.gathered_ids[j] : j;
+}
+
+// The largest key t with count(key >= t) >= k among `tokens`: their k-th largest key.
+inline uint kth_largest_key(thread const Tokens& tokens, uint k, threadgroup uint* scratch,
+                            uint thread_id, uint threads, uint simdgroups, uint simdgroup,
+                            uint lane) {
   uint found = 0;
   for (uint bit = 32; bit-- > 0;) {
     const uint candidate = found | (1u << bit);
     uint count = 0;
-    for (uint i = thread_id; i < vocab; i += threads) {
-      count += order_key(logits[i] * inverse_temperature) >= candidate ? 1u : 0u;
+    for (uint j = thread_id; j < tokens.count; j += threads) {
+      count += order_key(token_z(tokens, j)) >= candidate ? 1u : 0u;
     }
     if (group_count(count, scratch, simdgroups, simdgroup, lane) >= k) found = candidate;
   }
   return found;
 }
 
-// Sum of exp(z_i - max_z) over the tokens with key_i >= threshold.
-inline float mass_above(device const float* logits, uint vocab, float inverse_temperature,
-                        float max_z, uint threshold, threadgroup float* scratch, uint thread_id,
-                        uint threads, uint simdgroups, uint simdgroup, uint lane) {
+// Sum of exp(z - max_z) over the tokens with key >= threshold.
+inline float mass_above(thread const Tokens& tokens, float max_z, uint threshold,
+                        threadgroup float* scratch, uint thread_id, uint threads,
+                        uint simdgroups, uint simdgroup, uint lane) {
   float mass = 0.0f;
-  for (uint i = thread_id; i < vocab; i += threads) {
-    const float z = logits[i] * inverse_temperature;
+  for (uint j = thread_id; j < tokens.count; j += threads) {
+    const float z = token_z(tokens, j);
     if (order_key(z) >= threshold) mass += exp(z - max_z);
   }
   return group_sum(mass, scratch, simdgroups, simdgroup, lane);
 }
 
 // The largest key t with mass_above(max(t, floor)) >= target, given mass_above(floor) >= target.
-inline uint top_p_key(device const float* logits, uint vocab, float inverse_temperature,
-                      float max_z, uint floor, float target, threadgroup float* scratch,
-                      uint thread_id, uint threads, uint simdgroups, uint simdgroup, uint lane) {
+inline uint top_p_key(thread const Tokens& tokens, float max_z, uint floor, float target,
+                      threadgroup float* scratch, uint thread_id, uint threads, uint simdgroups,
+                      uint simdgroup, uint lane) {
   uint found = 0;
   for (uint bit = 32; bit-- > 0;) {
     const uint candidate = found | (1u << bit);
-    if (mass_above(logits, vocab, inverse_temperature, max_z, max(candidate, floor), scratch,
-                   thread_id, threads, simdgroups, simdgroup, lane) >= target) {
+    if (mass_above(tokens, max_z, max(candidate, floor), scratch, thread_id, threads, simdgroups,
+                   simdgroup, lane) >= target) {
       found = candidate;
     }
   }
@@ -193,6 +216,9 @@ inline uint top_p_key(device const float* logits, uint vocab, float inverse_temp
                              uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float float_scratch[SIMD_WIDTH];
   threadgroup uint uint_scratch[SIMD_WIDTH];
+  threadgroup uint thread_max_keys[MAX_THREADS];
+  threadgroup float gathered_z[GATHER_CAPACITY];
+  threadgroup uint gathered_ids[GATHER_CAPACITY];
   const uint vocab = shape.vocab;
   const uint simdgroups = (threads + SIMD_WIDTH - 1) / SIMD_WIDTH;
   // Threadgroup g draws for position + g: one dispatch can draw many samples (the tests do).
@@ -218,33 +244,83 @@ inline uint top_p_key(device const float* logits, uint vocab, float inverse_temp
   if (inverse_temperature != 0.0f) {
     // Multiplication by a positive number is monotonic in fp32, so this is the largest z.
     const float max_z = max_logit * inverse_temperature;
+    const bool top_k_on = params.top_k != 0 && params.top_k < vocab;
+
+    // A lower bound on the k-th largest key: the k-th largest of the threads' own maxima (k of
+    // those maxima are tokens). Every token top-k keeps lies at or above it.
+    thread_max_keys[thread_id] =
+        best_index == NO_TOKEN ? 0u : order_key(best * inverse_temperature);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    uint bound = 0;
+    if (top_k_on && params.top_k <= threads) {
+      for (uint bit = 32; bit-- > 0;) {
+        const uint candidate = bound | (1u << bit);
+        const uint above = thread_max_keys[thread_id] >= candidate ? 1u : 0u;
+        if (group_count(above, uint_scratch, simdgroups, simdgroup, lane) >= params.top_k) {
+          bound = candidate;
+        }
+      }
+    }
+
+    // Gather the tokens at or above the bound, each thread's in a block placed by a prefix sum
+    // of the threads' counts, if they fit. Without a bound only a small vocabulary fits, so the
+    // counting pass is skipped.
+    const uint scanned = bound != 0 || vocab <= GATHER_CAPACITY ? vocab : 0;
+    uint own = 0;
+    for (uint i = thread_id; i < scanned; i += threads) {
+      own += order_key(logits[i] * inverse_temperature) >= bound ? 1u : 0u;
+    }
+    const uint own_offset = simd_prefix_exclusive_sum(own);
+    const uint simd_total = simd_sum(own);
+    if (lane == 0) uint_scratch[simdgroup] = simd_total;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    uint offset = own_offset;
+    uint gathered_count = 0;
+    for (uint s = 0; s < simdgroups; ++s) {
+      offset += s < simdgroup ? uint_scratch[s] : 0u;
+      gathered_count += uint_scratch[s];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const bool gathered = scanned != 0 && gathered_count <= GATHER_CAPACITY;
+    for (uint i = thread_id; gathered && i < vocab; i += threads) {
+      const float z = logits[i] * inverse_temperature;
+      if (order_key(z) >= bound) {
+        gathered_z[offset] = z;
+        gathered_ids[offset] = i;
+        ++offset;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const Tokens tokens = {logits,          gathered_z, gathered_ids, inverse_temperature,
+                           gathered ? gathered_count : vocab, gathered};
+
     uint threshold = 0;
-    if (params.top_k != 0 && params.top_k < vocab) {
-      threshold = kth_largest_key(logits, vocab, inverse_temperature, params.top_k, uint_scratch,
-                                  thread_id, threads, simdgroups, simdgroup, lane);
+    if (top_k_on) {
+      threshold = kth_largest_key(tokens, params.top_k, uint_scratch, thread_id, threads,
+                                  simdgroups, simdgroup, lane);
     }
     if (params.top_p < 1.0f) {
-      const float kept_mass = mass_above(logits, vocab, inverse_temperature, max_z, threshold,
-                                         float_scratch, thread_id, threads, simdgroups, simdgroup,
-                                         lane);
-      threshold = top_p_key(logits, vocab, inverse_temperature, max_z, threshold,
-                            params.top_p * kept_mass, float_scratch, thread_id, threads,
-                            simdgroups, simdgroup, lane);
+      const float kept_mass = mass_above(tokens, max_z, threshold, float_scratch, thread_id,
+                                         threads, simdgroups, simdgroup, lane);
+      threshold = top_p_key(tokens, max_z, threshold, params.top_p * kept_mass, float_scratch,
+                            thread_id, threads, simdgroups, simdgroup, lane);
     }
     // Keeps the most likely token even if rounding (or a denormal top_p) pushed the key past it.
     threshold = min(threshold, order_key(max_z));
 
+    // The Gumbel race. Gathered tokens are not in id order, so ties compare ids explicitly.
     const uint2 key = uint2(params.seed_low, params.seed_high);
     float best_score = 0.0f;
     uint winner = NO_TOKEN;
-    for (uint i = thread_id; i < vocab; i += threads) {
-      const float z = logits[i] * inverse_temperature;
+    for (uint j = thread_id; j < tokens.count; j += threads) {
+      const float z = token_z(tokens, j);
       if (order_key(z) < threshold || !(z - max_z >= params.log_min_p)) continue;
-      const uint bits = philox_first_word(uint4(i, step_position, 0, 0), key);
+      const uint id = token_id(tokens, j);
+      const uint bits = philox_first_word(uint4(id, step_position, 0, 0), key);
       const float score = z - log(exponential_variate(bits));
-      if (winner == NO_TOKEN || score > best_score) {
+      if (winner == NO_TOKEN || score > best_score || (score == best_score && id < winner)) {
         best_score = score;
-        winner = i;
+        winner = id;
       }
     }
     const uint sampled =

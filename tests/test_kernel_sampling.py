@@ -14,6 +14,7 @@ the kept set by sorting (the kernel bisects), the probabilities in float64. Thre
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -22,6 +23,7 @@ import pytest
 from kernel_testing import FLOAT32_EPS, LANE_ORDERS, assert_within, run, sim_device
 
 from lily.kernels.sampling import (
+    GATHER_CAPACITY,
     LOGPROB_ENTRIES,
     LOGPROB_ENTRY,
     SAMPLING_PARAMS_BYTES,
@@ -62,8 +64,8 @@ def reference_kept(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         distinct = np.unique(keys[kept])[::-1]
         cumulative = np.array([mass[kept & (keys >= k)].sum() for k in distinct])
         boundary = int(np.argmax(cumulative >= target))
-        near = np.abs(cumulative - target) / target
-        assert near.min() > 1e-4, "top_p lies on a rounding boundary of these logits"
+        deciding = cumulative[max(boundary - 1, 0) : boundary + 1]
+        assert np.all(np.abs(deciding - target) > 1e-4 * target), "top_p on a rounding boundary"
         kept &= keys >= distinct[boundary]
     if params.min_p > 0:
         relative = z - np.float32(z.max())
@@ -240,7 +242,9 @@ def test_chi_square_p_value_matches_known_quantiles():
 
 # ---- distributions -----------------------------------------------------------------------------
 
-STATISTICS_VOCAB = 1000  # not a multiple of the threadgroup
+# Past the gather capacity and not a multiple of the threadgroup: the cases without top-k run
+# over the logits in device memory, the top-k cases over the gathered tokens.
+STATISTICS_VOCAB = GATHER_CAPACITY + 952
 DISTRIBUTION_CASES = {
     "temperature": SamplingParams(temperature=1.0, seed=11),
     "cold top-k": SamplingParams(temperature=0.7, top_k=12, seed=12),
@@ -427,6 +431,20 @@ def test_fewer_tokens_than_threads(lane_order):
         assert tokens[position] == int(np.argmax(race_scores(logits, params, position)))
 
 
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_top_k_with_more_ties_than_can_be_gathered(lane_order):
+    """Logits on a few levels: the gather bound admits thousands of tokens, so top-k runs over
+    the logits in memory and keeps every token tied with the k-th."""
+    device = sim_device(lane_order)
+    rng = np.random.default_rng(13)
+    logits = rng.integers(0, 3, 10000).astype(np.float32)
+    params = SamplingParams(temperature=1.0, top_k=5, seed=21)
+    assert reference_kept(logits, params).sum() > GATHER_CAPACITY
+    tokens, _ = device_sample(device, logits, params, draws=16)
+    for position in range(16):
+        assert tokens[position] == int(np.argmax(race_scores(logits, params, position)))
+
+
 # ---- log-probabilities -------------------------------------------------------------------------
 
 
@@ -473,11 +491,13 @@ def test_no_logprobs_requested_leaves_the_ring_alone():
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
-def test_real_vocabulary(lane_order):
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "in-memory"])
+def test_real_vocabulary(lane_order, gathered):
     """248320 tokens, 1024 threads, every filter and 20 alternatives: the tokens replay the
-    reference race and the log-probabilities match log_softmax."""
+    reference race and the log-probabilities match log_softmax. A top_k above the thread count
+    gives no bound to gather by, so every pass reads the logits."""
     device = sim_device(lane_order)
-    params = REAL_CASE
+    params = REAL_CASE if gathered else dataclasses.replace(REAL_CASE, top_k=1100)
     logits = peaked_logits(REAL_VOCAB, seed=params.seed)
     tokens, ring = device_sample(device, logits, params, draws=2, position=123, threads=1024)
     for draw in range(2):

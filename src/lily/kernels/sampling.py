@@ -52,6 +52,10 @@ if TYPE_CHECKING:
     from lily.device import Buffer, Device, Graph
 
 SAMPLE_THREADS = 1024
+# sampling.metal's GATHER_CAPACITY: when top_k <= threads, the tokens at or above a cheap lower
+# bound on the k-th largest z (the k-th largest of the threads' own maxima) are gathered into
+# threadgroup memory if at most this many, and the later passes read only those.
+GATHER_CAPACITY = 2048
 MAX_TOP_LOGPROBS = 20
 # Entries of one ring slot: the chosen token, then the alternatives.
 LOGPROB_ENTRIES = 1 + MAX_TOP_LOGPROBS
