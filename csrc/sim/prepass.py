@@ -197,7 +197,11 @@ def line_of(text: str, pos: int) -> str:
 
 ATTRIBUTE = re.compile(r"\[\[(.*?)\]\]", re.S)
 HALF_LITERAL = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH]\b")
-TG_DECL = re.compile(r"threadgroup\s+([^;*&=()]+?)\s+([A-Za-z_]\w*)\s*((?:\[[^\];]*\]\s*)*);")
+# `[alignas(n)] threadgroup T name[dims]...;` (the runtime aligns threadgroup variables to 16).
+TG_DECL = re.compile(
+    r"(?:alignas\s*\(\s*\d+\s*\)\s*)?"
+    r"threadgroup\s+([^;*&=()]+?)\s+([A-Za-z_]\w*)\s*((?:\[[^\];]*\]\s*)*);"
+)
 
 
 def parse_param(text: str, masked: str, where: str) -> Param:

@@ -246,6 +246,7 @@ void* Worker::threadgroup_variable(unsigned slot, size_t bytes, size_t align) {
     throw Failure{"more than " + std::to_string(kMaxThreadgroupVariables) +
                   " threadgroup variables in one kernel"};
   if (variable_offset_[slot] < 0) {
+    align = std::max<size_t>(align, 16);  // covers `alignas(16) threadgroup ...` declarations
     size_t offset = (memory_used_ + align - 1) / align * align;
     if (offset + bytes > kThreadgroupMemoryLimit)
       throw Failure{"threadgroup memory of " + std::to_string(offset + bytes) +

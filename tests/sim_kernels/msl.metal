@@ -38,7 +38,7 @@ constant uint kSimdOps = 16;
                                      uint lid [[thread_index_in_threadgroup]],
                                      uint n [[threads_per_threadgroup]],
                                      uint group [[threadgroup_position_in_grid]]) {
-  threadgroup float partial[256];
+  alignas(16) threadgroup float partial[256];
   partial[lid] = x[i];
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint stride = n / 2; stride > 0; stride /= 2) {
