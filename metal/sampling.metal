@@ -28,7 +28,6 @@ constexpr constant uint NO_TOKEN = 0xFFFFFFFFu;
 // Entries per log-probability ring slot: the chosen token, then up to 20 alternatives.
 constexpr constant uint MAX_TOP_LOGPROBS = 20;
 constexpr constant uint LOGPROB_ENTRIES = 1 + MAX_TOP_LOGPROBS;
-constexpr constant uint MAX_THREADS = 1024;
 // Tokens gathered into threadgroup memory when top-k bounds them (8 bytes each).
 constexpr constant uint GATHER_CAPACITY = 2048;
 constexpr constant float TWO_TO_MINUS_32 = 1.0f / 4294967296.0f;
@@ -203,6 +202,57 @@ inline uint top_p_key(thread const Tokens& tokens, float max_z, uint floor, floa
   return max(found, floor);
 }
 
+// A lower bound on the k-th largest key of all tokens: the k-th largest of the threads' own
+// largest keys (those are k distinct tokens), 0 when k exceeds the threads. Every token a
+// top-k cut keeps lies at or above it.
+inline uint kth_largest_thread_key(uint own_key, uint k, threadgroup uint* scratch,
+                                   uint simdgroups, uint simdgroup, uint lane) {
+  uint found = 0;
+  for (uint bit = 32; bit-- > 0;) {
+    const uint candidate = found | (1u << bit);
+    const uint above = own_key >= candidate ? 1u : 0u;
+    if (group_count(above, scratch, simdgroups, simdgroup, lane) >= k) found = candidate;
+  }
+  return found;
+}
+
+// The tokens whose key of logits * scale is at least `bound`, gathered into threadgroup memory
+// if `try_gather` and they fit (each thread's in one block, placed by a prefix sum of the
+// threads' counts), else a view of every token in the logits.
+inline Tokens gather_tokens(device const float* logits, uint vocab, float scale, uint bound,
+                            bool try_gather, threadgroup float* gathered_z,
+                            threadgroup uint* gathered_ids, threadgroup uint* scratch,
+                            uint thread_id, uint threads, uint simdgroups, uint simdgroup,
+                            uint lane) {
+  const uint scanned = try_gather ? vocab : 0;
+  uint own = 0;
+  for (uint i = thread_id; i < scanned; i += threads) {
+    own += order_key(logits[i] * scale) >= bound ? 1u : 0u;
+  }
+  const uint own_offset = simd_prefix_exclusive_sum(own);
+  const uint simd_total = simd_sum(own);
+  if (lane == 0) scratch[simdgroup] = simd_total;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint offset = own_offset;
+  uint count = 0;
+  for (uint s = 0; s < simdgroups; ++s) {
+    offset += s < simdgroup ? scratch[s] : 0u;
+    count += scratch[s];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const bool gathered = try_gather && count <= GATHER_CAPACITY;
+  for (uint i = thread_id; gathered && i < vocab; i += threads) {
+    const float z = logits[i] * scale;
+    if (order_key(z) >= bound) {
+      gathered_z[offset] = z;
+      gathered_ids[offset] = i;
+      ++offset;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return Tokens{logits, gathered_z, gathered_ids, scale, gathered ? count : vocab, gathered};
+}
+
 [[kernel]] void sample_token(constant SampleShape& shape [[buffer(0)]],
                              device const SamplingParams& params [[buffer(1)]],
                              device const float* logits [[buffer(2)]],
@@ -216,7 +266,6 @@ inline uint top_p_key(thread const Tokens& tokens, float max_z, uint floor, floa
                              uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float float_scratch[SIMD_WIDTH];
   threadgroup uint uint_scratch[SIMD_WIDTH];
-  threadgroup uint thread_max_keys[MAX_THREADS];
   threadgroup float gathered_z[GATHER_CAPACITY];
   threadgroup uint gathered_ids[GATHER_CAPACITY];
   const uint vocab = shape.vocab;
@@ -246,53 +295,17 @@ inline uint top_p_key(thread const Tokens& tokens, float max_z, uint floor, floa
     const float max_z = max_logit * inverse_temperature;
     const bool top_k_on = params.top_k != 0 && params.top_k < vocab;
 
-    // A lower bound on the k-th largest key: the k-th largest of the threads' own maxima (k of
-    // those maxima are tokens). Every token top-k keeps lies at or above it.
-    thread_max_keys[thread_id] =
-        best_index == NO_TOKEN ? 0u : order_key(best * inverse_temperature);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint own_key = best_index == NO_TOKEN ? 0u : order_key(best * inverse_temperature);
     uint bound = 0;
     if (top_k_on && params.top_k <= threads) {
-      for (uint bit = 32; bit-- > 0;) {
-        const uint candidate = bound | (1u << bit);
-        const uint above = thread_max_keys[thread_id] >= candidate ? 1u : 0u;
-        if (group_count(above, uint_scratch, simdgroups, simdgroup, lane) >= params.top_k) {
-          bound = candidate;
-        }
-      }
+      bound = kth_largest_thread_key(own_key, params.top_k, uint_scratch, simdgroups, simdgroup,
+                                     lane);
     }
-
-    // Gather the tokens at or above the bound, each thread's in a block placed by a prefix sum
-    // of the threads' counts, if they fit. Without a bound only a small vocabulary fits, so the
-    // counting pass is skipped.
-    const uint scanned = bound != 0 || vocab <= GATHER_CAPACITY ? vocab : 0;
-    uint own = 0;
-    for (uint i = thread_id; i < scanned; i += threads) {
-      own += order_key(logits[i] * inverse_temperature) >= bound ? 1u : 0u;
-    }
-    const uint own_offset = simd_prefix_exclusive_sum(own);
-    const uint simd_total = simd_sum(own);
-    if (lane == 0) uint_scratch[simdgroup] = simd_total;
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    uint offset = own_offset;
-    uint gathered_count = 0;
-    for (uint s = 0; s < simdgroups; ++s) {
-      offset += s < simdgroup ? uint_scratch[s] : 0u;
-      gathered_count += uint_scratch[s];
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    const bool gathered = scanned != 0 && gathered_count <= GATHER_CAPACITY;
-    for (uint i = thread_id; gathered && i < vocab; i += threads) {
-      const float z = logits[i] * inverse_temperature;
-      if (order_key(z) >= bound) {
-        gathered_z[offset] = z;
-        gathered_ids[offset] = i;
-        ++offset;
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    const Tokens tokens = {logits,          gathered_z, gathered_ids, inverse_temperature,
-                           gathered ? gathered_count : vocab, gathered};
+    // Without a bound only a small vocabulary can fit, so the counting pass is skipped.
+    const Tokens tokens = gather_tokens(logits, vocab, inverse_temperature, bound,
+                                        bound != 0 || vocab <= GATHER_CAPACITY, gathered_z,
+                                        gathered_ids, uint_scratch, thread_id, threads,
+                                        simdgroups, simdgroup, lane);
 
     uint threshold = 0;
     if (top_k_on) {
@@ -343,28 +356,37 @@ inline uint top_p_key(thread const Tokens& tokens, float max_z, uint floor, floa
     slot[0] = LogprobEntry{chosen, (logits[chosen] - max_logit) - log_normalizer};
   }
 
-  // The alternatives, most likely first (ties to the lowest id): each pass takes the best
-  // token ordered after the previous one in (logit descending, id ascending).
+  // The alternatives, most likely first (ties to the lowest id): gathered like top-k (with the
+  // threads' largest raw logits as the bound), then each pass takes the best token ordered
+  // after the previous one in (logit descending, id ascending).
   const uint wanted = min(params.top_logprobs, min(MAX_TOP_LOGPROBS, vocab));
+  if (wanted == 0) return;
+  const uint own_key = best_index == NO_TOKEN ? 0u : order_key(best);
+  const uint bound =
+      kth_largest_thread_key(own_key, wanted, uint_scratch, simdgroups, simdgroup, lane);
+  const Tokens tokens = gather_tokens(logits, vocab, 1.0f, bound, true, gathered_z, gathered_ids,
+                                      uint_scratch, thread_id, threads, simdgroups, simdgroup,
+                                      lane);
   float previous_value = 0.0f;
-  uint previous_index = NO_TOKEN;
+  uint previous_id = NO_TOKEN;
   for (uint n = 0; n < wanted; ++n) {
     float value = 0.0f;
     uint index = NO_TOKEN;
-    for (uint i = thread_id; i < vocab; i += threads) {
-      const float v = logits[i];
-      const bool after_previous = previous_index == NO_TOKEN || v < previous_value ||
-                                  (v == previous_value && i > previous_index);
-      if (after_previous && (index == NO_TOKEN || v > value)) {
+    for (uint j = thread_id; j < tokens.count; j += threads) {
+      const float v = token_z(tokens, j);
+      const uint id = token_id(tokens, j);
+      const bool after_previous = previous_id == NO_TOKEN || v < previous_value ||
+                                  (v == previous_value && id > previous_id);
+      if (after_previous && (index == NO_TOKEN || v > value || (v == value && id < index))) {
         value = v;
-        index = i;
+        index = id;
       }
     }
-    previous_index =
+    previous_id =
         group_argmax(value, index, float_scratch, uint_scratch, simdgroups, simdgroup, lane);
-    previous_value = logits[previous_index];
+    previous_value = logits[previous_id];
     if (thread_id == 0) {
-      slot[1 + n] = LogprobEntry{previous_index, (previous_value - max_logit) - log_normalizer};
+      slot[1 + n] = LogprobEntry{previous_id, (previous_value - max_logit) - log_normalizer};
     }
   }
 }

@@ -434,15 +434,17 @@ def test_fewer_tokens_than_threads(lane_order):
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
 def test_top_k_with_more_ties_than_can_be_gathered(lane_order):
     """Logits on a few levels: the gather bound admits thousands of tokens, so top-k runs over
-    the logits in memory and keeps every token tied with the k-th."""
+    the logits in memory and keeps every token tied with the k-th; the alternatives are the
+    lowest ids of the top level."""
     device = sim_device(lane_order)
     rng = np.random.default_rng(13)
     logits = rng.integers(0, 3, 10000).astype(np.float32)
-    params = SamplingParams(temperature=1.0, top_k=5, seed=21)
+    params = SamplingParams(temperature=1.0, top_k=5, top_logprobs=20, seed=21)
     assert reference_kept(logits, params).sum() > GATHER_CAPACITY
-    tokens, _ = device_sample(device, logits, params, draws=16)
+    tokens, ring = device_sample(device, logits, params, draws=16)
     for position in range(16):
         assert tokens[position] == int(np.argmax(race_scores(logits, params, position)))
+    check_logprobs(ring, 16, 3, logits, tokens[3], 20, threads=64)
 
 
 # ---- log-probabilities -------------------------------------------------------------------------
