@@ -19,9 +19,13 @@
 //           with key (seed_low, seed_high) and counter (i, position, 0, 0).
 // The token holding the largest z is always kept, so at least one token survives.
 //
-// The thresholds are found by bisection on the order key (32 passes over the logits, each a
-// threadgroup reduction), never by sorting: a pass costs one read of the logits, which for the
-// 248320-token vocabulary stays in the GPU's cache.
+// One threadgroup per draw. The thresholds are found by bisection on the order key (32 passes,
+// each a threadgroup reduction), never by sorting. When top_k <= threads, a cheap lower bound
+// on the k-th largest key (the k-th largest of the threads' own maxima) selects the tokens
+// top-k can keep; if at most GATHER_CAPACITY, they are gathered into threadgroup memory and
+// the bisections and the race read only them. Otherwise (top-k off, or thousands of ties)
+// every pass reads the logits, which for the 248320-token vocabulary stay in the GPU's cache.
+// The top log-probabilities are gathered the same way.
 #include "common.h"
 
 constexpr constant uint NO_TOKEN = 0xFFFFFFFFu;

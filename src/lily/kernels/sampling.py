@@ -33,8 +33,10 @@ written to a ring of `ring_slots` slots, slot ``position % ring_slots``, each `L
 
 Limits, checked when a graph is recorded or parameters are packed: one threadgroup of at most
 1024 threads (a multiple of 32) per draw; at most `MAX_TOP_LOGPROBS` alternatives; the vocab
-below 2^32. The thresholds are found by bisection on an order-preserving integer image of z (32
-reduction passes each for top-k and top-p), never by sorting, so top_k is not bounded.
+below 2^32 - 1. The thresholds are found by bisection on an order-preserving integer image of z
+(32 reduction passes each for top-k and top-p), never by sorting, so top_k is not bounded; with
+top_k <= threads those passes usually read only the few tokens gathered into threadgroup memory
+(see `GATHER_CAPACITY`), else the whole vocabulary.
 """
 
 from __future__ import annotations
