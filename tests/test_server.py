@@ -333,6 +333,24 @@ def test_a_failing_request_leaves_the_engine_usable(
     )
 
 
+def test_a_stream_that_fails_midway_ends_with_an_error_event(
+    server: RunningServer, counting: CountingEngine
+) -> None:
+    """The status line is sent with the first chunk, so a later failure is reported in-band."""
+    counting.fail_next = True
+    body = {"model": MODEL, "messages": user("Hi"), "max_tokens": 2, "stream": True, **GREEDY}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line]
+    assert "data: [DONE]" not in events
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "internal_error" and "secret" not in error["message"]
+    counting.fail_next = True
+    with pytest.raises(openai.APIError):
+        list(server.client().chat.completions.create(**body))
+    assert server.wait_idle()["status"] == "ok"
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 

@@ -482,11 +482,14 @@ async def _first_event_or_disconnect(request: Request, job: Job) -> Any:
     try:
         await asyncio.wait({event, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        gone = disconnect.done()
         disconnect.cancel()
-        if not event.done():
+        if gone or not event.done():
+            # Also when both finished at once: the disconnect message is consumed, so nobody
+            # else would notice that the client has left.
             event.cancel()
             job.cancelled.set()
-    if not event.done() or event.cancelled():
+    if gone or not event.done() or event.cancelled():
         raise ClientGone
     return event.result()
 
@@ -695,7 +698,9 @@ def serve(
             llm, api_key=api_key, queue_limit=queue_limit, max_body_bytes=max_body_bytes
         )
         logger.info("serving %s on %s at http://%s:%d/v1", llm.model_id, llm.device, host, port)
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        # On Ctrl-C, streams still running get a few seconds, then are cancelled (which stops
+        # their generation) instead of holding the shutdown until they finish.
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
 
 
 # --- OpenAPI ----------------------------------------------------------------------------------
