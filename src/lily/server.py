@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import inspect
 import json
 import logging
 import math
@@ -39,7 +38,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lily import __version__
-from lily.errors import RequestError, UnsupportedParameterError
+from lily.chat import parse_request
+from lily.errors import RequestError
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -246,7 +246,7 @@ def validate(value: Any, schema: dict[str, Any], where: str) -> None:
     if kinds is not None:
         kinds = [kinds] if isinstance(kinds, str) else kinds
         if not any(_JSON_TYPES[kind](value) for kind in kinds):
-            expected = " or ".join("null" if k == "null" else f"{k}" for k in kinds)
+            expected = " or ".join(kinds)
             raise _schema_error(where, f"expected {expected}, got {_json_type_name(value)}")
     if "enum" in schema and value not in schema["enum"]:
         raise _schema_error(where, f"must be one of {', '.join(map(str, schema['enum']))}")
@@ -306,7 +306,9 @@ def parse_chat_request(body: bytes) -> dict[str, Any]:
     mean "the default" in the OpenAI API)."""
     try:
         document = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:
         message = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
         raise APIError(400, f"the body is not valid JSON: {message}", code="invalid_json") from None
     if not isinstance(document, dict):
@@ -328,14 +330,6 @@ def parse_chat_request(body: bytes) -> dict[str, Any]:
     if "messages" not in request:
         raise APIError(400, "messages is required", param="messages", code="missing_required")
     return request
-
-
-def _accepted_parameters(create: Callable[..., Any]) -> set[str] | None:
-    """The keyword names the facade's `create` takes, or None if it takes any (`**kwargs`)."""
-    parameters = inspect.signature(create).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    return {p.name for p in parameters}
 
 
 # --- The engine worker ------------------------------------------------------------------------
@@ -508,7 +502,6 @@ class Server:
         self.max_body_bytes = max_body_bytes
         self.worker = EngineWorker(llm, queue_limit)
         self.started = int(time.time())
-        self._accepted = _accepted_parameters(llm.chat.completions.create)
 
     def _check_api_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -523,17 +516,14 @@ class Server:
                 code="invalid_api_key",
             )
 
-    def _check_supported(self, params: dict[str, Any]) -> None:
-        if self._accepted is None:
-            return
-        unknown = [name for name in params if name not in self._accepted]
-        if unknown:
-            raise UnsupportedParameterError(unknown)
-
     async def chat_completions(self, request: Request) -> Response:
         self._check_api_key(request)
         params = parse_chat_request(await _read_body(request, self.max_body_bytes))
-        self._check_supported(params)
+        # The facade's own checks, run here too so that a bad request is refused at once
+        # instead of after waiting its turn (the prompt's length is checked on the worker).
+        parse_request(
+            params, served_model=self.model_id, default_sampling=self.llm.default_sampling
+        )
         job = Job(params, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
