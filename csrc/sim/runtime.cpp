@@ -499,7 +499,9 @@ Executor::Executor(LaneOrder order, uint64_t seed, unsigned workers) : order_(or
   if (workers == 0) workers = std::max(1u, std::thread::hardware_concurrency());
   unbound_base();
   for (unsigned i = 0; i < workers; ++i) workers_.push_back(std::make_unique<Worker>());
-  for (auto& w : workers_) threads_.emplace_back([this, &w] { worker_loop(*w); });
+  // Worker 0 is whichever thread calls run(); the others get threads of their own.
+  for (unsigned i = 1; i < workers; ++i)
+    threads_.emplace_back([this, w = workers_[i].get()] { helper_loop(*w); });
 }
 
 Executor::~Executor() {
@@ -511,7 +513,24 @@ Executor::~Executor() {
   for (auto& t : threads_) t.join();
 }
 
-void Executor::worker_loop(Worker& worker) {
+void Executor::work(Worker& worker, const PreparedDispatch& d) {
+  while (!abort_.load(std::memory_order_relaxed)) {
+    uint64_t g = next_group_.fetch_add(1, std::memory_order_relaxed);
+    if (g >= group_count_) break;
+    try {
+      worker.run_threadgroup(d, g, order_, seed_);
+    } catch (const Failure& f) {
+      const Ids3 n = d.threadgroups;
+      std::string where = "kernel '" + std::string(d.kernel->host_name) + "' threadgroup (" +
+                          std::to_string(g % n.x) + "," + std::to_string(g / n.x % n.y) + "," +
+                          std::to_string(g / (uint64_t(n.x) * n.y)) + "): ";
+      std::lock_guard lock(mutex_);
+      if (!abort_.exchange(true)) error_ = where + f.message;
+    }
+  }
+}
+
+void Executor::helper_loop(Worker& worker) {
   this_worker = &worker;
   worker.attach();
   uint64_t seen = 0;
@@ -524,20 +543,7 @@ void Executor::worker_loop(Worker& worker) {
       seen = generation_;
       d = dispatch_;
     }
-    while (!abort_.load(std::memory_order_relaxed)) {
-      uint64_t g = next_group_.fetch_add(1, std::memory_order_relaxed);
-      if (g >= group_count_) break;
-      try {
-        worker.run_threadgroup(*d, g, order_, seed_);
-      } catch (const Failure& f) {
-        const Ids3 n = d->threadgroups;
-        std::string where = "kernel '" + std::string(d->kernel->host_name) + "' threadgroup (" +
-                            std::to_string(g % n.x) + "," + std::to_string(g / n.x % n.y) + "," +
-                            std::to_string(g / (uint64_t(n.x) * n.y)) + "): ";
-        std::lock_guard lock(mutex_);
-        if (!abort_.exchange(true)) error_ = where + f.message;
-      }
-    }
+    work(worker, *d);
     std::lock_guard lock(mutex_);
     if (--busy_ == 0) done_.notify_all();
   }
@@ -547,16 +553,31 @@ void Executor::run(const PreparedDispatch& d) {
   const uint64_t groups = uint64_t(d.threadgroups.x) * d.threadgroups.y * d.threadgroups.z;
   if (groups == 0 || uint64_t(d.threads.x) * d.threads.y * d.threads.z == 0) return;
   install_fault_handler();
-  std::unique_lock lock(mutex_);
-  dispatch_ = &d;
-  group_count_ = groups;
-  next_group_ = 0;
-  abort_ = false;
-  error_.clear();
-  busy_ = unsigned(workers_.size());
-  ++generation_;
-  start_.notify_all();
-  done_.wait(lock, [&] { return busy_ == 0; });
+  Worker& self = *workers_[0];
+  if (this_worker != &self) {
+    this_worker = &self;
+    self.attach();
+  }
+  // A single threadgroup runs here without waking anyone: most engine dispatches are small.
+  const bool helpers = groups > 1 && workers_.size() > 1;
+  {
+    std::lock_guard lock(mutex_);
+    dispatch_ = &d;
+    group_count_ = groups;
+    next_group_ = 0;
+    abort_ = false;
+    error_.clear();
+    if (helpers) {
+      busy_ = unsigned(workers_.size() - 1);
+      ++generation_;
+    }
+  }
+  if (helpers) start_.notify_all();
+  work(self, d);
+  if (helpers) {
+    std::unique_lock lock(mutex_);
+    done_.wait(lock, [&] { return busy_ == 0; });
+  }
   if (abort_) throw lily::KernelError(error_);
 }
 

@@ -47,13 +47,16 @@ class Executor {
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
-  // Runs every threadgroup of the dispatch; throws lily::KernelError on the first failure.
+  // Runs every threadgroup of the dispatch, on the calling thread and the helper threads;
+  // throws lily::KernelError on the first failure. One thread calls run() for the executor's
+  // lifetime (the device's queue thread): it becomes worker 0, with its own signal stack.
   void run(const PreparedDispatch& dispatch);
   unsigned workers() const { return unsigned(workers_.size()); }
 
  private:
   friend class Worker;
-  void worker_loop(Worker& worker);
+  void helper_loop(Worker& worker);
+  void work(Worker& worker, const PreparedDispatch& dispatch);
 
   LaneOrder order_;
   uint64_t seed_;
