@@ -177,3 +177,30 @@ def test_open_device_arguments():
     with pytest.raises(ValueError, match="unknown device"):
         open_device("tpu")
     assert open_device("sim", lane_order="random", seed=3, workers=1).name == "sim"
+
+
+def run_order(lane_order, seed=0, groups=3, threads=64):
+    dev = open_device("sim", lane_order=lane_order, seed=seed, workers=2)
+    counters = np.zeros(groups, dtype=np.uint32)
+    ticket = np.zeros(groups * threads, dtype=np.uint32)
+    g = Graph()
+    g.dispatch(
+        dev.kernel("test_run_order"),
+        threadgroups=groups,
+        threads=threads,
+        buffers={0: dev.wrap(counters), 1: dev.wrap(ticket)},
+    )
+    dev.run(g)
+    return ticket.reshape(groups, threads)
+
+
+def test_lane_orders():
+    lanes = np.arange(64)
+    assert (run_order("forward") == lanes).all()
+    assert (run_order("reverse") == lanes[::-1]).all()
+    random = run_order("random", seed=1)
+    for group in random:
+        assert sorted(group) == list(lanes) and not (group == lanes).all()
+    assert not (random[0] == random[1]).all()  # each threadgroup has its own permutation
+    np.testing.assert_array_equal(run_order("random", seed=1), random)  # reproducible
+    assert not (run_order("random", seed=2) == random).all()

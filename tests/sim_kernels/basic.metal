@@ -54,3 +54,11 @@ template [[host_name("test_scale_half")]] [[kernel]] void test_scale<half>(
 #define instantiate_scale(name, type) \
   template [[host_name(name)]] [[kernel]] decltype(test_scale<type>) test_scale<type>;
 instantiate_scale("test_scale_bfloat", bfloat)
+
+// Records the order in which the threads of each threadgroup ran: ticket[i] = how many threads
+// of its group ran before it.
+[[kernel]] void test_run_order(device atomic_uint* next [[buffer(0)]], device uint* ticket [[buffer(1)]],
+                               uint i [[thread_position_in_grid]],
+                               uint group [[threadgroup_position_in_grid]]) {
+  ticket[i] = atomic_fetch_add_explicit(&next[group], 1u, memory_order_relaxed);
+}
