@@ -53,18 +53,11 @@ class PrepassError(Exception):
 
 
 @dataclass
-class Param:
-    text: str  # the parameter without its attribute
-    binding: str  # C++ argument spec for lily_sim::invoke
-
-
-@dataclass
 class KernelDef:
     name: str  # qualified with its namespaces
     is_template: bool
-    params: list[Param]
+    bindings: list[str]  # per parameter, the C++ argument spec for lily_sim::arg::invoke
     host_name: str | None
-    line: str
 
 
 @dataclass
@@ -119,13 +112,13 @@ def preprocess(
             "-nostdinc++",
             "-D__METAL_VERSION__=310",
             "-DLILY_SIM=1",
-            "-I",
+            "-isystem",  # with -MMD, keeps the throw-away stubs out of the depfile
             stubs,
         ]
         for d in include_dirs:
             cmd += ["-I", d]
         if depfile:
-            cmd += ["-MD", "-MF", depfile, "-MT", target]
+            cmd += ["-MMD", "-MF", depfile, "-MT", target]
         result = subprocess.run(cmd + [path], capture_output=True, text=True)
     if result.returncode != 0:
         raise PrepassError(result.stderr)
@@ -204,18 +197,18 @@ TG_DECL = re.compile(
 )
 
 
-def parse_param(text: str, masked: str, where: str) -> Param:
-    attrs = list(ATTRIBUTE.finditer(masked))
+def parameter_binding(param: str, where: str) -> str:
+    """The argument spec for one kernel parameter, from its (last) attribute."""
+    attrs = list(ATTRIBUTE.finditer(param))
     if not attrs:
-        raise PrepassError(f"{where}: kernel parameter without an attribute: {text.strip()}")
+        raise PrepassError(f"{where}: kernel parameter without an attribute: {param.strip()}")
     attr = attrs[-1].group(1).strip()
-    plain = text[: attrs[-1].start()] + text[attrs[-1].end() :]
     m = re.fullmatch(r"(buffer|threadgroup)\s*\(\s*(\d+)\s*\)", attr)
     if m:
         kind = "Buffer" if m.group(1) == "buffer" else "Threadgroup"
-        return Param(plain, f"::lily_sim::arg::{kind}<{m.group(2)}>")
+        return f"::lily_sim::arg::{kind}<{m.group(2)}>"
     if attr in BUILTINS:
-        return Param(plain, f"::lily_sim::arg::Builtin<::lily_sim::arg::Id::{attr}>")
+        return f"::lily_sim::arg::Builtin<::lily_sim::arg::Id::{attr}>"
     raise PrepassError(f"{where}: the sim does not support the kernel attribute [[{attr}]]")
 
 
@@ -295,17 +288,11 @@ class Prepass:
         open_paren = head.index("(", kernel_attr.end())
         close_paren = matching(self.masked, start + open_paren, "(", ")")
         name = re.search(r"([A-Za-z_]\w*)\s*$", head[:open_paren]).group(1)
-        params_text = self.text[start + open_paren + 1 : close_paren]
-        params_masked = self.masked[start + open_paren + 1 : close_paren]
-        params = []
-        offset = 0
-        for part in split_top_level(params_masked):
-            at = params_masked.index(part, offset)
-            offset = at + len(part)
-            params.append(parse_param(params_text[at : at + len(part)], part, where))
+        params = split_top_level(self.masked[start + open_paren + 1 : close_paren])
+        bindings = [parameter_binding(p, where) for p in params]
         qualified = "::".join(namespaces + [name])
         self.kernels[qualified] = KernelDef(
-            qualified, lead.startswith("template"), params, host_name, where
+            qualified, lead.startswith("template"), bindings, host_name
         )
         self.threadgroup_variables(head_end + 1, end - 1, where)
 
@@ -363,7 +350,7 @@ class Prepass:
             raise PrepassError(f"{self.source_name}: duplicate host names {sorted(duplicates)}")
         out = ['\n# 1 "<lily-sim kernel wrappers>"\nnamespace {\n']
         for i, (_, target, kernel) in enumerate(entries):
-            specs = ", ".join(p.binding for p in kernel.params)
+            specs = ", ".join(kernel.bindings)
             out.append(
                 f"void lily_entry_{i}(const ::lily_sim::Lane& lane) {{\n"
                 f"  ::lily_sim::arg::invoke(lane, &{target}, ::lily_sim::arg::List<{specs}>{{}});\n"
