@@ -517,16 +517,21 @@ void Executor::work(Worker& worker, const PreparedDispatch& d) {
   while (!abort_.load(std::memory_order_relaxed)) {
     uint64_t g = next_group_.fetch_add(1, std::memory_order_relaxed);
     if (g >= group_count_) break;
+    std::string message;
     try {
       worker.run_threadgroup(d, g, order_, seed_);
+      continue;
     } catch (const Failure& f) {
-      const Ids3 n = d.threadgroups;
-      std::string where = "kernel '" + std::string(d.kernel->host_name) + "' threadgroup (" +
-                          std::to_string(g % n.x) + "," + std::to_string(g / n.x % n.y) + "," +
-                          std::to_string(g / (uint64_t(n.x) * n.y)) + "): ";
-      std::lock_guard lock(mutex_);
-      if (!abort_.exchange(true)) error_ = where + f.message;
+      message = f.message;
+    } catch (const std::exception& e) {  // e.g. no memory for fiber stacks
+      message = e.what();
     }
+    const Ids3 n = d.threadgroups;
+    std::string where = "kernel '" + std::string(d.kernel->host_name) + "' threadgroup (" +
+                        std::to_string(g % n.x) + "," + std::to_string(g / n.x % n.y) + "," +
+                        std::to_string(g / (uint64_t(n.x) * n.y)) + "): ";
+    std::lock_guard lock(mutex_);
+    if (!abort_.exchange(true)) error_ = where + message;
   }
 }
 
