@@ -58,7 +58,6 @@ class ScriptedEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        top_logprobs: int | None = None,
     ) -> Iterator[GeneratedToken]:
         self.requests.append(
             dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling)
@@ -66,7 +65,9 @@ class ScriptedEngine:
         produced = 0
         try:
             for token in self.script[:max_new_tokens]:
-                logprobs = None if top_logprobs is None else TokenLogprobs(-0.5, ((token, -0.5),))
+                logprobs = (
+                    None if sampling.top_logprobs is None else TokenLogprobs(-0.5, ((token, -0.5),))
+                )
                 produced += 1
                 yield GeneratedToken(token, logprobs)
                 if token in stop_token_ids:
@@ -188,7 +189,7 @@ def test_sampling_parameters_reach_the_engine(demo_dir, tokenizer):
     llm.chat.completions.create(
         messages=USER, temperature=0.7, top_p=0.9, seed=5, extra_body={"top_k": 20, "min_p": 0.1}
     )
-    assert engine.requests[-1]["sampling"] == SamplingParams(0.7, 20, 0.9, 0.1, 5)
+    assert engine.requests[-1]["sampling"] == SamplingParams(0.7, 20, 0.9, 0.1, 5, None)
 
 
 # -- the text stages ---------------------------------------------------------------------------
@@ -352,3 +353,23 @@ def test_sim_and_reference_agree_greedily(demo):
         expected = reference.chat.completions.create(messages=USER, max_tokens=8, temperature=0)
     r = demo.chat.completions.create(messages=USER, max_tokens=8, temperature=0)
     assert r.choices[0].message == expected.choices[0].message
+
+
+def test_a_seed_reproduces_a_sampled_answer(demo):
+    params = dict(messages=USER, max_tokens=8, temperature=1.5)
+    first = demo.chat.completions.create(seed=7, **params).choices[0].message
+    again = demo.chat.completions.create(seed=7, **params).choices[0].message
+    other = demo.chat.completions.create(seed=8, **params).choices[0].message
+    assert first == again
+    assert first != other
+
+
+def test_logprobs_agree_with_the_reference(demo):
+    params = dict(messages=USER, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    with lily.load("demo", device="reference", max_seq=256) as reference:
+        expected = reference.chat.completions.create(**params).choices[0].logprobs.content
+    actual = demo.chat.completions.create(**params).choices[0].logprobs.content
+    assert [e.token for e in actual] == [e.token for e in expected]
+    for a, e in zip(actual, expected, strict=True):
+        assert a.logprob == pytest.approx(e.logprob, abs=1e-2)
+        assert [t.token for t in a.top_logprobs] == [t.token for t in e.top_logprobs]

@@ -27,12 +27,12 @@ from lily.kernels.sampling import (
     LOGPROB_ENTRIES,
     LOGPROB_ENTRY,
     SAMPLING_PARAMS_BYTES,
-    SamplingParams,
     logprob_ring_bytes,
     read_logprobs,
     record_sample,
     write_sampling_params,
 )
+from lily.sampling import SamplingParams
 
 P_VALUE_THRESHOLD = 1e-3
 REAL_VOCAB = 248320
@@ -256,7 +256,7 @@ DISTRIBUTION_CASES = {
 
 DRAWS = 3000
 REAL_CASE = SamplingParams(
-    temperature=0.8, top_k=30, top_p=0.9, min_p=0.3, logprobs=True, top_logprobs=20, seed=20
+    temperature=0.8, top_k=30, top_p=0.9, min_p=0.3, top_logprobs=20, seed=20
 )
 
 
@@ -378,7 +378,7 @@ def test_greedy_is_the_argmax_with_ties_to_the_lowest_id(lane_order, temperature
 def test_top_k_one_keeps_only_the_largest_and_its_ties():
     device = sim_device("forward")
     logits = peaked_logits(300, seed=6)
-    hot = SamplingParams(temperature=5.0, top_k=1, seed=1)
+    hot = SamplingParams(temperature=2.0, top_k=1, seed=1)
     tokens, _ = device_sample(device, logits, hot, draws=64)
     assert set(tokens.tolist()) == {int(np.argmax(logits))}
     tied = logits.copy()
@@ -393,9 +393,9 @@ def test_filters_at_their_limits(lane_order):
     logits = peaked_logits(777, seed=7)
     top = int(np.argmax(logits))
     for params in (
-        SamplingParams(temperature=3.0, top_p=1e-6, seed=2),
-        SamplingParams(temperature=3.0, min_p=1.0, seed=3),
-        SamplingParams(temperature=3.0, top_k=5, top_p=1e-30, seed=4),
+        SamplingParams(temperature=2.0, top_p=1e-6, seed=2),
+        SamplingParams(temperature=2.0, min_p=1.0, seed=3),
+        SamplingParams(temperature=2.0, top_k=5, top_p=1e-30, seed=4),
     ):
         tokens, _ = device_sample(device, logits, params, draws=16)
         assert set(tokens.tolist()) == {top}, params
@@ -411,7 +411,7 @@ def test_only_finite_logits_are_drawn(lane_order):
     device = sim_device(lane_order)
     logits = np.full(1000, -np.inf, dtype=np.float32)
     logits[613] = -3.0
-    params = SamplingParams(temperature=1.0, top_p=0.5, logprobs=True, top_logprobs=3, seed=8)
+    params = SamplingParams(temperature=1.0, top_p=0.5, top_logprobs=3, seed=8)
     tokens, ring = device_sample(device, logits, params, draws=8)
     assert set(tokens.tolist()) == {613}
     chosen, alternatives = read_logprobs(ring, 8, 0, 3)
@@ -477,7 +477,7 @@ def test_logprobs_match_log_softmax_with_ties_ordered_by_id(lane_order):
     logits = peaked_logits(4096, seed=12)
     logits[[4000, 100, 2500]] = logits.max()  # a three-way tie at the top
     logits[[3, 1500]] = np.sort(logits)[-10]  # and one further down
-    params = SamplingParams(temperature=1.0, top_k=50, logprobs=True, top_logprobs=20, seed=3)
+    params = SamplingParams(temperature=1.0, top_k=50, top_logprobs=20, seed=3)
     tokens, ring = device_sample(device, logits, params, draws=3, position=5, ring_slots=4)
     for draw in range(3):
         check_logprobs(ring, 4, 5 + draw, logits, tokens[draw], 20, threads=64)

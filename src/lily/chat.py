@@ -62,8 +62,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     stop: list[str]
-    sampling: SamplingParams
-    top_logprobs: int | None  # None: no logprobs; 0..20 alternatives otherwise
+    sampling: SamplingParams  # including top_logprobs: None, or 0..20 alternatives
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -251,6 +250,7 @@ def parse_request(
         top_p=_optional_number(params.get("top_p"), "top_p", default_sampling.top_p),
         min_p=_optional_number(params.get("min_p"), "min_p", default_sampling.min_p),
         seed=seed,
+        top_logprobs=(top or 0) if logprobs else None,
     )
     prompt_cache_key = params.get("prompt_cache_key")
     _require(
@@ -265,7 +265,6 @@ def parse_request(
         include_usage=bool(options.get("include_usage", False)),
         stop=_stop(params.get("stop")),
         sampling=sampling,
-        top_logprobs=(top or 0) if logprobs else None,
         tools=[dict(t) for t in tools] if tools else None,
         template_kwargs=dict(template_kwargs),
     )
@@ -408,7 +407,6 @@ class ChatCompletions:
             max_tokens,
             self._llm.tokenizer.stop_token_ids,
             request.sampling,
-            request.top_logprobs,
         )
         produced = 0
         try:
@@ -454,7 +452,7 @@ class ChatCompletions:
                     message=message,
                     finish_reason=self._finish_reason(pipeline),
                     logprobs=ChoiceLogprobs(content=logprobs)
-                    if request.top_logprobs is not None
+                    if request.sampling.top_logprobs is not None
                     else None,
                 )
             ],
@@ -491,7 +489,7 @@ class ChatCompletions:
                             tool_calls=delta.tool_calls or None,
                         ),
                         logprobs=ChoiceLogprobs(content=delta.logprobs)
-                        if request.top_logprobs is not None
+                        if request.sampling.top_logprobs is not None
                         else None,
                     )
                 )

@@ -2,7 +2,7 @@
 recorded once from the config and the loaded weights, then replayed by the device every step.
 
 Per step the graph reads the token to consume from the step buffer, runs the 40 (or, for a tiny
-model, fewer) layers, writes the logits and the greedy next token, and advances the step buffer
+model, fewer) layers, writes the logits and the sampled next token, and advances the step buffer
 itself (`metal/step.metal`). The host therefore only submits; it never writes between steps.
 
 Activations stay fp32 between kernels (decode is bound by reading weights, so this costs nothing
@@ -23,10 +23,10 @@ from lily.kernels import attention
 from lily.kernels.conv1d import record_conv1d_step
 from lily.kernels.embedding import record_embedding
 from lily.kernels.gdn import record_gdn_step
-from lily.kernels.lm_head import record_argmax
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
 from lily.kernels.norm import record_add_rms_norm, record_rms_norm
 from lily.kernels.quantized import record_qgemv
+from lily.kernels.sampling import SAMPLING_PARAMS_BYTES, logprob_ring_bytes, record_sample
 from lily.kernels.step import STEP_FIELDS, record_step_advance
 
 if TYPE_CHECKING:
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from lily.device import Buffer, Device
 
 MODEL = "language_model.model."
+# Log-probability slots the sampler cycles through; the engine reads a step's slot after waiting
+# for it with at most one more step in flight, so anything above 2 is margin.
+LOGPROB_RING_SLOTS = 8
 LM_HEAD = "language_model.lm_head"
 
 
@@ -44,7 +47,9 @@ class DecodeState:
     step: Buffer  # uint32 [position, prompt_end, token]
     history: Buffer  # uint32 [capacity]: prompt then generated ids
     logits: Buffer  # fp32 [vocab]
-    predicted: Buffer  # uint32 [1]: greedy next token of the last step
+    predicted: Buffer  # uint32 [1]: the token the last step sampled
+    sampling_params: Buffer  # the sampler's settings, written by the host between generations
+    logprob_ring: Buffer  # per-step log-probabilities, LOGPROB_RING_SLOTS slots
     conv_windows: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [K-1, C]
     recurrent: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [Hv, Dv, Dk]
     k_cache: dict[int, Buffer] = field(default_factory=dict)  # attention layer -> bf16 cache
@@ -119,6 +124,8 @@ class DecodeGraph:
             history=dev.alloc(4 * self.capacity),
             logits=dev.alloc(4 * c.vocab_size),
             predicted=dev.alloc(4),
+            sampling_params=dev.alloc(SAMPLING_PARAMS_BYTES),
+            logprob_ring=dev.alloc(logprob_ring_bytes(LOGPROB_RING_SLOTS)),
         )
         for i, kind in enumerate(c.layer_types):
             if kind == FULL_ATTENTION:
@@ -218,7 +225,17 @@ class DecodeGraph:
         head = MODEL + "embed_tokens" if c.tie_word_embeddings else LM_HEAD
         record_qgemv(g, dev, s.normed, [(w.quantized(head), self.state.logits)])
         g.barrier()
-        record_argmax(g, dev, self.state.logits, self.token_count, self.state.predicted)
+        record_sample(
+            g,
+            dev,
+            logits=self.state.logits,
+            vocab=self.token_count,
+            params=self.state.sampling_params,
+            position=(self.state.step, 0),
+            predicted=self.state.predicted,
+            logprob_ring=self.state.logprob_ring,
+            ring_slots=LOGPROB_RING_SLOTS,
+        )
         g.barrier()
         record_step_advance(
             g, dev, self.state.step, self.state.history, self.state.predicted, self.capacity

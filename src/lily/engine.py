@@ -17,14 +17,20 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from lily.decode_graph import DecodeGraph
+from lily.decode_graph import LOGPROB_RING_SLOTS, DecodeGraph
 from lily.errors import ContextLengthError
+from lily.kernels.sampling import read_logprobs, write_sampling_params
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 from lily.reference import ReferenceModel
-from lily.sampling import GeneratedToken, SamplingParams, sampling_distribution
-from lily.sampling import top_logprobs as top_logprobs_of
+from lily.sampling import (
+    GeneratedToken,
+    SamplingParams,
+    TokenLogprobs,
+    sampling_distribution,
+    top_logprobs,
+)
 
-GREEDY = SamplingParams()
+GREEDY = SamplingParams(temperature=0.0)
 
 if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
@@ -44,11 +50,10 @@ class Engine(Protocol):
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        top_logprobs: int | None = None,
     ) -> Iterator[GeneratedToken]:
         """Yields the tokens generated after `prompt` (a fresh sequence), stopping after a stop
-        token; with `top_logprobs` set, each carries its logprob and that many alternatives.
-        Closing the iterator stops the generation."""
+        token; with `sampling.top_logprobs` set, each carries its logprob and that many
+        alternatives. Closing the iterator stops the generation."""
         ...
 
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -95,14 +100,13 @@ class DeviceEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        top_logprobs: int | None = None,
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
-        if not sampling.greedy or top_logprobs is not None:
-            raise NotImplementedError("device sampling and logprobs are not wired in yet")
         if max_new_tokens == 0:
             return
+        state = self._decode.state
+        write_sampling_params(state.sampling_params, sampling.with_seed())
         self._start(prompt, prompt_end=len(prompt))
         history = self._decode.history_view()
         graph = self._decode.graph
@@ -123,7 +127,13 @@ class DeviceEngine:
                 if step + 1 < len(prompt):
                     continue
                 token = int(history[step + 1])
-                yield GeneratedToken(token)
+                logprobs = None
+                if sampling.top_logprobs is not None:
+                    (_, logprob), alternatives = read_logprobs(
+                        state.logprob_ring, LOGPROB_RING_SLOTS, step, sampling.top_logprobs
+                    )
+                    logprobs = TokenLogprobs(logprob, tuple(alternatives))
+                yield GeneratedToken(token, logprobs)
                 if token in stop_token_ids:
                     return
         finally:
@@ -160,7 +170,6 @@ class ReferenceEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        top_logprobs: int | None = None,
     ) -> Iterator[GeneratedToken]:
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
         if max_new_tokens == 0:
@@ -178,8 +187,8 @@ class ReferenceEngine:
                 p = sampling_distribution(next_logits, sampling)
                 token = int(rng.choice(p.size, p=p))
             logprobs = None
-            if top_logprobs is not None:
-                logprobs = top_logprobs_of(next_logits, token, top_logprobs)
+            if sampling.top_logprobs is not None:
+                logprobs = top_logprobs(next_logits, token, sampling.top_logprobs)
             yield GeneratedToken(token, logprobs)
             if token in stop_token_ids or produced + 1 == max_new_tokens:
                 return

@@ -1,19 +1,22 @@
 """What a generation samples from, and how: the request's sampling parameters, and the numpy
-definition of the sampling distribution that the device sampler implements and is tested against.
+definition of the sampling distribution, used by the reference engine. The device sampler
+(`kernels/sampling.py`) implements the same definition in fp32 and documents its rounding.
 
 The distribution, in the order vLLM and transformers apply the filters:
-1. temperature 0 means greedy (argmax, ties to the lowest id); otherwise p = softmax(logits / T);
-2. top-k (0 = off): keep the k most probable tokens (ties to the lowest id);
-3. top-p (1 = off): keep the smallest prefix of the remaining tokens, sorted by probability, whose
-   renormalised mass reaches top_p (always at least one token);
+1. a temperature below 1e-5 (0 included) means greedy (argmax, ties to the lowest id), as in
+   vLLM; otherwise p = softmax(logits / T);
+2. top-k (0 = off): keep the tokens at least as probable as the k-th most probable one;
+3. top-p (1 = off): keep the most probable remaining tokens, down to the first probability at
+   which their renormalised mass reaches top_p (always at least one token);
 4. min-p (0 = off): drop tokens whose probability is below min_p times the largest one;
-then renormalise and draw.
+then renormalise and draw. Tokens tied with a filter's boundary are all kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,16 +24,25 @@ import numpy as np
 from lily.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20
+# Temperatures below this decode greedily (as vLLM does), so that 1 / temperature stays finite.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
+    """What the sampler at the end of each decode step is asked to do and to report.
+
+    Defaults are OpenAI's (temperature 1, no filters). `top_logprobs`: None for no
+    log-probabilities, else how many alternatives to report with each token's own (0..20).
+    """
+
+    temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     # None: a fresh random seed per generation. A seed reproduces a run exactly.
     seed: int | None = None
+    top_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -38,14 +50,20 @@ class SamplingParams:
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0),
             ("top_p", 0.0 < self.top_p <= 1.0),
             ("min_p", 0.0 <= self.min_p <= 1.0),
-            ("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0)),
+            ("seed", self.seed is None or isinstance(self.seed, int)),
+            (
+                "top_logprobs",
+                self.top_logprobs is None
+                or (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20),
+            ),
         ]
         allowed = {
             "temperature": "between 0 and 2",
             "top_k": "an integer >= 0",
             "top_p": "in (0, 1]",
             "min_p": "in [0, 1]",
-            "seed": "an integer >= 0",
+            "seed": "an integer",
+            "top_logprobs": f"an integer from 0 to {MAX_TOP_LOGPROBS}",
         }
         for name, ok in checks:
             if not ok:
@@ -55,14 +73,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def with_seed(self) -> SamplingParams:
         """These parameters with a concrete seed (drawn at random when none was given)."""
         if self.seed is not None:
             return self
-        seed = int.from_bytes(os.urandom(8), "little") >> 1
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, seed)
+        return dataclasses.replace(self, seed=secrets.randbits(64))
 
 
 @dataclass(frozen=True)
@@ -89,13 +106,13 @@ def sampling_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndar
     scaled = logits / params.temperature
     p = np.exp(scaled - scaled.max())
     p /= p.sum()
-    order = np.lexsort((np.arange(p.size), -p))  # by probability, ties to the lowest id
-    keep = np.zeros(p.size, bool)
-    ranked = order if params.top_k == 0 else order[: params.top_k]
+    keep = np.ones(p.size, bool)
+    if 0 < params.top_k < p.size:
+        keep &= p >= np.sort(p)[-params.top_k]
     if params.top_p < 1.0:
-        mass = np.cumsum(p[ranked]) / p[ranked].sum()
-        ranked = ranked[: int(np.searchsorted(mass, params.top_p)) + 1]
-    keep[ranked] = True
+        ranked = np.sort(p[keep])[::-1]
+        mass = np.cumsum(ranked) / ranked.sum()
+        keep &= p >= ranked[min(int(np.searchsorted(mass, params.top_p)), ranked.size - 1)]
     if params.min_p > 0.0:
         keep &= p >= params.min_p * p.max()
     p = np.where(keep, p, 0.0)

@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from lily.kernels import BufferRef, binding, pack_params
+from lily.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from lily.device import Buffer, Device, Graph
@@ -58,12 +58,9 @@ SAMPLE_THREADS = 1024
 # bound on the k-th largest z (the k-th largest of the threads' own maxima) are gathered into
 # threadgroup memory if at most this many, and the later passes read only those.
 GATHER_CAPACITY = 2048
-MAX_TOP_LOGPROBS = 20
 # Entries of one ring slot: the chosen token, then the alternatives.
 LOGPROB_ENTRIES = 1 + MAX_TOP_LOGPROBS
 LOGPROB_ENTRY = np.dtype([("token", "<u4"), ("logprob", "<f4")])
-# Temperatures below this decode greedily (as vLLM does), so that 1/temperature stays finite.
-GREEDY_TEMPERATURE = 1e-5
 # The SamplingParams struct of sampling.metal: 8 four-byte fields.
 SAMPLING_PARAMS_FORMAT = "<fIffIIII"
 SAMPLING_PARAMS_BYTES = struct.calcsize(SAMPLING_PARAMS_FORMAT)
@@ -71,62 +68,32 @@ SAMPLING_PARAMS_BYTES = struct.calcsize(SAMPLING_PARAMS_FORMAT)
 _LOWEST_FLOAT32 = float(np.finfo(np.float32).min)
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's sampling settings, as the OpenAI-style API takes them."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    logprobs: bool = False
-    top_logprobs: int = 0
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(
-                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
-            )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
-    def pack(self) -> bytes:
-        """The bytes of the device-side SamplingParams struct. The seed is taken modulo 2^64
-        (a negative seed as its two's complement)."""
-        inverse_temperature = 0.0 if self.greedy else 1.0 / self.temperature
-        log_min_p = math.log(self.min_p) if self.min_p > 0 else _LOWEST_FLOAT32
-        seed = self.seed % 2**64
-        return struct.pack(
-            SAMPLING_PARAMS_FORMAT,
-            inverse_temperature,
-            self.top_k,
-            self.top_p,
-            max(log_min_p, _LOWEST_FLOAT32),
-            seed & 0xFFFFFFFF,
-            seed >> 32,
-            int(self.logprobs or self.top_logprobs > 0),
-            self.top_logprobs,
-        )
+def pack_sampling_params(params: SamplingParams) -> bytes:
+    """The bytes of the device-side SamplingParams struct. The seed (which must be set) is taken
+    modulo 2^64, a negative seed as its two's complement."""
+    if params.seed is None:
+        raise ValueError("the device sampler needs a concrete seed (SamplingParams.with_seed)")
+    inverse_temperature = 0.0 if params.greedy else 1.0 / params.temperature
+    log_min_p = math.log(params.min_p) if params.min_p > 0 else _LOWEST_FLOAT32
+    seed = params.seed % 2**64
+    return struct.pack(
+        SAMPLING_PARAMS_FORMAT,
+        inverse_temperature,
+        params.top_k,
+        params.top_p,
+        max(log_min_p, _LOWEST_FLOAT32),
+        seed & 0xFFFFFFFF,
+        seed >> 32,
+        int(params.top_logprobs is not None),
+        params.top_logprobs or 0,
+    )
 
 
 def write_sampling_params(buffer: BufferRef, params: SamplingParams) -> None:
     """Store `params` in the device-resident parameter buffer the recorded graph reads. Write it
     only while no submitted step is still running."""
     target, offset = binding(buffer)
-    data = params.pack()
+    data = pack_sampling_params(params)
     target.numpy()[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
 

@@ -1,0 +1,57 @@
+"""One-off check at the real model's dims: run the full-size synthetic checkpoint through the sim
+engine for a few tokens and compare with the numpy reference model. Slow (seconds per token on
+both sides), so not part of the test suite.
+
+Usage:
+    python benchmarks/make_synthetic_checkpoint.py /tmp/lily-synth   # once, ~19.5 GB
+    python benchmarks/full_size_check.py /tmp/lily-synth [--tokens 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from lily.checkpoint import load_checkpoint
+from lily.device import open_device
+from lily.engine import DeviceEngine, ReferenceEngine
+
+TOLERANCE = 1e-2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory")
+    parser.add_argument("--tokens", type=int, default=4, help="tokens fed, teacher-forced")
+    args = parser.parse_args()
+
+    checkpoint = load_checkpoint(args.directory, level="strict")
+    config = checkpoint.config
+    tokens = [(i * 2654435761) % 2**32 % config.vocab_size for i in range(args.tokens)]
+    max_seq = args.tokens + 1
+
+    start = time.perf_counter()
+    expected = ReferenceEngine(checkpoint, max_seq, config.vocab_size).teacher_forced_logits(tokens)
+    reference_seconds = time.perf_counter() - start
+
+    sim = DeviceEngine(checkpoint, open_device("sim"), max_seq, config.vocab_size)
+    start = time.perf_counter()
+    actual = sim.teacher_forced_logits(tokens)
+    sim_seconds = time.perf_counter() - start
+
+    difference = np.abs(actual - expected)
+    same_argmax = (actual.argmax(-1) == expected.argmax(-1)).tolist()
+    print(f"tokens            {tokens}")
+    print(f"reference         {reference_seconds / len(tokens):.1f} s/token")
+    print(f"sim               {sim_seconds / len(tokens):.1f} s/token")
+    print(f"logit scale       {np.abs(expected).max():.3f} (max |logit|)")
+    print(f"max |difference|  {difference.max():.2e} (per token: {difference.max(-1)})")
+    print(f"same argmax       {same_argmax}")
+    verdict = "agree" if difference.max() < TOLERANCE else "DISAGREE"
+    print(f"verdict           {verdict} within {TOLERANCE}")
+
+
+if __name__ == "__main__":
+    main()
