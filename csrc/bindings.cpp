@@ -10,6 +10,9 @@
 
 #include "device.h"
 #include "sim/sim_device.h"
+#ifdef LILY_METAL
+#include "metal/metal_device.h"
+#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -106,6 +109,34 @@ NB_MODULE(_native, m) {
       .def("submit", &lily::Device::submit, "graph"_a)
       .def("wait", &lily::Device::wait, "ticket"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("run", &lily::Device::run, "graph"_a, nb::call_guard<nb::gil_scoped_release>());
+
+#ifdef LILY_METAL
+  // The metal device (cmake/metal.cmake defines LILY_METAL on Apple platforms only).
+  m.def("metal_device_info", [] {
+    const auto info = lily::metal::device_info();
+    nb::dict d;
+    d["name"] = info.name;
+    d["gpu_family"] = info.gpu_family;
+    d["supported"] = info.supported;
+    d["unsupported_reason"] = info.unsupported_reason;
+    d["recommended_working_set"] = info.recommended_working_set;
+    d["max_buffer_length"] = info.max_buffer_length;
+    d["physical_memory"] = info.physical_memory;
+    d["os_version"] = info.os_version;
+    return d;
+  });
+  m.def("metal_check_memory", &lily::metal::check_memory, "bytes_needed"_a);
+  m.def(
+      "open_metal_device",
+      [](const std::string& metallib_path, const std::string& source_dir) {
+        return lily::metal::open_device({metallib_path, source_dir});
+      },
+      "metallib_path"_a, "source_dir"_a);
+  m.def(
+      "metal_last_gpu_seconds",
+      [](const lily::Device& device) { return lily::metal::last_gpu_seconds(device); },
+      "device"_a);
+#endif
 
   m.def(
       "open_sim_device",

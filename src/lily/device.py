@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -170,12 +171,34 @@ def open_device(
     seed: int = 0,
     workers: int | None = None,
 ) -> Device:
-    """Open a device. Only ``sim`` exists off macOS; `lane_order`, `seed` and `workers` (OS
-    threads, default one per core) configure it."""
+    """Open a device: ``sim`` (anywhere) or ``metal`` (macOS builds on Apple silicon).
+
+    `lane_order`, `seed` and `workers` (OS threads, default one per core) configure the sim.
+    """
+    if kind == "metal":
+        return _open_metal()
     if kind != "sim":
-        raise ValueError(f"unknown device {kind!r}; this build has: sim")
+        raise ValueError(f"unknown device {kind!r}; this build has: {', '.join(available())}")
     if lane_order not in LANE_ORDERS:
         raise ValueError(f"lane_order must be one of {LANE_ORDERS}, got {lane_order!r}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     return Device(_native.open_sim_device(lane_order, seed, workers or 0))
+
+
+def available() -> list[str]:
+    """The device kinds this build of Lily can open."""
+    return ["sim", "metal"] if hasattr(_native, "open_metal_device") else ["sim"]
+
+
+def _open_metal() -> Device:
+    if not hasattr(_native, "open_metal_device"):
+        raise ValueError("the metal device exists only in macOS builds; this build has: sim")
+    # A metallib built with the wheel is used when present; otherwise the .metal sources are
+    # compiled at first use: shipped in the package, or metal/ of a source checkout.
+    package = Path(__file__).resolve().parent
+    sources = next(
+        (d for d in (package / "metal", package.parents[1] / "metal") if d.is_dir()),
+        package / "metal",
+    )
+    return Device(_native.open_metal_device(str(package / "lily.metallib"), str(sources)))
