@@ -7,7 +7,7 @@
 
 #include <cstddef>
 
-#if defined(__x86_64__) && !defined(LILY_SIM_UCONTEXT)
+#if defined(__x86_64__) && defined(__ELF__) && !defined(LILY_SIM_UCONTEXT)
 #define LILY_SIM_X86_64_SWITCH 1
 #else
 #include <ucontext.h>

@@ -29,7 +29,7 @@
 
 namespace lily_sim {
 
-constinit thread_local Lane* current_lane __attribute__((tls_model("initial-exec"))) = nullptr;
+constinit thread_local Lane* current_lane LILY_SIM_FAST_TLS = nullptr;
 
 namespace {
 
@@ -170,7 +170,7 @@ class Worker {
 };
 
 namespace {
-thread_local Worker* this_worker __attribute__((tls_model("initial-exec"))) = nullptr;
+thread_local Worker* this_worker LILY_SIM_FAST_TLS = nullptr;
 }
 
 void Worker::prepare_stacks(uint32_t count) {

@@ -49,8 +49,15 @@ static constexpr unsigned kMaxBufferBindings = 31;
 static constexpr unsigned kMaxThreadgroupBindings = 31;
 static constexpr unsigned kSimdWidth = 32;
 
+// Initial-exec TLS is a plain offset from the thread pointer on ELF; Mach-O has its own scheme.
+#ifdef __ELF__
+#define LILY_SIM_FAST_TLS __attribute__((tls_model("initial-exec")))
+#else
+#define LILY_SIM_FAST_TLS
+#endif
+
 // The lane running on this OS thread; set by the runtime before it switches into a fiber.
-extern thread_local constinit Lane* current_lane __attribute__((tls_model("initial-exec")));
+extern thread_local constinit Lane* current_lane LILY_SIM_FAST_TLS;
 
 // Suspends the current lane until every live lane of its simdgroup reaches a collective at the
 // same call site, then runs `op` for all of them. Divergence is reported as a KernelError.
