@@ -326,7 +326,7 @@ def _gpu_lines() -> list[str]:
         info = _native.metal_device_info()
     except RuntimeError as exc:
         return [*lines, f"metal:           unavailable ({exc})"]
-    lines.append(f"gpu:             {info['name']}, family {info['gpu_family']}")
+    lines.append(f"gpu:             {info.get('name', 'unknown')}, family {info['gpu_family']}")
     if info.get("recommended_working_set"):
         lines.append(f"gpu working set: {_gib(info['recommended_working_set'])} recommended")
     if not info.get("supported", True):
