@@ -22,6 +22,7 @@ import pytest
 
 import lily
 from lily.api import Lily
+from lily.checkpoint import DEFAULT_REPO, DEFAULT_REVISION
 from lily.cli import BENCH_DECODE_STEPS, ChatSession, main, synthetic_prompt
 
 GREEDY = {"temperature": 0, "max_tokens": 3}
@@ -129,20 +130,36 @@ def test_bench_measures_one_prefill_and_64_decode_steps(
     assert arm["decode_tok_s"] == pytest.approx(64 / arm["decode_s"])
 
 
+def info_output(capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["info"]) == 0
+    return capsys.readouterr().out
+
+
 def test_info_reports_device_memory_and_checkpoints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("LILY_CACHE", str(tmp_path / "lily"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
-    assert main(["info"]) == 0
-    out = capsys.readouterr().out
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf"))
+    out = info_output(capsys)
     assert "device (auto):   sim" in out or "device (auto):   metal" in out
     assert "memory:" in out and "GiB" in out
-    assert "Qwen3.6-35B-A3B-4bit" in out and "not downloaded" in out
+    assert f"{DEFAULT_REPO}@{DEFAULT_REVISION[:10]}: not downloaded" in out
     assert "demo: not generated yet" in out
+
     (tmp_path / "lily" / "demo-0123").mkdir(parents=True)
-    main(["info"])
-    assert "demo: generated at" in capsys.readouterr().out
+    assert "demo: generated at" in info_output(capsys)
+
+    # The Hugging Face cache layout: models--owner--name/snapshots/<revision>/...
+    owner, name = DEFAULT_REPO.split("/")
+    snapshot = tmp_path / "hf" / f"models--{owner}--{name}" / "snapshots" / DEFAULT_REVISION
+    snapshot.mkdir(parents=True)
+    shards = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    weight_map = {"a": shards[0], "b": shards[1]}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (snapshot / shards[0]).write_bytes(b"x" * 2**20)
+    assert "partly downloaded" in info_output(capsys)
+    (snapshot / shards[1]).write_bytes(b"x" * 2**20)
+    assert "cached at" in info_output(capsys)
 
 
 class InterruptingOutput(io.StringIO):

@@ -335,31 +335,29 @@ def _gpu_lines() -> list[str]:
 
 
 def _cached_default_checkpoint() -> str:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    """Whether the pinned revision of the default repo is in the Hugging Face cache (looked up
+    on disk only: `info` never downloads)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
 
-    from lily.checkpoint import DEFAULT_REPO, DEFAULT_REVISION, DOWNLOAD_PATTERNS
+    from lily.checkpoint import DEFAULT_REPO, DEFAULT_REVISION
 
     label = f"{DEFAULT_REPO}@{DEFAULT_REVISION[:10]}"
-    try:
-        path = Path(
-            snapshot_download(
-                DEFAULT_REPO,
-                revision=DEFAULT_REVISION,
-                allow_patterns=DOWNLOAD_PATTERNS,
-                local_files_only=True,
-            )
-        )
-    except (LocalEntryNotFoundError, OSError):
-        return f"{label}: not downloaded (the first `lily.load()` fetches it)"
+    path = (
+        Path(constants.HF_HUB_CACHE)
+        / repo_folder_name(repo_id=DEFAULT_REPO, repo_type="model")
+        / "snapshots"
+        / DEFAULT_REVISION
+    )
     index = path / "model.safetensors.index.json"
     if not index.is_file():
-        return f"{label}: partly downloaded at {path} (no shard index yet)"
+        return f"{label}: not downloaded (the first `lily.load()` fetches it)"
     shards = set(json.loads(index.read_text())["weight_map"].values())
-    present = {p.name for p in path.glob("*.safetensors")}
-    missing = len(shards - present)
+    missing = sorted(name for name in shards if not (path / name).is_file())
     if missing:
-        return f"{label}: partly downloaded at {path} ({missing} of {len(shards)} shards missing)"
+        return (
+            f"{label}: partly downloaded at {path} ({len(missing)} of {len(shards)} shards missing)"
+        )
     size = sum((path / name).stat().st_size for name in shards)
     return f"{label}: cached at {path} ({_gib(size)})"
 
