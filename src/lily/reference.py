@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lily.config import FULL_ATTENTION, ModelConfig
-from lily.quant import bf16_to_float32, dequantize
+from lily.quant import bf16_to_float32, dequantize, round_to_bf16
 
 # ---------------------------------------------------------------------------------------------
 # Per-operation math
@@ -180,10 +180,14 @@ class ReferenceModel:
         config: ModelConfig,
         tensors: Mapping[str, np.ndarray],
         dtype: np.dtype | type = np.float32,
+        bf16_kv_cache: bool = False,
     ) -> None:
+        """`bf16_kv_cache` rounds cached keys and values to bf16, as the engine's cache stores
+        them: comparing with and without it separates kernel errors from the cache's precision."""
         self.config = config
         self.tensors = tensors
         self.dtype = np.dtype(dtype)
+        self.bf16_kv_cache = bf16_kv_cache
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -327,8 +331,11 @@ class ReferenceModel:
         # [T, H, D] -> [H, T, D]; the cache holds keys already rotated.
         q = apply_rope(q.transpose(1, 0, 2), positions, c.rotary_dim, c.rope_theta)
         k = apply_rope(k.transpose(1, 0, 2), positions, c.rotary_dim, c.rope_theta)
+        v = v.transpose(1, 0, 2)
+        if self.bf16_kv_cache:
+            k, v = round_to_bf16(k).astype(self.dtype), round_to_bf16(v).astype(self.dtype)
         state.keys[layer] = np.concatenate([state.keys[layer], k], axis=1)
-        state.values[layer] = np.concatenate([state.values[layer], v.transpose(1, 0, 2)], axis=1)
+        state.values[layer] = np.concatenate([state.values[layer], v], axis=1)
         out = attention(q, state.keys[layer], state.values[layer], d**-0.5, positions)
         out = out.transpose(1, 0, 2).reshape(n_tokens, -1)
         return self._linear(prefix + "o_proj", out * sigmoid(gate))
