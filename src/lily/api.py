@@ -27,16 +27,26 @@ DEVICES = ("auto", "sim", "metal", "reference")
 DEFAULT_MAX_SEQ = 32768
 
 
-def _is_apple_silicon() -> bool:
-    return sys.platform == "darwin" and platform.machine() == "arm64"
+def _metal_supported() -> bool:
+    """A macOS build on a GPU the kernels can run on (see docs/apple-silicon.md)."""
+    if sys.platform != "darwin" or platform.machine() != "arm64":
+        return False
+    from lily import _native
+
+    return hasattr(_native, "metal_device_info") and _native.metal_device_info()["supported"]
 
 
 def resolve_device(device: str) -> str:
+    """`auto` is metal where this build and the GPU support it, else the sim (which says so)."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
-    if device == "auto":
-        return "metal" if _is_apple_silicon() else "sim"
-    return device
+    if device != "auto":
+        return device
+    if _metal_supported():
+        return "metal"
+    if sys.platform == "darwin":
+        print("lily: no supported Metal GPU; running on the CPU simulator", file=sys.stderr)
+    return "sim"
 
 
 def _make_engine(checkpoint: Checkpoint, device: str, max_seq: int, token_count: int) -> Engine:
