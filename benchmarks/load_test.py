@@ -153,7 +153,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--url", default=None, help="a running server's /v1 URL")
     parser.add_argument("--api-key", default=os.environ.get("LILY_API_KEY") or "none")
     parser.add_argument("--model", default="demo", help="model to spawn / served model id")

@@ -4,8 +4,8 @@ on the sim: answers equal the facade's, requests queue and never interleave, a f
 schemathesis run over the OpenAPI description finds no 5xx.
 
 The demo on the sim takes about 0.1 s per token (prompt tokens included), so answers are a few
-tokens long. Greedy decoding (temperature 0) with a different prompt per client makes every
-client's expected answer distinct.
+tokens long. Requests sample (temperature 0.8) with a seed each: a server that lost or mixed up
+seeds, or interleaved two requests on the engine, would give a different text than the facade.
 """
 
 from __future__ import annotations
@@ -32,7 +32,13 @@ from lily.server import create_app, openapi_document
 
 MAX_SEQ = 96
 MODEL = "demo"
-GREEDY = {"temperature": 0, "seed": 7}
+GREEDY = {"temperature": 0}
+
+
+def sampled(seed: int) -> dict[str, Any]:
+    return {"temperature": 0.8, "seed": seed}
+
+
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 # The fuzzed server's context: a templated prompt of a few words leaves room for a few tokens.
 FUZZ_MAX_SEQ = 32
@@ -132,11 +138,12 @@ def facade() -> Iterator[Lily]:
 _expected_cache: dict[str, Any] = {}
 
 
-def expected(facade: Lily, text: str, max_tokens: int, **params: Any) -> Any:
-    key = json.dumps([text, max_tokens, params], sort_keys=True)
+def expected(facade: Lily, text: str, max_tokens: int, seed: int) -> Any:
+    """The facade's answer to `text` sampled with `seed`."""
+    key = json.dumps([text, max_tokens, seed])
     if key not in _expected_cache:
         _expected_cache[key] = facade.chat.completions.create(
-            model=MODEL, messages=user(text), max_tokens=max_tokens, **GREEDY, **params
+            model=MODEL, messages=user(text), max_tokens=max_tokens, **sampled(seed)
         )
     return _expected_cache[key]
 
@@ -174,9 +181,9 @@ def test_models_health_and_openapi(server: RunningServer) -> None:
 
 
 def test_sync_client_gets_the_facade_answer(server: RunningServer, facade: Lily) -> None:
-    want = expected(facade, "Hi", 5)
+    want = expected(facade, "Hi", 5, seed=1)
     got = server.client().chat.completions.create(
-        model=MODEL, messages=user("Hi"), max_tokens=5, **GREEDY
+        model=MODEL, messages=user("Hi"), max_tokens=5, **sampled(1)
     )
     assert (got.choices[0].message.content or "") == (want.choices[0].message.content or "")
     assert got.choices[0].message.model_extra.get("reasoning_content") == (
@@ -189,7 +196,7 @@ def test_sync_client_gets_the_facade_answer(server: RunningServer, facade: Lily)
 
 def test_streaming_client_gets_the_facade_answer(server: RunningServer, facade: Lily) -> None:
     want = facade.chat.completions.create(
-        model=MODEL, messages=user("Tell me"), max_tokens=4, **GREEDY, **NO_THINKING
+        model=MODEL, messages=user("Tell me"), max_tokens=4, **sampled(2), **NO_THINKING
     )
     stream = server.client().chat.completions.create(
         model=MODEL,
@@ -197,7 +204,7 @@ def test_streaming_client_gets_the_facade_answer(server: RunningServer, facade: 
         max_tokens=4,
         stream=True,
         stream_options={"include_usage": True},
-        **GREEDY,
+        **sampled(2),
         extra_body=NO_THINKING,
     )
     chunks = list(stream)
@@ -222,7 +229,7 @@ def test_raw_stream_is_server_sent_events_ending_in_done(server: RunningServer) 
 
 def test_async_clients_are_served_one_after_the_other(server: RunningServer, facade: Lily) -> None:
     prompts = ["One", "Two", "Three"]
-    wants = [expected(facade, p, 3) for p in prompts]
+    wants = [expected(facade, p, 3, seed=3) for p in prompts]
 
     async def ask_all() -> list[Any]:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none")
@@ -230,7 +237,7 @@ def test_async_clients_are_served_one_after_the_other(server: RunningServer, fac
             return await asyncio.gather(
                 *(
                     client.chat.completions.create(
-                        model=MODEL, messages=user(p), max_tokens=3, **GREEDY
+                        model=MODEL, messages=user(p), max_tokens=3, **sampled(3)
                     )
                     for p in prompts
                 )
@@ -250,15 +257,19 @@ def test_async_clients_are_served_one_after_the_other(server: RunningServer, fac
 def test_concurrent_streaming_clients_each_get_their_sequential_answer(
     server: RunningServer, facade: Lily
 ) -> None:
-    """Eight clients at once: had two requests' tokens interleaved on the engine, some
-    client's text would differ from what the facade produces for its prompt alone."""
-    prompts = [f"Client {i} says" for i in range(8)]
-    wants = [expected(facade, p, 3) for p in prompts]
+    """Eight clients at once, half of them with the same prompt and their own seed: had two
+    requests' tokens interleaved on the engine, or a seed gone to the wrong request, some
+    client's text would differ from what the facade produces for its request alone."""
+    prompts = ["Same question"] * 4 + [f"Client {i} says" for i in range(4)]
+    seeds = [100 + i for i in range(len(prompts))]
+    wants = [expected(facade, p, 3, seed) for p, seed in zip(prompts, seeds, strict=True)]
+    same_prompt_answers = {w.choices[0].message.reasoning_content for w in wants[:4]}
+    assert len(same_prompt_answers) > 1, "the seeds should matter for this check to mean much"
     results: dict[int, tuple[str, str, str | None]] = {}
 
     def run(i: int) -> None:
         stream = server.client().chat.completions.create(
-            model=MODEL, messages=user(prompts[i]), max_tokens=3, stream=True, **GREEDY
+            model=MODEL, messages=user(prompts[i]), max_tokens=3, stream=True, **sampled(seeds[i])
         )
         results[i] = joined(list(stream))
 
@@ -274,7 +285,7 @@ def test_concurrent_streaming_clients_each_get_their_sequential_answer(
             message.content or "",
             message.reasoning_content or "",
             want.choices[0].finish_reason,
-        ), prompts[i]
+        ), (prompts[i], seeds[i])
 
 
 def test_full_queue_answers_503_and_a_leaving_client_frees_the_engine(
@@ -332,9 +343,11 @@ def test_a_failing_request_leaves_the_engine_usable(
     assert failed.value.body["type"] == "server_error"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=user("x " * 200), max_tokens=2)
-    got = client.chat.completions.create(model=MODEL, messages=user("Hi"), max_tokens=5, **GREEDY)
+    got = client.chat.completions.create(
+        model=MODEL, messages=user("Hi"), max_tokens=5, **sampled(1)
+    )
     assert got.choices[0].message.model_extra.get("reasoning_content") == (
-        expected(facade, "Hi", 5).choices[0].message.reasoning_content
+        expected(facade, "Hi", 5, seed=1).choices[0].message.reasoning_content
     )
 
 

@@ -326,7 +326,8 @@ def _gpu_lines() -> list[str]:
         info = _native.metal_device_info()
     except RuntimeError as exc:
         return [*lines, f"metal:           unavailable ({exc})"]
-    lines.append(f"gpu:             {info.get('name', 'unknown')}, family {info['gpu_family']}")
+    lines.append(f"gpu:             {info['name']}, family {info['gpu_family']}")
+    lines.append(f"macOS:           {info['os_version']}")
     if info.get("recommended_working_set"):
         lines.append(f"gpu working set: {_gib(info['recommended_working_set'])} recommended")
     if not info.get("supported", True):
@@ -353,11 +354,9 @@ def _cached_default_checkpoint() -> str:
     if not index.is_file():
         return f"{label}: not downloaded (the first `lily.load()` fetches it)"
     shards = set(json.loads(index.read_text())["weight_map"].values())
-    missing = sorted(name for name in shards if not (path / name).is_file())
+    missing = sum(not (path / name).is_file() for name in shards)
     if missing:
-        return (
-            f"{label}: partly downloaded at {path} ({len(missing)} of {len(shards)} shards missing)"
-        )
+        return f"{label}: partly downloaded at {path} ({missing} of {len(shards)} shards missing)"
     size = sum((path / name).stat().st_size for name in shards)
     return f"{label}: cached at {path} ({_gib(size)})"
 
