@@ -140,7 +140,7 @@ NB_MODULE(_native, m) {
 
   m.def(
       "open_sim_device",
-      [](const std::string& lane_order, uint64_t seed, unsigned workers) {
+      [](const std::string& lane_order, uint64_t seed, unsigned workers, bool execute) {
         lily_sim::LaneOrder order;
         if (lane_order == "forward")
           order = lily_sim::LaneOrder::forward;
@@ -150,7 +150,7 @@ NB_MODULE(_native, m) {
           order = lily_sim::LaneOrder::random;
         else
           throw std::invalid_argument("lane_order must be 'forward', 'reverse' or 'random'");
-        return lily::open_sim_device(order, seed, workers);
+        return lily::open_sim_device(order, seed, workers, execute);
       },
-      "lane_order"_a, "seed"_a, "workers"_a);
+      "lane_order"_a, "seed"_a, "workers"_a, "execute"_a = true);
 }

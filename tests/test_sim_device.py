@@ -204,3 +204,29 @@ def test_lane_orders():
     assert not (random[0] == random[1]).all()  # each threadgroup has its own permutation
     np.testing.assert_array_equal(run_order("random", seed=1), random)  # reproducible
     assert not (run_order("random", seed=2) == random).all()
+
+
+def test_a_device_that_does_not_execute_checks_and_retires_graphs():
+    dry = open_device("sim", execute=False)
+    x = dry.wrap(np.ones(4, dtype=np.float32))
+    y = dry.wrap(np.zeros(4, dtype=np.float32))
+    graph = Graph()
+    graph.dispatch(
+        dry.kernel("test_axpy"),
+        threadgroups=1,
+        threads=4,
+        buffers={0: x, 1: y},
+        bytes={2: struct.pack("<fI", 2.0, 4)},
+    )
+    dry.run(graph)
+    assert not y.numpy().any()
+    graph.dispatch(
+        dry.kernel("test_axpy"),
+        threadgroups=1,
+        threads=4,
+        buffers={0: x, 1: y},
+        bytes={2: b""},
+        threadgroup_memory={0: 40 * 1024},
+    )
+    with pytest.raises(KernelError, match="32 KiB"):
+        dry.run(graph)

@@ -113,8 +113,8 @@ lily_sim::PreparedDispatch prepare(const Dispatch& d) {
 
 class SimDevice : public Device {
  public:
-  SimDevice(lily_sim::LaneOrder order, uint64_t seed, unsigned workers)
-      : executor_(order, seed, workers), queue_([this] { serve(); }) {
+  SimDevice(lily_sim::LaneOrder order, uint64_t seed, unsigned workers, bool execute)
+      : executor_(order, seed, workers), execute_(execute), queue_([this] { serve(); }) {
     for (const auto& k : lily_sim::registry()) kernels_.emplace(k.host_name, &k);
   }
   ~SimDevice() override {
@@ -197,7 +197,10 @@ class SimDevice : public Device {
       std::string error;
       try {
         for (const auto& level : job.graph.levels())
-          for (const auto& d : level) executor_.run(prepare(d));
+          for (const auto& d : level) {
+            auto prepared = prepare(d);
+            if (execute_) executor_.run(prepared);
+          }
       } catch (const std::exception& e) {
         error = e.what();
       }
@@ -212,6 +215,8 @@ class SimDevice : public Device {
   }
 
   lily_sim::Executor executor_;
+  // false: graphs are checked and retired but no kernel runs (to time the host side alone).
+  const bool execute_;
   std::map<std::string, const lily_sim::KernelInfo*> kernels_;
 
   std::mutex mutex_;
@@ -227,8 +232,8 @@ class SimDevice : public Device {
 }  // namespace
 
 std::shared_ptr<Device> open_sim_device(lily_sim::LaneOrder order, uint64_t seed,
-                                        unsigned workers) {
-  return std::make_shared<SimDevice>(order, seed, workers);
+                                        unsigned workers, bool execute) {
+  return std::make_shared<SimDevice>(order, seed, workers, execute);
 }
 
 }  // namespace lily

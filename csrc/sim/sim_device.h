@@ -8,7 +8,9 @@
 
 namespace lily {
 
+// `execute` false: graphs are checked and retired without running any kernel, which times the
+// host's side of a step alone (benchmarks/bench_decode_graph.py).
 std::shared_ptr<Device> open_sim_device(lily_sim::LaneOrder order, uint64_t seed,
-                                        unsigned workers);
+                                        unsigned workers, bool execute = true);
 
 }  // namespace lily

@@ -170,10 +170,13 @@ def open_device(
     lane_order: str = "forward",
     seed: int = 0,
     workers: int | None = None,
+    execute: bool = True,
 ) -> Device:
     """Open a device: ``sim`` (anywhere) or ``metal`` (macOS builds on Apple silicon).
 
-    `lane_order`, `seed` and `workers` (OS threads, default one per core) configure the sim.
+    `lane_order`, `seed` and `workers` (OS threads, default one per core) configure the sim;
+    ``execute=False`` makes it check and retire graphs without running kernels, to time the
+    host's side of a step alone.
     """
     if kind == "metal":
         return _open_metal()
@@ -183,7 +186,7 @@ def open_device(
         raise ValueError(f"lane_order must be one of {LANE_ORDERS}, got {lane_order!r}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    return Device(_native.open_sim_device(lane_order, seed, workers or 0))
+    return Device(_native.open_sim_device(lane_order, seed, workers or 0, execute))
 
 
 def available() -> list[str]:
