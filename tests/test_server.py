@@ -25,6 +25,7 @@ import schemathesis
 import uvicorn
 from hypothesis import HealthCheck, given, settings
 from schemathesis import checks
+from schemathesis.generation.meta import TestPhase
 
 import lily
 from lily.api import Lily
@@ -42,7 +43,7 @@ def sampled(seed: int) -> dict[str, Any]:
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 # The fuzzed server's context: a templated prompt of a few words leaves room for a few tokens.
 FUZZ_MAX_SEQ = 32
-FUZZ_EXAMPLES = 100
+FUZZ_EXAMPLES = 75
 
 
 def user(text: str) -> list[dict[str, str]]:
@@ -490,6 +491,7 @@ def test_schemathesis_finds_no_server_error() -> None:
     a documented status with a conforming body, never a 5xx. Bounded by the example count; the
     model's context is short so that valid requests generate few tokens."""
     statuses: dict[int, int] = {}
+    chat_answers = 0
     conformance = [
         checks.not_a_server_error,
         checks.status_code_conformance,
@@ -501,7 +503,10 @@ def test_schemathesis_finds_no_server_error() -> None:
         lily.load("demo", device="sim", max_seq=FUZZ_MAX_SEQ) as fuzz_llm,
         RunningServer(create_app(fuzz_llm, queue_limit=4)) as fuzzed,
     ):
-        for mode in schemathesis.GenerationMode:
+        strategies = [schema.as_strategy(phase=TestPhase.EXAMPLES)] + [
+            schema.as_strategy(generation_mode=mode) for mode in schemathesis.GenerationMode
+        ]
+        for strategy in strategies:
 
             @settings(
                 max_examples=FUZZ_EXAMPLES,
@@ -510,13 +515,20 @@ def test_schemathesis_finds_no_server_error() -> None:
                 derandomize=True,
                 suppress_health_check=list(HealthCheck),
             )
-            @given(case=schema.as_strategy(generation_mode=mode))
+            @given(case=strategy)
             def check(case: Any) -> None:
+                nonlocal chat_answers
                 response = case.call(base_url=fuzzed.url, timeout=60)
                 statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+                if case.operation.path == "/v1/chat/completions" and response.status_code == 200:
+                    chat_answers += 1
                 case.validate_response(response, checks=conformance)
 
             check()
-    print(f"schemathesis: {sum(statuses.values())} cases, statuses {sorted(statuses.items())}")
-    assert sum(statuses.values()) >= FUZZ_EXAMPLES
+    print(
+        f"schemathesis: {sum(statuses.values())} cases, statuses {sorted(statuses.items())}, "
+        f"{chat_answers} chat completions answered"
+    )
+    assert sum(statuses.values()) >= 2 * FUZZ_EXAMPLES
+    assert chat_answers >= 2, "the documented examples must be answered"
     assert not [status for status in statuses if status >= 500]

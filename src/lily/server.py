@@ -703,6 +703,41 @@ def _error_response(description: str) -> dict[str, Any]:
     }
 
 
+# One server-sent event of a stream.
+_SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": "a chat.completion.chunk as JSON; the last event is [DONE]",
+        }
+    },
+}
+
+CHAT_REQUEST_EXAMPLES = {
+    "simple": {
+        "summary": "One question, a short answer",
+        "value": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+    },
+    "streamed": {
+        "summary": "Streamed, seeded sampling, usage in the last event, no thinking",
+        "value": {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a colour."},
+            ],
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0.7,
+            "seed": 42,
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    },
+}
+
+
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 description of the routes; the request schema is the one the server
     validates with."""
@@ -729,7 +764,12 @@ def openapi_document() -> dict[str, Any]:
                     "summary": "Generate a chat completion (JSON, or SSE when stream is true)",
                     "requestBody": {
                         "required": True,
-                        "content": {"application/json": {"schema": CHAT_REQUEST_SCHEMA}},
+                        "content": {
+                            "application/json": {
+                                "schema": CHAT_REQUEST_SCHEMA,
+                                "examples": CHAT_REQUEST_EXAMPLES,
+                            }
+                        },
                     },
                     "responses": {
                         "200": {
@@ -738,7 +778,7 @@ def openapi_document() -> dict[str, Any]:
                             "'data: [DONE]'",
                             "content": {
                                 "application/json": {"schema": json_object},
-                                "text/event-stream": {"schema": {"type": "string"}},
+                                "text/event-stream": {"schema": _SSE_EVENT},
                             },
                         },
                         **errors,
