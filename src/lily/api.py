@@ -31,9 +31,10 @@ def _metal_supported() -> bool:
     """A macOS build on a GPU the kernels can run on (see docs/apple-silicon.md)."""
     if sys.platform != "darwin" or platform.machine() != "arm64":
         return False
-    from lily import _native
+    from lily.device import metal_info
 
-    return hasattr(_native, "metal_device_info") and _native.metal_device_info()["supported"]
+    info = metal_info()
+    return info is not None and bool(info["supported"])
 
 
 def resolve_device(device: str) -> str:
@@ -52,8 +53,10 @@ def resolve_device(device: str) -> str:
 def _make_engine(checkpoint: Checkpoint, device: str, max_seq: int, token_count: int) -> Engine:
     if device == "reference":
         return ReferenceEngine(checkpoint, max_seq, token_count)
-    from lily.device import open_device
+    from lily.decode_graph import device_bytes
+    from lily.device import check_memory, open_device
 
+    check_memory(device, device_bytes(checkpoint, max_seq))
     return DeviceEngine(checkpoint, open_device(device), max_seq, token_count)
 
 

@@ -97,6 +97,19 @@ class _Scratch:
         )
 
 
+def device_bytes(checkpoint: Checkpoint, capacity: int) -> int:
+    """What a DecodeGraph keeps on the device: the wrapped shards, the KV cache for `capacity`
+    tokens, the recurrent state, and (bounded above) the per-step scratch."""
+    c = checkpoint.config
+    weights = sum(shard.size for shard in checkpoint.shards.values())
+    kv = 2 * len(c.full_attention_layers) * attention.cache_bytes(c.num_key_value_heads, capacity)
+    gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
+    state = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim
+    window = (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim
+    scratch = 4 * (c.vocab_size + 16 * c.linear_conv_dim) + 4 * capacity
+    return weights + kv + 4 * gdn_layers * (state + window) + scratch
+
+
 class DecodeGraph:
     """The recorded step graph and the buffers it runs on."""
 

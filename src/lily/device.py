@@ -189,6 +189,23 @@ def open_device(
     return Device(_native.open_sim_device(lane_order, seed, workers or 0, execute))
 
 
+def metal_info() -> dict | None:
+    """The Metal GPU as the device sees it (name, GPU family, whether Lily's kernels can run,
+    recommended working set, ...), or None in a build without the metal device."""
+    return _native.metal_device_info() if hasattr(_native, "metal_device_info") else None
+
+
+def check_memory(kind: str, nbytes: int) -> None:
+    """Refuse, before anything is allocated, a run that needs more GPU memory than Metal
+    recommends on this Mac (with the `iogpu.wired_limit_mb` advice). The sim uses host memory
+    and has no such limit."""
+    if kind == "metal":
+        try:
+            _native.metal_check_memory(nbytes)
+        except RuntimeError as e:
+            raise MemoryError(str(e)) from None
+
+
 def available() -> list[str]:
     """The device kinds this build of Lily can open."""
     return ["sim", "metal"] if hasattr(_native, "open_metal_device") else ["sim"]
