@@ -145,9 +145,8 @@ def parse_request(
             raise RequestError(f"{key} given both directly and in extra_body", param=key)
         params[key] = value
 
-    if params.get("n") not in (None, 1):
-        raise UnsupportedParameterError(["n"])
-    params.pop("n", None)
+    if params.get("n") in (None, 1):
+        params.pop("n", None)
     known = {
         "messages",
         "model",
