@@ -1,7 +1,10 @@
-"""The sim engine (every decode kernel, the recorded graph, the step loop) against the numpy
-reference model, on tiny random checkpoints converted by mlx-lm."""
+"""The device engine (every decode kernel, the recorded graph, the step loop) against the numpy
+reference model, on tiny random checkpoints converted by mlx-lm. The device is the sim unless
+LILY_DEVICE names another (the macOS workflow sets metal)."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -30,7 +33,8 @@ def engines(request):
     checkpoint = load_checkpoint(tiny_checkpoint(request.param))
     max_seq = PROMPT_LENGTH + DECODE_STEPS + 1
     vocab = checkpoint.config.vocab_size
-    sim = DeviceEngine(checkpoint, open_device("sim"), max_seq, vocab)
+    device = open_device(os.environ.get("LILY_DEVICE", "sim"))
+    sim = DeviceEngine(checkpoint, device, max_seq, vocab)
     reference = ReferenceEngine(checkpoint, max_seq, vocab)
     yield sim, reference
     sim.close()

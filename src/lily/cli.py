@@ -132,13 +132,24 @@ class ChatSession:
 
     def reply(self, text: str) -> None:
         self.history.append({"role": "user", "content": text})
+        start = time.perf_counter()
         stream = self.llm.chat.completions.create(
-            messages=self.history, stream=True, **self.request
+            messages=self.history,
+            stream=True,
+            stream_options={"include_usage": True},
+            **self.request,
         )
         answer: list[str] = []
         thinking = False
         try:
             for chunk in stream:
+                if chunk.usage is not None:
+                    elapsed = time.perf_counter() - start
+                    usage = chunk.usage
+                    self.out.write(
+                        f"\n[{usage.prompt_tokens} prompt + {usage.completion_tokens} generated "
+                        f"tokens in {elapsed:.2f} s: {usage.total_tokens / elapsed:.1f} tokens/s]"
+                    )
                 if not chunk.choices:
                     continue
                 delta = chunk.choices[0].delta
