@@ -17,10 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from importlib import metadata
@@ -28,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lily.safetensors_mmap import write_aligned_copy
+from lily.cache import build_once
+from lily.checkpoint import write_aligned_checkpoint
 
 # Bump when the generator changes in a way its parameters do not capture.
 GENERATOR_VERSION = 2
@@ -112,7 +111,7 @@ def tiny_checkpoint(name: str, aligned: bool = True) -> Path:
     converted = _cached(f"{key}-mlx", lambda out: _build_checkpoint(spec, out))
     if not aligned:
         return converted
-    return _cached(key, lambda out: _align_checkpoint(converted, out))
+    return _cached(key, lambda out: write_aligned_checkpoint(converted, out))
 
 
 def eos_token_ids(spec: TinySpec) -> list[int]:
@@ -155,23 +154,8 @@ def _key(spec: TinySpec) -> str:
 
 
 def _cached(key: str, build: Callable[[Path], None]) -> Path:
-    """Return cache_root()/key, building it first (in a temp dir, renamed into place) if absent."""
-    final = cache_root() / key
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=final.parent))
-    try:
-        build(work / "out")
-        try:
-            os.rename(work / "out", final)
-        except OSError:
-            # Another process finished the same build first; its result is identical.
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return final
+    """cache_root()/key, built first if absent (see lily.cache.build_once)."""
+    return build_once(cache_root() / key, build)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,15 +176,6 @@ def _build_checkpoint(spec: TinySpec, out: Path) -> None:
         check=True,
         capture_output=True,
     )  # fmt: skip
-
-
-def _align_checkpoint(source: Path, out: Path) -> None:
-    out.mkdir()
-    for item in sorted(source.iterdir()):
-        if item.suffix == ".safetensors":
-            write_aligned_copy(item, out / item.name)
-        else:
-            shutil.copy2(item, out / item.name)
 
 
 def _layer_types(spec: TinySpec) -> list[str]:

@@ -11,14 +11,14 @@ import json
 import os
 import shutil
 import sys
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
+from lily.cache import build_once, cache_root
 from lily.config import ModelConfig, load_config
 from lily.safetensors_mmap import (
     DATA_ALIGNMENT,
@@ -113,10 +113,6 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
     return aligned_checkpoint(Path(path))
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("LILY_CACHE") or Path.home() / ".cache" / "lily")
-
-
 def _is_aligned(shard_path: Path) -> bool:
     try:
         shard = Shard(shard_path, alignment=1)
@@ -139,27 +135,19 @@ def aligned_checkpoint(path: Path) -> Path:
         return path
     stats = [(s.name, s.stat().st_size, s.stat().st_mtime_ns) for s in shards]
     key = hashlib.sha256(json.dumps([str(path.resolve()), stats]).encode()).hexdigest()[:16]
-    target = _cache_root() / "aligned" / f"{path.name}-{key}"
+    target = cache_root() / "aligned" / f"{path.name}-{key}"
     if target.is_dir():
         return target
-    size_gb = sum(size for _, size, _ in stats) / 1e9
+    from huggingface_hub.utils import tqdm
+
+    total = sum(size for _, size, _ in stats)
     print(
-        f"lily: {path} is not 16-byte aligned; writing an aligned copy ({size_gb:.2f} GB) "
+        f"lily: {path} is not 16-byte aligned; writing an aligned copy ({total / 1e9:.2f} GB) "
         f"to {target} (once)",
         file=sys.stderr,
     )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        write_aligned_checkpoint(path, work / "copy")
-        try:
-            os.rename(work / "copy", target)
-        except OSError:
-            if not target.is_dir():  # else another process finished the same copy first
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return target
+    with tqdm(total=total, unit="B", unit_scale=True, desc="aligning checkpoint") as bar:
+        return build_once(target, lambda out: write_aligned_checkpoint(path, out, bar.update))
 
 
 @dataclass(frozen=True)
@@ -206,7 +194,11 @@ def load_checkpoint(path: str | Path, level: LoadLevel = "auto") -> Checkpoint:
     )
 
 
-def write_aligned_checkpoint(source: str | Path, destination: str | Path) -> Path:
+def write_aligned_checkpoint(
+    source: str | Path,
+    destination: str | Path,
+    progress: Callable[[int], object] | None = None,
+) -> Path:
     """Copy a checkpoint directory with every shard rewritten 16-byte aligned.
 
     Files written by mlx (mlx-lm conversions, mlx-community uploads) pack the header and the
@@ -217,7 +209,7 @@ def write_aligned_checkpoint(source: str | Path, destination: str | Path) -> Pat
     destination.mkdir(parents=True, exist_ok=True)
     for item in sorted(source.iterdir()):
         if item.suffix == ".safetensors":
-            write_aligned_copy(item, destination / item.name)
+            write_aligned_copy(item, destination / item.name, progress=progress)
         elif item.is_file():
             shutil.copy2(item, destination / item.name)
     return destination

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -32,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from lily import __version__, quant
+from lily.cache import build_once, cache_root
 from lily.quant import float32_to_bf16, quantize, round_to_bf16
 
 DEMO_SEED = 20261129
@@ -98,23 +96,7 @@ DATA_ALIGNMENT = 16
 
 def demo_checkpoint_dir() -> Path:
     """The demo checkpoint directory, generating it on first use (safe under concurrency)."""
-    root = Path(os.environ.get("LILY_CACHE") or Path.home() / ".cache" / "lily")
-    final = root / f"demo-{_fingerprint()}"
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".demo-", dir=root))
-    try:
-        write_demo_checkpoint(work / "demo")
-        try:
-            os.rename(work / "demo", final)
-        except OSError:
-            # Another process won the race; it wrote the same bytes.
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return final
+    return build_once(cache_root() / f"demo-{_fingerprint()}", write_demo_checkpoint)
 
 
 def write_demo_checkpoint(out: Path) -> None:

@@ -20,7 +20,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,7 +252,10 @@ class SafetensorsCheckpoint(Mapping[str, np.ndarray]):
 
 
 def write_aligned_copy(
-    source: str | Path, destination: str | Path, alignment: int = DATA_ALIGNMENT
+    source: str | Path,
+    destination: str | Path,
+    alignment: int = DATA_ALIGNMENT,
+    progress: Callable[[int], object] | None = None,
 ) -> None:
     """Rewrite a safetensors file so every tensor starts on an `alignment`-byte file boundary.
 
@@ -288,6 +291,8 @@ def write_aligned_copy(
             for start in range(info.offset, info.offset + info.nbytes, chunk):
                 end = min(start + chunk, info.offset + info.nbytes)
                 out.write(shard.buffer[start:end].data)
+                if progress is not None:
+                    progress(end - start)
             written = begin + info.nbytes
 
 
