@@ -29,7 +29,8 @@ from schemathesis.generation.meta import TestPhase
 
 import lily
 from lily.api import Lily
-from lily.server import create_app, openapi_document
+from lily.openapi import openapi_document
+from lily.server import create_app
 
 MAX_SEQ = 96
 MODEL = "demo"

@@ -23,7 +23,6 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import queue
 import threading
 import time
@@ -37,9 +36,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lily import __version__
 from lily.chat import parse_request
 from lily.errors import RequestError
+from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -55,8 +54,6 @@ DEFAULT_QUEUE_LIMIT = 64
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # What a 503 tells clients to wait before retrying (the openai SDK honours it).
 RETRY_AFTER_SECONDS = 1
-
-_INT64 = (-(2**63), 2**63 - 1)
 
 
 # --- Errors ---------------------------------------------------------------------------------
@@ -127,158 +124,6 @@ def _as_api_error(exc: BaseException) -> APIError:
     return _internal_error()
 
 
-# --- Request schema: one description used to validate requests and to publish OpenAPI --------
-
-_STRING: dict[str, Any] = {"type": "string"}
-# Parts other than text (images, audio) are refused by the facade: 400, naming the part.
-_CONTENT_PART = {
-    "type": "object",
-    "required": ["type"],
-    "properties": {"type": _STRING, "text": _STRING},
-}
-_TOOL_CALL = {
-    "type": "object",
-    "required": ["function"],
-    "properties": {
-        "id": _STRING,
-        "type": {"type": "string", "enum": ["function"]},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {"name": _STRING, "arguments": _STRING},
-        },
-    },
-}
-_MESSAGE = {
-    "type": "object",
-    "required": ["role"],
-    "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"type": ["string", "array", "null"], "items": _CONTENT_PART},
-        "reasoning_content": {"type": ["string", "null"]},
-        "name": _STRING,
-        "tool_calls": {"type": ["array", "null"], "items": _TOOL_CALL},
-        "tool_call_id": _STRING,
-    },
-}
-_TOOL = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"type": "string", "enum": ["function"]},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": _STRING,
-                "description": _STRING,
-                "parameters": {"type": "object"},
-                "strict": {"type": ["boolean", "null"]},
-            },
-        },
-    },
-}
-
-
-def _nullable(kind: str, **bounds: Any) -> dict[str, Any]:
-    return {"type": [kind, "null"], **bounds}
-
-
-CHAT_REQUEST_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["messages"],
-    "description": "Fields set to null take their default. Other fields are answered with "
-    "400 unsupported_parameter, naming them.",
-    # Enforced by the facade (400, naming the fields) rather than by `validate` (422).
-    "additionalProperties": False,
-    "properties": {
-        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
-        "model": _nullable("string"),
-        "max_tokens": _nullable("integer", minimum=1),
-        "max_completion_tokens": _nullable("integer", minimum=1),
-        "stream": _nullable("boolean"),
-        "stream_options": {
-            "type": ["object", "null"],
-            "properties": {"include_usage": {"type": "boolean"}},
-            "additionalProperties": False,
-        },
-        "stop": {"type": ["string", "array", "null"], "items": _STRING},
-        "temperature": _nullable("number", minimum=0, maximum=2),
-        "top_p": _nullable("number", exclusiveMinimum=0, maximum=1),
-        "top_k": _nullable("integer", minimum=0),
-        "min_p": _nullable("number", minimum=0, maximum=1),
-        "seed": _nullable("integer", minimum=0),
-        "logprobs": _nullable("boolean"),
-        "top_logprobs": _nullable("integer", minimum=0, maximum=20),
-        "tools": {"type": ["array", "null"], "items": _TOOL},
-        "tool_choice": {
-            "type": ["string", "object", "null"],
-            "properties": {
-                "type": {"type": "string", "enum": ["function"]},
-                "function": {"type": "object", "properties": {"name": _STRING}},
-            },
-        },
-        "prompt_cache_key": _nullable("string"),
-        "chat_template_kwargs": _nullable("object"),
-    },
-}
-
-_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
-    "string": lambda v: isinstance(v, str),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool),
-    "array": lambda v: isinstance(v, list),
-    "object": lambda v: isinstance(v, dict),
-    "null": lambda v: v is None,
-}
-
-
-def _schema_error(where: str, message: str) -> APIError:
-    return APIError(422, f"{where}: {message}", param=where, code="invalid_type")
-
-
-def validate(value: Any, schema: dict[str, Any], where: str) -> None:
-    """Checks `value` against the JSON Schema subset used above (type, enum, minimum, maximum,
-    exclusiveMinimum, minItems, items, properties, required); raises a 422 naming the first
-    offending field."""
-    kinds = schema.get("type")
-    if kinds is not None:
-        kinds = [kinds] if isinstance(kinds, str) else kinds
-        if not any(_JSON_TYPES[kind](value) for kind in kinds):
-            expected = " or ".join(kinds)
-            raise _schema_error(where, f"expected {expected}, got {_json_type_name(value)}")
-    if "enum" in schema and value not in schema["enum"]:
-        raise _schema_error(where, f"must be one of {', '.join(map(str, schema['enum']))}")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        low = schema.get("minimum", _INT64[0] if isinstance(value, int) else -math.inf)
-        high = schema.get("maximum", _INT64[1] if isinstance(value, int) else math.inf)
-        if not low <= value <= high:
-            raise _schema_error(where, f"must be between {low} and {high}, got {value}")
-        if "exclusiveMinimum" in schema and value <= schema["exclusiveMinimum"]:
-            raise _schema_error(where, f"must be above {schema['exclusiveMinimum']}, got {value}")
-    if isinstance(value, list):
-        if len(value) < schema.get("minItems", 0):
-            raise _schema_error(where, f"needs at least {schema['minItems']} item(s)")
-        if "items" in schema:
-            for i, item in enumerate(value):
-                validate(item, schema["items"], f"{where}[{i}]")
-    if isinstance(value, dict):
-        for name in schema.get("required", ()):
-            if name not in value:
-                raise _schema_error(f"{where}.{name}", "is required")
-        for name, sub in schema.get("properties", {}).items():
-            if name in value:
-                validate(value[name], sub, f"{where}.{name}")
-
-
-def _json_type_name(value: Any) -> str:
-    for name in ("null", "boolean", "integer", "number", "string", "array", "object"):
-        if _JSON_TYPES[name](value):
-            return name
-    return type(value).__name__
-
-
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -314,7 +159,7 @@ def parse_chat_request(body: bytes) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise APIError(
             400,
-            f"the body must be a JSON object, got {_json_type_name(document)}",
+            f"the body must be a JSON object, got {json_type_name(document)}",
             code="invalid_json",
         )
     _check_text_is_unicode(document)
@@ -691,162 +536,3 @@ def serve(
         # On Ctrl-C, streams still running get a few seconds, then are cancelled (which stops
         # their generation) instead of holding the shutdown until they finish.
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
-
-
-# --- OpenAPI ----------------------------------------------------------------------------------
-
-
-def _error_response(description: str) -> dict[str, Any]:
-    return {
-        "description": description,
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-    }
-
-
-# One server-sent event of a stream.
-_SSE_EVENT = {
-    "type": "object",
-    "required": ["data"],
-    "properties": {
-        "data": {
-            "type": "string",
-            "description": "a chat.completion.chunk as JSON; the last event is [DONE]",
-        }
-    },
-}
-
-CHAT_REQUEST_EXAMPLES = {
-    "simple": {
-        "summary": "One question, a short answer",
-        "value": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
-    },
-    "streamed": {
-        "summary": "Streamed, seeded sampling, usage in the last event, no thinking",
-        "value": {
-            "messages": [
-                {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Name a colour."},
-            ],
-            "max_tokens": 4,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "temperature": 0.7,
-            "seed": 42,
-            "chat_template_kwargs": {"enable_thinking": False},
-        },
-    },
-}
-
-
-def openapi_document() -> dict[str, Any]:
-    """The OpenAPI 3.1 description of the routes; the request schema is the one the server
-    validates with."""
-    errors = {
-        "400": _error_response("Malformed JSON or a request Lily will not run"),
-        "401": _error_response("Missing or wrong API key (only with --api-key)"),
-        "404": _error_response("Unknown model"),
-        "413": _error_response("Body over the size limit"),
-        "422": _error_response("A field has the wrong type or is out of range"),
-        "503": _error_response("Queue full; retry after Retry-After seconds"),
-    }
-    json_object = {"type": "object"}
-    return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "Lily",
-            "version": __version__,
-            "description": "The OpenAI chat-completions API served by Lily on one local model.",
-        },
-        "paths": {
-            "/v1/chat/completions": {
-                "post": {
-                    "operationId": "createChatCompletion",
-                    "summary": "Generate a chat completion (JSON, or SSE when stream is true)",
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": CHAT_REQUEST_SCHEMA,
-                                "examples": CHAT_REQUEST_EXAMPLES,
-                            }
-                        },
-                    },
-                    "responses": {
-                        "200": {
-                            "description": "A chat.completion object, or with stream=true a "
-                            "text/event-stream of chat.completion.chunk objects ending with "
-                            "'data: [DONE]'",
-                            "content": {
-                                "application/json": {"schema": json_object},
-                                "text/event-stream": {"schema": _SSE_EVENT},
-                            },
-                        },
-                        **errors,
-                    },
-                }
-            },
-            "/v1/models": {
-                "get": {
-                    "operationId": "listModels",
-                    "summary": "The model this server runs",
-                    "responses": {
-                        "200": {
-                            "description": "A list object",
-                            "content": {"application/json": {"schema": json_object}},
-                        },
-                        "401": errors["401"],
-                    },
-                }
-            },
-            "/v1/models/{model}": {
-                "get": {
-                    "operationId": "retrieveModel",
-                    "summary": "One model by id",
-                    "parameters": [
-                        {"name": "model", "in": "path", "required": True, "schema": _STRING}
-                    ],
-                    "responses": {
-                        "200": {
-                            "description": "A model object",
-                            "content": {"application/json": {"schema": json_object}},
-                        },
-                        "401": errors["401"],
-                        "404": errors["404"],
-                    },
-                }
-            },
-            "/health": {
-                "get": {
-                    "operationId": "health",
-                    "summary": "Liveness and queue state (never needs the API key)",
-                    "responses": {
-                        "200": {
-                            "description": "Server status",
-                            "content": {"application/json": {"schema": json_object}},
-                        }
-                    },
-                }
-            },
-        },
-        "components": {
-            "schemas": {
-                "Error": {
-                    "type": "object",
-                    "required": ["error"],
-                    "properties": {
-                        "error": {
-                            "type": "object",
-                            "required": ["message", "type", "param", "code"],
-                            "properties": {
-                                "message": _STRING,
-                                "type": _STRING,
-                                "param": {"type": ["string", "null"]},
-                                "code": {"type": ["string", "null"]},
-                            },
-                        }
-                    },
-                }
-            },
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-    }
