@@ -58,6 +58,7 @@ class ScriptedEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
+        snapshot_at: int | None = None,
     ) -> Iterator[GeneratedToken]:
         self.requests.append(
             dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling)
@@ -75,6 +76,9 @@ class ScriptedEngine:
         finally:
             if produced < min(max_new_tokens, len(self.script)):
                 self.closed_early = True
+
+    def cached_prefix_length(self, prompt: Sequence[int]) -> int:
+        return 0
 
     def teacher_forced_logits(self, tokens):  # pragma: no cover - not used by the facade
         raise NotImplementedError
@@ -373,3 +377,21 @@ def test_logprobs_agree_with_the_reference(demo):
     for a, e in zip(actual, expected, strict=True):
         assert a.logprob == pytest.approx(e.logprob, abs=1e-2)
         assert [t.token for t in a.top_logprobs] == [t.token for t in e.top_logprobs]
+
+
+def test_the_next_turn_reuses_the_conversation_state(demo):
+    params = dict(max_tokens=6, temperature=0, **NO_THINKING)
+    turn1 = [{"role": "user", "content": "Tell me a story."}]
+    first = demo.chat.completions.create(messages=turn1, **params)
+    answer = first.choices[0].message.content
+    turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "Go on"}]
+    second = demo.chat.completions.create(messages=turn2, **params)
+    conversation = demo.chat_template.render(
+        turn1, add_generation_prompt=False, enable_thinking=False
+    )
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == len(demo.tokenizer.encode(conversation)) > 0
+    with lily.load("demo", device=demo.device, max_seq=256) as fresh:
+        expected = fresh.chat.completions.create(messages=turn2, **params)
+    assert expected.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.choices[0].message == expected.choices[0].message

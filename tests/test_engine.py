@@ -28,14 +28,23 @@ def _prompt(vocab_size: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab_size, PROMPT_LENGTH).tolist()
 
 
-@pytest.fixture(scope="module", params=["small", "wide"])
-def engines(request):
-    checkpoint = load_checkpoint(tiny_checkpoint(request.param))
-    max_seq = PROMPT_LENGTH + DECODE_STEPS + 1
-    vocab = checkpoint.config.vocab_size
+MAX_SEQ = PROMPT_LENGTH + DECODE_STEPS + 1
+
+
+def _device_engine(checkpoint) -> DeviceEngine:
     device = open_device(os.environ.get("LILY_DEVICE", "sim"))
-    sim = DeviceEngine(checkpoint, device, max_seq, vocab)
-    reference = ReferenceEngine(checkpoint, max_seq, vocab)
+    return DeviceEngine(checkpoint, device, MAX_SEQ, checkpoint.config.vocab_size)
+
+
+@pytest.fixture(scope="module", params=["small", "wide"])
+def checkpoint(request):
+    return load_checkpoint(tiny_checkpoint(request.param))
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    sim = _device_engine(checkpoint)
+    reference = ReferenceEngine(checkpoint, MAX_SEQ, checkpoint.config.vocab_size)
     yield sim, reference
     sim.close()
 
@@ -92,3 +101,24 @@ def test_context_overflow_is_refused_before_running(engines):
         _greedy(sim, [1] * sim.max_seq, 1)
     with pytest.raises(ValueError, match="empty"):
         _greedy(sim, [], 1)
+
+
+@pytest.mark.parametrize("kind", ["device", "reference"])
+def test_a_snapshot_spares_the_shared_prefix_and_changes_nothing(checkpoint, engines, kind):
+    sim, reference = engines
+    engine = sim if kind == "device" else reference
+    vocab = checkpoint.config.vocab_size
+    first = _prompt(vocab, seed=6)
+    second = first[:20] + _prompt(vocab, seed=7)[:11]
+    assert engine.cached_prefix_length(second) == 0
+    assert len(list(engine.generate(first, 3, snapshot_at=20))) == 3
+    assert engine.cached_prefix_length(second) == 20
+    assert engine.cached_prefix_length(first[:20]) == 0  # its last token must still be fed
+    reused = _greedy(engine, second, 8)
+    # A fresh engine has no snapshot and feeds all of `second`: the same tokens must come out.
+    if kind == "device":
+        fresh = _device_engine(checkpoint)
+    else:
+        fresh = ReferenceEngine(checkpoint, MAX_SEQ, vocab)
+    assert fresh.cached_prefix_length(second) == 0
+    assert _greedy(fresh, second, 8) == reused

@@ -270,6 +270,14 @@ def parse_request(
 
 
 @dataclass
+class _Prompt:
+    tokens: list[int]
+    thinking: bool  # the generation prompt opened a <think> block
+    snapshot_at: int | None  # where the conversation before the generation prompt ends
+    cached: int  # leading tokens whose state a snapshot already holds
+
+
+@dataclass
 class _Delta:
     """What one generated token (or the end of the stream) added to the answer."""
 
@@ -364,30 +372,43 @@ class ChatCompletions:
         request = parse_request(
             params, served_model=llm.model_id, default_sampling=llm.default_sampling
         )
-        prompt_text = self._render(request)
-        prompt = llm.tokenizer.encode(prompt_text)
-        room = llm.max_seq - len(prompt)
+        prompt = self._prompt(request)
+        room = llm.max_seq - len(prompt.tokens)
         if room < 1 or (request.max_tokens is not None and request.max_tokens > room):
             raise ContextLengthError(
-                f"the prompt is {len(prompt)} tokens and {request.max_tokens or 1} more were "
-                f"asked for, but the context holds {llm.max_seq}"
+                f"the prompt is {len(prompt.tokens)} tokens and {request.max_tokens or 1} more "
+                f"were asked for, but the context holds {llm.max_seq}"
             )
         max_tokens = request.max_tokens if request.max_tokens is not None else room
-        # The template opens a think block in the generation prompt when thinking is on.
-        thinking = prompt_text.rstrip("\n").endswith("<think>")
-        events = self._run(request, prompt, max_tokens, thinking)
+        events = self._run(request, prompt, max_tokens)
         if request.stream:
-            return self._chunks(request, len(prompt), events)
-        return self._completion(request, len(prompt), events)
+            return self._chunks(request, prompt, events)
+        return self._completion(request, prompt, events)
 
-    def _render(self, request: ChatRequest) -> str:
+    def _prompt(self, request: ChatRequest) -> _Prompt:
+        tokenizer = self._llm.tokenizer
+        text = self._render(request, add_generation_prompt=True)
+        tokens = tokenizer.encode(text)
+        # The conversation so far, without the generation prompt: the next turn's prompt
+        # starts with it, so the engine snapshots its state there for reuse.
+        conversation = tokenizer.encode(self._render(request, add_generation_prompt=False))
+        boundary = len(conversation) if tokens[: len(conversation)] == conversation else None
+        return _Prompt(
+            tokens=tokens,
+            # The template opens a think block in the generation prompt when thinking is on.
+            thinking=text.rstrip("\n").endswith("<think>"),
+            snapshot_at=boundary,
+            cached=self._llm.engine.cached_prefix_length(tokens),
+        )
+
+    def _render(self, request: ChatRequest, *, add_generation_prompt: bool) -> str:
         kwargs = dict(request.template_kwargs)
         enable_thinking = kwargs.pop("enable_thinking", None)
         try:
             return self._llm.chat_template.render(
                 request.messages,
                 tools=request.tools,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 enable_thinking=enable_thinking,
                 **kwargs,
             )
@@ -397,15 +418,16 @@ class ChatCompletions:
             ) from None
 
     def _run(
-        self, request: ChatRequest, prompt: list[int], max_tokens: int, thinking: bool
+        self, request: ChatRequest, prompt: _Prompt, max_tokens: int
     ) -> Iterator[tuple[_Delta, _TextPipeline, int]]:
         """Yields (delta, pipeline, tokens generated so far); the last delta is the flush."""
-        pipeline = _TextPipeline(self._llm, request, thinking)
+        pipeline = _TextPipeline(self._llm, request, prompt.thinking)
         tokens = self._llm.engine.generate(
-            prompt,
+            prompt.tokens,
             max_tokens,
             self._llm.tokenizer.stop_token_ids,
             request.sampling,
+            snapshot_at=prompt.snapshot_at,
         )
         produced = 0
         try:
@@ -425,13 +447,16 @@ class ChatCompletions:
         return "stop" if pipeline.stopped else "length"
 
     @staticmethod
-    def _usage(prompt_tokens: int, produced: int, pipeline: _TextPipeline) -> CompletionUsage:
+    def _usage(prompt: _Prompt, produced: int, pipeline: _TextPipeline) -> CompletionUsage:
         return CompletionUsage.count(
-            prompt_tokens, produced, reasoning_tokens=pipeline.reasoning_tokens
+            len(prompt.tokens),
+            produced,
+            cached_tokens=prompt.cached,
+            reasoning_tokens=pipeline.reasoning_tokens,
         )
 
     def _completion(
-        self, request: ChatRequest, prompt_tokens: int, events: Iterator
+        self, request: ChatRequest, prompt: _Prompt, events: Iterator
     ) -> ChatCompletion:
         reasoning, content, logprobs = [], [], []
         for delta, pipeline, produced in events:  # noqa: B007 (the last values are used below)
@@ -456,11 +481,11 @@ class ChatCompletions:
                 )
             ],
             model=self._llm.model_id,
-            usage=self._usage(prompt_tokens, produced, pipeline),
+            usage=self._usage(prompt, produced, pipeline),
         )
 
     def _chunks(
-        self, request: ChatRequest, prompt_tokens: int, events: Iterator
+        self, request: ChatRequest, prompt: _Prompt, events: Iterator
     ) -> Iterator[ChatCompletionChunk]:
         completion_id = new_completion_id()
         first = ChatCompletion(choices=[], model=self._llm.model_id)
@@ -496,7 +521,7 @@ class ChatCompletions:
                 ChunkChoice(delta=ChoiceDelta(), finish_reason=self._finish_reason(pipeline))
             )
             if request.include_usage:
-                yield chunk(None, self._usage(prompt_tokens, produced, pipeline))
+                yield chunk(None, self._usage(prompt, produced, pipeline))
         finally:
             events.close()
 

@@ -7,10 +7,18 @@
   user must ask for by name (`device="reference"`).
 
 Prompts are fed through the decode graph one token at a time (batched prefill comes later).
+
+**Prefix reuse.** The Gated DeltaNet state cannot be trimmed back like a KV cache, so an engine
+keeps snapshots of the recurrent state (conv windows and GDN state) at the positions the caller
+marks with `snapshot_at` (the chat facade marks the end of the conversation before the
+generation prompt). A later prompt that starts with a snapshot's tokens restores it and only
+feeds the rest; the KV cache needs nothing, since attention reads only positions already written
+for the current sequence.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -38,6 +46,8 @@ if TYPE_CHECKING:
     from lily.device import Device
 
 PIPELINE_DEPTH = 2
+# Snapshots kept per engine, most recent first (63 MB each on the real model).
+MAX_SNAPSHOTS = 4
 
 
 class Engine(Protocol):
@@ -50,10 +60,16 @@ class Engine(Protocol):
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
+        snapshot_at: int | None = None,
     ) -> Iterator[GeneratedToken]:
-        """Yields the tokens generated after `prompt` (a fresh sequence), stopping after a stop
-        token; with `sampling.top_logprobs` set, each carries its logprob and that many
-        alternatives. Closing the iterator stops the generation."""
+        """Yields the tokens generated after `prompt`, stopping after a stop token; with
+        `sampling.top_logprobs` set, each carries its logprob and that many alternatives.
+        Closing the iterator stops the generation. The longest snapshot that `prompt` starts
+        with is reused; `snapshot_at` asks for a new one after the first that many tokens."""
+        ...
+
+    def cached_prefix_length(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of `prompt` a snapshot would spare `generate` feeding."""
         ...
 
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -61,6 +77,28 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class _Snapshots:
+    """Recurrent states after given token prefixes, most recent first."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[tuple[int, ...], object]] = []
+
+    def longest(self, prompt: Sequence[int]) -> tuple[int, object | None]:
+        """The longest snapshot `prompt` starts with, leaving at least one token to feed (the
+        last prompt token must be consumed to predict the next)."""
+        best: tuple[int, object | None] = (0, None)
+        for tokens, state in self._entries:
+            n = len(tokens)
+            if best[0] < n < len(prompt) and tuple(prompt[:n]) == tokens:
+                best = (n, state)
+        return best
+
+    def add(self, tokens: Sequence[int], state: object) -> None:
+        key = tuple(tokens)
+        self._entries = [(key, state)] + [e for e in self._entries if e[0] != key]
+        del self._entries[MAX_SNAPSHOTS:]
 
 
 def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
@@ -84,15 +122,27 @@ class DeviceEngine:
         self.device = device
         self.max_seq = max_seq
         self._decode = DecodeGraph(checkpoint, device, max_seq, token_count)
+        self._snapshots = _Snapshots()
 
-    def _start(self, tokens: Sequence[int], prompt_end: int) -> None:
-        """Clears the recurrent state and points the step buffer at the first token."""
-        for buffer in self._decode.state.recurrent_buffers():
-            buffer.numpy()[:] = 0
+    def _start(self, tokens: Sequence[int], prompt_end: int, reuse: bool = False) -> int:
+        """Sets the recurrent state (a snapshot's when `reuse` finds one, else zero) and points
+        the step buffer at the first token to feed; returns that token's position."""
+        start, saved = self._snapshots.longest(tokens) if reuse else (0, None)
+        for i, buffer in enumerate(self._decode.state.recurrent_buffers()):
+            buffer.numpy()[:] = 0 if saved is None else saved[i]
         history = self._decode.history_view()
         history[: len(tokens)] = tokens
         step = self._decode.step_view()
-        step[POSITION], step[PROMPT_END], step[TOKEN] = 0, prompt_end, tokens[0]
+        step[POSITION], step[PROMPT_END], step[TOKEN] = start, prompt_end, tokens[start]
+        return start
+
+    def _take_snapshot(self, tokens: Sequence[int]) -> None:
+        """Saves the recurrent state; call with no step in flight."""
+        buffers = self._decode.state.recurrent_buffers()
+        self._snapshots.add(tokens, [b.numpy().copy() for b in buffers])
+
+    def cached_prefix_length(self, prompt: Sequence[int]) -> int:
+        return self._snapshots.longest(prompt)[0]
 
     def generate(
         self,
@@ -100,6 +150,7 @@ class DeviceEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
+        snapshot_at: int | None = None,
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
@@ -107,17 +158,25 @@ class DeviceEngine:
             return
         state = self._decode.state
         write_sampling_params(state.sampling_params, sampling.with_seed())
-        self._start(prompt, prompt_end=len(prompt))
+        first_step = self._start(prompt, prompt_end=len(prompt), reuse=True)
+        if snapshot_at is not None and not first_step < snapshot_at < len(prompt):
+            snapshot_at = None  # already saved, or not inside what this call feeds
         history = self._decode.history_view()
         graph = self._decode.graph
         # Step s consumes token s and predicts token s + 1; the first prediction that is not
         # prompt comes from step len(prompt) - 1.
         last_step = len(prompt) - 2 + max_new_tokens
         in_flight: deque[tuple[int, int]] = deque()
-        next_step = 0
+        next_step = first_step
         try:
             while True:
                 while next_step <= last_step and len(in_flight) < PIPELINE_DEPTH:
+                    if next_step == snapshot_at:
+                        # The state after consuming tokens [0, snapshot_at): drain, then save.
+                        for _, pending in in_flight:
+                            self.device.wait(pending)
+                        self._take_snapshot(prompt[:snapshot_at])
+                        snapshot_at = None
                     in_flight.append((next_step, self.device.submit(graph)))
                     next_step += 1
                 if not in_flight:
@@ -163,6 +222,10 @@ class ReferenceEngine:
         self.max_seq = max_seq
         self.token_count = token_count
         self._model = ReferenceModel(checkpoint.config, checkpoint.tensors)
+        self._snapshots = _Snapshots()
+
+    def cached_prefix_length(self, prompt: Sequence[int]) -> int:
+        return self._snapshots.longest(prompt)[0]
 
     def generate(
         self,
@@ -170,12 +233,19 @@ class ReferenceEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
+        snapshot_at: int | None = None,
     ) -> Iterator[GeneratedToken]:
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
         if max_new_tokens == 0:
             return
         sampling = sampling.with_seed()
-        logits, state = self._model.prefill(prompt)
+        start, saved = self._snapshots.longest(prompt)
+        state = copy.deepcopy(saved) if saved is not None else self._model.new_state()
+        if snapshot_at is not None and start < snapshot_at < len(prompt):
+            self._model.prefill(prompt[start:snapshot_at], state)
+            self._snapshots.add(prompt[:snapshot_at], copy.deepcopy(state))
+            start = snapshot_at
+        logits, state = self._model.prefill(prompt[start:], state)
         next_logits = logits[-1, : self.token_count]
         for produced in range(max_new_tokens):
             position = len(prompt) + produced
