@@ -122,3 +122,15 @@ def test_a_snapshot_spares_the_shared_prefix_and_changes_nothing(checkpoint, eng
         fresh = ReferenceEngine(checkpoint, MAX_SEQ, vocab)
     assert fresh.cached_prefix_length(second) == 0
     assert _greedy(fresh, second, 8) == reused
+
+
+def test_a_snapshot_is_not_used_once_another_sequence_overwrote_the_kv_cache(checkpoint):
+    engine = _device_engine(checkpoint)
+    vocab = checkpoint.config.vocab_size
+    first = _prompt(vocab, seed=8)
+    second = first[:20] + _prompt(vocab, seed=9)[:11]
+    list(engine.generate(first, 2, snapshot_at=20))
+    assert engine.cached_prefix_length(second) == 20
+    list(engine.generate(_prompt(vocab, seed=10), 2))  # another conversation in between
+    assert engine.cached_prefix_length(second) == 0
+    assert _greedy(engine, second, 6) == _greedy(_device_engine(checkpoint), second, 6)

@@ -85,13 +85,18 @@ class _Snapshots:
     def __init__(self) -> None:
         self._entries: list[tuple[tuple[int, ...], object]] = []
 
-    def longest(self, prompt: Sequence[int]) -> tuple[int, object | None]:
+    def longest(
+        self, prompt: Sequence[int], resident: Sequence[int] | None = None
+    ) -> tuple[int, object | None]:
         """The longest snapshot `prompt` starts with, leaving at least one token to feed (the
-        last prompt token must be consumed to predict the next)."""
+        last prompt token must be consumed to predict the next). With `resident` (the tokens
+        whose keys and values the KV cache holds), only snapshots whose tokens it starts with
+        qualify: a snapshot restores the recurrent state, not the cache."""
         best: tuple[int, object | None] = (0, None)
         for tokens, state in self._entries:
             n = len(tokens)
-            if best[0] < n < len(prompt) and tuple(prompt[:n]) == tokens:
+            usable = resident is None or tuple(resident[:n]) == tokens
+            if best[0] < n < len(prompt) and tuple(prompt[:n]) == tokens and usable:
                 best = (n, state)
         return best
 
@@ -123,11 +128,14 @@ class DeviceEngine:
         self.max_seq = max_seq
         self._decode = DecodeGraph(checkpoint, device, max_seq, token_count)
         self._snapshots = _Snapshots()
+        # The tokens whose keys and values fill the KV cache from position 0.
+        self._resident: list[int] = []
 
     def _start(self, tokens: Sequence[int], prompt_end: int, reuse: bool = False) -> int:
         """Sets the recurrent state (a snapshot's when `reuse` finds one, else zero) and points
         the step buffer at the first token to feed; returns that token's position."""
-        start, saved = self._snapshots.longest(tokens) if reuse else (0, None)
+        start, saved = self._snapshots.longest(tokens, self._resident) if reuse else (0, None)
+        self._resident = list(tokens[:start])
         for i, buffer in enumerate(self._decode.state.recurrent_buffers()):
             buffer.numpy()[:] = 0 if saved is None else saved[i]
         history = self._decode.history_view()
@@ -142,7 +150,7 @@ class DeviceEngine:
         self._snapshots.add(tokens, [b.numpy().copy() for b in buffers])
 
     def cached_prefix_length(self, prompt: Sequence[int]) -> int:
-        return self._snapshots.longest(prompt)[0]
+        return self._snapshots.longest(prompt, self._resident)[0]
 
     def generate(
         self,
@@ -197,9 +205,11 @@ class DeviceEngine:
                     return
         finally:
             # A speculative step may still be running (after a stop token, or when the caller
-            # closed the iterator); it only writes state the next generation clears.
+            # closed the iterator); it only writes state the next generation replaces.
             for _, pending in in_flight:
                 self.device.wait(pending)
+            consumed = int(self._decode.step_view()[POSITION])
+            self._resident = history[:consumed].tolist()
 
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
         tokens = [int(t) for t in tokens]
