@@ -1,7 +1,8 @@
-"""lm_head GEMV + argmax (`metal/lm_head.metal`): the next token id written on the device.
+"""The end of a decode step as the decode graph records it: the lm_head GEMV, then the sampler
+at temperature 0, which writes the greedy next token id on the device.
 
-Ties must go to the lowest index (numpy's argmax). The logits of the full-size run are checked
-with the GEMV's error bound (see test_kernel_quantized.py).
+The logits are checked with the GEMV's error bound (see test_kernel_quantized.py); the token must
+be their argmax, ties to the lowest index as numpy's argmax.
 """
 
 from __future__ import annotations
@@ -20,35 +21,34 @@ from kernel_testing import (
 )
 from test_kernel_quantized import ulps_for
 
-from lily.kernels.lm_head import record_argmax, record_lm_head
-from lily.kernels.quantized import wrap_quant_weight
+from lily.kernels.quantized import record_qgemv, wrap_quant_weight
+from lily.kernels.sampling import (
+    SAMPLING_PARAMS_BYTES,
+    logprob_ring_bytes,
+    record_sample,
+    write_sampling_params,
+)
+from lily.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, seed=0)
 
 
-def device_argmax(device, values: np.ndarray) -> int:
-    index = device.alloc(4)
-    index.numpy()[:] = 0xFF  # not a plausible answer
-    run(device, lambda g: record_argmax(g, device, device.wrap(values), len(values), index))
-    return int(index.numpy().view(np.uint32)[0])
-
-
-@pytest.mark.parametrize("lane_order", LANE_ORDERS)
-@pytest.mark.parametrize("count", [1, 33, 1025, 4096, 248320])
-def test_argmax_random(lane_order, count):
-    values = np.random.default_rng(count).normal(0, 1, count).astype(np.float32)
-    assert device_argmax(sim_device(lane_order), values) == int(np.argmax(values))
-
-
-@pytest.mark.parametrize("lane_order", LANE_ORDERS)
-def test_argmax_ties_go_to_the_lowest_index(lane_order):
-    device = sim_device(lane_order)
-    values = np.random.default_rng(0).normal(0, 1, 248320).astype(np.float32)
-    # Equal maxima held by different threads and SIMD-groups, and by the same thread.
-    for positions in ([248000, 70001, 5000], [2047, 1023], [4096, 3072, 1024]):
-        tied = values.copy()
-        tied[positions] = 10.0
-        assert device_argmax(device, tied) == min(positions)
-    assert device_argmax(device, np.full(300, -np.inf, dtype=np.float32)) == 0
-    assert device_argmax(device, np.zeros(5000, dtype=np.float32)) == 0
+def record_head(graph, device, x, weights, logits, token, vocab: int) -> None:
+    params = device.alloc(SAMPLING_PARAMS_BYTES)
+    write_sampling_params(params, GREEDY)
+    record_qgemv(graph, device, x, [(weights, logits)])
+    graph.barrier()
+    record_sample(
+        graph,
+        device,
+        logits=logits,
+        vocab=vocab,
+        params=params,
+        position=device.alloc(4),
+        predicted=token,
+        logprob_ring=device.alloc(logprob_ring_bytes(1)),
+        ring_slots=1,
+    )
 
 
 def check_lm_head(lane_order: str, vocab: int, hidden: int):
@@ -59,7 +59,7 @@ def check_lm_head(lane_order: str, vocab: int, hidden: int):
     logits = float_buffer(device, vocab)
     token = device.alloc(4)
     weights = wrap_quant_weight(device, *triple)
-    run(device, lambda g: record_lm_head(g, device, device.wrap(x), weights, logits, token))
+    run(device, lambda g: record_head(g, device, device.wrap(x), weights, logits, token, vocab))
 
     actual = as_float32(logits, vocab)
     expected, magnitude = reference_qgemv(*triple, 4, x.astype(np.float64))
