@@ -4,8 +4,8 @@ model), and the host's time to submit and retire one step, with the sim recordin
 but not executing kernels (so the number is the host overhead alone).
 
 Usage:
-    python benchmarks/make_synthetic_checkpoint.py /tmp/lily-synth   # once, ~19.5 GB
-    python benchmarks/bench_decode_graph.py /tmp/lily-synth [--steps 200] [--context 256]
+    python benchmarks/make_synthetic_checkpoint.py SYNTH_DIR   # once, ~19.5 GB
+    python benchmarks/bench_decode_graph.py SYNTH_DIR [--steps 200] [--context 256]
     python benchmarks/bench_decode_graph.py demo
 """
 

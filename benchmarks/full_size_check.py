@@ -8,8 +8,8 @@ bf16 like the engine's; and that again in float64, the yardstick. The engine agr
 distance to the float64 reference is of the order of the float32 reference's own.
 
 Usage:
-    python benchmarks/make_synthetic_checkpoint.py /tmp/lily-synth   # once, ~19.5 GB
-    python benchmarks/full_size_check.py /tmp/lily-synth [--tokens 4]
+    python benchmarks/make_synthetic_checkpoint.py SYNTH_DIR   # once, ~19.5 GB
+    python benchmarks/full_size_check.py SYNTH_DIR [--tokens 4]
 """
 
 from __future__ import annotations
