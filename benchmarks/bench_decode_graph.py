@@ -18,6 +18,8 @@ from lily.checkpoint import load_checkpoint, resolve_model
 from lily.config import FULL_ATTENTION
 from lily.decode_graph import DecodeGraph
 from lily.device import open_device
+from lily.kernels.attention import cache_bytes
+from lily.kernels.gdn import state_bytes
 from lily.validate import expected_layout
 
 EMBEDDING = "language_model.model.embed_tokens"
@@ -42,14 +44,12 @@ def weight_bytes_per_token(checkpoint) -> dict[str, int]:
     for name in layout.plain:
         totals["small tensors"] += checkpoint.locations[name].nbytes
     gdn_layers = sum(1 for t in c.layer_types if t != FULL_ATTENTION)
-    state = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim * 4
-    totals["GDN state (read + write)"] = 2 * gdn_layers * state
+    totals["GDN state (read + write)"] = 2 * gdn_layers * state_bytes(c.linear_num_value_heads)
     return totals
 
 
 def kv_bytes_per_context_token(config) -> int:
-    attention_layers = len(config.full_attention_layers)
-    return attention_layers * 2 * config.num_key_value_heads * config.head_dim * 2
+    return len(config.full_attention_layers) * 2 * cache_bytes(config.num_key_value_heads, 1)
 
 
 def main() -> None:

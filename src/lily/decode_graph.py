@@ -20,9 +20,9 @@ from lily.config import FULL_ATTENTION, ModelConfig
 from lily.device import Graph
 from lily.device_weights import DeviceWeights
 from lily.kernels import attention
-from lily.kernels.conv1d import record_conv1d_step
+from lily.kernels.conv1d import record_conv1d_step, window_bytes
 from lily.kernels.embedding import record_embedding
-from lily.kernels.gdn import record_gdn_step
+from lily.kernels.gdn import record_gdn_step, state_bytes
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
 from lily.kernels.norm import record_add_rms_norm, record_rms_norm
 from lily.kernels.quantized import record_qgemv
@@ -104,10 +104,9 @@ def device_bytes(checkpoint: Checkpoint, capacity: int) -> int:
     weights = sum(shard.size for shard in checkpoint.shards.values())
     kv = 2 * len(c.full_attention_layers) * attention.cache_bytes(c.num_key_value_heads, capacity)
     gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
-    state = c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim
-    window = (c.linear_conv_kernel_dim - 1) * c.linear_conv_dim
+    recurrent = state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim)
     scratch = 4 * (c.vocab_size + 16 * c.linear_conv_dim) + 4 * capacity
-    return weights + kv + 4 * gdn_layers * (state + window) + scratch
+    return weights + kv + gdn_layers * recurrent + scratch
 
 
 class DecodeGraph:
@@ -146,11 +145,8 @@ class DecodeGraph:
                 state.k_cache[i] = dev.alloc(nbytes)
                 state.v_cache[i] = dev.alloc(nbytes)
             else:
-                window_rows = c.linear_conv_kernel_dim - 1
-                state.conv_windows[i] = dev.alloc(4 * window_rows * c.linear_conv_dim)
-                state.recurrent[i] = dev.alloc(
-                    4 * c.linear_num_value_heads * c.linear_value_head_dim * c.linear_key_head_dim
-                )
+                state.conv_windows[i] = dev.alloc(window_bytes(c.linear_conv_dim))
+                state.recurrent[i] = dev.alloc(state_bytes(c.linear_num_value_heads))
         return state
 
     def step_view(self) -> np.ndarray:
