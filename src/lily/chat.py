@@ -25,7 +25,7 @@ from lily.errors import (
     UnsupportedParameterError,
 )
 from lily.reasoning import ReasoningParser
-from lily.sampling import MAX_TOP_LOGPROBS, GeneratedToken, SamplingParams
+from lily.sampling import GeneratedToken, SamplingParams
 from lily.stop import StopStringMatcher
 from lily.tool_calls import ToolCall, ToolCallParser
 from lily.types import (
@@ -200,12 +200,8 @@ def parse_request(
     _require(isinstance(logprobs, bool), "logprobs must be a boolean", "logprobs")
     top = params.get("top_logprobs")
     if top is not None:
+        # The range is SamplingParams' to check.
         _require(logprobs, "top_logprobs needs logprobs=true", "top_logprobs")
-        _require(
-            isinstance(top, int) and 0 <= top <= MAX_TOP_LOGPROBS,
-            f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}",
-            "top_logprobs",
-        )
 
     tools = params.get("tools")
     tool_choice = params.get("tool_choice")

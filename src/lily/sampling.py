@@ -15,7 +15,6 @@ then renormalise and draw. Tokens tied with a filter's boundary are all kept.
 from __future__ import annotations
 
 import dataclasses
-import math
 import secrets
 from dataclasses import dataclass
 
@@ -45,30 +44,23 @@ class SamplingParams:
     top_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        top = self.top_logprobs
         checks = [
-            ("temperature", 0.0 <= self.temperature <= 2.0 and math.isfinite(self.temperature)),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0),
-            ("top_p", 0.0 < self.top_p <= 1.0),
-            ("min_p", 0.0 <= self.min_p <= 1.0),
-            ("seed", self.seed is None or isinstance(self.seed, int)),
+            ("temperature", "between 0 and 2", 0.0 <= self.temperature <= 2.0),
+            ("top_k", "an integer >= 0", isinstance(self.top_k, int) and self.top_k >= 0),
+            ("top_p", "in (0, 1]", 0.0 < self.top_p <= 1.0),
+            ("min_p", "in [0, 1]", 0.0 <= self.min_p <= 1.0),
+            ("seed", "an integer", self.seed is None or isinstance(self.seed, int)),
             (
                 "top_logprobs",
-                self.top_logprobs is None
-                or (isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20),
+                f"an integer from 0 to {MAX_TOP_LOGPROBS}",
+                top is None or (isinstance(top, int) and 0 <= top <= MAX_TOP_LOGPROBS),
             ),
         ]
-        allowed = {
-            "temperature": "between 0 and 2",
-            "top_k": "an integer >= 0",
-            "top_p": "in (0, 1]",
-            "min_p": "in [0, 1]",
-            "seed": "an integer",
-            "top_logprobs": f"an integer from 0 to {MAX_TOP_LOGPROBS}",
-        }
-        for name, ok in checks:
+        for name, allowed, ok in checks:
             if not ok:
                 raise RequestError(
-                    f"{name} must be {allowed[name]}, got {getattr(self, name)!r}", param=name
+                    f"{name} must be {allowed}, got {getattr(self, name)!r}", param=name
                 )
 
     @property
