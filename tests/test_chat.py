@@ -395,3 +395,21 @@ def test_the_next_turn_reuses_the_conversation_state(demo):
         expected = fresh.chat.completions.create(messages=turn2, **params)
     assert expected.usage.prompt_tokens_details.cached_tokens == 0
     assert second.choices[0].message == expected.choices[0].message
+
+
+@pytest.mark.parametrize(
+    "generation_config, expected",
+    [
+        ({}, SamplingParams()),
+        ({"do_sample": False, "temperature": 0.7}, SamplingParams(temperature=0.0)),
+        (
+            {"temperature": 0.6, "top_k": 20, "top_p": 0.95},
+            SamplingParams(temperature=0.6, top_k=20, top_p=0.95),
+        ),
+    ],
+)
+def test_default_sampling_follows_the_generation_config(tmp_path, generation_config, expected):
+    from lily.api import default_sampling
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation_config))
+    assert default_sampling(tmp_path) == expected

@@ -16,8 +16,9 @@ from pathlib import Path
 from lily.chat import Chat
 from lily.chat_template import ChatTemplate
 from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
+from lily.decode_graph import device_bytes
 from lily.detokenize import IncrementalDecoder
-from lily.engine import DeviceEngine, Engine, ReferenceEngine
+from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine
 from lily.sampling import SamplingParams
 from lily.tokenizer import Tokenizer
 
@@ -53,7 +54,6 @@ def resolve_device(device: str) -> str:
 def _make_engine(checkpoint: Checkpoint, device: str, max_seq: int, token_count: int) -> Engine:
     if device == "reference":
         return ReferenceEngine(checkpoint, max_seq, token_count)
-    from lily.decode_graph import device_bytes
     from lily.device import check_memory, open_device
 
     check_memory(device, device_bytes(checkpoint, max_seq))
@@ -66,7 +66,7 @@ def default_sampling(model_dir: Path) -> SamplingParams:
     path = model_dir / "generation_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
     if config.get("do_sample") is False:
-        return SamplingParams()
+        return GREEDY
     return SamplingParams(
         temperature=float(config.get("temperature", 1.0)),
         top_k=int(config.get("top_k", 0)),
