@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from lily.device import Graph, open_device
 
+from lily.device import Graph, open_device
 from lily.kernels.embedding import record_embedding
 from lily.kernels.norm import record_rms_norm, threads_for
 from lily.kernels.quantized import record_qgemv, wrap_quant_weight
@@ -58,8 +58,11 @@ def main() -> None:
     table = wrap_quant_weight(device, *random_quantized(rng, 4096, 2048, 4))
     tokens = device.wrap(rng.integers(0, 4096, 64, dtype=np.uint32))
     rows_out = device.alloc(4 * 64 * 2048)
+    first = device.alloc(4)
     seconds = time_graph(
-        device, lambda g: record_embedding(g, device, tokens, table, rows_out, 64), args.repeat
+        device,
+        lambda g: record_embedding(g, device, tokens, first, table, rows_out, 64),
+        args.repeat,
     )
     report("embedding gather, 64 tokens x 2048", 64 * 256, seconds)
 

@@ -1,5 +1,7 @@
-// Embedding lookup: the rows of an MLX-quantized table for a list of token ids, dequantized to
-// fp32. The ids are read from a device buffer so a replayed graph can feed back its own output.
+// Embedding lookup: the rows of an MLX-quantized table for a run of token ids, dequantized to
+// fp32. The ids and the index of the first one are read from device buffers (the token history
+// and the step buffer's position), so one recorded graph serves every position and a replayed
+// graph can feed back its own output.
 #include "common.h"
 #include "quantized.h"
 
@@ -16,6 +18,7 @@ template <uint BITS>
                           device const bfloat* scales [[buffer(3)]],
                           device const bfloat* biases [[buffer(4)]],
                           device float* out [[buffer(5)]],
+                          device const uint* first [[buffer(6)]],
                           uint2 threadgroup_id [[threadgroup_position_in_grid]],
                           uint thread_id [[thread_index_in_threadgroup]],
                           uint threads [[threads_per_threadgroup]]) {
@@ -25,7 +28,7 @@ template <uint BITS>
   const uint word = threadgroup_id.x * threads + thread_id;
   if (word >= words_per_row) return;
   // An id past the table would read outside it; the engine only produces ids below vocab_size.
-  const uint row = min(tokens[threadgroup_id.y], p.rows - 1);
+  const uint row = min(tokens[first[0] + threadgroup_id.y], p.rows - 1);
 
   const uint packed = weight[ulong(row) * words_per_row + word];
   const ulong group = ulong(row) * (p.dim / QUANT_GROUP_SIZE) + word * per_word / QUANT_GROUP_SIZE;

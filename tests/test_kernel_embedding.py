@@ -50,15 +50,21 @@ def expected_rows(triple, bits: int, tokens: np.ndarray):
         (100, 192, 8, [99, 3]),  # 8-bit, ragged row length
     ],
 )
-def test_embedding(lane_order, vocab, dim, bits, tokens):
+@pytest.mark.parametrize("first", [0, 3])
+def test_embedding(lane_order, vocab, dim, bits, tokens, first):
+    """The ids start `first` entries into the token buffer, as a chunk's do in the history."""
     device = sim_device(lane_order)
     triple = table(vocab, dim, bits)
     ids = np.array(tokens, dtype=np.uint32)
+    history = np.concatenate([np.full(first, vocab - 1, np.uint32), ids, [vocab - 1]])
+    start = device.wrap(np.array([first], np.uint32))
     out = float_buffer(device, len(ids) * dim)
     weights = wrap_quant_weight(device, *triple)
     run(
         device,
-        lambda g: record_embedding(g, device, device.wrap(ids), weights, out, token_count=len(ids)),
+        lambda g: record_embedding(
+            g, device, device.wrap(history), start, weights, out, token_count=len(ids)
+        ),
     )
     expected, magnitude = expected_rows(triple, bits, ids)
     actual = as_float32(out, len(ids) * dim).reshape(len(ids), dim)

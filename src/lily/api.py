@@ -16,9 +16,9 @@ from pathlib import Path
 from lily.chat import Chat
 from lily.chat_template import ChatTemplate
 from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
-from lily.decode_graph import device_bytes
 from lily.detokenize import IncrementalDecoder
 from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine
+from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
 from lily.sampling import SamplingParams
 from lily.tokenizer import Tokenizer
 
@@ -51,13 +51,25 @@ def resolve_device(device: str) -> str:
     return "sim"
 
 
-def _make_engine(checkpoint: Checkpoint, device: str, max_seq: int, token_count: int) -> Engine:
+# Each prefill chunk is one Metal command buffer, and one that runs for seconds can trip macOS's
+# GPU watchdog on a Mac driving a display (`ImpactingInteractivity`). A chunk's estimated work
+# is bounded to about a second on the slowest supported GPU (an 8-core M1: 2.6 TFLOPS fp32 peak,
+# taken as 2e12 for our kernels). An estimate, not a measurement: no Mac has run it yet.
+METAL_CHUNK_FLOPS = 2.0e12
+
+
+def _make_engine(
+    checkpoint: Checkpoint, device: str, max_seq: int, token_count: int, prefill_chunk: int
+) -> Engine:
     if device == "reference":
         return ReferenceEngine(checkpoint, max_seq, token_count)
     from lily.device import check_memory, open_device
 
-    check_memory(device, device_bytes(checkpoint, max_seq))
-    return DeviceEngine(checkpoint, open_device(device), max_seq, token_count)
+    check_memory(device, device_bytes(checkpoint, max_seq, prefill_chunk))
+    chunk_flops = METAL_CHUNK_FLOPS if device == "metal" else None
+    return DeviceEngine(
+        checkpoint, open_device(device), max_seq, token_count, prefill_chunk, chunk_flops
+    )
 
 
 def default_sampling(model_dir: Path) -> SamplingParams:
@@ -147,13 +159,19 @@ def load(
     revision: str | None = None,
     device: str = "auto",
     max_seq: int | None = None,
+    prefill_chunk: int = DEFAULT_MAX_CHUNK,
 ) -> Lily:
     """Load a checkpoint and prepare it on a device.
 
     `model`: None (the default Hugging Face repo, pinned revision), a repo id, a local directory,
     or "demo" (a tiny model with random weights). `device`: "auto" (metal on Apple silicon, else
     sim), "sim", "metal" or "reference" (the numpy model). `max_seq`: the context length.
+    `prefill_chunk`: the most prompt tokens processed in one pass (longer chunks read each
+    weight fewer times; the scratch grows with it; on metal a chunk is also bounded by its
+    estimated time).
     """
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
     device = resolve_device(device)
     model_dir = resolve_model(model, revision)
     checkpoint = load_checkpoint(model_dir)
@@ -170,7 +188,7 @@ def load(
             f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
             f"{checkpoint.config.vocab_size}: they do not belong together"
         )
-    engine = _make_engine(checkpoint, device, max_seq, tokenizer.vocab_size)
+    engine = _make_engine(checkpoint, device, max_seq, tokenizer.vocab_size, prefill_chunk)
     # The name clients pass as `model`: the repo id, "demo", or the directory's name.
     if model is None:
         model_id = DEFAULT_REPO

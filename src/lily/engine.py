@@ -1,12 +1,17 @@
 """Engines turn token ids into next-token predictions. Two implement one small interface:
 
-- `DeviceEngine` replays the recorded decode graph on a device (sim or metal), one native call per
-  token, keeping up to two steps in flight: step N+1 is queued before step N's token is read,
-  which works because the graph itself advances its step buffer.
+- `DeviceEngine` replays recorded graphs of the model on a device (sim or metal): prefill chunks,
+  then one decode step per token, one native call each, keeping up to two passes in flight: pass
+  N+1 is queued before pass N's token is read, which works because the graphs themselves
+  advance the step buffer.
 - `ReferenceEngine` runs the numpy reference model: the oracle, and a device-free fallback that a
   user must ask for by name (`device="reference"`).
 
-Prompts are fed through the decode graph one token at a time (batched prefill comes later).
+**Batched prefill.** A prompt is fed in chunks of up to `max_chunk` tokens, each one pass of the
+model graph (`model_graph.py`) at T tokens and one submitted command buffer; only the chunk
+holding the last prompt token runs the lm_head and the sampler, and decode steps (T = 1) follow it
+in the same pipeline. Chunks are cut at a requested snapshot position, so the snapshot is the
+state after exactly that prefix.
 
 **Prefix reuse.** The Gated DeltaNet state cannot be trimmed back like a KV cache, so an engine
 keeps snapshots of the recurrent state (conv windows and GDN state) at the positions the caller
@@ -25,10 +30,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from lily.decode_graph import LOGPROB_RING_SLOTS, DecodeGraph
 from lily.errors import ContextLengthError
 from lily.kernels.sampling import read_logprobs, write_sampling_params
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
+from lily.model_graph import DEFAULT_MAX_CHUNK, LOGPROB_RING_SLOTS, ModelGraph, pass_flops
 from lily.reference import ReferenceModel
 from lily.sampling import (
     GeneratedToken,
@@ -76,6 +81,11 @@ class Engine(Protocol):
         """Logits [len(tokens), vocab] of a fresh sequence fed `tokens`: row i predicts i + 1."""
         ...
 
+    def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
+        """Logits [vocab] predicting the token after `prompt` in a fresh sequence, computed the
+        way `generate` computes its first token (batched prefill on a device)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -120,13 +130,25 @@ def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
 
 class DeviceEngine:
     def __init__(
-        self, checkpoint: Checkpoint, device: Device, max_seq: int, token_count: int
+        self,
+        checkpoint: Checkpoint,
+        device: Device,
+        max_seq: int,
+        token_count: int,
+        max_chunk: int = DEFAULT_MAX_CHUNK,
+        chunk_flops: float | None = None,
     ) -> None:
-        """`token_count`: how many ids the tokenizer can produce; only those are generated."""
+        """`token_count`: how many ids the tokenizer can produce; only those are generated.
+        `max_chunk`: the most prompt tokens one prefill pass (one command buffer) takes;
+        `chunk_flops`, if given, also bounds a pass's estimated work (`pass_flops`), which
+        grows with the context, so that no command buffer runs long enough to trip the GPU
+        watchdog."""
         self.config = checkpoint.config
         self.device = device
         self.max_seq = max_seq
-        self._decode = DecodeGraph(checkpoint, device, max_seq, token_count)
+        self.max_chunk = max_chunk
+        self.chunk_flops = chunk_flops
+        self._model = ModelGraph(checkpoint, device, max_seq, token_count, max_chunk)
         self._snapshots = _Snapshots()
         # The tokens whose keys and values fill the KV cache from position 0.
         self._resident: list[int] = []
@@ -136,21 +158,56 @@ class DeviceEngine:
         the step buffer at the first token to feed; returns that token's position."""
         start, saved = self._snapshots.longest(tokens, self._resident) if reuse else (0, None)
         self._resident = list(tokens[:start])
-        for i, buffer in enumerate(self._decode.state.recurrent_buffers()):
+        for i, buffer in enumerate(self._model.state.recurrent_buffers()):
             buffer.numpy()[:] = 0 if saved is None else saved[i]
-        history = self._decode.history_view()
+        history = self._model.history_view()
         history[: len(tokens)] = tokens
-        step = self._decode.step_view()
+        step = self._model.step_view()
         step[POSITION], step[PROMPT_END], step[TOKEN] = start, prompt_end, tokens[start]
         return start
 
     def _take_snapshot(self, tokens: Sequence[int]) -> None:
-        """Saves the recurrent state; call with no step in flight."""
-        buffers = self._decode.state.recurrent_buffers()
+        """Saves the recurrent state; call with no pass in flight."""
+        buffers = self._model.state.recurrent_buffers()
         self._snapshots.add(tokens, [b.numpy().copy() for b in buffers])
 
     def cached_prefix_length(self, prompt: Sequence[int]) -> int:
         return self._snapshots.longest(prompt, self._resident)[0]
+
+    def _passes(
+        self, first: int, prompt_length: int, max_new_tokens: int, snapshot_at: int | None
+    ) -> Iterator[tuple[int, int, bool]]:
+        """(start, tokens, predicts) of each pass of a generation, in order: prefill chunks
+        over positions [first, prompt_length) of at most `max_chunk` tokens, cut at
+        `snapshot_at`, the last predicting the first new token; then one decode step per
+        further token."""
+        cuts = (
+            [first, prompt_length] if snapshot_at is None else [first, snapshot_at, prompt_length]
+        )
+        for low, high in zip(cuts, cuts[1:], strict=False):
+            start = low
+            while start < high:
+                end = self._chunk_end(start, high)
+                yield start, end - start, end == prompt_length
+                start = end
+        for position in range(prompt_length, prompt_length + max_new_tokens - 1):
+            yield position, 1, True
+
+    def _chunk_end(self, start: int, high: int) -> int:
+        """Where the chunk starting at `start` ends: at most `max_chunk` tokens and `high`, and
+        the most tokens whose estimated work fits `chunk_flops` (one token at least)."""
+        tokens = min(self.max_chunk, high - start)
+        budget = self.chunk_flops
+        if budget is not None and pass_flops(self.config, start, tokens) > budget:
+            fits, over = 1, tokens  # pass_flops grows with tokens: bisect
+            while over - fits > 1:
+                middle = (fits + over) // 2
+                if pass_flops(self.config, start, middle) <= budget:
+                    fits = middle
+                else:
+                    over = middle
+            tokens = fits
+        return start + tokens
 
     def generate(
         self,
@@ -164,40 +221,41 @@ class DeviceEngine:
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
         if max_new_tokens == 0:
             return
-        state = self._decode.state
+        state = self._model.state
         write_sampling_params(state.sampling_params, sampling.with_seed())
-        first_step = self._start(prompt, prompt_end=len(prompt), reuse=True)
-        if snapshot_at is not None and not first_step < snapshot_at < len(prompt):
+        first = self._start(prompt, prompt_end=len(prompt), reuse=True)
+        if snapshot_at is not None and not first < snapshot_at < len(prompt):
             snapshot_at = None  # already saved, or not inside what this call feeds
-        history = self._decode.history_view()
-        graph = self._decode.graph
-        # Step s consumes token s and predicts token s + 1; the first prediction that is not
-        # prompt comes from step len(prompt) - 1.
-        last_step = len(prompt) - 2 + max_new_tokens
-        in_flight: deque[tuple[int, int]] = deque()
-        next_step = first_step
+        history = self._model.history_view()
+        passes = self._passes(first, len(prompt), max_new_tokens, snapshot_at)
+        # (position after the pass, whether it predicted a token, ticket)
+        in_flight: deque[tuple[int, bool, int]] = deque()
+        upcoming = next(passes, None)
         try:
             while True:
-                while next_step <= last_step and len(in_flight) < PIPELINE_DEPTH:
-                    if next_step == snapshot_at:
+                while upcoming is not None and len(in_flight) < PIPELINE_DEPTH:
+                    start, tokens, predicts = upcoming
+                    if start == snapshot_at:
                         # The state after consuming tokens [0, snapshot_at): drain, then save.
-                        for _, pending in in_flight:
+                        for _, _, pending in in_flight:
                             self.device.wait(pending)
                         self._take_snapshot(prompt[:snapshot_at])
                         snapshot_at = None
-                    in_flight.append((next_step, self.device.submit(graph)))
-                    next_step += 1
+                    graph = self._model.graph(tokens, predicts=predicts)
+                    in_flight.append((start + tokens, predicts, self.device.submit(graph)))
+                    upcoming = next(passes, None)
                 if not in_flight:
                     return
-                step, ticket = in_flight.popleft()
+                end, predicts, ticket = in_flight.popleft()
                 self.device.wait(ticket)
-                if step + 1 < len(prompt):
+                if not predicts:
                     continue
-                token = int(history[step + 1])
+                token = int(history[end])
                 logprobs = None
                 if sampling.top_logprobs is not None:
+                    # Slots are keyed by the position of the token the pass consumed last.
                     (_, logprob), alternatives = read_logprobs(
-                        state.logprob_ring, LOGPROB_RING_SLOTS, step, sampling.top_logprobs
+                        state.logprob_ring, LOGPROB_RING_SLOTS, end - 1, sampling.top_logprobs
                     )
                     logprobs = TokenLogprobs(logprob, tuple(alternatives))
                 yield GeneratedToken(token, logprobs)
@@ -206,10 +264,20 @@ class DeviceEngine:
         finally:
             # A speculative step may still be running (after a stop token, or when the caller
             # closed the iterator); it only writes state the next generation replaces.
-            for _, pending in in_flight:
+            for _, _, pending in in_flight:
                 self.device.wait(pending)
-            consumed = int(self._decode.step_view()[POSITION])
+            consumed = int(self._model.step_view()[POSITION])
             self._resident = history[:consumed].tolist()
+
+    def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
+        prompt = [int(t) for t in prompt]
+        _check_fits(len(prompt), 1, self.max_seq)
+        write_sampling_params(self._model.state.sampling_params, GREEDY)
+        self._start(prompt, prompt_end=len(prompt))
+        for _, tokens, predicts in self._passes(0, len(prompt), 1, None):
+            self.device.run(self._model.graph(tokens, predicts=predicts))
+        self._resident = prompt
+        return self._model.logits_view().copy()
 
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
         tokens = [int(t) for t in tokens]
@@ -217,12 +285,13 @@ class DeviceEngine:
         self._start(tokens, prompt_end=len(tokens))
         logits = np.empty((len(tokens), self.config.vocab_size), np.float32)
         for i in range(len(tokens)):
-            self.device.run(self._decode.graph)
-            logits[i] = self._decode.logits_view()
+            self.device.run(self._model.decode)
+            logits[i] = self._model.logits_view()
+        self._resident = tokens
         return logits
 
     def close(self) -> None:
-        self._decode = None  # type: ignore[assignment]
+        self._model = None  # type: ignore[assignment]
 
 
 class ReferenceEngine:
@@ -278,6 +347,9 @@ class ReferenceEngine:
         _check_fits(len(tokens), 0, self.max_seq)
         logits, _ = self._model.prefill(tokens)
         return logits.astype(np.float32)
+
+    def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
+        return self.teacher_forced_logits(prompt)[-1]
 
     def close(self) -> None:
         self._model = None  # type: ignore[assignment]

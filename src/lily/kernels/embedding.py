@@ -17,12 +17,14 @@ def record_embedding(
     graph: Graph,
     device: Device,
     tokens: BufferRef,
+    first: BufferRef,
     table: QuantWeight,
     out: BufferRef,
     token_count: int = 1,
 ) -> None:
-    """out[t] = dequantized row tokens[t] of `table` (fp32 [token_count, table.in_dim]); the
-    uint32 ids are read on the device."""
+    """out[t] = dequantized row tokens[first + t] of `table` (fp32 [token_count, table.in_dim]);
+    the uint32 ids and `first` (one uint32, e.g. the step buffer's position) are read on the
+    device."""
     words_per_row = table.in_dim * table.bits // 32
     graph.dispatch(
         device.kernel(f"embedding_{table.bits}"),
@@ -34,6 +36,7 @@ def record_embedding(
             3: binding(table.scales),
             4: binding(table.biases),
             5: binding(out),
+            6: binding(first),
         },
         bytes={0: pack_params("II", table.in_dim, table.rows)},
     )

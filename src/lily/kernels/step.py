@@ -21,13 +21,16 @@ def record_step_advance(
     history: BufferRef,
     predicted: BufferRef,
     capacity: int,
+    count: int = 1,
 ) -> None:
-    """position += 1; token = history[position] inside the prompt, else the predicted id, which
-    is also appended to the history (uint32 [capacity])."""
+    """position += count; token = history[position] inside the prompt, else the predicted id,
+    which is also appended to the history (uint32 [capacity])."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
     graph.dispatch(
         device.kernel("step_advance"),
         threadgroups=(1, 1, 1),
         threads=(1, 1, 1),
         buffers={1: binding(step), 2: binding(history), 3: binding(predicted)},
-        bytes={0: pack_params("I", capacity)},
+        bytes={0: pack_params("II", capacity, count)},
     )

@@ -1,0 +1,113 @@
+"""Batched prefill on the device engine against the numpy reference model, on the tiny random
+checkpoints: the last position's logits and the greedy continuation after prompts of 1, 63, 300
+and 1,500 tokens cut into chunks unevenly; prefill then decode against decode alone; chunks cut
+at a snapshot; and chunks bounded by their estimated work."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from tiny_models import tiny_checkpoint
+
+from lily.checkpoint import load_checkpoint
+from lily.device import open_device
+from lily.engine import DeviceEngine, ReferenceEngine
+from lily.model_graph import pass_flops
+
+MAX_SEQ = 1600
+CONTINUATION = 6
+TOLERANCE = 1e-2
+
+
+def _prompt(vocab_size: int, length: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab_size, length).tolist()
+
+
+def _device_engine(checkpoint, max_chunk: int, **kwargs) -> DeviceEngine:
+    device = open_device(os.environ.get("LILY_DEVICE", "sim"))
+    vocab = checkpoint.config.vocab_size
+    return DeviceEngine(checkpoint, device, MAX_SEQ, vocab, max_chunk, **kwargs)
+
+
+def _greedy(engine, prompt, steps) -> list[int]:
+    return [t.id for t in engine.generate(prompt, steps)]
+
+
+@pytest.fixture(scope="module", params=["small", "wide"])
+def checkpoint(request):
+    return load_checkpoint(tiny_checkpoint(request.param))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return ReferenceEngine(checkpoint, MAX_SEQ, checkpoint.config.vocab_size)
+
+
+def _decided_prefix(reference, prompt, expected) -> int:
+    """How many of the reference's greedy tokens are not near-ties (where either choice is
+    right and the sequences may legitimately diverge)."""
+    logits = reference.teacher_forced_logits(prompt + expected)[len(prompt) - 1 :]
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    undecided = np.flatnonzero(top2[:, 1] - top2[:, 0] <= TOLERANCE)
+    return int(undecided[0]) if undecided.size else len(expected)
+
+
+@pytest.mark.parametrize(
+    ("length", "max_chunk"),
+    [(1, 64), (63, 64), (63, 17), (300, 64), (300, 128), (1500, 512), (1500, 384)],
+)
+def test_prefill_matches_the_reference(checkpoint, reference, length, max_chunk):
+    engine = _device_engine(checkpoint, max_chunk)
+    prompt = _prompt(checkpoint.config.vocab_size, length, seed=length)
+    expected_logits = reference.prompt_logits(prompt)
+    worst = np.abs(engine.prompt_logits(prompt) - expected_logits).max()
+    assert worst < TOLERANCE, f"largest logit difference {worst:.2e}"
+    expected = _greedy(reference, prompt, CONTINUATION)
+    horizon = _decided_prefix(reference, prompt, expected)
+    assert horizon > 0, "the reference's first token is a near-tie; pick another seed"
+    assert _greedy(engine, prompt, CONTINUATION)[:horizon] == expected[:horizon]
+
+
+def test_prefill_then_decode_equals_decode_alone(checkpoint):
+    """max_chunk 1 feeds the prompt through the decode graph, a token per pass."""
+    prompt = _prompt(checkpoint.config.vocab_size, 45, seed=11)
+    stepwise = _device_engine(checkpoint, 1)
+    chunked = _device_engine(checkpoint, 16)
+    worst = np.abs(chunked.prompt_logits(prompt) - stepwise.prompt_logits(prompt)).max()
+    assert worst < 1e-3, f"largest logit difference {worst:.2e}"
+    tokens = _greedy(chunked, prompt, 12)
+    assert tokens == _greedy(stepwise, prompt, 12)
+    # Decoding after the chunks continues the same sequence: teacher-forcing it token by token
+    # predicts the same continuation.
+    logits = stepwise.teacher_forced_logits(prompt + tokens[:-1])[len(prompt) - 1 :]
+    assert np.argmax(logits, axis=-1).tolist() == tokens
+
+
+def test_chunks_are_cut_at_a_snapshot(checkpoint):
+    vocab = checkpoint.config.vocab_size
+    engine = _device_engine(checkpoint, 32)
+    first = _prompt(vocab, 90, seed=12)
+    second = first[:50] + _prompt(vocab, 30, seed=13)
+    passes = list(engine._passes(0, len(first), 3, snapshot_at=50))
+    assert [(s, t) for s, t, _ in passes[:4]] == [(0, 32), (32, 18), (50, 32), (82, 8)]
+    assert [p for _, _, p in passes] == [False, False, False, True, True, True]
+    list(engine.generate(first, 3, snapshot_at=50))
+    assert engine.cached_prefix_length(second) == 50
+    reused = _greedy(engine, second, 8)
+    assert _greedy(_device_engine(checkpoint, 32), second, 8) == reused
+
+
+def test_chunks_are_bounded_by_their_estimated_work(checkpoint):
+    c = checkpoint.config
+    budget = pass_flops(c, 0, 100)
+    engine = _device_engine(checkpoint, 512, chunk_flops=budget)
+    passes = [p for p in engine._passes(0, 1500, 1, None)]
+    assert sum(t for _, t, _ in passes) == 1500
+    assert all(pass_flops(c, s, t) <= budget for s, t, _ in passes if t > 1)
+    # Attention makes later chunks of a long prompt costlier, so they are shorter.
+    assert passes[0][1] > passes[-2][1]
+    prompt = _prompt(c.vocab_size, 300, seed=14)
+    bounded = _device_engine(checkpoint, 512, chunk_flops=pass_flops(c, 0, 40))
+    assert _greedy(bounded, prompt, 4) == _greedy(_device_engine(checkpoint, 512), prompt, 4)
