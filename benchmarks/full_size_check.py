@@ -1,6 +1,8 @@
 """One-off check at the real model's dims: run the full-size synthetic checkpoint through the sim
 engine for a few tokens and compare with the numpy reference model. Slow (seconds per token on
-both sides), so not part of the test suite.
+both sides), so not part of the test suite. With `--prefill`, the tokens go through the engine
+as one batched prefill chunk and the last position's logits are compared; otherwise each token
+goes through the decode step (teacher-forced) and every position is compared.
 
 The engine keeps its KV cache in bf16, the reference in float32, and 40 layers of random
 weights amplify any rounding. So the reference runs three times: as is; with its cache rounded to
@@ -10,6 +12,7 @@ distance to the float64 reference is of the order of the float32 reference's own
 Usage:
     python benchmarks/make_synthetic_checkpoint.py SYNTH_DIR   # once, ~19.5 GB
     python benchmarks/full_size_check.py SYNTH_DIR [--tokens 4]
+    python benchmarks/full_size_check.py SYNTH_DIR --prefill --tokens 64
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ NOISE_FACTOR = 2.0
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory")
-    parser.add_argument("--tokens", type=int, default=4, help="tokens fed, teacher-forced")
+    parser.add_argument("--tokens", type=int, default=4, help="tokens fed")
+    parser.add_argument("--prefill", action="store_true", help="feed them as one prefill chunk")
     args = parser.parse_args()
 
     checkpoint = load_checkpoint(args.directory, level="strict")
@@ -47,9 +51,13 @@ def main() -> None:
         tokens
     )
 
-    sim = DeviceEngine(checkpoint, open_device("sim"), max_seq, config.vocab_size)
+    sim = DeviceEngine(checkpoint, open_device("sim"), max_seq, config.vocab_size, len(tokens))
     start = time.perf_counter()
-    actual = sim.teacher_forced_logits(tokens)
+    if args.prefill:
+        actual = sim.prompt_logits(tokens)[None]
+        expected, bf16_cache, exact = expected[-1:], bf16_cache[-1:], exact[-1:]
+    else:
+        actual = sim.teacher_forced_logits(tokens)
     sim_seconds = time.perf_counter() - start
 
     print(f"tokens            {tokens}")

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import lily
+import lily.engine
 from lily.api import Lily
 from lily.checkpoint import DEFAULT_REPO, DEFAULT_REVISION
 from lily.cli import BENCH_DECODE_STEPS, ChatSession, main, synthetic_prompt
@@ -128,6 +129,32 @@ def test_bench_measures_one_prefill_and_64_decode_steps(
     assert arm["decode_steps"] == BENCH_DECODE_STEPS == 64
     assert arm["prefill_tok_s"] == pytest.approx(3 / arm["prefill_s"])
     assert arm["decode_tok_s"] == pytest.approx(64 / arm["decode_s"])
+
+
+def test_bench_prefills_in_the_chunks_asked_for(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chunks: list[int] = []
+    original = lily.engine.DeviceEngine._passes
+
+    def recording(self: Any, *args: Any) -> Iterator[tuple[int, int, bool]]:
+        for start, tokens, predicts in original(self, *args):
+            if start < args[1]:  # a prompt chunk, not a decode step
+                chunks.append(tokens)
+            yield start, tokens, predicts
+
+    monkeypatch.setattr(lily.engine.DeviceEngine, "_passes", recording)
+    argv = ["bench", "--model", "demo", "--device", "sim", "--context", "20", "--json"]
+    assert main([*argv, "--prefill-chunk", "8"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 20
+    assert chunks == [8, 8, 4] * 2  # the warm-up, then the measured prefill
+
+
+def test_a_prefill_chunk_below_one_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "hi", "--model", "demo", "--prefill-chunk", "0"])
+    assert done.value.code == 2
+    assert "--prefill-chunk: must be at least 1" in capsys.readouterr().err
 
 
 def info_output(capsys: pytest.CaptureFixture[str]) -> str:

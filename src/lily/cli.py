@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from lily.api import DEVICES
+from lily.model_graph import DEFAULT_MAX_CHUNK
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -30,6 +31,13 @@ BENCH_CONTEXTS_HELP = (
     "prompt lengths in tokens, one arm each (several run each in a fresh process); the contract "
     "uses 256..131072 on the real model, keep it small on the CPU simulator"
 )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str | None) -> None:
@@ -49,13 +57,23 @@ def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str 
         "model (slow, for checking)",
     )
     parser.add_argument("--max-seq", type=int, default=None, help="context length in tokens")
+    parser.add_argument(
+        "--prefill-chunk",
+        type=_positive_int,
+        default=DEFAULT_MAX_CHUNK,
+        help=f"most prompt tokens per prefill pass (default: {DEFAULT_MAX_CHUNK})",
+    )
 
 
 def _load(args: argparse.Namespace, max_seq: int | None = None) -> Lily:
     from lily.api import load
 
     llm = load(
-        args.model, revision=args.revision, device=args.device, max_seq=max_seq or args.max_seq
+        args.model,
+        revision=args.revision,
+        device=args.device,
+        max_seq=max_seq or args.max_seq,
+        prefill_chunk=args.prefill_chunk,
     )
     if args.model == "demo":
         print(DEMO_NOTE, file=sys.stderr)
@@ -279,7 +297,7 @@ def _print_arm(arm: dict[str, float], device: str) -> None:
 
 
 def _model_arguments_of(args: argparse.Namespace) -> list[str]:
-    argv = ["--device", args.device]
+    argv = ["--device", args.device, "--prefill-chunk", str(args.prefill_chunk)]
     if args.model is not None:
         argv += ["--model", args.model]
     if args.revision is not None:

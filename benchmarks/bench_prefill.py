@@ -1,0 +1,130 @@
+"""Batched prefill, measured without a GPU.
+
+Two parts:
+- **graph** (any checkpoint; the sim records and checks but does not execute): dispatches and
+  barrier levels of a prefill chunk next to the decode step's, the weight bytes one chunk reads
+  (each weight once per chunk; the routed experts some token of the chunk chose, by the expected
+  count for uniform routing) and per prompt token, the FLOPs per prompt token, and a roofline
+  estimate of prefill tok/s on Apple GPUs from those two numbers (an estimate, not a measurement:
+  the GPU figures below are assumptions, say so when quoting them);
+- **time** (small checkpoints, e.g. the demo, on the sim): a prompt prefilled in chunks against
+  the same prompt fed through the decode graph one token per pass (`max_chunk` 1).
+
+Usage:
+    python benchmarks/bench_prefill.py demo [--tokens 512]          # graph + time
+    python benchmarks/bench_prefill.py SYNTH_DIR --no-time           # graph at the real dims
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from lily.checkpoint import load_checkpoint, resolve_model
+from lily.config import FULL_ATTENTION
+from lily.device import open_device
+from lily.engine import DeviceEngine
+from lily.model_graph import ModelGraph, pass_flops
+from lily.validate import expected_layout
+
+EMBEDDING = "language_model.model.embed_tokens"
+LM_HEAD = "language_model.lm_head"
+# Assumed GPU figures for the roofline estimate: memory bandwidth (bytes/s) and the fp32
+# simdgroup-matrix rate our GEMMs use (FLOP/s), both peak; a real kernel reaches a fraction.
+GPUS = {
+    "M1 Pro (16-core GPU)": (200e9, 5.2e12),
+    "M5 Max (40-core GPU)": (614e9, 18.4e12),
+}
+ASSUMED_EFFICIENCY = 0.5
+
+
+def weight_bytes_per_chunk(checkpoint, tokens: int) -> dict[str, float]:
+    """Bytes of weights one chunk of `tokens` reads from memory if each is read once: every
+    projection, the embedding rows, and the routed experts at least one token chose (expected
+    E * (1 - (1 - k/E)^T) per layer for uniform routing). The lm_head is read for the one
+    predicting token."""
+    c = checkpoint.config
+    layout = expected_layout(c)
+    chosen = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens)
+    totals = {"projections": 0.0, "routed experts": 0.0, "embedding rows": 0.0, "lm_head": 0.0}
+    for lin in layout.linears.values():
+        q = lin.quant
+        per_row = lin.in_features * q.bits // 8 + 2 * 2 * (lin.in_features // q.group_size)
+        if lin.path == EMBEDDING:
+            totals["embedding rows"] += per_row * tokens
+            if c.tie_word_embeddings:
+                totals["lm_head"] += per_row * lin.out_features
+        elif lin.path == LM_HEAD:
+            totals["lm_head"] += per_row * lin.out_features
+        elif lin.experts is not None:
+            totals["routed experts"] += per_row * lin.out_features * chosen
+        else:
+            totals["projections"] += per_row * lin.out_features
+    return totals
+
+
+def graph_report(checkpoint, tokens: int) -> None:
+    c = checkpoint.config
+    device = open_device("sim", execute=False)
+    start = time.perf_counter()
+    model = ModelGraph(checkpoint, device, tokens + 64, c.vocab_size, max_chunk=tokens)
+    chunk = model.graph(tokens, predicts=True)
+    recorded = time.perf_counter() - start
+    print(f"checkpoint            {checkpoint.path} ({checkpoint.level})")
+    print(f"graphs recorded in    {recorded * 1e3:.0f} ms (decode step + chunk of {tokens})")
+    for name, graph in (("decode step", model.decode), (f"chunk of {tokens}", chunk)):
+        levels = graph.barrier_count + 1
+        print(f"{name:<21} {graph.dispatch_count} dispatches, {levels} barrier levels")
+    totals = weight_bytes_per_chunk(checkpoint, tokens)
+    total = sum(totals.values())
+    for kind, nbytes in totals.items():
+        print(f"  {kind:<19} {nbytes / 1e9:8.3f} GB per chunk")
+    print(f"weights per chunk     {total / 1e9:.3f} GB, {total / tokens / 1e6:.2f} MB per token")
+    gdn_layers = sum(1 for t in c.layer_types if t != FULL_ATTENTION)
+    print(f"GDN layers            {gdn_layers} (state read and written once per chunk)")
+    for context in (tokens, 4096):
+        flops = pass_flops(c, context - tokens, tokens) / tokens
+        print(f"FLOPs / prompt token  {flops / 1e9:.2f} G (chunk ending at {context})")
+    print(f"estimate at {ASSUMED_EFFICIENCY:.0%} of peak (assumed GPU figures, not measured):")
+    flops = pass_flops(c, 4096 - tokens, tokens)
+    for gpu, (bandwidth, rate) in GPUS.items():
+        seconds = max(total / bandwidth, flops / rate) / ASSUMED_EFFICIENCY
+        bound = "compute" if flops / rate > total / bandwidth else "memory"
+        print(f"  {gpu:<22} {tokens / seconds:7.0f} tok/s ({bound}-bound, chunk ending at 4096)")
+
+
+def time_report(checkpoint, tokens: int, repeat: int) -> None:
+    c = checkpoint.config
+    prompt = np.random.default_rng(0).integers(0, c.vocab_size, tokens).tolist()
+    results = {}
+    for name, max_chunk in (("one token per pass", 1), (f"chunks of {tokens}", tokens)):
+        engine = DeviceEngine(checkpoint, open_device("sim"), tokens + 8, c.vocab_size, max_chunk)
+        engine.prompt_logits(prompt)  # records the graphs and warms the caches
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            engine.prompt_logits(prompt)
+            best = min(best, time.perf_counter() - start)
+        results[name] = best
+        print(f"sim prefill, {name:<20} {best:7.3f} s  {tokens / best:8.1f} tok/s")
+    slow, fast = results.values()
+    print(f"speed-up              {slow / fast:.1f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="checkpoint directory, repo id or 'demo'")
+    parser.add_argument("--tokens", type=int, default=512, help="prompt and chunk length")
+    parser.add_argument("--repeat", type=int, default=2, help="timed runs per arm (best kept)")
+    parser.add_argument("--no-time", action="store_true", help="only the graph report")
+    args = parser.parse_args()
+    checkpoint = load_checkpoint(resolve_model(args.model))
+    graph_report(checkpoint, args.tokens)
+    if not args.no_time:
+        time_report(checkpoint, args.tokens, args.repeat)
+
+
+if __name__ == "__main__":
+    main()
