@@ -1,9 +1,24 @@
-// The Gated DeltaNet's short causal convolution for one decoded token.
+// The Gated DeltaNet's short causal convolution, for one decoded token or a chunk of tokens.
 //
 // Each qkv channel is convolved over time with its own 4-tap filter (depthwise, no bias) and
-// passed through SiLU. The decode state is the window of the last 3 pre-conv rows; this kernel
-// consumes it and shifts the current row in, so the next step sees the right history.
+// passed through SiLU. The state between calls is the window of the last 3 pre-conv rows; both
+// kernels consume it and leave the rows the next call needs, so a prefilled chunk followed by
+// decode steps sees the same history as decode steps alone.
 #include "common.h"
+
+constexpr constant uint kTaps = 4;
+constexpr constant uint kHistory = kTaps - 1;
+
+// One output of the convolution. Both kernels go through this one expression, in this order, so
+// prefill and decode round alike and a chunk equals its tokens decoded one by one, bit for bit.
+inline float causal_conv_silu(device const bfloat* filter, thread const float* history,
+                              float current) {
+  float acc = float(filter[kTaps - 1]) * current;
+  for (uint t = 0; t < kHistory; ++t) {
+    acc += float(filter[t]) * history[t];
+  }
+  return silu(acc);
+}
 
 struct Conv1dStepParams {
   uint channels;
@@ -18,27 +33,83 @@ struct Conv1dStepParams {
     device float* window [[buffer(3)]],         // [3, channels]: oldest row first
     device float* out [[buffer(4)]],            // [channels]: SiLU(conv)
     uint channel [[thread_position_in_grid]]) {
-  constexpr uint taps = 4;
   const uint channels = params.channels;
   if (channel >= channels) {
     return;
   }
-  device const bfloat* filter = weight + channel * taps;
-
-  float history[taps - 1];
-  for (uint t = 0; t < taps - 1; ++t) {
+  float history[kHistory];
+  for (uint t = 0; t < kHistory; ++t) {
     history[t] = window[t * channels + channel];
   }
   const float current = x[channel];
+  out[channel] = causal_conv_silu(weight + channel * kTaps, history, current);
 
-  float acc = float(filter[taps - 1]) * current;
-  for (uint t = 0; t < taps - 1; ++t) {
-    acc += float(filter[t]) * history[t];
-  }
-  out[channel] = silu(acc);
-
-  for (uint t = 0; t + 1 < taps - 1; ++t) {
+  for (uint t = 0; t + 1 < kHistory; ++t) {
     window[t * channels + channel] = history[t + 1];
   }
-  window[(taps - 2) * channels + channel] = current;
+  window[(kHistory - 1) * channels + channel] = current;
+}
+
+struct Conv1dChunkParams {
+  uint channels;
+  uint tokens;
+};
+
+// Tokens per thread in the chunk kernel: the 3 history rows a thread loads before its first
+// token are amortised over this many outputs. At least kHistory, so only the first block of a
+// channel ever reads the saved window (see conv1d_chunk).
+constexpr constant uint kConvChunkTokensPerThread = 16;
+static_assert(kConvChunkTokensPerThread >= kHistory, "later blocks must not read the window");
+
+// Row `row` of the sequence "saved window, then the chunk" (rows 0..2 are the window).
+inline float conv_input(device const float* x, thread const float* saved, uint channels,
+                        uint channel, uint row) {
+  return row < kHistory ? saved[row] : x[(row - kHistory) * channels + channel];
+}
+
+// Thread (channel, block) convolves tokens [16 block, 16 block + 16) of one channel. The window
+// of a channel is read and rewritten by one thread only, that of block 0: it is the only block
+// whose history reaches back into the window, and it reads the whole old window into registers
+// before writing the new one. The new window is rows tokens..tokens+2 of the sequence above,
+// which for a chunk of fewer than 3 tokens still holds old window rows.
+[[kernel]] void conv1d_chunk(
+    constant Conv1dChunkParams& params [[buffer(0)]],
+    device const float* x [[buffer(1)]],        // [tokens, channels]: pre-conv rows
+    device const bfloat* weight [[buffer(2)]],  // [channels, 4, 1] as stored in the checkpoint
+    device float* window [[buffer(3)]],         // [3, channels]: oldest row first
+    device float* out [[buffer(4)]],            // [tokens, channels]: SiLU(conv)
+    uint2 position [[thread_position_in_grid]]) {
+  const uint channels = params.channels;
+  const uint tokens = params.tokens;
+  const uint channel = position.x;
+  const uint first = position.y * kConvChunkTokensPerThread;
+  if (channel >= channels || first >= tokens) {
+    return;
+  }
+  const bool owns_window = first == 0;
+  float saved[kHistory];
+  for (uint t = 0; t < kHistory; ++t) {
+    saved[t] = owns_window ? window[t * channels + channel] : 0.0f;
+  }
+
+  float history[kHistory];
+  for (uint t = 0; t < kHistory; ++t) {
+    history[t] = conv_input(x, saved, channels, channel, first + t);
+  }
+  device const bfloat* filter = weight + channel * kTaps;
+  const uint end = min(first + kConvChunkTokensPerThread, tokens);
+  for (uint token = first; token < end; ++token) {
+    const float current = x[token * channels + channel];
+    out[token * channels + channel] = causal_conv_silu(filter, history, current);
+    for (uint t = 0; t + 1 < kHistory; ++t) {
+      history[t] = history[t + 1];
+    }
+    history[kHistory - 1] = current;
+  }
+
+  if (owns_window) {
+    for (uint t = 0; t < kHistory; ++t) {
+      window[t * channels + channel] = conv_input(x, saved, channels, channel, tokens + t);
+    }
+  }
 }

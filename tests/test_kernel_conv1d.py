@@ -1,14 +1,20 @@
-"""conv1d_step (metal/conv1d.metal) on the sim against the float64 numpy reference."""
+"""conv1d_step and conv1d_chunk (metal/conv1d.metal) on the sim against float64 numpy
+references, and the chunk against the same tokens stepped one by one."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernel_testing import LANE_ORDERS, sim_device
+from kernel_testing import LANE_ORDERS, assert_within_ulps, sim_device
 
 from lily import reference
 from lily.device import Graph
-from lily.kernels.conv1d import KERNEL_TAPS, record_conv1d_step
+from lily.kernels.conv1d import (
+    KERNEL_TAPS,
+    record_conv1d_chunk,
+    record_conv1d_step,
+    window_bytes,
+)
 from lily.quant import bf16_to_float32, float32_to_bf16
 
 # conv_dim of the real model (2 * 2048 + 4096), of the tiny config (2 * 256 + 512), and a count
@@ -84,3 +90,155 @@ def test_replayed_graph_carries_the_window(device) -> None:
         # Direct definition: c_t = sum_j w[:, j] * x_{t-3+j}, zero before the first step.
         conv = np.einsum("jc,cj->c", padded[t : t + KERNEL_TAPS], weight)
         np.testing.assert_allclose(out, reference.silu(conv), rtol=1e-5, atol=1e-6)
+
+
+# Chunk lengths: shorter than the window (the new window keeps old rows), exactly the window, a
+# partial first block, several blocks with a ragged last one, and a longer prompt.
+CHUNK_TOKENS = [1, 2, 3, 7, 64, 300, 1111]
+
+
+def _chunk_buffers(device, x, weight_bits, window, out) -> dict:
+    return {
+        "x": device.wrap(x),
+        "weight": device.wrap(weight_bits),
+        "window": device.wrap(window),
+        "out": device.wrap(out),
+    }
+
+
+def _record_chunk(device, buffers: dict, channels: int, tokens: int) -> Graph:
+    graph = Graph()
+    record_conv1d_chunk(graph, device, channels=channels, tokens=tokens, **buffers)
+    return graph
+
+
+def _chunk_case(channels: int, tokens: int, seed: int):
+    weight_bits, window, _ = _conv_case(channels, seed)
+    x = np.random.default_rng(seed + 1).normal(0, 1, (tokens, channels)).astype(np.float32)
+    return weight_bits, window, x
+
+
+def _expected_chunk(weight_bits, window, x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(out, magnitude of the rounding, new window) in float64, from the definition: output t
+    convolves rows t..t+3 of (window ++ x)."""
+    weight = bf16_to_float32(weight_bits)[:, :, 0].astype(np.float64)
+    rows = np.concatenate([window, x]).astype(np.float64)
+    tokens = x.shape[0]
+    taps = np.stack([rows[j : j + tokens] for j in range(KERNEL_TAPS)])  # [K, T, C]
+    conv = np.einsum("jtc,cj->tc", taps, weight)
+    magnitude = np.einsum("jtc,cj->tc", np.abs(taps), np.abs(weight))
+    return reference.silu(conv), magnitude, rows[tokens:]
+
+
+@pytest.mark.parametrize("tokens", CHUNK_TOKENS)
+def test_chunk_matches_reference(device, tokens: int) -> None:
+    channels = 300
+    weight_bits, window, x = _chunk_case(channels, tokens, seed=tokens)
+    out = np.full((tokens, channels), np.nan, dtype=np.float32)
+    window_dev = window.copy()
+    buffers = _chunk_buffers(device, x, weight_bits, window_dev, out)
+    device.run(_record_chunk(device, buffers, channels, tokens))
+
+    expected, magnitude, expected_window = _expected_chunk(weight_bits, window, x)
+    # Four fp32 products and their sum round to a few ulp of the sum of |terms|; SiLU's slope is
+    # at most 1.1 and adds a few ulp of the result.
+    assert_within_ulps(out, expected, magnitude + np.abs(expected), 4)
+    # The window only moves fp32 values: exact, old rows included when tokens < 3.
+    np.testing.assert_array_equal(window_dev, expected_window.astype(np.float32))
+
+
+def test_chunk_at_model_width(device) -> None:
+    channels, tokens = 8192, 37
+    weight_bits, window, x = _chunk_case(channels, tokens, seed=3)
+    out = np.full((tokens, channels), np.nan, dtype=np.float32)
+    window_dev = window.copy()
+    assert window_dev.nbytes == window_bytes(channels)
+    buffers = _chunk_buffers(device, x, weight_bits, window_dev, out)
+    device.run(_record_chunk(device, buffers, channels, tokens))
+
+    expected, magnitude, expected_window = _expected_chunk(weight_bits, window, x)
+    assert_within_ulps(out, expected, magnitude + np.abs(expected), 4)
+    np.testing.assert_array_equal(window_dev, expected_window.astype(np.float32))
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 40])
+def test_chunk_equals_the_same_tokens_stepped(device, tokens: int) -> None:
+    """A chunk computes each output with the step kernel's arithmetic, so prefill then decode
+    equals decode alone bit for bit: same outputs, same window left behind."""
+    channels = 300
+    weight_bits, window, x = _chunk_case(channels, tokens, seed=50 + tokens)
+    chunk_out = np.full((tokens, channels), np.nan, dtype=np.float32)
+    chunk_window = window.copy()
+    buffers = _chunk_buffers(device, x, weight_bits, chunk_window, chunk_out)
+    device.run(_record_chunk(device, buffers, channels, tokens))
+
+    step_out = np.full((tokens, channels), np.nan, dtype=np.float32)
+    step_window = window.copy()
+    x_dev, out_dev = device.wrap(x), device.wrap(step_out)
+    weight_dev, window_dev = device.wrap(weight_bits), device.wrap(step_window)
+    graph = Graph()
+    for t in range(tokens):
+        record_conv1d_step(
+            graph,
+            device,
+            x=(x_dev, 4 * channels * t),
+            weight=weight_dev,
+            window=window_dev,
+            out=(out_dev, 4 * channels * t),
+            channels=channels,
+        )
+        graph.barrier()
+    device.run(graph)
+
+    np.testing.assert_array_equal(chunk_out, step_out)
+    np.testing.assert_array_equal(chunk_window, step_window)
+
+
+def test_chunks_carry_the_window(device) -> None:
+    """Chunks of 2, 1 and 20 tokens (two shorter than the window) in one graph equal one chunk
+    of 23."""
+    channels, lengths = 300, (2, 1, 20)
+    weight_bits, window, x = _chunk_case(channels, sum(lengths), seed=9)
+    whole_out = np.full(x.shape, np.nan, dtype=np.float32)
+    whole_window = window.copy()
+    buffers = _chunk_buffers(device, x, weight_bits, whole_window, whole_out)
+    device.run(_record_chunk(device, buffers, channels, x.shape[0]))
+
+    split_out = np.full(x.shape, np.nan, dtype=np.float32)
+    split_window = window.copy()
+    buffers = _chunk_buffers(device, x, weight_bits, split_window, split_out)
+    graph = Graph()
+    start = 0
+    for length in lengths:
+        offset = 4 * channels * start
+        record_conv1d_chunk(
+            graph,
+            device,
+            x=(buffers["x"], offset),
+            weight=buffers["weight"],
+            window=buffers["window"],
+            out=(buffers["out"], offset),
+            channels=channels,
+            tokens=length,
+        )
+        graph.barrier()
+        start += length
+    device.run(graph)
+
+    np.testing.assert_array_equal(split_out, whole_out)
+    np.testing.assert_array_equal(split_window, whole_window)
+
+
+def test_chunk_rejects_an_empty_chunk(device) -> None:
+    buffer = device.alloc(window_bytes(64))
+    with pytest.raises(ValueError, match="at least one token"):
+        record_conv1d_chunk(
+            Graph(),
+            device,
+            x=buffer,
+            weight=buffer,
+            window=buffer,
+            out=buffer,
+            channels=64,
+            tokens=0,
+        )

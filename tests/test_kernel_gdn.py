@@ -1,6 +1,7 @@
-"""gdn_step (metal/gdn.metal) on the sim against the float64 numpy reference.
+"""gdn_step and gdn_chunk (metal/gdn.metal) on the sim against the float64 numpy reference,
+and the chunk against the same tokens stepped one by one.
 
-The kernel fuses the q/k L2 norms, the g/beta gates, the delta-rule update of the fp32 state,
+The kernels fuse the q/k L2 norms, the g/beta gates, the delta-rule update of the fp32 state,
 the readout and the gated RMSNorm; the reference composes the same steps from lily.reference.
 """
 
@@ -12,7 +13,13 @@ from kernel_testing import LANE_ORDERS, sim_device
 
 from lily import reference
 from lily.device import Graph
-from lily.kernels.gdn import KEY_HEAD_DIM, VALUE_HEAD_DIM, record_gdn_step, state_bytes
+from lily.kernels.gdn import (
+    KEY_HEAD_DIM,
+    VALUE_HEAD_DIM,
+    record_gdn_chunk,
+    record_gdn_step,
+    state_bytes,
+)
 from lily.quant import bf16_to_float32, float32_to_bf16
 
 EPS = 1e-6
@@ -64,24 +71,30 @@ class GdnCase:
 
     def expected(self, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(out, new state) in float64 from the current inputs and `state`."""
-        f64 = np.float64
-        key_total = self.num_key_heads * KEY_HEAD_DIM
-        qkv = self.qkv.astype(f64)
-        q = qkv[:key_total].reshape(self.num_key_heads, KEY_HEAD_DIM)
-        k = qkv[key_total : 2 * key_total].reshape(self.num_key_heads, KEY_HEAD_DIM)
-        v = qkv[2 * key_total :].reshape(self.num_value_heads, VALUE_HEAD_DIM)
-        q = reference.l2_normalize(q) * KEY_HEAD_DIM**-0.5
-        k = reference.l2_normalize(k)
-        g, beta = reference.gdn_gates(
-            self.a.astype(f64),
-            self.b.astype(f64),
-            self.a_log.astype(f64),
-            bf16_to_float32(self.dt_bias).astype(f64),
-        )
-        o, new_state = reference.gated_delta_step(state.astype(f64), q, k, v, g, beta)
-        z = self.z.astype(f64).reshape(self.num_value_heads, VALUE_HEAD_DIM)
-        weight = bf16_to_float32(self.norm_weight).astype(f64)
-        return reference.gated_rms_norm(o, weight, z, EPS).reshape(-1), new_state
+        return expected_token(self, state, self.qkv, self.z, self.a, self.b)
+
+
+def expected_token(case, state, qkv, z, a, b) -> tuple[np.ndarray, np.ndarray]:
+    """(out [Hv*Dv], new state) of one token in float64, composed from lily.reference; `case`
+    gives the head counts and the per-layer weights."""
+    f64 = np.float64
+    key_total = case.num_key_heads * KEY_HEAD_DIM
+    qkv = qkv.astype(f64)
+    q = qkv[:key_total].reshape(case.num_key_heads, KEY_HEAD_DIM)
+    k = qkv[key_total : 2 * key_total].reshape(case.num_key_heads, KEY_HEAD_DIM)
+    v = qkv[2 * key_total :].reshape(case.num_value_heads, VALUE_HEAD_DIM)
+    q = reference.l2_normalize(q) * KEY_HEAD_DIM**-0.5
+    k = reference.l2_normalize(k)
+    g, beta = reference.gdn_gates(
+        a.astype(f64),
+        b.astype(f64),
+        case.a_log.astype(f64),
+        bf16_to_float32(case.dt_bias).astype(f64),
+    )
+    o, new_state = reference.gated_delta_step(state.astype(f64), q, k, v, g, beta)
+    z = z.astype(f64).reshape(case.num_value_heads, VALUE_HEAD_DIM)
+    weight = bf16_to_float32(case.norm_weight).astype(f64)
+    return reference.gated_rms_norm(o, weight, z, EPS).reshape(-1), new_state
 
 
 # fp32 sums of 128 products, against float64: relative errors stay around 1e-6; the bounds leave
@@ -125,4 +138,136 @@ def test_rejects_head_dims_it_was_not_built_for(device) -> None:
     with pytest.raises(ValueError, match="128-dim"):
         record_gdn_step(
             Graph(), device, num_key_heads=2, num_value_heads=4, key_head_dim=64, **case.buffers
+        )
+
+
+class GdnChunkCase:
+    """One layer's weights, a non-zero initial state and the inputs of `tokens` tokens."""
+
+    def __init__(self, num_key_heads: int, num_value_heads: int, tokens: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
+        self.tokens = tokens
+        value_total = num_value_heads * VALUE_HEAD_DIM
+        conv_dim = 2 * num_key_heads * KEY_HEAD_DIM + value_total
+        f32 = np.float32
+        self.a_log = np.log(rng.uniform(0.1, 4, num_value_heads)).astype(f32)
+        self.dt_bias = float32_to_bf16(rng.normal(0, 0.5, num_value_heads).astype(f32))
+        self.norm_weight = float32_to_bf16(1 + rng.normal(0, 0.1, VALUE_HEAD_DIM).astype(f32))
+        shape = (num_value_heads, VALUE_HEAD_DIM, KEY_HEAD_DIM)
+        self.initial_state = rng.normal(0, 0.3, shape).astype(f32)
+        self.qkv = rng.normal(0, 1, (tokens, conv_dim)).astype(f32)
+        self.z = rng.normal(0, 1.5, (tokens, value_total)).astype(f32)
+        self.a = rng.normal(0, 1, (tokens, num_value_heads)).astype(f32)
+        self.b = rng.normal(0, 1.5, (tokens, num_value_heads)).astype(f32)
+
+    def _buffers(self, device) -> tuple[dict, np.ndarray, np.ndarray]:
+        state = self.initial_state.copy()
+        out = np.full(self.z.shape, np.nan, dtype=np.float32)
+        buffers = {
+            name: device.wrap(getattr(self, name))
+            for name in ("qkv", "z", "a", "b", "a_log", "dt_bias", "norm_weight")
+        }
+        buffers["state"], buffers["out"] = device.wrap(state), device.wrap(out)
+        return buffers, out, state
+
+    def run_chunk(self, device) -> tuple[np.ndarray, np.ndarray]:
+        """(out [tokens, Hv*Dv], state after the chunk) from one gdn_chunk dispatch."""
+        buffers, out, state = self._buffers(device)
+        graph = Graph()
+        record_gdn_chunk(
+            graph,
+            device,
+            num_key_heads=self.num_key_heads,
+            num_value_heads=self.num_value_heads,
+            tokens=self.tokens,
+            norm_eps=EPS,
+            **buffers,
+        )
+        device.run(graph)
+        return out, state
+
+    def run_steps(self, device) -> tuple[np.ndarray, np.ndarray]:
+        """The same from `tokens` gdn_step dispatches, each bound to its token's rows."""
+        buffers, out, state = self._buffers(device)
+        graph = Graph()
+        for t in range(self.tokens):
+            rows = {
+                name: (buffers[name], t * row.nbytes)
+                for name, row in (
+                    ("qkv", self.qkv[0]),
+                    ("z", self.z[0]),
+                    ("a", self.a[0]),
+                    ("b", self.b[0]),
+                    ("out", self.z[0]),
+                )
+            }
+            record_gdn_step(
+                graph,
+                device,
+                num_key_heads=self.num_key_heads,
+                num_value_heads=self.num_value_heads,
+                norm_eps=EPS,
+                **{**buffers, **rows},
+            )
+            graph.barrier()
+        device.run(graph)
+        return out, state
+
+    def expected(self) -> tuple[np.ndarray, np.ndarray]:
+        """(out, final state) in float64, token after token."""
+        state = self.initial_state.astype(np.float64)
+        outputs = []
+        for t in range(self.tokens):
+            out, state = expected_token(self, state, self.qkv[t], self.z[t], self.a[t], self.b[t])
+            outputs.append(out)
+        return np.stack(outputs), state
+
+
+# Chunk lengths: one token, a few, and long enough for rounding to accumulate in the state.
+CHUNK_TOKENS = [1, 2, 3, 7, 64, 300, 1024]
+
+
+@pytest.mark.parametrize("tokens", CHUNK_TOKENS)
+def test_chunk_matches_reference(device, tokens: int) -> None:
+    case = GdnChunkCase(2, 4, tokens, seed=tokens)
+    out, state = case.run_chunk(device)
+
+    expected_out, expected_state = case.expected()
+    np.testing.assert_allclose(state, expected_state, rtol=1e-5, atol=STATE_ATOL)
+    np.testing.assert_allclose(out, expected_out, rtol=OUT_RTOL, atol=OUT_ATOL)
+
+
+def test_chunk_at_model_size(device) -> None:
+    case = GdnChunkCase(16, 32, 5, seed=5)
+    assert case.initial_state.nbytes == state_bytes(32)
+    out, state = case.run_chunk(device)
+
+    expected_out, expected_state = case.expected()
+    np.testing.assert_allclose(state, expected_state, rtol=1e-5, atol=STATE_ATOL)
+    np.testing.assert_allclose(out, expected_out, rtol=OUT_RTOL, atol=OUT_ATOL)
+
+
+@pytest.mark.parametrize(
+    ("num_key_heads", "num_value_heads", "tokens"), [(2, 4, 1), (2, 4, 3), (1, 4, 37), (16, 32, 3)]
+)
+def test_chunk_equals_the_same_tokens_stepped(
+    device, num_key_heads: int, num_value_heads: int, tokens: int
+) -> None:
+    """The chunk runs each token through the step kernel's arithmetic in the same order, so
+    prefill then decode equals decode alone bit for bit (on the sim, which keeps fp32 rounding
+    as written): same outputs, same state left behind."""
+    case = GdnChunkCase(num_key_heads, num_value_heads, tokens, seed=100 + tokens)
+    chunk_out, chunk_state = case.run_chunk(device)
+    step_out, step_state = case.run_steps(device)
+
+    np.testing.assert_array_equal(chunk_out, step_out)
+    np.testing.assert_array_equal(chunk_state, step_state)
+
+
+def test_chunk_rejects_an_empty_chunk(device) -> None:
+    case = GdnCase(device, 2, 4, seed=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        record_gdn_chunk(
+            Graph(), device, num_key_heads=2, num_value_heads=4, tokens=0, **case.buffers
         )

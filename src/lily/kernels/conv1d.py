@@ -1,7 +1,9 @@
-"""Recording of the Gated DeltaNet's causal conv1d step (`metal/conv1d.metal`).
+"""Recording of the Gated DeltaNet's causal conv1d, per decoded token or per prompt chunk
+(`metal/conv1d.metal`).
 
 The window holds the last 3 pre-conv rows as fp32 [3, channels], oldest first, and is updated in
-place by the kernel, so one buffer per layer carries the convolution state across steps.
+place by both kernels, so one buffer per layer carries the convolution state across steps and
+chunks, in any mix.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ if TYPE_CHECKING:
 
 KERNEL_TAPS = 4
 THREADS_PER_THREADGROUP = 256
+# Tokens each thread of the chunk kernel convolves (kConvChunkTokensPerThread in the kernel).
+CHUNK_TOKENS_PER_THREAD = 16
 
 
 def window_bytes(channels: int) -> int:
@@ -44,4 +48,36 @@ def record_conv1d_step(
         threads=(THREADS_PER_THREADGROUP, 1, 1),
         buffers={1: binding(x), 2: binding(weight), 3: binding(window), 4: binding(out)},
         bytes={0: pack_params("I", channels)},
+    )
+
+
+def record_conv1d_chunk(
+    graph: Graph,
+    device: Device,
+    *,
+    x: BufferRef,
+    weight: BufferRef,
+    window: BufferRef,
+    out: BufferRef,
+    channels: int,
+    tokens: int,
+) -> None:
+    """The convolution of `tokens` consecutive rows continuing from the window, then SiLU; the
+    window is left holding the last 3 rows of (window ++ x), as `tokens` steps would leave it.
+
+    x, out: fp32 [tokens, channels]; weight: bf16 [channels, 4, 1]; window: fp32 [3, channels].
+    One dispatch; out must not alias x or the window.
+    """
+    if tokens <= 0:
+        raise ValueError(f"a chunk needs at least one token, not {tokens}")
+    graph.dispatch(
+        device.kernel("conv1d_chunk"),
+        threadgroups=(
+            ceil_div(channels, THREADS_PER_THREADGROUP),
+            ceil_div(tokens, CHUNK_TOKENS_PER_THREAD),
+            1,
+        ),
+        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        buffers={1: binding(x), 2: binding(weight), 3: binding(window), 4: binding(out)},
+        bytes={0: pack_params("II", channels, tokens)},
     )
