@@ -17,7 +17,8 @@
 // Metal 4 path 32 or 64 tokens x 64 x 64). 32 tokens also fit MoE experts, which get about 16 tokens
 // each in a 512-token chunk, without multiplying mostly-empty rows. 128 weight rows give each thread
 // exactly one uint4 per stage at 4 bits; 32 inputs per stage keep threadgroup memory at
-// (32 + 128) x 36 floats = 22.5 KiB, so two threadgroups can share a core's threadgroup memory.
+// (32 + 128) x 36 floats = 22.5 KiB, under the 32 KiB limit with fp32 staging (bf16 staging would
+// halve it but round the activations to 8 bits of mantissa).
 // Rows are padded by 4 floats so that the 8 rows of one fragment load start in different banks.
 #pragma once
 

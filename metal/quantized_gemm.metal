@@ -2,8 +2,10 @@
 // weight rows per threadgroup of 128 threads).
 //   qgemm           y_i = x W_i^T for up to four projections sharing one input x [tokens, in_dim]
 //                   (GDN in_proj qkv|z|a|b, attention q|k|v, router|shared-expert gate), y_i
-//                   [tokens, rows_i]. Grid: x over every projection's 128-row tiles in turn, y over
-//                   32-token tiles.
+//                   [tokens, rows_i]. Grid: x over 32-token tiles, y over every projection's
+//                   128-row tiles in turn. Threadgroups are started in x-major order, so the token
+//                   tiles of one weight tile run side by side and the weights come from DRAM about
+//                   once per chunk, while x (4 MiB for 512 tokens x 2048) stays in the caches.
 //   qgemm_grouped   the MoE experts of a chunk: assignments (token, expert) sorted by expert, expert
 //                   e owning [expert_offsets[e], expert_offsets[e + 1]); out[a] = x[row(a)] W_e^T,
 //                   or with SWIGLU silu(x[row(a)] G_e^T) * (x[row(a)] U_e^T), the gate and up
@@ -39,7 +41,7 @@ template <uint BITS>
   threadgroup float tile[QGEMM_TILE_FLOATS];
 
   uint proj = 0;
-  while (proj + 1 < p.projections && tile_id.x >= p.first_tile[proj + 1]) ++proj;
+  while (proj + 1 < p.projections && tile_id.y >= p.first_tile[proj + 1]) ++proj;
   QuantMatrix m{w0, s0, b0};
   device float* y = y0;
   if (proj == 1) {
@@ -53,8 +55,8 @@ template <uint BITS>
     y = y3;
   }
   const uint rows = p.rows[proj];
-  const uint n0 = (tile_id.x - p.first_tile[proj]) * QGEMM_WEIGHT_ROWS;
-  const uint m0 = tile_id.y * QGEMM_TOKENS;
+  const uint n0 = (tile_id.y - p.first_tile[proj]) * QGEMM_WEIGHT_ROWS;
+  const uint m0 = tile_id.x * QGEMM_TOKENS;
 
   uint x_rows[QGEMM_X_LOADS];
   for (uint i = 0; i < QGEMM_X_LOADS; ++i) {

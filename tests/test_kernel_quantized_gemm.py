@@ -23,6 +23,7 @@ from kernel_testing import (
     sim_device,
 )
 
+from lily.device import Graph
 from lily.kernels.quantized import wrap_quant_weight
 from lily.kernels.quantized_gemm import record_qgemm, record_qgemm_grouped
 from lily.quant import bf16_to_float32, dequantize, unpack_codes
@@ -225,3 +226,15 @@ def test_grouped_256_experts():
     rng = np.random.default_rng(4)
     choices = random_choices(rng, 40, 8, np.arange(256))
     check_grouped("random", choices, 256, 64, 24, 4, swiglu=True, seed=4)
+
+
+def test_mismatched_weights_are_refused():
+    device = sim_device("forward")
+    rng = np.random.default_rng(5)
+    w4 = wrap_quant_weight(device, *random_quantized(rng, 8, 64, 4))
+    w8 = wrap_quant_weight(device, *random_quantized(rng, 8, 64, 8))
+    x, out = float_buffer(device, 64), float_buffer(device, 8)
+    with pytest.raises(ValueError, match="same input dimension and bit width"):
+        record_qgemm(Graph(), device, x, [(w4, out), (w8, out)], 1)
+    with pytest.raises(ValueError, match="one weight, or gate and up"):
+        record_qgemm_grouped(Graph(), device, x, [w4, w4, w4], out, out, None, 1)

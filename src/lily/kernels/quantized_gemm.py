@@ -70,7 +70,7 @@ def record_qgemm(
         buffers[5 + 4 * i] = binding(out)
     graph.dispatch(
         device.kernel(f"qgemm_{first.bits}"),
-        threadgroups=(int(first_tile[-1]), ceil_div(tokens, TOKENS_PER_TILE), 1),
+        threadgroups=(ceil_div(tokens, TOKENS_PER_TILE), int(first_tile[-1]), 1),
         threads=(THREADS_PER_THREADGROUP, 1, 1),
         buffers=buffers,
         bytes={0: params},
