@@ -5,7 +5,7 @@
 //                   [tokens, rows_i]. Grid: x over 32-token tiles, y over every projection's
 //                   128-row tiles in turn. Threadgroups usually start in x-major order, so the
 //                   token tiles of one weight tile run side by side and the weights come from DRAM
-//                   about once per chunk, while x (4 MiB for 512 tokens x 2048) stays in the caches.
+//                   about once per chunk, while x (4 MiB at 512 tokens x 2048) stays in the caches.
 //   qgemm_grouped   the MoE experts of a chunk: assignments (token, expert) sorted by expert,
 //                   expert e owning [expert_offsets[e], expert_offsets[e + 1]); out[a] =
 //                   x[row(a)] W_e^T, or with SWIGLU silu(x[row(a)] G_e^T) * (x[row(a)] U_e^T),
@@ -95,7 +95,7 @@ struct QGemmGroupedTile {
   uint count;  // 0: the tile index is past the last non-empty tile
 };
 
-inline uint qgemm_tokens_tiles(uint assignments) {
+inline uint qgemm_token_tiles(uint assignments) {
   return (assignments + QGEMM_TOKENS - 1) / QGEMM_TOKENS;
 }
 
@@ -112,7 +112,7 @@ inline QGemmGroupedTile qgemm_find_tile(device const uint* expert_offsets, uint 
   uint lo = min(expert_offsets[begin], max_assignments);
   for (uint e = begin; e < end; ++e) {
     const uint hi = min(expert_offsets[e + 1], max_assignments);
-    lane_tiles += hi > lo ? qgemm_tokens_tiles(hi - lo) : 0;
+    lane_tiles += hi > lo ? qgemm_token_tiles(hi - lo) : 0;
     lo = hi;
   }
   const uint before = simd_prefix_exclusive_sum(lane_tiles);
@@ -125,7 +125,7 @@ inline QGemmGroupedTile qgemm_find_tile(device const uint* expert_offsets, uint 
     lo = min(expert_offsets[begin], max_assignments);
     for (uint e = begin; e < end; ++e) {
       const uint hi = min(expert_offsets[e + 1], max_assignments);
-      const uint tiles = hi > lo ? qgemm_tokens_tiles(hi - lo) : 0;
+      const uint tiles = hi > lo ? qgemm_token_tiles(hi - lo) : 0;
       if (tile_index < tiles_before + tiles) {
         expert = e;
         first = lo + (tile_index - tiles_before) * QGEMM_TOKENS;
