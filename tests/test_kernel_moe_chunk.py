@@ -21,15 +21,21 @@ from kernel_testing import (
     run,
     sim_device,
 )
+from test_kernel_moe import TINY, Dims, expert, layer, uint32s
+from test_kernel_quantized import ulps_for
 
 from lily import reference
-from lily.kernels.moe import record_moe_route
-from lily.kernels.moe_chunk import record_moe_chunk_swiglu, record_moe_combine, record_moe_sort
-
-
-def uint32s(buffer, count: int) -> np.ndarray:
-    return buffer.numpy()[: 4 * count].view(np.uint32)
-
+from lily.kernels import offset_by
+from lily.kernels.moe import MoeScratch, MoeWeights, record_moe, record_moe_route
+from lily.kernels.moe_chunk import (
+    MoeChunkScratch,
+    record_moe_chunk,
+    record_moe_chunk_swiglu,
+    record_moe_combine,
+    record_moe_sort,
+)
+from lily.kernels.quantized import wrap_quant_weight
+from lily.quant import bf16_to_float32, float32_to_bf16, unpack_codes
 
 # -- the counting sort ----------------------------------------------------------------------------
 
@@ -207,3 +213,188 @@ def test_combine(lane_order, tokens, top_k, hidden):
     )
     bound = (top_k + 2) * FLOAT32_EPS * magnitude + 4 * FLOAT32_EPS * np.abs(shared_term)
     assert_within(as_float32(out, tokens * hidden).reshape(tokens, hidden), expected, bound)
+
+
+# -- the whole block ------------------------------------------------------------------------------
+#
+# Against a float64 model of the block, with an error bound carried through every stage from the
+# fp32 rounding of each GEMM: a GEMM output is within gemm_ulps(in_dim) ulps of its magnitude
+# (sum |scale code x| + |bias x|), which covers both the chunk's GEMMs (weights dequantized to
+# fp32, then in_dim products summed) and decode's GEMVs (ulps_for), so the same bound, doubled,
+# also holds between the chunk and decode's one-token block.
+
+MID = Dims(hidden=128, experts=32, top_k=8, expert_rows=128, shared_rows=64)
+WIDE = Dims(hidden=128, experts=256, top_k=8, expert_rows=64, shared_rows=128)
+
+
+def gemm_ulps(in_dim: int, bits: int) -> float:
+    return max(in_dim + 3, ulps_for(in_dim, bits))
+
+
+def quantized_matmul(triple, bits: int, x: np.ndarray):
+    """(x W^T, its magnitude, |W|) in float64 for x [T, in] and one MLX-quantized W."""
+    weight, scales, biases = triple
+    codes = unpack_codes(weight, bits).astype(np.float64)
+    rows, in_dim = codes.shape
+    codes = codes.reshape(rows, in_dim // 64, 64)
+    s = bf16_to_float32(scales).astype(np.float64)
+    b = bf16_to_float32(biases).astype(np.float64)
+    dense = (codes * s[..., None] + b[..., None]).reshape(rows, in_dim)
+    x_abs = np.abs(x).reshape(len(x), in_dim // 64, 64)
+    magnitude = np.einsum("trg,rg->tr", np.einsum("rgi,tgi->trg", codes, x_abs), np.abs(s))
+    magnitude += x_abs.sum(axis=-1) @ np.abs(b).T
+    return x @ dense.T, magnitude, np.abs(dense)
+
+
+def reference_expert(gate, up, down, x: np.ndarray):
+    """down(silu(gate x) * up x) for the rows of x, and a bound on the kernels' error in it."""
+    eps = FLOAT32_EPS
+    g, g_mag, _ = quantized_matmul(gate, 4, x)
+    u, u_mag, _ = quantized_matmul(up, 4, x)
+    dg = gemm_ulps(x.shape[1], 4) * eps * g_mag
+    du = gemm_ulps(x.shape[1], 4) * eps * u_mag
+    h = reference.silu(g) * u
+    dh = 1.1 * dg * np.abs(u) + np.abs(reference.silu(g)) * du + dg * du + 8 * eps * np.abs(h)
+    y, _, down_abs = quantized_matmul(down, 4, h)
+    _, y_mag, _ = quantized_matmul(down, 4, np.abs(h) + dh)
+    return y, gemm_ulps(h.shape[1], 4) * eps * y_mag + dh @ down_abs.T
+
+
+def reference_block(w, dims: Dims, x: np.ndarray):
+    """(out, error bound, expert ids) of the MoE block over the rows of x, in float64."""
+    eps = FLOAT32_EPS
+    logits, logit_mag, _ = quantized_matmul(w["router"], 8, x)
+    ids, weights = reference.moe_route(logits, dims.top_k, True)
+    # A logit error d moves a renormalised weight by at most w (d_k + max_j d_j).
+    logit_error = gemm_ulps(dims.hidden, 8) * eps * logit_mag.max(axis=1)
+    weight_error = weights * (2 * logit_error + (16 + dims.experts / 8) * eps)[:, None]
+    out = np.zeros_like(x)
+    bound = np.zeros_like(x)
+    terms = np.zeros_like(x)  # sum of |w_k y_k|, which the combine's own rounding scales with
+    for e in np.unique(ids):
+        rows, slot = np.nonzero(ids == e)
+        gate, up, down = (
+            expert(w[name], e) for name in ("expert_gate", "expert_up", "expert_down")
+        )
+        y, dy = reference_expert(gate, up, down, x[rows])
+        weight, dw = weights[rows, slot][:, None], weight_error[rows, slot][:, None]
+        out[rows] += weight * y
+        bound[rows] += weight * dy + dw * (np.abs(y) + dy)
+        terms[rows] += weight * (np.abs(y) + dy)
+    y, dy = reference_expert(w["shared_gate"], w["shared_up"], w["shared_down"], x)
+    gate_logit, gate_mag, _ = quantized_matmul(w["shared_expert_gate"], 8, x)
+    gate = reference.sigmoid(gate_logit)
+    d_gate = 0.25 * gemm_ulps(dims.hidden, 8) * eps * gate_mag + 4 * eps * gate
+    out += gate * y
+    bound += (
+        gate * dy + d_gate * (np.abs(y) + dy) + (dims.top_k + 2) * eps * (terms + gate * np.abs(y))
+    )
+    return out, bound, ids
+
+
+def layer_weights(dims: Dims, hot_expert: int | None):
+    """The layer of test_kernel_moe; with `hot_expert`, its router row gets a large bias, so that
+    for inputs with a positive mean every token chooses it."""
+    w = dict(layer(dims))
+    if hot_expert is not None:
+        weight, scales, biases = w["router"]
+        biases = biases.copy()
+        biases[hot_expert] = float32_to_bf16(np.full(biases.shape[1], 0.5, dtype=np.float32))
+        w["router"] = (weight, scales, biases)
+    return w
+
+
+def run_chunk(device, dims: Dims, weights: MoeWeights, x: np.ndarray):
+    tokens = len(x)
+    scratch = MoeChunkScratch.allocate(
+        device,
+        dims.experts,
+        dims.top_k,
+        dims.expert_rows,
+        dims.shared_rows,
+        dims.hidden,
+        tokens + 3,
+    )
+    out = float_buffer(device, tokens * dims.hidden)
+    run(
+        device,
+        lambda g: record_moe_chunk(
+            g, device, device.wrap(x), weights, dims.top_k, scratch, out, tokens
+        ),
+    )
+    return as_float32(out, tokens * dims.hidden).reshape(tokens, dims.hidden), scratch
+
+
+def run_decode_per_token(device, dims: Dims, weights: MoeWeights, x: np.ndarray) -> np.ndarray:
+    """Decode's one-token block on every row of x in turn, in one graph."""
+    scratch = MoeScratch.allocate(
+        device, dims.experts, dims.top_k, dims.expert_rows, dims.shared_rows
+    )
+    x_buffer = device.wrap(x)
+    out = float_buffer(device, x.size)
+    row_bytes = 4 * dims.hidden
+
+    def record(graph):
+        for t in range(len(x)):
+            record_moe(
+                graph,
+                device,
+                offset_by(x_buffer, t * row_bytes),
+                weights,
+                dims.top_k,
+                scratch,
+                offset_by(out, t * row_bytes),
+            )
+            graph.barrier()
+
+    run(device, record)
+    return as_float32(out, x.size).reshape(x.shape)
+
+
+CHUNK_CASES = [
+    (TINY, 1, None),
+    (TINY, 7, None),
+    (TINY, 64, None),
+    (TINY, 300, None),
+    (MID, 7, None),
+    (MID, 300, None),
+    (MID, 64, 5),
+    (TINY, 1000, None),
+    (WIDE, 64, None),
+]
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize(
+    ("dims", "tokens", "hot_expert"),
+    CHUNK_CASES,
+    ids=[
+        f"{d.experts}x{d.top_k}-T{t}" + ("-hot" if h is not None else "") for d, t, h in CHUNK_CASES
+    ],
+)
+def test_moe_chunk(lane_order, dims, tokens, hot_expert):
+    device = sim_device(lane_order)
+    w = layer_weights(dims, hot_expert)
+    weights = MoeWeights(**{name: wrap_quant_weight(device, *t) for name, t in w.items()})
+    mean = 0.0 if hot_expert is None else 0.3
+    x = np.random.default_rng(tokens).normal(mean, 1, (tokens, dims.hidden)).astype(np.float32)
+    out, scratch = run_chunk(device, dims, weights, x)
+
+    expected, bound, ids = reference_block(w, dims, x.astype(np.float64))
+    if hot_expert is not None:
+        assert np.all(ids[:, 0] == hot_expert)
+    # The device routes exactly as the float64 model (no near-ties in these logits) and sorts
+    # exactly as numpy.
+    n = tokens * dims.top_k
+    np.testing.assert_array_equal(uint32s(scratch.expert_ids, n).reshape(ids.shape), ids)
+    sorted_on_device = (
+        uint32s(scratch.expert_offsets, dims.experts + 1),
+        uint32s(scratch.row_index, n),
+        uint32s(scratch.slot_of, n),
+    )
+    for got, want in zip(sorted_on_device, reference_sort(ids, dims.experts), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert_within(out, expected, bound)
+
+    decoded = run_decode_per_token(device, dims, weights, x)
+    assert_within(out, decoded.astype(np.float64), 2 * bound)
