@@ -1,0 +1,149 @@
+"""Launching the quantized GEMMs of batched prefill (`metal/quantized_gemm.metal`).
+
+`record_qgemm` multiplies a chunk of tokens by up to four projections that share the input;
+`record_qgemm_grouped` multiplies the MoE assignments of a chunk, sorted by expert, by their
+experts' weights, optionally with the SwiGLU of a gate and an up projection fused. Both read fp32
+activations [rows, in_dim] and write fp32 [rows, out_rows], row-major.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lily.kernels import BufferRef, binding, ceil_div, pack_params, require_aligned
+from lily.kernels.quantized import QuantWeight
+
+if TYPE_CHECKING:
+    from lily.device import Device, Graph
+
+MAX_PROJECTIONS = 4
+# Must match QGEMM_TOKENS, QGEMM_WEIGHT_ROWS and QGEMM_THREADS in quantized_gemm.h.
+TOKENS_PER_TILE = 32
+WEIGHT_ROWS_PER_TILE = 128
+THREADS_PER_THREADGROUP = 128
+
+
+def _check_same_shape(weights: Sequence[QuantWeight], what: str) -> QuantWeight:
+    first = weights[0]
+    for w in weights:
+        if (w.in_dim, w.bits) != (first.in_dim, first.bits):
+            raise ValueError(f"{what} need the same input dimension and bit width")
+    return first
+
+
+def record_qgemm(
+    graph: Graph,
+    device: Device,
+    x: BufferRef,
+    projections: Sequence[tuple[QuantWeight, BufferRef]],
+    tokens: int,
+) -> None:
+    """y_i [tokens, W_i.rows] = x [tokens, in_dim] W_i^T (all fp32) for each `(W_i, y_i)`; all W_i
+    share in_dim and bit width."""
+    if not 1 <= len(projections) <= MAX_PROJECTIONS:
+        raise ValueError(f"between 1 and {MAX_PROJECTIONS} projections, got {len(projections)}")
+    if tokens < 1:
+        raise ValueError(f"at least one token, got {tokens}")
+    first = _check_same_shape([w for w, _ in projections], "projections sharing one dispatch")
+    require_aligned(x, 16, "GEMM input")  # read as float4
+    rows = [w.rows for w, _ in projections]
+    first_tile = np.concatenate([[0], np.cumsum([ceil_div(r, WEIGHT_ROWS_PER_TILE) for r in rows])])
+    # Unused slots repeat the first projection so that every declared buffer is bound.
+    slots = list(projections) + [projections[0]] * (MAX_PROJECTIONS - len(projections))
+    padding = [0] * (MAX_PROJECTIONS - len(projections))
+    params = pack_params(
+        "III4I4I",
+        first.in_dim,
+        tokens,
+        len(projections),
+        *(rows + padding),
+        *(list(first_tile[:-1]) + padding),
+    )
+    buffers = {1: binding(x)}
+    for i, (weight, out) in enumerate(slots):
+        buffers[2 + 4 * i] = binding(weight.weight)
+        buffers[3 + 4 * i] = binding(weight.scales)
+        buffers[4 + 4 * i] = binding(weight.biases)
+        buffers[5 + 4 * i] = binding(out)
+    graph.dispatch(
+        device.kernel(f"qgemm_{first.bits}"),
+        threadgroups=(ceil_div(tokens, TOKENS_PER_TILE), int(first_tile[-1]), 1),
+        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        buffers=buffers,
+        bytes={0: params},
+    )
+
+
+def grouped_tile_bound(max_assignments: int, experts: int) -> int:
+    """Threadgroup rows of a grouped GEMM: an upper bound on its non-empty 32-assignment tiles,
+    sum_e ceil(n_e / 32) <= ceil(sum_e n_e / 32) + (number of non-empty experts)."""
+    return ceil_div(max_assignments, TOKENS_PER_TILE) + min(experts, max_assignments)
+
+
+def record_qgemm_grouped(
+    graph: Graph,
+    device: Device,
+    x: BufferRef,
+    weights: Sequence[QuantWeight],
+    out: BufferRef,
+    expert_offsets: BufferRef,
+    row_index: BufferRef | None,
+    max_assignments: int,
+) -> None:
+    """The expert projections of MoE assignments sorted by expert.
+
+    `expert_offsets` uint32 [experts + 1]: expert e owns sorted assignments [offsets[e],
+    offsets[e + 1]) (non-decreasing; offsets past `max_assignments` are clamped to it).
+    `row_index` uint32 [max_assignments]: the row of x assignment a reads, or None for row a.
+    `weights`: one stacked [experts, rows, ...] weight W, out[a] = x[row(a)] W_e^T; or two, gate
+    and up, out[a] = silu(x[row(a)] G_e^T) * (x[row(a)] U_e^T). `out` fp32 [max_assignments, rows]
+    in sorted-assignment order; rows of assignments past offsets[experts] are left untouched.
+    The grid is fixed here from `max_assignments`; the tiles are found on the device.
+    """
+    if len(weights) not in (1, 2):
+        raise ValueError(f"one weight, or gate and up, got {len(weights)}")
+    first = _check_same_shape(weights, "gate and up")
+    if any((w.rows, w.experts) != (first.rows, first.experts) for w in weights):
+        raise ValueError("gate and up need the same rows and experts")
+    if max_assignments < 1:
+        raise ValueError(f"at least one assignment, got {max_assignments}")
+    require_aligned(x, 16, "GEMM input")  # read as float4
+    swiglu = len(weights) == 2
+    out_columns = WEIGHT_ROWS_PER_TILE // 2 if swiglu else WEIGHT_ROWS_PER_TILE
+    gate, up = weights[0], weights[-1]
+    buffers = {
+        1: binding(x),
+        2: binding(expert_offsets),
+        # Without a row index the kernel never reads slot 3; it still needs a binding.
+        3: binding(expert_offsets if row_index is None else row_index),
+        4: binding(gate.weight),
+        5: binding(gate.scales),
+        6: binding(gate.biases),
+        7: binding(up.weight),
+        8: binding(up.scales),
+        9: binding(up.biases),
+        10: binding(out),
+    }
+    params = pack_params(
+        "IIIII",
+        first.in_dim,
+        first.rows,
+        first.experts,
+        max_assignments,
+        int(row_index is not None),
+    )
+    kind = "grouped_swiglu" if swiglu else "grouped"
+    graph.dispatch(
+        device.kernel(f"qgemm_{kind}_{first.bits}"),
+        threadgroups=(
+            ceil_div(first.rows, out_columns),
+            grouped_tile_bound(max_assignments, first.experts),
+            1,
+        ),
+        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        buffers=buffers,
+        bytes={0: params},
+    )
