@@ -1,0 +1,265 @@
+"""Launching the sparse MoE block for a chunk of T tokens (`metal/moe_chunk.metal`, batched
+prefill).
+
+The routed experts run as grouped GEMMs over the T * top_k (token, expert) assignments sorted by
+expert, so each chosen expert's weights are read once for all of its tokens; the shared expert
+runs as dense GEMMs over all T rows. The block is 9 dispatches in 6 barrier levels:
+
+1. router + shared-expert gate logits (8-bit GEMM, 2 projections) | shared gate + up (4-bit GEMM);
+2. routing (softmax, top-k, renormalised weights, one row per token) | shared SwiGLU;
+3. counting sort of the assignments by expert | shared down GEMM;
+4. grouped gate|up GEMM of the routed experts, SwiGLU fused;
+5. grouped down GEMM;
+6. combine: out[t] = sum_k w[t, k] down[slot(t, k)] + sigmoid(shared gate logit[t]) shared[t].
+
+The shared expert's chain rides along the routing and the sort, which are small and leave most
+of the GPU idle. `record_moe_chunk` places the barriers between its levels; the caller places the
+one before (x ready) and after (out ready).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lily.kernels import BufferRef, binding, ceil_div, pack_params, require_aligned
+from lily.kernels.moe import MAX_EXPERTS, MoeWeights, record_moe_route
+
+if TYPE_CHECKING:
+    from lily.device import Device, Graph
+
+# Must match MOE_SORT_THREADS in moe_chunk.metal.
+SORT_THREADS = 256
+ELEMENTWISE_THREADS = 256
+
+
+@dataclass(frozen=True)
+class MoeChunkScratch:
+    """Device buffers the block passes between its dispatches, sized for `max_tokens` rows
+    (fp32 unless noted; A = max_tokens * top_k assignments, sorted by expert where noted)."""
+
+    max_tokens: int
+    logits: BufferRef  # [max_tokens, experts] router logits
+    shared_gate_logit: BufferRef  # [max_tokens] the shared-expert gate logit
+    expert_ids: BufferRef  # uint32 [max_tokens, top_k]
+    expert_weights: BufferRef  # [max_tokens, top_k]
+    expert_offsets: BufferRef  # uint32 [experts + 1]
+    row_index: BufferRef  # uint32 [A] token of each sorted assignment
+    slot_of: BufferRef  # uint32 [max_tokens, top_k] sorted position of each assignment
+    expert_hidden: BufferRef  # [A, expert_rows] silu(gate) * up, sorted
+    expert_down: BufferRef  # [A, hidden] expert outputs, sorted
+    shared_hidden: BufferRef  # [max_tokens, shared_rows] gate projection, then SwiGLU in place
+    shared_up: BufferRef  # [max_tokens, shared_rows]
+    shared_down: BufferRef  # [max_tokens, hidden]
+
+    @staticmethod
+    def allocate(
+        device: Device,
+        experts: int,
+        top_k: int,
+        expert_rows: int,
+        shared_rows: int,
+        hidden_size: int,
+        max_tokens: int,
+    ) -> MoeChunkScratch:
+        a = max_tokens * top_k
+        return MoeChunkScratch(
+            max_tokens=max_tokens,
+            logits=device.alloc(4 * max_tokens * experts),
+            shared_gate_logit=device.alloc(4 * max_tokens),
+            expert_ids=device.alloc(4 * a),
+            expert_weights=device.alloc(4 * a),
+            expert_offsets=device.alloc(4 * (experts + 1)),
+            row_index=device.alloc(4 * a),
+            slot_of=device.alloc(4 * a),
+            expert_hidden=device.alloc(4 * a * expert_rows),
+            expert_down=device.alloc(4 * a * hidden_size),
+            shared_hidden=device.alloc(4 * max_tokens * shared_rows),
+            shared_up=device.alloc(4 * max_tokens * shared_rows),
+            shared_down=device.alloc(4 * max_tokens * hidden_size),
+        )
+
+
+def moe_chunk_scratch_bytes(
+    experts: int, top_k: int, expert_rows: int, shared_rows: int, hidden_size: int, max_tokens: int
+) -> int:
+    """Bytes `MoeChunkScratch.allocate` takes: 4 * (experts + 1) for the offsets, plus per token
+    4 * (experts + 1 + 4 top_k + top_k (expert_rows + hidden) + 2 shared_rows + hidden)."""
+    per_token = (
+        experts
+        + 1
+        + 4 * top_k
+        + top_k * (expert_rows + hidden_size)
+        + 2 * shared_rows
+        + hidden_size
+    )
+    return 4 * (experts + 1) + 4 * max_tokens * per_token
+
+
+def record_moe_sort(
+    graph: Graph,
+    device: Device,
+    expert_ids: BufferRef,
+    tokens: int,
+    top_k: int,
+    experts: int,
+    expert_offsets: BufferRef,
+    row_index: BufferRef,
+    slot_of: BufferRef,
+) -> None:
+    """Stable counting sort of the tokens * top_k assignments (uint32 expert_ids [tokens, top_k])
+    by expert: expert_offsets [experts + 1] (exclusive scan of the counts), row_index
+    [tokens * top_k] (the token of each sorted assignment) and slot_of [tokens, top_k] (where each
+    assignment went). Within an expert, assignments keep their (token, k) order."""
+    if not 1 <= experts <= MAX_EXPERTS or tokens < 1 or top_k < 1:
+        raise ValueError(f"sorting needs 1 <= experts <= {MAX_EXPERTS} and tokens, top_k >= 1")
+    graph.dispatch(
+        device.kernel("moe_sort_by_expert"),
+        threadgroups=(experts, 1, 1),
+        threads=(SORT_THREADS, 1, 1),
+        buffers={
+            1: binding(expert_ids),
+            2: binding(expert_offsets),
+            3: binding(row_index),
+            4: binding(slot_of),
+        },
+        bytes={0: pack_params("III", tokens, top_k, experts)},
+    )
+
+
+def record_moe_chunk_swiglu(
+    graph: Graph, device: Device, gate_then_hidden: BufferRef, up: BufferRef, count: int
+) -> None:
+    """gate_then_hidden = silu(gate_then_hidden) * up over `count` fp32 values, in place."""
+    graph.dispatch(
+        device.kernel("moe_chunk_swiglu"),
+        threadgroups=(ceil_div(count, ELEMENTWISE_THREADS), 1, 1),
+        threads=(ELEMENTWISE_THREADS, 1, 1),
+        buffers={1: binding(gate_then_hidden), 2: binding(up)},
+        bytes={0: pack_params("I", count)},
+    )
+
+
+def record_moe_combine(
+    graph: Graph,
+    device: Device,
+    expert_down: BufferRef,
+    slot_of: BufferRef,
+    expert_weights: BufferRef,
+    shared_gate_logit: BufferRef,
+    shared_down: BufferRef,
+    out: BufferRef,
+    tokens: int,
+    top_k: int,
+    hidden_size: int,
+) -> None:
+    """out[t] = sum_k expert_weights[t, k] expert_down[slot_of[t, k]] (k in order)
+    + sigmoid(shared_gate_logit[t]) shared_down[t]; expert_down [tokens * top_k, hidden] in
+    sorted-assignment order, shared_down and out [tokens, hidden]."""
+    if hidden_size % 4:
+        raise ValueError(f"hidden size {hidden_size} is not a multiple of 4")
+    for ref, what in ((expert_down, "expert outputs"), (shared_down, "shared expert output")):
+        require_aligned(ref, 16, what)
+    require_aligned(out, 16, "MoE output")
+    graph.dispatch(
+        device.kernel("moe_chunk_combine"),
+        threadgroups=(ceil_div(hidden_size // 4, ELEMENTWISE_THREADS), tokens, 1),
+        threads=(ELEMENTWISE_THREADS, 1, 1),
+        buffers={
+            1: binding(expert_down),
+            2: binding(slot_of),
+            3: binding(expert_weights),
+            4: binding(shared_gate_logit),
+            5: binding(shared_down),
+            6: binding(out),
+        },
+        bytes={0: pack_params("III", tokens, hidden_size, top_k)},
+    )
+
+
+def record_moe_chunk(
+    graph: Graph,
+    device: Device,
+    x: BufferRef,
+    w: MoeWeights,
+    top_k: int,
+    scratch: MoeChunkScratch,
+    out: BufferRef,
+    tokens: int,
+    normalize: bool = True,
+) -> None:
+    """out [tokens, hidden] = MoE(x [tokens, hidden]) row by row, 9 dispatches in 6 levels with
+    barriers between them (the caller places the one before, x ready, and after, out ready)."""
+    if not 1 <= tokens <= scratch.max_tokens:
+        raise ValueError(f"{tokens} tokens, the scratch holds 1 to {scratch.max_tokens}")
+    experts = w.router.rows
+    hidden_size = w.expert_down.rows
+    shared_rows = w.shared_gate.rows
+    assignments = tokens * top_k
+    s = scratch
+    from lily.kernels.quantized_gemm import record_qgemm, record_qgemm_grouped  # DEV ONLY
+
+    record_qgemm(
+        graph,
+        device,
+        x,
+        [(w.router, s.logits), (w.shared_expert_gate, s.shared_gate_logit)],
+        tokens,
+    )
+    record_qgemm(
+        graph, device, x, [(w.shared_gate, s.shared_hidden), (w.shared_up, s.shared_up)], tokens
+    )
+    graph.barrier()
+    record_moe_route(
+        graph, device, s.logits, experts, top_k, s.expert_ids, s.expert_weights, normalize, tokens
+    )
+    record_moe_chunk_swiglu(graph, device, s.shared_hidden, s.shared_up, tokens * shared_rows)
+    graph.barrier()
+    record_moe_sort(
+        graph,
+        device,
+        s.expert_ids,
+        tokens,
+        top_k,
+        experts,
+        s.expert_offsets,
+        s.row_index,
+        s.slot_of,
+    )
+    record_qgemm(graph, device, s.shared_hidden, [(w.shared_down, s.shared_down)], tokens)
+    graph.barrier()
+    record_qgemm_grouped(
+        graph,
+        device,
+        x,
+        [w.expert_gate, w.expert_up],
+        s.expert_hidden,
+        s.expert_offsets,
+        s.row_index,
+        assignments,
+    )
+    graph.barrier()
+    record_qgemm_grouped(
+        graph,
+        device,
+        s.expert_hidden,
+        [w.expert_down],
+        s.expert_down,
+        s.expert_offsets,
+        None,
+        assignments,
+    )
+    graph.barrier()
+    record_moe_combine(
+        graph,
+        device,
+        s.expert_down,
+        s.slot_of,
+        s.expert_weights,
+        s.shared_gate_logit,
+        s.shared_down,
+        out,
+        tokens,
+        top_k,
+        hidden_size,
+    )
