@@ -230,7 +230,7 @@ struct AttentionCombineParams {
 //
 // The tiles stay bf16 in threadgroup memory (20.25 KiB with the padding) and each lane widens
 // its own two elements into float fragments: a float tile for simdgroup_load would take twice
-// the space, and bfloat simdgroup matrices are not available on every Apple GPU Lily targets.
+// the space, and float fragments keep every product and sum of Q K^T and P V in fp32.
 constexpr constant uint kChunkSimdgroups = 4;
 constexpr constant uint kChunkThreads = kChunkSimdgroups * SIMD_WIDTH;
 constexpr constant uint kChunkRows = 8 * kChunkSimdgroups;
