@@ -1,4 +1,4 @@
-// Gated full attention for one decoded token, in three dispatches:
+// Gated full attention, in three dispatches for one decoded token:
 //
 //   attention_prepare  per-head RMSNorm of q and k, partial rotate-half RoPE, and the append of
 //                      the rotated key and the value to the bf16 KV cache at the position
@@ -7,10 +7,15 @@
 //                      spread over many threadgroups; each split leaves an unnormalised partial
 //   attention_combine  merges the partials of every split and applies the sigmoid output gate
 //
+// and in two for a chunk of T prompt tokens: attention_prepare over the T tokens (token t sits at
+// position + t), then attention_chunk, a causal flash-attention pass whose epilogue applies the
+// output gate.
+//
 // The position is read from the step buffer (uint32 [position, ...]) because the graph is
 // recorded once and replayed every step; the number of cached tokens after the append is
-// position + 1. The query/gate split needs no copy: q_proj's output holds per head
-// [query(head_dim) | gate(head_dim)], prepare reads the query half and combine the gate half.
+// position + T. The query/gate split needs no copy: q_proj's output holds per head
+// [query(head_dim) | gate(head_dim)], prepare reads the query half and combine (or the chunk
+// epilogue) the gate half.
 #include "common.h"
 
 // Every Qwen3.5/3.6 attention layer has 256-dim heads; a simdgroup covers one head with 8
@@ -27,25 +32,30 @@ struct AttentionPrepareParams {
   float norm_eps;
 };
 
-// One simdgroup per head: threadgroups [0, num_q_heads) are query heads, the next num_kv_heads
-// are key/value heads. Threads per threadgroup: 32.
+// One simdgroup per head of one token: grid (num_q_heads + num_kv_heads, tokens); threadgroups
+// x < num_q_heads are query heads, the next num_kv_heads are key/value heads, and y is the token
+// of the chunk. Threads per threadgroup: 32.
 [[kernel]] void attention_prepare(
     constant AttentionPrepareParams& params [[buffer(0)]],
-    device const float* q_proj [[buffer(1)]],  // [Hq, 2, head_dim]: query | gate per head
-    device const float* k_proj [[buffer(2)]],  // [Hkv, head_dim]
-    device const float* v_proj [[buffer(3)]],  // [Hkv, head_dim]
+    device const float* q_proj [[buffer(1)]],  // [T, Hq, 2, head_dim]: query | gate per head
+    device const float* k_proj [[buffer(2)]],  // [T, Hkv, head_dim]
+    device const float* v_proj [[buffer(3)]],  // [T, Hkv, head_dim]
     device const bfloat* q_norm [[buffer(4)]],  // [head_dim], stored gain
     device const bfloat* k_norm [[buffer(5)]],  // [head_dim], stored gain
     device const uint* step [[buffer(6)]],      // [position, ...]
-    device float* queries [[buffer(7)]],        // [Hq, head_dim]: normed, rotated
+    device float* queries [[buffer(7)]],        // [T, Hq, head_dim]: normed, rotated
     device bfloat* k_cache [[buffer(8)]],       // [Hkv, cache_capacity, head_dim]
     device bfloat* v_cache [[buffer(9)]],       // [Hkv, cache_capacity, head_dim]
-    uint head [[threadgroup_position_in_grid]],
+    uint2 group_id [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]]) {
-  const uint position = step[0];
+  const uint head = group_id.x;
+  const uint token = group_id.y;
+  const uint position = step[0] + token;
   const bool is_query = head < params.num_q_heads;
   const uint kv_head = head - params.num_q_heads;
-  device const float* src = is_query ? q_proj + head * 2 * kHeadDim : k_proj + kv_head * kHeadDim;
+  const ulong q_row = (ulong(token) * params.num_q_heads + head) * 2 * kHeadDim;
+  const ulong kv_row = (ulong(token) * params.num_kv_heads + kv_head) * kHeadDim;
+  device const float* src = is_query ? q_proj + q_row : k_proj + kv_row;
   device const bfloat* gain = is_query ? q_norm : k_norm;
 
   float x[kPerLane];
@@ -79,14 +89,18 @@ struct AttentionPrepareParams {
   }
 
   if (is_query) {
-    device float* dst = queries + head * kHeadDim;
+    device float* dst = queries + (ulong(token) * params.num_q_heads + head) * kHeadDim;
     for (uint j = 0; j < kPerLane; ++j) {
       dst[lane + SIMD_WIDTH * j] = x[j];
     }
     return;
   }
+  // A chunk running past the cache must not write past the end of it.
+  if (position >= params.cache_capacity) {
+    return;
+  }
   const ulong row = (ulong(kv_head) * params.cache_capacity + position) * kHeadDim;
-  device const float* v_src = v_proj + kv_head * kHeadDim;
+  device const float* v_src = v_proj + kv_row;
   for (uint j = 0; j < kPerLane; ++j) {
     k_cache[row + lane + SIMD_WIDTH * j] = bfloat(x[j]);
     v_cache[row + lane + SIMD_WIDTH * j] = bfloat(v_src[lane + SIMD_WIDTH * j]);
@@ -202,4 +216,173 @@ struct AttentionCombineParams {
   }
   const float gate = q_proj[head * 2 * kHeadDim + kHeadDim + dim];
   out[head * kHeadDim + dim] = numerator / denominator / (1.0f + exp(-gate));
+}
+
+// ---- attention for a chunk of prompt tokens ---------------------------------------------------
+//
+// A threadgroup takes 32 consecutive rows of the chunk's (token, query head) pairs of one kv head,
+// row = token * group_size + head_in_group, so the query heads that share a kv head share every
+// K/V tile it stages. Its four simdgroups own 8 rows each and keep, in simdgroup_matrix 8x8
+// fragments, their rows' scaled queries and fp32 output accumulators across the full head dim
+// (32 fragments each). Per tile of 16 keys: S = Q K^T (2 fragments per simdgroup), an online
+// softmax on S in registers, O = O * rescale + P V. Query t of the chunk sees positions
+// [0, position + t]; keys past the threadgroup's last visible position are staged as zeros.
+//
+// The tiles stay bf16 in threadgroup memory (20.25 KiB with the padding) and each lane widens
+// its own two elements into float fragments: a float tile for simdgroup_load would take twice
+// the space, and float fragments keep every product and sum of Q K^T and P V in fp32.
+constexpr constant uint kChunkSimdgroups = 4;
+constexpr constant uint kChunkThreads = kChunkSimdgroups * SIMD_WIDTH;
+constexpr constant uint kChunkRows = 8 * kChunkSimdgroups;
+constexpr constant uint kChunkKeys = 16;
+constexpr constant uint kHeadFragments = kHeadDim / 8;
+// Staged rows are padded so that the 8 rows a fragment reads start in different banks.
+constexpr constant uint kKeysStride = kChunkKeys + 8;
+constexpr constant uint kValuesStride = kHeadDim + 8;
+
+// Apple's simdgroup_matrix layout (which the sim reproduces): lane l holds row fragment_row(l),
+// columns fragment_col(l) and fragment_col(l) + 1. The softmax and the epilogue work on a lane's
+// own elements, so they need to know which row and columns those are; the four lanes of a row
+// differ in lane bits 0 and 3.
+inline uint fragment_row(uint lane) { return ((lane / 4) & 4) + (lane / 2) % 4; }
+inline uint fragment_col(uint lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; }
+
+inline float row_max(float value) {
+  value = max(value, simd_shuffle_xor(value, 1));
+  return max(value, simd_shuffle_xor(value, 8));
+}
+
+inline float row_sum(float value) {
+  value += simd_shuffle_xor(value, 1);
+  return value + simd_shuffle_xor(value, 8);
+}
+
+struct AttentionChunkParams {
+  uint num_q_heads;
+  uint num_kv_heads;
+  uint cache_capacity;
+  uint tokens;
+  float scale;
+};
+
+// Grid (ceil(tokens * group_size / 32), num_kv_heads), 128 threads per threadgroup.
+[[kernel]] void attention_chunk(
+    constant AttentionChunkParams& params [[buffer(0)]],
+    device const float* queries [[buffer(1)]],  // [T, Hq, head_dim]: normed, rotated
+    device const float* q_proj [[buffer(2)]],   // [T, Hq, 2, head_dim]: the gate halves are read
+    device const bfloat* k_cache [[buffer(3)]],  // [Hkv, cache_capacity, head_dim]
+    device const bfloat* v_cache [[buffer(4)]],  // [Hkv, cache_capacity, head_dim]
+    device const uint* step [[buffer(5)]],       // [position, ...]
+    device float* out [[buffer(6)]],             // [T, Hq, head_dim]: attention * sigmoid(gate)
+    uint2 group_id [[threadgroup_position_in_grid]],
+    uint thread_id [[thread_index_in_threadgroup]],
+    uint simd_index [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup bfloat keys_t[kHeadDim * kKeysStride];      // [dim][key]
+  threadgroup bfloat values[kChunkKeys * kValuesStride];  // [key][dim]
+
+  const uint kv_head = group_id.y;
+  const uint group_size = params.num_q_heads / params.num_kv_heads;
+  const uint position = step[0];
+  const uint frag_row = fragment_row(lane);
+  const uint frag_col = fragment_col(lane);
+
+  const uint first_row = group_id.x * kChunkRows;
+  const uint row = first_row + simd_index * 8 + frag_row;
+  const uint token = row / group_size;
+  const bool row_in_chunk = token < params.tokens;
+  const uint q_head = kv_head * group_size + row % group_size;
+  // Rows past the chunk (in the last threadgroup) also see the zeros staged past the context:
+  // finite, and never stored.
+  const uint last_visible = position + token;
+  const uint last_row = min(first_row + kChunkRows, params.tokens * group_size) - 1;
+  const uint context = min(position + last_row / group_size + 1, params.cache_capacity);
+
+  const ulong q_offset = (ulong(token) * params.num_q_heads + q_head) * kHeadDim + frag_col;
+  simdgroup_float8x8 q[kHeadFragments];
+  simdgroup_float8x8 acc[kHeadFragments];
+  for (uint f = 0; f < kHeadFragments; ++f) {
+    for (uint i = 0; i < 2; ++i) {
+      q[f].thread_elements()[i] =
+          row_in_chunk ? queries[q_offset + 8 * f + i] * params.scale : 0.0f;
+    }
+    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+
+  // Finite start value: fast math does not promise IEEE infinities. Key 0 is visible to every
+  // row, so the first tile replaces it.
+  float running_max = -1.0e30f;
+  float lane_sum = 0.0f;  // this lane's share of its row's softmax denominator
+  const ulong head_base = ulong(kv_head) * params.cache_capacity * kHeadDim;
+  for (uint key0 = 0; key0 < context; key0 += kChunkKeys) {
+    // Zeros past the context: P is 0 there, and 0 * (whatever the cache holds) must stay 0.
+    for (uint e = thread_id; e < kChunkKeys * kHeadDim; e += kChunkThreads) {
+      const uint key = e / kHeadDim;
+      const uint dim = e % kHeadDim;
+      const bool inside = key0 + key < context;
+      const ulong at = head_base + ulong(key0 + key) * kHeadDim + dim;
+      keys_t[dim * kKeysStride + key] = inside ? k_cache[at] : bfloat(0.0f);
+      values[key * kValuesStride + dim] = inside ? v_cache[at] : bfloat(0.0f);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    simdgroup_float8x8 scores[kChunkKeys / 8];
+    for (uint c = 0; c < kChunkKeys / 8; ++c) {
+      scores[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (uint f = 0; f < kHeadFragments; ++f) {
+        threadgroup const bfloat* src =
+            keys_t + (8 * f + frag_row) * kKeysStride + 8 * c + frag_col;
+        simdgroup_float8x8 k_frag;
+        k_frag.thread_elements()[0] = float(src[0]);
+        k_frag.thread_elements()[1] = float(src[1]);
+        simdgroup_multiply_accumulate(scores[c], q[f], k_frag, scores[c]);
+      }
+    }
+
+    float tile_max = running_max;
+    for (uint c = 0; c < kChunkKeys / 8; ++c) {
+      for (uint i = 0; i < 2; ++i) {
+        const bool visible = key0 + 8 * c + frag_col + i <= last_visible;
+        tile_max = visible ? max(tile_max, scores[c].thread_elements()[i]) : tile_max;
+      }
+    }
+    const float new_max = row_max(tile_max);
+    const float rescale = exp(running_max - new_max);
+    running_max = new_max;
+    lane_sum *= rescale;
+    for (uint c = 0; c < kChunkKeys / 8; ++c) {
+      for (uint i = 0; i < 2; ++i) {
+        const bool visible = key0 + 8 * c + frag_col + i <= last_visible;
+        const float p = visible ? exp(scores[c].thread_elements()[i] - running_max) : 0.0f;
+        scores[c].thread_elements()[i] = p;
+        lane_sum += p;
+      }
+    }
+
+    for (uint f = 0; f < kHeadFragments; ++f) {
+      acc[f].thread_elements() *= rescale;
+      for (uint c = 0; c < kChunkKeys / 8; ++c) {
+        threadgroup const bfloat* src =
+            values + (8 * c + frag_row) * kValuesStride + 8 * f + frag_col;
+        simdgroup_float8x8 v_frag;
+        v_frag.thread_elements()[0] = float(src[0]);
+        v_frag.thread_elements()[1] = float(src[1]);
+        simdgroup_multiply_accumulate(acc[f], scores[c], v_frag, acc[f]);
+      }
+    }
+    // The next tile overwrites what the other simdgroups may still be reading.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  const float denominator = row_sum(lane_sum);
+  if (row_in_chunk) {
+    const ulong gate_offset =
+        (ulong(token) * params.num_q_heads + q_head) * 2 * kHeadDim + kHeadDim + frag_col;
+    for (uint f = 0; f < kHeadFragments; ++f) {
+      for (uint i = 0; i < 2; ++i) {
+        out[q_offset + 8 * f + i] = acc[f].thread_elements()[i] / denominator *
+                                    sigmoid(q_proj[gate_offset + 8 * f + i]);
+      }
+    }
+  }
 }

@@ -3,6 +3,8 @@
 prepare (norms, RoPE, cache append), decode (split context) and combine (merge, output gate) are
 checked one by one, then chained in a recorded graph replayed over several positions as the
 engine does. Context lengths cover one token, partly and exactly filled splits, and long caches.
+For a chunk of prompt tokens, prepare over T tokens and the causal chunk kernel are checked on
+their own at ragged T and start positions, then against T decode steps.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from lily.kernels.attention import (
     cache_bytes,
     partial_out_bytes,
     partial_stats_bytes,
+    record_attention_chunk,
     record_attention_combine,
     record_attention_decode,
     record_attention_prepare,
@@ -30,9 +33,11 @@ ROTARY_DIM = 64
 SCALE = HEAD_DIM**-0.5
 # A bf16 value no kernel output takes here, to see which cache rows were written.
 SENTINEL = np.uint16(0xC0E0)  # -7.0
+BF16_NAN = np.uint16(0x7FC0)
 
-# (q heads, kv heads): the real model, and the tiny config.
-REAL, TINY = (16, 2), (4, 2)
+# (q heads, kv heads): the real model, the tiny config, and a group of three query heads (the
+# chunk kernel's 32-row tiles then start in the middle of a token's group).
+REAL, TINY, GROUP_OF_3 = (16, 2), (4, 2), (6, 2)
 
 
 @pytest.fixture(params=LANE_ORDERS)
@@ -339,12 +344,307 @@ def test_replayed_graph_over_a_sequence(device, heads: tuple[int, int]) -> None:
         )
 
 
+# --------------------------------------------------------------------------------------------
+# a chunk of prompt tokens: prepare over T tokens, then the causal chunk kernel
+# --------------------------------------------------------------------------------------------
+
+
+def _normed_rotated(x: np.ndarray, gain: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """x [T, H, D] normed and rotated at positions [T], in float64."""
+    normed = reference.rms_norm(x.astype(np.float64), _f64(gain), EPS)
+    return reference.apply_rope(normed.transpose(1, 0, 2), positions, ROTARY_DIM, THETA).transpose(
+        1, 0, 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("heads", "tokens", "position"),
+    [
+        (TINY, 1, 0),
+        (TINY, 7, 0),
+        (TINY, 7, 250),
+        (REAL, 64, 0),
+        (REAL, 64, 1000),
+        (GROUP_OF_3, 300, 0),
+        (TINY, 300, 4000),
+    ],
+)
+def test_prepare_chunk_matches_reference(
+    device, heads: tuple[int, int], tokens: int, position: int
+) -> None:
+    num_q, num_kv = heads
+    capacity = position + tokens + 5
+    rng = np.random.default_rng(tokens + position)
+    q_proj = rng.normal(0, 2, (tokens, num_q, 2, HEAD_DIM)).astype(np.float32)
+    k_proj = rng.normal(0, 2, (tokens, num_kv, HEAD_DIM)).astype(np.float32)
+    v_proj = rng.normal(0, 2, (tokens, num_kv, HEAD_DIM)).astype(np.float32)
+    q_norm = _bf16(1 + rng.normal(0, 0.1, HEAD_DIM))
+    k_norm = _bf16(1 + rng.normal(0, 0.1, HEAD_DIM))
+    # One row more than the chunk, to see that nothing is written past it.
+    queries = np.full((tokens + 1, num_q, HEAD_DIM), np.nan, dtype=np.float32)
+    k_cache = np.full((num_kv, capacity, HEAD_DIM), SENTINEL, dtype=np.uint16)
+    v_cache = np.full((num_kv, capacity, HEAD_DIM), SENTINEL, dtype=np.uint16)
+    graph = Graph()
+    record_attention_prepare(
+        graph,
+        device,
+        q_proj=device.wrap(q_proj),
+        k_proj=device.wrap(k_proj),
+        v_proj=device.wrap(v_proj),
+        q_norm=device.wrap(q_norm),
+        k_norm=device.wrap(k_norm),
+        step=device.wrap(_step_buffer(position)),
+        queries=device.wrap(queries),
+        k_cache=device.wrap(k_cache),
+        v_cache=device.wrap(v_cache),
+        num_q_heads=num_q,
+        num_kv_heads=num_kv,
+        capacity=capacity,
+        rotary_dim=ROTARY_DIM,
+        rope_theta=THETA,
+        norm_eps=EPS,
+        tokens=tokens,
+    )
+    device.run(graph)
+
+    positions = position + np.arange(tokens)
+    tol = _rope_tolerance(position + tokens - 1)
+    expected_q = _normed_rotated(q_proj[:, :, 0], q_norm, positions)
+    np.testing.assert_allclose(queries[:tokens], expected_q, rtol=1e-5, atol=tol)
+    assert np.all(np.isnan(queries[tokens]))
+    chunk = slice(position, position + tokens)
+    expected_k = _normed_rotated(k_proj, k_norm, positions).transpose(1, 0, 2)
+    np.testing.assert_allclose(_f64(k_cache[:, chunk]), expected_k, rtol=2.0**-8, atol=tol)
+    np.testing.assert_array_equal(v_cache[:, chunk], _bf16(v_proj).transpose(1, 0, 2))
+    untouched = np.ones(capacity, dtype=bool)
+    untouched[chunk] = False
+    assert np.all(k_cache[:, untouched] == SENTINEL)
+    assert np.all(v_cache[:, untouched] == SENTINEL)
+
+
+def test_prepare_chunk_stops_at_the_capacity(device) -> None:
+    """A chunk running past the cache writes the positions that fit and nothing else: head 0's
+    positions past the capacity would land on head 1's first rows."""
+    num_q, num_kv, tokens, position, capacity = 2, 2, 6, 5, 8
+    rng = np.random.default_rng(8)
+    k_cache = np.full((num_kv, capacity, HEAD_DIM), SENTINEL, dtype=np.uint16)
+    v_cache = np.full((num_kv, capacity, HEAD_DIM), SENTINEL, dtype=np.uint16)
+    v_proj = rng.normal(0, 2, (tokens, num_kv, HEAD_DIM)).astype(np.float32)
+    graph = Graph()
+    record_attention_prepare(
+        graph,
+        device,
+        q_proj=device.wrap(rng.normal(0, 2, (tokens, num_q, 2, HEAD_DIM)).astype(np.float32)),
+        k_proj=device.wrap(rng.normal(0, 2, (tokens, num_kv, HEAD_DIM)).astype(np.float32)),
+        v_proj=device.wrap(v_proj),
+        q_norm=device.wrap(_bf16(np.ones(HEAD_DIM))),
+        k_norm=device.wrap(_bf16(np.ones(HEAD_DIM))),
+        step=device.wrap(_step_buffer(position)),
+        queries=device.wrap(np.zeros((tokens, num_q, HEAD_DIM), dtype=np.float32)),
+        k_cache=device.wrap(k_cache),
+        v_cache=device.wrap(v_cache),
+        num_q_heads=num_q,
+        num_kv_heads=num_kv,
+        capacity=capacity,
+        rotary_dim=ROTARY_DIM,
+        rope_theta=THETA,
+        tokens=tokens,
+    )
+    device.run(graph)
+    fits = capacity - position
+    np.testing.assert_array_equal(v_cache[:, position:], _bf16(v_proj[:fits]).transpose(1, 0, 2))
+    assert np.all(k_cache[:, :position] == SENTINEL)
+    assert np.all(v_cache[:, :position] == SENTINEL)
+
+
+class ChunkCase:
+    """Random queries of a chunk of `tokens` tokens at `position`, a random bf16 cache holding
+    positions [0, position + tokens) (earlier chunks' and this one's keys), NaN rows past them
+    (a key read past the context poisons the output even with zero weight), and a q_proj whose
+    query halves are NaN (only the gate halves may be read)."""
+
+    def __init__(self, heads: tuple[int, int], tokens: int, position: int, seed: int) -> None:
+        num_q, num_kv = heads
+        self.heads, self.tokens, self.position = heads, tokens, position
+        rng = np.random.default_rng(seed)
+        context = position + tokens
+        self.capacity = context + 3
+        shape = (num_kv, self.capacity, HEAD_DIM)
+        self.k_cache = np.full(shape, BF16_NAN, dtype=np.uint16)
+        self.v_cache = np.full(shape, BF16_NAN, dtype=np.uint16)
+        filled = (num_kv, context, HEAD_DIM)
+        self.k_cache[:, :context] = _bf16(rng.standard_normal(filled, dtype=np.float32))
+        self.v_cache[:, :context] = _bf16(rng.standard_normal(filled, dtype=np.float32))
+        self.queries = rng.normal(0, 2, (tokens, num_q, HEAD_DIM)).astype(np.float32)
+        self.q_proj = np.full((tokens, num_q, 2, HEAD_DIM), np.nan, dtype=np.float32)
+        self.q_proj[:, :, 1] = rng.normal(0, 2, (tokens, num_q, HEAD_DIM))
+        # One row more than the chunk, to see that nothing is written past it.
+        self.out = np.full((tokens + 1, num_q * HEAD_DIM), np.nan, dtype=np.float32)
+
+    def run(self, device) -> None:
+        num_q, num_kv = self.heads
+        graph = Graph()
+        record_attention_chunk(
+            graph,
+            device,
+            queries=device.wrap(self.queries),
+            q_proj=device.wrap(self.q_proj),
+            k_cache=device.wrap(self.k_cache),
+            v_cache=device.wrap(self.v_cache),
+            step=device.wrap(_step_buffer(self.position)),
+            out=device.wrap(self.out),
+            num_q_heads=num_q,
+            num_kv_heads=num_kv,
+            capacity=self.capacity,
+            tokens=self.tokens,
+        )
+        device.run(graph)
+
+    def expected(self) -> np.ndarray:
+        context = self.position + self.tokens
+        k = _f64(self.k_cache[:, :context])
+        v = _f64(self.v_cache[:, :context])
+        q = self.queries.astype(np.float64).transpose(1, 0, 2)
+        positions = self.position + np.arange(self.tokens)
+        attended = reference.attention(q, k, v, SCALE, positions).transpose(1, 0, 2)
+        gated = attended * reference.sigmoid(self.q_proj[:, :, 1].astype(np.float64))
+        return gated.reshape(self.tokens, -1)
+
+
+@pytest.mark.parametrize(
+    ("heads", "tokens", "position"),
+    [
+        (TINY, 1, 0),
+        (TINY, 1, 50),
+        (TINY, 7, 0),
+        (TINY, 7, 13),
+        (GROUP_OF_3, 64, 0),
+        (REAL, 64, 100),
+        (REAL, 300, 37),
+        ((2, 1), 513, 300),
+    ],
+)
+def test_chunk_matches_reference(device, heads: tuple[int, int], tokens: int, position: int):
+    case = ChunkCase(heads, tokens, position, seed=tokens + position)
+    case.run(device)
+    np.testing.assert_allclose(
+        case.out[:tokens], case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL
+    )
+    assert np.all(np.isnan(case.out[tokens]))
+
+
+@pytest.mark.parametrize(("heads", "tokens", "position"), [(REAL, 7, 20), (TINY, 40, 9)])
+def test_chunk_equals_decode_steps(
+    device, heads: tuple[int, int], tokens: int, position: int
+) -> None:
+    """prepare + chunk over T tokens leaves the same cache as T replays of the decode graph
+    (prepare, decode, combine per token) and the same outputs within fp32 rounding."""
+    num_q, num_kv = heads
+    capacity, num_splits = position + tokens + 2, 4
+    rng = np.random.default_rng(tokens)
+    q_proj = rng.normal(0, 2, (tokens, num_q, 2, HEAD_DIM)).astype(np.float32)
+    k_proj = rng.normal(0, 2, (tokens, num_kv, HEAD_DIM)).astype(np.float32)
+    v_proj = rng.normal(0, 2, (tokens, num_kv, HEAD_DIM)).astype(np.float32)
+    norms = {
+        "q_norm": device.wrap(_bf16(1 + rng.normal(0, 0.1, HEAD_DIM))),
+        "k_norm": device.wrap(_bf16(1 + rng.normal(0, 0.1, HEAD_DIM))),
+    }
+    earlier = np.zeros((num_kv, capacity, HEAD_DIM), dtype=np.uint16)
+    earlier[:, :position] = _bf16(rng.standard_normal((num_kv, position, HEAD_DIM)))
+    heads_kw = {"num_q_heads": num_q, "num_kv_heads": num_kv, "capacity": capacity}
+    rope_kw = {"rotary_dim": ROTARY_DIM, "rope_theta": THETA, "norm_eps": EPS}
+
+    chunk = {
+        "q_proj": q_proj,
+        "k_proj": k_proj,
+        "v_proj": v_proj,
+        "step": _step_buffer(position),
+        "queries": np.zeros((tokens, num_q, HEAD_DIM), dtype=np.float32),
+        "k_cache": earlier.copy(),
+        "v_cache": earlier.copy(),
+        "out": np.zeros((tokens, num_q * HEAD_DIM), dtype=np.float32),
+    }
+    c = {name: device.wrap(array) for name, array in chunk.items()}
+    graph = Graph()
+    record_attention_prepare(
+        graph,
+        device,
+        **{name: c[name] for name in ("q_proj", "k_proj", "v_proj", "step", "queries")},
+        **{name: c[name] for name in ("k_cache", "v_cache")},
+        **norms,
+        **heads_kw,
+        **rope_kw,
+        tokens=tokens,
+    )
+    graph.barrier()
+    record_attention_chunk(
+        graph,
+        device,
+        **{name: c[name] for name in ("queries", "q_proj", "k_cache", "v_cache", "step", "out")},
+        **heads_kw,
+        tokens=tokens,
+    )
+    device.run(graph)
+
+    one = {
+        "q_proj": np.zeros((num_q, 2, HEAD_DIM), dtype=np.float32),
+        "k_proj": np.zeros((num_kv, HEAD_DIM), dtype=np.float32),
+        "v_proj": np.zeros((num_kv, HEAD_DIM), dtype=np.float32),
+        "step": _step_buffer(0),
+        "queries": np.zeros((num_q, HEAD_DIM), dtype=np.float32),
+        "k_cache": earlier.copy(),
+        "v_cache": earlier.copy(),
+        "partial_out": np.zeros(partial_out_bytes(num_q, num_splits), dtype=np.uint8),
+        "partial_stats": np.zeros(partial_stats_bytes(num_q, num_splits), dtype=np.uint8),
+        "out": np.zeros((num_q, HEAD_DIM), dtype=np.float32),
+    }
+    d = {name: device.wrap(array) for name, array in one.items()}
+    cache_kw = {name: d[name] for name in ("step", "queries", "k_cache", "v_cache")}
+    partials_kw = {name: d[name] for name in ("partial_out", "partial_stats")}
+    decode = Graph()
+    record_attention_prepare(
+        decode,
+        device,
+        **{name: d[name] for name in ("q_proj", "k_proj", "v_proj")},
+        **cache_kw,
+        **norms,
+        **heads_kw,
+        **rope_kw,
+    )
+    decode.barrier()
+    record_attention_decode(
+        decode, device, **cache_kw, **partials_kw, **heads_kw, num_splits=num_splits
+    )
+    decode.barrier()
+    record_attention_combine(
+        decode,
+        device,
+        **partials_kw,
+        q_proj=d["q_proj"],
+        out=d["out"],
+        num_q_heads=num_q,
+        num_splits=num_splits,
+    )
+    for t in range(tokens):
+        one["q_proj"][:], one["k_proj"][:], one["v_proj"][:] = q_proj[t], k_proj[t], v_proj[t]
+        one["step"][0] = position + t
+        device.run(decode)
+        # Same prepare code per token: the same bits.
+        np.testing.assert_array_equal(chunk["queries"][t], one["queries"])
+        np.testing.assert_allclose(
+            chunk["out"][t], one["out"].reshape(-1), rtol=DECODE_RTOL, atol=DECODE_ATOL
+        )
+    np.testing.assert_array_equal(chunk["k_cache"], one["k_cache"])
+    np.testing.assert_array_equal(chunk["v_cache"], one["v_cache"])
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"head_dim": 128}, "256-dim"),
         ({"rotary_dim": 48}, "rotary_dim"),
         ({"num_q_heads": 5}, "share"),
+        ({"tokens": 0}, "at least one token"),
     ],
 )
 def test_rejects_dims_it_was_not_built_for(device, change: dict, message: str) -> None:
@@ -369,3 +669,14 @@ def test_rejects_dims_it_was_not_built_for(device, change: dict, message: str) -
     }
     with pytest.raises(ValueError, match=message):
         record_attention_prepare(Graph(), device, **dict.fromkeys(names, buffer), **(dims | change))
+
+
+def test_chunk_rejects_dims_it_was_not_built_for(device) -> None:
+    buffer = device.alloc(16)
+    names = ("queries", "q_proj", "k_cache", "v_cache", "step", "out")
+    dims = {"num_q_heads": 4, "num_kv_heads": 2, "capacity": 8, "tokens": 3}
+    for change, message in (({"tokens": 0}, "at least one token"), ({"head_dim": 64}, "256-dim")):
+        with pytest.raises(ValueError, match=message):
+            record_attention_chunk(
+                Graph(), device, **dict.fromkeys(names, buffer), **(dims | change)
+            )

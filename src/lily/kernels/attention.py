@@ -1,6 +1,6 @@
-"""Recording of gated full attention for one decoded token (`metal/attention.metal`).
+"""Recording of gated full attention (`metal/attention.metal`).
 
-Three dispatches, each needing a barrier before the next:
+For one decoded token, three dispatches, each needing a barrier before the next:
 
 1. `record_attention_prepare`: q/k RMSNorm, partial RoPE, and the append of the rotated key and
    the value to the bf16 cache at the position held in the step buffer;
@@ -8,15 +8,19 @@ Three dispatches, each needing a barrier before the next:
    that run as separate threadgroups and leave partial results in a scratch buffer;
 3. `record_attention_combine`: merges the partials and applies the sigmoid output gate.
 
+For a chunk of T prompt tokens, two: `record_attention_prepare` with `tokens=T` (token t at
+position + t), then `record_attention_chunk`, causal attention of the T queries over the cache
+with the output gate applied; no scratch.
+
 The KV cache of a layer is two bf16 arrays [num_kv_heads, capacity, 256]; the step buffer is
-uint32 [position, ...] and the context after the append is position + 1 tokens.
+uint32 [position, ...] and the context after the append is position + T tokens.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lily.kernels import BufferRef, binding, pack_params
+from lily.kernels import BufferRef, binding, ceil_div, pack_params
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -24,6 +28,10 @@ if TYPE_CHECKING:
 # Every head is covered by one simdgroup holding 8 dims per lane.
 HEAD_DIM = 256
 SIMD_WIDTH = 32
+# Must match kChunkRows and kChunkThreads in attention.metal: (token, query head) rows per
+# threadgroup of the chunk kernel, and its threads.
+CHUNK_ROWS = 32
+CHUNK_THREADS = 128
 # Enough threadgroups to spread a long context over a GPU's cores, few enough that the combine
 # pass stays negligible; a short context leaves most splits empty, which costs one early exit.
 DEFAULT_NUM_SPLITS = 32
@@ -51,6 +59,11 @@ def _check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
         raise ValueError(f"{num_q_heads} query heads do not share {num_kv_heads} kv heads")
 
 
+def _check_tokens(tokens: int) -> None:
+    if tokens <= 0:
+        raise ValueError(f"a chunk needs at least one token, not {tokens}")
+
+
 def record_attention_prepare(
     graph: Graph,
     device: Device,
@@ -70,19 +83,23 @@ def record_attention_prepare(
     rotary_dim: int,
     rope_theta: float,
     norm_eps: float = 1e-6,
+    tokens: int = 1,
     head_dim: int = HEAD_DIM,
 ) -> None:
-    """Normalise and rotate q and k, write the queries, and append k and v to the cache.
+    """Normalise and rotate q and k of `tokens` tokens, write the queries, and append k and v to
+    the cache; token t is at position step[0] + t.
 
-    q_proj fp32 [Hq, 2, 256] (query | gate per head); k_proj, v_proj fp32 [Hkv, 256]; q_norm,
-    k_norm bf16 [256] (stored gains); queries fp32 [Hq, 256]; caches bf16 [Hkv, capacity, 256].
+    q_proj fp32 [T, Hq, 2, 256] (query | gate per head); k_proj, v_proj fp32 [T, Hkv, 256];
+    q_norm, k_norm bf16 [256] (stored gains); queries fp32 [T, Hq, 256]; caches bf16
+    [Hkv, capacity, 256]. Positions past the capacity are not written.
     """
     _check_heads(num_q_heads, num_kv_heads, head_dim)
+    _check_tokens(tokens)
     if rotary_dim <= 0 or rotary_dim % (2 * SIMD_WIDTH) or rotary_dim > HEAD_DIM:
         raise ValueError(f"rotary_dim {rotary_dim} must be a positive multiple of 64 up to 256")
     graph.dispatch(
         device.kernel("attention_prepare"),
-        threadgroups=(num_q_heads + num_kv_heads, 1, 1),
+        threadgroups=(num_q_heads + num_kv_heads, tokens, 1),
         threads=(SIMD_WIDTH, 1, 1),
         buffers={
             1: binding(q_proj),
@@ -164,4 +181,49 @@ def record_attention_combine(
             4: binding(out),
         },
         bytes={0: pack_params("II", num_q_heads, num_splits)},
+    )
+
+
+def record_attention_chunk(
+    graph: Graph,
+    device: Device,
+    *,
+    queries: BufferRef,
+    q_proj: BufferRef,
+    k_cache: BufferRef,
+    v_cache: BufferRef,
+    step: BufferRef,
+    out: BufferRef,
+    num_q_heads: int,
+    num_kv_heads: int,
+    capacity: int,
+    tokens: int,
+    head_dim: int = HEAD_DIM,
+) -> None:
+    """Causal attention of a chunk's `tokens` queries, gated: `out = attention * sigmoid(gate)`.
+
+    Query t (at position step[0] + t) attends to cache positions [0, step[0] + t], so the chunk's
+    keys and values must already be appended (by `record_attention_prepare` with the same
+    `tokens`) and step[0] + tokens <= capacity. queries fp32 [T, Hq, 256]; q_proj fp32
+    [T, Hq, 2, 256], of which the gate halves are read; caches bf16 [Hkv, capacity, 256]; out
+    fp32 [T, Hq * 256], ready for o_proj. Scale 1/16.
+    """
+    _check_heads(num_q_heads, num_kv_heads, head_dim)
+    _check_tokens(tokens)
+    rows = tokens * (num_q_heads // num_kv_heads)
+    graph.dispatch(
+        device.kernel("attention_chunk"),
+        threadgroups=(ceil_div(rows, CHUNK_ROWS), num_kv_heads, 1),
+        threads=(CHUNK_THREADS, 1, 1),
+        buffers={
+            1: binding(queries),
+            2: binding(q_proj),
+            3: binding(k_cache),
+            4: binding(v_cache),
+            5: binding(step),
+            6: binding(out),
+        },
+        bytes={
+            0: pack_params("IIIIf", num_q_heads, num_kv_heads, capacity, tokens, head_dim**-0.5)
+        },
     )
