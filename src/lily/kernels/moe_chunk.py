@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from lily.kernels import BufferRef, binding, ceil_div, pack_params, require_aligned
 from lily.kernels.moe import MAX_EXPERTS, MoeWeights, record_moe_route
+from lily.kernels.quantized_gemm import record_qgemm, record_qgemm_grouped
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -197,7 +198,6 @@ def record_moe_chunk(
     shared_rows = w.shared_gate.rows
     assignments = tokens * top_k
     s = scratch
-    from lily.kernels.quantized_gemm import record_qgemm, record_qgemm_grouped  # DEV ONLY
 
     record_qgemm(
         graph,
