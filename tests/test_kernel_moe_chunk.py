@@ -28,10 +28,12 @@ from test_kernel_moe import TINY, Dims, layer, uint32s
 from test_kernel_quantized import ulps_for
 
 from lily import reference
+from lily.device import Graph
 from lily.kernels import offset_by
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe, record_moe_route
 from lily.kernels.moe_chunk import (
     MoeChunkScratch,
+    moe_chunk_scratch_bytes,
     record_moe_chunk,
     record_moe_chunk_swiglu,
     record_moe_combine,
@@ -432,3 +434,24 @@ def test_moe_chunk(lane_order, dims, tokens, hot_expert):
     decoded = run_decode_per_token(device, dims, weights, x[rows])
     _, decode_bound, _ = reference_block(exact, dims, x64[rows], decode_gemv_error)
     assert_within(out[rows], decoded.astype(np.float64), bound[rows] + decode_bound)
+
+
+def test_moe_chunk_dispatches_levels_and_scratch():
+    device = sim_device("forward")
+    d = MID
+    scratch = MoeChunkScratch.allocate(
+        device, d.experts, d.top_k, d.expert_rows, d.shared_rows, d.hidden, 40
+    )
+    buffers = [v for v in vars(scratch).values() if not isinstance(v, int)]
+    assert sum(b.size for b in buffers) == moe_chunk_scratch_bytes(
+        d.experts, d.top_k, d.expert_rows, d.shared_rows, d.hidden, 40
+    )
+    weights = MoeWeights(**{n: wrap_quant_weight(device, *t) for n, t in layer(d).items()})
+    x, out = float_buffer(device, 40 * d.hidden), float_buffer(device, 40 * d.hidden)
+    graph = Graph()
+    record_moe_chunk(graph, device, x, weights, d.top_k, scratch, out, 40)
+    assert (graph.dispatch_count, graph.barrier_count + 1) == (9, 6)
+    with pytest.raises(ValueError, match="scratch holds"):
+        record_moe_chunk(Graph(), device, x, weights, d.top_k, scratch, out, 41)
+    with pytest.raises(ValueError, match="differ from the scratch"):
+        record_moe_chunk(Graph(), device, x, weights, d.top_k - 1, scratch, out, 40)
