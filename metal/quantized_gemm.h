@@ -4,22 +4,22 @@
 //
 // A threadgroup of four SIMD-groups computes 32 tokens x 128 weight rows, 32 inputs per stage.
 // Per stage every thread stages weight row `thread_id`: it reads that row's codes as uint4 (one at
-// 4 bits, two at 8), dequantizes them with the row's group scale and bias (32 inputs never straddle
-// a group of 64), and writes them to threadgroup memory; the 128 threads also copy the 32 x 32 block
-// of X as float4. Each SIMD-group then multiplies all 32 tokens by its own 32 weight rows (4 x 4
-// fragments). The next stage's device loads are issued before this stage's multiplies, so they are
-// in flight while the SIMD-groups compute.
+// 4 bits, two at 8), dequantizes them with the row's group scale and bias (32 inputs never
+// straddle a group of 64), and writes them to threadgroup memory; the 128 threads also copy the
+// 32 x 32 block of X as float4. Each SIMD-group then multiplies all 32 tokens by its own 32 weight
+// rows (4 x 4 fragments). The next stage's device loads are issued before this stage's multiplies,
+// so they are in flight while the SIMD-groups compute.
 //
-// Why this shape. Activations are fp32, 8 bytes for every byte of a 4-bit weight, so the traffic
-// that dominates is re-reading X once per weight tile, not re-reading weights once per token tile:
-// per multiply-add it is 4/128 bytes of X plus 0.56/32 bytes of weight (codes, scales, biases) here,
-// against 4/64 + 0.56/64 for a square 64 x 64 tile (MLX's qmm_t uses 32 x 32 x 32 with bf16 operands, the reference engine's
-// Metal 4 path 32 or 64 tokens x 64 x 64). 32 tokens also fit MoE experts, which get about 16 tokens
-// each in a 512-token chunk, without multiplying mostly-empty rows. 128 weight rows give each thread
-// exactly one uint4 per stage at 4 bits; 32 inputs per stage keep threadgroup memory at
-// (32 + 128) x 36 floats = 22.5 KiB, under the 32 KiB limit with fp32 staging (bf16 staging would
-// halve it but round the activations to 8 bits of mantissa).
-// Rows are padded by 4 floats so that the 8 rows of one fragment load start in different banks.
+// Why this shape. An fp32 activation is 8 times the bytes of a 4-bit weight, so the traffic that
+// dominates is re-reading X once per weight tile, not re-reading weights once per token tile: per
+// multiply-add it is 4/128 bytes of X plus 0.56/32 bytes of weight (codes, scales, biases) here,
+// against 4/64 + 0.56/64 for a square 64 x 64 tile. (MLX's qmm_t uses 32 x 32 x 32 with bf16
+// operands; the reference engine's Metal 4 path 32 or 64 tokens x 64 x 64.) 32 tokens also suit MoE
+// experts, which get about 16 tokens each in a 512-token chunk, without multiplying mostly-empty
+// rows. 128 weight rows give each thread exactly one uint4 per stage at 4 bits. 32 inputs per stage
+// keep threadgroup memory at (32 + 128) x 36 floats = 22.5 KiB, under the 32 KiB limit with fp32
+// staging (bf16 staging would halve it but round the activations to 8 bits of mantissa). Rows are
+// padded by 4 floats so that the rows of one fragment fall in different banks.
 #pragma once
 
 #include "common.h"

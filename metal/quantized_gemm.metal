@@ -3,13 +3,16 @@
 //   qgemm           y_i = x W_i^T for up to four projections sharing one input x [tokens, in_dim]
 //                   (GDN in_proj qkv|z|a|b, attention q|k|v, router|shared-expert gate), y_i
 //                   [tokens, rows_i]. Grid: x over 32-token tiles, y over every projection's
-//                   128-row tiles in turn. Threadgroups are started in x-major order, so the token
-//                   tiles of one weight tile run side by side and the weights come from DRAM about
-//                   once per chunk, while x (4 MiB for 512 tokens x 2048) stays in the caches.
-//   qgemm_grouped   the MoE experts of a chunk: assignments (token, expert) sorted by expert, expert
-//                   e owning [expert_offsets[e], expert_offsets[e + 1]); out[a] = x[row(a)] W_e^T,
-//                   or with SWIGLU silu(x[row(a)] G_e^T) * (x[row(a)] U_e^T), the gate and up
-//                   weights staged as the two halves of one 128-row tile.
+//                   128-row tiles in turn. Threadgroups usually start in x-major order, so the
+//                   token tiles of one weight tile run side by side and the weights come from DRAM
+//                   about once per chunk, while x (4 MiB at 512 tokens x 2048) stays in the caches.
+//   qgemm_grouped   the MoE experts of a chunk: assignments (token, expert) sorted by expert,
+//                   expert e owning [expert_offsets[e], expert_offsets[e + 1]); out[a] =
+//                   x[row(a)] W_e^T, or with SWIGLU silu(x[row(a)] G_e^T) * (x[row(a)] U_e^T),
+//                   the gate and up weights staged as the two halves of one 128-row tile. Grid:
+//                   x over output-column tiles (128 columns, 64 with SWIGLU), y over an upper bound
+//                   on the 32-assignment tiles; each threadgroup finds its expert and tile on the
+//                   device.
 // Every output element is written by one thread, once, so the results do not depend on scheduling.
 #include "common.h"
 #include "quantized.h"
@@ -69,7 +72,9 @@ template <uint BITS>
   // Thread t stores column t of the tile: neighbouring threads write neighbouring addresses.
   if (n >= rows) return;
   const uint count = min(QGEMM_TOKENS, p.tokens - m0);
-  for (uint r = 0; r < count; ++r) y[ulong(m0 + r) * rows + n] = tile[r * QGEMM_OUT_STRIDE + thread_id];
+  for (uint r = 0; r < count; ++r) {
+    y[ulong(m0 + r) * rows + n] = tile[r * QGEMM_OUT_STRIDE + thread_id];
+  }
 }
 
 template [[host_name("qgemm_4")]] [[kernel]] decltype(qgemm<4>) qgemm<4>;
@@ -90,7 +95,7 @@ struct QGemmGroupedTile {
   uint count;  // 0: the tile index is past the last non-empty tile
 };
 
-inline uint qgemm_tokens_tiles(uint assignments) {
+inline uint qgemm_token_tiles(uint assignments) {
   return (assignments + QGEMM_TOKENS - 1) / QGEMM_TOKENS;
 }
 
@@ -107,7 +112,7 @@ inline QGemmGroupedTile qgemm_find_tile(device const uint* expert_offsets, uint 
   uint lo = min(expert_offsets[begin], max_assignments);
   for (uint e = begin; e < end; ++e) {
     const uint hi = min(expert_offsets[e + 1], max_assignments);
-    lane_tiles += hi > lo ? qgemm_tokens_tiles(hi - lo) : 0;
+    lane_tiles += hi > lo ? qgemm_token_tiles(hi - lo) : 0;
     lo = hi;
   }
   const uint before = simd_prefix_exclusive_sum(lane_tiles);
@@ -120,7 +125,7 @@ inline QGemmGroupedTile qgemm_find_tile(device const uint* expert_offsets, uint 
     lo = min(expert_offsets[begin], max_assignments);
     for (uint e = begin; e < end; ++e) {
       const uint hi = min(expert_offsets[e + 1], max_assignments);
-      const uint tiles = hi > lo ? qgemm_tokens_tiles(hi - lo) : 0;
+      const uint tiles = hi > lo ? qgemm_token_tiles(hi - lo) : 0;
       if (tile_index < tiles_before + tiles) {
         expert = e;
         first = lo + (tile_index - tiles_before) * QGEMM_TOKENS;
@@ -165,7 +170,8 @@ template <uint BITS, bool SWIGLU>
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const QGemmGroupedTile t{found[0], found[1], found[2]};
-  if (t.count == 0) return;  // the grid is an upper bound on the tiles; the whole threadgroup leaves
+  // The grid is an upper bound on the tiles; a threadgroup past the last one leaves as a whole.
+  if (t.count == 0) return;
 
   // With SWIGLU the tile's first 64 rows are gate rows n0.., the last 64 the same up rows.
   constexpr uint out_columns = SWIGLU ? QGEMM_WEIGHT_ROWS / 2 : QGEMM_WEIGHT_ROWS;
