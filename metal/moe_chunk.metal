@@ -42,7 +42,9 @@ struct MoeSortParams {
 
   const uint assignments = p.tokens * p.top_k;
   uint lower = 0;
-  for (uint a = thread_id; a < assignments; a += MOE_SORT_THREADS) lower += expert_ids[a] < expert ? 1u : 0u;
+  for (uint a = thread_id; a < assignments; a += MOE_SORT_THREADS) {
+    lower += expert_ids[a] < expert ? 1u : 0u;
+  }
   const uint lower_in_simdgroup = simd_sum(lower);
   if (lane == 0) lower_counts[simdgroup] = lower_in_simdgroup;
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -58,7 +60,9 @@ struct MoeSortParams {
     const uint token = tile * MOE_SORT_THREADS + thread_id;
     uint mine = 0;
     if (token < p.tokens) {
-      for (uint k = 0; k < p.top_k; ++k) mine += expert_ids[token * p.top_k + k] == expert ? 1u : 0u;
+      for (uint k = 0; k < p.top_k; ++k) {
+        mine += expert_ids[token * p.top_k + k] == expert ? 1u : 0u;
+      }
     }
     const uint before_in_simdgroup = simd_prefix_exclusive_sum(mine);
     const uint in_simdgroup = simd_sum(mine);

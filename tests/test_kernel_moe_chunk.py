@@ -10,6 +10,9 @@ float64 numpy, and against decode's one-token block (`record_moe`) row by row.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 from kernel_testing import (
@@ -21,14 +24,16 @@ from kernel_testing import (
     run,
     sim_device,
 )
-from test_kernel_moe import TINY, Dims, expert, layer, uint32s
+from test_kernel_moe import TINY, Dims, layer, uint32s
 from test_kernel_quantized import ulps_for
 
 from lily import reference
+from lily.device import Graph
 from lily.kernels import offset_by
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe, record_moe_route
 from lily.kernels.moe_chunk import (
     MoeChunkScratch,
+    moe_chunk_scratch_bytes,
     record_moe_chunk,
     record_moe_chunk_swiglu,
     record_moe_combine,
@@ -105,8 +110,8 @@ def test_sort_leaves_unchosen_experts_empty(lane_order, tokens, experts, top_k):
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
 @pytest.mark.parametrize(("tokens", "experts", "top_k"), SORT_CASES)
 def test_sort_after_routing_with_one_expert_always_chosen(lane_order, tokens, experts, top_k):
-    # Router logits crafted so that one expert tops every token: the sort sees all T tokens in one
-    # expert, in token order, at a different k each time since that expert is always rank 0.
+    # Router logits crafted so that one expert tops every token: the sort puts all T tokens in one
+    # expert, in token order.
     device = sim_device(lane_order)
     rng = np.random.default_rng(tokens)
     logits = rng.normal(0, 1, (tokens, experts)).astype(np.float32)
@@ -229,72 +234,80 @@ MID = Dims(hidden=128, experts=32, top_k=8, expert_rows=128, shared_rows=64)
 WIDE = Dims(hidden=128, experts=256, top_k=8, expert_rows=64, shared_rows=128)
 
 
-def dequantized(triple, bits: int):
-    """(W as float64 [rows, in], W's codes [rows, groups, 64], scales, biases) of a triple."""
-    weight, scales, biases = triple
-    codes = unpack_codes(weight, bits).astype(np.float64)
-    rows, in_dim = codes.shape
-    codes = codes.reshape(rows, in_dim // 64, 64)
-    s = bf16_to_float32(scales).astype(np.float64)
-    b = bf16_to_float32(biases).astype(np.float64)
-    return (codes * s[..., None] + b[..., None]).reshape(rows, in_dim), codes, s, b
+@dataclass(frozen=True)
+class Float64Weight:
+    """An MLX-quantized matrix in float64: W [rows, in] = scale * code + bias, with its codes
+    [rows, groups, 64] and scales and biases [rows, groups] (a leading expert axis on all four
+    for stacked experts)."""
+
+    dense: np.ndarray
+    codes: np.ndarray
+    scales: np.ndarray
+    biases: np.ndarray
+    bits: int
+
+    @staticmethod
+    def of(triple, bits: int) -> Float64Weight:
+        weight, scales, biases = triple
+        codes = unpack_codes(weight, bits).astype(np.float64)
+        codes = codes.reshape(*codes.shape[:-1], -1, 64)
+        s = bf16_to_float32(scales).astype(np.float64)
+        b = bf16_to_float32(biases).astype(np.float64)
+        dense = (codes * s[..., None] + b[..., None]).reshape(*s.shape[:-1], -1)
+        return Float64Weight(dense, codes, s, b, bits)
+
+    def expert(self, e: int) -> Float64Weight:
+        return Float64Weight(
+            self.dense[e], self.codes[e], self.scales[e], self.biases[e], self.bits
+        )
 
 
-def chunk_gemm_error(triple, bits: int, x_abs: np.ndarray) -> np.ndarray:
-    dense, *_ = dequantized(triple, bits)
-    return (dense.shape[1] + 2) * FLOAT32_EPS * (x_abs @ np.abs(dense).T)
+def chunk_gemm_error(m: Float64Weight, x_abs: np.ndarray) -> np.ndarray:
+    return (m.dense.shape[1] + 2) * FLOAT32_EPS * (x_abs @ np.abs(m.dense).T)
 
 
-def decode_gemv_error(triple, bits: int, x_abs: np.ndarray) -> np.ndarray:
-    _, codes, s, b = dequantized(triple, bits)
-    groups = x_abs.reshape(len(x_abs), codes.shape[1], 64)
-    magnitude = groups.sum(axis=-1) @ np.abs(b).T
-    for group in range(codes.shape[1]):
-        magnitude += (groups[:, group] @ codes[:, group].T) * np.abs(s[:, group])
-    return ulps_for(x_abs.shape[1], bits) * FLOAT32_EPS * magnitude
-
-
-def matmul(triple, bits: int, x: np.ndarray) -> np.ndarray:
-    return x @ dequantized(triple, bits)[0].T
+def decode_gemv_error(m: Float64Weight, x_abs: np.ndarray) -> np.ndarray:
+    groups = x_abs.reshape(len(x_abs), -1, 64)
+    magnitude = groups.sum(axis=-1) @ np.abs(m.biases).T
+    for group in range(groups.shape[1]):
+        magnitude += (groups[:, group] @ m.codes[:, group].T) * np.abs(m.scales[:, group])
+    return ulps_for(x_abs.shape[1], m.bits) * FLOAT32_EPS * magnitude
 
 
 def reference_expert(gate, up, down, x: np.ndarray, gemm_error):
     """down(silu(gate x) * up x) for the rows of x, and a bound on the kernels' error in it."""
     eps = FLOAT32_EPS
-    g, u = matmul(gate, 4, x), matmul(up, 4, x)
-    dg, du = gemm_error(gate, 4, np.abs(x)), gemm_error(up, 4, np.abs(x))
+    g, u = x @ gate.dense.T, x @ up.dense.T
+    dg, du = gemm_error(gate, np.abs(x)), gemm_error(up, np.abs(x))
     h = reference.silu(g) * u
     # |silu'| < 1.1; then exp, a division and two multiplies.
     dh = 1.1 * dg * np.abs(u) + np.abs(reference.silu(g)) * du + dg * du + 8 * eps * np.abs(h)
-    down_abs = np.abs(dequantized(down, 4)[0])
-    return matmul(down, 4, h), gemm_error(down, 4, np.abs(h) + dh) + dh @ down_abs.T
+    dy = gemm_error(down, np.abs(h) + dh) + dh @ np.abs(down.dense).T
+    return h @ down.dense.T, dy
 
 
-def reference_block(w, dims: Dims, x: np.ndarray, gemm_error):
+def reference_block(w: dict[str, Float64Weight], dims: Dims, x: np.ndarray, gemm_error):
     """(out, error bound, expert ids) of the MoE block over the rows of x, in float64."""
     eps = FLOAT32_EPS
-    logits = matmul(w["router"], 8, x)
-    ids, weights = reference.moe_route(logits, dims.top_k, True)
+    ids, weights = reference.moe_route(x @ w["router"].dense.T, dims.top_k, True)
     # A logit error d moves a renormalised weight by at most w (d_k + max_j d_j); the routing
     # kernel's own rounding is within 16 + experts / 8 ulps (test_kernel_moe.py).
-    logit_error = gemm_error(w["router"], 8, np.abs(x)).max(axis=1)
+    logit_error = gemm_error(w["router"], np.abs(x)).max(axis=1)
     weight_error = weights * (2 * logit_error + (16 + dims.experts / 8) * eps)[:, None]
     out = np.zeros_like(x)
     bound = np.zeros_like(x)
     terms = np.zeros_like(x)  # sum of |w_k y_k|, which the combine's own rounding scales with
     for e in np.unique(ids):
         rows, slot = np.nonzero(ids == e)
-        gate, up, down = (
-            expert(w[name], e) for name in ("expert_gate", "expert_up", "expert_down")
-        )
+        gate, up, down = (w[name].expert(e) for name in ("expert_gate", "expert_up", "expert_down"))
         y, dy = reference_expert(gate, up, down, x[rows], gemm_error)
         weight, dw = weights[rows, slot][:, None], weight_error[rows, slot][:, None]
         out[rows] += weight * y
         bound[rows] += weight * dy + dw * (np.abs(y) + dy)
         terms[rows] += weight * (np.abs(y) + dy)
     y, dy = reference_expert(w["shared_gate"], w["shared_up"], w["shared_down"], x, gemm_error)
-    gate = reference.sigmoid(matmul(w["shared_expert_gate"], 8, x))
-    d_gate = 0.25 * gemm_error(w["shared_expert_gate"], 8, np.abs(x)) + 4 * eps * gate
+    gate = reference.sigmoid(x @ w["shared_expert_gate"].dense.T)
+    d_gate = 0.25 * gemm_error(w["shared_expert_gate"], np.abs(x)) + 4 * eps * gate
     out += gate * y
     bound += gate * dy + d_gate * (np.abs(y) + dy)
     # top_k + 1 weighted terms added in order (decode adds them inside one long dot product).
@@ -312,6 +325,15 @@ def layer_weights(dims: Dims, hot_expert: int | None):
         biases[hot_expert] = float32_to_bf16(np.full(biases.shape[1], 1.0, dtype=np.float32))
         w["router"] = (weight, scales, biases)
     return w
+
+
+@functools.cache
+def float64_layer(dims: Dims, hot_expert: int | None) -> dict[str, Float64Weight]:
+    eight_bit = ("router", "shared_expert_gate")
+    return {
+        name: Float64Weight.of(t, 8 if name in eight_bit else 4)
+        for name, t in layer_weights(dims, hot_expert).items()
+    }
 
 
 def run_chunk(device, dims: Dims, weights: MoeWeights, x: np.ndarray):
@@ -340,7 +362,7 @@ def run_decode_per_token(device, dims: Dims, weights: MoeWeights, x: np.ndarray)
     scratch = MoeScratch.allocate(
         device, dims.experts, dims.top_k, dims.expert_rows, dims.shared_rows
     )
-    x_buffer = device.wrap(x)
+    x_buffer = device.wrap(np.ascontiguousarray(x))
     out = float_buffer(device, x.size)
     row_bytes = 4 * dims.hidden
 
@@ -390,7 +412,8 @@ def test_moe_chunk(lane_order, dims, tokens, hot_expert):
     out, scratch = run_chunk(device, dims, weights, x)
 
     x64 = x.astype(np.float64)
-    expected, bound, ids = reference_block(w, dims, x64, chunk_gemm_error)
+    exact = float64_layer(dims, hot_expert)
+    expected, bound, ids = reference_block(exact, dims, x64, chunk_gemm_error)
     if hot_expert is not None:
         assert np.all(np.any(ids == hot_expert, axis=1))
     # The device routes exactly as the float64 model (no near-ties in these logits) and sorts
@@ -406,6 +429,29 @@ def test_moe_chunk(lane_order, dims, tokens, hot_expert):
         np.testing.assert_array_equal(got, want)
     assert_within(out, expected, bound)
 
-    decoded = run_decode_per_token(device, dims, weights, x)
-    _, decode_bound, _ = reference_block(w, dims, x64, decode_gemv_error)
-    assert_within(out, decoded.astype(np.float64), bound + decode_bound)
+    # Rows are independent: at most 300 of them, evenly spread, keep decode's token loop short.
+    rows = slice(None, None, -(-tokens // 300))
+    decoded = run_decode_per_token(device, dims, weights, x[rows])
+    _, decode_bound, _ = reference_block(exact, dims, x64[rows], decode_gemv_error)
+    assert_within(out[rows], decoded.astype(np.float64), bound[rows] + decode_bound)
+
+
+def test_moe_chunk_dispatches_levels_and_scratch():
+    device = sim_device("forward")
+    d = MID
+    scratch = MoeChunkScratch.allocate(
+        device, d.experts, d.top_k, d.expert_rows, d.shared_rows, d.hidden, 40
+    )
+    buffers = [v for v in vars(scratch).values() if not isinstance(v, int)]
+    assert sum(b.size for b in buffers) == moe_chunk_scratch_bytes(
+        d.experts, d.top_k, d.expert_rows, d.shared_rows, d.hidden, 40
+    )
+    weights = MoeWeights(**{n: wrap_quant_weight(device, *t) for n, t in layer(d).items()})
+    x, out = float_buffer(device, 40 * d.hidden), float_buffer(device, 40 * d.hidden)
+    graph = Graph()
+    record_moe_chunk(graph, device, x, weights, d.top_k, scratch, out, 40)
+    assert (graph.dispatch_count, graph.barrier_count + 1) == (9, 6)
+    with pytest.raises(ValueError, match="scratch holds"):
+        record_moe_chunk(Graph(), device, x, weights, d.top_k, scratch, out, 41)
+    with pytest.raises(ValueError, match="differ from the scratch"):
+        record_moe_chunk(Graph(), device, x, weights, d.top_k - 1, scratch, out, 40)
