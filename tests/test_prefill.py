@@ -60,13 +60,15 @@ def _decided_prefix(reference, prompt, expected) -> int:
 )
 def test_prefill_matches_the_reference(checkpoint, reference, length, max_chunk):
     engine = _device_engine(checkpoint, max_chunk)
-    prompt = _prompt(checkpoint.config.vocab_size, length, seed=length)
-    expected_logits = reference.prompt_logits(prompt)
-    worst = np.abs(engine.prompt_logits(prompt) - expected_logits).max()
+    # The first of a few seeded prompts whose first generated token is not a near-tie.
+    for seed in range(length, length + 10):
+        prompt = _prompt(checkpoint.config.vocab_size, length, seed)
+        expected = _greedy(reference, prompt, CONTINUATION)
+        horizon = _decided_prefix(reference, prompt, expected)
+        if horizon > 0:
+            break
+    worst = np.abs(engine.prompt_logits(prompt) - reference.prompt_logits(prompt)).max()
     assert worst < TOLERANCE, f"largest logit difference {worst:.2e}"
-    expected = _greedy(reference, prompt, CONTINUATION)
-    horizon = _decided_prefix(reference, prompt, expected)
-    assert horizon > 0, "the reference's first token is a near-tie; pick another seed"
     assert _greedy(engine, prompt, CONTINUATION)[:horizon] == expected[:horizon]
 
 

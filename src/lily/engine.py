@@ -272,7 +272,7 @@ class DeviceEngine:
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), 1, self.max_seq)
-        write_sampling_params(self._model.state.sampling_params, GREEDY)
+        write_sampling_params(self._model.state.sampling_params, GREEDY.with_seed())
         self._start(prompt, prompt_end=len(prompt))
         for _, tokens, predicts in self._passes(0, len(prompt), 1, None):
             self.device.run(self._model.graph(tokens, predicts=predicts))

@@ -420,7 +420,9 @@ class _Recorder:
         )
         g.barrier()
         caches = dict(k_cache=self.state.k_cache[i], v_cache=self.state.v_cache[i])
-        prepare = dict(
+        attention.record_attention_prepare(
+            g,
+            dev,
             q_proj=s.q,
             k_proj=s.k,
             v_proj=s.v,
@@ -433,12 +435,12 @@ class _Recorder:
             rope_theta=c.rope_theta,
             norm_eps=c.rms_norm_eps,
             head_dim=c.head_dim,
+            tokens=T,
             **caches,
             **heads,
         )
+        g.barrier()
         if T == 1:
-            attention.record_attention_prepare(g, dev, **prepare)
-            g.barrier()
             attention.record_attention_decode(
                 g,
                 dev,
@@ -462,8 +464,6 @@ class _Recorder:
                 num_q_heads=c.num_attention_heads,
             )
         else:
-            attention.record_attention_prepare_chunk(g, dev, **prepare, tokens=T)
-            g.barrier()
             attention.record_attention_chunk(
                 g,
                 dev,
