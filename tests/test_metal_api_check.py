@@ -184,58 +184,11 @@ def test_command_line_reports_problems(tmp_path, source, api):
     assert objc_api_check.main(["--api", str(api), str(broken)]) == 1
 
 
-# --- the device header, compiled here as plain C++ ---------------------------------------------
-
-# Needs 10, 20 and 23 GiB on a Mac with 24 GiB of RAM and a 16 GiB recommended working set.
-PREFLIGHT_PROGRAM = r"""
-#include "metal/metal_device.h"
-#include <cstdio>
-int main() {
-  const uint64_t GiB = 1024ull * 1024 * 1024;
-  for (uint64_t needed : {10 * GiB, 20 * GiB, 23 * GiB}) {
-    std::string message = lily::metal::memory_preflight_message(needed, 16 * GiB, 24 * GiB);
-    std::printf("%s\n---\n", message.c_str());
-  }
-}
-"""
-
-
 def cxx_compiler() -> str:
     compiler = shutil.which("clang++-19") or shutil.which("clang++") or shutil.which("c++")
     if compiler is None:
         pytest.fail("no C++ compiler on PATH (the build needs one anyway)")
     return compiler
-
-
-@pytest.fixture(scope="module")
-def preflight_output(tmp_path_factory) -> list[str]:
-    """Compiles the header (as bindings.cpp will) and runs its memory preflight arithmetic."""
-    work = tmp_path_factory.mktemp("preflight")
-    (work / "main.cpp").write_text(PREFLIGHT_PROGRAM)
-    subprocess.run(
-        [cxx_compiler(), "-std=c++20", "-Wall", "-Werror", "-I", str(REPO / "csrc"),
-         str(work / "main.cpp"), "-o", str(work / "preflight")],
-        check=True,
-    )  # fmt: skip
-    out = subprocess.run([str(work / "preflight")], check=True, capture_output=True, text=True)
-    return out.stdout.split("\n---\n")
-
-
-def test_preflight_passes_when_the_working_set_suffices(preflight_output):
-    assert preflight_output[0].strip() == ""
-
-
-def test_preflight_advises_raising_the_wired_limit(preflight_output):
-    message = preflight_output[1]
-    assert "recommendedMaxWorkingSetSize" in message
-    limit_mib = int(message.split("iogpu.wired_limit_mb=")[1].split()[0])
-    assert 20 * 1024 < limit_mib <= 24 * 1024 - 2048  # above the need, leaving macOS its share
-
-
-def test_preflight_refuses_what_cannot_fit(preflight_output):
-    message = preflight_output[2]
-    assert "does not fit" in message
-    assert "sysctl" not in message
 
 
 # --- the device compiled here against declarations transcribed from Apple's headers ------------
