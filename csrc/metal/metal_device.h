@@ -1,8 +1,9 @@
 // The Metal device (Apple silicon): the device interface of device.h implemented on Metal.
 //
 // Plain C++ on purpose: bindings.cpp includes this header, and only metal_device.mm sees
-// Objective-C. Everything here except memory_preflight_message() is compiled on Apple platforms
-// only; that function is pure arithmetic so that it can be checked anywhere.
+// Objective-C. Everything here except the memory preflight (system_reserve_bytes() and
+// memory_preflight_message()) is compiled on Apple platforms only; the preflight is pure
+// arithmetic so that it can be checked anywhere.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +25,7 @@ struct KernelSources {
 
 struct DeviceInfo {
   std::string name;                        // e.g. "Apple M2 Pro"
-  std::string gpu_family;                  // highest known: "apple7" (M1) .. "apple10" (M5)
+  std::string gpu_family;                  // "apple7" (M1) .. "apple10" (M5), or "none"
   bool supported = false;                  // the kernels can run here (family, Metal 3, macOS)
   std::string unsupported_reason;          // why not, when !supported
   uint64_t recommended_working_set = 0;    // bytes; recommendedMaxWorkingSetSize

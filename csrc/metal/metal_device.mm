@@ -114,11 +114,11 @@ std::string unsupported_reason(id<MTLDevice> device) {
 // Wired-memory policy: everything the device allocates or wraps joins the set, so all of it
 // stays wired while the device is in use. New buffers are staged and committed once, before
 // the next command buffer (loading adds many buffers; Apple asks for one commit after the
-// changes). A removed buffer is committed at once, so that its
-// memory is not held after Lily has let go of it. macOS may reclaim an idle set's residency,
-// so, as llama.cpp does, a thread requests residency again every kKeepAliveTick while the
-// device has run a graph within kKeepAliveWindow; after a longer pause the next submit requests
-// it again and the set is left for macOS to page out meanwhile.
+// changes). A removed buffer is committed at once, so that its memory is not held after Lily
+// has let go of it. macOS may reclaim an idle set's residency, so, as llama.cpp does, a thread
+// requests residency again every kKeepAliveTick while the device has run a graph within
+// kKeepAliveWindow; after a longer pause the next submit requests it again, and meanwhile the
+// set is left for macOS to page out.
 #if LILY_MACOS_15_SDK
 // Residency sets fail inside virtual machines such as GitHub's macOS runners (MLX skips them
 // there for the same reason).
