@@ -98,6 +98,13 @@ def test_a_missing_kernel_fails_its_row(sim):
     assert "FAIL: ValueError: unknown kernel 'no_such_kernel'" in out
 
 
+def test_a_device_that_cannot_open_fails(capsys):
+    if doctor.metal_info() is not None:
+        pytest.skip("this build has the metal device")
+    assert cli.main(["doctor", "--device", "metal"]) == 1
+    assert "cannot open the metal device" in capsys.readouterr().err
+
+
 def test_compare():
     assert compare([1.0, 2.0], [1.0, 2.0], 0).passed
     assert not compare([1.0, 2.5], [1.0, 2.0], 0.4).passed

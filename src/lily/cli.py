@@ -402,7 +402,7 @@ def _info(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from lily import doctor
 
-    return doctor.run(doctor.open_for_doctor(args.device), timing_runs=args.runs)
+    return doctor.main(args.device, timing_runs=args.runs)
 
 
 # --- the parser -------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ machine without the metal device) the table checks correctness only. Exits 1 if 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -230,3 +231,19 @@ def open_for_doctor(kind: str) -> Device:
 
         kind = "metal" if "metal" in available() else "sim"
     return open_device(kind)
+
+
+def main(kind: str = "auto", timing_runs: int = TIMING_RUNS) -> int:
+    """`lily doctor`: the report on the `kind` device (auto, sim or metal); 1 if a row fails or
+    the device cannot be opened."""
+    try:
+        device = open_for_doctor(kind)
+    except (RuntimeError, ValueError) as exc:
+        info = None
+        with contextlib.suppress(RuntimeError):
+            info = metal_info()
+        print(f"lily doctor: cannot open the {kind} device: {exc}", file=sys.stderr)
+        if info:
+            print(f"metal device info: {info}", file=sys.stderr)
+        return 1
+    return run(device, timing_runs=timing_runs)
