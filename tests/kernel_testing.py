@@ -1,5 +1,6 @@
 """Shared helpers of the kernel tests: sim devices per lane order, running one recorded dispatch,
-random MLX-quantized weights, float64 references, and tolerances stated in ulps.
+random MLX-quantized weights and the quantized GEMV reference (shared with `lily doctor`, in
+lily.kernel_checks), float64 references, and tolerances stated in ulps.
 
 Every kernel test runs under the three lane orders of the sim (forward, reverse, seeded random):
 a missing barrier or a read of another lane's unwritten value shows up as a difference between
@@ -14,7 +15,8 @@ from collections.abc import Callable
 import numpy as np
 
 from lily.device import Graph, open_device
-from lily.quant import bf16_to_float32, float32_to_bf16, unpack_codes
+from lily.kernel_checks import random_quantized, reference_qgemv  # noqa: F401 - shared with doctor
+from lily.quant import float32_to_bf16
 
 LANE_ORDERS = ("forward", "reverse", "random")
 FLOAT32_EPS = float(np.finfo(np.float32).eps)
@@ -46,42 +48,6 @@ def random_bf16(
 ) -> np.ndarray:
     """Raw bf16 bits of normally distributed values."""
     return float32_to_bf16(rng.normal(loc, scale, shape).astype(np.float32))
-
-
-def random_quantized(
-    rng: np.random.Generator, rows: int, in_dim: int, bits: int, experts: int | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A random MLX-quantized triple: uniformly random codes, small scales, and biases near
-    -scale * 2^(bits-1) as MLX's quantizer produces for zero-centred weights."""
-    lead = () if experts is None else (experts,)
-    words = rng.integers(0, 2**32, (*lead, rows, in_dim * bits // 32), dtype=np.uint32)
-    scale = rng.uniform(0.002, 0.02, (*lead, rows, in_dim // 64)).astype(np.float32)
-    bias = -scale * 2 ** (bits - 1) + rng.normal(0, 0.01, scale.shape).astype(np.float32)
-    return words, float32_to_bf16(scale), float32_to_bf16(bias)
-
-
-def reference_qgemv(
-    weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, x: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """W x in float64, and for each row the magnitude the kernel's fp32 rounding scales with:
-    sum over groups of |scale| * sum|code * x| + |bias| * sum|x| (the affine form it evaluates).
-    Rows are done in blocks so the 248320-row lm_head never needs a dense float64 copy."""
-    x = np.asarray(x, dtype=np.float64)
-    groups = x.reshape(-1, 64)
-    y = np.empty(weight.shape[0])
-    magnitude = np.empty(weight.shape[0])
-    for start in range(0, weight.shape[0], 8192):
-        block = slice(start, start + 8192)
-        codes = unpack_codes(weight[block], bits).astype(np.float64).reshape(-1, *groups.shape)
-        s = bf16_to_float32(scales[block]).astype(np.float64)
-        b = bf16_to_float32(biases[block]).astype(np.float64)
-        code_dot = np.einsum("rgi,gi->rg", codes, groups)
-        code_abs = np.einsum("rgi,gi->rg", codes, np.abs(groups))
-        y[block] = (s * code_dot + b * groups.sum(axis=1)).sum(axis=1)
-        magnitude[block] = (np.abs(s) * code_abs + np.abs(b) * np.abs(groups).sum(axis=1)).sum(
-            axis=1
-        )
-    return y, magnitude
 
 
 def assert_within_ulps(actual: np.ndarray, expected: np.ndarray, magnitude, ulps: float) -> None:

@@ -80,10 +80,22 @@ def test_tiny_checkpoints_load_as_family_members(aligned, name):
         assert np.shares_memory(view, shard.buffer)
 
 
-def test_real_mlx_lm_output_is_refused_for_misalignment():
+def test_real_mlx_lm_output_is_refused_for_misalignment_when_asked():
     # What mlx writes is packed without padding, so the device could not bind it by offset.
     with pytest.raises(CheckpointError, match=r"tensor '[\w.]+' starts at byte \d+, not aligned"):
-        load_checkpoint(tiny_checkpoint("small", aligned=False))
+        load_checkpoint(tiny_checkpoint("small", aligned=False), unaligned="refuse")
+
+
+def test_real_mlx_lm_output_loads_with_its_unaligned_tensors_listed(aligned):
+    original = tiny_checkpoint("small", aligned=False)
+    checkpoint = load_checkpoint(original)
+    offsets = {n: info.offset for n, info in checkpoint.locations.items()}
+    assert checkpoint.unaligned == {n for n, offset in offsets.items() if offset % 16}
+    assert len(checkpoint.unaligned) > len(offsets) // 2  # mlx packs without padding
+    reference = load_checkpoint(aligned["small"])
+    assert reference.unaligned == frozenset()
+    for name in reference.tensors:
+        np.testing.assert_array_equal(checkpoint.tensors[name], reference.tensors[name])
 
 
 def test_aligned_copy_holds_the_same_tensors(tmp_path):
@@ -167,7 +179,8 @@ def test_misaligned_offset(small_copy):
     encoded += b" " * (-(8 + len(encoded)) % 16)
     path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' starts at byte \d+, not aligned"):
-        load_checkpoint(small_copy)
+        load_checkpoint(small_copy, unaligned="refuse")
+    assert load_checkpoint(small_copy).unaligned == {name}
 
 
 def test_missing_config(small_copy):
@@ -201,6 +214,30 @@ def test_unaligned_local_directory_resolves_to_an_aligned_copy(monkeypatch, tmp_
     assert resolve_model(str(original)) == resolved
     assert (resolved / SHARD).stat().st_mtime_ns == written
     assert capsys.readouterr().err == ""
+
+
+def test_without_disk_room_for_the_aligned_copy_the_original_is_loaded(
+    monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setenv("LILY_CACHE", str(tmp_path))
+    needed = []
+
+    def little_free(path):
+        needed.append(path)
+        return 10**6
+
+    monkeypatch.setattr(checkpoint_module, "free_disk_bytes", little_free)
+    original = tiny_checkpoint("small", aligned=False)
+    assert resolve_model(str(original)) == original
+    assert needed == [tmp_path / "aligned"]
+    err = capsys.readouterr().err
+    assert "only 0.00 GB are free" in err and "copying its tensors into memory" in err
+    assert not (tmp_path / "aligned").exists()
+
+
+def test_free_disk_bytes_looks_at_the_nearest_existing_directory(tmp_path):
+    free = checkpoint_module.free_disk_bytes(tmp_path / "not" / "yet")
+    assert abs(free - shutil.disk_usage(tmp_path).free) < 2**30  # other writers on the disk
 
 
 def test_demo_comes_from_lily_demo(monkeypatch, tmp_path):

@@ -1,8 +1,9 @@
 // The Metal device (Apple silicon): the device interface of device.h implemented on Metal.
 //
 // Plain C++ on purpose: bindings.cpp includes this header, and only metal_device.mm sees
-// Objective-C. Everything here except memory_preflight_message() is compiled on Apple platforms
-// only; that function is pure arithmetic so that it can be checked anywhere.
+// Objective-C. Everything here except the memory preflight (system_reserve_bytes() and
+// memory_preflight_message()) is compiled on Apple platforms only; the preflight is pure
+// arithmetic so that it can be checked anywhere.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +25,7 @@ struct KernelSources {
 
 struct DeviceInfo {
   std::string name;                        // e.g. "Apple M2 Pro"
-  std::string gpu_family;                  // highest known: "apple7", "apple8", "apple9" or "none"
+  std::string gpu_family;                  // "apple7" (M1) .. "apple10" (M5), or "none"
   bool supported = false;                  // the kernels can run here (family, Metal 3, macOS)
   std::string unsupported_reason;          // why not, when !supported
   uint64_t recommended_working_set = 0;    // bytes; recommendedMaxWorkingSetSize
@@ -50,35 +51,49 @@ void check_memory(uint64_t bytes_needed);
 // waiting for, in seconds. Throws std::invalid_argument if `device` is not a Metal device.
 double last_gpu_seconds(const Device& device);
 
-// Empty when `bytes_needed` fits in `recommended` bytes of GPU working set; otherwise a message
-// saying by how much it does not, and either the `sysctl iogpu.wired_limit_mb` command that
-// raises the limit (until the next reboot) or, when even that would leave macOS less than
-// kSystemReserveMiB of RAM, that the run does not fit on this Mac.
+// Empty when `bytes_needed` fits in `recommended` bytes of GPU working set; otherwise what to
+// do, with numbers. recommendedMaxWorkingSetSize is only Apple's approximation of what the GPU
+// can use without hurting performance, so the run is stopped early rather than left to thrash,
+// and the message either gives the `sysctl iogpu.wired_limit_mb` value that lets it run (the
+// need plus kWiredMarginMiB, until the next reboot) or, when that would leave macOS and other
+// apps less than system_reserve_bytes(), says the run does not fit on this Mac.
+// src/lily/preflight.py computes the same message (tests/test_preflight.py compares the two).
 inline constexpr uint64_t kMiB = 1024 * 1024;
-inline constexpr uint64_t kSystemReserveMiB = 2048;  // RAM left to macOS and other apps
-inline constexpr uint64_t kWiredMarginMiB = 1024;    // headroom above the caller's estimate
+inline constexpr uint64_t kGiB = 1024 * kMiB;
+inline constexpr uint64_t kWiredMarginMiB = 1024;  // headroom above the caller's estimate
+
+// RAM left to macOS and other apps: 4 GiB, or an eighth of RAM on larger Macs (a 24 GiB Mac
+// can wire at most 20 GiB, a 128 GiB one 112 GiB).
+inline uint64_t system_reserve_bytes(uint64_t physical) {
+  return physical / 8 > 4 * kGiB ? physical / 8 : 4 * kGiB;
+}
 
 inline std::string memory_preflight_message(uint64_t bytes_needed, uint64_t recommended,
                                             uint64_t physical) {
   if (bytes_needed <= recommended) return {};
   auto gib = [](uint64_t bytes) {
     char text[32];
-    std::snprintf(text, sizeof text, "%.1f GiB", double(bytes) / double(1024 * kMiB));
+    std::snprintf(text, sizeof text, "%.1f GiB", double(bytes) / double(kGiB));
     return std::string(text);
   };
-  std::string message = "this run needs " + gib(bytes_needed) +
-                        " of GPU memory, but Metal recommends at most " + gib(recommended) +
-                        " on this Mac (recommendedMaxWorkingSetSize). ";
+  const std::string message = "this run needs " + gib(bytes_needed) +
+                              " of GPU memory, but Metal recommends at most " + gib(recommended) +
+                              " on this Mac (recommendedMaxWorkingSetSize). ";
+  const uint64_t reserve = system_reserve_bytes(physical);
+  const uint64_t safe_limit_mib = physical > reserve ? (physical - reserve) / kMiB : 0;
   const uint64_t wired_mib = (bytes_needed + kMiB - 1) / kMiB + kWiredMarginMiB;
-  const uint64_t physical_mib = physical / kMiB;
-  if (physical_mib < kSystemReserveMiB || wired_mib > physical_mib - kSystemReserveMiB) {
-    return message + "With " + gib(physical) +
-           " of RAM it does not fit even with a raised limit: ask for less memory (for example "
-           "a shorter maximum sequence length).";
+  if (wired_mib > safe_limit_mib) {
+    return message + "It does not fit even with a raised limit: of this Mac's " + gib(physical) +
+           " of RAM, at most " + gib(safe_limit_mib * kMiB) + " can be wired safely (macOS and " +
+           "other apps need " + gib(reserve) + "). Ask for less memory, for example a shorter " +
+           "maximum sequence length (max_seq).";
   }
-  return message + "Either ask for less memory (for example a shorter maximum sequence length), " +
-         "or raise the GPU wired-memory limit until the next reboot with:\n  sudo sysctl " +
-         "iogpu.wired_limit_mb=" + std::to_string(wired_mib);
+  return message + "Ask for less memory (for example a shorter maximum sequence length, " +
+         "max_seq), or let the GPU wire more until the next reboot with:\n  sudo sysctl " +
+         "iogpu.wired_limit_mb=" + std::to_string(wired_mib) + "\nThat is the need plus " +
+         std::to_string(kWiredMarginMiB) + " MiB of headroom, and leaves macOS and other apps " +
+         gib(physical - wired_mib * kMiB) + " of the " + gib(physical) + " of RAM; " +
+         "`sudo sysctl iogpu.wired_limit_mb=0` restores the default.";
 }
 
 }  // namespace lily::metal

@@ -14,6 +14,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -23,16 +25,23 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "device.h"
 #include "metal/metal_device.h"
 
-// Residency sets and MTLMathMode exist from the macOS 15 SDK on; older SDKs build without them.
+// Residency sets and MTLMathMode exist from the macOS 15 SDK on, MTLGPUFamilyApple10 from the
+// macOS 26 SDK on; older SDKs build without them.
 #if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
 #define LILY_MACOS_15_SDK 1
 #else
 #define LILY_MACOS_15_SDK 0
+#endif
+#if defined(__MAC_OS_X_VERSION_MAX_ALLOWED) && __MAC_OS_X_VERSION_MAX_ALLOWED >= 260000
+#define LILY_MACOS_26_SDK 1
+#else
+#define LILY_MACOS_26_SDK 0
 #endif
 
 namespace fs = std::filesystem;
@@ -45,6 +54,8 @@ namespace {
 constexpr MTLResourceOptions kSharedStorage = MTLResourceStorageModeShared;
 // setBytes:length:atIndex: is documented for data under 4 KB; larger blocks belong in buffers.
 constexpr size_t kMaxInlineBytes = 4096;
+// The kernels' simd_shuffle and simdgroup_matrix code assumes SIMD groups of 32 threads.
+constexpr NSUInteger kSimdWidth = 32;
 
 NSString* to_ns(const std::string& text) { return [NSString stringWithUTF8String:text.c_str()]; }
 
@@ -56,11 +67,8 @@ std::string describe(NSError* error) {
   return error == nil ? std::string("no details from Metal") : to_std(error.localizedDescription);
 }
 
-bool at_least_macos_14() {
-  if (@available(macOS 14.0, *)) return true;
-  return false;
-}
-
+// Apple documents that MTLCreateSystemDefaultDevice needs CoreGraphics linked on macOS, which
+// cmake/metal.cmake does.
 id<MTLDevice> default_device() {
   id<MTLDevice> device = MTLCreateSystemDefaultDevice();
   if (device == nil) {
@@ -73,6 +81,11 @@ id<MTLDevice> default_device() {
 }
 
 std::string gpu_family(id<MTLDevice> device) {
+#if LILY_MACOS_26_SDK
+  if (@available(macOS 26.0, *)) {
+    if ([device supportsFamily:MTLGPUFamilyApple10]) return "apple10";
+  }
+#endif
   if ([device supportsFamily:MTLGPUFamilyApple9]) return "apple9";
   if ([device supportsFamily:MTLGPUFamilyApple8]) return "apple8";
   if ([device supportsFamily:MTLGPUFamilyApple7]) return "apple7";
@@ -82,20 +95,30 @@ std::string gpu_family(id<MTLDevice> device) {
 // The kernels use simdgroup_matrix and bfloat (MSL 3.1): an Apple7-family GPU (M1 or later)
 // with Metal 3, on macOS 14 or later. Empty when `device` qualifies.
 std::string unsupported_reason(id<MTLDevice> device) {
-  if (!at_least_macos_14()) {
-    return "the kernels need macOS 14 (Sonoma) or later for Metal Shading Language 3.1 (bfloat)";
+  if (@available(macOS 14.0, *)) {
+    if (![device supportsFamily:MTLGPUFamilyApple7] ||
+        ![device supportsFamily:MTLGPUFamilyMetal3]) {
+      return "the GPU \"" + to_std(device.name) +
+             "\" is not in MTLGPUFamilyApple7 and MTLGPUFamilyMetal3 (Apple M1 or later), which "
+             "the kernels need for simdgroup_matrix and bfloat";
+    }
+    return {};
   }
-  if (![device supportsFamily:MTLGPUFamilyApple7] || ![device supportsFamily:MTLGPUFamilyMetal3]) {
-    return "the GPU \"" + to_std(device.name) +
-           "\" is not in MTLGPUFamilyApple7 and MTLGPUFamilyMetal3 (Apple M1 or later), which "
-           "the kernels need for simdgroup_matrix and bfloat";
-  }
-  return {};
+  return "the kernels need macOS 14 (Sonoma) or later for Metal Shading Language 3.1 (bfloat)";
 }
 
 // Keeps the device's buffers resident between command buffers (macOS 15 and later), so that
 // gigabytes of mapped files are not made resident again for every graph. Without a residency
 // set everything still works; Metal then makes each command buffer's buffers resident itself.
+//
+// Wired-memory policy: everything the device allocates or wraps joins the set, so all of it
+// stays wired while the device is in use. New buffers are staged and committed once, before
+// the next command buffer (loading adds many buffers; Apple asks for one commit after the
+// changes). A removed buffer is committed at once, so that its memory is not held after Lily
+// has let go of it. macOS may reclaim an idle set's residency, so, as llama.cpp does, a thread
+// requests residency again every kKeepAliveTick while the device has run a graph within
+// kKeepAliveWindow; after a longer pause the next submit requests it again, and meanwhile the
+// set is left for macOS to page out.
 #if LILY_MACOS_15_SDK
 // Residency sets fail inside virtual machines such as GitHub's macOS runners (MLX skips them
 // there for the same reason).
@@ -104,6 +127,9 @@ bool running_in_vm() {
   size_t size = sizeof present;
   return sysctlbyname("kern.hv_vmm_present", &present, &size, nullptr, 0) == 0 && present != 0;
 }
+
+constexpr std::chrono::milliseconds kKeepAliveTick{500};
+constexpr std::chrono::seconds kKeepAliveWindow{180};
 
 class Residency {
  public:
@@ -117,7 +143,17 @@ class Residency {
       if (set == nil) return;
       [queue addResidencySet:set];
       set_ = set;
+      keeper_ = std::thread([this] { keep_alive(); });
     }
+  }
+
+  ~Residency() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    if (keeper_.joinable()) keeper_.join();
   }
 
   void add(id<MTLBuffer> buffer) {
@@ -126,8 +162,8 @@ class Residency {
       id<MTLResidencySet> set = set_;
       if (set == nil) return;
       [set addAllocation:buffer];
-      [set commit];
-      [set requestResidency];
+      staged_ = true;
+      unrequested_ = true;
     }
   }
 
@@ -138,12 +174,44 @@ class Residency {
       if (set == nil) return;
       [set removeAllocation:buffer];
       [set commit];
+      staged_ = false;
+    }
+  }
+
+  // Called before each command buffer is committed.
+  void before_submit() {
+    if (@available(macOS 15.0, *)) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      id<MTLResidencySet> set = set_;
+      if (set == nil) return;
+      const auto now = std::chrono::steady_clock::now();
+      if (staged_) [set commit];
+      if (unrequested_ || now - last_submit_ > kKeepAliveWindow) [set requestResidency];
+      staged_ = unrequested_ = false;
+      last_submit_ = now;
     }
   }
 
  private:
+  void keep_alive() {
+    if (@available(macOS 15.0, *)) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      while (!wake_.wait_for(lock, kKeepAliveTick, [this] { return stopping_; })) {
+        if (std::chrono::steady_clock::now() - last_submit_ > kKeepAliveWindow) continue;
+        id<MTLResidencySet> set = set_;
+        [set requestResidency];
+      }
+    }
+  }
+
   std::mutex mutex_;
+  std::condition_variable wake_;
   id set_ = nil;  // an id<MTLResidencySet>, untyped because the type needs macOS 15 at run time
+  bool staged_ = false;       // additions not committed yet
+  bool unrequested_ = false;  // additions committed, or not, but not yet requested resident
+  bool stopping_ = false;
+  std::chrono::steady_clock::time_point last_submit_{};
+  std::thread keeper_;
 };
 #else
 class Residency {
@@ -151,20 +219,22 @@ class Residency {
   Residency(id<MTLDevice>, id<MTLCommandQueue>) {}
   void add(id<MTLBuffer>) {}
   void remove(id<MTLBuffer>) {}
+  void before_submit() {}
 };
 #endif
 
 // A buffer is a window onto an MTLBuffer: no-copy buffers must cover whole pages, so the
-// window of a wrapped region may start `offset_` bytes into its MTLBuffer.
+// window of a wrapped region may start `offset_` bytes into its MTLBuffer. Wrapped host memory
+// is kept alive by the MTLBuffer's deallocator (see MetalDevice::wrap), not by this object:
+// Metal may hold the MTLBuffer longer than Lily does.
 class MetalBuffer final : public Buffer {
  public:
   MetalBuffer(id<MTLBuffer> buffer, size_t offset, size_t size, bool writable,
-              std::shared_ptr<void> owner, std::shared_ptr<Residency> residency)
+              std::shared_ptr<Residency> residency)
       : buffer_(buffer),
         offset_(offset),
         size_(size),
         writable_(writable),
-        owner_(std::move(owner)),
         residency_(std::move(residency)) {
     residency_->add(buffer_);
   }
@@ -182,7 +252,6 @@ class MetalBuffer final : public Buffer {
   size_t offset_;
   size_t size_;
   bool writable_;
-  std::shared_ptr<void> owner_;  // keeps wrapped host memory alive as long as the buffer
   std::shared_ptr<Residency> residency_;
 };
 
@@ -244,10 +313,14 @@ id<MTLLibrary> compile_source(id<MTLDevice> device, const fs::path& file) {
   append_with_includes(file, seen, source);
   MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
   if (@available(macOS 14.0, *)) options.languageVersion = MTLLanguageVersion3_1;
-  // No fast math: the sim computes IEEE results and the tests compare the two devices.
+  // No fast math: the sim computes IEEE results and the tests compare the two devices. From
+  // macOS 15, mathMode alone leaves the math functions (exp, log, ...) at their default, which
+  // Apple documents as fast; fastMathEnabled = NO, as `metal -fno-fast-math` for lily.metallib,
+  // sets both.
 #if LILY_MACOS_15_SDK
   if (@available(macOS 15.0, *)) {
     options.mathMode = MTLMathModeSafe;
+    options.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
   } else {
     options.fastMathEnabled = NO;
   }
@@ -291,7 +364,14 @@ std::vector<id<MTLLibrary>> load_libraries(id<MTLDevice> device, const KernelSou
   return libraries;
 }
 
+// What went wrong in a failed command buffer. After any of these the device refuses new work
+// (see MetalDevice::wait): Metal may ignore a faulting process's later submissions.
 std::string command_buffer_failure(NSError* error) {
+  if (error == nil) return "the command buffer failed and Metal gave no error";
+  if (![error.domain isEqualToString:MTLCommandBufferErrorDomain]) {
+    return "Metal error " + to_std(error.domain) + " " + std::to_string(long(error.code)) + ": " +
+           describe(error);
+  }
   switch (static_cast<MTLCommandBufferError>(error.code)) {
     case MTLCommandBufferErrorTimeout:
       return "GPU timeout (a kernel ran too long or never finished): " + describe(error);
@@ -299,6 +379,16 @@ std::string command_buffer_failure(NSError* error) {
       return "GPU page fault (a kernel read or wrote outside its buffers): " + describe(error);
     case MTLCommandBufferErrorOutOfMemory:
       return "out of GPU memory: " + describe(error);
+    case MTLCommandBufferErrorAccessRevoked:
+      return "macOS revoked this process's GPU access after too many GPU faults or hangs "
+             "(AccessRevoked: submissions ignored); restart the Python process: " +
+             describe(error);
+    case MTLCommandBufferErrorNotPermitted:
+      return "this process may not use the GPU (NotPermitted): " + describe(error);
+    case MTLCommandBufferErrorInvalidResource:
+      return "a buffer of the graph was freed before it ran (InvalidResource): " + describe(error);
+    case MTLCommandBufferErrorDeviceRemoved:
+      return "the GPU was removed (DeviceRemoved): " + describe(error);
     default:
       return "command buffer error " + std::to_string(long(error.code)) + ": " + describe(error);
   }
@@ -335,7 +425,7 @@ class MetalDevice final : public Device {
       throw std::runtime_error("Metal could not allocate " + std::to_string(bytes) + " bytes");
     }
     std::memset([buffer contents], 0, bytes);
-    return std::make_shared<MetalBuffer>(buffer, 0, bytes, true, nullptr, residency_);
+    return std::make_shared<MetalBuffer>(buffer, 0, bytes, true, residency_);
   }
 
   std::shared_ptr<Buffer> wrap(void* data, size_t bytes, bool writable,
@@ -347,16 +437,28 @@ class MetalDevice final : public Device {
     const uintptr_t first_page = begin & ~(page - 1);
     const uintptr_t end_page = (begin + std::max<size_t>(bytes, 1) + page - 1) & ~(page - 1);
     check_length(end_page - first_page);
+    // The owner of the memory (a numpy array, a memory map) is released only when Metal frees
+    // the MTLBuffer, which may be after Lily's last reference is gone (a command buffer or the
+    // residency set still holding it). The deallocator may run on any thread, including Metal's
+    // own; releasing a Python owner needs the GIL, so it is released on a dispatch queue rather
+    // than there. If Metal fails to create the buffer, the owner is deliberately leaked: Apple
+    // does not say whether the deallocator runs then.
+    auto* held = new std::shared_ptr<void>(std::move(owner));
+    void (^release_owner)(void*, NSUInteger) = ^(void*, NSUInteger) {
+      dispatch_async(dispatch_get_global_queue(QOS_CLASS_UTILITY, 0), ^{
+        delete held;
+      });
+    };
     id<MTLBuffer> buffer = [device_ newBufferWithBytesNoCopy:reinterpret_cast<void*>(first_page)
                                                       length:end_page - first_page
                                                      options:kSharedStorage
-                                                 deallocator:nil];
+                                                 deallocator:release_owner];
     if (buffer == nil) {
       throw std::runtime_error("Metal could not wrap " + std::to_string(bytes) +
                                " bytes of host memory without copying");
     }
     return std::make_shared<MetalBuffer>(buffer, begin - first_page, bytes, writable,
-                                         std::move(owner), residency_);
+                                         residency_);
   }
 
   std::shared_ptr<Kernel> kernel(const std::string& host_name) override {
@@ -376,6 +478,12 @@ class MetalDevice final : public Device {
       throw std::runtime_error("Metal could not build a pipeline for \"" + host_name + "\": " +
                                describe(error));
     }
+    if (pipeline.threadExecutionWidth != kSimdWidth) {
+      throw std::runtime_error(
+          "\"" + host_name + "\" runs " + std::to_string(uint64_t(pipeline.threadExecutionWidth)) +
+          " threads per SIMD group on this GPU; Lily's kernels are written for " +
+          std::to_string(uint64_t(kSimdWidth)));
+    }
     auto created = std::make_shared<MetalKernel>(host_name, pipeline);
     kernels_.emplace(host_name, created);
     return created;
@@ -391,6 +499,10 @@ class MetalDevice final : public Device {
   // level may overlap on the GPU, and a buffer barrier separates consecutive levels.
   uint64_t submit(const Graph& graph) override {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (!fault_.empty()) {
+      throw KernelError("the metal device stopped after a GPU fault (" + fault_ +
+                        "); open a new device");
+    }
     InFlight job;
     std::string problem;
     @autoreleasepool {
@@ -406,6 +518,7 @@ class MetalDevice final : public Device {
       }
       [encoder endEncoding];
       if (problem.empty()) {
+        residency_->before_submit();
         [commands commit];
         job.commands = commands;
       }
@@ -440,19 +553,22 @@ class MetalDevice final : public Device {
         }
       }
     }
-    if (!failure.empty()) throw KernelError(failure);
+    if (!failure.empty()) {
+      if (fault_.empty()) fault_ = failure;
+      throw KernelError(failure);
+    }
   }
 
   double last_gpu_seconds() const { return last_gpu_seconds_; }
 
  private:
   // A submitted graph: its command buffer, plus the buffers and kernels it uses, held until it
-  // has been waited for so that wrapped host memory cannot be freed under the GPU.
+  // has been waited for. Declared after them, the command buffer is released first.
   struct InFlight {
     uint64_t ticket = 0;
-    id<MTLCommandBuffer> commands = nil;
     std::vector<std::shared_ptr<Buffer>> buffers;
     std::vector<std::shared_ptr<Kernel>> kernels;
+    id<MTLCommandBuffer> commands = nil;
   };
 
   void check_length(size_t bytes) const {
@@ -472,8 +588,10 @@ class MetalDevice final : public Device {
     if (dispatch.threadgroups.count() == 0) return {};  // an empty grid has nothing to run
     if (dispatch.threads_per_threadgroup.count() > kernel->max_threads_per_threadgroup()) {
       return name + ": " + std::to_string(dispatch.threads_per_threadgroup.count()) +
-             " threads per threadgroup, the pipeline allows " +
-             std::to_string(kernel->max_threads_per_threadgroup());
+             " threads per threadgroup, but on this GPU its pipeline allows at most " +
+             std::to_string(kernel->max_threads_per_threadgroup()) +
+             " (maxTotalThreadsPerThreadgroup, which depends on the kernel's register use); "
+             "its launcher must size threadgroups from Kernel.max_threads_per_threadgroup";
     }
     [encoder setComputePipelineState:kernel->pipeline()];
     for (const BufferBinding& binding : dispatch.buffers) {
@@ -541,6 +659,7 @@ class MetalDevice final : public Device {
   std::deque<InFlight> in_flight_;
   uint64_t last_ticket_ = 0;
   double last_gpu_seconds_ = 0;
+  std::string fault_;  // the first failed command buffer's error; no work is accepted after it
 };
 
 }  // namespace

@@ -60,6 +60,8 @@ DOWNLOAD_PATTERNS = [
 ]
 
 LoadLevel = Literal["strict", "family", "auto"]
+# Disk left free after the aligned copy is written.
+ALIGNED_COPY_MARGIN_BYTES = 10**9
 
 
 def _offline() -> bool:
@@ -121,6 +123,14 @@ def _is_aligned(shard_path: Path) -> bool:
     return all(info.offset % DATA_ALIGNMENT == 0 for info in shard.tensors.values())
 
 
+def free_disk_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds `path`, or would (its nearest existing parent)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return 0
+
+
 def aligned_checkpoint(path: Path) -> Path:
     """`path` if every tensor of its shards is 16-byte aligned, else a cached aligned copy.
 
@@ -128,7 +138,9 @@ def aligned_checkpoint(path: Path) -> Path:
     generally have tensors at unaligned offsets, which the device cannot bind in place. The
     copy is made once (streamed, same tensors; it takes as much disk as the weights) under
     `$LILY_CACHE/aligned` (default `~/.cache/lily`), keyed by the source path and the shards'
-    sizes and modification times.
+    sizes and modification times. Without room for the copy (its size plus 1 GB), `path` itself
+    is returned, saying so: the device then copies the unaligned tensors into its own memory at
+    every load (see `Checkpoint.unaligned`), as the reference engine always does.
     """
     shards = sorted(path.glob("*.safetensors"))
     if all(_is_aligned(shard) for shard in shards):
@@ -141,6 +153,16 @@ def aligned_checkpoint(path: Path) -> Path:
     from huggingface_hub.utils import tqdm
 
     total = sum(size for _, size, _ in stats)
+    free = free_disk_bytes(target.parent)
+    if free < total + ALIGNED_COPY_MARGIN_BYTES:
+        print(
+            f"lily: {path} is not 16-byte aligned and its aligned copy needs {total / 1e9:.2f} "
+            f"GB, but only {free / 1e9:.2f} GB are free at {target.parent}: loading it as it "
+            "is, copying its tensors into memory at every load (slower to load). To make the "
+            "copy once instead, free disk space or point LILY_CACHE at a disk with room.",
+            file=sys.stderr,
+        )
+        return path
     print(
         f"lily: {path} is not 16-byte aligned; writing an aligned copy ({total / 1e9:.2f} GB) "
         f"to {target} (once)",
@@ -165,23 +187,34 @@ class Checkpoint:
     locations: Mapping[str, TensorInfo]
     shards: Mapping[Path, Shard]
     level: Literal["strict", "family"]
+    # Tensors that do not start on a 16-byte boundary: a device cannot bind them in place, so
+    # lily.device_weights copies them into device memory. Empty for an aligned checkpoint.
+    unaligned: frozenset[str] = frozenset()
 
 
-def load_checkpoint(path: str | Path, level: LoadLevel = "auto") -> Checkpoint:
+def load_checkpoint(
+    path: str | Path,
+    level: LoadLevel = "auto",
+    unaligned: Literal["copy", "refuse"] = "copy",
+) -> Checkpoint:
     """Open and validate the checkpoint in a directory.
 
     `level`: "strict" (the real model), "family" (same architecture, any size), or "auto"
-    (strict if the config has the real model's dimensions, else family).
+    (strict if the config has the real model's dimensions, else family). `unaligned`: tensors
+    not on 16-byte boundaries (mlx writes them so) are listed in `Checkpoint.unaligned` to be
+    copied to the device ("copy"), or make loading fail ("refuse").
     """
     path = Path(path)
     if level not in ("strict", "family", "auto"):
         raise ValueError(f"level must be 'strict', 'family' or 'auto', not {level!r}")
+    if unaligned not in ("copy", "refuse"):
+        raise ValueError(f"unaligned must be 'copy' or 'refuse', not {unaligned!r}")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     config = load_config(path)
     if level == "auto":
         level = "strict" if claims_real_model(config) else "family"
-    files = open_safetensors_dir(path)
+    files = open_safetensors_dir(path, alignment=1 if unaligned == "copy" else DATA_ALIGNMENT)
     locations = files.infos
     validate(config, locations, level)
     return Checkpoint(
@@ -191,6 +224,7 @@ def load_checkpoint(path: str | Path, level: LoadLevel = "auto") -> Checkpoint:
         locations=locations,
         shards=files.shards,
         level=level,
+        unaligned=frozenset(n for n, info in locations.items() if info.offset % DATA_ALIGNMENT),
     )
 
 
@@ -203,7 +237,8 @@ def write_aligned_checkpoint(
 
     Files written by mlx (mlx-lm conversions, mlx-community uploads) pack the header and the
     tensors without padding, so their tensors generally do not start on 16-byte boundaries and
-    `load_checkpoint` refuses them. The copy holds the same tensors; other files are copied as is.
+    a device cannot bind them in place (it would copy them at every load). The copy holds the
+    same tensors; other files are copied as is.
     """
     source, destination = Path(source), Path(destination)
     destination.mkdir(parents=True, exist_ok=True)

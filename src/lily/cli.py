@@ -414,6 +414,15 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- doctor -------------------------------------------------------------------------------------
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from lily import doctor
+
+    return doctor.main(args.device, timing_runs=args.runs)
+
+
 # --- the parser -------------------------------------------------------------------------------
 
 
@@ -494,6 +503,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="one JSON object per arm")
 
     command("info", "show the device, GPU family, memory and which checkpoints are cached", _info)
+    doctor = command(
+        "doctor",
+        "check every kernel on this machine's device against its numpy reference (and time the "
+        "large ones on the GPU); exits 1 if one fails",
+        _doctor,
+    )
+    doctor.add_argument("--device", choices=("auto", "sim", "metal"), default="auto")
+    doctor.add_argument("--runs", type=int, default=10, help="timed runs per large kernel (GPU)")
     return parser
 
 

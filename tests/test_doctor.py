@@ -1,0 +1,129 @@
+"""`lily doctor` on the sim: the full kernel table passes, and a broken kernel fails its row and
+the exit code (a kernel fault, and a result outside its error bound)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from lily import cli, doctor
+from lily.device import Graph, open_device
+from lily.kernel_checks import CHECKS, Comparison, KernelCheck, Trial, compare, compare_ulps
+
+
+@pytest.fixture(scope="module")
+def sim():
+    return open_device("sim")
+
+
+def test_every_kernel_passes_on_the_sim(capsys):
+    assert cli.main(["doctor", "--device", "sim"]) == 0
+    out = capsys.readouterr().out
+    assert "device:            sim" in out
+    assert "correctness only" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "| pass" in line]
+    assert len(rows) == len(CHECKS)
+    for check in CHECKS:
+        assert any(check.kernel in row and check.shapes in row for row in rows), check
+    assert f"All {len(CHECKS)} kernel checks passed." in out
+
+
+def scale_check(factor_expected: float, ulps: float = 1) -> KernelCheck:
+    """test_scale_float (y = 3 x) judged against factor_expected * x."""
+
+    def prepare(device, rng):
+        x = rng.normal(0, 1, 100).astype(np.float32)
+        y = np.zeros_like(x)
+        graph = Graph()
+        graph.dispatch(
+            device.kernel("test_scale_float"),
+            threadgroups=4,
+            threads=25,
+            buffers={0: device.wrap(x), 1: device.wrap(y)},
+            bytes={2: np.float32(3.0).tobytes()},
+        )
+        expected = factor_expected * x.astype(np.float64)
+        return Trial(graph, lambda: compare_ulps(y, expected, np.abs(expected), ulps))
+
+    return KernelCheck("test_scale_float", f"100, expected {factor_expected} x", prepare)
+
+
+def unbound_read_check() -> KernelCheck:
+    def prepare(device, rng):
+        graph = Graph()
+        graph.dispatch(
+            device.kernel("broken_unbound_read"),
+            threadgroups=1,
+            threads=32,
+            buffers={0: device.alloc(128)},
+        )
+        return Trial(graph, lambda: Comparison(0.0, 0.0))
+
+    return KernelCheck("broken_unbound_read", "32", prepare)
+
+
+def report(device, checks) -> tuple[int, str]:
+    out = io.StringIO()
+    code = doctor.run(device, checks, out=out, system=False)
+    return code, out.getvalue()
+
+
+def test_a_kernel_fault_fails_its_row_and_the_exit_code(sim):
+    code, out = report(sim, [scale_check(3.0), unbound_read_check()])
+    assert code == 1
+    (row,) = [line for line in out.splitlines() if "broken_unbound_read" in line]
+    assert "FAIL: KernelError" in row and "not bound" in row
+    (good,) = [line for line in out.splitlines() if "test_scale_float" in line]
+    assert "| pass" in good
+    assert "1 of 2 kernel checks FAILED." in out
+
+
+def test_a_result_outside_its_bound_fails(sim):
+    code, out = report(sim, [scale_check(3.0 * (1 + 1e-3))])
+    assert code == 1
+    (row,) = [line for line in out.splitlines() if "test_scale_float" in line]
+    assert "FAIL" in row
+    ratio = float(row.split("|")[4])
+    assert ratio > 1000  # a relative error of 1e-3 is thousands of float32 ulps
+
+
+def test_a_missing_kernel_fails_its_row(sim):
+    def prepare(device, rng):
+        device.kernel("no_such_kernel")
+
+    code, out = report(sim, [KernelCheck("no_such_kernel", "-", prepare)])
+    assert code == 1
+    assert "FAIL: ValueError: unknown kernel 'no_such_kernel'" in out
+
+
+def test_a_device_that_cannot_open_fails(capsys):
+    if doctor.metal_info() is not None:
+        pytest.skip("this build has the metal device")
+    assert cli.main(["doctor", "--device", "metal"]) == 1
+    assert "cannot open the metal device" in capsys.readouterr().err
+
+
+def test_compare():
+    assert compare([1.0, 2.0], [1.0, 2.0], 0).passed
+    assert not compare([1.0, 2.5], [1.0, 2.0], 0.4).passed
+    assert compare([1.0, 2.3], [1.0, 2.0], 0.4).worst_ratio == pytest.approx(0.75)
+    assert not compare([np.nan], [1.0], 10).passed
+    assert not compare([1.0, 2.0], [1.0], 10).passed
+
+
+@pytest.mark.parametrize(
+    ("name", "bandwidth"),
+    [
+        ("Apple M1", 68.25),
+        ("Apple M1 Pro", 200),
+        ("Apple M3 Max", 400),
+        ("Apple M4 Pro", 273),
+        ("Apple M2 Ultra", 800),
+        ("Apple M5", 153),
+        ("Apple Paravirtual device", None),
+    ],
+)
+def test_chip_bandwidth(name, bandwidth):
+    assert doctor.chip_bandwidth(name) == bandwidth
