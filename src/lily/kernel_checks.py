@@ -218,7 +218,9 @@ def _embedding(vocab: int, dim: int, tokens: list[int]):
         out = floats(device, len(ids) * dim)
         graph = Graph()
         weights = wrap_quant_weight(device, *triple)
-        record_embedding(graph, device, device.wrap(ids), weights, out, token_count=len(ids))
+        record_embedding(
+            graph, device, device.wrap(ids), floats(device, 1), weights, out, token_count=len(ids)
+        )
 
         def verify() -> Comparison:
             words, scales, biases = (a[ids] for a in triple)
