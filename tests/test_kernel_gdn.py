@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, sim_device
 
-from lily import reference
 from lily.device import Graph
+from lily.kernel_checks import reference_gdn_token
 from lily.kernels.gdn import (
     KEY_HEAD_DIM,
     VALUE_HEAD_DIM,
@@ -20,7 +20,7 @@ from lily.kernels.gdn import (
     record_gdn_step,
     state_bytes,
 )
-from lily.quant import bf16_to_float32, float32_to_bf16
+from lily.quant import float32_to_bf16
 
 EPS = 1e-6
 # (key heads, value heads): the real model, and the tiny config.
@@ -77,24 +77,19 @@ class GdnCase:
 def expected_token(case, state, qkv, z, a, b) -> tuple[np.ndarray, np.ndarray]:
     """(out [Hv*Dv], new state) of one token in float64, composed from lily.reference; `case`
     gives the head counts and the per-layer weights."""
-    f64 = np.float64
-    key_total = case.num_key_heads * KEY_HEAD_DIM
-    qkv = qkv.astype(f64)
-    q = qkv[:key_total].reshape(case.num_key_heads, KEY_HEAD_DIM)
-    k = qkv[key_total : 2 * key_total].reshape(case.num_key_heads, KEY_HEAD_DIM)
-    v = qkv[2 * key_total :].reshape(case.num_value_heads, VALUE_HEAD_DIM)
-    q = reference.l2_normalize(q) * KEY_HEAD_DIM**-0.5
-    k = reference.l2_normalize(k)
-    g, beta = reference.gdn_gates(
-        a.astype(f64),
-        b.astype(f64),
-        case.a_log.astype(f64),
-        bf16_to_float32(case.dt_bias).astype(f64),
+    return reference_gdn_token(
+        state,
+        qkv,
+        z,
+        a,
+        b,
+        a_log=case.a_log,
+        dt_bias=case.dt_bias,
+        norm_weight=case.norm_weight,
+        num_key_heads=case.num_key_heads,
+        num_value_heads=case.num_value_heads,
+        eps=EPS,
     )
-    o, new_state = reference.gated_delta_step(state.astype(f64), q, k, v, g, beta)
-    z = z.astype(f64).reshape(case.num_value_heads, VALUE_HEAD_DIM)
-    weight = bf16_to_float32(case.norm_weight).astype(f64)
-    return reference.gated_rms_norm(o, weight, z, EPS).reshape(-1), new_state
 
 
 # fp32 sums of 128 products, against float64: relative errors stay around 1e-6; the bounds leave

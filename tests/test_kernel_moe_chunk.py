@@ -29,6 +29,7 @@ from test_kernel_quantized import ulps_for
 
 from lily import reference
 from lily.device import Graph
+from lily.kernel_checks import reference_combine, reference_sort
 from lily.kernels import offset_by
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe, record_moe_route
 from lily.kernels.moe_chunk import (
@@ -43,15 +44,6 @@ from lily.kernels.quantized import wrap_quant_weight
 from lily.quant import bf16_to_float32, float32_to_bf16, unpack_codes
 
 # -- the counting sort ----------------------------------------------------------------------------
-
-
-def reference_sort(ids: np.ndarray, experts: int):
-    """(expert_offsets, row_index, slot_of) of a stable sort of ids [T, top_k] by expert."""
-    order = np.argsort(ids.ravel(), kind="stable")
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(ids.ravel(), minlength=experts))])
-    slot_of = np.empty_like(order)
-    slot_of[order] = np.arange(order.size)
-    return offsets, order // ids.shape[1], slot_of
 
 
 def run_sort(device, ids: np.ndarray, experts: int):
@@ -173,13 +165,6 @@ def test_swiglu_in_place(lane_order, count):
 
 
 # -- combine --------------------------------------------------------------------------------------
-
-
-def reference_combine(down, slot_of, weights, shared_logit, shared_down):
-    routed = np.einsum("tk,tkh->th", weights, down[slot_of])
-    gate = reference.sigmoid(shared_logit)[:, None]
-    magnitude = np.einsum("tk,tkh->th", np.abs(weights), np.abs(down[slot_of]))
-    return routed + gate * shared_down, magnitude + gate * np.abs(shared_down), gate * shared_down
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kernel_testing import (
-    FLOAT32_EPS,
     LANE_ORDERS,
     as_float32,
     assert_within,
@@ -24,34 +23,13 @@ from kernel_testing import (
 )
 
 from lily.device import Graph
+from lily.kernel_checks import qgemm_ulps, reference_qgemm, swiglu_bound
 from lily.kernels.quantized import wrap_quant_weight
 from lily.kernels.quantized_gemm import record_qgemm, record_qgemm_grouped
-from lily.quant import bf16_to_float32, dequantize, unpack_codes
-
-
-def reference_matmul(triple, bits: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x W^T in float64 ([..., rows] for x [..., in_dim]) and the magnitude its fp32 rounding
-    scales with, |x| (|scale * code| + |bias|)^T."""
-    weight, scales, biases = triple
-    w = dequantize(weight, scales, biases, bits, dtype=np.float64)
-    codes = unpack_codes(weight, bits).astype(np.float64)
-    s = np.repeat(np.abs(bf16_to_float32(scales).astype(np.float64)), 64, axis=-1)
-    b = np.repeat(np.abs(bf16_to_float32(biases).astype(np.float64)), 64, axis=-1)
-    return x @ w.T, np.abs(x) @ (s * codes + b).T
-
-
-def silu(v: np.ndarray) -> np.ndarray:
-    return v / (1.0 + np.exp(-v))
 
 
 def assert_swiglu_within(actual, gate, gate_mag, up, up_mag, in_dim: int) -> None:
-    ulps = (in_dim + 8) * FLOAT32_EPS
-    dg, du = ulps * gate_mag, ulps * up_mag
-    expected = silu(gate) * up
-    bound = (
-        1.1 * dg * (np.abs(up) + du) + np.abs(silu(gate)) * du + 8 * FLOAT32_EPS * np.abs(expected)
-    )
-    assert_within(actual, expected, bound)
+    assert_within(actual, *swiglu_bound(gate, gate_mag, up, up_mag, in_dim))
 
 
 def random_x(rng: np.random.Generator, rows: int, in_dim: int) -> np.ndarray:
@@ -78,9 +56,9 @@ def check_qgemm(lane_order: str, tokens: int, in_dim: int, rows: list[int], bits
     run(device, lambda g: record_qgemm(g, device, device.wrap(x), projections, tokens))
     result = as_float32(out, int(offsets[-1]))
     for triple, r, o in zip(triples, rows, offsets[:-1], strict=True):
-        expected, magnitude = reference_matmul(triple, bits, x.astype(np.float64))
+        expected, magnitude = reference_qgemm(*triple, bits, x.astype(np.float64))
         actual = result[o : o + tokens * r].reshape(tokens, r)
-        assert_within_ulps(actual, expected, magnitude, in_dim + 8)
+        assert_within_ulps(actual, expected, magnitude, qgemm_ulps(in_dim))
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
@@ -177,15 +155,15 @@ def check_grouped(
         for e in np.unique(sorted_experts):
             mine = sorted_experts == e
             expert_triple = tuple(a[e] for a in triple)
-            y[mine], magnitude[mine] = reference_matmul(
-                expert_triple, bits, x_rows[mine].astype(np.float64)
+            y[mine], magnitude[mine] = reference_qgemm(
+                *expert_triple, bits, x_rows[mine].astype(np.float64)
             )
         products.append((y, magnitude))
     if swiglu:
         (gate, gate_mag), (up, up_mag) = products
         assert_swiglu_within(result, gate, gate_mag, up, up_mag, in_dim)
     else:
-        assert_within_ulps(result, *products[0], in_dim + 8)
+        assert_within_ulps(result, *products[0], qgemm_ulps(in_dim))
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
