@@ -112,7 +112,8 @@ NB_MODULE(_native, m) {
              for (const auto& t : d.take_traffic()) {
                nb::list bindings;
                for (const auto& b : t.bindings)
-                 bindings.append(nb::make_tuple(b.index, b.extent, b.read, b.written));
+                 bindings.append(
+                     nb::make_tuple(b.index, b.buffer, b.offset, b.extent, b.read, b.written));
                out.append(nb::make_tuple(t.kernel, bindings));
              }
              return out;

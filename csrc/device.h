@@ -129,6 +129,8 @@ class Graph {
 // checking modes).
 struct BindingTraffic {
   uint32_t index;
+  std::shared_ptr<Buffer> buffer;
+  size_t offset;
   size_t extent;  // bytes the binding could touch
   size_t read, written;
 };

@@ -210,6 +210,51 @@ def test_read_of_scratch_nothing_wrote(dev):
     assert not plain.numpy().any()
 
 
+def test_dispatches_of_one_graph_level_that_touch_the_same_bytes(dev):
+    """Without a barrier between them, the second dispatch reading what the first writes is a
+    race between concurrent dispatches; two dispatches reading the same input are fine."""
+    x, middle, out = dev.wrap(floats(40)), dev.alloc(4 * 40), dev.alloc(4 * 40)
+    params = {2: pack_params("I", 40)}
+    for barrier in (True, False):
+        g = Graph()
+        g.dispatch(
+            dev.kernel("test_double"),
+            threadgroups=2,
+            threads=32,
+            buffers={0: x, 1: middle},
+            bytes=params,
+        )
+        if barrier:
+            g.barrier()
+        g.dispatch(
+            dev.kernel("test_double"),
+            threadgroups=2,
+            threads=32,
+            buffers={0: middle, 1: out},
+            bytes=params,
+        )
+        if barrier:
+            dev.run(g)
+            continue
+        with pytest.raises(KernelError) as info:
+            dev.run(g)
+        assert str(info.value) == (
+            "kernel 'test_double': reads byte offset 0 of buffer 0, which an earlier dispatch of "
+            "the same graph level ('test_double') wrote: dispatches between two barriers may run "
+            "concurrently"
+        )
+    g = Graph()
+    for target in (middle, out):
+        g.dispatch(
+            dev.kernel("test_double"),
+            threadgroups=2,
+            threads=32,
+            buffers={0: x, 1: target},
+            bytes=params,
+        )
+    dev.run(g)
+
+
 # ---- threadgroup memory -----------------------------------------------------------------------
 
 
@@ -382,6 +427,7 @@ def test_traffic_counts_distinct_bytes_per_binding(mode):
     assert (double.buffers[0].read, double.buffers[0].written) == (4 * n, 0)
     assert (double.buffers[1].read, double.buffers[1].written) == (0, 4 * n)
     assert double.buffers[1].extent == 4 * n + 64
+    assert double.buffers[0].buffer is x and double.buffers[0].offset == 0
     # Every thread read all of buffer 0: it still counts once.
     assert (broadcast.buffers[0].read, broadcast.read, broadcast.written) == (4 * n, 4 * n, 4 * n)
     assert dev.traffic() == []

@@ -11,7 +11,9 @@ What a header cannot do, done on the source text:
   into references to per-threadgroup storage handed out by the runtime;
 - rewrite half literals (`1.5h` -> `half(1.5)`);
 - append one entry wrapper per host name that binds [[buffer(n)]], [[threadgroup(n)]] and the
-  built-in ids from the running lane, and register the wrappers with the runtime.
+  built-in ids from the running lane, and register the wrappers with the runtime;
+- let the same output compile as the checked build too (LILY_SIM_CHECKED: the kernel file's own
+  functions get internal linkage, and the wrappers register in the checked table).
 
 Non-template kernels are registered under their function name; template kernels only through
 their `[[host_name]]` instantiations. Usage:

@@ -258,6 +258,7 @@ std::unique_ptr<lily_sim::DispatchCheck> check_bindings(const Dispatch& d, Check
     uintptr_t lo = ~uintptr_t(0), hi = 0;
     for (auto& c : check->bindings) {
       c.seen = c.host;
+      if (!c.extent) continue;
       lo = std::min(lo, reinterpret_cast<uintptr_t>(c.host));
       hi = std::max(hi, reinterpret_cast<uintptr_t>(c.host) + c.extent);
     }
@@ -271,12 +272,85 @@ std::unique_ptr<lily_sim::DispatchCheck> check_bindings(const Dispatch& d, Check
 
 DispatchTraffic traffic_of(const Dispatch& d, const lily_sim::DispatchCheck& check) {
   DispatchTraffic t{d.kernel->name(), {}};
-  for (const auto& b : check.bindings)
-    if (!b.inline_bytes) t.bindings.push_back({b.index, b.extent, b.read.count(), b.written.count()});
+  for (const auto& bound : d.buffers) {
+    const auto& b = *std::find_if(check.bindings.begin(), check.bindings.end(), [&](const auto& c) {
+      return !c.inline_bytes && c.index == bound.index;
+    });
+    t.bindings.push_back(
+        {b.index, bound.buffer, bound.offset, b.extent, b.read.count(), b.written.count()});
+  }
   std::sort(t.bindings.begin(), t.bindings.end(),
             [](const auto& a, const auto& b) { return a.index < b.index; });
   return t;
 }
+
+// What the dispatches of the current graph level read and wrote of each writable buffer (check
+// mode). Dispatches between two barriers may run concurrently on a GPU, so one writing bytes
+// another touches is a race only a barrier in the graph prevents.
+class LevelAccesses {
+ public:
+  void clear() { buffers_.clear(); }
+
+  // Throws KernelError if `d` writes bytes an earlier dispatch of the level touched, or reads
+  // bytes one wrote; then adds d's accesses.
+  void add(const Dispatch& d, const lily_sim::DispatchCheck& check) {
+    struct Touched {
+      const BufferBinding* bound;
+      const lily_sim::CheckedBinding* binding;
+      Access* access;
+    };
+    std::vector<Touched> touched;
+    for (const auto& bound : d.buffers) {
+      if (!bound.buffer->writable()) continue;
+      const auto& b = *std::find_if(check.bindings.begin(), check.bindings.end(), [&](const auto& c) {
+        return !c.inline_bytes && c.index == bound.index;
+      });
+      auto [it, fresh] = buffers_.try_emplace(bound.buffer.get());
+      if (fresh) {
+        it->second.read = lily_sim::ByteBits(bound.buffer->size());
+        it->second.written = lily_sim::ByteBits(bound.buffer->size());
+      }
+      touched.push_back({&bound, &b, &it->second});
+    }
+    for (const Touched& t : touched) {
+      conflict(d, t.binding->written, *t.bound, *t.access, true);
+      conflict(d, t.binding->read, *t.bound, *t.access, false);
+    }
+    for (const Touched& t : touched) {
+      const size_t base = t.bound->offset;
+      t.binding->read.for_each_run([&](size_t o, size_t n) { t.access->read.set(base + o, n); });
+      t.binding->written.for_each_run(
+          [&](size_t o, size_t n) { t.access->written.set(base + o, n); });
+      t.access->kernels.push_back(d.kernel->name());
+    }
+  }
+
+ private:
+  struct Access {
+    lily_sim::ByteBits read, written;
+    std::vector<std::string> kernels;
+  };
+
+  static void conflict(const Dispatch& d, const lily_sim::ByteBits& bits,
+                       const BufferBinding& bound, const Access& earlier, bool writes) {
+    bits.for_each_run([&](size_t offset, size_t n) {
+      for (size_t i = offset; i < offset + n; ++i) {
+        const size_t at = bound.offset + i;
+        if (!earlier.written.test(at) && !(writes && earlier.read.test(at))) continue;
+        std::string others;
+        for (const auto& k : earlier.kernels) others += (others.empty() ? "'" : ", '") + k + "'";
+        throw KernelError("kernel '" + d.kernel->name() + "': " + (writes ? "writes" : "reads") +
+                          " byte offset " + std::to_string(i) + " of buffer " +
+                          std::to_string(bound.index) + ", which an earlier dispatch of the same " +
+                          "graph level (" + others + ") " +
+                          (earlier.written.test(at) ? "wrote" : "read") +
+                          ": dispatches between two barriers may run concurrently");
+      }
+    });
+  }
+
+  std::map<const Buffer*, Access> buffers_;
+};
 
 class SimDevice : public Device {
  public:
@@ -374,11 +448,13 @@ class SimDevice : public Device {
       }
       std::string error;
       try {
-        for (const auto& level : job.graph.levels())
+        for (const auto& level : job.graph.levels()) {
+          level_.clear();
           for (const auto& d : level) {
             auto prepared = prepare(d);
             if (execute_) run(d, prepared);
           }
+        }
       } catch (const std::exception& e) {
         error = e.what();
       }
@@ -401,7 +477,10 @@ class SimDevice : public Device {
       if (mode_ == CheckMode::check) arena_.close(*check);
       throw;
     }
-    if (mode_ == CheckMode::check) arena_.close(*check);
+    if (mode_ == CheckMode::check) {
+      arena_.close(*check);
+      level_.add(d, *check);
+    }
     auto traffic = traffic_of(d, *check);
     std::lock_guard lock(mutex_);
     traffic_.push_back(std::move(traffic));
@@ -411,7 +490,8 @@ class SimDevice : public Device {
   // false: graphs are checked and retired but no kernel runs (to time the host side alone).
   const bool execute_;
   const CheckMode mode_;
-  WindowArena arena_;  // used by the queue thread only
+  WindowArena arena_;     // used by the queue thread only
+  LevelAccesses level_;  // likewise
   std::vector<DispatchTraffic> traffic_;
   std::map<std::string, const lily_sim::KernelInfo*> kernels_;
 

@@ -51,6 +51,8 @@ CHECK_ENV = "LILY_SIM_CHECK"
 class BindingTraffic:
     """Distinct bytes one dispatch read and wrote through one buffer binding."""
 
+    buffer: Buffer
+    offset: int
     extent: int  # bytes the binding could touch
     read: int
     written: int
@@ -234,8 +236,8 @@ class Device:
             DispatchTraffic(
                 kernel,
                 {
-                    index: BindingTraffic(extent, read, written)
-                    for index, extent, read, written in bindings
+                    index: BindingTraffic(buffer, offset, extent, read, written)
+                    for index, buffer, offset, extent, read, written in bindings
                 },
             )
             for kernel, bindings in self._native.take_traffic()

@@ -17,8 +17,13 @@ if TYPE_CHECKING:
 class DeviceWeights:
     def __init__(self, checkpoint: Checkpoint, device: Device) -> None:
         self.checkpoint = checkpoint
+        # Each tensor is a region of its shard: the checking sim holds a binding to its tensor.
+        regions: dict = {path: [] for path in checkpoint.shards}
+        for info in checkpoint.locations.values():
+            regions[info.shard].append((info.offset, info.nbytes))
         self._shards = {
-            path: device.wrap(shard.buffer) for path, shard in checkpoint.shards.items()
+            path: device.wrap(shard.buffer, regions[path])
+            for path, shard in checkpoint.shards.items()
         }
 
     def tensor(self, name: str) -> BufferRef:
