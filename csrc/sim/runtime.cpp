@@ -275,6 +275,9 @@ void Worker::throw_fault() {
 // Where the next threadgroup allocation goes in memory_ (after a red zone in check mode), poisoned.
 uint32_t Worker::place(uint32_t bytes, size_t align) {
   const size_t offset = (placed_ + red_zone_ + align - 1) / align * align;
+  if (offset + bytes > kThreadgroupMemoryBytes)  // only red zones of huge alignments get here
+    throw Failure{"threadgroup variables need more than the sim's " +
+                  std::to_string(kThreadgroupMemoryBytes) + " bytes with their red zones"};
   std::memset(memory_ + offset, kPoison, bytes);
   placed_ = uint32_t(offset + bytes);
   return uint32_t(offset);
