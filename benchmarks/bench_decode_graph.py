@@ -3,9 +3,14 @@ token, the weight bytes one token reads (against spec/model.md's 1.80 GB minimum
 model), and the host's time to submit and retire one step, with the sim recording and submitting
 but not executing kernels (so the number is the host overhead alone).
 
+With --traffic it also runs one step on the counting sim (every load and store of the kernels
+counted, distinct bytes per dispatch and binding) and reports the measured bytes per token, by
+what they are, next to the analytic figure: a kernel that reads a weight twice or reads padding
+shows up as a difference.
+
 Usage:
     python benchmarks/make_synthetic_checkpoint.py SYNTH_DIR   # once, ~19.5 GB
-    python benchmarks/bench_decode_graph.py SYNTH_DIR [--steps 200] [--context 256]
+    python benchmarks/bench_decode_graph.py SYNTH_DIR [--steps 200] [--context 256] [--traffic]
     python benchmarks/bench_decode_graph.py demo
 """
 
@@ -16,10 +21,10 @@ import time
 
 from lily.checkpoint import load_checkpoint, resolve_model
 from lily.config import FULL_ATTENTION
-from lily.decode_graph import DecodeGraph
 from lily.device import open_device
 from lily.kernels.attention import cache_bytes
 from lily.kernels.gdn import state_bytes
+from lily.model_graph import ModelGraph
 from lily.validate import expected_layout
 
 EMBEDDING = "language_model.model.embed_tokens"
@@ -52,21 +57,53 @@ def kv_bytes_per_context_token(config) -> int:
     return len(config.full_attention_layers) * 2 * cache_bytes(config.num_key_value_heads, 1)
 
 
+def measured_bytes_per_token(checkpoint, max_seq: int) -> tuple[dict[str, int], float]:
+    """Runs the first decode step (position 0) on the counting sim: the distinct bytes every
+    dispatch read plus those it wrote, summed over the step by what the buffer holds, and the
+    seconds the step took."""
+    device = open_device("sim", count_traffic=True)
+    decode = ModelGraph(checkpoint, device, max_seq, checkpoint.config.vocab_size, max_chunk=1)
+    state = decode.state
+    kinds = {}
+    for buffer in state.recurrent.values():
+        kinds[id(buffer)] = "GDN state (read + write)"
+    for buffer in state.conv_windows.values():
+        kinds[id(buffer)] = "conv windows"
+    for buffer in [*state.k_cache.values(), *state.v_cache.values()]:
+        kinds[id(buffer)] = "KV cache"
+    for buffer in (state.logits, state.logprob_ring):
+        kinds[id(buffer)] = "logits"
+    start = time.perf_counter()
+    device.run(decode.decode)
+    seconds = time.perf_counter() - start
+    totals: dict[str, int] = {}
+    for dispatch in device.traffic():
+        for binding in dispatch.buffers.values():
+            # The checkpoint's shards are the only read-only buffers.
+            kind = "weights" if not binding.buffer.writable else "activations and step"
+            kind = kinds.get(id(binding.buffer), kind)
+            totals[kind] = totals.get(kind, 0) + binding.read + binding.written
+    return totals, seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="checkpoint directory, repo id or 'demo'")
     parser.add_argument("--steps", type=int, default=200, help="steps timed in no-execute mode")
     parser.add_argument("--context", type=int, default=256, help="context for the KV bytes")
     parser.add_argument("--max-seq", type=int, default=4096)
+    parser.add_argument(
+        "--traffic", action="store_true", help="run one step counting the bytes it moves"
+    )
     args = parser.parse_args()
 
     checkpoint = load_checkpoint(resolve_model(args.model))
     config = checkpoint.config
     device = open_device("sim", execute=False)
     start = time.perf_counter()
-    decode = DecodeGraph(checkpoint, device, args.max_seq, config.vocab_size)
+    decode = ModelGraph(checkpoint, device, args.max_seq, config.vocab_size, max_chunk=1)
     recorded = time.perf_counter() - start
-    graph = decode.graph
+    graph = decode.decode
 
     totals = weight_bytes_per_token(checkpoint)
     weights = sum(totals.values())
@@ -91,6 +128,24 @@ def main() -> None:
         device.wait(ticket)
     per_step = (time.perf_counter() - start) / args.steps
     print(f"host time / step    {per_step * 1e6:.1f} us (submit + wait, kernels not executed)")
+
+    if args.traffic:
+        measured, seconds = measured_bytes_per_token(checkpoint, args.max_seq)
+        print(f"measured, one step at position 0 on the counting sim ({seconds:.0f} s):")
+        for kind, nbytes in sorted(measured.items(), key=lambda item: -item[1]):
+            print(f"  {kind:<24} {nbytes / 1e9:8.4f} GB")
+        state = "GDN state (read + write)"
+        analytic_weights = weights - totals[state]
+        for kind, analytic in (("weights", analytic_weights), (state, totals[state])):
+            difference = measured.get(kind, 0) - analytic
+            print(f"  {kind} vs analytic: {difference:+d} bytes ({difference / analytic:+.4%})")
+        total = sum(measured.values())
+        rest = total - measured.get("weights", 0) - measured.get(state, 0)
+        print(
+            f"measured bytes / token {total / 1e9:.4f} GB vs analytic {weights / 1e9:.4f} GB "
+            f"({total / weights - 1:+.3%}; {rest / 1e6:.1f} MB of activations, conv windows, "
+            "logits and KV, which the analytic figure leaves out)"
+        )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ NB_MODULE(_native, m) {
           "numpy",
           [](nb::handle self) -> nb::object {
             auto& b = nb::cast<lily::Buffer&>(self);
+            b.host_access();
             size_t shape[1] = {b.size()};
             if (b.writable()) {
               return nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(
@@ -61,7 +62,9 @@ NB_MODULE(_native, m) {
             return nb::cast(nb::ndarray<nb::numpy, const uint8_t, nb::ndim<1>>(
                 static_cast<const uint8_t*>(b.data()), 1, shape, self));
           },
-          "A uint8 view of the buffer's memory that keeps the buffer alive.");
+          "A uint8 view of the buffer's memory that keeps the buffer alive.")
+      .def("add_region", &lily::Buffer::add_region, "offset"_a, "nbytes"_a)
+      .def("extent_at", &lily::Buffer::extent_at, "offset"_a);
 
   nb::class_<lily::Kernel>(m, "Kernel")
       .def_prop_ro("name", &lily::Kernel::name)
@@ -76,12 +79,16 @@ NB_MODULE(_native, m) {
              std::tuple<uint32_t, uint32_t, uint32_t> threads,
              std::vector<std::tuple<uint32_t, std::shared_ptr<lily::Buffer>, size_t>> buffers,
              std::vector<std::pair<uint32_t, nb::bytes>> bytes,
-             std::vector<std::pair<uint32_t, uint32_t>> threadgroup_memory) {
+             std::vector<std::pair<uint32_t, uint32_t>> threadgroup_memory,
+             std::vector<std::pair<uint32_t, size_t>> lengths) {
             lily::Dispatch d;
             d.kernel = std::move(kernel);
             d.threadgroups = size3(threadgroups);
             d.threads_per_threadgroup = size3(threads);
             for (auto& [index, buffer, offset] : buffers) d.buffers.push_back({index, buffer, offset});
+            for (auto& [index, length] : lengths)
+              for (auto& b : d.buffers)
+                if (b.index == index) b.length = length;
             for (auto& [index, data] : bytes) {
               auto* p = static_cast<const uint8_t*>(data.data());
               d.bytes.push_back({index, std::vector<uint8_t>(p, p + data.size())});
@@ -90,7 +97,7 @@ NB_MODULE(_native, m) {
             g.dispatch(std::move(d));
           },
           "kernel"_a, "threadgroups"_a, "threads"_a, "buffers"_a, "bytes"_a,
-          "threadgroup_memory"_a)
+          "threadgroup_memory"_a, "lengths"_a = std::vector<std::pair<uint32_t, size_t>>{})
       .def("barrier", &lily::Graph::barrier)
       .def_prop_ro("dispatch_count", &lily::Graph::dispatch_count)
       .def_prop_ro("barrier_count", &lily::Graph::barrier_count);
@@ -98,6 +105,19 @@ NB_MODULE(_native, m) {
   nb::class_<lily::Device>(m, "Device")
       .def_prop_ro("name", &lily::Device::name)
       .def("alloc", &lily::Device::alloc, "nbytes"_a)
+      .def("alloc_scratch", &lily::Device::alloc_scratch, "nbytes"_a)
+      .def("take_traffic",
+           [](lily::Device& d) {
+             nb::list out;
+             for (const auto& t : d.take_traffic()) {
+               nb::list bindings;
+               for (const auto& b : t.bindings)
+                 bindings.append(
+                     nb::make_tuple(b.index, b.buffer, b.offset, b.extent, b.read, b.written));
+               out.append(nb::make_tuple(t.kernel, bindings));
+             }
+             return out;
+           })
       .def(
           "wrap",
           [](lily::Device& d, uintptr_t address, size_t nbytes, bool writable, nb::object owner) {
@@ -140,7 +160,8 @@ NB_MODULE(_native, m) {
 
   m.def(
       "open_sim_device",
-      [](const std::string& lane_order, uint64_t seed, unsigned workers, bool execute) {
+      [](const std::string& lane_order, uint64_t seed, unsigned workers, bool execute,
+         const std::string& mode) {
         lily_sim::LaneOrder order;
         if (lane_order == "forward")
           order = lily_sim::LaneOrder::forward;
@@ -150,7 +171,16 @@ NB_MODULE(_native, m) {
           order = lily_sim::LaneOrder::random;
         else
           throw std::invalid_argument("lane_order must be 'forward', 'reverse' or 'random'");
-        return lily::open_sim_device(order, seed, workers, execute);
+        lily_sim::CheckMode check;
+        if (mode == "off")
+          check = lily_sim::CheckMode::off;
+        else if (mode == "count")
+          check = lily_sim::CheckMode::count;
+        else if (mode == "check")
+          check = lily_sim::CheckMode::check;
+        else
+          throw std::invalid_argument("mode must be 'off', 'count' or 'check'");
+        return lily::open_sim_device(order, seed, workers, execute, check);
       },
-      "lane_order"_a, "seed"_a, "workers"_a, "execute"_a = true);
+      "lane_order"_a, "seed"_a, "workers"_a, "execute"_a = true, "mode"_a = "off");
 }

@@ -7,6 +7,7 @@
 // belongs here: no model dims, no layer logic.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -31,6 +32,26 @@ class Buffer {
   virtual void* data() = 0;
   virtual size_t size() const = 0;
   virtual bool writable() const = 0;
+  // The host is given the memory (a numpy view): from now on it may have written any byte.
+  virtual void host_access() {}
+
+  // Tensors inside the buffer (a checkpoint shard's), [offset, offset + bytes): a binding at an
+  // offset inside one may touch the rest of that tensor only. Only the sim's checking mode uses
+  // them.
+  void add_region(size_t offset, size_t bytes) { regions_.push_back({offset, bytes}); }
+  // Bytes a binding at `offset` may touch: to the end of the region it starts in, or else of the
+  // buffer.
+  size_t extent_at(size_t offset) const {
+    for (const Region& r : regions_)
+      if (offset >= r.offset && offset < r.offset + r.bytes) return r.offset + r.bytes - offset;
+    return size() - std::min(offset, size());
+  }
+
+ private:
+  struct Region {
+    size_t offset, bytes;
+  };
+  std::vector<Region> regions_;
 };
 
 // A compiled kernel, looked up once by its [[host_name]].
@@ -46,10 +67,14 @@ struct Size3 {
   uint64_t count() const { return uint64_t(x) * y * z; }
 };
 
+// No length recorded: the binding extends to Buffer::extent_at(offset).
+inline constexpr size_t kUnknownLength = ~size_t(0);
+
 struct BufferBinding {
   uint32_t index;
   std::shared_ptr<Buffer> buffer;
   size_t offset;
+  size_t length = kUnknownLength;  // bytes the kernel may touch, when the graph knows them
 };
 
 // Small constant parameters copied into the command stream ([[buffer(n)]] via setBytes).
@@ -100,6 +125,20 @@ class Graph {
   std::vector<std::vector<Dispatch>> levels_;
 };
 
+// What one dispatch read and wrote of each buffer binding: distinct bytes (the sim's counting and
+// checking modes).
+struct BindingTraffic {
+  uint32_t index;
+  std::shared_ptr<Buffer> buffer;
+  size_t offset;
+  size_t extent;  // bytes the binding could touch
+  size_t read, written;
+};
+struct DispatchTraffic {
+  std::string kernel;
+  std::vector<BindingTraffic> bindings;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -107,6 +146,9 @@ class Device {
 
   // Zero-initialised device memory.
   virtual std::shared_ptr<Buffer> alloc(size_t bytes) = 0;
+  // Memory whose contents are undefined until a kernel (or the host) writes them. Zeroed like
+  // alloc() except on the checking sim, which poisons it and reports reads of unwritten bytes.
+  virtual std::shared_ptr<Buffer> alloc_scratch(size_t bytes) { return alloc(bytes); }
   // Host memory used in place (numpy arrays, the checkpoint's memory maps). `owner` is held
   // as long as the buffer lives so the memory cannot go away under the device.
   virtual std::shared_ptr<Buffer> wrap(void* data, size_t bytes, bool writable,
@@ -121,6 +163,10 @@ class Device {
   // Blocks until the graph of `ticket` (and every earlier one) has finished; rethrows its error.
   virtual void wait(uint64_t ticket) = 0;
   void run(const Graph& graph) { wait(submit(graph)); }
+
+  // The traffic of every dispatch run since the last call, in order; empty on devices that do
+  // not count.
+  virtual std::vector<DispatchTraffic> take_traffic() { return {}; }
 };
 
 }  // namespace lily

@@ -2,19 +2,23 @@
 random MLX-quantized weights and the quantized GEMV reference (shared with `lily doctor`, in
 lily.kernel_checks), float64 references, and tolerances stated in ulps.
 
-Every kernel test runs under the three lane orders of the sim (forward, reverse, seeded random):
-a missing barrier or a read of another lane's unwritten value shows up as a difference between
-them, or as the NaN poison the sim puts in threadgroup memory.
+Every kernel test runs under the three lane orders of the sim (forward, reverse, seeded random),
+which also interleave SIMD-groups differently: a missing barrier or a read of another lane's
+unwritten value shows up as a difference between them, or as the NaN poison the sim puts in
+threadgroup memory. The random order runs on the checking sim, so every kernel test also runs
+once with every memory access checked (out of bounds, threadgroup races, reads of unwritten
+memory; docs/sim.md). ``LILY_SIM_CHECK=1`` checks all three orders, ``LILY_SIM_CHECK=0`` none.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import numpy as np
 
-from lily.device import Graph, open_device
+from lily.device import CHECK_ENV, Graph, open_device
 from lily.kernel_checks import random_quantized, reference_qgemv  # noqa: F401 - shared with doctor
 from lily.quant import float32_to_bf16
 
@@ -24,7 +28,9 @@ FLOAT32_EPS = float(np.finfo(np.float32).eps)
 
 @functools.cache
 def sim_device(lane_order: str):
-    return open_device("sim", lane_order=lane_order, seed=0)
+    setting = os.environ.get(CHECK_ENV)
+    check = lane_order == "random" if setting is None else setting not in ("", "0")
+    return open_device("sim", lane_order=lane_order, seed=0, check=check)
 
 
 def run(device, record: Callable[[Graph], None]) -> None:
@@ -35,8 +41,10 @@ def run(device, record: Callable[[Graph], None]) -> None:
 
 
 def float_buffer(device, count: int):
-    """A zeroed device buffer of `count` float32 values."""
-    return device.alloc(4 * count)
+    """A device buffer of `count` float32 values for a kernel to write: scratch memory, zeroed
+    except on the checking sim, where it starts as NaN and a kernel reading a value before
+    anything wrote it is an error. Outputs a kernel accumulates into need ``device.alloc``."""
+    return device.scratch(4 * count)
 
 
 def as_float32(buffer, count: int, offset: int = 0) -> np.ndarray:

@@ -9,9 +9,10 @@ import pytest
 from lily.device import Graph, KernelError, open_device
 
 
-@pytest.fixture(scope="module", params=["forward", "reverse", "random"])
+@pytest.fixture(scope="module", params=["forward", "reverse", "random", "random-checked"])
 def dev(request):
-    return open_device("sim", lane_order=request.param, seed=1, workers=2)
+    order, _, checked = request.param.partition("-")
+    return open_device("sim", lane_order=order, seed=1, workers=2, check=bool(checked))
 
 
 def dispatch(dev, name, threadgroups, threads, buffers, threadgroup_memory=None):

@@ -1,4 +1,5 @@
-"""MSL features on the sim, each checked against numpy under every lane order."""
+"""MSL features on the sim, each checked against numpy under every lane order, and once more on
+the checking sim (every access checked: none of these kernels may trip it)."""
 
 import numpy as np
 import pytest
@@ -8,9 +9,10 @@ from lily.device import Graph, open_device
 ORDERS = ("forward", "reverse", "random")
 
 
-@pytest.fixture(scope="module", params=ORDERS)
+@pytest.fixture(scope="module", params=[*ORDERS, "random-checked"])
 def dev(request):
-    return open_device("sim", lane_order=request.param, seed=11, workers=2)
+    order, _, checked = request.param.partition("-")
+    return open_device("sim", lane_order=order, seed=11, workers=2, check=bool(checked))
 
 
 def run(dev, name, threadgroups, threads, buffers, threadgroup_memory=None):
@@ -113,7 +115,7 @@ def test_missing_barrier_is_exposed_by_lane_order():
     for order in ORDERS:
         out = np.zeros_like(x)
         run(
-            open_device("sim", lane_order=order, seed=5, workers=1),
+            open_device("sim", lane_order=order, seed=5, workers=1, check=False),
             "test_missing_barrier",
             2,
             64,

@@ -11,7 +11,9 @@ What a header cannot do, done on the source text:
   into references to per-threadgroup storage handed out by the runtime;
 - rewrite half literals (`1.5h` -> `half(1.5)`);
 - append one entry wrapper per host name that binds [[buffer(n)]], [[threadgroup(n)]] and the
-  built-in ids from the running lane, and register the wrappers with the runtime.
+  built-in ids from the running lane, and register the wrappers with the runtime;
+- let the same output compile as the checked build too (LILY_SIM_CHECKED: the kernel file's own
+  functions get internal linkage, and the wrappers register in the checked table).
 
 Non-template kernels are registered under their function name; template kernels only through
 their `[[host_name]]` instantiations. Usage:
@@ -227,7 +229,14 @@ class Prepass:
             if not self.inside_edit(m.start()):
                 self.edits.replace(m.start(), m.end(), f"half({m.group(1)})")
         body = self.edits.apply(self.text)
-        return "#include <metal_stdlib>\n" + body + self.wrappers()
+        # The checked build (LILY_SIM_CHECKED) gives the kernel file's own functions internal
+        # linkage, so they never merge at link time with the unchecked build's copies.
+        return (
+            "#include <metal_stdlib>\n#ifdef LILY_SIM_CHECKED\nnamespace {\n#endif\n"
+            + body
+            + "\n#ifdef LILY_SIM_CHECKED\n}  // namespace\n#endif\n"
+            + self.wrappers()
+        )
 
     def inside_edit(self, pos: int) -> bool:
         return any(s <= pos < e for s, e, _ in self.edits.items)
@@ -326,7 +335,10 @@ class Prepass:
             type_text = m.group(1).strip()
             dims = "".join(m.group(3).split())
             # The type keeps its address space for the LILY_ADDRESS_SPACE_CHECK compile.
-            storage = f"::lily_sim::threadgroup_storage<threadgroup {type_text}{dims}>({slot})"
+            storage = (
+                f"::lily_sim::threadgroup_storage<threadgroup {type_text}{dims}>"
+                f'({slot}, "{m.group(2)}")'
+            )
             new = f"auto& {m.group(2)} = {storage};"
             self.edits.replace(start + m.start(), start + m.end(), new)
             slot += 1
@@ -364,7 +376,7 @@ class Prepass:
         out.append(
             "};\n"
             "const bool lily_registered = (::lily_sim::register_kernels(lily_kernels, "
-            f"{len(entries)}), true);\n"
+            f"{len(entries)}, ::lily_sim::kCheckedBuild), true);\n"
             "}  // namespace\n"
         )
         return "".join(out)

@@ -9,6 +9,12 @@
 // call sites, a barrier some lanes of a simdgroup returned before) is divergent control flow and
 // fails the dispatch.
 //
+// Interleavings. Under the forward lane order all simdgroups advance in step, one collective
+// each per round. Under reverse, each simdgroup in turn (the last first) runs all the way to the
+// next threadgroup barrier before the next one starts; under random, a randomly chosen simdgroup
+// advances by one collective at a time. Ordering bugs between SIMD-groups (a missing barrier
+// between writing a tile and reading it in another SIMD-group) then change the answer.
+//
 // Faults. Every fiber stack sits above a PROT_NONE guard page, and unbound buffer indices point
 // into PROT_NONE regions. A SIGSEGV/SIGBUS handler running on a per-worker alternate signal stack
 // recognises a fault raised while a lane runs, records what it was (stack overflow, unbound
@@ -25,6 +31,7 @@
 #include <cstring>
 
 #include "../device.h"
+#include "check.h"
 #include "fiber.h"
 
 namespace lily_sim {
@@ -40,6 +47,10 @@ constexpr size_t kAltStackSize = 64 * 1024;
 constexpr unsigned kMaxThreadgroupVariables = 64;
 constexpr size_t kUnboundRegion = size_t(64) << 20;
 constexpr unsigned char kPoison = 0xff;  // NaN in every floating type, -1 in integers
+// Threadgroup memory of a worker: the 32 KiB limit plus, in check mode, a red zone after every
+// threadgroup argument and variable, so one element past the end is outside every variable.
+constexpr size_t kThreadgroupMemoryBytes = 64 * 1024;
+constexpr uint32_t kRedZone = 64;
 
 enum class LaneState : uint8_t { not_started, runnable, waiting_simd, waiting_barrier, exited };
 
@@ -54,7 +65,7 @@ struct LaneSlot {
   void* out;
 };
 
-enum class Fault : int { none, stack_overflow, unbound_buffer, bad_address };
+enum class Fault : int { none, stack_overflow, unbound_buffer, bad_address, check };
 
 char* unbound_base() {
   static char* base = [] {
@@ -110,7 +121,7 @@ class Worker {
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (stacks == MAP_FAILED) throw std::runtime_error("sim: cannot reserve fiber stacks");
     stacks_ = static_cast<char*>(stacks);
-    memory_ = static_cast<unsigned char*>(std::aligned_alloc(64, kThreadgroupMemoryLimit));
+    memory_ = static_cast<unsigned char*>(std::aligned_alloc(64, kThreadgroupMemoryBytes));
     alt_stack_.resize(kAltStackSize);
   }
   ~Worker() {
@@ -140,20 +151,30 @@ class Worker {
     return (a - base) % kStackSlot < kGuardSize;
   }
 
-  void* threadgroup_variable(unsigned slot, size_t bytes, size_t align);
-  std::string failure;  // set by a lane that threw Failure
+  void* threadgroup_variable(unsigned slot, size_t bytes, size_t align, const char* name,
+                             const ArrayShape* shape);
+  std::string failure;        // set by a lane that threw Failure
+  std::string fault_message;  // Fault::check: what the checker found
 
  private:
   void prepare_stacks(uint32_t count);
   void start_lane(LaneSlot& s);
   void run_lane(LaneSlot& s);
   void resolve();
+  bool resolve_simdgroup(uint32_t base);
+  void resolve_barrier();
+  bool step_simdgroup(uint32_t simdgroup);
+  void run_in_step();
+  void run_simdgroups_in_turn();
+  void run_simdgroups_at_random(uint64_t& state);
+  uint32_t place(uint32_t bytes, size_t align);
   [[noreturn]] void barrier_failure(uint32_t base, uint32_t end, const LaneSlot& barrier);
   [[noreturn]] void throw_fault();
   static void lane_main(void* arg);
 
   std::vector<LaneSlot> lanes_;
   std::vector<uint32_t> order_;
+  std::vector<std::vector<uint32_t>> simdgroup_order_;  // order_ split by simdgroup
   std::vector<int32_t> free_stacks_;
   char* stacks_ = nullptr;
   uint32_t prepared_stacks_ = 0;
@@ -163,8 +184,13 @@ class Worker {
   uint32_t lane_count_ = 0;
   uint32_t live_ = 0;
   unsigned char* memory_ = nullptr;
-  uint32_t memory_used_ = 0;
+  uint32_t memory_used_ = 0;  // what counts against the 32 KiB limit
+  uint32_t placed_ = 0;       // end of the last allocation in memory_, red zones included
+  uint32_t red_zone_ = 0;
   uint32_t argument_bytes_ = 0;
+  CheckContext check_;
+  bool checking_ = false;
+  std::unique_ptr<ThreadgroupShadow> shadow_;
   int32_t variable_offset_[kMaxThreadgroupVariables];
   void* threadgroup_args_[kMaxThreadgroupBindings] = {};
 };
@@ -208,9 +234,11 @@ void Worker::run_lane(LaneSlot& s) {
   if (s.state == LaneState::not_started) start_lane(s);
   s.state = LaneState::runnable;
   current_lane = &s.lane;
+  check_context = checking_ ? &check_ : nullptr;
   in_lane = 1;
   fiber_switch(scheduler, s.context);
   in_lane = 0;
+  check_context = nullptr;
   if (fault != Fault::none) throw_fault();
   if (s.state == LaneState::exited) {
     free_stacks_.push_back(s.stack);
@@ -232,6 +260,9 @@ void Worker::throw_fault() {
       what = "access to buffer index " + std::to_string(index) + ", which is not bound";
       break;
     }
+    case Fault::check:
+      what = fault_message;
+      break;
     default: {
       char buf[32];
       std::snprintf(buf, sizeof buf, "%#lx", static_cast<unsigned long>(fault_address));
@@ -241,20 +272,32 @@ void Worker::throw_fault() {
   throw Failure{what};
 }
 
-void* Worker::threadgroup_variable(unsigned slot, size_t bytes, size_t align) {
+// Where the next threadgroup allocation goes in memory_ (after a red zone in check mode), poisoned.
+uint32_t Worker::place(uint32_t bytes, size_t align) {
+  const size_t offset = (placed_ + red_zone_ + align - 1) / align * align;
+  if (offset + bytes > kThreadgroupMemoryBytes)  // only red zones of huge alignments get here
+    throw Failure{"threadgroup variables need more than the sim's " +
+                  std::to_string(kThreadgroupMemoryBytes) + " bytes with their red zones"};
+  std::memset(memory_ + offset, kPoison, bytes);
+  placed_ = uint32_t(offset + bytes);
+  return uint32_t(offset);
+}
+
+void* Worker::threadgroup_variable(unsigned slot, size_t bytes, size_t align, const char* name,
+                                   const ArrayShape* shape) {
   if (slot >= kMaxThreadgroupVariables)
     throw Failure{"more than " + std::to_string(kMaxThreadgroupVariables) +
                   " threadgroup variables in one kernel"};
   if (variable_offset_[slot] < 0) {
     align = std::max<size_t>(align, 16);  // covers `alignas(16) threadgroup ...` declarations
-    size_t offset = (memory_used_ + align - 1) / align * align;
-    if (offset + bytes > kThreadgroupMemoryLimit)
-      throw Failure{"threadgroup memory of " + std::to_string(offset + bytes) +
-                    " bytes (arguments " + std::to_string(argument_bytes_) +
-                    ") exceeds the 32 KiB limit"};
-    std::memset(memory_ + offset, kPoison, bytes);
+    const size_t end = (memory_used_ + align - 1) / align * align + bytes;
+    if (end > kThreadgroupMemoryLimit)
+      throw Failure{"threadgroup memory of " + std::to_string(end) + " bytes (arguments " +
+                    std::to_string(argument_bytes_) + ") exceeds the 32 KiB limit"};
+    memory_used_ = uint32_t(end);
+    const uint32_t offset = place(uint32_t(bytes), align);
+    if (check_.shadow) check_.shadow->declare(offset, uint32_t(bytes), name, shape, 0);
     variable_offset_[slot] = int32_t(offset);
-    memory_used_ = uint32_t(offset + bytes);
   }
   return memory_ + variable_offset_[slot];
 }
@@ -262,6 +305,20 @@ void* Worker::threadgroup_variable(unsigned slot, size_t bytes, size_t align) {
 void Worker::run_threadgroup(const PreparedDispatch& d, uint64_t group, LaneOrder order,
                              uint64_t seed) {
   dispatch_ = &d;
+  const CheckMode mode = d.check ? d.check->mode : CheckMode::off;
+  checking_ = mode != CheckMode::off;
+  red_zone_ = mode == CheckMode::check ? kRedZone : 0;
+  check_ = CheckContext{};
+  if (checking_) {
+    check_.dispatch = d.check;
+    check_.threadgroup_lo = reinterpret_cast<uintptr_t>(memory_);
+    if (mode == CheckMode::check) {
+      if (!shadow_) shadow_ = std::make_unique<ThreadgroupShadow>(kThreadgroupMemoryBytes);
+      shadow_->begin_threadgroup();
+      check_.shadow = shadow_.get();
+      check_.threadgroup_span = kThreadgroupMemoryBytes;
+    }
+  }
   const Ids3 tg{uint32_t(group % d.threadgroups.x),
                 uint32_t(group / d.threadgroups.x % d.threadgroups.y),
                 uint32_t(group / (uint64_t(d.threadgroups.x) * d.threadgroups.y))};
@@ -270,12 +327,13 @@ void Worker::run_threadgroup(const PreparedDispatch& d, uint64_t group, LaneOrde
   prepare_stacks(std::min(n, kMaxThreadsPerThreadgroup));
 
   // Threadgroup memory: arguments first, then kernel-body variables as lanes declare them.
-  memory_used_ = 0;
+  memory_used_ = placed_ = 0;
   for (unsigned i = 0; i < kMaxThreadgroupBindings; ++i) {
     threadgroup_args_[i] = nullptr;
     if (!d.threadgroup_bytes[i]) continue;
-    threadgroup_args_[i] = memory_ + memory_used_;
-    std::memset(memory_ + memory_used_, kPoison, d.threadgroup_bytes[i]);
+    const uint32_t offset = place(d.threadgroup_bytes[i], 16);
+    threadgroup_args_[i] = memory_ + offset;
+    if (check_.shadow) check_.shadow->declare(offset, d.threadgroup_bytes[i], nullptr, nullptr, i);
     memory_used_ += (d.threadgroup_bytes[i] + 15) / 16 * 16;
   }
   argument_bytes_ = memory_used_;
@@ -308,19 +366,24 @@ void Worker::run_threadgroup(const PreparedDispatch& d, uint64_t group, LaneOrde
 
   order_.resize(n);
   for (uint32_t i = 0; i < n; ++i) order_[i] = order == LaneOrder::reverse ? n - 1 - i : i;
-  if (order == LaneOrder::random) {
-    uint64_t state = seed * 0x2545f4914f6cdd1dull + group;
+  uint64_t state = seed * 0x2545f4914f6cdd1dull + group;
+  if (order == LaneOrder::random)
     for (uint32_t i = n; i > 1; --i) std::swap(order_[i - 1], order_[splitmix(state) % i]);
-  }
+  simdgroup_order_.resize(std::max<size_t>(simdgroup_order_.size(), simdgroups));
+  for (uint32_t g = 0; g < simdgroups; ++g) simdgroup_order_[g].clear();
+  for (uint32_t i : order_) simdgroup_order_[i / kSimdWidth].push_back(i);
 
   try {
-    while (true) {
-      for (uint32_t i : order_) {
-        LaneSlot& s = lanes_[i];
-        if (s.state == LaneState::not_started || s.state == LaneState::runnable) run_lane(s);
-      }
-      if (live_ == 0) break;
-      resolve();
+    switch (order) {
+      case LaneOrder::forward:
+        run_in_step();
+        break;
+      case LaneOrder::reverse:
+        run_simdgroups_in_turn();
+        break;
+      case LaneOrder::random:
+        run_simdgroups_at_random(state);
+        break;
     }
   } catch (...) {
     // Abandon the suspended fibers: their stacks are simply reused.
@@ -331,45 +394,111 @@ void Worker::run_threadgroup(const PreparedDispatch& d, uint64_t group, LaneOrde
   }
 }
 
-void Worker::resolve() {
-  const uint32_t n = lane_count_;
-  bool progressed = false;
-  for (uint32_t base = 0; base < n; base += kSimdWidth) {
-    const uint32_t end = std::min(n, base + kSimdWidth);
-    LaneSlot* first = nullptr;
-    bool has_barrier = false;
-    for (uint32_t i = base; i < end; ++i) {
-      if (lanes_[i].state == LaneState::waiting_simd && !first) first = &lanes_[i];
-      has_barrier |= lanes_[i].state == LaneState::waiting_barrier;
-    }
-    if (!first || has_barrier) continue;
-    CollectiveSlots slots{};
-    std::vector<uint32_t> elsewhere;
-    for (uint32_t i = base; i < end; ++i) {
+// All simdgroups advance together: every runnable lane runs to its next collective, then every
+// simdgroup whose lanes have gathered completes its collective (or the barrier opens).
+void Worker::run_in_step() {
+  while (true) {
+    for (uint32_t i : order_) {
       LaneSlot& s = lanes_[i];
-      if (s.state != LaneState::waiting_simd) continue;
-      if (!same_site(s.site, first->site) || s.op != first->op) {
-        elsewhere.push_back(i);
-        continue;
-      }
-      slots.in[i - base] = s.in;
-      slots.out[i - base] = s.out;
-      slots.active_mask |= 1u << (i - base);
+      if (s.state == LaneState::not_started || s.state == LaneState::runnable) run_lane(s);
     }
-    if (!elsewhere.empty()) {
-      throw Failure{"collectives in divergent control flow in simdgroup " +
-                    std::to_string(base / kSimdWidth) + ": " + describe(first->site) +
-                    " waits for lanes " + lane_list(elsewhere) + ", which are at " +
-                    describe(lanes_[elsewhere[0]].site)};
-    }
-    first->op(slots);
-    for (uint32_t i = base; i < end; ++i)
-      if (lanes_[i].state == LaneState::waiting_simd) lanes_[i].state = LaneState::runnable;
-    progressed = true;
+    if (live_ == 0) return;
+    resolve();
   }
-  if (progressed) return;
+}
 
-  // No simd collective can complete: every live lane must be at one threadgroup barrier.
+// Each simdgroup, the last first, runs alone until it waits at a threadgroup barrier or returns.
+void Worker::run_simdgroups_in_turn() {
+  const uint32_t simdgroups = (lane_count_ + kSimdWidth - 1) / kSimdWidth;
+  while (live_) {
+    for (uint32_t g = simdgroups; g-- > 0;)
+      while (step_simdgroup(g)) {
+      }
+    if (live_) resolve_barrier();
+  }
+}
+
+// A randomly chosen simdgroup advances by one collective at a time.
+void Worker::run_simdgroups_at_random(uint64_t& state) {
+  const uint32_t simdgroups = (lane_count_ + kSimdWidth - 1) / kSimdWidth;
+  std::vector<uint32_t> moving;
+  while (live_) {
+    moving.clear();
+    for (uint32_t g = 0; g < simdgroups; ++g) moving.push_back(g);
+    while (!moving.empty()) {
+      const size_t pick = splitmix(state) % moving.size();
+      if (!step_simdgroup(moving[pick])) {
+        moving[pick] = moving.back();
+        moving.pop_back();
+      }
+    }
+    if (live_) resolve_barrier();
+  }
+}
+
+// Runs the simdgroup's runnable lanes to their next collective, then completes the collective
+// if they have all gathered. False if the simdgroup could not move (it waits at a barrier, or
+// has returned).
+bool Worker::step_simdgroup(uint32_t simdgroup) {
+  bool moved = false;
+  for (uint32_t i : simdgroup_order_[simdgroup]) {
+    LaneSlot& s = lanes_[i];
+    if (s.state == LaneState::not_started || s.state == LaneState::runnable) {
+      run_lane(s);
+      moved = true;
+    }
+  }
+  return resolve_simdgroup(simdgroup * kSimdWidth) || moved;
+}
+
+void Worker::resolve() {
+  bool progressed = false;
+  for (uint32_t base = 0; base < lane_count_; base += kSimdWidth)
+    progressed |= resolve_simdgroup(base);
+  if (!progressed) resolve_barrier();
+}
+
+// Completes the simd collective the live lanes of simdgroup [base, base + 32) wait at, if they
+// all do; lanes at different collectives are divergent control flow.
+bool Worker::resolve_simdgroup(uint32_t base) {
+  const uint32_t end = std::min(lane_count_, base + kSimdWidth);
+  LaneSlot* first = nullptr;
+  for (uint32_t i = base; i < end; ++i) {
+    const LaneState state = lanes_[i].state;
+    if (state == LaneState::waiting_barrier || state == LaneState::runnable ||
+        state == LaneState::not_started)
+      return false;
+    if (state == LaneState::waiting_simd && !first) first = &lanes_[i];
+  }
+  if (!first) return false;
+  CollectiveSlots slots{};
+  std::vector<uint32_t> elsewhere;
+  for (uint32_t i = base; i < end; ++i) {
+    LaneSlot& s = lanes_[i];
+    if (s.state != LaneState::waiting_simd) continue;
+    if (!same_site(s.site, first->site) || s.op != first->op) {
+      elsewhere.push_back(i);
+      continue;
+    }
+    slots.in[i - base] = s.in;
+    slots.out[i - base] = s.out;
+    slots.active_mask |= 1u << (i - base);
+  }
+  if (!elsewhere.empty()) {
+    throw Failure{"collectives in divergent control flow in simdgroup " +
+                  std::to_string(base / kSimdWidth) + ": " + describe(first->site) +
+                  " waits for lanes " + lane_list(elsewhere) + ", which are at " +
+                  describe(lanes_[elsewhere[0]].site)};
+  }
+  first->op(slots);
+  for (uint32_t i = base; i < end; ++i)
+    if (lanes_[i].state == LaneState::waiting_simd) lanes_[i].state = LaneState::runnable;
+  return true;
+}
+
+// No simd collective can complete: every live lane must be at one threadgroup barrier.
+void Worker::resolve_barrier() {
+  const uint32_t n = lane_count_;
   const LaneSlot* barrier = nullptr;
   for (uint32_t i = 0; i < n && !barrier; ++i)
     if (lanes_[i].state == LaneState::waiting_barrier) barrier = &lanes_[i];
@@ -389,6 +518,7 @@ void Worker::resolve() {
   }
   for (uint32_t i = 0; i < n; ++i)
     if (lanes_[i].state == LaneState::waiting_barrier) lanes_[i].state = LaneState::runnable;
+  if (check_.shadow) check_.shadow->barrier();
 }
 
 // Explains why the lanes of simdgroup [base, end) cannot pass `barrier` (the slow path).
@@ -441,8 +571,21 @@ void threadgroup_rendezvous(const CallSite& site) {
   fiber_switch(s->context, static_cast<Worker*>(s->lane.group)->scheduler);
 }
 
-void* threadgroup_variable(unsigned slot, size_t bytes, size_t align) {
-  return static_cast<Worker*>(current_lane->group)->threadgroup_variable(slot, bytes, align);
+void* threadgroup_variable(unsigned slot, size_t bytes, size_t align, const char* name,
+                           const ArrayShape* shape) {
+  return static_cast<Worker*>(current_lane->group)
+      ->threadgroup_variable(slot, bytes, align, name, shape);
+}
+
+void abandon_lane(std::string message) {
+  Worker* w = this_worker;
+  w->fault_message = std::move(message);
+  w->fault = Fault::check;
+  w->in_lane = 0;
+  check_context = nullptr;
+  FiberContext abandoned;
+  fiber_switch(abandoned, w->scheduler);
+  __builtin_trap();  // an abandoned fiber is never resumed
 }
 
 void fail(const char* message) { throw Failure{message}; }

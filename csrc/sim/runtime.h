@@ -22,12 +22,15 @@ struct Failure {
 
 enum class LaneOrder { forward, reverse, random };
 
+struct DispatchCheck;
+
 struct PreparedDispatch {
   const KernelInfo* kernel = nullptr;
   void* buffers[kMaxBufferBindings] = {};  // unbound ones point at unbound_buffer(index)
   uint32_t threadgroup_bytes[kMaxThreadgroupBindings] = {};
   Ids3 threadgroups{1, 1, 1};
   Ids3 threads{1, 1, 1};
+  DispatchCheck* check = nullptr;  // set in the count and check modes (check.h)
 };
 
 // An address in a PROT_NONE region reserved for buffer index `index`; any access through it

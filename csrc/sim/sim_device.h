@@ -4,13 +4,16 @@
 #include <memory>
 
 #include "../device.h"
+#include "check.h"
 #include "runtime.h"
 
 namespace lily {
 
 // `execute` false: graphs are checked and retired without running any kernel, which times the
-// host's side of a step alone (benchmarks/bench_decode_graph.py).
+// host's side of a step alone (benchmarks/bench_decode_graph.py). `mode`: count traffic, or
+// check every access as well (check.h); both run the checked kernel build.
 std::shared_ptr<Device> open_sim_device(lily_sim::LaneOrder order, uint64_t seed,
-                                        unsigned workers, bool execute = true);
+                                        unsigned workers, bool execute = true,
+                                        lily_sim::CheckMode mode = lily_sim::CheckMode::off);
 
 }  // namespace lily

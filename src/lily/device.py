@@ -11,15 +11,22 @@ of dispatches recorded once and replayed::
 
 The ``sim`` device runs the ``metal/*.metal`` kernels on the CPU, one fiber per simulated
 thread. Its lane order (``forward``, ``reverse`` or seeded ``random``) is the order in which the
-simulated threads of a threadgroup are started and resumed; running tests under all three
-exposes missing barriers. Kernel faults (divergent barriers, threadgroup memory over 32 KiB,
-reads of unbound buffers, fiber stack overflow) raise :class:`KernelError`.
+simulated threads of a threadgroup are started and resumed, and how its SIMD-groups interleave;
+running tests under all three exposes missing barriers. Kernel faults (divergent barriers,
+threadgroup memory over 32 KiB, reads of unbound buffers, fiber stack overflow) raise
+:class:`KernelError`. Opened with ``check=True`` (or with ``LILY_SIM_CHECK=1`` in the
+environment) it runs a build of the kernels that checks every memory access: out of bounds of a
+binding, threadgroup-memory races between SIMD-groups, reads of memory nothing wrote (see
+docs/sim.md); ``count_traffic=True`` only counts the bytes each dispatch reads and writes
+(:meth:`Device.traffic`).
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +42,34 @@ LANE_ORDERS = ("forward", "reverse", "random")
 MAX_INLINE_BYTES = 4096
 
 Size = int | Sequence[int]
+BufferBinding = Buffer | tuple[Buffer, int] | tuple[Buffer, int, int]
+# Set to 1 to open every sim device in the checking mode (open_device's `check` default).
+CHECK_ENV = "LILY_SIM_CHECK"
+
+
+@dataclass(frozen=True)
+class BindingTraffic:
+    """Distinct bytes one dispatch read and wrote through one buffer binding."""
+
+    buffer: Buffer
+    offset: int
+    extent: int  # bytes the binding could touch
+    read: int
+    written: int
+
+
+@dataclass(frozen=True)
+class DispatchTraffic:
+    kernel: str
+    buffers: dict[int, BindingTraffic]  # by [[buffer(n)]] index
+
+    @property
+    def read(self) -> int:
+        return sum(b.read for b in self.buffers.values())
+
+    @property
+    def written(self) -> int:
+        return sum(b.written for b in self.buffers.values())
 
 
 def _size3(value: Size, what: str) -> tuple[int, int, int]:
@@ -56,23 +91,36 @@ class Graph:
         *,
         threadgroups: Size,
         threads: Size,
-        buffers: Mapping[int, Buffer | tuple[Buffer, int]] | None = None,
+        buffers: Mapping[int, BufferBinding] | None = None,
         bytes: Mapping[int, bytes] | None = None,  # noqa: A002 - the documented keyword
         threadgroup_memory: Mapping[int, int] | None = None,
     ) -> None:
         """Record one dispatch: `threadgroups` x `threads` simulated threads.
 
-        `buffers` binds ``[[buffer(n)]]`` to a buffer or ``(buffer, byte_offset)``; `bytes`
-        binds ``[[buffer(n)]]`` to a small constant block copied now; `threadgroup_memory`
-        sizes ``[[threadgroup(n)]]`` arguments in bytes (a multiple of 16, as Metal requires).
+        `buffers` binds ``[[buffer(n)]]`` to a buffer, ``(buffer, byte_offset)`` or
+        ``(buffer, byte_offset, length)``: the length, when given, is how many bytes the kernel
+        may touch (the checking sim holds it to that); `bytes` binds ``[[buffer(n)]]`` to a small
+        constant block copied now; `threadgroup_memory` sizes ``[[threadgroup(n)]]`` arguments in
+        bytes (a multiple of 16, as Metal requires).
         """
         bound = []
+        lengths = []
         for index, binding in (buffers or {}).items():
-            buffer, offset = binding if isinstance(binding, tuple) else (binding, 0)
+            if not isinstance(binding, tuple):
+                binding = (binding, 0)
+            buffer, offset = binding[0], binding[1]
             if not 0 <= offset <= buffer.size:
                 raise ValueError(
                     f"buffer {index}: offset {offset} outside a {buffer.size}-byte buffer"
                 )
+            if len(binding) == 3:
+                length = binding[2]
+                if not 0 <= length <= buffer.size - offset:
+                    raise ValueError(
+                        f"buffer {index}: {length} bytes at offset {offset} do not fit a "
+                        f"{buffer.size}-byte buffer"
+                    )
+                lengths.append((index, length))
             bound.append((index, buffer, offset))
         inline = []
         for index, data in (bytes or {}).items():
@@ -94,6 +142,7 @@ class Graph:
             bound,
             inline,
             memory,
+            lengths,
         )
 
     def barrier(self) -> None:
@@ -125,17 +174,33 @@ class Device:
             raise ValueError(f"nbytes must be non-negative, got {nbytes}")
         return self._native.alloc(nbytes)
 
-    def wrap(self, array: np.ndarray) -> Buffer:
+    def scratch(self, nbytes: int) -> Buffer:
+        """A buffer whose contents are undefined until written: memory kernels write before
+        they read. Zeroed like :meth:`alloc` except on the checking sim, which fills it with NaN
+        poison and raises KernelError where a kernel reads a byte that nothing wrote (taking a
+        ``numpy()`` view counts as writing all of it)."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be non-negative, got {nbytes}")
+        return self._native.alloc_scratch(nbytes)
+
+    def wrap(self, array: np.ndarray, regions: Iterable[tuple[int, int]] | None = None) -> Buffer:
         """The array's memory as a buffer, without copying; the array is kept alive.
 
         Read-only arrays (and read-only memory maps) give buffers kernels must not write.
+        `regions`: ``(byte_offset, nbytes)`` of tensors inside the array (a checkpoint shard's):
+        the checking sim holds a binding that starts inside one to that tensor's end.
         """
         if not isinstance(array, np.ndarray):
             raise TypeError(f"wrap takes a numpy array, got {type(array).__name__}")
         if not array.flags.c_contiguous:
             raise ValueError("wrap needs a C-contiguous array")
         address = array.__array_interface__["data"][0]
-        return self._native.wrap(address, array.nbytes, bool(array.flags.writeable), array)
+        buffer = self._native.wrap(address, array.nbytes, bool(array.flags.writeable), array)
+        for offset, nbytes in regions or ():
+            if offset < 0 or nbytes < 0 or offset + nbytes > array.nbytes:
+                raise ValueError(f"region {nbytes} bytes at {offset} outside the array")
+            buffer.add_region(offset, nbytes)
+        return buffer
 
     def kernel(self, host_name: str) -> Kernel:
         """The kernel registered under `host_name`."""
@@ -163,6 +228,21 @@ class Device:
         """Wait for the graph of `ticket` and every earlier one; raises its KernelError."""
         self._native.wait(ticket)
 
+    def traffic(self) -> list[DispatchTraffic]:
+        """The distinct bytes every dispatch run since the last call read and wrote, per buffer
+        binding, in run order; only a sim opened with ``check`` or ``count_traffic`` counts
+        (elsewhere this is empty)."""
+        return [
+            DispatchTraffic(
+                kernel,
+                {
+                    index: BindingTraffic(buffer, offset, extent, read, written)
+                    for index, buffer, offset, extent, read, written in bindings
+                },
+            )
+            for kernel, bindings in self._native.take_traffic()
+        ]
+
 
 def open_device(
     kind: str = "sim",
@@ -171,12 +251,18 @@ def open_device(
     seed: int = 0,
     workers: int | None = None,
     execute: bool = True,
+    check: bool | None = None,
+    count_traffic: bool = False,
 ) -> Device:
     """Open a device: ``sim`` (anywhere) or ``metal`` (macOS builds on Apple silicon).
 
     `lane_order`, `seed` and `workers` (OS threads, default one per core) configure the sim;
     ``execute=False`` makes it check and retire graphs without running kernels, to time the
-    host's side of a step alone.
+    host's side of a step alone. ``check=True`` runs the checked kernel build (several times
+    slower): out-of-bounds accesses, threadgroup races and reads of unwritten memory raise
+    KernelError, and traffic is counted; the default comes from ``LILY_SIM_CHECK``.
+    ``count_traffic=True`` only counts traffic (:meth:`Device.traffic`), with bindings used in
+    place, which suits a full-size checkpoint.
     """
     if kind == "metal":
         return _open_metal()
@@ -186,7 +272,10 @@ def open_device(
         raise ValueError(f"lane_order must be one of {LANE_ORDERS}, got {lane_order!r}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    return Device(_native.open_sim_device(lane_order, seed, workers or 0, execute))
+    if check is None:
+        check = os.environ.get(CHECK_ENV, "") not in ("", "0")
+    mode = "check" if check else "count" if count_traffic else "off"
+    return Device(_native.open_sim_device(lane_order, seed, workers or 0, execute, mode))
 
 
 def metal_info() -> dict | None:

@@ -48,7 +48,14 @@ class DeviceWeights:
                 self._copies[name] = copy
             return self._copies[name], 0
         if info.shard not in self._shards:
-            self._shards[info.shard] = self.device.wrap(shard.buffer)
+            # Each tensor is a region of its shard: the checking sim holds a binding to its
+            # tensor.
+            regions = [
+                (other.offset, other.nbytes)
+                for other in self.checkpoint.locations.values()
+                if other.shard == info.shard
+            ]
+            self._shards[info.shard] = self.device.wrap(shard.buffer, regions)
         return self._shards[info.shard], info.offset
 
     def quantized(self, base: str) -> QuantWeight:

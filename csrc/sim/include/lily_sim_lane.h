@@ -64,9 +64,21 @@ extern thread_local constinit Lane* current_lane LILY_SIM_FAST_TLS;
 void simd_rendezvous(const CallSite& site, CollectiveOp op, const void* in, void* out);
 // Suspends the current lane until every live lane of the threadgroup reaches this barrier.
 void threadgroup_rendezvous(const CallSite& site);
+// The element size and extents of a threadgroup array, for the checker's messages.
+struct ArrayShape {
+  uint32_t element_bytes;
+  uint32_t rank;
+  uint32_t extents[4];
+};
 // Storage shared by the threadgroup for the `slot`-th threadgroup variable of a kernel body;
 // the first lane to ask allocates it (poisoned) and the others get the same bytes.
-void* threadgroup_variable(unsigned slot, size_t bytes, size_t align);
+void* threadgroup_variable(unsigned slot, size_t bytes, size_t align, const char* name,
+                           const ArrayShape* shape);
+
+// What an atomic operation does to its object; the checked build reports each one (atomics do
+// not race with each other, and their own loads and stores are not instrumented).
+enum class AtomicAccess : uint8_t { load, store, update };
+void atomic_access(const volatile void* object, size_t bytes, AtomicAccess kind);
 // Abandons the dispatch with a KernelError naming the kernel and threadgroup.
 [[noreturn]] void fail(const char* message);
 
@@ -77,7 +89,8 @@ struct KernelInfo {
   KernelEntry entry;
   const char* source_file;
 };
-// Called by static initialisers of the generated kernel translation units.
-void register_kernels(const KernelInfo* kernels, size_t count);
+// Called by static initialisers of the generated kernel translation units; `checked`: the build
+// with load/store hooks that the checking device modes run.
+void register_kernels(const KernelInfo* kernels, size_t count, bool checked);
 
 }  // namespace lily_sim
