@@ -129,7 +129,7 @@ def check_grouped(
     x = random_x(rng, choices.shape[0] if gather else assignments, in_dim)
     x_rows = x[row_index] if gather else x
 
-    out = float_buffer(device, capacity * rows)
+    out = device.alloc(4 * capacity * rows)  # zeroed: rows past the assignments must stay 0
     weights = [wrap_quant_weight(device, *t) for t in triples]
     run(
         device,
