@@ -6,8 +6,9 @@
 //   S'    =  g * S;  delta = beta * (v - S' k);  S = S' + delta k^T;  o = S q
 //   out   =  rmsnorm(o) * norm_weight * silu(z)
 // Every row of S (one value dim) evolves independently given q, k, g and beta, so each
-// simdgroup owns whole rows: the two dot products are simd reductions. Only the final RMSNorm
-// needs the whole head, through threadgroup memory. Both kernels run each token through the
+// simdgroup owns whole rows: the two dot products are simd reductions, taken for all of a
+// simdgroup's rows at once. Only the final RMSNorm needs the whole head, through threadgroup
+// memory. Both kernels run each token through the
 // same inline functions below, in the same order, so a chunk equals its tokens decoded one by
 // one, bit for bit where the compiler keeps that order.
 #include "common.h"
@@ -17,6 +18,11 @@
 constexpr constant uint kKeyDim = 128;
 constexpr constant uint kValueDim = 128;
 constexpr constant uint kKeyPerLane = kKeyDim / SIMD_WIDTH;
+// Both kernels run 32 simdgroups of 4 state rows each (rows simd_index + 32 r): a head's whole
+// state in registers at 16 floats per thread, and a simdgroup's rows fit one float4 reduction.
+constexpr constant uint kSimdgroups = 32;
+constexpr constant uint kRowsPerSimdgroup = kValueDim / kSimdgroups;
+static_assert(kRowsPerSimdgroup == 4, "a simdgroup's rows are reduced as one float4");
 
 // This lane's dims of one token's q and k.
 inline void load_qk(device const float* q_in, device const float* k_in, uint lane,
@@ -27,16 +33,17 @@ inline void load_qk(device const float* q_in, device const float* k_in, uint lan
   }
 }
 
-// L2-normalises q and k in place across the simdgroup, q also scaled by Dk^-0.5.
+// L2-normalises q and k in place across the simdgroup, q also scaled by Dk^-0.5. Both sums of
+// squares share one reduction.
 inline void normalize_qk(thread float* q, thread float* k) {
-  float q_sq = 0.0f;
-  float k_sq = 0.0f;
+  float2 qk_sq = float2(0.0f);
   for (uint j = 0; j < kKeyPerLane; ++j) {
-    q_sq += q[j] * q[j];
-    k_sq += k[j] * k[j];
+    qk_sq.x += q[j] * q[j];
+    qk_sq.y += k[j] * k[j];
   }
-  const float q_scale = rsqrt(simd_sum(q_sq) + 1e-6f) * rsqrt(float(kKeyDim));
-  const float k_scale = rsqrt(simd_sum(k_sq) + 1e-6f);
+  const float2 qk_norm_sq = simd_sum(qk_sq);
+  const float q_scale = rsqrt(qk_norm_sq.x + 1e-6f) * rsqrt(float(kKeyDim));
+  const float k_scale = rsqrt(qk_norm_sq.y + 1e-6f);
   for (uint j = 0; j < kKeyPerLane; ++j) {
     q[j] *= q_scale;
     k[j] *= k_scale;
@@ -55,22 +62,37 @@ inline GdnGates gdn_gates(float a, float b, float a_log, bfloat dt_bias) {
   return GdnGates{exp(-exp(a_log) * softplus), sigmoid(b)};
 }
 
-// One state row through one token, in place on this lane's 4 entries of it; returns the row's
-// readout (S q)[row], the same on every lane.
-inline float gdn_update_row(thread float* s_row, thread const float* q, thread const float* k,
-                            GdnGates gates, float v) {
-  float predicted = 0.0f;
-  for (uint j = 0; j < kKeyPerLane; ++j) {
-    s_row[j] = gates.decay * s_row[j];
-    predicted += s_row[j] * k[j];
+// This simdgroup's state rows through one token, in place on this lane's 4 entries of each;
+// returns the rows' readouts (S q)[row], the same on every lane. The rows' partial dot products
+// are reduced together, one float4 per reduction: two reductions per token rather than two per
+// row, and the rows' dependency chains overlap. Each row's arithmetic is as if done alone.
+inline float4 gdn_update_rows(thread float (*s)[kKeyPerLane], thread const float* q,
+                              thread const float* k, GdnGates gates, float4 v) {
+  float4 predicted = float4(0.0f);
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    for (uint j = 0; j < kKeyPerLane; ++j) {
+      s[r][j] = gates.decay * s[r][j];
+      predicted[r] += s[r][j] * k[j];
+    }
   }
-  const float delta = gates.beta * (v - simd_sum(predicted));
-  float o = 0.0f;
-  for (uint j = 0; j < kKeyPerLane; ++j) {
-    s_row[j] += delta * k[j];
-    o += s_row[j] * q[j];
+  const float4 delta = gates.beta * (v - simd_sum(predicted));
+  float4 o = float4(0.0f);
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    for (uint j = 0; j < kKeyPerLane; ++j) {
+      s[r][j] += delta[r] * k[j];
+      o[r] += s[r][j] * q[j];
+    }
   }
   return simd_sum(o);
+}
+
+// Writes this simdgroup's rows' readouts into a head's readout buffer.
+inline void store_readout(float4 o, threadgroup float* readout, uint simd_index, uint lane) {
+  if (lane == 0) {
+    for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+      readout[simd_index + kSimdgroups * r] = o[r];
+    }
+  }
 }
 
 // out = rmsnorm(readout) * norm_weight * silu(z) over one head. Every simdgroup reduces the
@@ -94,8 +116,8 @@ struct GdnStepParams {
   float norm_eps;  // of the gated RMSNorm
 };
 
-// One threadgroup per value head; any multiple of 32 threads up to kValueDim * 32 works. The
-// state is read and written exactly once.
+// One threadgroup of exactly kSimdgroups * 32 threads per value head. The state is read and
+// written exactly once.
 [[kernel]] void gdn_step(
     constant GdnStepParams& params [[buffer(0)]],
     device const float* qkv [[buffer(1)]],  // conv output: [q Hk*Dk | k Hk*Dk | v Hv*Dv]
@@ -114,10 +136,9 @@ struct GdnStepParams {
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float readout[kValueDim];
 
-  const uint simdgroups = threads / SIMD_WIDTH;
   const uint key_head = head / (params.num_value_heads / params.num_key_heads);
   const uint key_total = params.num_key_heads * kKeyDim;
-  device const float* v_in = qkv + 2 * key_total + head * kValueDim;
+  device const float* v_in = qkv + 2 * key_total + head * kValueDim + simd_index;
 
   float q[kKeyPerLane];
   float k[kKeyPerLane];
@@ -125,18 +146,21 @@ struct GdnStepParams {
   normalize_qk(q, k);
   const GdnGates gates = gdn_gates(a[head], b[head], a_log[head], dt_bias[head]);
 
-  for (uint row = simd_index; row < kValueDim; row += simdgroups) {
-    device float* s = state + (head * kValueDim + row) * kKeyDim;
-    float s_row[kKeyPerLane];
+  device float* head_state = state + head * kValueDim * kKeyDim;
+  float s[kRowsPerSimdgroup][kKeyPerLane];
+  float4 v;
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    device const float* s_in = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
     for (uint j = 0; j < kKeyPerLane; ++j) {
-      s_row[j] = s[lane + SIMD_WIDTH * j];
+      s[r][j] = s_in[lane + SIMD_WIDTH * j];
     }
-    const float o = gdn_update_row(s_row, q, k, gates, v_in[row]);
+    v[r] = v_in[kSimdgroups * r];
+  }
+  store_readout(gdn_update_rows(s, q, k, gates, v), readout, simd_index, lane);
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    device float* s_out = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
     for (uint j = 0; j < kKeyPerLane; ++j) {
-      s[lane + SIMD_WIDTH * j] = s_row[j];
-    }
-    if (lane == 0) {
-      readout[row] = o;
+      s_out[lane + SIMD_WIDTH * j] = s[r][j];
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -152,18 +176,12 @@ struct GdnChunkParams {
   float norm_eps;  // of the gated RMSNorm
 };
 
-// The chunk kernel keeps a head's whole state in registers across the chunk: 32 simdgroups of 4
-// rows each (rows simd_index + 32 r, as gdn_step assigns them at 1024 threads), 16 floats per
-// thread.
-constexpr constant uint kChunkSimdgroups = 32;
-constexpr constant uint kChunkRowsPerSimdgroup = kValueDim / kChunkSimdgroups;
-
 // What one token brings to this lane in the chunk kernel: its raw q and k dims, v of this
 // simdgroup's rows, and the head's a and b.
 struct GdnChunkToken {
   float q[kKeyPerLane];
   float k[kKeyPerLane];
-  float v[kChunkRowsPerSimdgroup];
+  float4 v;
   float a;
   float b;
 };
@@ -175,17 +193,17 @@ inline GdnChunkToken load_chunk_token(device const float* qkv_row, device const 
   load_qk(qkv_row + key_head * kKeyDim, qkv_row + key_total + key_head * kKeyDim, lane, token.q,
           token.k);
   device const float* v_in = qkv_row + 2 * key_total + head * kValueDim + simd_index;
-  for (uint r = 0; r < kChunkRowsPerSimdgroup; ++r) {
-    token.v[r] = v_in[kChunkSimdgroups * r];
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    token.v[r] = v_in[kSimdgroups * r];
   }
   token.a = a_row[head];
   token.b = b_row[head];
   return token;
 }
 
-// One threadgroup of exactly kChunkSimdgroups * 32 threads per value head scans the chunk's
-// tokens in order. The state is read from device memory before the first token and written back
-// after the last. Each token's inputs are loaded one token ahead so their latency overlaps the
+// One threadgroup of exactly kSimdgroups * 32 threads per value head scans the chunk's tokens
+// in order, with the head's state in registers: read from device memory before the first token
+// and written back after the last. Each token's inputs are loaded one token ahead so their latency overlaps the
 // previous token's reductions. The readout alternates between two buffers: a simdgroup can only
 // write one again after passing the next token's barrier, which every simdgroup reaches only
 // once it has finished reading that buffer, so one barrier per token suffices.
@@ -217,9 +235,9 @@ inline GdnChunkToken load_chunk_token(device const float* qkv_row, device const 
   const bfloat dt_bias_head = dt_bias[head];
   device float* head_state = state + head * kValueDim * kKeyDim;
 
-  float s[kChunkRowsPerSimdgroup][kKeyPerLane];
-  for (uint r = 0; r < kChunkRowsPerSimdgroup; ++r) {
-    device const float* s_in = head_state + (simd_index + kChunkSimdgroups * r) * kKeyDim;
+  float s[kRowsPerSimdgroup][kKeyPerLane];
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    device const float* s_in = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
     for (uint j = 0; j < kKeyPerLane; ++j) {
       s[r][j] = s_in[lane + SIMD_WIDTH * j];
     }
@@ -237,12 +255,8 @@ inline GdnChunkToken load_chunk_token(device const float* qkv_row, device const 
     normalize_qk(current.q, current.k);
     const GdnGates gates = gdn_gates(current.a, current.b, a_log_head, dt_bias_head);
     threadgroup float* slot = readout + (token % 2) * kValueDim;
-    for (uint r = 0; r < kChunkRowsPerSimdgroup; ++r) {
-      const float o = gdn_update_row(s[r], current.q, current.k, gates, current.v[r]);
-      if (lane == 0) {
-        slot[simd_index + kChunkSimdgroups * r] = o;
-      }
-    }
+    store_readout(gdn_update_rows(s, current.q, current.k, gates, current.v), slot, simd_index,
+                  lane);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     const uint offset = token * value_total + head * kValueDim;
@@ -250,8 +264,8 @@ inline GdnChunkToken load_chunk_token(device const float* qkv_row, device const 
                        thread_index, threads, lane);
   }
 
-  for (uint r = 0; r < kChunkRowsPerSimdgroup; ++r) {
-    device float* s_out = head_state + (simd_index + kChunkSimdgroups * r) * kKeyDim;
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    device float* s_out = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
     for (uint j = 0; j < kKeyPerLane; ++j) {
       s_out[lane + SIMD_WIDTH * j] = s[r][j];
     }

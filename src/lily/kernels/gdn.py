@@ -19,12 +19,11 @@ if TYPE_CHECKING:
 # The kernel keeps a head's key vector in registers, 4 dims per lane.
 KEY_HEAD_DIM = 128
 VALUE_HEAD_DIM = 128
-# 32 simdgroups, 4 state rows each: a simdgroup walks its rows one after another (two dependent
-# reductions per row), so more simdgroups per head means more of the state in flight at once,
-# which is what a pass over 2 MiB of state per layer is bound by.
+# Both kernels need exactly 32 simdgroups of 4 state rows each (their 4 rows' dot products
+# reduced as one float4): many simdgroups per head keep more of the state in flight at once,
+# which is what a pass over 2 MiB of state per layer is bound by, and the chunk kernel holds a
+# head's state in these threads' registers.
 THREADS_PER_THREADGROUP = 1024
-# The chunk kernel holds a head's state in the registers of exactly this many threads: 32
-# simdgroups of 4 rows, the step kernel's row assignment at its 1024 threads.
 CHUNK_THREADS_PER_THREADGROUP = 1024
 
 
