@@ -9,7 +9,7 @@ a random-weight model happens to generate; the last tests run the real demo mode
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -20,6 +20,7 @@ from lily.checkpoint import resolve_model
 from lily.engine import GREEDY
 from lily.errors import (
     ContextLengthError,
+    GenerationCancelled,
     ModelNotFoundError,
     RequestError,
     UnsupportedParameterError,
@@ -59,6 +60,7 @@ class ScriptedEngine:
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
         snapshot_at: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[GeneratedToken]:
         self.requests.append(
             dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling)
@@ -66,6 +68,8 @@ class ScriptedEngine:
         produced = 0
         try:
             for token in self.script[:max_new_tokens]:
+                if should_stop is not None and should_stop():
+                    raise GenerationCancelled("cancelled")
                 logprobs = (
                     None if sampling.top_logprobs is None else TokenLogprobs(-0.5, ((token, -0.5),))
                 )

@@ -13,7 +13,7 @@ from tiny_models import tiny_checkpoint
 from lily.checkpoint import load_checkpoint
 from lily.device import open_device
 from lily.engine import DeviceEngine, ReferenceEngine
-from lily.errors import ContextLengthError
+from lily.errors import ContextLengthError, GenerationCancelled
 
 PROMPT_LENGTH = 31
 DECODE_STEPS = 32
@@ -134,3 +134,53 @@ def test_a_snapshot_is_not_used_once_another_sequence_overwrote_the_kv_cache(che
     list(engine.generate(_prompt(vocab, seed=10), 2))  # another conversation in between
     assert engine.cached_prefix_length(second) == 0
     assert _greedy(engine, second, 6) == _greedy(_device_engine(checkpoint), second, 6)
+
+
+class StopAfter:
+    """A `should_stop` that answers True from its `calls`-th call on, counting its calls."""
+
+    def __init__(self, calls: int):
+        self.limit = calls
+        self.calls = 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.calls >= self.limit
+
+
+def test_should_stop_is_asked_before_every_prefill_chunk_and_every_token():
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    device = open_device(os.environ.get("LILY_DEVICE", "sim"))
+    engine = DeviceEngine(checkpoint, device, MAX_SEQ, checkpoint.config.vocab_size, max_chunk=4)
+    prompt = _prompt(engine.config.vocab_size, seed=7)
+    chunks = -(-PROMPT_LENGTH // 4)
+    try:
+        expected = _greedy(engine, prompt, 6)
+        # Cancelled during the prompt: chunks after the second are never run, nothing is yielded.
+        mid_prompt = StopAfter(3)
+        generated = []
+        with pytest.raises(GenerationCancelled):
+            generated.extend(engine.generate(prompt, 6, should_stop=mid_prompt))
+        assert generated == [] and mid_prompt.calls == 3
+        # Cancelled while decoding: the tokens before the refused pass arrive, then it stops.
+        mid_decode = StopAfter(chunks + 3)
+        with pytest.raises(GenerationCancelled):
+            generated.extend(t.id for t in engine.generate(prompt, 6, should_stop=mid_decode))
+        assert generated == expected[: len(generated)] and 1 <= len(generated) < 6
+        # Never stopping: asked once per pass, and the engine is as good as new.
+        never = StopAfter(10**9)
+        assert [t.id for t in engine.generate(prompt, 6, should_stop=never)] == expected
+        assert never.calls == chunks + 5
+    finally:
+        engine.close()
+
+
+def test_the_reference_engine_honours_should_stop():
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    engine = ReferenceEngine(checkpoint, MAX_SEQ, checkpoint.config.vocab_size)
+    prompt = _prompt(engine.config.vocab_size, seed=7)
+    expected = _greedy(engine, prompt, 6)
+    generated = []
+    with pytest.raises(GenerationCancelled):
+        generated.extend(t.id for t in engine.generate(prompt, 6, should_stop=StopAfter(3)))
+    assert generated == expected[:2]

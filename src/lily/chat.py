@@ -12,7 +12,7 @@ SDK's objects.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -365,9 +365,23 @@ class ChatCompletions:
         """OpenAI's `chat.completions.create`. Returns a ChatCompletion, or with `stream=True`
         an iterator of ChatCompletionChunk (closing it stops the generation)."""
         llm = self._llm
-        request = parse_request(
-            params, served_model=llm.model_id, default_sampling=llm.default_sampling
+        return self.run(
+            parse_request(params, served_model=llm.model_id, default_sampling=llm.default_sampling)
         )
+
+    def run(
+        self,
+        request: ChatRequest,
+        *,
+        default_max_tokens: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> ChatCompletion | Iterator[ChatCompletionChunk]:
+        """Runs a checked request (`parse_request`), as `create` does. Without `max_tokens`
+        the completion may fill the context, or stops after `default_max_tokens` if given.
+        `should_stop` is asked before every prefill chunk and every generated token; once it
+        returns True the generation stops and GenerationCancelled is raised (by this call, or
+        by the stream's iteration)."""
+        llm = self._llm
         prompt = self._prompt(request)
         room = llm.max_seq - len(prompt.tokens)
         if room < 1 or (request.max_tokens is not None and request.max_tokens > room):
@@ -375,26 +389,37 @@ class ChatCompletions:
                 f"the prompt is {len(prompt.tokens)} tokens and {request.max_tokens or 1} more "
                 f"were asked for, but the context holds {llm.max_seq}"
             )
-        max_tokens = request.max_tokens if request.max_tokens is not None else room
-        events = self._run(request, prompt, max_tokens)
+        if request.max_tokens is not None:
+            max_tokens = request.max_tokens
+        else:
+            max_tokens = min(room, default_max_tokens or room)
+        events = self._run(request, prompt, max_tokens, should_stop)
         if request.stream:
             return self._chunks(request, prompt, events)
         return self._completion(request, prompt, events)
 
     def _prompt(self, request: ChatRequest) -> _Prompt:
-        tokenizer = self._llm.tokenizer
+        llm = self._llm
         text = self._render(request, add_generation_prompt=True)
-        tokens = tokenizer.encode(text)
+        # Refused by size before tokenizing: a huge message must not cost a tokenization.
+        if llm.tokenizer.surely_longer_than(text, llm.max_seq - (request.max_tokens or 1)):
+            raise ContextLengthError(
+                f"the prompt is {len(text.encode('utf-8', 'surrogatepass'))} bytes, more than "
+                f"the context of {llm.max_seq} tokens can hold"
+            )
         # The conversation so far, without the generation prompt: the next turn's prompt
         # starts with it, so the engine snapshots its state there for reuse.
-        conversation = tokenizer.encode(self._render(request, add_generation_prompt=False))
-        boundary = len(conversation) if tokens[: len(conversation)] == conversation else None
+        conversation = self._render(request, add_generation_prompt=False)
+        if text.startswith(conversation):
+            tokens, boundary = llm.tokenizer.encode_split(text, len(conversation))
+        else:
+            tokens, boundary = llm.tokenizer.encode(text), None
         return _Prompt(
             tokens=tokens,
             # The template opens a think block in the generation prompt when thinking is on.
             thinking=text.rstrip("\n").endswith("<think>"),
             snapshot_at=boundary,
-            cached=self._llm.engine.cached_prefix_length(tokens),
+            cached=llm.engine.cached_prefix_length(tokens),
         )
 
     def _render(self, request: ChatRequest, *, add_generation_prompt: bool) -> str:
@@ -414,7 +439,11 @@ class ChatCompletions:
             ) from None
 
     def _run(
-        self, request: ChatRequest, prompt: _Prompt, max_tokens: int
+        self,
+        request: ChatRequest,
+        prompt: _Prompt,
+        max_tokens: int,
+        should_stop: Callable[[], bool] | None,
     ) -> Iterator[tuple[_Delta, _TextPipeline, int]]:
         """Yields (delta, pipeline, tokens generated so far); the last delta is the flush."""
         pipeline = _TextPipeline(self._llm, request, prompt.thinking)
@@ -424,6 +453,7 @@ class ChatCompletions:
             self._llm.tokenizer.stop_token_ids,
             request.sampling,
             snapshot_at=prompt.snapshot_at,
+            should_stop=should_stop,
         )
         produced = 0
         try:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from lily.errors import ContextLengthError
+from lily.errors import ContextLengthError, GenerationCancelled
 from lily.kernels.sampling import read_logprobs, write_sampling_params
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 from lily.model_graph import DEFAULT_MAX_CHUNK, LOGPROB_RING_SLOTS, ModelGraph, pass_flops
@@ -66,11 +66,15 @@ class Engine(Protocol):
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
         snapshot_at: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[GeneratedToken]:
         """Yields the tokens generated after `prompt`, stopping after a stop token; with
         `sampling.top_logprobs` set, each carries its logprob and that many alternatives.
         Closing the iterator stops the generation. The longest snapshot that `prompt` starts
-        with is reused; `snapshot_at` asks for a new one after the first that many tokens."""
+        with is reused; `snapshot_at` asks for a new one after the first that many tokens.
+        `should_stop` is asked before every prefill chunk and every token (also while the
+        caller is not reading); once it returns True the generation raises
+        GenerationCancelled."""
         ...
 
     def cached_prefix_length(self, prompt: Sequence[int]) -> int:
@@ -126,6 +130,11 @@ def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
             f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"context of {max_seq} tokens; load with a larger max_seq or ask for fewer tokens"
         )
+
+
+def _check_stop(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise GenerationCancelled("the generation was cancelled")
 
 
 class DeviceEngine:
@@ -216,6 +225,7 @@ class DeviceEngine:
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
         snapshot_at: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
@@ -234,6 +244,7 @@ class DeviceEngine:
         try:
             while True:
                 while upcoming is not None and len(in_flight) < PIPELINE_DEPTH:
+                    _check_stop(should_stop)
                     start, tokens, predicts = upcoming
                     if start == snapshot_at:
                         # The state after consuming tokens [0, snapshot_at): drain, then save.
@@ -313,10 +324,12 @@ class ReferenceEngine:
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
         snapshot_at: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[GeneratedToken]:
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
         if max_new_tokens == 0:
             return
+        _check_stop(should_stop)
         sampling = sampling.with_seed()
         start, saved = self._snapshots.longest(prompt)
         state = copy.deepcopy(saved) if saved is not None else self._model.new_state()
@@ -324,6 +337,7 @@ class ReferenceEngine:
             self._model.prefill(prompt[start:snapshot_at], state)
             self._snapshots.add(prompt[:snapshot_at], copy.deepcopy(state))
             start = snapshot_at
+            _check_stop(should_stop)
         logits, state = self._model.prefill(prompt[start:], state)
         next_logits = logits[-1, : self.token_count]
         for produced in range(max_new_tokens):
@@ -341,6 +355,7 @@ class ReferenceEngine:
             yield GeneratedToken(token, logprobs)
             if token in stop_token_ids or produced + 1 == max_new_tokens:
                 return
+            _check_stop(should_stop)
             next_logits = self._model.decode(token, state)[: self.token_count]
 
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:

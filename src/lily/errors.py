@@ -46,3 +46,8 @@ class ModelNotFoundError(RequestError):
             param="model",
             code="model_not_found",
         )
+
+
+class GenerationCancelled(Exception):
+    """The caller's `should_stop` asked a generation to stop (its client left, or the server
+    is shutting down); the engine stopped at a prefill chunk or token boundary and is free."""

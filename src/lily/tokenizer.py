@@ -10,9 +10,10 @@ Stop ids are the union of `tokenizer_config.json`'s `eos_token` and the model co
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterable, Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,41 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; added tokens written in the text become their ids; no BOS."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        return self._encoding(text).ids
+
+    def encode_split(self, text: str, at: int) -> tuple[list[int], int | None]:
+        """Token ids of `text`, and how many of them spell exactly `text[:at]` (None when a
+        token straddles that character offset): one tokenization for a prompt and a prefix."""
+        encoding = self._encoding(text)
+        ends = [end for _, end in encoding.offsets]
+        split = bisect.bisect_right(ends, at)
+        clean = split == len(ends) or encoding.offsets[split][0] >= at
+        return encoding.ids, split if clean and (split == 0 or ends[split - 1] == at) else None
+
+    def _encoding(self, text: str) -> tokenizers.Encoding:
+        # `encode_batch` releases the GIL while it works (`encode` holds it), so that a long
+        # text tokenized on a worker thread does not freeze the server's event loop.
+        return self._backend.encode_batch([text], add_special_tokens=False)[0]
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes any one token stands for."""
+        return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
+
+    def surely_longer_than(self, text: str, tokens: int) -> bool:
+        """Whether `encode(text)` certainly has more than `tokens` ids, decided without
+        tokenizing: the ids spell the normalized text's bytes, each at most `max_token_bytes`
+        of them. False means "perhaps not"; tokenize to know."""
+
+        def fewest_tokens(spelled: str) -> int:
+            return -(-len(spelled.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
+
+        if fewest_tokens(text) <= tokens:
+            return False
+        # Normalization (NFC) can shrink the text a little: it is linear, far cheaper than
+        # tokenizing, and only a text already too long by its raw size pays for it.
+        normalizer = self._backend.normalizer
+        return fewest_tokens(normalizer.normalize_str(text) if normalizer else text) > tokens
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of a whole id sequence (invalid UTF-8 becomes U+FFFD)."""
