@@ -247,6 +247,8 @@ def _serve(args: argparse.Namespace) -> int:
         revision=args.revision,
         max_seq=args.max_seq,
         queue_limit=args.queue_limit,
+        default_max_tokens=args.max_tokens_default,
+        shutdown_grace=args.shutdown_grace,
         log_level=args.log_level,
     )
     return 0
@@ -427,7 +429,13 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from lily.server import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_QUEUE_LIMIT
+    from lily.server import (
+        DEFAULT_HOST,
+        DEFAULT_MAX_TOKENS,
+        DEFAULT_PORT,
+        DEFAULT_QUEUE_LIMIT,
+        DEFAULT_SHUTDOWN_GRACE,
+    )
 
     parser = argparse.ArgumentParser(
         prog="lily",
@@ -483,6 +491,22 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_QUEUE_LIMIT,
         help="requests that may wait while one runs; more get 503 with Retry-After",
+    )
+    serve.add_argument(
+        "--max-tokens-default",
+        type=_positive_int,
+        default=DEFAULT_MAX_TOKENS,
+        metavar="TOKENS",
+        help="longest completion of a request that sets no max_tokens (default: "
+        f"{DEFAULT_MAX_TOKENS}; never more than the context leaves)",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE,
+        metavar="SECONDS",
+        help="on SIGINT/SIGTERM, how long the running request may go on before it is stopped "
+        f"(default: {DEFAULT_SHUTDOWN_GRACE:g})",
     )
     serve.add_argument(
         "--log-level",

@@ -23,21 +23,24 @@ import contextlib
 import hmac
 import json
 import logging
-import queue
+import signal
+import socket
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lily.chat import parse_request
-from lily.errors import RequestError
+from lily.chat import ChatRequest, parse_request
+from lily.errors import GenerationCancelled, RequestError
 from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
 
 if TYPE_CHECKING:
@@ -54,6 +57,15 @@ DEFAULT_QUEUE_LIMIT = 64
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # What a 503 tells clients to wait before retrying (the openai SDK honours it).
 RETRY_AFTER_SECONDS = 1
+# The longest completion of a request that sets no `max_tokens` (LangChain and litellm send
+# none): room for a long reasoned answer, while a forgotten client cannot hold the engine for
+# a whole 32k context.
+DEFAULT_MAX_TOKENS = 8192
+# On SIGINT/SIGTERM, how long the running request may go on before it is interrupted.
+DEFAULT_SHUTDOWN_GRACE = 5.0
+# After the grace: time for the engine to reach its next chunk or token boundary and for the
+# last answers to be written, before uvicorn cancels whatever is left.
+SHUTDOWN_MARGIN_SECONDS = 10.0
 
 
 # --- Errors ---------------------------------------------------------------------------------
@@ -187,10 +199,10 @@ class Job:
     """One request for the worker. Its results go back to the event loop through `events`:
     a ChatCompletion, ChatCompletionChunks then `_DONE`, or an exception."""
 
-    params: dict[str, Any]
+    request: ChatRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    # Set when the client has gone: a queued job is skipped, a running stream is closed.
+    # Set when the client has gone: the generation stops at its next prefill chunk or token.
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def emit(self, event: Any) -> None:
@@ -205,17 +217,29 @@ class QueueFullError(Exception):
     pass
 
 
+class ShuttingDownError(Exception):
+    """The server is stopping: the request was refused, or interrupted after the grace."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down; retry against its next run")
+
+
 class EngineWorker:
     """The one thread that touches the engine: runs jobs one at a time, in arrival order."""
 
-    def __init__(self, llm: Lily, queue_limit: int):
+    def __init__(self, llm: Lily, queue_limit: int, *, default_max_tokens: int | None = None):
         if queue_limit < 1:
             raise ValueError(f"queue_limit must be at least 1, got {queue_limit}")
         self.llm = llm
         self.queue_limit = queue_limit
-        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_limit)
+        self.default_max_tokens = default_max_tokens
+        self._waiting: deque[Job] = deque()
+        self._changed = threading.Condition()
         self._running: Job | None = None
         self._stopping = False
+        # Set once the shutdown grace is over: the running generation stops at its next chunk
+        # or token (never inside native code, which would abort the process).
+        self._interrupted = False
         self.completed = 0
         self._thread = threading.Thread(target=self._serve, name="lily-engine", daemon=True)
 
@@ -224,42 +248,56 @@ class EngineWorker:
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        return len(self._waiting)
 
     @property
     def busy(self) -> bool:
         return self._running is not None
 
     def submit(self, job: Job) -> None:
-        if self._stopping:
-            raise QueueFullError("the server is shutting down")
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            raise QueueFullError(
-                f"the server is busy: {self.queue_limit} request(s) already waiting"
-            ) from None
+        with self._changed:
+            if self._stopping:
+                raise ShuttingDownError
+            if len(self._waiting) >= self.queue_limit:
+                raise QueueFullError(
+                    f"the server is busy: {self.queue_limit} request(s) already waiting"
+                )
+            self._waiting.append(job)
+            self._changed.notify()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Refuses new jobs, fails the waiting ones, stops the running one, joins the thread."""
-        self._stopping = True
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit(QueueFullError("the server is shutting down"))
-        if self._running is not None:
-            self._running.cancelled.set()
-        self._jobs.put(None)
-        self._thread.join(timeout)
+    def withdraw(self, job: Job) -> None:
+        """The job's client has gone: a waiting job leaves the queue (its slot is free at
+        once), a running one stops at its next prefill chunk or token."""
+        with self._changed:
+            job.cancelled.set()
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(job)
+
+    def stop(self, grace: float = 0.0) -> None:
+        """Refuses new jobs, answers the waiting ones ShuttingDownError, lets the running one
+        go on for `grace` seconds, then interrupts it and waits for the thread to end (at the
+        next chunk or token boundary). Safe to call more than once, from any thread."""
+        with self._changed:
+            self._stopping = True
+            refused = list(self._waiting)
+            self._waiting.clear()
+            self._changed.notify_all()
+        for job in refused:
+            job.emit(ShuttingDownError())
+        if not self._thread.is_alive():
+            return
+        self._thread.join(grace)
+        self._interrupted = True
+        self._thread.join()
 
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if job.cancelled.is_set():
-                continue
-            self._running = job
+        while True:
+            with self._changed:
+                while not self._waiting and not self._stopping:
+                    self._changed.wait()
+                if self._stopping:
+                    return  # `stop` answers the jobs still waiting
+                job = self._running = self._waiting.popleft()
             try:
                 self._run(job)
             finally:
@@ -267,20 +305,25 @@ class EngineWorker:
                 self.completed += 1
 
     def _run(self, job: Job) -> None:
+        def should_stop() -> bool:
+            return job.cancelled.is_set() or self._interrupted
+
         try:
-            result = self.llm.chat.completions.create(**job.params)
-            if not job.params.get("stream"):
+            result = self.llm.chat.completions.run(
+                job.request, default_max_tokens=self.default_max_tokens, should_stop=should_stop
+            )
+            if not job.request.stream:
                 job.emit(result)
                 return
             try:
                 for chunk in result:
-                    if job.cancelled.is_set():
-                        break
                     job.emit(chunk)
             finally:
-                # Stops the generation within one token and releases the engine.
                 result.close()
             job.emit(_DONE)
+        except GenerationCancelled:
+            if not job.cancelled.is_set():  # the shutdown, not the client, stopped it
+                job.emit(ShuttingDownError())
         except Exception as exc:  # the request fails; the worker and the engine go on
             job.emit(exc)
 
@@ -313,8 +356,8 @@ class ClientGone(Exception):
     """The client disconnected before its answer started."""
 
 
-async def _first_event_or_disconnect(request: Request, job: Job) -> Any:
-    """The job's first event; if the client disconnects first, cancels the job and raises
+async def _first_event_or_disconnect(request: Request, job: Job, worker: EngineWorker) -> Any:
+    """The job's first event; if the client disconnects first, withdraws the job and raises
     ClientGone."""
     event = asyncio.ensure_future(job.next_event())
     disconnect = asyncio.ensure_future(_until_disconnect(request))
@@ -327,7 +370,7 @@ async def _first_event_or_disconnect(request: Request, job: Job) -> Any:
             # Also when both finished at once: the disconnect message is consumed, so nobody
             # else would notice that the client has left.
             event.cancel()
-            job.cancelled.set()
+            worker.withdraw(job)
     if gone or not event.done() or event.cancelled():
         raise ClientGone
     return event.result()
@@ -337,15 +380,33 @@ def _sse(data: str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def _shutting_down() -> APIError:
+    return APIError(
+        503,
+        str(ShuttingDownError()),
+        error_type="server_error",
+        code="shutting_down",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
+
+
 class Server:
     """The routes, bound to one loaded model and its worker."""
 
-    def __init__(self, llm: Lily, *, api_key: str | None, queue_limit: int, max_body_bytes: int):
+    def __init__(
+        self,
+        llm: Lily,
+        *,
+        api_key: str | None,
+        queue_limit: int,
+        max_body_bytes: int,
+        default_max_tokens: int | None,
+    ):
         self.llm = llm
         self.model_id: str = llm.model_id
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
-        self.worker = EngineWorker(llm, queue_limit)
+        self.worker = EngineWorker(llm, queue_limit, default_max_tokens=default_max_tokens)
         self.started = int(time.time())
 
     def _check_api_key(self, request: Request) -> None:
@@ -364,14 +425,16 @@ class Server:
     async def chat_completions(self, request: Request) -> Response:
         self._check_api_key(request)
         params = parse_chat_request(await _read_body(request, self.max_body_bytes))
-        # The facade's own checks, run here too so that a bad request is refused at once
-        # instead of after waiting its turn (the prompt's length is checked on the worker).
-        parse_request(
+        # The facade's checks, run here so that a bad request is refused at once instead of
+        # after waiting its turn (the prompt is rendered, sized and tokenized on the worker).
+        checked = parse_request(
             params, served_model=self.model_id, default_sampling=self.llm.default_sampling
         )
-        job = Job(params, asyncio.get_running_loop())
+        job = Job(checked, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
+        except ShuttingDownError:
+            raise _shutting_down() from None
         except QueueFullError as exc:
             raise APIError(
                 503,
@@ -381,15 +444,15 @@ class Server:
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             ) from None
         try:
-            first = await _first_event_or_disconnect(request, job)
+            first = await _first_event_or_disconnect(request, job, self.worker)
         except ClientGone:
             # Nobody reads this answer; 499 is what nginx logs for a client that left.
             return Response(status_code=499)
-        if isinstance(first, QueueFullError):
-            raise APIError(503, str(first), error_type="server_error", code="shutting_down")
+        if isinstance(first, ShuttingDownError):
+            raise _shutting_down()
         if isinstance(first, BaseException):
             raise first
-        if not params.get("stream"):
+        if not checked.stream:
             return Response(first.model_dump_json(), media_type="application/json")
         return StreamingResponse(
             self._event_stream(job, first),
@@ -399,10 +462,15 @@ class Server:
 
     async def _event_stream(self, job: Job, first: Any) -> AsyncIterator[bytes]:
         """SSE lines for the chunks; when the client disconnects Starlette cancels this
-        generator, and the `finally` tells the worker to close the generation."""
+        generator, and the `finally` tells the worker to stop the generation."""
         try:
             event = first
             while event is not _DONE:
+                if isinstance(event, ShuttingDownError):
+                    # An orderly end the client can tell from a failure: the error, then the
+                    # stream's usual last event.
+                    yield _sse(json.dumps(_shutting_down().body()))
+                    break
                 if isinstance(event, BaseException):
                     # Headers are gone already: report in-band, as OpenAI does.
                     yield _sse(json.dumps(_as_api_error(event).body()))
@@ -411,7 +479,7 @@ class Server:
                 event = await job.next_event()
             yield _sse("[DONE]")
         finally:
-            job.cancelled.set()
+            self.worker.withdraw(job)
 
     async def list_models(self, request: Request) -> Response:
         self._check_api_key(request)
@@ -480,10 +548,18 @@ def create_app(
     api_key: str | None = None,
     queue_limit: int = DEFAULT_QUEUE_LIMIT,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> Starlette:
     """The ASGI app serving `llm`. The worker thread starts and stops with the app's lifespan;
-    the caller keeps ownership of `llm` (and closes it)."""
-    server = Server(llm, api_key=api_key, queue_limit=queue_limit, max_body_bytes=max_body_bytes)
+    the caller keeps ownership of `llm` (and closes it). `default_max_tokens` bounds the
+    completions of requests that set no `max_tokens` (None: the rest of the context)."""
+    server = Server(
+        llm,
+        api_key=api_key,
+        queue_limit=queue_limit,
+        max_body_bytes=max_body_bytes,
+        default_max_tokens=default_max_tokens,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -507,6 +583,21 @@ def create_app(
     return app
 
 
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, draining the engine worker as soon as the shutdown starts: uvicorn alone would
+    wait for the connections and then cancel them, answering plain-text 500s."""
+
+    def __init__(self, config: uvicorn.Config, worker: EngineWorker, grace: float):
+        super().__init__(config)
+        self.worker = worker
+        self.grace = grace
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        stopping = asyncio.ensure_future(asyncio.to_thread(self.worker.stop, self.grace))
+        await super().shutdown(sockets)
+        await stopping
+
+
 def serve(
     model: str | None = None,
     *,
@@ -518,11 +609,14 @@ def serve(
     max_seq: int | None = None,
     queue_limit: int = DEFAULT_QUEUE_LIMIT,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     log_level: str = "info",
 ) -> None:
-    """Loads the model and serves it until interrupted (Ctrl-C)."""
-    import uvicorn
-
+    """Loads the model and serves it until SIGINT (Ctrl-C) or SIGTERM. Either drains: no new
+    connections, waiting requests get 503 `shutting_down`, the running one gets
+    `shutdown_grace` seconds, then stops (a stream ends with an error event and `[DONE]`), and
+    the function returns. Call it from the main thread (signals are only delivered there)."""
     from lily.api import load
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
@@ -530,9 +624,30 @@ def serve(
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
     with load(model, revision=revision, device=device, max_seq=max_seq) as llm:
         app = create_app(
-            llm, api_key=api_key, queue_limit=queue_limit, max_body_bytes=max_body_bytes
+            llm,
+            api_key=api_key,
+            queue_limit=queue_limit,
+            max_body_bytes=max_body_bytes,
+            default_max_tokens=default_max_tokens,
+        )
+        worker = app.state.server.worker
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=shutdown_grace + SHUTDOWN_MARGIN_SECONDS,
         )
         logger.info("serving %s on %s at http://%s:%d/v1", llm.model_id, llm.device, host, port)
-        # On Ctrl-C, streams still running get a few seconds, then are cancelled (which stops
-        # their generation) instead of holding the shutdown until they finish.
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+        # uvicorn re-raises the signal that stopped it once it has shut down: SIGTERM then
+        # raises KeyboardInterrupt as SIGINT does, so both end here and the process exits 0.
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            _DrainingServer(config, worker, shutdown_grace).run()
+        except KeyboardInterrupt:
+            logger.info("stopped")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            # Also after a forced exit (a second Ctrl-C skips the drain): the engine thread
+            # must stop at a boundary before the engine is freed, not die inside native code.
+            worker.stop()
