@@ -8,6 +8,8 @@ import json
 import os
 import random
 import sysconfig
+import threading
+import time
 import unicodedata
 from importlib import resources
 from pathlib import Path
@@ -213,6 +215,47 @@ def test_token_text_for_logprobs(demo):
     assert demo.token_text(lead) == "bytes:\\xf0"
     assert demo.token_text(demo.encode(" the")[0]) == " the"
     assert demo.token_text(4025) == "</think>"
+
+
+def test_encode_split_counts_the_tokens_of_a_prefix(demo):
+    conversation = "<|im_start|>user\nnaïve 中文 😀<|im_end|>\n"
+    text = conversation + "<|im_start|>assistant\n"
+    ids, split = demo.encode_split(text, len(conversation))
+    assert ids == demo.encode(text)
+    assert split == len(demo.encode(conversation)) and ids[:split] == demo.encode(conversation)
+    assert demo.encode_split(text, 0) == (ids, 0)
+    assert demo.encode_split(text, len(text)) == (ids, len(ids))
+    # Inside a token ("user"): no clean split.
+    assert demo.encode_split(text, text.index("user") + 2)[1] is None
+
+
+def test_surely_longer_than_never_refuses_a_text_that_fits(demo, full_tokenizer):
+    # Repeats merge into the longest tokens; NFC grows U+0958 and shrinks e + U+0301.
+    texts = [*CORPUS, "=" * 5000, " " * 3000, "\u0958" * 500, "e\u0301" * 900]
+    for tok in (demo, Tokenizer(full_tokenizer)):
+        for text in texts:
+            assert not tok.surely_longer_than(text, len(tok.encode(text))), text[:20]
+
+
+def test_a_huge_text_is_surely_longer_without_tokenizing(demo):
+    text = "many words here " * 64 * 1024
+    assert demo.max_token_bytes == max(len(demo.token_bytes(i)) for i in range(demo.vocab_size))
+    assert demo.surely_longer_than(text, 10_000)  # 1 MiB, each token at most 64 bytes
+    assert not demo.surely_longer_than("short", 2)
+
+
+def test_tokenizing_lets_other_threads_run(demo):
+    """A long text is tokenized on the server's worker thread: the event loop must go on."""
+    text = "abc def ghij " * 160_000  # about 2 MB: seconds of tokenizing
+    ticks = 0
+    worker = threading.Thread(target=demo.encode, args=(text,))
+    worker.start()
+    while worker.is_alive() and ticks < 100:
+        time.sleep(0.001)
+        ticks += 1
+    still_tokenizing = worker.is_alive()
+    worker.join()
+    assert still_tokenizing, "the main thread could not run while the text was tokenized"
 
 
 def copy_demo(tmp_path: Path) -> Path:

@@ -246,6 +246,7 @@ def _serve(args: argparse.Namespace) -> int:
         device=args.device,
         revision=args.revision,
         max_seq=args.max_seq,
+        prefill_chunk=args.prefill_chunk,
         queue_limit=args.queue_limit,
         default_max_tokens=args.max_tokens_default,
         shutdown_grace=args.shutdown_grace,

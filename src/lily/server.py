@@ -41,6 +41,7 @@ from starlette.routing import Route
 
 from lily.chat import ChatRequest, parse_request
 from lily.errors import GenerationCancelled, RequestError
+from lily.model_graph import DEFAULT_MAX_CHUNK
 from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
 
 if TYPE_CHECKING:
@@ -607,6 +608,7 @@ def serve(
     device: str = "auto",
     revision: str | None = None,
     max_seq: int | None = None,
+    prefill_chunk: int = DEFAULT_MAX_CHUNK,
     queue_limit: int = DEFAULT_QUEUE_LIMIT,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
@@ -622,7 +624,9 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
-    with load(model, revision=revision, device=device, max_seq=max_seq) as llm:
+    with load(
+        model, revision=revision, device=device, max_seq=max_seq, prefill_chunk=prefill_chunk
+    ) as llm:
         app = create_app(
             llm,
             api_key=api_key,
