@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -444,11 +444,7 @@ class Server:
                 code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             ) from None
-        try:
-            first = await _first_event_or_disconnect(request, job, self.worker)
-        except ClientGone:
-            # Nobody reads this answer; 499 is what nginx logs for a client that left.
-            return Response(status_code=499)
+        first = await _first_event_or_disconnect(request, job, self.worker)
         if isinstance(first, ShuttingDownError):
             raise _shutting_down()
         if isinstance(first, BaseException):
@@ -530,6 +526,9 @@ def _guarded(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable:
     async def run(request: Request) -> Response:
         try:
             return await endpoint(request)
+        except (ClientGone, ClientDisconnect):
+            # Nobody reads this answer; 499 is what nginx logs for a client that left.
+            return Response(status_code=499)
         except Exception as exc:
             return _as_api_error(exc).response()
 

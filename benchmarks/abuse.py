@@ -1,0 +1,585 @@
+"""Abuse test for `lily serve`: hostile and careless clients on loopback must not wedge, crash or
+fool the server.
+
+It starts `lily serve --model demo` itself (twice: each run ends by a signal) and checks:
+
+1. a fixed-seed request gets an answer, the reference for the end;
+2. many connections at once (200 by default): well-behaved requests (streaming or not), slow
+   senders, a slow reader, clients that disconnect mid-request (half a body sent), mid-prompt
+   (a stream during its prefill), mid-stream and while queued, bodies declared or sent over
+   the size limit, malformed JSON, invalid UTF-8, a lone surrogate, a message far over the
+   context, bytes that are not HTTP. Every answer must be the documented one: no 5xx but the
+   documented 503s (`queue_full`, JSON with Retry-After), and the server still running;
+3. the engine is idle within `--idle-within` seconds of the last client leaving;
+4. the server's resident memory grew by less than `--max-rss-growth-mib` over the abuse;
+5. the fixed-seed request is answered exactly as before;
+6. SIGTERM while requests run and wait: each gets a complete answer, a stream ending with the
+   `shutting_down` error event and `data: [DONE]`, or the JSON 503; the process exits 0
+   without "terminate called" or a traceback; a second server answers the fixed-seed request
+   the same, then gets SIGINT under load with the same checks.
+
+Everything is bounded: the number of connections, each client's time, and `--time-limit` for
+the whole run. `--quick` is the reduced version the test suite runs (16 connections).
+
+    python benchmarks/abuse.py            # the full run (200 connections; the sim is slow)
+    python benchmarks/abuse.py --quick    # about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# Shapes of the server run: 16-token prefill chunks keep every pass short on the sim, so that a
+# cancelled request frees the engine soon; a small default completion bounds forgotten clients.
+MAX_SEQ = 256
+PREFILL_CHUNK = 16
+QUEUE_LIMIT = 8
+MAX_TOKENS_DEFAULT = 8
+SHUTDOWN_GRACE = 1.0
+BODY_LIMIT = 8 * 1024 * 1024  # the server's default --max-body-bytes
+FIXED_SEED = {"temperature": 0.8, "seed": 4242, "max_tokens": 3}
+LONG_PROMPT = "Listen to all of this before you answer: " + "one two three four five six " * 10
+# The 5xx a client may get: documented 503 codes, always JSON.
+DOCUMENTED_503_CODES = {"queue_full", "shutting_down"}
+
+
+class Failure(Exception):
+    """A check of the abuse test failed."""
+
+
+@dataclass
+class Answer:
+    """What one client saw: the status (None if the server never answered), the content type,
+    the body (JSON or SSE text), and how the exchange ended."""
+
+    kind: str
+    status: int | None = None
+    content_type: str = ""
+    body: bytes = b""
+    ended: str = "answered"  # answered, left (the client hung up on purpose), dropped, refused
+    events: list[str] = field(default_factory=list)
+
+    def error_code(self) -> str | None:
+        try:
+            return json.loads(self.body)["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+# --- a minimal HTTP/1.1 client on asyncio streams (full control over when to hang up) ------------
+
+
+def _request_head(length: int | None, *, chunked: bool = False) -> bytes:
+    lines = [
+        "POST /v1/chat/completions HTTP/1.1",
+        "Host: 127.0.0.1",
+        "Content-Type: application/json",
+        "Connection: close",
+    ]
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+    elif length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def chat_body(content: str, **fields: Any) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": content}], **fields}).encode()
+
+
+async def _read_head(reader: asyncio.StreamReader, answer: Answer) -> dict[str, str]:
+    status_line = await reader.readline()
+    if not status_line:
+        raise ConnectionResetError("closed before answering")
+    answer.status = int(status_line.split()[1])
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    answer.content_type = headers.get("content-type", "")
+    return headers
+
+
+async def _read_pieces(reader: asyncio.StreamReader, headers: dict[str, str]):
+    """The body, piece by piece (chunked transfer, a Content-Length, or up to EOF)."""
+    if headers.get("transfer-encoding") == "chunked":
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                await reader.readline()
+                return
+            yield await reader.readexactly(size)
+            await reader.readexactly(2)
+    elif "content-length" in headers:
+        yield await reader.readexactly(int(headers["content-length"]))
+    else:
+        yield await reader.read()
+
+
+async def exchange(
+    port: int,
+    kind: str,
+    body: bytes,
+    *,
+    head: bytes | None = None,
+    send: Callable[[asyncio.StreamWriter, bytes], Awaitable[None]] | None = None,
+    leave_after_events: int | None = None,
+    leave_after_seconds: float | None = None,
+    read_delay: float = 0.0,
+) -> Answer:
+    """One request on its own connection. `leave_after_events`: hang up after that many SSE
+    events (0: once the answer has started); `leave_after_seconds`: hang up after that long
+    whatever has arrived."""
+    answer = Answer(kind)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        answer.ended = "refused"
+        return answer
+    try:
+        writer.write(head if head is not None else _request_head(len(body)))
+        if send is None:
+            writer.write(body)
+        else:
+            await send(writer, body)
+        await writer.drain()
+        if leave_after_seconds is not None:
+            try:
+                await asyncio.wait_for(_read_answer(reader, answer, None, 0), leave_after_seconds)
+            except TimeoutError:
+                answer.ended = "left"
+        else:
+            await _read_answer(reader, answer, leave_after_events, read_delay)
+    except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+        answer.ended = "dropped"
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    return answer
+
+
+async def _read_answer(
+    reader: asyncio.StreamReader, answer: Answer, leave_after_events: int | None, delay: float
+) -> None:
+    headers = await _read_head(reader, answer)
+    if leave_after_events == 0:
+        answer.ended = "left"
+        return
+    pending = b""
+    async for piece in _read_pieces(reader, headers):
+        answer.body += piece
+        if not answer.content_type.startswith("text/event-stream"):
+            continue
+        pending += piece
+        *complete, pending = pending.split(b"\n\n")
+        answer.events.extend(e.decode() for e in complete if e.strip())
+        if leave_after_events is not None and len(answer.events) >= leave_after_events:
+            answer.ended = "left"
+            return
+        if delay:
+            await asyncio.sleep(delay)
+
+
+async def trickle(writer: asyncio.StreamWriter, body: bytes, pieces: int, pause: float) -> None:
+    step = max(1, len(body) // pieces)
+    for start in range(0, len(body), step):
+        writer.write(body[start : start + step])
+        await writer.drain()
+        await asyncio.sleep(pause)
+
+
+async def stop_halfway(writer: asyncio.StreamWriter, body: bytes) -> None:
+    writer.write(body[: len(body) // 2])
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    raise ConnectionResetError("the client hangs up mid-request")
+
+
+async def oversized_chunked(writer: asyncio.StreamWriter, body: bytes) -> None:
+    """A body over the limit with no Content-Length: the server must stop it while reading."""
+    block = b"x" * (1024 * 1024)
+    try:
+        for _ in range(BODY_LIMIT // len(block) + 2):
+            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+    except ConnectionError:
+        pass  # the server answered 413 and closed; the answer is still to be read
+
+
+# --- the server under test -------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """`lily serve --model demo` in a child process, its stderr kept in a file."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.port = free_port()
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed with the server)
+        command = [
+            sys.executable, "-m", "lily.cli", "serve", "--model", "demo", "--device", args.device,
+            "--port", str(self.port), "--max-seq", str(MAX_SEQ),
+            "--prefill-chunk", str(PREFILL_CHUNK), "--queue-limit", str(QUEUE_LIMIT),
+            "--max-tokens-default", str(MAX_TOKENS_DEFAULT),
+            "--shutdown-grace", str(SHUTDOWN_GRACE), "--log-level", "warning",
+        ]  # fmt: skip
+        env = {name: value for name, value in os.environ.items() if name != "LILY_API_KEY"}
+        self.process = subprocess.Popen(command, env=env, stderr=self.log)
+
+    async def start(self) -> None:
+        deadline = time.monotonic() + 120
+        while await self.health() is None:
+            if self.process.poll() is not None:
+                raise Failure(f"lily serve exited with {self.process.returncode}: {self.stderr()}")
+            if time.monotonic() > deadline:
+                raise Failure("lily serve did not answer /health within 120 s")
+            await asyncio.sleep(0.2)
+
+    async def health(self) -> dict[str, Any] | None:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        except OSError:
+            return None
+        try:
+            writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            answer = Answer("health")
+            headers = await _read_head(reader, answer)
+            body = b"".join([piece async for piece in _read_pieces(reader, headers)])
+            return json.loads(body)
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            return None
+        finally:
+            writer.close()
+
+    def rss_mib(self) -> float:
+        """Resident memory, from `ps` (Linux and macOS alike)."""
+        kib = subprocess.run(
+            ["ps", "-o", "rss=", "-p", str(self.process.pid)], capture_output=True, text=True
+        ).stdout
+        return int(kib.strip()) / 1024
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+# --- the phases ------------------------------------------------------------------------------
+
+
+async def fixed_seed_answer(server: Server) -> str:
+    answer = await exchange(
+        server.port, "fixed seed", chat_body("Name three colours.", **FIXED_SEED)
+    )
+    if answer.status != 200:
+        raise Failure(f"the fixed-seed request got {answer.status}: {answer.body[:300]!r}")
+    message = json.loads(answer.body)["choices"][0]["message"]
+    return json.dumps([message.get("content"), message.get("reasoning_content")])
+
+
+def abuse_clients(port: int, connections: int) -> list[Awaitable[Answer]]:
+    """`connections` clients, cycling through the kinds of abuse."""
+    short = {"max_tokens": 2, "temperature": 0}
+
+    kinds: list[Callable[[int], Awaitable[Answer]]] = [
+        lambda i: exchange(port, "normal", chat_body(f"Client {i} says hi", **short)),
+        lambda i: exchange(
+            port, "normal stream", chat_body(f"Client {i} streams", stream=True, **short)
+        ),
+        lambda i: exchange(
+            port,
+            "slow sender",
+            chat_body(f"Slow {i}", **short),
+            send=lambda w, b: trickle(w, b, pieces=8, pause=0.15),
+        ),
+        lambda i: exchange(
+            port, "left mid-request", chat_body(f"Half {i}", **short), send=stop_halfway
+        ),
+        lambda i: exchange(
+            port,
+            "left mid-prompt",
+            chat_body(LONG_PROMPT, stream=True, max_tokens=40),
+            leave_after_events=0,
+        ),
+        lambda i: exchange(
+            port,
+            "left mid-stream",
+            chat_body(f"Stream {i}", stream=True, max_tokens=60, temperature=0),
+            leave_after_events=3,
+        ),
+        lambda i: exchange(
+            port, "left while waiting", chat_body(f"Wait {i}", max_tokens=60), leave_after_seconds=1
+        ),
+        lambda i: exchange(port, "no max_tokens", chat_body(f"Client {i} rambles", temperature=0)),
+        lambda i: exchange(port, "declared oversized", b"", head=_request_head(BODY_LIMIT + 1)),
+        lambda i: exchange(
+            port, "malformed JSON", b'{"messages": [{"role": "user", "content": "a"'
+        ),
+        lambda i: exchange(
+            port, "invalid UTF-8", b'{"messages": [{"role": "user", "content": "\xff\xfe\xc3"}]}'
+        ),
+        lambda i: exchange(
+            port,
+            "lone surrogate",
+            b'{"messages": [{"role": "user", "content": "\\udc80"}], "max_tokens": 1}',
+        ),
+        lambda i: exchange(
+            port, "far over the context", chat_body("word " * 400_000, max_tokens=1)
+        ),
+        lambda i: exchange(port, "not HTTP", b"", head=b"\x16\x03\x01\x02\x00hello\r\n\r\n"),
+        lambda i: exchange(
+            port,
+            "slow reader",
+            chat_body(f"Read me slowly {i}", stream=True, max_tokens=4, temperature=0),
+            read_delay=0.3,
+        ),
+        lambda i: exchange(
+            port,
+            "sent oversized",
+            b"",
+            head=_request_head(None, chunked=True),
+            send=lambda w, b: oversized_chunked(w, b),
+        ),
+    ]
+    return [kinds[i % len(kinds)](i) for i in range(connections)]
+
+
+# What each kind may be answered (besides the documented 503s, allowed to every /v1 request).
+EXPECTED: dict[str, set[int | str]] = {
+    "normal": {200},
+    "normal stream": {200},
+    "slow sender": {200},
+    "left mid-request": {"dropped"},
+    "left mid-prompt": {200, "left"},
+    "left mid-stream": {200, "left"},
+    "left while waiting": {200, "left"},
+    "no max_tokens": {200},
+    "declared oversized": {413},
+    "malformed JSON": {400},
+    "invalid UTF-8": {400},
+    "lone surrogate": {400},
+    "far over the context": {400},
+    "not HTTP": {400, "dropped"},
+    "slow reader": {200},
+    "sent oversized": {413, "dropped"},
+}
+
+
+def check_answer(answer: Answer, problems: list[str]) -> None:
+    outcome: int | str = answer.status if answer.status is not None else answer.ended
+    if answer.status is not None and answer.ended == "left":
+        outcome = "left"
+    if answer.status == 503:
+        if answer.error_code() not in DOCUMENTED_503_CODES:
+            problems.append(f"{answer.kind}: an undocumented 503 {answer.body[:200]!r}")
+        elif not answer.content_type.startswith("application/json"):
+            problems.append(f"{answer.kind}: a 503 that is not JSON ({answer.content_type})")
+        return
+    if answer.status is not None and answer.status >= 500:
+        problems.append(f"{answer.kind}: {answer.status} {answer.body[:200]!r}")
+        return
+    if outcome not in EXPECTED[answer.kind]:
+        problems.append(f"{answer.kind}: got {outcome}, expected one of {EXPECTED[answer.kind]}")
+    if answer.kind == "far over the context" and answer.error_code() != "context_length_exceeded":
+        problems.append(f"far over the context: {answer.body[:200]!r}")
+    if answer.kind == "no max_tokens" and answer.status == 200:
+        produced = json.loads(answer.body)["usage"]["completion_tokens"]
+        if produced > MAX_TOKENS_DEFAULT:
+            problems.append(f"no max_tokens: {produced} tokens, over --max-tokens-default")
+    streamed = answer.status == 200 and answer.content_type.startswith("text/event-stream")
+    if streamed and answer.ended == "answered" and answer.events[-1:] != ["data: [DONE]"]:
+        problems.append(f"{answer.kind}: a stream that did not end with [DONE]")
+
+
+async def wait_idle(server: Server, within: float) -> float:
+    """Seconds until /health shows the engine idle with nothing waiting; fails past `within`."""
+    started = time.monotonic()
+    while True:
+        state = await server.health()
+        if state is None:
+            raise Failure("the server stopped answering /health")
+        elapsed = time.monotonic() - started
+        if not state["busy"] and not state["waiting"]:
+            return elapsed
+        if elapsed > within:
+            raise Failure(
+                f"the engine is still busy {elapsed:.1f} s after the last client: {state}"
+            )
+        await asyncio.sleep(0.05)
+
+
+async def abuse(server: Server, args: argparse.Namespace) -> None:
+    before = server.rss_mib()
+    started = time.monotonic()
+    answers = await asyncio.gather(*abuse_clients(server.port, args.connections))
+    last_client_left = time.monotonic()
+    print(f"abuse: {len(answers)} connections in {last_client_left - started:.1f} s", flush=True)
+    tally = Counter(
+        (a.kind, a.status if a.status is not None and a.ended != "left" else a.ended)
+        for a in answers
+    )
+    for (kind, outcome), count in sorted(tally.items(), key=str):
+        print(f"  {kind:22} {outcome!s:9} x{count}")
+    problems: list[str] = []
+    for answer in answers:
+        check_answer(answer, problems)
+    if server.process.poll() is not None:
+        problems.append(f"the server exited with {server.process.returncode}")
+    if "Traceback" in server.stderr():
+        problems.append(f"a traceback in the server's log:\n{server.stderr()}")
+    if problems:
+        raise Failure("\n".join(problems))
+    idle = await wait_idle(server, args.idle_within)
+    print(f"abuse: the engine was idle {idle:.2f} s after the last client left")
+    growth = server.rss_mib() - before
+    print(f"abuse: resident memory grew by {growth:.0f} MiB")
+    if growth > args.max_rss_growth_mib:
+        raise Failure(f"resident memory grew by {growth:.0f} MiB (> {args.max_rss_growth_mib})")
+
+
+async def signal_under_load(server: Server, sig: signal.Signals) -> None:
+    """Sends `sig` while a stream runs its prompt and other requests wait."""
+    port = server.port
+    clients = [
+        asyncio.ensure_future(
+            exchange(port, "running", chat_body(LONG_PROMPT, stream=True, max_tokens=40))
+        )
+    ]
+    deadline = time.monotonic() + 60
+    while not ((await server.health()) or {}).get("busy"):
+        if time.monotonic() > deadline:
+            raise Failure("the request before the signal never started")
+        await asyncio.sleep(0.05)
+    for i in range(3):
+        clients.append(
+            asyncio.ensure_future(
+                exchange(port, "waiting", chat_body(f"Waiting {i}", max_tokens=2))
+            )
+        )
+        clients.append(
+            asyncio.ensure_future(
+                exchange(port, "waiting stream", chat_body(f"W{i}", stream=True, max_tokens=2))
+            )
+        )
+    while ((await server.health()) or {}).get("waiting", 0) < 1:
+        if time.monotonic() > deadline:
+            raise Failure("no request waited before the signal")
+        await asyncio.sleep(0.05)
+    server.process.send_signal(sig)
+    answers = await asyncio.gather(*clients)
+    problems = []
+    for answer in answers:
+        if answer.ended == "refused":
+            continue  # connected after the listener closed
+        if answer.status == 200 and answer.content_type.startswith("text/event-stream"):
+            ok_end = answer.events[-1:] == ["data: [DONE]"]
+            stopped = len(answer.events) >= 2 and '"shutting_down"' in answer.events[-2]
+            finished = any('"finish_reason":"' in e for e in answer.events)
+            if not ok_end or not (stopped or finished):
+                problems.append(f"{sig.name}: {answer.kind} stream ended {answer.events[-2:]}")
+        elif answer.status == 200:
+            continue
+        elif answer.status == 503 and answer.error_code() in DOCUMENTED_503_CODES:
+            if not answer.content_type.startswith("application/json"):
+                problems.append(f"{sig.name}: a 503 that is not JSON")
+        else:
+            problems.append(f"{sig.name}: {answer.kind} got {answer.status} {answer.ended} "
+                            f"{answer.body[:200]!r}")  # fmt: skip
+    try:
+        code = await asyncio.to_thread(server.process.wait, 60)
+    except subprocess.TimeoutExpired:
+        raise Failure(f"{sig.name}: the server did not exit within 60 s") from None
+    stderr = server.stderr()
+    if code != 0:
+        problems.append(f"{sig.name}: exit code {code}")
+    for sign in ("terminate called", "Traceback"):
+        if sign in stderr:
+            problems.append(f"{sig.name}: {sign!r} in the server's log")
+    if problems:
+        raise Failure("\n".join(problems) + "\n--- server log ---\n" + stderr)
+    print(f"{sig.name}: {Counter((a.kind, a.status, a.ended) for a in answers)}; exit 0")
+
+
+async def run(args: argparse.Namespace) -> None:
+    first = Server(args)
+    try:
+        await first.start()
+        reference = await fixed_seed_answer(first)
+        print(f"fixed seed: {reference}", flush=True)
+        await abuse(first, args)
+        if await fixed_seed_answer(first) != reference:
+            raise Failure("the fixed-seed request was answered differently after the abuse")
+        print("fixed seed: the same answer after the abuse", flush=True)
+        await signal_under_load(first, signal.SIGTERM)
+    finally:
+        first.kill()
+    second = Server(args)
+    try:
+        await second.start()
+        if await fixed_seed_answer(second) != reference:
+            raise Failure("the restarted server answered the fixed-seed request differently")
+        print("fixed seed: the same answer from a restarted server", flush=True)
+        await signal_under_load(second, signal.SIGINT)
+    finally:
+        second.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--connections", type=int, default=200, help="concurrent connections")
+    parser.add_argument("--device", default="sim")
+    parser.add_argument(
+        "--idle-within", type=float, default=1.0, help="seconds after the last client leaves"
+    )
+    parser.add_argument("--max-rss-growth-mib", type=float, default=256.0)
+    parser.add_argument("--time-limit", type=float, default=900.0, help="for the whole run")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the test suite's reduced run: 16 connections, a 10 s idle bound (a loaded "
+        "machine's sim pass can take seconds), a 300 s time limit",
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.connections, args.idle_within, args.time_limit = 16, 10.0, 300.0
+    try:
+        asyncio.run(asyncio.wait_for(run(args), args.time_limit))
+    except Failure as failure:
+        print(f"abuse: FAILED\n{failure}")
+        return 1
+    except TimeoutError:
+        print(f"abuse: FAILED: the run took more than {args.time_limit:.0f} s")
+        return 1
+    print("abuse: all checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
