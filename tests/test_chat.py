@@ -16,6 +16,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import lily
 from lily.api import Lily
+from lily.chat import parse_request
 from lily.checkpoint import resolve_model
 from lily.engine import GREEDY
 from lily.errors import (
@@ -190,6 +191,40 @@ def test_prompt_plus_max_tokens_over_the_context_is_refused(demo_dir, tokenizer)
         llm.chat.completions.create(messages=USER, max_tokens=29)
     with pytest.raises(ContextLengthError):
         llm.chat.completions.create(messages=[{"role": "user", "content": "word " * 40}])
+
+
+def test_run_bounds_requests_without_max_tokens_by_the_default_and_the_room(demo_dir, tokenizer):
+    llm, engine = scripted(demo_dir, tokenizer, "x")
+    engine.max_seq = 60
+    request = parse_request({"messages": USER}, served_model="demo", default_sampling=GREEDY)
+    llm.chat.completions.run(request, default_max_tokens=7)
+    assert engine.requests[-1]["max_new_tokens"] == 7
+    room = 60 - len(engine.requests[-1]["prompt"])
+    llm.chat.completions.run(request, default_max_tokens=1000)
+    assert engine.requests[-1]["max_new_tokens"] == room
+    explicit = parse_request(
+        {"messages": USER, "max_tokens": 9}, served_model="demo", default_sampling=GREEDY
+    )
+    llm.chat.completions.run(explicit, default_max_tokens=7)
+    assert engine.requests[-1]["max_new_tokens"] == 9
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_run_stops_when_should_stop_says_so(demo_dir, tokenizer, stream):
+    llm, engine = scripted(demo_dir, tokenizer, "a b c d e f g h i j k l m n o p", end=False)
+    request = parse_request(
+        {"messages": USER, "stream": stream}, served_model="demo", default_sampling=GREEDY
+    )
+    asked = []
+
+    def should_stop() -> bool:
+        asked.append(True)
+        return len(asked) > 3
+
+    with pytest.raises(GenerationCancelled):
+        result = llm.chat.completions.run(request, should_stop=should_stop)
+        list(result)
+    assert len(asked) == 4 and engine.closed_early
 
 
 def test_sampling_parameters_reach_the_engine(demo_dir, tokenizer):

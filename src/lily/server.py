@@ -5,15 +5,17 @@ Routes: `POST /v1/chat/completions` (JSON, or server-sent events ending in `data
 
 The engine runs one generation at a time and is not thread-safe, so one worker thread owns it and
 takes requests from a bounded first-in first-out queue: requests never interleave, a full queue
-answers 503 with `Retry-After`, a streaming client that goes away has its generation closed
-(the facade stops within one token) and the worker moves on to the next request. The HTTP side is
-Starlette on uvicorn; it only parses, checks and relays.
+answers 503 with `Retry-After`, a client that goes away (streaming or not) has its request
+dropped from the queue or its generation stopped at the next prefill chunk or token, and the
+worker moves on to the next request. On SIGINT/SIGTERM `serve` drains: waiting requests get a
+503, the running one a grace, then a final error event. The HTTP side is Starlette on uvicorn;
+it only parses, checks and relays.
 
 Every failure a client can cause is an OpenAI error object,
 `{"error": {"message", "type", "param", "code"}}`, with the status the `openai` SDK expects:
 400 bad request, 401 missing or wrong API key, 404 unknown model or route, 413 body over the limit,
-422 well-formed JSON whose fields have the wrong type or range, 503 queue full. Anything else is
-a 500 whose body says nothing about the server's internals (the log has the traceback).
+422 well-formed JSON whose fields have the wrong type or range, 503 queue full or shutting down.
+Anything else is a 500 whose body says nothing about the server's internals (the log has the traceback).
 """
 
 from __future__ import annotations
