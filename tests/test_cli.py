@@ -98,6 +98,24 @@ def test_serve_takes_the_api_key_from_the_environment(monkeypatch: pytest.Monkey
     assert calls[0]["api_key"] == "from-env"
 
 
+def test_serve_limits_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lily.server import DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
+
+    calls: list[dict] = []
+    monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append(k))
+    main(["serve"])
+    main(
+        ["serve", "--max-tokens-default", "100", "--shutdown-grace", "2.5", "--prefill-chunk", "8"]
+    )
+    defaults, chosen = calls
+    assert defaults["default_max_tokens"] == DEFAULT_MAX_TOKENS == 8192
+    assert defaults["shutdown_grace"] == DEFAULT_SHUTDOWN_GRACE
+    assert chosen["default_max_tokens"] == 100 and chosen["shutdown_grace"] == 2.5
+    assert chosen["prefill_chunk"] == 8
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-tokens-default", "0"])
+
+
 # -- the commands, for real --------------------------------------------------------------------
 
 
