@@ -219,7 +219,9 @@ def test_streaming_client_gets_the_facade_answer(server: RunningServer, facade: 
 
 def test_raw_stream_is_server_sent_events_ending_in_done(server: RunningServer) -> None:
     body = {"messages": user("Hi"), "max_tokens": 2, "stream": True, **GREEDY}
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json=body, timeout=60
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
