@@ -165,7 +165,10 @@ class Tokenizer:
     @cached_property
     def max_token_bytes(self) -> int:
         """The most bytes any one token stands for."""
-        return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
+        # A byte-level spelling has one character per byte; added tokens are their UTF-8 text.
+        ranked = max(map(len, self._backend.get_vocab(with_added_tokens=False)), default=1)
+        added = max((len(text.encode()) for text in self._added_text.values()), default=1)
+        return max(ranked, added)
 
     def surely_longer_than(self, text: str, tokens: int) -> bool:
         """Whether `encode(text)` certainly has more than `tokens` ids, decided without
