@@ -57,10 +57,17 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
 # -- Host: DNS rebinding -----------------------------------------------------------------------
 
 
-def test_a_host_header_naming_another_site_is_refused(server: RunningServer) -> None:
+def test_only_localhost_and_ip_addresses_are_answered(server: RunningServer) -> None:
     """A page of evil.example whose name was made to resolve to 127.0.0.1 sends its own name as
     Host: nothing is answered to it, not even /health."""
     port = port_of(server)
+    for host in (f"localhost:{port}", f"LocalHost.:{port}", f"127.0.0.1:{port}",
+                 f"[::1]:{port}", f"192.168.1.20:{port}", "127.0.0.1"):  # fmt: skip
+        response = httpx.get(server.url + "/v1/models", headers={"host": host})
+        assert response.status_code == 200, host
+        assert response.json()["data"][0]["id"] == "demo"
+    answer = httpx.post(server.url + CHAT, json=REQUEST, headers={"host": f"localhost:{port}"})
+    assert answer.status_code == 200 and answer.json()["object"] == "chat.completion"
     for path in ("/v1/models", "/health", "/openapi.json"):
         response = httpx.get(server.url + path, headers={"host": f"evil.example:{port}"})
         assert response.status_code == 400, path
@@ -74,17 +81,6 @@ def test_a_host_header_naming_another_site_is_refused(server: RunningServer) -> 
     # A name that merely contains an accepted one is not accepted.
     response = httpx.get(server.url + "/v1/models", headers={"host": "localhost.evil.example"})
     assert response.status_code == 400
-
-
-def test_localhost_and_ip_addresses_are_answered(server: RunningServer) -> None:
-    port = port_of(server)
-    for host in (f"localhost:{port}", f"LocalHost.:{port}", f"127.0.0.1:{port}",
-                 f"[::1]:{port}", f"192.168.1.20:{port}", "127.0.0.1"):  # fmt: skip
-        response = httpx.get(server.url + "/v1/models", headers={"host": host})
-        assert response.status_code == 200, host
-        assert response.json()["data"][0]["id"] == "demo"
-    answer = httpx.post(server.url + CHAT, json=REQUEST, headers={"host": f"localhost:{port}"})
-    assert answer.status_code == 200 and answer.json()["object"] == "chat.completion"
 
 
 def test_allowed_hosts_add_names(served_llm: Lily) -> None:
@@ -117,9 +113,9 @@ def test_a_post_that_is_not_declared_json_is_refused_with_415(
     server: RunningServer, content_type: str | None
 ) -> None:
     """The bodies a page can POST cross-origin without a preflight, here with a valid request
-    in them: they never reach the engine."""
-    completed = server.health()["completed"]
+    in them, never reach the engine; the same body declared as JSON does."""
     body = httpx.Request("POST", server.url + CHAT, json=REQUEST).content
+    completed = server.health()["completed"]
     headers = {} if content_type is None else {"content-type": content_type}
     response = httpx.post(server.url + CHAT, content=body, headers=headers)
     assert response.status_code == 415
@@ -128,13 +124,9 @@ def test_a_post_that_is_not_declared_json_is_refused_with_415(
     assert "application/json" in error["message"]
     assert error["type"] == "invalid_request_error"
     assert server.health()["completed"] == completed
-
-
-def test_json_with_parameters_is_accepted(server: RunningServer) -> None:
-    body = httpx.Request("POST", server.url + CHAT, json=REQUEST).content
     headers = {"content-type": "Application/JSON; charset=utf-8"}
-    response = httpx.post(server.url + CHAT, content=body, headers=headers)
-    assert response.status_code == 200 and response.json()["object"] == "chat.completion"
+    answer = httpx.post(server.url + CHAT, content=body, headers=headers)
+    assert answer.status_code == 200 and answer.json()["object"] == "chat.completion"
 
 
 # -- CORS --------------------------------------------------------------------------------------
@@ -155,14 +147,14 @@ def cors_headers(response: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k.startswith("access-control-")}
 
 
-def test_without_cors_origins_no_cors_header_is_sent(server: RunningServer) -> None:
+def test_cors_origins_may_call_the_api_from_a_browser(
+    served_llm: Lily, server: RunningServer
+) -> None:
+    """Only the origins listed get CORS answers; with none listed no CORS header is sent."""
     refused = preflight(server.url, FRONT_END)
     assert refused.status_code == 405 and cors_headers(refused) == {}
     answer = httpx.post(server.url + CHAT, json=REQUEST, headers={"origin": FRONT_END})
     assert answer.status_code == 200 and cors_headers(answer) == {}
-
-
-def test_cors_origins_may_call_the_api_from_a_browser(served_llm: Lily) -> None:
     app = create_app(served_llm, api_key="sesame", cors_origins=[FRONT_END + "/"])
     with RunningServer(app) as running:
         allowed = preflight(running.url, FRONT_END)
@@ -203,7 +195,8 @@ def test_a_utf8_api_key_is_compared_as_bytes(served_llm: Lily) -> None:
     with RunningServer(create_app(served_llm, api_key=key)) as locked:
 
         def status(authorization: bytes) -> int:
-            response = httpx.get(locked.url + "/v1/models", headers={"authorization": authorization})
+            headers = {"authorization": authorization}
+            response = httpx.get(locked.url + "/v1/models", headers=headers)
             if response.status_code != 200:
                 assert error_of(response)["code"] == "invalid_api_key"
             return response.status_code
@@ -287,8 +280,8 @@ def test_cli_serve_flags(
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append(k))
     key_file = tmp_path / "key"
-    main(["serve", "--api-key-file", str(key_file), "--allowed-host", "mybox.lan",
-          "--allowed-host", "other.lan:9000", "--cors-origin", "HTTP://LocalHost:3000/"])  # fmt: skip
+    main(["serve", "--api-key-file", str(key_file), "--allowed-host", "mybox.lan", "--allowed-host",
+          "other.lan:9000", "--cors-origin", "HTTP://LocalHost:3000/"])  # fmt: skip
     (options,) = calls
     assert options["api_key_file"] == key_file and options["api_key"] is None
     assert options["allowed_hosts"] == ["mybox.lan", "other.lan"]

@@ -12,8 +12,9 @@ Starlette on uvicorn; it only parses, checks and relays.
 Every failure a client can cause is an OpenAI error object,
 `{"error": {"message", "type", "param", "code"}}`, with the status the `openai` SDK expects:
 400 bad request, 401 missing or wrong API key, 404 unknown model or route, 413 body over the limit,
-422 well-formed JSON whose fields have the wrong type or range, 503 queue full. Anything else is
-a 500 whose body says nothing about the server's internals (the log has the traceback).
+415 a POST that is not JSON, 422 well-formed JSON whose fields have the wrong type or range,
+503 queue full. Anything else is a 500 whose body says nothing about the server's internals (the
+log has the traceback).
 """
 
 from __future__ import annotations
