@@ -8,7 +8,8 @@ middleware in front of every route:
   told to accept (the one it is bound to, `allowed_hosts`). A rebinding page's requests carry
   the page's own host name, so they are refused (400 `invalid_host`). An IP address cannot be
   rebound, so any is accepted: that keeps a server bound to `0.0.0.0` reachable by its addresses.
-  The port is not checked: a page cannot change it, while port forwarding legitimately does.
+  The port is not checked: a request reaches this server on its own port whatever the header
+  says, while port forwarding legitimately makes clients name another.
 - **Content type.** A page can POST cross-origin without the browser asking the server first
   only with the bodies of an HTML form (`text/plain`, form encodings, or no type at all). A POST
   whose `Content-Type` is not `application/json` is refused (415 `unsupported_media_type`), so
