@@ -163,9 +163,10 @@ class HTTPGuard:
     def _refusal(self, method: str, headers: Headers) -> Response | None:
         host = headers.get("host")
         if not self.policy.host_allowed(host):
+            shown = "missing" if host is None else repr(host[:100])
             return _error(
                 400,
-                f"the Host header {host!r} is not a name this server answers to (a web page "
+                f"the Host header ({shown}) is not a name this server answers to (a web page "
                 "may be trying to reach it); if it should be, start the server with "
                 "--allowed-host NAME",
                 "invalid_host",
