@@ -177,7 +177,7 @@ async def _read_answer(
     reader: asyncio.StreamReader, answer: Answer, leave_after_events: int | None, delay: float
 ) -> None:
     headers = await _read_head(reader, answer)
-    if leave_after_events == 0:
+    if leave_after_events == 0 and answer.status == 200:
         answer.ended = "left"
         return
     pending = b""

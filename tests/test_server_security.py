@@ -242,7 +242,9 @@ def test_serve_wires_the_key_and_the_bound_host(
     """`serve` itself: the key from a file wins over the environment's, and the host it is
     bound to is a name the Host header may carry."""
     apps: list[Any] = []
-    monkeypatch.setattr("uvicorn.run", lambda app, **options: apps.append(app))
+    monkeypatch.setattr(
+        "lily.server._DrainingServer.run", lambda server, *a, **k: apps.append(server.config.app)
+    )
     monkeypatch.setenv("LILY_API_KEY", "from-env")
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
