@@ -140,7 +140,7 @@ def test_a_queued_request_whose_client_left_frees_its_slot_at_once(
 ) -> None:
     with RunningServer(create_app(llm, queue_limit=1)) as small:
         running = {"messages": user("Go"), "max_tokens": 120, "stream": True, **GREEDY}
-        with raw_request(small, running) as long_stream:
+        with raw_request(small, running):
             wait_for(lambda: small.health()["busy"], "the long stream to run")
             with raw_request(small, {"messages": user("Me next"), "max_tokens": 2}):
                 wait_for(lambda: small.health()["waiting"] == 1, "the second request to queue")
@@ -163,7 +163,6 @@ def test_a_queued_request_whose_client_left_frees_its_slot_at_once(
         assert answer["response"].status_code == 200
         assert answer["response"].json()["usage"]["completion_tokens"] == 2
         small.wait_idle()
-        del long_stream
 
 
 def test_requests_without_max_tokens_get_the_default_limit(llm: Lily) -> None:
