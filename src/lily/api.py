@@ -19,6 +19,7 @@ from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_m
 from lily.detokenize import IncrementalDecoder
 from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine
 from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
+from lily.safetensors_mmap import CheckpointError
 from lily.sampling import SamplingParams
 from lily.tokenizer import Tokenizer
 
@@ -76,15 +77,22 @@ def default_sampling(model_dir: Path) -> SamplingParams:
     """The checkpoint's recommended sampling (`generation_config.json`, as transformers reads
     it), else OpenAI's default of temperature 1."""
     path = model_dir / "generation_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    if config.get("do_sample") is False:
-        return GREEDY
-    return SamplingParams(
-        temperature=float(config.get("temperature", 1.0)),
-        top_k=int(config.get("top_k", 0)),
-        top_p=float(config.get("top_p", 1.0)),
-        min_p=float(config.get("min_p", 0.0)),
-    )
+    # A value a request could not ask for (a top_k of 2^32, a negative temperature) is the
+    # checkpoint's fault: refused when the model is loaded, naming the file and the field.
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(config, dict):
+            raise ValueError("it is not a JSON object")
+        if config.get("do_sample") is False:
+            return GREEDY
+        return SamplingParams(
+            temperature=float(config.get("temperature", 1.0)),
+            top_k=int(config.get("top_k", 0)),
+            top_p=float(config.get("top_p", 1.0)),
+            min_p=float(config.get("min_p", 0.0)),
+        )
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 class Lily:

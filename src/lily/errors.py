@@ -46,3 +46,30 @@ class ModelNotFoundError(RequestError):
             param="model",
             code="model_not_found",
         )
+
+
+class ChatTemplateError(ValueError):
+    """The checkpoint's chat template cannot be used: it is missing, does not compile, or
+    includes, imports or extends other templates (a chat template must be self-contained).
+    Raised when the model is loaded; the subclasses are raised while rendering a request."""
+
+
+class ChatTemplateRefusedError(RequestError, ChatTemplateError):
+    """The template refused this conversation (its `raise_exception`) or failed on its values
+    (a type error, recursion too deep for the data): the same template renders other
+    conversations, so the request is what has to change (HTTP 400)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="messages", code="chat_template_refused")
+
+
+class ChatTemplateLimitError(ChatTemplateError):
+    """Rendering the template went over one of its bounds (`TemplateLimits`): loop steps,
+    seconds, the size of one value or of the prompt, or all the text built. With the default
+    bounds no conversation that fits the request limits gets there, so this is the checkpoint
+    template's fault, not the client's: the server answers 500 `chat_template_limit` with this
+    message and logs it; the worker is free again at once."""
+
+    def __init__(self, message: str, *, limit: str):
+        super().__init__(message)
+        self.limit = limit

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lily.chat import parse_request
-from lily.errors import RequestError
+from lily.errors import ChatTemplateLimitError, RequestError
 from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
 
 if TYPE_CHECKING:
@@ -120,6 +120,10 @@ def _as_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, RequestError):
         return APIError.from_request_error(exc)
+    if isinstance(exc, ChatTemplateLimitError):
+        # The checkpoint's template, not the request, is at fault: a server error, named.
+        logger.error("chat template over its limits: %s", exc)
+        return APIError(500, str(exc), error_type="server_error", code="chat_template_limit")
     logger.error("request failed", exc_info=exc)
     return _internal_error()
 
@@ -367,7 +371,10 @@ class Server:
         # The facade's own checks, run here too so that a bad request is refused at once
         # instead of after waiting its turn (the prompt's length is checked on the worker).
         parse_request(
-            params, served_model=self.model_id, default_sampling=self.llm.default_sampling
+            params,
+            served_model=self.model_id,
+            default_sampling=self.llm.default_sampling,
+            chat_template=self.llm.chat_template,
         )
         job = Job(params, asyncio.get_running_loop())
         try:
