@@ -138,8 +138,7 @@ def parse_arguments(text: str) -> dict[str, Any]:
         ) from None
     if not isinstance(value, dict):
         raise ChatTemplateRefusedError(
-            f"tool call arguments must be a JSON object, not {type(value).__name__}: "
-            f"{text[:200]!r}"
+            f"tool call arguments must be a JSON object, not {type(value).__name__}: {text[:200]!r}"
         )
     return value
 

@@ -13,9 +13,9 @@ The template's syntax tree is instrumented before it is compiled:
 The sandbox's own hooks size the rest: the `*`, `**`, `+` and `%` operators (checked before they
 run when their result would be too large, e.g. `'x' * 10**12`), every method call and filter
 (whose integer arguments, e.g. a width for `center` or `ljust`, may not exceed the value bound).
-No value may be larger than `max_chars` (characters of a string, items of a list; integers
-stop at `MAX_INT_BITS`) and the sizes of all values built add up to at most `max_built_chars`, so a template
-cannot keep many large values alive either.
+No value may be larger than `max_chars` (characters of a string, items of a list; integers stop
+at `MAX_INT_BITS`) and the sizes of all values built add up to at most `max_built_chars`, so a
+template cannot keep many large values alive either.
 """
 
 from __future__ import annotations
