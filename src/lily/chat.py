@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lily.chat_template import template_message
 from lily.detokenize import IncrementalDecoder
 from lily.errors import (
     ContextLengthError,
@@ -25,6 +26,7 @@ from lily.errors import (
 )
 from lily.reasoning import ReasoningParser
 from lily.sampling import GeneratedToken, SamplingParams
+from lily.special_tokens import EscapedInputs, escape_special_tokens
 from lily.stop import StopStringMatcher
 from lily.template_inputs import (
     check_message_fields,
@@ -408,12 +410,12 @@ class ChatCompletions:
         return self._completion(request, prompt, events)
 
     def _prompt(self, request: ChatRequest) -> _Prompt:
-        tokenizer = self._llm.tokenizer
-        text = self._render(request, add_generation_prompt=True)
-        tokens = tokenizer.encode(text)
+        inputs = self._template_inputs(request)
+        text = self._render(inputs, add_generation_prompt=True)
+        tokens = inputs.encode(text)
         # The conversation so far, without the generation prompt: the next turn's prompt
         # starts with it, so the engine snapshots its state there for reuse.
-        conversation = tokenizer.encode(self._render(request, add_generation_prompt=False))
+        conversation = inputs.encode(self._render(inputs, add_generation_prompt=False))
         boundary = len(conversation) if tokens[: len(conversation)] == conversation else None
         return _Prompt(
             tokens=tokens,
@@ -423,7 +425,23 @@ class ChatCompletions:
             cached=self._llm.engine.cached_prefix_length(tokens),
         )
 
-    def _render(self, request: ChatRequest, *, add_generation_prompt: bool) -> str:
+    def _template_inputs(self, request: ChatRequest) -> EscapedInputs:
+        """What the template renders, with control tokens in the request's text escaped when
+        the model was loaded with `escape_special_tokens` (see `lily.special_tokens`)."""
+        llm = self._llm
+        if not llm.escape_special_tokens:
+            return EscapedInputs(
+                request.messages, request.tools, request.template_kwargs, llm.tokenizer, {}
+            )
+        return escape_special_tokens(
+            llm.tokenizer,
+            [template_message(m) for m in request.messages],
+            request.tools,
+            request.template_kwargs,
+            template_source=llm.chat_template.source,
+        )
+
+    def _render(self, request: EscapedInputs, *, add_generation_prompt: bool) -> str:
         kwargs = dict(request.template_kwargs)
         enable_thinking = kwargs.pop("enable_thinking", None)
         # Failures are named errors: ChatTemplateRefusedError is a RequestError (400).

@@ -248,6 +248,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_seq=args.max_seq,
         queue_limit=args.queue_limit,
         log_level=args.log_level,
+        escape_special_tokens=args.escape_special_tokens,
     )
     return 0
 
@@ -483,6 +484,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_QUEUE_LIMIT,
         help="requests that may wait while one runs; more get 503 with Retry-After",
+    )
+    serve.add_argument(
+        "--escape-special-tokens",
+        action="store_true",
+        help="read control tokens such as <|im_end|> written in a request's text as plain "
+        "text, so clients cannot forge chat turns (default: off, as transformers does)",
     )
     serve.add_argument(
         "--log-level",

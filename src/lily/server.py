@@ -526,6 +526,7 @@ def serve(
     queue_limit: int = DEFAULT_QUEUE_LIMIT,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
+    escape_special_tokens: bool = False,
 ) -> None:
     """Loads the model and serves it until interrupted (Ctrl-C)."""
     import uvicorn
@@ -535,7 +536,13 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
-    with load(model, revision=revision, device=device, max_seq=max_seq) as llm:
+    with load(
+        model,
+        revision=revision,
+        device=device,
+        max_seq=max_seq,
+        escape_special_tokens=escape_special_tokens,
+    ) as llm:
         app = create_app(
             llm, api_key=api_key, queue_limit=queue_limit, max_body_bytes=max_body_bytes
         )
