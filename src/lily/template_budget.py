@@ -43,9 +43,9 @@ MiB = 1 << 20
 class TemplateLimits:
     """How much one render of the chat template may do.
 
-    The defaults are far above what a real template needs for any conversation that fits the
-    request size limit (the Qwen3.6 template renders a 1000-message conversation in about 10k
-    steps), and low enough that a runaway template fails within seconds and a few hundred MB.
+    The defaults are far above what a chat template needs for any conversation that fits a
+    context (the Qwen-format template of the tests renders 2001 messages with tool calls in
+    12k steps), and low enough that a runaway template fails within seconds and a few hundred MB.
     """
 
     # Loop iterations plus macro calls.
