@@ -242,6 +242,10 @@ def test_a_template_that_loops_for_years_stops_at_its_step_budget():
         "{% for a in range(100000) %}{% for b in range(100000) %}{{ a }}{% endfor %}{% endfor %}"
     )
     assert limit_hit(recursive_loop) == "max_steps"
+    filtered = (
+        "{% for a in range(100000) %}{% for b in range(100000) if b < 0 %}{% endfor %}{% endfor %}"
+    )
+    assert limit_hit(filtered) == "max_steps"
 
 
 def test_a_template_that_loops_stops_at_its_deadline():

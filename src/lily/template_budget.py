@@ -4,15 +4,16 @@ named error instead of holding the engine's worker forever or exhausting memory.
 Python cannot interrupt a running jinja render from another thread, so the render checks itself.
 The template's syntax tree is instrumented before it is compiled:
 
-- every loop iteration and every macro or call-block invocation counts one **step** and checks
-  the **deadline** (jinja has no `while`: a loop iterates over something that exists, so it ends,
-  but nested loops can take years);
+- every loop iteration (those a loop's `if` filter skips too) and every macro or call-block
+  invocation counts one **step** and checks the **deadline** (jinja has no `while`: a loop
+  iterates over something that exists, so it ends, but nested loops can take years);
 - every piece of output, inside macros and `{% set %}` blocks too, and every `~` concatenation
   is **sized**.
 
-The sandbox's own hooks size the rest: the `*`, `**`, `+` and `%` operators (checked before they
-run when their result would be too large, e.g. `'x' * 10**12`), every method call and filter
-(whose integer arguments, e.g. a width for `center` or `ljust`, may not exceed the value bound).
+Every operator, call and filter checks the deadline too. The sandbox's own hooks size the rest:
+the `*`, `**`, `+` and `%` operators (checked before they run when their result would be too
+large, e.g. `'x' * 10**12`), every method call and filter (whose integer arguments, e.g. a width
+for `center` or `ljust`, may not exceed the value bound).
 No value may be larger than `max_chars` (characters of a string, items of a list; integers stop
 at `MAX_INT_BITS`) and the sizes of all values built add up to at most `max_built_chars`, so a
 template cannot keep many large values alive either.
@@ -82,6 +83,9 @@ class _Budget:
                 "calls (it loops without end, or far longer than any chat format needs)",
                 limit="max_steps",
             )
+        self.check_time()
+
+    def check_time(self) -> None:
         if time.monotonic() > self.deadline:
             raise ChatTemplateLimitError(
                 f"rendering the chat template took more than {self.limits.max_seconds:g} s",
@@ -186,9 +190,10 @@ _STEP = "__lily_step"
 _SIZED = "__lily_sized"
 
 
-def _step() -> str:
+def _step(value: Any = "") -> Any:
+    """One step; returns `value` (a loop's filter condition, when it wraps one)."""
     _budget().step()
-    return ""
+    return value
 
 
 def _sized(value: Any) -> Any:
@@ -204,6 +209,9 @@ class _Instrument(NodeTransformer):
     def _count_steps(self, node: nodes.Node) -> nodes.Node:
         self.generic_visit(node)
         node.body.insert(0, nodes.ExprStmt(_call(_STEP)))
+        if isinstance(node, nodes.For) and node.test is not None:
+            # `{% for x in xs if test %}`: the iterations the test skips are steps too.
+            node.test = _call(_STEP, node.test)
         return node
 
     visit_For = visit_Macro = visit_CallBlock = _count_steps
@@ -228,6 +236,7 @@ def _bounded_filter(name: str, function: Callable[..., Any]) -> Callable[..., An
     @wraps(function)  # keeps jinja's pass_context / pass_environment markers
     def bounded(*args: Any, **kwargs: Any) -> Any:
         budget = _budget()
+        budget.check_time()
         # The input is the first argument that is not jinja's context or environment.
         values = [a for a in args if not isinstance(a, Context | ImmutableSandboxedEnvironment)]
         budget.check_arguments(tuple(values[1:]), kwargs)
@@ -260,6 +269,7 @@ class BudgetedEnvironment(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
         budget = _budget()
+        budget.check_time()
         if operator == "*":
             if _is_int(left) and _is_int(right):
                 _check_int_bits(left.bit_length() + right.bit_length())
@@ -277,6 +287,7 @@ class BudgetedEnvironment(ImmutableSandboxedEnvironment):
         if __obj is _step or __obj is _sized:
             return __context.call(__obj, *args, **kwargs)
         budget = _budget()
+        budget.check_time()
         budget.check_arguments(args, kwargs)
         # The sandbox hands out str.format wrapped; the wrapper keeps the bound method.
         method = getattr(__obj, "__wrapped__", __obj)
