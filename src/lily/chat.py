@@ -26,7 +26,7 @@ from lily.errors import (
 )
 from lily.reasoning import ReasoningParser
 from lily.sampling import GeneratedToken, SamplingParams
-from lily.special_tokens import EscapedInputs, escape_special_tokens
+from lily.special_tokens import TemplateInputs, escape_special_tokens
 from lily.stop import StopStringMatcher
 from lily.template_inputs import (
     check_message_fields,
@@ -425,12 +425,12 @@ class ChatCompletions:
             cached=self._llm.engine.cached_prefix_length(tokens),
         )
 
-    def _template_inputs(self, request: ChatRequest) -> EscapedInputs:
+    def _template_inputs(self, request: ChatRequest) -> TemplateInputs:
         """What the template renders, with control tokens in the request's text escaped when
         the model was loaded with `escape_special_tokens` (see `lily.special_tokens`)."""
         llm = self._llm
         if not llm.escape_special_tokens:
-            return EscapedInputs(
+            return TemplateInputs(
                 request.messages, request.tools, request.template_kwargs, llm.tokenizer, {}
             )
         return escape_special_tokens(
@@ -441,13 +441,13 @@ class ChatCompletions:
             template_source=llm.chat_template.source,
         )
 
-    def _render(self, request: EscapedInputs, *, add_generation_prompt: bool) -> str:
-        kwargs = dict(request.template_kwargs)
+    def _render(self, inputs: TemplateInputs, *, add_generation_prompt: bool) -> str:
+        kwargs = dict(inputs.template_kwargs)
         enable_thinking = kwargs.pop("enable_thinking", None)
         # Failures are named errors: ChatTemplateRefusedError is a RequestError (400).
         return self._llm.chat_template.render(
-            request.messages,
-            tools=request.tools,
+            inputs.messages,
+            tools=inputs.tools,
             add_generation_prompt=add_generation_prompt,
             enable_thinking=enable_thinking,
             **kwargs,

@@ -29,9 +29,9 @@ _PLACEHOLDER_CHARACTER = re.compile("[\U000f0000-\U000ffffd]")
 
 
 @dataclass(frozen=True)
-class EscapedInputs:
-    """A request's template inputs with control tokens replaced by placeholders, and the
-    tokenizer that turns a prompt rendered from them back into ids."""
+class TemplateInputs:
+    """What the chat template renders for a request (with control tokens replaced by
+    placeholders when escaping), and how a prompt rendered from it becomes token ids."""
 
     messages: list[Any]
     tools: list[Any] | None
@@ -93,7 +93,7 @@ def escape_special_tokens(
     template_kwargs: dict[str, Any],
     *,
     template_source: str,
-) -> EscapedInputs:
+) -> TemplateInputs:
     """The inputs with every control token in their strings (keys included) replaced by a
     placeholder. `messages` must already be in template form (`template_message`), so that
     tool-call arguments are escaped after their JSON is parsed."""
@@ -101,7 +101,7 @@ def escape_special_tokens(
     inputs = (messages, tools, template_kwargs)
     found = {t for s in _strings(inputs) for t in texts if t in s} if texts else set()
     if not found:
-        return EscapedInputs(messages, tools, template_kwargs, tokenizer, {})
+        return TemplateInputs(messages, tools, template_kwargs, tokenizer, {})
     used = set(_PLACEHOLDER_CHARACTER.findall(template_source))
     for text in _strings(inputs):
         used.update(_PLACEHOLDER_CHARACTER.findall(text))
@@ -109,7 +109,7 @@ def escape_special_tokens(
     placeholder = dict(zip(ordered, _free_placeholders(used, len(ordered)), strict=True))
     pattern = re.compile("|".join(map(re.escape, ordered)))
     escaped_messages, escaped_tools, escaped_kwargs = _replace(inputs, pattern, placeholder)
-    return EscapedInputs(
+    return TemplateInputs(
         escaped_messages,
         escaped_tools,
         escaped_kwargs,
