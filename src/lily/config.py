@@ -12,12 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lily.errors import ConfigError
+
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
-
-
-class ConfigError(ValueError):
-    """config.json is missing, malformed, or describes a model Lily does not run."""
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lily.errors import CheckpointError
+
 # safetensors dtype code -> numpy dtype of the exposed view (raw bits where numpy lacks the type).
 NUMPY_DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -54,10 +56,6 @@ _MAX_HEADER_BYTES = 100 << 20
 # The largest gap between consecutive tensors that still counts as padding (see
 # write_aligned_copy); used only to tell a cut-off file from offsets pointing nowhere.
 _MAX_PADDING = 64
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, malformed, or does not match what Lily expects."""
 
 
 @dataclass(frozen=True)
