@@ -65,9 +65,7 @@ def good_tokens():
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_a_nan_in_the_prompt_is_refused_and_the_engine_serves_the_next_request(
-    tmp_path, sampling
-):
+def test_a_nan_in_the_prompt_is_refused_and_the_engine_serves_the_next_request(tmp_path, sampling):
     bad = 500
     engine = _device_engine(_poisoned_copy(tmp_path, bad))
     clean = _prompt(seed=2, avoid=bad)
