@@ -24,6 +24,7 @@ from lily.config import ModelConfig, load_config
 from lily.safetensors_mmap import (
     DATA_ALIGNMENT,
     INDEX_FILE,
+    SHARD_KIND,
     CheckpointError,
     Shard,
     TensorInfo,
@@ -180,10 +181,14 @@ def aligned_checkpoint(path: Path, allow_external_links: bool | None = None) -> 
     copies the unaligned tensors into its own memory at every load (see
     `Checkpoint.unaligned`), as the reference engine always does.
     """
-    files = _copied_files(path, allow_external_links)
-    shards = [f for f in files if f.suffix == ".safetensors"]
+    shards = [
+        checkpoint_file(path, shard.name, allow_external_links, SHARD_KIND)
+        for shard in sorted(path.glob("*.safetensors"))
+    ]
     if all(_is_aligned(shard) for shard in shards):
         return path
+    files = _copied_files(path, allow_external_links)
+    shards = [f for f in files if f.suffix == ".safetensors"]
     digests = {f.name: _content_digest(f) for f in files}
     key = hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest()[:16]
     aligned = cache_root() / "aligned"

@@ -128,7 +128,7 @@ class _Table:
             raise ConfigError(f"config.json is missing {self.where}{key!r}")
         return default
 
-    def _bad(self, key: str, value: object, allowed: str) -> ConfigError:
+    def bad(self, key: str, value: object, allowed: str) -> ConfigError:
         shown = repr(value)
         shown = shown if len(shown) <= 40 else shown[:37] + "..."
         return ConfigError(f"config.json: {self.where}{key} is {shown}, must be {allowed}")
@@ -136,7 +136,7 @@ class _Table:
     def integer(self, key: str, low: int, high: int, default: object = _REQUIRED) -> int:
         value = self._get(key, default)
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-            raise self._bad(key, value, f"an integer from {low} to {high}")
+            raise self.bad(key, value, f"an integer from {low} to {high}")
         return value
 
     def number(
@@ -147,19 +147,19 @@ class _Table:
         is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not is_number or not ((low < value) if open_low else (low <= value)) or value > high:
             bracket = "(" if open_low else "["
-            raise self._bad(key, value, f"a finite number in {bracket}{low:g}, {high:g}]")
+            raise self.bad(key, value, f"a finite number in {bracket}{low:g}, {high:g}]")
         return float(value)
 
     def flag(self, key: str, default: bool) -> bool:
         value = self._get(key, default)
         if not isinstance(value, bool):
-            raise self._bad(key, value, "true or false")
+            raise self.bad(key, value, "true or false")
         return value
 
     def text(self, key: str, default: str) -> str:
         value = self._get(key, default)
         if not isinstance(value, str):
-            raise self._bad(key, value, "a string")
+            raise self.bad(key, value, "a string")
         return value
 
     def sub(self, key: str) -> _Table:
@@ -206,9 +206,9 @@ def _quant_spec(block: _Table, default: QuantSpec | None) -> QuantSpec:
         "group_size", 1, 1024, _REQUIRED if default is None else default.group_size
     )
     if bits not in MLX_BITS:
-        raise block._bad("bits", bits, f"one of {MLX_BITS}")
+        raise block.bad("bits", bits, f"one of {MLX_BITS}")
     if group not in MLX_GROUP_SIZES:
-        raise block._bad("group_size", group, f"one of {MLX_GROUP_SIZES}")
+        raise block.bad("group_size", group, f"one of {MLX_GROUP_SIZES}")
     return QuantSpec(bits, group)
 
 
@@ -233,7 +233,7 @@ def _eos_token_ids(raw: _Table, text: _Table, vocab: int) -> tuple[int, ...]:
     eos = table.table.get("eos_token_id")
     listed = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab for e in listed):
-        raise table._bad("eos_token_id", eos, f"token ids (or one id) below vocab_size {vocab}")
+        raise table.bad("eos_token_id", eos, f"token ids (or one id) below vocab_size {vocab}")
     return tuple(listed)
 
 

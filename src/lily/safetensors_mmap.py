@@ -50,7 +50,7 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
 
 DATA_ALIGNMENT = 16
 INDEX_FILE = "model.safetensors.index.json"
-SHARD = "shard file"
+SHARD_KIND = "shard file"
 _HEADER_LENGTH_BYTES = 8
 # Far above any real header (the 19.5 GB checkpoint's are well under 1 MB); guards against
 # mapping garbage as JSON.
@@ -320,7 +320,9 @@ def open_safetensors_dir(
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"no {INDEX_FILE} and no *.safetensors files in {directory}")
-        paths = [checkpoint_file(directory, f.name, allow_external_links, SHARD) for f in files]
+        paths = [
+            checkpoint_file(directory, f.name, allow_external_links, SHARD_KIND) for f in files
+        ]
         return open_safetensors(paths, alignment)
 
     index = read_json_file(checkpoint_file(directory, INDEX_FILE, allow_external_links))
@@ -330,7 +332,9 @@ def open_safetensors_dir(
             f"{index_path}: invalid index (weight_map must map tensor names to file names)"
         )
     shard_names = sorted(set(weight_map.values()))
-    paths = {n: checkpoint_file(directory, n, allow_external_links, SHARD) for n in shard_names}
+    paths = {
+        n: checkpoint_file(directory, n, allow_external_links, SHARD_KIND) for n in shard_names
+    }
     checkpoint = open_safetensors(paths.values(), alignment)
     for name, shard_name in weight_map.items():
         if name not in checkpoint or checkpoint.info(name).shard != paths[shard_name]:
