@@ -64,6 +64,8 @@ DOWNLOAD_PATTERNS = [
 LoadLevel = Literal["strict", "family", "auto"]
 # Disk left free after the aligned copy is written.
 ALIGNED_COPY_MARGIN_BYTES = 10**9
+# The one file of an entry of the aligned-shard store, `$LILY_CACHE/aligned/shards/<sha256>/`.
+ALIGNED_SHARD = "shard.safetensors"
 
 
 def _offline() -> bool:
@@ -141,10 +143,11 @@ def _copied_files(path: Path, allow_external_links: bool | None) -> list[Path]:
 
 
 def _content_digest(path: Path) -> str:
-    """SHA-256 of a file's content. A shard's is remembered under `$LILY_CACHE/digests`, keyed
-    by the file's identity and its size, modification and change times: any write to the
-    file changes its change time (which no tool can set back), so a remembered digest is
-    always the digest of the content it is served for."""
+    """SHA-256 of a file's content, remembered under `$LILY_CACHE/digests` so that 20 GB of
+    shards are not read again at every load. The memory is keyed by the file's identity, size,
+    and modification and change times: any write to the file changes its change time (which,
+    unlike the modification time, no tool can set back), so a remembered digest is always that
+    of the file's current content."""
     with open_regular(path) as f:
         status = os.fstat(f.fileno())
         identity = [str(path.resolve()), status.st_dev, status.st_ino, status.st_size]
@@ -232,10 +235,6 @@ def aligned_checkpoint(path: Path, allow_external_links: bool | None = None) -> 
                 _copy_regular(item, out / item.name)
 
     return build_once(target, serve)
-
-
-# The one file of a shard store entry.
-ALIGNED_SHARD = "shard.safetensors"
 
 
 def _write_aligned_shard(source: Path, out: Path, progress: Callable[[int], object]) -> None:

@@ -3,6 +3,11 @@
 The file is multimodal (top-level `qwen3_5_moe` with the text model under `text_config`);
 mlx-community conversions add a top-level `quantization` block whose extra keys are per-path
 overrides (the router and shared-expert gates are 8-bit). Only the text model is read.
+
+Every value is checked for its JSON type and range before anything is sized or computed from it
+(`ConfigError` names the key): a size far beyond the real model's, a non-positive epsilon or RoPE
+base, a string where a flag belongs are refused here rather than hanging the layout or turning
+every activation into NaN.
 """
 
 from __future__ import annotations
@@ -140,7 +145,13 @@ class _Table:
         return value
 
     def number(
-        self, key: str, low: float, high: float, default: object = _REQUIRED, *, open_low=False
+        self,
+        key: str,
+        low: float,
+        high: float,
+        default: object = _REQUIRED,
+        *,
+        open_low: bool = False,
     ) -> float:
         value = self._get(key, default)
         # NaN fails every comparison and +-inf the bounds, so both are refused here.
@@ -173,9 +184,8 @@ def _rope(text: _Table) -> tuple[float, float]:
     if rope_type not in ("default", "mrope"):
         raise ConfigError(f"unsupported rope type {rope_type!r}")
     # Either block may hold the values; the rope block wins.
-    source = {"rope_theta", "partial_rotary_factor"} & params.table.keys()
-    theta_from = params if "rope_theta" in source else text
-    factor_from = params if "partial_rotary_factor" in source else text
+    theta_from = params if "rope_theta" in params.table else text
+    factor_from = params if "partial_rotary_factor" in params.table else text
     theta = theta_from.number("rope_theta", *ROPE_THETA_RANGE)
     factor = factor_from.number("partial_rotary_factor", 0.0, 1.0, open_low=True)
     return theta, factor
