@@ -62,6 +62,8 @@ class ModelConfig:
     # Per-path overrides, keyed by module path without the `.weight` suffix as written in the file
     # (e.g. "language_model.model.layers.0.mlp.gate").
     quant_overrides: dict[str, QuantSpec] = field(default_factory=dict)
+    # The period of full-attention layers that `layer_types` must follow (validate.py checks).
+    full_attention_interval: int = 4
     model_type: str = "qwen3_5_moe"
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -191,8 +193,7 @@ def _rope(text: _Table) -> tuple[float, float]:
     return theta, factor
 
 
-def _layer_types(text: _Table, n_layers: int) -> tuple[str, ...]:
-    interval = text.integer("full_attention_interval", 1, MAX_LAYERS, 4)
+def _layer_types(text: _Table, n_layers: int, interval: int) -> tuple[str, ...]:
     if "layer_types" in text.table:
         types = text.table["layer_types"]
         if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
@@ -259,6 +260,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     theta, factor = _rope(text)
     quant, overrides = _quantization(top)
     experts = text.integer("num_experts", 1, MAX_EXPERTS)
+    interval = text.integer("full_attention_interval", 1, MAX_LAYERS, 4)
     return ModelConfig(
         hidden_size=hidden,
         num_hidden_layers=n_layers,
@@ -284,10 +286,11 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
             "tie_word_embeddings", top.flag("tie_word_embeddings", False)
         ),
         max_position_embeddings=text.integer("max_position_embeddings", 1, MAX_POSITIONS, 262144),
-        layer_types=_layer_types(text, n_layers),
+        layer_types=_layer_types(text, n_layers, interval),
         eos_token_ids=_eos_token_ids(top, text, vocab),
         quantization=quant,
         quant_overrides=overrides,
+        full_attention_interval=interval,
         model_type=top.text("model_type", ""),
         raw=raw,
     )
