@@ -40,7 +40,8 @@ def build_once(final: Path, build: Callable[[Path], None]) -> Path:
 
 def _remove_abandoned_builds(final: Path) -> None:
     """Removes the work directories of builds of `final` whose process no longer runs (one
-    killed mid-build, which could not clean up after itself)."""
+    killed mid-build, which could not clean up after itself). Processes are looked up on this
+    machine, by the id in the directory's name."""
     # mkdtemp's random part is 8 characters of [a-z0-9_]: no other final's work matches.
     pattern = re.compile(re.escape(f".{final.name}-") + r"(\d+)-[a-z0-9_]{8}")
     for entry in final.parent.iterdir():
