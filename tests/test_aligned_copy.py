@@ -56,7 +56,7 @@ def test_an_edited_file_is_served_without_rewriting_the_shards(source, capsys, n
     load_checkpoint(second)
 
 
-def test_a_template_added_later_is_served(source, capsys):
+def test_a_template_added_later_is_served(source):
     first = resolve_model(str(source))
     for name, text in (("chat_template.jinja", "{{ messages }}"), ("generation_config.json", "{}")):
         (source / name).write_text(text)

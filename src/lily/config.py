@@ -124,7 +124,9 @@ class _Table:
 
     def __init__(self, table: object, where: str) -> None:
         if not isinstance(table, dict):
-            raise ConfigError(f"config.json: {where or 'the file'} is not a JSON object")
+            raise ConfigError(
+                f"config.json: {where.rstrip('.') or 'the file'} is not a JSON object"
+            )
         self.table = table
         self.where = where
 
