@@ -110,6 +110,28 @@ def test_a_config_linked_from_outside_is_refused(tmp_path, monkeypatch):
     assert load_checkpoint(directory, allow_external_links=True).config.hidden_size == 128
 
 
+COMPANIONS = ["tokenizer.json", "chat_template.jinja", "generation_config.json"]
+
+
+@pytest.mark.parametrize("name", COMPANIONS)
+def test_tokenizer_template_and_sampling_files_follow_the_same_rules(tmp_path, monkeypatch, name):
+    """The tokenizer, template and sampling defaults are read after load_checkpoint, which
+    holds them to the rules first: an outside link or a FIFO is refused by name."""
+    monkeypatch.delenv(EXTERNAL_LINKS_ENV, raising=False)
+    directory = tmp_path / "small"
+    shutil.copytree(tiny_checkpoint("small"), directory)
+    (directory / name).unlink(missing_ok=True)
+    (tmp_path / name).write_text("{}")
+    (directory / name).symlink_to(tmp_path / name)
+    with pytest.raises(CheckpointError, match=f"{name} is a link to .*outside"):
+        load_checkpoint(directory)
+    assert load_checkpoint(directory, allow_external_links=True).path == directory
+    (directory / name).unlink()
+    os.mkfifo(directory / name)
+    with pytest.raises(CheckpointError, match=f"{name} is not a regular file"):
+        load_checkpoint(directory)
+
+
 def test_links_inside_the_directory_are_followed(tmp_path):
     directory = _checkpoint_dir(tmp_path)
     (directory / "store").mkdir()

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,17 +50,18 @@ DEFAULT_REPO = "mlx-community/Qwen3.6-35B-A3B-4bit"
 DEFAULT_REVISION = "38740b847e4cb78f352aba30aa41c76e08e6eb46"
 DEMO = "demo"
 
-# Only what Lily reads: weights, config, tokenizer and chat template (not the vision files).
-DOWNLOAD_PATTERNS = [
-    "*.safetensors",
-    INDEX_FILE,
-    "config.json",
+# The files besides the weights and config.json that Lily reads from a checkpoint (the
+# tokenizer, the chat template, the sampling defaults): load_checkpoint holds them to the same
+# rules as the rest (lily.checkpoint_files) before anything reads them.
+COMPANION_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
     "generation_config.json",
     "special_tokens_map.json",
-]
+)
+# Only what Lily reads: weights, config, tokenizer and chat template (not the vision files).
+DOWNLOAD_PATTERNS = ["*.safetensors", INDEX_FILE, "config.json", *COMPANION_FILES]
 
 LoadLevel = Literal["strict", "family", "auto"]
 # Disk left free after the aligned copy is written.
@@ -250,6 +252,12 @@ def _link_or_copy(source: Path, destination: Path) -> None:
         shutil.copyfile(source, destination)
 
 
+def _check_regular(path: Path) -> None:
+    """Refuses anything but a regular file, without opening it (a FIFO would block)."""
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise CheckpointError(f"{path} is not a regular file")
+
+
 def _copy_regular(source: Path, destination: Path) -> None:
     with open_regular(source) as f, open(destination, "wb") as out:
         shutil.copyfileobj(f, out)
@@ -298,6 +306,9 @@ def load_checkpoint(
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     config = load_config(path, allow_external_links)
+    for name in COMPANION_FILES:
+        if os.path.lexists(path / name):
+            _check_regular(checkpoint_file(path, name, allow_external_links))
     if level == "auto":
         level = "strict" if claims_real_model(config) else "family"
     files = open_safetensors_dir(
