@@ -586,7 +586,7 @@ def test_default_sampling_follows_the_generation_config(tmp_path, generation_con
 )
 def test_a_generation_config_out_of_range_is_refused_at_load(tmp_path, generation_config, match):
     from lily.api import default_sampling
-    from lily.safetensors_mmap import CheckpointError
+    from lily.errors import CheckpointError
 
     (tmp_path / "generation_config.json").write_text(json.dumps(generation_config))
     with pytest.raises(CheckpointError, match=match) as info:

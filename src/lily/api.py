@@ -18,8 +18,8 @@ from lily.chat_template import ChatTemplate
 from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
 from lily.detokenize import IncrementalDecoder
 from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine
+from lily.errors import CheckpointError
 from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
-from lily.safetensors_mmap import CheckpointError
 from lily.sampling import SamplingParams
 from lily.tokenizer import Tokenizer
 
