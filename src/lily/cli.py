@@ -256,6 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
             default_max_tokens=args.max_tokens_default,
             shutdown_grace=args.shutdown_grace,
             log_level=args.log_level,
+            escape_special_tokens=args.escape_special_tokens,
         )
     except APIKeyError as exc:
         print(f"lily serve: error: {exc}", file=sys.stderr)
@@ -557,6 +558,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on SIGINT/SIGTERM, how long the running request may go on before it is stopped "
         f"(default: {DEFAULT_SHUTDOWN_GRACE:g})",
+    )
+    serve.add_argument(
+        "--escape-special-tokens",
+        action="store_true",
+        help="read control tokens such as <|im_end|> written in a request's text as plain "
+        "text, so clients cannot forge chat turns (default: off, as transformers does)",
     )
     serve.add_argument(
         "--log-level",

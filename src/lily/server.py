@@ -45,7 +45,7 @@ from starlette.routing import Route
 
 from lily.api_key import bearer_key_matches, resolve_api_key
 from lily.chat import ChatRequest, parse_request
-from lily.errors import GenerationCancelled, RequestError
+from lily.errors import ChatTemplateLimitError, GenerationCancelled, RequestError
 from lily.http_guard import GuardPolicy, HTTPGuard, bound_host_names
 from lily.model_graph import DEFAULT_MAX_CHUNK
 from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
@@ -139,6 +139,10 @@ def _as_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, RequestError):
         return APIError.from_request_error(exc)
+    if isinstance(exc, ChatTemplateLimitError):
+        # The checkpoint's template, not the request, is at fault: a server error, named.
+        logger.error("chat template over its limits: %s", exc)
+        return APIError(500, str(exc), error_type="server_error", code="chat_template_limit")
     logger.error("request failed", exc_info=exc)
     return _internal_error()
 
@@ -434,7 +438,10 @@ class Server:
         # The facade's checks, run here so that a bad request is refused at once instead of
         # after waiting its turn (the prompt is rendered, sized and tokenized on the worker).
         checked = parse_request(
-            params, served_model=self.model_id, default_sampling=self.llm.default_sampling
+            params,
+            served_model=self.model_id,
+            default_sampling=self.llm.default_sampling,
+            chat_template=self.llm.chat_template,
         )
         job = Job(checked, asyncio.get_running_loop())
         try:
@@ -630,6 +637,7 @@ def serve(
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     log_level: str = "info",
+    escape_special_tokens: bool = False,
 ) -> None:
     """Loads the model and serves it until SIGINT (Ctrl-C) or SIGTERM. Either drains: no new
     connections, waiting requests get 503 `shutting_down`, the running one gets
@@ -648,7 +656,12 @@ def serve(
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
     with load(
-        model, revision=revision, device=device, max_seq=max_seq, prefill_chunk=prefill_chunk
+        model,
+        revision=revision,
+        device=device,
+        max_seq=max_seq,
+        prefill_chunk=prefill_chunk,
+        escape_special_tokens=escape_special_tokens,
     ) as llm:
         app = create_app(
             llm,
