@@ -198,7 +198,9 @@ class Tokenizer:
             # A private copy, so that the flag never changes what `encode` does.
             self._plain_backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
             self._plain_backend.encode_special_tokens = True
-        return self._plain_backend.encode(text, add_special_tokens=False).ids
+        # `encode_batch` for the GIL's sake, as in `_encoding`.
+        encoding = self._plain_backend.encode_batch([text], add_special_tokens=False)[0]
+        return encoding.ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of a whole id sequence (invalid UTF-8 becomes U+FFFD)."""
