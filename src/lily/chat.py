@@ -50,7 +50,12 @@ if TYPE_CHECKING:
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SUPPORTED_TOOL_CHOICES = ("auto", "none")
 # Parameters that may also arrive through `extra_body`, as the openai SDK sends non-OpenAI ones.
-EXTRA_BODY_PARAMETERS = ("top_k", "min_p", "chat_template_kwargs")
+EXTRA_BODY_PARAMETERS = ("top_k", "min_p", "chat_template_kwargs", "reasoning_budget")
+# OpenAI's reasoning efforts: "none" turns thinking off; the model has no finer control, so the
+# others all leave it on (`reasoning_budget` bounds its length).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# What a think block ends with when the reasoning budget runs out (as the template renders it).
+THINK_CLOSE = "\n</think>\n\n"
 
 
 @dataclass
@@ -65,6 +70,8 @@ class ChatRequest:
     sampling: SamplingParams  # including top_logprobs: None, or 0..20 alternatives
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The most tokens generated inside the think block before Lily closes it; None: no limit.
+    reasoning_budget: int | None = None
 
 
 def _require(condition: bool, message: str, param: str) -> None:
@@ -163,6 +170,7 @@ def parse_request(
         "tools",
         "tool_choice",
         "prompt_cache_key",
+        "reasoning_effort",
         *EXTRA_BODY_PARAMETERS,
     }
     unknown = [k for k in params if k not in known]
@@ -229,6 +237,13 @@ def parse_request(
         "chat_template_kwargs must be an object",
         "chat_template_kwargs",
     )
+    template_kwargs = _apply_reasoning_effort(params.get("reasoning_effort"), template_kwargs)
+    budget = params.get("reasoning_budget")
+    _require(
+        budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0),
+        "reasoning_budget must be an integer >= 0",
+        "reasoning_budget",
+    )
     top_k = params.get("top_k")
     _require(
         top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool)),
@@ -262,7 +277,29 @@ def parse_request(
         sampling=sampling,
         tools=[dict(t) for t in tools] if tools else None,
         template_kwargs=dict(template_kwargs),
+        reasoning_budget=budget,
     )
+
+
+def _apply_reasoning_effort(effort: Any, template_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The template arguments with `reasoning_effort` applied: "none" is `enable_thinking=False`;
+    an effort that contradicts an explicit `enable_thinking` is refused."""
+    kwargs = dict(template_kwargs)
+    if effort is None:
+        return kwargs
+    _require(
+        effort in REASONING_EFFORTS,
+        f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
+        "reasoning_effort",
+    )
+    thinking = effort != "none"
+    if kwargs.get("enable_thinking", thinking) != thinking:
+        raise RequestError(
+            f"reasoning_effort={effort!r} contradicts chat_template_kwargs.enable_thinking",
+            param="reasoning_effort",
+        )
+    kwargs["enable_thinking"] = thinking
+    return kwargs
 
 
 @dataclass
@@ -306,14 +343,20 @@ class _TextPipeline:
     def stopped(self) -> bool:
         return self.hit_stop or self._stop.stopped
 
-    def feed(self, token: GeneratedToken) -> _Delta:
+    @property
+    def in_reasoning(self) -> bool:
+        return self._reasoning.in_reasoning
+
+    def feed(self, token: GeneratedToken, *, forced: bool = False) -> _Delta:
+        """One token of the answer; `forced` ones were appended by Lily (the think block's
+        close when the reasoning budget runs out), not generated, and are not reasoning."""
         delta = _Delta()
         if token.logprobs is not None:
             delta.logprobs.append(self._logprob_entry(token))
         if token.id in self._tokenizer.stop_token_ids:
             self.hit_stop = True
             return delta
-        if self._reasoning.in_reasoning:
+        if self._reasoning.in_reasoning and not forced:
             self.reasoning_tokens += 1
         self._route(self._stop.feed(self._decoder.add(token.id)), delta)
         return delta
@@ -416,24 +459,50 @@ class ChatCompletions:
     def _run(
         self, request: ChatRequest, prompt: _Prompt, max_tokens: int
     ) -> Iterator[tuple[_Delta, _TextPipeline, int]]:
-        """Yields (delta, pipeline, tokens generated so far); the last delta is the flush."""
+        """Yields (delta, pipeline, tokens generated so far); the last delta is the flush.
+
+        When the reasoning budget runs out inside the think block, the generation is stopped,
+        the block's closing tokens are appended as if generated, and generation resumes after
+        them (the engine refeeds what this reply holds so far, from the conversation's
+        snapshot), so the answer follows."""
         pipeline = _TextPipeline(self._llm, request, prompt.thinking)
-        tokens = self._llm.engine.generate(
-            prompt.tokens,
-            max_tokens,
-            self._llm.tokenizer.stop_token_ids,
-            request.sampling,
-            snapshot_at=prompt.snapshot_at,
-        )
+        budget = request.reasoning_budget if prompt.thinking else None
+
+        def over_budget() -> bool:
+            return (
+                budget is not None
+                and pipeline.in_reasoning
+                and pipeline.reasoning_tokens >= budget
+            )
+
+        fed = list(prompt.tokens)
         produced = 0
-        try:
-            for token in tokens:
-                produced += 1
-                yield pipeline.feed(token), pipeline, produced
-                if pipeline.stopped:
-                    break
-        finally:
-            tokens.close()
+        while produced < max_tokens and not pipeline.stopped:
+            if over_budget():
+                budget = None  # closed once: what follows is the answer
+                for token_id in self._llm.tokenizer.encode(THINK_CLOSE)[: max_tokens - produced]:
+                    produced += 1
+                    fed.append(token_id)
+                    yield pipeline.feed(GeneratedToken(token_id), forced=True), pipeline, produced
+                continue
+            tokens = self._llm.engine.generate(
+                fed,
+                max_tokens - produced,
+                self._llm.tokenizer.stop_token_ids,
+                request.sampling,
+                snapshot_at=prompt.snapshot_at,
+            )
+            try:
+                for token in tokens:
+                    produced += 1
+                    fed.append(token.id)
+                    yield pipeline.feed(token), pipeline, produced
+                    if pipeline.stopped or over_budget():
+                        break
+                else:
+                    break  # the engine ended: max_tokens reached or a stop token
+            finally:
+                tokens.close()
         yield pipeline.finish(), pipeline, produced
 
     @staticmethod
