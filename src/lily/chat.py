@@ -240,7 +240,7 @@ def parse_request(
     template_kwargs = _apply_reasoning_effort(params.get("reasoning_effort"), template_kwargs)
     budget = params.get("reasoning_budget")
     _require(
-        budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0),
+        budget is None or (type(budget) is int and budget >= 0),
         "reasoning_budget must be an integer >= 0",
         "reasoning_budget",
     )
@@ -470,9 +470,7 @@ class ChatCompletions:
 
         def over_budget() -> bool:
             return (
-                budget is not None
-                and pipeline.in_reasoning
-                and pipeline.reasoning_tokens >= budget
+                budget is not None and pipeline.in_reasoning and pipeline.reasoning_tokens >= budget
             )
 
         fed = list(prompt.tokens)
