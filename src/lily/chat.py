@@ -12,6 +12,7 @@ SDK's objects.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -302,6 +303,25 @@ def _apply_reasoning_effort(effort: Any, template_kwargs: Mapping[str, Any]) -> 
     return kwargs
 
 
+@dataclass(frozen=True)
+class GenerationStats:
+    """How one chat completion went: token counts and timing (what the server logs)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    first_token_s: float | None  # from the start of the generation; None: no token
+    total_s: float
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first over the time after the first (None below two tokens)."""
+        if self.first_token_s is None or self.generated_tokens < 2:
+            return None
+        span = self.total_s - self.first_token_s
+        return (self.generated_tokens - 1) / span if span > 0 else None
+
+
 @dataclass
 class _Prompt:
     tokens: list[int]
@@ -403,11 +423,15 @@ class _TextPipeline:
 class ChatCompletions:
     def __init__(self, llm: Lily) -> None:
         self._llm = llm
+        # The stats of the last completion once its generation has ended (None before, and
+        # while one runs).
+        self.last_stats: GenerationStats | None = None
 
     def create(self, **params: Any) -> ChatCompletion | Iterator[ChatCompletionChunk]:
         """OpenAI's `chat.completions.create`. Returns a ChatCompletion, or with `stream=True`
         an iterator of ChatCompletionChunk (closing it stops the generation)."""
         llm = self._llm
+        self.last_stats = None
         request = parse_request(
             params, served_model=llm.model_id, default_sampling=llm.default_sampling
         )
@@ -460,48 +484,74 @@ class ChatCompletions:
         self, request: ChatRequest, prompt: _Prompt, max_tokens: int
     ) -> Iterator[tuple[_Delta, _TextPipeline, int]]:
         """Yields (delta, pipeline, tokens generated so far); the last delta is the flush.
-
-        When the reasoning budget runs out inside the think block, the generation is stopped,
-        the block's closing tokens are appended as if generated, and generation resumes after
-        them (the engine refeeds what this reply holds so far, from the conversation's
-        snapshot), so the answer follows."""
+        Sets `last_stats` when the generation ends (or is closed)."""
         pipeline = _TextPipeline(self._llm, request, prompt.thinking)
+        tokens = self._tokens(request, prompt, max_tokens, pipeline)
+        started, first_token_s, produced = time.perf_counter(), None, 0
+        try:
+            for token, forced in tokens:
+                if first_token_s is None:
+                    first_token_s = time.perf_counter() - started
+                produced += 1
+                yield pipeline.feed(token, forced=forced), pipeline, produced
+                if pipeline.stopped:
+                    break
+        finally:
+            tokens.close()
+            self.last_stats = GenerationStats(
+                prompt_tokens=len(prompt.tokens),
+                cached_tokens=prompt.cached,
+                generated_tokens=produced,
+                first_token_s=first_token_s,
+                total_s=time.perf_counter() - started,
+            )
+        yield pipeline.finish(), pipeline, produced
+
+    def _tokens(
+        self, request: ChatRequest, prompt: _Prompt, max_tokens: int, pipeline: _TextPipeline
+    ) -> Iterator[tuple[GeneratedToken, bool]]:
+        """The reply's tokens, each with whether Lily appended it rather than the model; the
+        caller feeds each to `pipeline` before asking for the next.
+
+        When the reasoning budget runs out inside the think block, the generation is closed,
+        the block's closing tokens are appended, and generation resumes after them (the engine
+        refeeds the reply so far from the conversation's snapshot, as one batched prefill), so
+        the answer follows."""
         budget = request.reasoning_budget if prompt.thinking else None
+        fed = list(prompt.tokens)
+
+        def room() -> int:
+            return max_tokens - (len(fed) - len(prompt.tokens))
 
         def over_budget() -> bool:
             return (
                 budget is not None and pipeline.in_reasoning and pipeline.reasoning_tokens >= budget
             )
 
-        fed = list(prompt.tokens)
-        produced = 0
-        while produced < max_tokens and not pipeline.stopped:
+        while room() > 0:
             if over_budget():
                 budget = None  # closed once: what follows is the answer
-                for token_id in self._llm.tokenizer.encode(THINK_CLOSE)[: max_tokens - produced]:
-                    produced += 1
+                for token_id in self._llm.tokenizer.encode(THINK_CLOSE)[: room()]:
                     fed.append(token_id)
-                    yield pipeline.feed(GeneratedToken(token_id), forced=True), pipeline, produced
+                    yield GeneratedToken(token_id), True
                 continue
             tokens = self._llm.engine.generate(
                 fed,
-                max_tokens - produced,
+                room(),
                 self._llm.tokenizer.stop_token_ids,
                 request.sampling,
                 snapshot_at=prompt.snapshot_at,
             )
             try:
                 for token in tokens:
-                    produced += 1
                     fed.append(token.id)
-                    yield pipeline.feed(token), pipeline, produced
-                    if pipeline.stopped or over_budget():
+                    yield token, False
+                    if over_budget():
                         break
                 else:
-                    break  # the engine ended: max_tokens reached or a stop token
+                    return  # the engine ended: out of tokens, or a stop token
             finally:
                 tokens.close()
-        yield pipeline.finish(), pipeline, produced
 
     @staticmethod
     def _finish_reason(pipeline: _TextPipeline) -> str:

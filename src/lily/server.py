@@ -32,13 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lily.chat import parse_request
+from lily.chat import GenerationStats, parse_request
 from lily.errors import RequestError
 from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
+from lily.request_log import RequestLog
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -192,6 +194,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # Set when the client has gone: a queued job is skipped, a running stream is closed.
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set by the worker once the generation has ended, before its last event (the request log).
+    stats: GenerationStats | None = None
 
     def emit(self, event: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop has shut down
@@ -270,6 +274,7 @@ class EngineWorker:
         try:
             result = self.llm.chat.completions.create(**job.params)
             if not job.params.get("stream"):
+                job.stats = self.llm.chat.completions.last_stats
                 job.emit(result)
                 return
             try:
@@ -280,6 +285,7 @@ class EngineWorker:
             finally:
                 # Stops the generation within one token and releases the engine.
                 result.close()
+            job.stats = self.llm.chat.completions.last_stats
             job.emit(_DONE)
         except Exception as exc:  # the request fails; the worker and the engine go on
             job.emit(exc)
@@ -370,6 +376,7 @@ class Server:
             params, served_model=self.model_id, default_sampling=self.llm.default_sampling
         )
         job = Job(params, asyncio.get_running_loop())
+        request.state.generation = job  # its stats go into the request's log line
         try:
             self.worker.submit(job)
         except QueueFullError as exc:
@@ -501,7 +508,10 @@ def create_app(
         Route("/openapi.json", _guarded(server.openapi), methods=["GET"]),
     ]
     app = Starlette(
-        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error},
+        middleware=[Middleware(RequestLog)],
     )
     app.state.server = server
     return app
@@ -535,4 +545,12 @@ def serve(
         logger.info("serving %s on %s at http://%s:%d/v1", llm.model_id, llm.device, host, port)
         # On Ctrl-C, streams still running get a few seconds, then are cancelled (which stops
         # their generation) instead of holding the shutdown until they finish.
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+        # The request log (lily.request_log) replaces uvicorn's access log.
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=3,
+        )
