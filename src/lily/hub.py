@@ -24,8 +24,10 @@ def hub_endpoint() -> str:
 def hub_reachable(timeout: float = PROBE_TIMEOUT_SECONDS) -> bool:
     """True when the Hub's endpoint answers at all (any HTTP status counts as an answer)."""
     request = urllib.request.Request(hub_endpoint(), method="HEAD")
+    # A fresh opener reads the proxy variables now (`urlopen` caches the first ones it saw).
+    opener = urllib.request.build_opener()
     try:
-        with urllib.request.urlopen(request, timeout=timeout):
+        with opener.open(request, timeout=timeout):
             return True
     except urllib.error.HTTPError:
         return True
