@@ -102,3 +102,9 @@ def test_the_readme_python_examples_run_and_print_an_answer() -> None:
 def test_the_python_api_page_examples_run_as_written() -> None:
     done = run_python("\n".join(python_blocks(ROOT / "docs" / "python-api.md")))
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="a Mac build may have a metal device")
+def test_metal_where_there_is_none_is_a_clear_error_before_loading() -> None:
+    with pytest.raises(ValueError, match="metal device is not available here.*'sim'"):
+        lily.load("demo", device="metal")
