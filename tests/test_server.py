@@ -467,7 +467,11 @@ def test_bodies_over_the_limit_get_413(server: RunningServer) -> None:
         for _ in range(100):
             yield b" " * 1024
 
-    response = httpx.post(f"{server.url}/v1/chat/completions", content=chunks())
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == 413
 
 

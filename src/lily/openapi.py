@@ -235,6 +235,7 @@ def openapi_document() -> dict[str, Any]:
         "401": _error_response("Missing or wrong API key (only with --api-key)"),
         "404": _error_response("Unknown model"),
         "413": _error_response("Body over the size limit"),
+        "415": _error_response("Content-Type is not application/json"),
         "422": _error_response("A field has the wrong type or is out of range"),
         "503": _error_response("Queue full; retry after Retry-After seconds"),
     }
