@@ -140,7 +140,7 @@ def test_bad_reasoning_controls_are_refused_by_name(
 
 
 def test_the_server_takes_both_controls(demo: Lily) -> None:
-    with TestClient(create_app(demo)) as client:
+    with TestClient(create_app(demo), base_url="http://localhost") as client:
         budgeted = client.post(
             "/v1/chat/completions",
             json={"messages": USER, "max_tokens": 9, "reasoning_budget": 3, **GREEDY},

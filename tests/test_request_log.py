@@ -28,7 +28,7 @@ def demo() -> Iterator[Lily]:
 
 @pytest.fixture
 def client(demo: Lily) -> Iterator[TestClient]:
-    with TestClient(create_app(demo)) as client:
+    with TestClient(create_app(demo), base_url="http://localhost") as client:
         yield client
 
 
@@ -49,6 +49,9 @@ def test_every_response_carries_a_request_id_and_echoes_the_clients(client: Test
     assert re.fullmatch(r"[0-9a-f]{32}", missing.headers["x-request-id"])
     too_long = client.get("/health", headers={"x-request-id": "x" * 129})
     assert too_long.headers["x-request-id"] != "x" * 129
+    # Also when the security guard refuses the request before any route sees it.
+    foreign = client.get("/health", headers={"host": "rebound.example", "x-request-id": "r-7"})
+    assert foreign.status_code == 400 and foreign.headers["x-request-id"] == "r-7"
 
 
 def test_one_log_line_per_chat_completion(
