@@ -39,10 +39,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lily.api_key import bearer_key_matches, resolve_api_key
-from lily.chat import parse_request
+from lily.chat import GenerationStats, parse_request
 from lily.errors import ChatTemplateLimitError, RequestError
 from lily.http_guard import GuardPolicy, HTTPGuard, bound_host_names
 from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
+from lily.request_log import RequestLog
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -200,6 +201,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # Set when the client has gone: a queued job is skipped, a running stream is closed.
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set by the worker once the generation has ended, before its last event (the request log).
+    stats: GenerationStats | None = None
 
     def emit(self, event: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop has shut down
@@ -278,6 +281,7 @@ class EngineWorker:
         try:
             result = self.llm.chat.completions.create(**job.params)
             if not job.params.get("stream"):
+                job.stats = self.llm.chat.completions.last_stats
                 job.emit(result)
                 return
             try:
@@ -288,6 +292,7 @@ class EngineWorker:
             finally:
                 # Stops the generation within one token and releases the engine.
                 result.close()
+            job.stats = self.llm.chat.completions.last_stats
             job.emit(_DONE)
         except Exception as exc:  # the request fails; the worker and the engine go on
             job.emit(exc)
@@ -380,6 +385,7 @@ class Server:
             chat_template=self.llm.chat_template,
         )
         job = Job(params, asyncio.get_running_loop())
+        request.state.generation = job  # its stats go into the request's log line
         try:
             self.worker.submit(job)
         except QueueFullError as exc:
@@ -520,7 +526,8 @@ def create_app(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
-        middleware=[Middleware(HTTPGuard, policy=guard)],
+        # The request log outermost: refused requests are logged and carry an id too.
+        middleware=[Middleware(RequestLog), Middleware(HTTPGuard, policy=guard)],
     )
     app.state.server = server
     return app
@@ -574,6 +581,14 @@ def serve(
             cors_origins=cors_origins,
         )
         logger.info("serving %s on %s at http://%s:%d/v1", llm.model_id, llm.device, host, port)
-        # On Ctrl-C, streams still running get a few seconds, then are cancelled (which stops
-        # their generation) instead of holding the shutdown until they finish.
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+        # The request log (lily.request_log) replaces uvicorn's access log. On Ctrl-C, streams
+        # still running get a few seconds, then are cancelled (which stops their generation)
+        # instead of holding the shutdown until they finish.
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=3,
+        )
