@@ -259,6 +259,7 @@ def recorded_downloads(monkeypatch, tmp_path):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("lily.hub.hub_reachable", lambda: True)  # CI has no network
     return calls
 
 
@@ -289,6 +290,23 @@ def test_offline_and_not_cached(monkeypatch, tmp_path):
         CheckpointError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE"
     ):
         resolve_model("someone/not-cached")
+
+
+def test_unreachable_hub_uses_the_cache_only(recorded_downloads, monkeypatch):
+    monkeypatch.setattr("lily.hub.hub_reachable", lambda: False)
+    resolve_model("someone/some-model")
+    [(_, kwargs)] = recorded_downloads
+    assert kwargs["local_files_only"] is True
+
+
+def test_unreachable_hub_and_not_cached_says_how_to_download(monkeypatch, tmp_path):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("lily.hub.hub_reachable", lambda: False)
+    with pytest.raises(CheckpointError, match="cannot be reached") as raised:
+        resolve_model("someone/not-cached", revision="v2")
+    assert "hf download someone/not-cached --revision v2" in str(raised.value)
+    assert "local checkpoint directory" in str(raised.value)
 
 
 @pytest.mark.parametrize("bad", ["./no/such/dir", "/no/such/dir", "a/b/c", "plainname"])

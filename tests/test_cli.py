@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -77,6 +78,92 @@ def test_command_help_names_its_options(
         assert option in out
 
 
+def test_every_option_shows_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("chat", "generate", "serve", "bench", "doctor"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())  # unwrapped
+        for shown in {
+            "chat": ["(default: 1024)", "(default: auto)", "(default: 512)", "(default: 32768",
+                     "(default: no limit)", "(default: random)"],
+            "generate": ["(default: 32)"],
+            "serve": ["(default: 8000)", "(default: 64)", "(default: info)"],
+            "bench": ["(default: [256])"],
+            "doctor": ["(default: 10)", "(default: auto)"],
+        }[command]:  # fmt: skip
+            assert shown in out, (command, shown)
+
+
+def test_version() -> None:
+    done = run_lily("--version")
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"lily {lily.__version__}"
+
+
+def _without_network(home: Path) -> dict[str, str]:
+    """The environment of a machine with no network and an empty Hugging Face cache: every
+    proxy variable points at a closed local port."""
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env.pop("HF_HUB_OFFLINE", None)
+    closed = f"http://127.0.0.1:{_free_port()}"
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy"):
+        env[name] = closed
+    env["HF_HOME"] = str(home)
+    return env
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "message"),
+    [
+        (["generate", "hi", "--max-tokens", "-3"], 2, "--max-tokens: must be at least 1, got -3"),
+        (["chat", "--max-seq", "0"], 2, "--max-seq: must be at least 1, got 0"),
+        (["chat", "--temperature", "5"], 2, "--temperature: must be between 0 and 2"),
+        (["chat", "--reasoning-budget", "-1"], 2, "--reasoning-budget: must be at least 0"),
+        (["bench", "--context", "0"], 2, "--context: must be at least 1"),
+        (["serve", "--port", "70000"], 2, "--port: must be a TCP port"),
+        (["generate", "hi", "--model", "demo", "--max-seq", "10000000"], 1,
+         "max_seq must be between 1 and"),
+        (["generate", "hi", "--model", "no/such-dir/"], 1, "neither an existing directory"),
+    ],
+)  # fmt: skip
+def test_user_errors_are_one_line_and_a_status(argv: list[str], status: int, message: str) -> None:
+    done = run_lily(*argv, input="Hello\n")
+    assert done.returncode == status
+    assert message in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stdout == ""  # nothing ran: e.g. chat's temperature is refused before a message
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="a Mac build may have a metal device")
+def test_metal_off_a_mac_is_one_clear_line() -> None:
+    done = run_lily("generate", "hi", "--model", "demo", "--device", "metal")
+    assert done.returncode == 1
+    assert "metal device is not available here" in done.stderr and "sim" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_default_model_without_network_fails_fast_saying_how_to_get_it(tmp_path: Path) -> None:
+    started = time.monotonic()
+    done = run_lily("generate", "hi", env=_without_network(tmp_path))
+    elapsed = time.monotonic() - started
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert "cannot be reached" in line
+    assert f"hf download {DEFAULT_REPO} --revision {DEFAULT_REVISION}" in line
+    assert "--model DIR" in line and "--model demo" in line
+    # The Hub client alone retries for ~25 s; the probe fails at once on a closed port (the
+    # bound is loose for a loaded machine).
+    assert elapsed < 20
+
+
+def test_default_model_with_hf_hub_offline_says_how_to_get_it(tmp_path: Path) -> None:
+    env = {**_without_network(tmp_path), "HF_HUB_OFFLINE": "1"}
+    done = run_lily("chat", env=env)
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert "HF_HUB_OFFLINE is set" in line and "hf download" in line
+
+
 def test_serve_arguments_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[tuple, dict]] = []
     monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append((a, k)))
@@ -134,7 +221,11 @@ def test_bench_measures_one_prefill_and_64_decode_steps(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["bench", "--model", "demo", "--device", "sim", "--context", "3", "--json"]) == 0
-    arm = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    arm = json.loads(captured.out)
+    # Progress on stderr, each stage before it runs; stdout is the result alone.
+    stages = [line for line in captured.err.splitlines() if line.startswith("[bench")]
+    assert [s.split(": ")[1].split()[0] for s in stages] == ["loading", "warm-up", "measuring"]
     assert arm["device"] == "sim" and arm["context"] == 3
     assert arm["decode_steps"] == BENCH_DECODE_STEPS == 64
     assert arm["prefill_tok_s"] == pytest.approx(3 / arm["prefill_s"])
@@ -216,14 +307,16 @@ class InterruptingOutput(io.StringIO):
 
 def test_chat_keeps_history_and_resets(demo: Lily) -> None:
     out = io.StringIO()
-    session = ChatSession(demo, out, system="Be brief.", request=GREEDY)
+    # One token of thinking, the think block's 3 closing tokens, then 2 of answer.
+    request = {"temperature": 0, "max_tokens": 6, "reasoning_budget": 1}
+    session = ChatSession(demo, out, system="Be brief.", request=request)
     assert session.handle("Hi")
     assert [m["role"] for m in session.history] == ["system", "user", "assistant"]
     want = demo.chat.completions.create(
         messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-        **GREEDY,
+        **request,
     )
-    assert session.history[-1]["content"] == (want.choices[0].message.content or "")
+    assert session.history[-1]["content"] == want.choices[0].message.content != ""
     assert "[thinking]" in out.getvalue()  # the demo's template thinks by default
     assert session.handle("And then?")
     assert len(session.history) == 5
@@ -250,13 +343,51 @@ def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(demo: Lily) -> None:
         session.handle("Tell me a long story")
         assert "[stopped]" in out.getvalue()
         assert len(produced) < 10, "the generation went on after Ctrl-C"
-        assert session.history[-1]["role"] == "assistant"
+        # Stopped while thinking: no empty assistant turn, and the unanswered message is gone.
+        assert session.history == []
         produced.clear()
-        session.request = GREEDY
+        session.request = {**GREEDY, "reasoning_effort": "none"}
         session.handle("Shorter")
-        assert len(produced) == 3 and len(session.history) == 4
+        assert len(produced) == 3
+        assert [m["role"] for m in session.history] == ["user", "assistant"]
+        assert session.history[-1]["content"]
     finally:
         del demo.engine.generate
+
+
+def test_a_reply_that_ends_while_thinking_is_not_kept(demo: Lily) -> None:
+    out = io.StringIO()
+    session = ChatSession(demo, out, request={"temperature": 0, "max_tokens": 2})
+    session.handle("Hi")
+    assert "[thinking]" in out.getvalue() and "[answer]" not in out.getvalue()
+    assert session.history == []
+    assert "not kept" in out.getvalue()
+
+
+def test_chat_slash_words_are_commands_not_messages(demo: Lily) -> None:
+    out = io.StringIO()
+    session = ChatSession(demo, out, request={**GREEDY, "reasoning_effort": "none"})
+    assert session.handle("/foo")
+    assert session.history == []
+    assert "unknown command /foo" in out.getvalue() and "/reset" in out.getvalue()
+    session.handle("/usr/bin is a directory?")  # a path, not a command: sent as a message
+    assert session.history[0] == {"role": "user", "content": "/usr/bin is a directory?"}
+
+
+def test_chat_shows_generated_tokens_over_the_reply_time(demo: Lily) -> None:
+    out = io.StringIO()
+    session = ChatSession(
+        demo, out, request={**GREEDY, "max_tokens": 4, "reasoning_effort": "none"}
+    )
+    session.handle("Hi")
+    stats = re.search(
+        r"\+ (\d+) generated tokens in ([\d.]+) s: ([\d.]+) generated tokens/s", out.getvalue()
+    )
+    assert stats, out.getvalue()
+    generated, seconds, rate = int(stats[1]), float(stats[2]), float(stats[3])
+    assert generated == 4
+    # Not (prompt + generated) / time: the prompt is longer than the 4 generated tokens.
+    assert rate == pytest.approx(generated / seconds, rel=0.05)
 
 
 def test_chat_reads_stdin_until_its_end() -> None:

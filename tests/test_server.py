@@ -220,9 +220,9 @@ def test_streaming_client_gets_the_facade_answer(server: RunningServer, facade: 
 
 def test_raw_stream_is_server_sent_events_ending_in_done(server: RunningServer) -> None:
     body = {"messages": user("Hi"), "max_tokens": 2, "stream": True, **GREEDY}
-    with httpx.stream(
-        "POST", f"{server.url}/v1/chat/completions", json=body, timeout=60
-    ) as response:
+    # A generous read timeout: the first token comes after the prefill, slow on a loaded machine.
+    url = f"{server.url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.iter_lines() if line]
@@ -361,7 +361,9 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event(
     """The status line is sent with the first chunk, so a later failure is reported in-band."""
     counting.fail_next = True
     body = {"model": MODEL, "messages": user("Hi"), "max_tokens": 2, "stream": True, **GREEDY}
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+    # A generous read timeout: the first token comes after the prefill, slow on a loaded machine.
+    url = f"{server.url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
         assert response.status_code == 200
         events = [line for line in response.iter_lines() if line]
     assert "data: [DONE]" not in events

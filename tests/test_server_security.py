@@ -22,7 +22,7 @@ import lily
 from lily.api import Lily
 from lily.api_key import APIKeyError, resolve_api_key
 from lily.cli import main
-from lily.http_guard import GuardPolicy
+from lily.http_guard import GuardPolicy, HTTPGuard
 from lily.server import create_app, serve
 
 MAX_SEQ = 48
@@ -256,7 +256,7 @@ def test_serve_wires_the_key_and_the_bound_host(
     assert from_env.state.server.api_key == "from-env"
 
     def policy(app: Any) -> GuardPolicy:
-        (guard,) = app.user_middleware
+        (guard,) = [m for m in app.user_middleware if m.cls is HTTPGuard]
         return guard.kwargs["policy"]
 
     assert policy(from_file).host_allowed("mybox.lan:8000")

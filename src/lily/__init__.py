@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+# Light (no numpy, no native module), and callers catch its classes before anything is loaded.
+from lily import errors
+
 if TYPE_CHECKING:
     from lily.api import Lily, load
 
 __version__ = "0.1.0"
-__all__ = ["Lily", "load", "__version__"]
+__all__ = ["Lily", "errors", "load", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

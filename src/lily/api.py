@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from lily.chat import Chat
@@ -18,9 +18,10 @@ from lily.chat_template import ChatTemplate
 from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
 from lily.detokenize import IncrementalDecoder
 from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine
-from lily.errors import CheckpointError
+from lily.errors import CheckpointError, RequestError
 from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
 from lily.sampling import SamplingParams
+from lily.stop import StopStringMatcher
 from lily.tokenizer import Tokenizer
 
 DEVICES = ("auto", "sim", "metal", "reference")
@@ -43,6 +44,12 @@ def resolve_device(device: str) -> str:
     """`auto` is metal where this build and the GPU support it, else the sim (which says so)."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
+    if device == "metal" and not _metal_supported():
+        raise ValueError(
+            "the metal device is not available here: it needs a macOS build of Lily on a "
+            "supported Apple silicon GPU (`lily info` says which); use device 'sim' (the kernels "
+            "on the CPU) or 'auto'"
+        )
     if device != "auto":
         return device
     if _metal_supported():
@@ -138,22 +145,79 @@ class Lily:
     def max_seq(self) -> int:
         return self.engine.max_seq
 
-    def stream(self, prompt: str, *, max_tokens: int = 256) -> Iterator[str]:
-        """Raw completion of `prompt` (no chat template), greedy, yielded as text pieces that
-        never split a UTF-8 character."""
-        prompt_ids = self.tokenizer.encode(prompt)
+    def stream(
+        self,
+        prompt: str,
+        max_tokens: int = 256,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Iterator[str]:
+        """Raw completion of `prompt` (no chat template), yielded as text pieces that never
+        split a UTF-8 character. Greedy unless `temperature` > 0; `seed` makes sampling
+        reproducible; generation ends before the first of the `stop` strings (not yielded).
+        Bad arguments raise `lily.errors.RequestError` here, before anything runs."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise RequestError(
+                f"max_tokens must be an integer >= 1, got {max_tokens!r}", param="max_tokens"
+            )
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        if not all(isinstance(s, str) and s for s in stops):
+            raise RequestError("stop must be a non-empty string or a list of them", param="stop")
+        sampling = SamplingParams(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
+        )
+        return self._stream(self.tokenizer.encode(prompt), max_tokens, sampling, stops)
+
+    def _stream(
+        self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stops: list[str]
+    ) -> Iterator[str]:
         decoder = IncrementalDecoder(self.tokenizer)
+        matcher = StopStringMatcher(stops)
         self.last_token_counts = (len(prompt_ids), 0)
-        for token in self.engine.generate(prompt_ids, max_tokens, self.tokenizer.stop_token_ids):
-            self.last_token_counts = (len(prompt_ids), self.last_token_counts[1] + 1)
-            if piece := decoder.add(token.id):
-                yield piece
-        if tail := decoder.flush():
+        tokens = self.engine.generate(
+            prompt_ids, max_tokens, self.tokenizer.stop_token_ids, sampling
+        )
+        try:
+            for token in tokens:
+                self.last_token_counts = (len(prompt_ids), self.last_token_counts[1] + 1)
+                if piece := matcher.feed(decoder.add(token.id)):
+                    yield piece
+                if matcher.stopped:
+                    return
+        finally:
+            tokens.close()
+        if tail := matcher.feed(decoder.flush()) + matcher.flush():
             yield tail
 
-    def generate(self, prompt: str, *, max_tokens: int = 256) -> str:
-        """Raw completion of `prompt` as one string."""
-        return "".join(self.stream(prompt, max_tokens=max_tokens))
+    def generate(
+        self,
+        prompt: str,
+        max_tokens: int = 256,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> str:
+        """Raw completion of `prompt` as one string; the parameters are `stream`'s."""
+        pieces = self.stream(
+            prompt,
+            max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            seed=seed,
+            stop=stop,
+        )
+        return "".join(pieces)
 
     def close(self) -> None:
         if self._engine is not None:
@@ -167,7 +231,7 @@ class Lily:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Lily(model={str(self.model_dir)!r}, device={self.device!r})"
+        return f"Lily(model={self.model_id!r}, device={self.device!r})"
 
 
 def load(

@@ -12,6 +12,7 @@ SDK's objects.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,7 +59,12 @@ if TYPE_CHECKING:
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SUPPORTED_TOOL_CHOICES = ("auto", "none")
 # Parameters that may also arrive through `extra_body`, as the openai SDK sends non-OpenAI ones.
-EXTRA_BODY_PARAMETERS = ("top_k", "min_p", "chat_template_kwargs")
+EXTRA_BODY_PARAMETERS = ("top_k", "min_p", "chat_template_kwargs", "reasoning_budget")
+# OpenAI's reasoning efforts: "none" turns thinking off; the model has no finer control, so the
+# others all leave it on (`reasoning_budget` bounds its length).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# What a think block ends with when the reasoning budget runs out (as the template renders it).
+THINK_CLOSE = "\n</think>\n\n"
 
 
 @dataclass
@@ -73,6 +79,8 @@ class ChatRequest:
     sampling: SamplingParams  # including top_logprobs: None, or 0..20 alternatives
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The most tokens generated inside the think block before Lily closes it; None: no limit.
+    reasoning_budget: int | None = None
 
 
 def _require(condition: bool, message: str, param: str) -> None:
@@ -179,6 +187,7 @@ def parse_request(
         "tools",
         "tool_choice",
         "prompt_cache_key",
+        "reasoning_effort",
         *EXTRA_BODY_PARAMETERS,
     }
     unknown = [k for k in params if k not in known]
@@ -254,6 +263,13 @@ def parse_request(
         "chat_template_kwargs",
     )
     check_template_kwargs(template_kwargs, chat_template)
+    template_kwargs = _apply_reasoning_effort(params.get("reasoning_effort"), template_kwargs)
+    budget = params.get("reasoning_budget")
+    _require(
+        budget is None or (type(budget) is int and budget >= 0),
+        "reasoning_budget must be an integer >= 0",
+        "reasoning_budget",
+    )
     top_k = params.get("top_k")
     _require(
         top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool)),
@@ -287,7 +303,48 @@ def parse_request(
         sampling=sampling,
         tools=[dict(t) for t in tools] if tools else None,
         template_kwargs=dict(template_kwargs),
+        reasoning_budget=budget,
     )
+
+
+def _apply_reasoning_effort(effort: Any, template_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The template arguments with `reasoning_effort` applied: "none" is `enable_thinking=False`;
+    an effort that contradicts an explicit `enable_thinking` is refused."""
+    kwargs = dict(template_kwargs)
+    if effort is None:
+        return kwargs
+    _require(
+        effort in REASONING_EFFORTS,
+        f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
+        "reasoning_effort",
+    )
+    thinking = effort != "none"
+    if kwargs.get("enable_thinking", thinking) != thinking:
+        raise RequestError(
+            f"reasoning_effort={effort!r} contradicts chat_template_kwargs.enable_thinking",
+            param="reasoning_effort",
+        )
+    kwargs["enable_thinking"] = thinking
+    return kwargs
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """How one chat completion went: token counts and timing (what the server logs)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    first_token_s: float | None  # from the start of the generation; None: no token
+    total_s: float
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first over the time after the first (None below two tokens)."""
+        if self.first_token_s is None or self.generated_tokens < 2:
+            return None
+        span = self.total_s - self.first_token_s
+        return (self.generated_tokens - 1) / span if span > 0 else None
 
 
 @dataclass
@@ -331,14 +388,20 @@ class _TextPipeline:
     def stopped(self) -> bool:
         return self.hit_stop or self._stop.stopped
 
-    def feed(self, token: GeneratedToken) -> _Delta:
+    @property
+    def in_reasoning(self) -> bool:
+        return self._reasoning.in_reasoning
+
+    def feed(self, token: GeneratedToken, *, forced: bool = False) -> _Delta:
+        """One token of the answer; `forced` ones were appended by Lily (the think block's
+        close when the reasoning budget runs out), not generated, and are not reasoning."""
         delta = _Delta()
         if token.logprobs is not None:
             delta.logprobs.append(self._logprob_entry(token))
         if token.id in self._tokenizer.stop_token_ids:
             self.hit_stop = True
             return delta
-        if self._reasoning.in_reasoning:
+        if self._reasoning.in_reasoning and not forced:
             self.reasoning_tokens += 1
         self._route(self._stop.feed(self._decoder.add(token.id)), delta)
         return delta
@@ -385,6 +448,9 @@ class _TextPipeline:
 class ChatCompletions:
     def __init__(self, llm: Lily) -> None:
         self._llm = llm
+        # The stats of the last completion once its generation has ended (None before, and
+        # while one runs).
+        self.last_stats: GenerationStats | None = None
 
     def create(self, **params: Any) -> ChatCompletion | Iterator[ChatCompletionChunk]:
         """OpenAI's `chat.completions.create`. Returns a ChatCompletion, or with `stream=True`
@@ -412,6 +478,7 @@ class ChatCompletions:
         returns True the generation stops and GenerationCancelled is raised (by this call, or
         by the stream's iteration)."""
         llm = self._llm
+        self.last_stats = None
         prompt = self._prompt(request)
         room = llm.max_seq - len(prompt.tokens)
         if room < 1 or (request.max_tokens is not None and request.max_tokens > room):
@@ -493,26 +560,81 @@ class ChatCompletions:
         max_tokens: int,
         should_stop: Callable[[], bool] | None,
     ) -> Iterator[tuple[_Delta, _TextPipeline, int]]:
-        """Yields (delta, pipeline, tokens generated so far); the last delta is the flush."""
+        """Yields (delta, pipeline, tokens generated so far); the last delta is the flush.
+        Sets `last_stats` when the generation ends (or is closed)."""
         pipeline = _TextPipeline(self._llm, request, prompt.thinking)
-        tokens = self._llm.engine.generate(
-            prompt.tokens,
-            max_tokens,
-            self._llm.tokenizer.stop_token_ids,
-            request.sampling,
-            snapshot_at=prompt.snapshot_at,
-            should_stop=should_stop,
-        )
-        produced = 0
+        tokens = self._tokens(request, prompt, max_tokens, pipeline, should_stop)
+        started, first_token_s, produced = time.perf_counter(), None, 0
         try:
-            for token in tokens:
+            for token, forced in tokens:
+                if first_token_s is None:
+                    first_token_s = time.perf_counter() - started
                 produced += 1
-                yield pipeline.feed(token), pipeline, produced
+                yield pipeline.feed(token, forced=forced), pipeline, produced
                 if pipeline.stopped:
                     break
         finally:
             tokens.close()
+            self.last_stats = GenerationStats(
+                prompt_tokens=len(prompt.tokens),
+                cached_tokens=prompt.cached,
+                generated_tokens=produced,
+                first_token_s=first_token_s,
+                total_s=time.perf_counter() - started,
+            )
         yield pipeline.finish(), pipeline, produced
+
+    def _tokens(
+        self,
+        request: ChatRequest,
+        prompt: _Prompt,
+        max_tokens: int,
+        pipeline: _TextPipeline,
+        should_stop: Callable[[], bool] | None,
+    ) -> Iterator[tuple[GeneratedToken, bool]]:
+        """The reply's tokens, each with whether Lily appended it rather than the model; the
+        caller feeds each to `pipeline` before asking for the next.
+
+        When the reasoning budget runs out inside the think block, the generation is closed,
+        the block's closing tokens are appended, and generation resumes after them (the engine
+        refeeds the reply so far from the conversation's snapshot, as one batched prefill), so
+        the answer follows."""
+        budget = request.reasoning_budget if prompt.thinking else None
+        fed = list(prompt.tokens)
+
+        def room() -> int:
+            return max_tokens - (len(fed) - len(prompt.tokens))
+
+        def over_budget() -> bool:
+            return (
+                budget is not None and pipeline.in_reasoning and pipeline.reasoning_tokens >= budget
+            )
+
+        while room() > 0:
+            if over_budget():
+                budget = None  # closed once: what follows is the answer
+                for token_id in self._llm.tokenizer.encode(THINK_CLOSE)[: room()]:
+                    fed.append(token_id)
+                    yield GeneratedToken(token_id), True
+                continue
+            tokens = self._llm.engine.generate(
+                fed,
+                room(),
+                self._llm.tokenizer.stop_token_ids,
+                request.sampling,
+                snapshot_at=prompt.snapshot_at,
+                should_stop=should_stop,
+            )
+            try:
+                for token in tokens:
+                    fed.append(token.id)
+                    yield token, False
+                    if over_budget():
+                        break
+                else:
+                    return  # the engine ended: out of tokens, or a stop token
+            finally:
+                tokens.close()
 
     @staticmethod
     def _finish_reason(pipeline: _TextPipeline) -> str:

@@ -101,20 +101,29 @@ def resolve_model(model: str | None, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    from lily.hub import download_hint, hub_endpoint, hub_reachable
+
     offline = _offline()
+    # Checked up front: without a network the Hub client retries for ~25 s before failing.
+    unreachable = not offline and not hub_reachable()
     try:
         path = snapshot_download(
             model,
             revision=revision,
             allow_patterns=DOWNLOAD_PATTERNS,
-            local_files_only=offline,
+            local_files_only=offline or unreachable,
         )
     except LocalEntryNotFoundError as e:
+        where = f"{model} (revision {revision or 'main'}) is not in the local Hugging Face cache"
         if offline:
             raise CheckpointError(
-                f"{model} (revision {revision or 'main'}) is not in the local Hugging Face cache "
-                "and HF_HUB_OFFLINE is set: download it once online or pass a local directory"
-            ) from e
+                f"{where} and HF_HUB_OFFLINE is set: {download_hint(model, revision)}"
+            ) from None
+        if unreachable:
+            raise CheckpointError(
+                f"{where} and {hub_endpoint()} cannot be reached (no network?): "
+                f"{download_hint(model, revision)}"
+            ) from None
         raise CheckpointError(f"could not download {model}: {e}") from e
     except HFValidationError as e:
         raise CheckpointError(f"{model!r} is not a valid Hugging Face repo id: {e}") from e

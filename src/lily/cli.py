@@ -11,19 +11,25 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
-from lily.api import DEVICES
+from lily.api import DEFAULT_MAX_SEQ, DEVICES
 from lily.model_graph import DEFAULT_MAX_CHUNK
 
 if TYPE_CHECKING:
     from lily.api import Lily
 
+# What a user can fix, reported as one line instead of a traceback: Lily raises a ValueError
+# subclass for every bad argument, checkpoint, config, tokenizer or request, MemoryError for a
+# model too big for the GPU, and files and the network fail with OSError. (LILY_DEBUG=1 shows
+# the traceback.)
+USER_ERRORS = (ValueError, MemoryError, OSError)
 DEMO_NOTE = "[demo model: random weights, the text is meant to be nonsense]"
 # The benchmark contract (product.md): exactly this many measured decode steps per arm.
 BENCH_DECODE_STEPS = 64
@@ -33,11 +39,58 @@ BENCH_CONTEXTS_HELP = (
 )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+def _whole_number(text: str, lowest: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < lowest:
+        raise argparse.ArgumentTypeError(f"must be at least {lowest}, got {value}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_number(text, 1)
+
+
+def _non_negative_int(text: str) -> int:
+    return _whole_number(text, 0)
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {value}")
+    return value
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0.0 <= value <= 2.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2 (0 is greedy), got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad command line is one line on stderr, with where to look, and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows every option's default, except where there is none to show (the help of an option
+    whose default is None says what happens without it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = action.default not in (None, False, [], argparse.SUPPRESS)
+        if shown and action.option_strings and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str | None) -> None:
@@ -48,7 +101,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str 
         help="a local checkpoint directory, a Hugging Face repo id, or 'demo' (a tiny model with "
         f"random weights that runs anywhere); default: {shown}",
     )
-    parser.add_argument("--revision", default=None, help="the repo revision to download")
+    parser.add_argument(
+        "--revision", default=None, help="the repo revision to download (default: pinned)"
+    )
     parser.add_argument(
         "--device",
         default="auto",
@@ -56,12 +111,18 @@ def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str 
         help="auto: metal on Apple silicon, the CPU simulator elsewhere; reference: the numpy "
         "model (slow, for checking)",
     )
-    parser.add_argument("--max-seq", type=int, default=None, help="context length in tokens")
+    parser.add_argument(
+        "--max-seq",
+        type=_positive_int,
+        default=None,
+        help=f"context length in tokens (default: {DEFAULT_MAX_SEQ}, or the model's maximum if "
+        "smaller)",
+    )
     parser.add_argument(
         "--prefill-chunk",
         type=_positive_int,
         default=DEFAULT_MAX_CHUNK,
-        help=f"most prompt tokens per prefill pass (default: {DEFAULT_MAX_CHUNK})",
+        help="most prompt tokens per prefill pass",
     )
 
 
@@ -94,7 +155,7 @@ def _generate(args: argparse.Namespace) -> int:
         print()
         print(
             f"[{llm.device}: {prompt_tokens} prompt + {generated} generated tokens in "
-            f"{elapsed:.2f} s, {(prompt_tokens + generated) / elapsed:.1f} tokens/s]",
+            f"{elapsed:.2f} s, {generated / elapsed:.1f} generated tokens/s]",
             file=sys.stderr,
         )
     return 0
@@ -105,6 +166,8 @@ def _generate(args: argparse.Namespace) -> int:
 CHAT_HELP = (
     "commands: /reset forgets the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops a reply"
 )
+# A line that is one word after a slash is a command, never a message ("/usr/bin is..." is one).
+CHAT_COMMAND = re.compile(r"/[A-Za-z]+")
 
 
 class ChatSession:
@@ -144,6 +207,8 @@ class ChatSession:
             self.out.write("[conversation forgotten]\n")
         elif text == "/help":
             self.out.write(CHAT_HELP + "\n")
+        elif CHAT_COMMAND.fullmatch(text):
+            self.out.write(f"[unknown command {text}; {CHAT_HELP}]\n")
         else:
             self.reply(text)
         return True
@@ -162,12 +227,7 @@ class ChatSession:
         try:
             for chunk in stream:
                 if chunk.usage is not None:
-                    elapsed = time.perf_counter() - start
-                    usage = chunk.usage
-                    self.out.write(
-                        f"\n[{usage.prompt_tokens} prompt + {usage.completion_tokens} generated "
-                        f"tokens in {elapsed:.2f} s: {usage.total_tokens / elapsed:.1f} tokens/s]"
-                    )
+                    self.out.write("\n" + _reply_stats(chunk.usage, time.perf_counter() - start))
                 if not chunk.choices:
                     continue
                 delta = chunk.choices[0].delta
@@ -189,7 +249,22 @@ class ChatSession:
             stream.close()
             self.out.write("\n")
             self.out.flush()
-        self.history.append({"role": "assistant", "content": "".join(answer)})
+        if answer:
+            self.history.append({"role": "assistant", "content": "".join(answer)})
+        else:
+            # Stopped (or out of tokens) while still thinking: an empty assistant turn would
+            # teach the model to answer nothing, so the exchange is left out of the history.
+            self.history.pop()
+            self.out.write("[no answer yet: this message is not kept in the conversation]\n")
+
+
+def _reply_stats(usage: Any, elapsed: float) -> str:
+    """Token counts, and the rate of generated tokens over the time the reply took."""
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return (
+        f"[{usage.prompt_tokens} prompt ({cached} cached) + {usage.completion_tokens} generated "
+        f"tokens in {elapsed:.2f} s: {usage.completion_tokens / elapsed:.1f} generated tokens/s]"
+    )
 
 
 def _read_lines(prompt: str) -> Iterator[str]:
@@ -210,7 +285,9 @@ def _chat_request(args: argparse.Namespace) -> dict[str, Any]:
     if args.seed is not None:
         request["seed"] = args.seed
     if args.no_thinking:
-        request["chat_template_kwargs"] = {"enable_thinking": False}
+        request["reasoning_effort"] = "none"
+    if args.reasoning_budget is not None:
+        request["reasoning_budget"] = args.reasoning_budget
     return request
 
 
@@ -290,14 +367,19 @@ def synthetic_prompt(length: int, vocab_size: int) -> list[int]:
     return [((i * 2654435761) % 2**32) % vocab_size for i in range(length)]
 
 
-def measure(llm: Lily, context: int) -> dict[str, float]:
+def measure(
+    llm: Lily, context: int, progress: Callable[[str], None] = lambda stage: None
+) -> dict[str, float]:
     """One arm: an exact-shape warm-up, then one measured prefill (until the first token is
     delivered, with the next step already submitted) and exactly 64 measured greedy decode
-    steps. No stop tokens: every step counts."""
+    steps. No stop tokens: every step counts. `progress` hears of each stage as it starts
+    (outside the measured spans)."""
     prompt = synthetic_prompt(context, llm.config.vocab_size)
     steps = BENCH_DECODE_STEPS + 1  # the prefill's token, then the measured decode steps
+    progress(f"warm-up: prefill {context} tokens, {BENCH_DECODE_STEPS} decode steps")
     for _ in llm.engine.generate(prompt, steps):
         pass
+    progress(f"measuring: prefill {context} tokens, {BENCH_DECODE_STEPS} decode steps")
     start = time.perf_counter()
     tokens = llm.engine.generate(prompt, steps)
     next(tokens)
@@ -347,11 +429,14 @@ def _bench(args: argparse.Namespace) -> int:
                 return done.returncode
         return 0
     (context,) = args.context
-    if context < 1:
-        print("lily bench: --context must be at least 1", file=sys.stderr)
-        return 2
+
+    def progress(stage: str) -> None:
+        # On stderr, so that stdout stays one result (one JSON object with --json) per arm.
+        print(f"[bench context {context}: {stage}...]", file=sys.stderr, flush=True)
+
+    progress("loading the model")
     with _load(args, max_seq=max(args.max_seq or 0, context + BENCH_DECODE_STEPS + 1)) as llm:
-        arm = measure(llm, context)
+        arm = measure(llm, context, progress)
         if args.json:
             print(json.dumps({"device": llm.device, **arm}), flush=True)
         else:
@@ -457,6 +542,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from lily import __version__
     from lily.server import (
         DEFAULT_HOST,
         DEFAULT_MAX_TOKENS,
@@ -465,16 +551,19 @@ def _parser() -> argparse.ArgumentParser:
         DEFAULT_SHUTDOWN_GRACE,
     )
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="lily",
         description="Run Qwen3.6-35B-A3B through Lily's hand-written kernels. Try it anywhere "
         "with the tiny random-weight demo model: lily chat --model demo",
         epilog="Run `lily COMMAND --help` for the options of one command.",
     )
+    parser.add_argument("--version", action="version", version=f"lily {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, summary: str, run: Callable[[argparse.Namespace], int]) -> Any:
-        sub = commands.add_parser(name, help=summary, description=summary)
+        sub = commands.add_parser(
+            name, help=summary, description=summary, formatter_class=_HelpFormatter
+        )
         sub.set_defaults(run=run)
         return sub
 
@@ -485,17 +574,33 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_arguments(chat, default_model=None)
     chat.add_argument("--system", default=None, help="a system message that starts the chat")
-    chat.add_argument("--max-tokens", type=int, default=1024, help="longest reply, in tokens")
-    chat.add_argument("--temperature", type=float, default=None, help="0 is greedy")
-    chat.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    chat.add_argument(
+        "--max-tokens", type=_positive_int, default=1024, help="longest reply, in tokens"
+    )
+    chat.add_argument(
+        "--temperature",
+        type=_temperature,
+        default=None,
+        help="0 to 2, 0 is greedy (default: the model's generation_config.json, else 1)",
+    )
+    chat.add_argument(
+        "--seed", type=int, default=None, help="makes sampling reproducible (default: random)"
+    )
     chat.add_argument(
         "--no-thinking", action="store_true", help="answer without the <think> reasoning phase"
+    )
+    chat.add_argument(
+        "--reasoning-budget",
+        type=_non_negative_int,
+        default=None,
+        metavar="TOKENS",
+        help="think for at most this many tokens, then answer (default: no limit)",
     )
 
     generate = command("generate", "complete a raw prompt (no chat template), greedily", _generate)
     _add_model_arguments(generate, default_model=None)
     generate.add_argument("prompt", help="the text to continue")
-    generate.add_argument("--max-tokens", type=int, default=32, help="tokens to generate")
+    generate.add_argument("--max-tokens", type=_positive_int, default=32, help="tokens to generate")
 
     serve = command(
         "serve",
@@ -507,7 +612,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)"
     )
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port")
+    serve.add_argument("--port", type=_port, default=DEFAULT_PORT, help="TCP port")
     key = serve.add_mutually_exclusive_group()
     key.add_argument(
         "--api-key",
@@ -539,7 +644,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--queue-limit",
-        type=int,
+        type=_positive_int,
         default=DEFAULT_QUEUE_LIMIT,
         help="requests that may wait while one runs; more get 503 with Retry-After",
     )
@@ -569,6 +674,7 @@ def _parser() -> argparse.ArgumentParser:
         "--log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug"),
+        help="what the server logs",
     )
 
     bench = command(
@@ -579,7 +685,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_arguments(bench, default_model=None)
     bench.add_argument(
-        "--context", type=int, nargs="+", default=[256], metavar="TOKENS", help=BENCH_CONTEXTS_HELP
+        "--context",
+        type=_positive_int,
+        nargs="+",
+        default=[256],
+        metavar="TOKENS",
+        help=BENCH_CONTEXTS_HELP,
     )
     bench.add_argument("--json", action="store_true", help="one JSON object per arm")
 
@@ -590,14 +701,27 @@ def _parser() -> argparse.ArgumentParser:
         "large ones on the GPU); exits 1 if one fails",
         _doctor,
     )
-    doctor.add_argument("--device", choices=("auto", "sim", "metal"), default="auto")
-    doctor.add_argument("--runs", type=int, default=10, help="timed runs per large kernel (GPU)")
+    doctor.add_argument(
+        "--device", choices=("auto", "sim", "metal"), default="auto", help="the device to check"
+    )
+    doctor.add_argument(
+        "--runs", type=_positive_int, default=10, help="timed runs per large kernel (GPU)"
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130  # what a shell reports for a command stopped by Ctrl-C
+    except USER_ERRORS as exc:
+        if os.environ.get("LILY_DEBUG"):
+            raise
+        print(f"lily {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -110,6 +110,17 @@ CHAT_REQUEST_SCHEMA: dict[str, Any] = {
         },
         "prompt_cache_key": _nullable("string"),
         "chat_template_kwargs": _nullable("object"),
+        "reasoning_effort": {
+            "type": ["string", "null"],
+            "enum": ["none", "minimal", "low", "medium", "high", "xhigh", None],
+            "description": '"none" turns thinking off; the others leave it on',
+        },
+        "reasoning_budget": _nullable(
+            "integer",
+            minimum=0,
+            description="the most tokens the model thinks before Lily closes the think block "
+            "itself and the answer follows",
+        ),
     },
 }
 

@@ -44,11 +44,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lily.api_key import bearer_key_matches, resolve_api_key
-from lily.chat import ChatRequest, parse_request
+from lily.chat import ChatRequest, GenerationStats, parse_request
 from lily.errors import ChatTemplateLimitError, GenerationCancelled, RequestError
 from lily.http_guard import GuardPolicy, HTTPGuard, bound_host_names
 from lily.model_graph import DEFAULT_MAX_CHUNK
 from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
+from lily.request_log import RequestLog
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -215,6 +216,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # Set when the client has gone: the generation stops at its next prefill chunk or token.
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set by the worker once the generation has ended, before its last event (the request log).
+    stats: GenerationStats | None = None
 
     def emit(self, event: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop has shut down
@@ -324,6 +327,7 @@ class EngineWorker:
                 job.request, default_max_tokens=self.default_max_tokens, should_stop=should_stop
             )
             if not job.request.stream:
+                job.stats = self.llm.chat.completions.last_stats
                 job.emit(result)
                 return
             try:
@@ -331,6 +335,7 @@ class EngineWorker:
                     job.emit(chunk)
             finally:
                 result.close()
+            job.stats = self.llm.chat.completions.last_stats
             job.emit(_DONE)
         except GenerationCancelled:
             if not job.cancelled.is_set():  # the shutdown, not the client, stopped it
@@ -444,6 +449,7 @@ class Server:
             chat_template=self.llm.chat_template,
         )
         job = Job(checked, asyncio.get_running_loop())
+        request.state.generation = job  # its stats go into the request's log line
         try:
             self.worker.submit(job)
         except ShuttingDownError:
@@ -598,7 +604,8 @@ def create_app(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
-        middleware=[Middleware(HTTPGuard, policy=guard)],
+        # The request log outermost: refused requests are logged and carry an id too.
+        middleware=[Middleware(RequestLog), Middleware(HTTPGuard, policy=guard)],
     )
     app.state.server = server
     return app
@@ -678,6 +685,7 @@ def serve(
             host=host,
             port=port,
             log_level=log_level,
+            access_log=False,  # the request log (lily.request_log) replaces uvicorn's
             timeout_graceful_shutdown=shutdown_grace + SHUTDOWN_MARGIN_SECONDS,
         )
         logger.info("serving %s on %s at http://%s:%d/v1", llm.model_id, llm.device, host, port)

@@ -1,0 +1,110 @@
+"""The Python API as a user coming from mlx-lm or llama-cpp-python calls it: `generate` and
+`stream` with `max_tokens` positional and the sampling parameters, `repr`, `lily.errors`
+before any load; and the Python examples of the README and docs/python-api.md, run as written
+on the demo model."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import lily
+from lily.api import Lily
+from lily.errors import RequestError
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def demo() -> Iterator[Lily]:
+    with lily.load("demo", device="sim", max_seq=64) as llm:
+        yield llm
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+
+
+def python_blocks(markdown: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", markdown.read_text(), flags=re.DOTALL)
+
+
+def test_lily_errors_is_there_before_any_load() -> None:
+    done = run_python(
+        "import sys, lily\n"
+        "try:\n"
+        "    raise lily.errors.ContextLengthError('too long')\n"
+        "except lily.errors.RequestError as e:\n"
+        "    print(type(e).__name__, e.param)\n"
+        "assert 'numpy' not in sys.modules, 'import lily should stay light'\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "ContextLengthError messages\n"
+
+
+def test_generate_takes_max_tokens_positionally_and_is_greedy_by_default(demo: Lily) -> None:
+    greedy = demo.generate(PROMPT, 6)
+    assert demo.last_token_counts[1] == 6
+    assert greedy == demo.generate(PROMPT, max_tokens=6, temperature=0)
+    assert "".join(demo.stream(PROMPT, 6)) == greedy
+
+
+def test_sampling_parameters_reach_the_sampler(demo: Lily) -> None:
+    first = demo.generate(PROMPT, 8, temperature=1.0, seed=1)
+    assert demo.generate(PROMPT, 8, temperature=1.0, seed=1) == first  # the seed reproduces
+    assert demo.generate(PROMPT, 8, temperature=1.0, seed=2) != first
+    assert demo.generate(PROMPT, 8, temperature=1.0, top_k=1, seed=3) == demo.generate(PROMPT, 8)
+    pieces = list(demo.stream(PROMPT, 8, temperature=1.0, seed=1))
+    assert "".join(pieces) == first
+
+
+def test_stop_strings_end_the_text_before_them(demo: Lily) -> None:
+    text = demo.generate(PROMPT, 12)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = demo.generate(PROMPT, 12, stop=[stop, "never in this text \x00"])
+    assert cut == text[: text.index(stop)]
+    assert demo.last_token_counts[1] < 12  # the generation itself stopped
+    assert demo.generate(PROMPT, 12, stop=stop) == cut
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_tokens": 0}, {"max_tokens": -3}, {"max_tokens": True}, {"temperature": 5},
+     {"top_p": 0}, {"stop": [""]}, {"stop": [3]}],
+)  # fmt: skip
+def test_bad_arguments_raise_at_the_call(demo: Lily, kwargs: dict) -> None:
+    with pytest.raises(RequestError):
+        demo.stream(PROMPT, **kwargs)  # not iterated: refused before anything runs
+
+
+def test_repr_names_the_model_not_a_cache_path(demo: Lily) -> None:
+    assert repr(demo) == "Lily(model='demo', device='sim')"
+
+
+def test_the_readme_python_examples_run_and_print_an_answer() -> None:
+    first, *rest = python_blocks(ROOT / "README.md")
+    assert "reasoning_budget" in first
+    # The first example's answer must not be empty: thinking alone used to fill max_tokens.
+    check = "\nassert r.choices[0].message.content.strip(), 'the answer is empty'\n"
+    done = run_python(first + check + "\n".join(rest))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+
+
+def test_the_python_api_page_examples_run_as_written() -> None:
+    done = run_python("\n".join(python_blocks(ROOT / "docs" / "python-api.md")))
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="a Mac build may have a metal device")
+def test_metal_where_there_is_none_is_a_clear_error_before_loading() -> None:
+    with pytest.raises(ValueError, match="metal device is not available here.*'sim'"):
+        lily.load("demo", device="metal")
