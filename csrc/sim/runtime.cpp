@@ -604,8 +604,6 @@ void run_deferred_matrix_ops(const CollectiveSlots& slots) {
     }
     lanes[0].run(lanes);
   }
-  for (unsigned i = 0; i < count; ++i)
-    for (unsigned l = 0; l < kSimdWidth; ++l) *queue.ops[i][l].d_pending = 0;
   for (unsigned l = 0; l < kSimdWidth; ++l) queue.count[l] = 0;
 }
 

@@ -34,7 +34,8 @@ struct CallSite {
 struct DeferredMatrixOp {
   const char* file;
   unsigned line;
-  void (*run)(const DeferredMatrixOp* lanes);  // all 32 lanes' results; lanes[l]: lane l's part
+  // Computes all 32 lanes' results (lanes[l]: lane l's part) and clears their d_pending.
+  void (*run)(const DeferredMatrixOp* lanes);
   float a[2], b[2], c[2];  // this lane's elements of A and B, and of C unless c_source is set
   const void* c_source;    // C's elements, read when run: C is an earlier queued product
   void* d;                 // D's elements
