@@ -54,7 +54,9 @@ struct MoeRouteParams {
         best_expert = e;
       }
     }
-    const uint winner = simd_argmax(best, best_expert);
+    // NaN logits have no argmax (simd_argmax then returns 0xFFFFFFFF); the clamp keeps the id
+    // an expert of this layer, so a broken activation cannot index outside the expert tensors.
+    const uint winner = min(simd_argmax(best, best_expert), p.experts - 1);
     const float winner_logit = simd_max(best);
     if (winner % SIMD_WIDTH == lane) taken |= 1u << (winner / SIMD_WIDTH);
     const float weight = exp(winner_logit - top);

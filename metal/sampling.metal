@@ -17,7 +17,8 @@
 //   sample: i with probability proportional to mass_i among the kept tokens, drawn as the
 //           Gumbel-max argmax of z_i + G_i, G_i = -log(E_i), E_i ~ Exp(1) from Philox4x32-10
 //           with key (seed_low, seed_high) and counter (i, position, 0, 0).
-// The token holding the largest z is always kept, so at least one token survives.
+// The token holding the largest z is always kept, so at least one token survives. A row holding
+// a NaN or +inf logit is refused: the draw is NO_TOKEN and no log-probabilities are written.
 //
 // One threadgroup per draw. The thresholds are found by bisection on the order key (32 passes,
 // each a threadgroup reduction), never by sorting. When top_k <= threads, a cheap lower bound
@@ -89,6 +90,13 @@ inline uint order_key(float value) {
   const uint raw = as_type<uint>(value);
   const uint bits = raw == 0x80000000u ? 0u : raw;
   return (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
+}
+
+// Tested on the bits, since fast math may assume isnan and isinf are false. -inf is a token the
+// logits rule out; NaN and +inf are values no token can be drawn from.
+inline bool is_nan_or_plus_infinity(float value) {
+  const uint raw = as_type<uint>(value);
+  return (raw & 0x7F800000u) == 0x7F800000u && raw != 0xFF800000u;
 }
 
 // Threadgroup reductions. Each ends with a barrier, so the scratch arrays can be reused by the
@@ -281,15 +289,26 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
   // increasing order, so a strict > keeps the lowest index on ties.
   float best = 0.0f;
   uint best_index = NO_TOKEN;
+  uint unusable = 0;
   for (uint i = thread_id; i < vocab; i += threads) {
     const float v = logits[i];
+    unusable += is_nan_or_plus_infinity(v) ? 1u : 0u;
     if (best_index == NO_TOKEN || v > best) {
       best = v;
       best_index = i;
     }
   }
-  const uint argmax_index =
-      group_argmax(best, best_index, float_scratch, uint_scratch, simdgroups, simdgroup, lane);
+  // A NaN or +inf logit means the model's arithmetic broke down: no token can be drawn from it
+  // (and a NaN row has no argmax at all). The host sees NO_TOKEN and refuses the step.
+  if (group_count(unusable, uint_scratch, simdgroups, simdgroup, lane) != 0) {
+    if (thread_id == 0) predicted[draw] = NO_TOKEN;
+    return;
+  }
+  // Every index below is clamped to the vocabulary, so no value, however wrong, can make the
+  // kernel read outside the logits.
+  const uint argmax_index = min(
+      group_argmax(best, best_index, float_scratch, uint_scratch, simdgroups, simdgroup, lane),
+      vocab - 1);
   const float max_logit = logits[argmax_index];
 
   uint chosen = argmax_index;
@@ -342,8 +361,8 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
     }
     const uint sampled =
         group_argmax(best_score, winner, float_scratch, uint_scratch, simdgroups, simdgroup, lane);
-    // Only an all -inf (or NaN) row keeps nothing; fall back to the greedy choice.
-    if (sampled != NO_TOKEN) chosen = sampled;
+    // Only an all -inf row keeps nothing; fall back to the greedy choice.
+    if (sampled < vocab) chosen = sampled;
   }
   if (thread_id == 0) predicted[draw] = chosen;
 
@@ -386,8 +405,9 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
         index = id;
       }
     }
-    previous_id =
-        group_argmax(value, index, float_scratch, uint_scratch, simdgroups, simdgroup, lane);
+    previous_id = min(
+        group_argmax(value, index, float_scratch, uint_scratch, simdgroups, simdgroup, lane),
+        vocab - 1);
     previous_value = logits[previous_id];
     if (thread_id == 0) {
       slot[1 + n] = LogprobEntry{previous_id, (previous_value - max_logit) - log_normalizer};

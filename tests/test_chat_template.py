@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import transformers  # installed with mlx-lm; the reference renderer
 
-from lily.chat_template import ChatTemplate, ChatTemplateError
+from lily.chat_template import ChatTemplate, ChatTemplateError, TemplateLimits
+from lily.errors import ChatTemplateLimitError, ChatTemplateRefusedError, RequestError
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "chat_template_qwen.jinja"
 DEMO_DIR = resources.files("lily").joinpath("data/demo")
@@ -218,3 +219,155 @@ def test_renders_like_transformers(template, name, thinking):
         hf_messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
     )
     assert template.render(messages, tools=tools, enable_thinking=thinking) == expected
+
+
+# -- bounds and named failures -----------------------------------------------------------------
+
+USER_HI = [{"role": "user", "content": "hi"}]
+# Small bounds keep the checks fast; the defaults are only larger.
+SMALL = TemplateLimits(max_steps=20_000, max_seconds=60, max_chars=1 << 20, max_built_chars=8 << 20)
+
+
+def limit_hit(source: str, limits: TemplateLimits = SMALL) -> str:
+    with pytest.raises(ChatTemplateLimitError) as info:
+        ChatTemplate(source, limits=limits).render(USER_HI)
+    return info.value.limit
+
+
+def test_a_template_that_loops_for_years_stops_at_its_step_budget():
+    nested = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    assert limit_hit(nested) == "max_steps"
+    recursive_loop = (
+        "{% for m in [[1, [2]]] recursive %}{{ loop(m if m is iterable else []) }}{% endfor %}"
+        "{% for a in range(100000) %}{% for b in range(100000) %}{{ a }}{% endfor %}{% endfor %}"
+    )
+    assert limit_hit(recursive_loop) == "max_steps"
+    filtered = (
+        "{% for a in range(100000) %}{% for b in range(100000) if b < 0 %}{% endfor %}{% endfor %}"
+    )
+    assert limit_hit(filtered) == "max_steps"
+
+
+def test_a_template_that_loops_stops_at_its_deadline():
+    nested = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    deadline = TemplateLimits(max_steps=10**12, max_seconds=0.5)
+    assert limit_hit(nested, deadline) == "max_seconds"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 'x' * 10**12 }}",
+        "{{ ([1] * 100000) * 100000 }}",
+        "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}",
+        "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}",
+        "{{ 'x' | center(10**11) }}",
+        "{{ 'x'.ljust(10**11) }}",
+        "{{ '%099999999999d' % 1 }}",
+        "{{ '{:>99999999999}'.format(1) }}",
+        "{% set s = 'x' * 100000 %}{{ s.replace('', s) }}",
+        "{% set s = 'x' * 100000 %}{{ ([s] * 1000) | join }}",
+        "{% set s = 'x' * 100000 %}{{ ''.join([s] * 1000) }}",
+        "{% set s = 'y\n' * 100000 %}{{ s | indent('x' * 100) }}",
+        # Output buffered inside a {% set %} block, never reaching the prompt.
+        "{% set s = 'y' * 500000 %}{% set b %}{% for i in range(1000) %}{{ s }}{% endfor %}"
+        "{% endset %}",
+        "{% macro m(s) %}{{ s }}{{ s }}{% endmacro %}{% set ns = namespace(s='x') %}"
+        "{% for i in range(40) %}{% set ns.s = m(ns.s) %}{% endfor %}",
+    ],
+)
+def test_a_growing_template_is_stopped_by_size_before_it_allocates(source):
+    # Each of these would allocate gigabytes or more; "memory" would mean the check came late.
+    assert limit_hit(source) in ("max_chars", "max_built_chars")
+
+
+def test_integer_arithmetic_is_bounded():
+    squaring = (
+        "{% set ns = namespace(x=10) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}"
+        "{% endfor %}"
+    )
+    assert limit_hit(squaring) == "integer_bits"
+    assert limit_hit("{{ 10 ** 100000 }}") == "integer_bits"
+    assert ChatTemplate("{{ 2 ** 64 }}").render(USER_HI) == str(2**64)
+
+
+def test_the_prompt_itself_is_bounded():
+    template = ChatTemplate("{{ messages[0].content }}", limits=SMALL)
+    big = [{"role": "user", "content": "x" * (SMALL.max_chars + 1)}]
+    with pytest.raises(ChatTemplateLimitError) as info:
+        template.render(big)
+    assert info.value.limit == "max_chars"
+
+
+def test_the_default_limits_leave_room_for_long_conversations(template):
+    """The Qwen-format template on 2001 messages with tools stays within the defaults, and
+    within a budget far smaller than them (so the defaults are not tight)."""
+    long = [{"role": "user", "content": "first question"}]
+    for i in range(1000):
+        long += [{"role": "assistant", "content": f"answer {i}"}, {"role": "user", "content": "q"}]
+    assert template.render(long, tools=[WEATHER_TOOL]).count("<|im_start|>") == 1 + 2001 + 1
+    frugal = ChatTemplate(template.source, limits=TemplateLimits(max_steps=20_000))
+    assert frugal.render(long, tools=[WEATHER_TOOL]) == template.render(long, tools=[WEATHER_TOOL])
+
+
+def test_failures_inside_the_template_are_named_refusals():
+    recursion = "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"
+    with pytest.raises(ChatTemplateRefusedError, match="recursed too deeply"):
+        ChatTemplate(recursion).render(USER_HI)
+    with pytest.raises(ChatTemplateRefusedError, match="TypeError") as info:
+        ChatTemplate("{% for k, v in messages[0].content | items %}{% endfor %}").render(USER_HI)
+    # A refusal is the request's to fix: a 400 naming the messages.
+    assert isinstance(info.value, RequestError)
+    assert (info.value.status, info.value.param) == (400, "messages")
+
+
+@pytest.mark.parametrize(
+    "source", ["{% include 'other.jinja' %}", "{% import 'm.jinja' as m %}", "{% extends 'b' %}"]
+)
+def test_templates_that_load_other_templates_are_refused_at_load(source):
+    with pytest.raises(ChatTemplateError, match="self-contained"):
+        ChatTemplate(source)
+
+
+def test_limits_must_be_positive():
+    with pytest.raises(ValueError, match="max_steps"):
+        TemplateLimits(max_steps=0)
+
+
+def test_what_the_template_reads(template):
+    assert {"enable_thinking", "preserve_thinking"} <= template.keyword_variables
+    assert not {"messages", "tools", "add_generation_prompt", "eos_token", "raise_exception"} & (
+        template.keyword_variables
+    )
+    assert {"role", "content", "reasoning_content", "tool_calls"} <= template.message_fields
+    assert not template.knows_developer_role
+
+
+def test_reserved_variables_cannot_be_set_by_keywords(template):
+    # (messages, tools and add_generation_prompt are render's own parameters.)
+    for name in ("documents", "eos_token"):
+        with pytest.raises(ChatTemplateRefusedError, match=name):
+            template.render(USER_HI, **{name: "x"})
+
+
+def test_developer_messages_are_system_messages_where_the_template_lacks_the_role(template):
+    as_developer = [{"role": "developer", "content": "Be brief."}, *USER_HI]
+    as_system = [{"role": "system", "content": "Be brief."}, *USER_HI]
+    assert template.render(as_developer) == template.render(as_system)
+    knows = ChatTemplate("{% for m in messages %}{{ m.role }};{% endfor %}{# developer #}")
+    assert knows.render(as_developer) == "system;user;"  # a comment is not a comparison
+    knows = ChatTemplate("{% for m in messages %}{{ m.role == 'developer' }};{% endfor %}")
+    assert knows.knows_developer_role
+    assert knows.render(as_developer) == "True;False;"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [("[1, 2]", "JSON object, not list"), ("5", "JSON object, not int"), ("{oops", "not valid")],
+)
+def test_tool_call_arguments_must_be_a_json_object(template, arguments, match):
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    with pytest.raises(ChatTemplateRefusedError, match=match):
+        template.render([*USER_HI, {"role": "assistant", "content": None, "tool_calls": [call]}])

@@ -90,14 +90,6 @@ def test_serve_arguments_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> No
     assert second["host"] == "0.0.0.0" and second["api_key"] == "k" and second["max_seq"] == 64
 
 
-def test_serve_takes_the_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict] = []
-    monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append(k))
-    monkeypatch.setenv("LILY_API_KEY", "from-env")
-    main(["serve"])
-    assert calls[0]["api_key"] == "from-env"
-
-
 # -- the commands, for real --------------------------------------------------------------------
 
 

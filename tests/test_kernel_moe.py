@@ -129,6 +129,34 @@ def test_route_ties_go_to_the_lowest_expert(lane_order, experts):
     check_route(logits, 8, ids, weights, True)
 
 
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize("nan_experts", ["all", "some"])
+def test_route_of_nan_logits_stays_within_the_experts(lane_order, nan_experts):
+    """NaN router logits (from a broken activation) have no argmax; the ids must still name
+    experts of the layer, or the expert GEMVs would read outside the stacked tensors."""
+    logits = np.random.default_rng(5).normal(0, 2, TINY.experts).astype(np.float32)
+    logits[:: 1 if nan_experts == "all" else 3] = np.nan
+    ids, _ = run_route(sim_device(lane_order), logits, TINY.top_k)
+    assert ids.max() < TINY.experts, ids
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_moe_block_of_a_nan_activation_reads_only_its_weights(lane_order):
+    """The whole block on a NaN input: every access stays in bounds (the checking sim raises
+    otherwise) and the NaN reaches the output instead of being hidden."""
+    device = sim_device(lane_order)
+    dims = TINY
+    x = np.full(dims.hidden, np.nan, dtype=np.float32)
+    scratch = MoeScratch.allocate(
+        device, dims.experts, dims.top_k, dims.expert_rows, dims.shared_rows
+    )
+    out = float_buffer(device, dims.hidden)
+    weights = bind(device, dims)
+    run(device, lambda g: record_moe(g, device, device.wrap(x), weights, dims.top_k, scratch, out))
+    assert uint32s(scratch.expert_ids, dims.top_k).max() < dims.experts
+    assert np.isnan(as_float32(out, dims.hidden)).all()
+
+
 # -- gate/up with SwiGLU --------------------------------------------------------------------------
 
 

@@ -419,6 +419,35 @@ def test_only_finite_logits_are_drawn(lane_order):
     assert alternatives == [(613, 0.0), (0, -math.inf), (1, -math.inf)]
 
 
+NO_TOKEN = 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, seed=1),
+        SamplingParams(temperature=1.0, seed=2, top_logprobs=3),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3, top_logprobs=20),
+    ],
+    ids=["greedy", "sampled", "filtered"],
+)
+@pytest.mark.parametrize("broken", ["all NaN", "one NaN", "one +inf"])
+def test_nan_or_plus_infinity_in_the_logits_yields_no_token(lane_order, params, broken):
+    """A broken row is refused with NO_TOKEN, reading nothing outside the logits (the checking
+    sim raises on any such read) and writing no log-probabilities."""
+    device = sim_device(lane_order)
+    logits = peaked_logits(1000, seed=21)
+    if broken == "all NaN":
+        logits[:] = np.nan
+    else:
+        logits[417] = np.nan if broken == "one NaN" else np.inf
+    tokens, ring = device_sample(device, logits, params, draws=4)
+    assert tokens.tolist() == [NO_TOKEN] * 4
+    untouched = ring.numpy()[: logprob_ring_bytes(4)]
+    assert not untouched.any(), "log-probabilities were written for a refused row"
+
+
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
 def test_fewer_tokens_than_threads(lane_order):
     """33 tokens in a 1024-thread threadgroup: most threads hold nothing."""

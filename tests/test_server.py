@@ -28,6 +28,7 @@ from schemathesis import checks
 
 import lily
 from lily.api import Lily
+from lily.errors import RequestError
 from lily.openapi import CHAT_REQUEST_EXAMPLES, openapi_document
 from lily.server import create_app
 
@@ -414,6 +415,28 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
         ('{"messages": [{"role": "user"}]}', 400, "messages[0].content"),
         ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
          "messages[0].content[0].type"),
+        ('{"messages": [{"role": "user", "content": "a"}], "top_k": 4294967296}', 422, "top_k"),
+        ('{"messages": [{"role": "user", "content": "a"}], "seed": -1}', 422, "seed"),
+        ('{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"tools": []}}',
+         400, "chat_template_kwargs.tools"),
+        ('{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": '
+         '{"messages": []}}', 400, "chat_template_kwargs.messages"),
+        ('{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": '
+         '{"add_generation_prompt": false}}', 400, "chat_template_kwargs.add_generation_prompt"),
+        ('{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": '
+         '{"enable_thinkng": false}}', 400, "chat_template_kwargs.enable_thinkng"),
+        ('{"messages": [{"role": "user", "content": "a", "nmae": "bob"}]}', 400,
+         "messages[0].nmae"),
+        ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": '
+         '[{"function": {"name": "f", "arguments": "[1, 2]"}}]}, '
+         '{"role": "user", "content": "b"}]}',
+         400, "messages[1].tool_calls[0].function.arguments"),
+        ('{"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", '
+         '"function": {"name": "f", "parameters": {"properties": [1]}}}]}', 422,
+         "tools[0].function.parameters.properties"),
+        ('{"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", '
+         '"function": {"name": "f", "parameters": {"properties": {"n": 5}}}}]}', 400,
+         "tools[0].function.parameters.properties.n"),
     ],
 )  # fmt: skip
 def test_bad_requests_get_error_objects(
@@ -424,6 +447,64 @@ def test_bad_requests_get_error_objects(
     error = error_of(response)
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param
+
+
+AGREEMENT_CASES = {
+    "negative seed": ({"seed": -1}, "seed"),
+    "five stop strings": ({"stop": ["a", "b", "c", "d", "e"]}, None),
+    "stream_options key": (
+        {"stream": True, "stream_options": {"include_usag": True}},
+        "stream_options.include_usag",
+    ),
+    "include_usage not a boolean": (
+        {"stream": True, "stream_options": {"include_usage": "yes"}},
+        "stream_options.include_usage",
+    ),
+    "top_k past uint32": ({"top_k": 2**32}, "top_k"),
+    "developer message": ({"messages": [{"role": "developer", "content": "a"}, *user("b")]}, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(AGREEMENT_CASES))
+def test_the_python_api_and_http_agree(server: RunningServer, facade: Lily, case: str) -> None:
+    """The same request is accepted by both or refused by both, naming the same field."""
+    extra, param = AGREEMENT_CASES[case]
+    body = {"messages": user("Hi"), "max_tokens": 1, **GREEDY, **extra}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    try:
+        answer = facade.chat.completions.create(**body)
+        if body.get("stream"):
+            answer = list(answer)
+    except RequestError as error:
+        python_param = error.param
+    else:
+        python_param = None
+    assert python_param == param
+    if param is None:
+        assert response.status_code == 200, response.text
+    else:
+        assert response.status_code in (400, 422) and error_of(response)["param"] == param
+
+
+def test_a_template_over_its_limits_is_a_named_server_error(
+    server: RunningServer, served_llm: Lily
+) -> None:
+    from lily.chat_template import ChatTemplate, TemplateLimits
+
+    looping = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    original = served_llm.chat_template
+    served_llm.chat_template = ChatTemplate(looping, limits=TemplateLimits(max_steps=10_000))
+    try:
+        body = {"messages": user("Hi"), "max_tokens": 1}
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    finally:
+        served_llm.chat_template = original
+    assert response.status_code == 500
+    error = error_of(response)
+    assert (error["type"], error["code"]) == ("server_error", "chat_template_limit")
+    assert "10000 loop steps" in error["message"]
+    assert server.wait_idle()["status"] == "ok"
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
 def test_deeply_nested_json_is_a_400(server: RunningServer) -> None:
@@ -463,7 +544,11 @@ def test_bodies_over_the_limit_get_413(server: RunningServer) -> None:
         for _ in range(100):
             yield b" " * 1024
 
-    response = httpx.post(f"{server.url}/v1/chat/completions", content=chunks())
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == 413
 
 

@@ -279,3 +279,43 @@ def test_the_text_side_of_a_tool_calling_turn():
         ("search", {"query": "weather in Paris", "limit": 1})
     ]
     assert "".join(d.arguments for d in deltas) == tools.calls[0].arguments
+
+
+def test_numbers_too_long_for_python_stay_text():
+    """The model may write any digits: past Python's 4300-digit conversion limit a value is not
+    typed (and nothing crashes), it stays the text the model wrote."""
+    huge = "9" * 5000
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "properties": {
+                        "n": {"type": "integer"},
+                        "x": {"type": "number"},
+                        "o": {"type": "object"},
+                        "a": {"type": "array"},
+                    }
+                },
+            },
+        }
+    ]
+    values = {"n": huge, "x": f"-{huge}", "o": f'{{"k": {huge}}}', "a": "[" * 100_000}
+    text = "<tool_call>\n<function=f>\n" + "".join(
+        f"<parameter={name}>\n{value}\n</parameter>\n" for name, value in values.items()
+    )
+    _, calls = parse_tool_calls(text + "</function>\n</tool_call>", tools)
+    assert json.loads(calls[0].arguments) == values
+    assert convert_parameter("12", {"type": "integer"}) == 12
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [[1], {"properties": [1]}, {"properties": {"n": "integer"}}, {"properties": None}, "x"],
+)
+def test_a_malformed_tool_schema_types_nothing(parameters):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    text = "<tool_call>\n<function=f>\n<parameter=n>\n2\n</parameter>\n</function>\n</tool_call>"
+    _, calls = parse_tool_calls(text, tools)
+    assert json.loads(calls[0].arguments) == {"n": "2"}

@@ -18,6 +18,7 @@ from lily.chat_template import ChatTemplate
 from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
 from lily.detokenize import IncrementalDecoder
 from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine
+from lily.errors import CheckpointError
 from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
 from lily.sampling import SamplingParams
 from lily.tokenizer import Tokenizer
@@ -76,15 +77,22 @@ def default_sampling(model_dir: Path) -> SamplingParams:
     """The checkpoint's recommended sampling (`generation_config.json`, as transformers reads
     it), else OpenAI's default of temperature 1."""
     path = model_dir / "generation_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    if config.get("do_sample") is False:
-        return GREEDY
-    return SamplingParams(
-        temperature=float(config.get("temperature", 1.0)),
-        top_k=int(config.get("top_k", 0)),
-        top_p=float(config.get("top_p", 1.0)),
-        min_p=float(config.get("min_p", 0.0)),
-    )
+    # A value a request could not ask for (a top_k of 2^32, a negative temperature) is the
+    # checkpoint's fault: refused when the model is loaded, naming the file and the field.
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        if not isinstance(config, dict):
+            raise ValueError("it is not a JSON object")
+        if config.get("do_sample") is False:
+            return GREEDY
+        return SamplingParams(
+            temperature=float(config.get("temperature", 1.0)),
+            top_k=int(config.get("top_k", 0)),
+            top_p=float(config.get("top_p", 1.0)),
+            min_p=float(config.get("min_p", 0.0)),
+        )
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 class Lily:
@@ -95,7 +103,14 @@ class Lily:
     """
 
     def __init__(
-        self, model_id: str, model_dir: Path, tokenizer: Tokenizer, engine: Engine, device: str
+        self,
+        model_id: str,
+        model_dir: Path,
+        tokenizer: Tokenizer,
+        engine: Engine,
+        device: str,
+        *,
+        escape_special_tokens: bool = False,
     ):
         self.model_id = model_id
         self.model_dir = model_dir
@@ -104,6 +119,8 @@ class Lily:
             model_dir, special_tokens=tokenizer.special_tokens
         )
         self.default_sampling = default_sampling(model_dir)
+        # Control tokens written in a request's text are read as plain text (lily.special_tokens).
+        self.escape_special_tokens = escape_special_tokens
         self.config = engine.config
         self.device = device
         self.chat = Chat(self)
@@ -160,6 +177,7 @@ def load(
     device: str = "auto",
     max_seq: int | None = None,
     prefill_chunk: int = DEFAULT_MAX_CHUNK,
+    escape_special_tokens: bool = False,
 ) -> Lily:
     """Load a checkpoint and prepare it on a device.
 
@@ -168,7 +186,9 @@ def load(
     sim), "sim", "metal" or "reference" (the numpy model). `max_seq`: the context length.
     `prefill_chunk`: the most prompt tokens processed in one pass (longer chunks read each
     weight fewer times; the scratch grows with it; on metal a chunk is also bounded by its
-    estimated time).
+    estimated time). `escape_special_tokens`: read control tokens such as `<|im_end|>` written
+    in a chat request's text as plain text, so that users cannot forge turns (off by default,
+    as in transformers; see docs/python-api.md).
     """
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
@@ -196,4 +216,6 @@ def load(
         model_id = model_dir.name
     else:
         model_id = model
-    return Lily(model_id, model_dir, tokenizer, engine, device)
+    return Lily(
+        model_id, model_dir, tokenizer, engine, device, escape_special_tokens=escape_special_tokens
+    )

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lily.chat_template import ChatTemplateError
+from lily.chat_template import template_message
 from lily.detokenize import IncrementalDecoder
 from lily.errors import (
     ContextLengthError,
@@ -26,7 +26,14 @@ from lily.errors import (
 )
 from lily.reasoning import ReasoningParser
 from lily.sampling import GeneratedToken, SamplingParams
+from lily.special_tokens import TemplateInputs, escape_special_tokens
 from lily.stop import StopStringMatcher
+from lily.template_inputs import (
+    check_message_fields,
+    check_template_kwargs,
+    check_tool_calls,
+    check_tool_schemas,
+)
 from lily.tool_calls import ToolCall, ToolCallParser
 from lily.types import (
     ChatCompletion,
@@ -46,6 +53,7 @@ from lily.types import (
 
 if TYPE_CHECKING:
     from lily.api import Lily
+    from lily.chat_template import ChatTemplate
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SUPPORTED_TOOL_CHOICES = ("auto", "none")
@@ -93,7 +101,7 @@ def _text_content(content: Any, param: str) -> str | None:
     return "".join(texts)
 
 
-def _messages(messages: Any) -> list[dict[str, Any]]:
+def _messages(messages: Any, template: ChatTemplate | None) -> list[dict[str, Any]]:
     _require(
         isinstance(messages, Sequence) and not isinstance(messages, str) and len(messages) > 0,
         "messages must be a non-empty list",
@@ -105,6 +113,8 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         _require(isinstance(message, Mapping), "a message must be an object", param)
         role = message.get("role")
         _require(role in ROLES, f"role must be one of {', '.join(ROLES)}", f"{param}.role")
+        check_message_fields(message, param, template)
+        check_tool_calls(message.get("tool_calls"), f"{param}.tool_calls")
         content = _text_content(message.get("content"), f"{param}.content")
         if content is None and not (role == "assistant" and message.get("tool_calls")):
             raise RequestError("content is required", param=f"{param}.content")
@@ -134,9 +144,15 @@ def _optional_number(value: Any, name: str, default: float) -> float:
 
 
 def parse_request(
-    params: Mapping[str, Any], *, served_model: str, default_sampling: SamplingParams
+    params: Mapping[str, Any],
+    *,
+    served_model: str,
+    default_sampling: SamplingParams,
+    chat_template: ChatTemplate | None = None,
 ) -> ChatRequest:
-    """Checks the keyword arguments of `create` and turns them into a ChatRequest."""
+    """Checks the keyword arguments of `create` and turns them into a ChatRequest. With the
+    checkpoint's `chat_template`, message fields and template keywords are checked against what
+    it reads."""
     params = dict(params)
     extra = params.pop("extra_body", None) or {}
     _require(isinstance(extra, Mapping), "extra_body must be an object", "extra_body")
@@ -191,8 +207,15 @@ def parse_request(
     _require(isinstance(stream, bool), "stream must be a boolean", "stream")
     options = params.get("stream_options") or {}
     _require(isinstance(options, Mapping), "stream_options must be an object", "stream_options")
-    if set(options) - {"include_usage"}:
-        raise UnsupportedParameterError([f"stream_options.{k}" for k in options])
+    unknown_options = sorted(set(options) - {"include_usage"})
+    if unknown_options:
+        raise UnsupportedParameterError([f"stream_options.{k}" for k in unknown_options])
+    include_usage = options.get("include_usage", False)
+    _require(
+        isinstance(include_usage, bool),
+        "include_usage must be a boolean",
+        "stream_options.include_usage",
+    )
     if options and not stream:
         raise RequestError("stream_options needs stream=true", param="stream_options")
 
@@ -220,6 +243,7 @@ def parse_request(
             "tools must be a list of {'type': 'function', 'function': {'name': ...}}",
             "tools",
         )
+        check_tool_schemas(tools)
         if tool_choice == "none":
             tools = None
 
@@ -229,6 +253,7 @@ def parse_request(
         "chat_template_kwargs must be an object",
         "chat_template_kwargs",
     )
+    check_template_kwargs(template_kwargs, chat_template)
     top_k = params.get("top_k")
     _require(
         top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool)),
@@ -254,10 +279,10 @@ def parse_request(
         "prompt_cache_key",
     )
     return ChatRequest(
-        messages=_messages(params.get("messages")),
+        messages=_messages(params.get("messages"), chat_template),
         max_tokens=limit,
         stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        include_usage=include_usage,
         stop=_stop(params.get("stop")),
         sampling=sampling,
         tools=[dict(t) for t in tools] if tools else None,
@@ -366,7 +391,10 @@ class ChatCompletions:
         an iterator of ChatCompletionChunk (closing it stops the generation)."""
         llm = self._llm
         request = parse_request(
-            params, served_model=llm.model_id, default_sampling=llm.default_sampling
+            params,
+            served_model=llm.model_id,
+            default_sampling=llm.default_sampling,
+            chat_template=llm.chat_template,
         )
         prompt = self._prompt(request)
         room = llm.max_seq - len(prompt.tokens)
@@ -382,12 +410,12 @@ class ChatCompletions:
         return self._completion(request, prompt, events)
 
     def _prompt(self, request: ChatRequest) -> _Prompt:
-        tokenizer = self._llm.tokenizer
-        text = self._render(request, add_generation_prompt=True)
-        tokens = tokenizer.encode(text)
+        inputs = self._template_inputs(request)
+        text = self._render(inputs, add_generation_prompt=True)
+        tokens = inputs.encode(text)
         # The conversation so far, without the generation prompt: the next turn's prompt
         # starts with it, so the engine snapshots its state there for reuse.
-        conversation = tokenizer.encode(self._render(request, add_generation_prompt=False))
+        conversation = inputs.encode(self._render(inputs, add_generation_prompt=False))
         boundary = len(conversation) if tokens[: len(conversation)] == conversation else None
         return _Prompt(
             tokens=tokens,
@@ -397,21 +425,33 @@ class ChatCompletions:
             cached=self._llm.engine.cached_prefix_length(tokens),
         )
 
-    def _render(self, request: ChatRequest, *, add_generation_prompt: bool) -> str:
-        kwargs = dict(request.template_kwargs)
-        enable_thinking = kwargs.pop("enable_thinking", None)
-        try:
-            return self._llm.chat_template.render(
-                request.messages,
-                tools=request.tools,
-                add_generation_prompt=add_generation_prompt,
-                enable_thinking=enable_thinking,
-                **kwargs,
+    def _template_inputs(self, request: ChatRequest) -> TemplateInputs:
+        """What the template renders, with control tokens in the request's text escaped when
+        the model was loaded with `escape_special_tokens` (see `lily.special_tokens`)."""
+        llm = self._llm
+        if not llm.escape_special_tokens:
+            return TemplateInputs(
+                request.messages, request.tools, request.template_kwargs, llm.tokenizer, {}
             )
-        except ChatTemplateError as e:
-            raise RequestError(
-                f"the chat template refused the request: {e}", param="messages"
-            ) from None
+        return escape_special_tokens(
+            llm.tokenizer,
+            [template_message(m) for m in request.messages],
+            request.tools,
+            request.template_kwargs,
+            template_source=llm.chat_template.source,
+        )
+
+    def _render(self, inputs: TemplateInputs, *, add_generation_prompt: bool) -> str:
+        kwargs = dict(inputs.template_kwargs)
+        enable_thinking = kwargs.pop("enable_thinking", None)
+        # Failures are named errors: ChatTemplateRefusedError is a RequestError (400).
+        return self._llm.chat_template.render(
+            inputs.messages,
+            tools=inputs.tools,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking,
+            **kwargs,
+        )
 
     def _run(
         self, request: ChatRequest, prompt: _Prompt, max_tokens: int

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,10 +20,12 @@ from typing import Literal
 import numpy as np
 
 from lily.cache import build_once, cache_root
+from lily.checkpoint_files import checkpoint_file, open_regular
 from lily.config import ModelConfig, load_config
 from lily.safetensors_mmap import (
     DATA_ALIGNMENT,
     INDEX_FILE,
+    SHARD_KIND,
     CheckpointError,
     Shard,
     TensorInfo,
@@ -47,21 +50,24 @@ DEFAULT_REPO = "mlx-community/Qwen3.6-35B-A3B-4bit"
 DEFAULT_REVISION = "38740b847e4cb78f352aba30aa41c76e08e6eb46"
 DEMO = "demo"
 
-# Only what Lily reads: weights, config, tokenizer and chat template (not the vision files).
-DOWNLOAD_PATTERNS = [
-    "*.safetensors",
-    INDEX_FILE,
-    "config.json",
+# The files besides the weights and config.json that Lily reads from a checkpoint (the
+# tokenizer, the chat template, the sampling defaults): load_checkpoint holds them to the same
+# rules as the rest (lily.checkpoint_files) before anything reads them.
+COMPANION_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
     "generation_config.json",
     "special_tokens_map.json",
-]
+)
+# Only what Lily reads: weights, config, tokenizer and chat template (not the vision files).
+DOWNLOAD_PATTERNS = ["*.safetensors", INDEX_FILE, "config.json", *COMPANION_FILES]
 
 LoadLevel = Literal["strict", "family", "auto"]
 # Disk left free after the aligned copy is written.
 ALIGNED_COPY_MARGIN_BYTES = 10**9
+# The one file of an entry of the aligned-shard store, `$LILY_CACHE/aligned/shards/<sha256>/`.
+ALIGNED_SHARD = "shard.safetensors"
 
 
 def _offline() -> bool:
@@ -131,45 +137,130 @@ def free_disk_bytes(path: Path) -> int:
     return 0
 
 
-def aligned_checkpoint(path: Path) -> Path:
+def _copied_files(path: Path, allow_external_links: bool | None) -> list[Path]:
+    """The files of a checkpoint directory its aligned copy holds: every regular file in it,
+    checked as lily.checkpoint_files requires."""
+    files = [checkpoint_file(path, item.name, allow_external_links) for item in path.iterdir()]
+    return sorted(f for f in files if f.is_file())
+
+
+def _content_digest(path: Path) -> str:
+    """SHA-256 of a file's content, remembered under `$LILY_CACHE/digests` so that 20 GB of
+    shards are not read again at every load. The memory is keyed by the file's identity, size,
+    and modification and change times: any write to the file changes its change time (which,
+    unlike the modification time, no tool can set back), so a remembered digest is always that
+    of the file's current content."""
+    with open_regular(path) as f:
+        status = os.fstat(f.fileno())
+        identity = [str(path.resolve()), status.st_dev, status.st_ino, status.st_size]
+        identity += [status.st_mtime_ns, status.st_ctime_ns]
+        key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:32]
+        remembered = cache_root() / "digests" / key / "sha256"
+        if remembered.is_file():
+            return remembered.read_text()
+        digest = hashlib.sha256()
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    hexdigest = digest.hexdigest()
+    build_once(remembered.parent, lambda out: _write_text(out / "sha256", hexdigest))
+    return hexdigest
+
+
+def _write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+
+
+def aligned_checkpoint(path: Path, allow_external_links: bool | None = None) -> Path:
     """`path` if every tensor of its shards is 16-byte aligned, else a cached aligned copy.
 
     mlx writes safetensors without padding, so mlx-community uploads and mlx-lm conversions
     generally have tensors at unaligned offsets, which the device cannot bind in place. The
-    copy is made once (streamed, same tensors; it takes as much disk as the weights) under
-    `$LILY_CACHE/aligned` (default `~/.cache/lily`), keyed by the source path and the shards'
-    sizes and modification times. Without room for the copy (its size plus 1 GB), `path` itself
-    is returned, saying so: the device then copies the unaligned tensors into its own memory at
-    every load (see `Checkpoint.unaligned`), as the reference engine always does.
+    copy is made under `$LILY_CACHE/aligned` (default `~/.cache/lily`): each shard is rewritten
+    once (streamed, same tensors; it takes as much disk as the weights) into a store keyed by
+    its content, and the directory served is keyed by the content of every file it holds, so
+    an edit to any file of `path` (a template, the config, a later generation_config.json) is
+    served at once without rewriting the shards again. Copies are built aside and renamed into
+    place, so an interrupted one leaves nothing behind that is served. Without room for the
+    shards (their size plus 1 GB), `path` itself is returned, saying so: the device then
+    copies the unaligned tensors into its own memory at every load (see
+    `Checkpoint.unaligned`), as the reference engine always does.
     """
-    shards = sorted(path.glob("*.safetensors"))
+    shards = [
+        checkpoint_file(path, shard.name, allow_external_links, SHARD_KIND)
+        for shard in sorted(path.glob("*.safetensors"))
+    ]
     if all(_is_aligned(shard) for shard in shards):
         return path
-    stats = [(s.name, s.stat().st_size, s.stat().st_mtime_ns) for s in shards]
-    key = hashlib.sha256(json.dumps([str(path.resolve()), stats]).encode()).hexdigest()[:16]
-    target = cache_root() / "aligned" / f"{path.name}-{key}"
+    files = _copied_files(path, allow_external_links)
+    shards = [f for f in files if f.suffix == ".safetensors"]
+    digests = {f.name: _content_digest(f) for f in files}
+    key = hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest()[:16]
+    aligned = cache_root() / "aligned"
+    target = aligned / f"{path.name}-{key}"
     if target.is_dir():
         return target
-    from huggingface_hub.utils import tqdm
-
-    total = sum(size for _, size, _ in stats)
-    free = free_disk_bytes(target.parent)
-    if free < total + ALIGNED_COPY_MARGIN_BYTES:
+    stored = {s.name: aligned / "shards" / digests[s.name] for s in shards}
+    missing = [s for s in shards if not stored[s.name].is_dir()]
+    total = sum(s.stat().st_size for s in missing)
+    free = free_disk_bytes(aligned)
+    if missing and free < total + ALIGNED_COPY_MARGIN_BYTES:
         print(
             f"lily: {path} is not 16-byte aligned and its aligned copy needs {total / 1e9:.2f} "
-            f"GB, but only {free / 1e9:.2f} GB are free at {target.parent}: loading it as it "
+            f"GB, but only {free / 1e9:.2f} GB are free at {aligned}: loading it as it "
             "is, copying its tensors into memory at every load (slower to load). To make the "
             "copy once instead, free disk space or point LILY_CACHE at a disk with room.",
             file=sys.stderr,
         )
         return path
-    print(
-        f"lily: {path} is not 16-byte aligned; writing an aligned copy ({total / 1e9:.2f} GB) "
-        f"to {target} (once)",
-        file=sys.stderr,
-    )
-    with tqdm(total=total, unit="B", unit_scale=True, desc="aligning checkpoint") as bar:
-        return build_once(target, lambda out: write_aligned_checkpoint(path, out, bar.update))
+    if missing:
+        print(
+            f"lily: {path} is not 16-byte aligned; writing an aligned copy "
+            f"({total / 1e9:.2f} GB) to {aligned} (once)",
+            file=sys.stderr,
+        )
+        from huggingface_hub.utils import tqdm
+
+        with tqdm(total=total, unit="B", unit_scale=True, desc="aligning checkpoint") as bar:
+            for shard in missing:
+                build_once(
+                    stored[shard.name],
+                    lambda out, shard=shard: _write_aligned_shard(shard, out, bar.update),
+                )
+
+    def serve(out: Path) -> None:
+        out.mkdir(parents=True)
+        for item in files:
+            if item.name in stored:
+                _link_or_copy(stored[item.name] / ALIGNED_SHARD, out / item.name)
+            else:
+                _copy_regular(item, out / item.name)
+
+    return build_once(target, serve)
+
+
+def _write_aligned_shard(source: Path, out: Path, progress: Callable[[int], object]) -> None:
+    out.mkdir(parents=True)
+    write_aligned_copy(source, out / ALIGNED_SHARD, progress=progress)
+
+
+def _link_or_copy(source: Path, destination: Path) -> None:
+    """A hard link (the store and the served directories share one disk), else a copy."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copyfile(source, destination)
+
+
+def _check_regular(path: Path) -> None:
+    """Refuses anything but a regular file, without opening it (a FIFO would block)."""
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise CheckpointError(f"{path} is not a regular file")
+
+
+def _copy_regular(source: Path, destination: Path) -> None:
+    with open_regular(source) as f, open(destination, "wb") as out:
+        shutil.copyfileobj(f, out)
 
 
 @dataclass(frozen=True)
@@ -196,13 +287,16 @@ def load_checkpoint(
     path: str | Path,
     level: LoadLevel = "auto",
     unaligned: Literal["copy", "refuse"] = "copy",
+    allow_external_links: bool | None = None,
 ) -> Checkpoint:
     """Open and validate the checkpoint in a directory.
 
     `level`: "strict" (the real model), "family" (same architecture, any size), or "auto"
     (strict if the config has the real model's dimensions, else family). `unaligned`: tensors
     not on 16-byte boundaries (mlx writes them so) are listed in `Checkpoint.unaligned` to be
-    copied to the device ("copy"), or make loading fail ("refuse").
+    copied to the device ("copy"), or make loading fail ("refuse"). Files must stay inside the
+    directory (see lily.checkpoint_files); `allow_external_links=True` (default: the
+    `LILY_ALLOW_EXTERNAL_LINKS` environment variable) also follows links leading elsewhere.
     """
     path = Path(path)
     if level not in ("strict", "family", "auto"):
@@ -211,10 +305,15 @@ def load_checkpoint(
         raise ValueError(f"unaligned must be 'copy' or 'refuse', not {unaligned!r}")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
-    config = load_config(path)
+    config = load_config(path, allow_external_links)
+    for name in COMPANION_FILES:
+        if os.path.lexists(path / name):
+            _check_regular(checkpoint_file(path, name, allow_external_links))
     if level == "auto":
         level = "strict" if claims_real_model(config) else "family"
-    files = open_safetensors_dir(path, alignment=1 if unaligned == "copy" else DATA_ALIGNMENT)
+    files = open_safetensors_dir(
+        path, 1 if unaligned == "copy" else DATA_ALIGNMENT, allow_external_links
+    )
     locations = files.infos
     validate(config, locations, level)
     return Checkpoint(
@@ -232,19 +331,20 @@ def write_aligned_checkpoint(
     source: str | Path,
     destination: str | Path,
     progress: Callable[[int], object] | None = None,
+    allow_external_links: bool | None = None,
 ) -> Path:
     """Copy a checkpoint directory with every shard rewritten 16-byte aligned.
 
     Files written by mlx (mlx-lm conversions, mlx-community uploads) pack the header and the
     tensors without padding, so their tensors generally do not start on 16-byte boundaries and
     a device cannot bind them in place (it would copy them at every load). The copy holds the
-    same tensors; other files are copied as is.
+    same tensors; other regular files are copied as they are.
     """
     source, destination = Path(source), Path(destination)
     destination.mkdir(parents=True, exist_ok=True)
-    for item in sorted(source.iterdir()):
+    for item in _copied_files(source, allow_external_links):
         if item.suffix == ".safetensors":
             write_aligned_copy(item, destination / item.name, progress=progress)
-        elif item.is_file():
-            shutil.copy2(item, destination / item.name)
+        else:
+            _copy_regular(item, destination / item.name)
     return destination

@@ -236,20 +236,47 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from lily.api_key import APIKeyError
     from lily.server import serve
 
-    serve(
-        args.model,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        device=args.device,
-        revision=args.revision,
-        max_seq=args.max_seq,
-        queue_limit=args.queue_limit,
-        log_level=args.log_level,
-    )
+    try:
+        serve(
+            args.model,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            api_key_file=args.api_key_file,
+            allowed_hosts=args.allowed_host,
+            cors_origins=args.cors_origin,
+            device=args.device,
+            revision=args.revision,
+            max_seq=args.max_seq,
+            queue_limit=args.queue_limit,
+            log_level=args.log_level,
+            escape_special_tokens=args.escape_special_tokens,
+        )
+    except APIKeyError as exc:
+        print(f"lily serve: error: {exc}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _cors_origin(text: str) -> str:
+    from lily.http_guard import normalized_origin
+
+    try:
+        return normalized_origin(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _allowed_host(text: str) -> str:
+    from lily.http_guard import ANY_HOST, host_name
+
+    name = text if text == ANY_HOST else host_name(text)
+    if name is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a host name")
+    return name
 
 
 # --- bench ------------------------------------------------------------------------------------
@@ -472,17 +499,46 @@ def _parser() -> argparse.ArgumentParser:
         "--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)"
     )
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port")
-    serve.add_argument(
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument(
         "--api-key",
-        default=os.environ.get("LILY_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LILY_API_KEY, or "
-        "no key)",
+        "no key); other users of the machine see it in `ps`: prefer --api-key-file",
+    )
+    key.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="read the API key from this file (one line of UTF-8)",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        type=_allowed_host,
+        metavar="NAME",
+        help="also answer requests whose Host header names NAME (localhost, IP addresses and "
+        "--host are always accepted; '*' accepts any); repeatable",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        type=_cors_origin,
+        metavar="ORIGIN",
+        help="let web pages of ORIGIN (e.g. http://localhost:3000) call the API from a browser; "
+        "repeatable (default: no CORS)",
     )
     serve.add_argument(
         "--queue-limit",
         type=int,
         default=DEFAULT_QUEUE_LIMIT,
         help="requests that may wait while one runs; more get 503 with Retry-After",
+    )
+    serve.add_argument(
+        "--escape-special-tokens",
+        action="store_true",
+        help="read control tokens such as <|im_end|> written in a request's text as plain "
+        "text, so clients cannot forge chat turns (default: off, as transformers does)",
     )
     serve.add_argument(
         "--log-level",

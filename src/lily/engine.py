@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from lily.errors import ContextLengthError
-from lily.kernels.sampling import read_logprobs, write_sampling_params
+from lily.errors import ContextLengthError, NonFiniteLogitsError
+from lily.kernels.sampling import NO_TOKEN, read_logprobs, write_sampling_params
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 from lily.model_graph import DEFAULT_MAX_CHUNK, LOGPROB_RING_SLOTS, ModelGraph, pass_flops
 from lily.reference import ReferenceModel
@@ -251,6 +251,8 @@ class DeviceEngine:
                 if not predicts:
                     continue
                 token = int(history[end])
+                if token == NO_TOKEN:
+                    raise NonFiniteLogitsError(end)
                 logprobs = None
                 if sampling.top_logprobs is not None:
                     # Slots are keyed by the position of the token the pass consumed last.
@@ -328,6 +330,8 @@ class ReferenceEngine:
         next_logits = logits[-1, : self.token_count]
         for produced in range(max_new_tokens):
             position = len(prompt) + produced
+            if np.isnan(next_logits).any() or np.isposinf(next_logits).any():
+                raise NonFiniteLogitsError(position)
             if sampling.greedy:
                 token = int(np.argmax(next_logits))
             else:

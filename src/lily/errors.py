@@ -1,5 +1,7 @@
-"""Errors a caller of the chat API can get for a bad request, shaped so the HTTP server can turn
-each into an OpenAI-style error object without guessing (`param`, `code`, HTTP status)."""
+"""The errors Lily raises by name. Request errors are shaped so the HTTP server can turn each
+into an OpenAI-style error object without guessing (`param`, `code`, HTTP status); checkpoint
+errors say what is wrong with the files being loaded; `NonFiniteLogitsError` says the model's
+arithmetic broke down during a generation."""
 
 from __future__ import annotations
 
@@ -46,3 +48,51 @@ class ModelNotFoundError(RequestError):
             param="model",
             code="model_not_found",
         )
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, malformed, or does not match what Lily expects."""
+
+
+class ConfigError(CheckpointError):
+    """config.json is missing, malformed, or describes a model Lily does not run."""
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or +inf logits, so no token was emitted from them. The engine
+    stays usable: the next generation starts from a clean state. The usual cause is a broken
+    checkpoint (NaN weights) or a config value outside what the model was trained with."""
+
+    def __init__(self, position: int):
+        super().__init__(
+            f"the model produced NaN or +inf logits at position {position}; no token was "
+            "emitted (a broken checkpoint, e.g. NaN weights, is the usual cause)"
+        )
+        self.position = position
+
+
+class ChatTemplateError(ValueError):
+    """The checkpoint's chat template cannot be used: it is missing, does not compile, or
+    includes, imports or extends other templates (a chat template must be self-contained).
+    Raised when the model is loaded; the subclasses are raised while rendering a request."""
+
+
+class ChatTemplateRefusedError(RequestError, ChatTemplateError):
+    """The template refused this conversation (its `raise_exception`) or failed on its values
+    (a type error, recursion too deep for the data): the same template renders other
+    conversations, so the request is what has to change (HTTP 400)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="messages", code="chat_template_refused")
+
+
+class ChatTemplateLimitError(ChatTemplateError):
+    """Rendering the template went over one of its bounds (`TemplateLimits`): loop steps,
+    seconds, the size of one value or of the prompt, or all the text built. With the default
+    bounds no conversation that fits the request limits gets there, so this is the checkpoint
+    template's fault, not the client's: the server answers 500 `chat_template_limit` with this
+    message and logs it; the worker is free again at once."""
+
+    def __init__(self, message: str, *, limit: str):
+        super().__init__(message)
+        self.limit = limit

@@ -9,6 +9,7 @@ from typing import Any
 
 from lily import __version__
 from lily.errors import RequestError
+from lily.sampling import MAX_SEED, MAX_TOP_K
 
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -58,7 +59,10 @@ _TOOL = {
             "properties": {
                 "name": _STRING,
                 "description": _STRING,
-                "parameters": {"type": "object"},
+                "parameters": {
+                    "type": "object",
+                    "properties": {"properties": {"type": "object"}},
+                },
                 "strict": {"type": ["boolean", "null"]},
             },
         },
@@ -91,9 +95,9 @@ CHAT_REQUEST_SCHEMA: dict[str, Any] = {
         "stop": {"type": ["string", "array", "null"], "items": _STRING},
         "temperature": _nullable("number", minimum=0, maximum=2),
         "top_p": _nullable("number", exclusiveMinimum=0, maximum=1),
-        "top_k": _nullable("integer", minimum=0),
+        "top_k": _nullable("integer", minimum=0, maximum=MAX_TOP_K),
         "min_p": _nullable("number", minimum=0, maximum=1),
-        "seed": _nullable("integer", minimum=0),
+        "seed": _nullable("integer", minimum=0, maximum=MAX_SEED),
         "logprobs": _nullable("boolean"),
         "top_logprobs": _nullable("integer", minimum=0, maximum=20),
         "tools": {"type": ["array", "null"], "items": _TOOL},
@@ -224,6 +228,7 @@ def openapi_document() -> dict[str, Any]:
         "401": _error_response("Missing or wrong API key (only with --api-key)"),
         "404": _error_response("Unknown model"),
         "413": _error_response("Body over the size limit"),
+        "415": _error_response("Content-Type is not application/json"),
         "422": _error_response("A field has the wrong type or is out of range"),
         "503": _error_response("Queue full; retry after Retry-After seconds"),
     }

@@ -26,6 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lily.checkpoint_files import checkpoint_file, open_regular, read_json_file
+from lily.errors import CheckpointError
+
 # safetensors dtype code -> numpy dtype of the exposed view (raw bits where numpy lacks the type).
 NUMPY_DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -47,6 +50,7 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
 
 DATA_ALIGNMENT = 16
 INDEX_FILE = "model.safetensors.index.json"
+SHARD_KIND = "shard file"
 _HEADER_LENGTH_BYTES = 8
 # Far above any real header (the 19.5 GB checkpoint's are well under 1 MB); guards against
 # mapping garbage as JSON.
@@ -54,10 +58,6 @@ _MAX_HEADER_BYTES = 100 << 20
 # The largest gap between consecutive tensors that still counts as padding (see
 # write_aligned_copy); used only to tell a cut-off file from offsets pointing nowhere.
 _MAX_PADDING = 64
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, malformed, or does not match what Lily expects."""
 
 
 @dataclass(frozen=True)
@@ -75,18 +75,17 @@ class TensorInfo:
 class Shard:
     """One safetensors file, mapped read-only once. `buffer` spans the whole file."""
 
-    def __init__(self, path: Path, alignment: int = DATA_ALIGNMENT) -> None:
-        self.path = path
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < _HEADER_LENGTH_BYTES:
-                    raise CheckpointError(
-                        f"{path}: truncated file ({size} bytes, shorter than the header length)"
-                    )
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except FileNotFoundError:
-            raise CheckpointError(f"missing shard file {path}") from None
+    def __init__(self, path: str | Path, alignment: int = DATA_ALIGNMENT) -> None:
+        self.path = path = Path(path)
+        if not path.exists():
+            raise CheckpointError(f"missing shard file {path}")
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < _HEADER_LENGTH_BYTES:
+                raise CheckpointError(
+                    f"{path}: truncated file ({size} bytes, shorter than the header length)"
+                )
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         # A read-only map yields a read-only numpy buffer; every tensor view inherits that.
         self.buffer = np.frombuffer(self._mmap, dtype=np.uint8)
         self.metadata, self.tensors = _parse_header(path, self.buffer, alignment)
@@ -125,8 +124,10 @@ def _parse_header(
         )
     try:
         header = json.loads(buffer[_HEADER_LENGTH_BYTES:data_start].tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # not UTF-8, not JSON, or an integer of too many digits
         raise CheckpointError(f"{path}: invalid header JSON ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: invalid header JSON (nested too deeply)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: invalid header JSON (not an object)")
 
@@ -156,7 +157,7 @@ def _parse_entry(path: Path, name: str, entry: object) -> tuple[str, tuple[int, 
     if not isinstance(entry, dict):
         raise bad("entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in NUMPY_DTYPES:
+    if not isinstance(dtype, str) or dtype not in NUMPY_DTYPES:
         raise bad(f"unsupported dtype {dtype!r}")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
@@ -303,31 +304,40 @@ def open_safetensors(
 
 
 def open_safetensors_dir(
-    directory: str | Path, alignment: int = DATA_ALIGNMENT
+    directory: str | Path,
+    alignment: int = DATA_ALIGNMENT,
+    allow_external_links: bool | None = None,
 ) -> SafetensorsCheckpoint:
     """The shards listed by `model.safetensors.index.json`, else every `*.safetensors` file.
 
     With an index, each listed tensor must be in the shard the index names, and each shard's
-    tensors must all be listed: a mismatch means a partial or mixed-up download.
+    tensors must all be listed: a mismatch means a partial or mixed-up download. Shard names
+    and links must stay inside the directory (see lily.checkpoint_files).
     """
     directory = Path(directory)
     index_path = directory / INDEX_FILE
-    if not index_path.is_file():
+    if not index_path.exists():
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"no {INDEX_FILE} and no *.safetensors files in {directory}")
-        return open_safetensors(files, alignment)
+        paths = [
+            checkpoint_file(directory, f.name, allow_external_links, SHARD_KIND) for f in files
+        ]
+        return open_safetensors(paths, alignment)
 
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index_path}: invalid index ({e})") from None
+    index = read_json_file(checkpoint_file(directory, INDEX_FILE, allow_external_links))
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(
+            f"{index_path}: invalid index (weight_map must map tensor names to file names)"
+        )
     shard_names = sorted(set(weight_map.values()))
-    checkpoint = open_safetensors((directory / n for n in shard_names), alignment)
+    paths = {
+        n: checkpoint_file(directory, n, allow_external_links, SHARD_KIND) for n in shard_names
+    }
+    checkpoint = open_safetensors(paths.values(), alignment)
     for name, shard_name in weight_map.items():
-        if name not in checkpoint or checkpoint.info(name).shard.name != shard_name:
+        if name not in checkpoint or checkpoint.info(name).shard != paths[shard_name]:
             raise CheckpointError(
                 f"{index_path}: tensor {name!r} is listed in {shard_name} but not found there"
             )

@@ -23,8 +23,16 @@ import numpy as np
 from lily.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20
+# The device sampler reads top_k as a uint32 (any value at or above the vocabulary size is off).
+MAX_TOP_K = 2**32 - 1
+# Seeds are 64-bit: the device sampler's Philox key, numpy's generator seed.
+MAX_SEED = 2**64 - 1
 # Temperatures below this decode greedily (as vLLM does), so that 1 / temperature stays finite.
 GREEDY_TEMPERATURE = 1e-5
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -47,10 +55,18 @@ class SamplingParams:
         top = self.top_logprobs
         checks = [
             ("temperature", "between 0 and 2", 0.0 <= self.temperature <= 2.0),
-            ("top_k", "an integer >= 0", isinstance(self.top_k, int) and self.top_k >= 0),
+            (
+                "top_k",
+                f"an integer from 0 to {MAX_TOP_K}",
+                _is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
+            ),
             ("top_p", "in (0, 1]", 0.0 < self.top_p <= 1.0),
             ("min_p", "in [0, 1]", 0.0 <= self.min_p <= 1.0),
-            ("seed", "an integer", self.seed is None or isinstance(self.seed, int)),
+            (
+                "seed",
+                f"an integer from 0 to {MAX_SEED}",
+                self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+            ),
             (
                 "top_logprobs",
                 f"an integer from 0 to {MAX_TOP_LOGPROBS}",

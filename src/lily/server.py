@@ -12,32 +12,36 @@ Starlette on uvicorn; it only parses, checks and relays.
 Every failure a client can cause is an OpenAI error object,
 `{"error": {"message", "type", "param", "code"}}`, with the status the `openai` SDK expects:
 400 bad request, 401 missing or wrong API key, 404 unknown model or route, 413 body over the limit,
-422 well-formed JSON whose fields have the wrong type or range, 503 queue full. Anything else is
-a 500 whose body says nothing about the server's internals (the log has the traceback).
+415 a POST that is not JSON, 422 well-formed JSON whose fields have the wrong type or range,
+503 queue full. Anything else is a 500 whose body says nothing about the server's internals (the
+log has the traceback).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from lily.api_key import bearer_key_matches, resolve_api_key
 from lily.chat import parse_request
-from lily.errors import RequestError
+from lily.errors import ChatTemplateLimitError, RequestError
+from lily.http_guard import GuardPolicy, HTTPGuard, bound_host_names
 from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
 
 if TYPE_CHECKING:
@@ -120,6 +124,10 @@ def _as_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, RequestError):
         return APIError.from_request_error(exc)
+    if isinstance(exc, ChatTemplateLimitError):
+        # The checkpoint's template, not the request, is at fault: a server error, named.
+        logger.error("chat template over its limits: %s", exc)
+        return APIError(500, str(exc), error_type="server_error", code="chat_template_limit")
     logger.error("request failed", exc_info=exc)
     return _internal_error()
 
@@ -351,10 +359,9 @@ class Server:
     def _check_api_key(self, request: Request) -> None:
         if self.api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        ):
+        # Starlette decodes header values as Latin-1: encoding back gives the bytes sent.
+        authorization = request.headers.get("authorization", "").encode("latin-1")
+        if not bearer_key_matches(authorization, self.api_key):
             raise APIError(
                 401,
                 "missing or incorrect API key: send 'Authorization: Bearer <key>'",
@@ -367,7 +374,10 @@ class Server:
         # The facade's own checks, run here too so that a bad request is refused at once
         # instead of after waiting its turn (the prompt's length is checked on the worker).
         parse_request(
-            params, served_model=self.model_id, default_sampling=self.llm.default_sampling
+            params,
+            served_model=self.model_id,
+            default_sampling=self.llm.default_sampling,
+            chat_template=self.llm.chat_template,
         )
         job = Job(params, asyncio.get_running_loop())
         try:
@@ -480,9 +490,15 @@ def create_app(
     api_key: str | None = None,
     queue_limit: int = DEFAULT_QUEUE_LIMIT,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allowed_hosts: Iterable[str] = (),
+    cors_origins: Iterable[str] = (),
 ) -> Starlette:
     """The ASGI app serving `llm`. The worker thread starts and stops with the app's lifespan;
-    the caller keeps ownership of `llm` (and closes it)."""
+    the caller keeps ownership of `llm` (and closes it).
+
+    Requests must name localhost, an IP address or one of `allowed_hosts` in their Host header,
+    and POST JSON; pages of `cors_origins` may call it from a browser (see `lily.http_guard`)."""
+    guard = GuardPolicy(allowed_hosts=allowed_hosts, cors_origins=cors_origins)
     server = Server(llm, api_key=api_key, queue_limit=queue_limit, max_body_bytes=max_body_bytes)
 
     @contextlib.asynccontextmanager
@@ -501,7 +517,10 @@ def create_app(
         Route("/openapi.json", _guarded(server.openapi), methods=["GET"]),
     ]
     app = Starlette(
-        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error},
+        middleware=[Middleware(HTTPGuard, policy=guard)],
     )
     app.state.server = server
     return app
@@ -513,24 +532,46 @@ def serve(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     api_key: str | None = None,
+    api_key_file: str | os.PathLike[str] | None = None,
+    allowed_hosts: Iterable[str] = (),
+    cors_origins: Iterable[str] = (),
     device: str = "auto",
     revision: str | None = None,
     max_seq: int | None = None,
     queue_limit: int = DEFAULT_QUEUE_LIMIT,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
+    escape_special_tokens: bool = False,
 ) -> None:
-    """Loads the model and serves it until interrupted (Ctrl-C)."""
+    """Loads the model and serves it until interrupted (Ctrl-C).
+
+    The API key is `api_key`, else the content of `api_key_file`, else `$LILY_API_KEY`. The Host
+    header may name `host` itself besides localhost, IP addresses and `allowed_hosts`."""
     import uvicorn
 
     from lily.api import load
 
+    api_key = resolve_api_key(api_key, api_key_file)
+    allowed_hosts = [*allowed_hosts, *bound_host_names(host)]
+    cors_origins = list(cors_origins)
+    GuardPolicy(allowed_hosts=allowed_hosts, cors_origins=cors_origins)  # fails before the load
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
-    with load(model, revision=revision, device=device, max_seq=max_seq) as llm:
+    with load(
+        model,
+        revision=revision,
+        device=device,
+        max_seq=max_seq,
+        escape_special_tokens=escape_special_tokens,
+    ) as llm:
         app = create_app(
-            llm, api_key=api_key, queue_limit=queue_limit, max_body_bytes=max_body_bytes
+            llm,
+            api_key=api_key,
+            queue_limit=queue_limit,
+            max_body_bytes=max_body_bytes,
+            allowed_hosts=allowed_hosts,
+            cors_origins=cors_origins,
         )
         logger.info("serving %s on %s at http://%s:%d/v1", llm.model_id, llm.device, host, port)
         # On Ctrl-C, streams still running get a few seconds, then are cancelled (which stops

@@ -97,6 +97,7 @@ class Tokenizer:
         # are not special (`<think>`, `<tool_call>`) stay, since the output parsers read them.
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
         self._bytes_cache: dict[int, bytes] = {}
+        self._plain_backend: tokenizers.Tokenizer | None = None
 
     @staticmethod
     def _check_byte_level(backend: tokenizers.Tokenizer) -> None:
@@ -146,6 +147,20 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; added tokens written in the text become their ids; no BOS."""
         return self._backend.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_token_texts(self) -> frozenset[str]:
+        """The text of each control token (`<|im_start|>`, `<|im_end|>`, ...)."""
+        return frozenset(self._added_text[i] for i in self.special_token_ids)
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of `text` with control tokens written in it read as ordinary text
+        (`<|im_end|>` becomes `<`, `|`, `im`, ... rather than the control token)."""
+        if self._plain_backend is None:
+            # A private copy, so that the flag never changes what `encode` does.
+            self._plain_backend = tokenizers.Tokenizer.from_str(self._backend.to_str())
+            self._plain_backend.encode_special_tokens = True
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of a whole id sequence (invalid UTF-8 becomes U+FFFD)."""

@@ -41,6 +41,9 @@ PARAMETER_END = "</parameter>"
 # Any of these ends a parameter value; only the first is the well-formed one.
 _VALUE_ENDS = (PARAMETER_END, PARAMETER_START, FUNCTION_END, TOOL_CALL_END)
 _INTEGER = re.compile(r"[-+]?\d+")
+# Python refuses to convert longer digit strings (sys.get_int_max_str_digits, 4300 by default);
+# a longer "integer" stays text.
+MAX_INTEGER_DIGITS = 4300
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ def _as_type(text: str, json_type: str) -> tuple[bool, Any]:
         lowered = stripped.lower()
         return lowered in ("true", "false"), lowered == "true"
     if json_type in ("integer", "number") and _INTEGER.fullmatch(stripped):
+        if len(stripped.lstrip("+-")) > MAX_INTEGER_DIGITS:
+            return False, None  # past what Python converts (and what any tool takes)
         return True, int(stripped)
     if json_type == "integer":
         try:
@@ -120,7 +125,7 @@ def _as_type(text: str, json_type: str) -> tuple[bool, Any]:
     if json_type in ("object", "array"):
         try:
             value = json.loads(stripped)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # also integers past Python's digit limit
             return False, None
         return isinstance(value, dict if json_type == "object" else list), value
     return False, None
@@ -148,8 +153,13 @@ def _parameter_schemas(tools: Iterable[Mapping[str, Any]]) -> dict[str, dict[str
     schemas = {}
     for tool in tools:
         function = tool.get("function", tool)
-        properties = (function.get("parameters") or {}).get("properties") or {}
-        schemas[function.get("name")] = dict(properties)
+        parameters = function.get("parameters")
+        properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+        if not isinstance(properties, Mapping):
+            properties = {}  # a malformed schema types nothing: every value stays text
+        schemas[function.get("name")] = {
+            name: schema for name, schema in properties.items() if isinstance(schema, Mapping)
+        }
     return schemas
 
 

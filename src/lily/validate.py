@@ -239,7 +239,7 @@ def _check_family_config(config: ModelConfig) -> list[str]:
         for key in FAMILY_FIXED
         if getattr(c, key) != REAL_MODEL[key]
     ]
-    interval = int(_text_config(c).get("full_attention_interval", 4))
+    interval = c.full_attention_interval
     pattern = tuple(
         FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
         for i in range(c.num_hidden_layers)

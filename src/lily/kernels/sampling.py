@@ -23,7 +23,9 @@ every quantity in fp32:
    25 nats below the most likely one can never be drawn (its true probability is < 1e-11).
 
 The most likely token always survives the filters. Ties in the sampling race go to the lowest
-id (probability ~0). NaN logits are not supported.
+id (probability ~0). A -inf logit is a token that cannot be drawn. A row holding a NaN or +inf
+logit is refused: the draw is `NO_TOKEN` and no log-probabilities are written (the engine then
+raises `NonFiniteLogitsError`).
 
 Log-probabilities (when requested) are those of the model's own distribution, the log_softmax of
 the raw logits (before temperature and filtering, as OpenAI reports them): the chosen token's,
@@ -54,6 +56,8 @@ if TYPE_CHECKING:
     from lily.device import Buffer, Device, Graph
 
 SAMPLE_THREADS = 1024
+# The draw of a refused row (a NaN or +inf logit): no token id.
+NO_TOKEN = 0xFFFFFFFF
 # sampling.metal's GATHER_CAPACITY: when top_k <= threads, the tokens at or above a cheap lower
 # bound on the k-th largest z (the k-th largest of the threads' own maxima) are gathered into
 # threadgroup memory if at most this many, and the later passes read only those.

@@ -1,0 +1,121 @@
+"""Checks of what a request hands the chat template: message fields, tool-call arguments, tool
+schemas and template keywords. Each refusal names the field (`RequestError.param`), so a typo or
+a wrong type is answered with a 400 instead of being silently ignored by the template (a
+misspelled `enable_thinking` would leave thinking on) or failing deep inside it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lily.chat_template import ChatTemplate, parse_arguments
+from lily.errors import ChatTemplateRefusedError, RequestError
+
+# The fields of an OpenAI chat message (request side, and what a response message dumps to, so
+# that clients can send an answer back as the next turn's history).
+OPENAI_MESSAGE_FIELDS = frozenset(
+    {
+        "role",
+        "content",
+        "name",
+        "tool_calls",
+        "tool_call_id",
+        "reasoning_content",
+        "refusal",
+        "annotations",
+        "audio",
+        "function_call",
+    }
+)
+
+
+def check_message_fields(
+    message: Mapping[str, Any], param: str, template: ChatTemplate | None
+) -> None:
+    """Every field is an OpenAI message field or one the template reads; a null field counts as
+    absent (as at the top level of a request)."""
+    allowed = OPENAI_MESSAGE_FIELDS | (template.message_fields if template else frozenset())
+    unknown = sorted(k for k, v in message.items() if k not in allowed and v is not None)
+    if unknown:
+        raise RequestError(
+            f"{param} has field(s) neither OpenAI's chat format nor the chat template knows: "
+            f"{', '.join(map(str, unknown))}",
+            param=f"{param}.{unknown[0]}",
+            code="unknown_field",
+        )
+
+
+def check_tool_calls(calls: Any, param: str) -> None:
+    """An assistant message's `tool_calls`: a list of {"function": {"name", "arguments"}},
+    the arguments being a JSON object text, as OpenAI sends them."""
+    if calls is None:
+        return
+    if not isinstance(calls, Sequence) or isinstance(calls, str):
+        raise RequestError("tool_calls must be a list", param=param)
+    for j, call in enumerate(calls):
+        where = f"{param}[{j}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise RequestError(
+                "a tool call must be {'function': {'name': ..., 'arguments': ...}}",
+                param=f"{where}.function",
+            )
+        arguments = function.get("arguments", "")
+        if not isinstance(arguments, str):
+            raise RequestError(
+                "arguments must be a string holding a JSON object, as OpenAI sends it",
+                param=f"{where}.function.arguments",
+            )
+        try:
+            parse_arguments(arguments)
+        except ChatTemplateRefusedError as e:
+            raise RequestError(e.message, param=f"{where}.function.arguments") from None
+
+
+def check_tool_schemas(tools: Sequence[Mapping[str, Any]]) -> None:
+    """Each tool's `parameters` is a JSON schema object whose `properties` map names to schema
+    objects (the tool-call parser types the model's values with them)."""
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}].function.parameters"
+        parameters = tool["function"].get("parameters")
+        if parameters is None:
+            continue
+        if not isinstance(parameters, Mapping):
+            raise RequestError("parameters must be a JSON schema object", param=where)
+        properties = parameters.get("properties")
+        if properties is None:
+            continue
+        if not isinstance(properties, Mapping):
+            raise RequestError(
+                "properties must be an object mapping parameter names to JSON schemas",
+                param=f"{where}.properties",
+            )
+        for name, schema in properties.items():
+            if not isinstance(schema, Mapping):
+                raise RequestError(
+                    "a parameter's schema must be an object", param=f"{where}.properties.{name}"
+                )
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any], template: ChatTemplate | None) -> None:
+    """Template keywords may set only variables the template reads, and not those the renderer
+    sets from the request itself; `enable_thinking` must be a boolean (the template tests
+    `is false`, so "false" would leave thinking on)."""
+    for key, value in kwargs.items():
+        param = f"chat_template_kwargs.{key}"
+        if template is not None and key in template.reserved_variables:
+            raise RequestError(
+                f"{param} is set by Lily from the request itself (messages, tools, ...), "
+                "not by a template keyword",
+                param=param,
+                code="reserved_template_variable",
+            )
+        if template is not None and key not in template.keyword_variables:
+            known = ", ".join(sorted(template.keyword_variables)) or "none"
+            raise RequestError(
+                f"the chat template reads no variable {key!r} (it reads: {known})",
+                param=param,
+                code="unknown_template_variable",
+            )
+        if key == "enable_thinking" and not isinstance(value, bool):
+            raise RequestError("enable_thinking must be a boolean", param=param)
