@@ -352,7 +352,7 @@ def test_different_seeds_give_different_tokens():
     logits = peaked_logits(500, seed=4)
     runs = [
         device_sample(device, logits, SamplingParams(temperature=1.0, seed=seed), draws=100)[0]
-        for seed in (1, 2, 2**32 + 1, -1)
+        for seed in (1, 2, 2**32 + 1, 2**64 - 1)
     ]
     for i in range(len(runs)):
         for j in range(i):

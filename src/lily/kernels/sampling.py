@@ -73,8 +73,8 @@ _LOWEST_FLOAT32 = float(np.finfo(np.float32).min)
 
 
 def pack_sampling_params(params: SamplingParams) -> bytes:
-    """The bytes of the device-side SamplingParams struct. The seed (which must be set) is taken
-    modulo 2^64, a negative seed as its two's complement."""
+    """The bytes of the device-side SamplingParams struct. The seed (which must be set, in
+    [0, 2^64)) is split into its low and high 32 bits."""
     if params.seed is None:
         raise ValueError("the device sampler needs a concrete seed (SamplingParams.with_seed)")
     inverse_temperature = 0.0 if params.greedy else 1.0 / params.temperature
