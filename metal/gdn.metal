@@ -68,22 +68,27 @@ inline GdnGates gdn_gates(float a, float b, float a_log, bfloat dt_bias) {
 // row, and the rows' dependency chains overlap. Each row's arithmetic is as if done alone.
 inline float4 gdn_update_rows(thread float (*s)[kKeyPerLane], thread const float* q,
                               thread const float* k, GdnGates gates, float4 v) {
-  float4 predicted = float4(0.0f);
+  // Per-row sums in scalars, packed for each reduction: accumulating into a vector's elements by
+  // a loop index makes the sim's compiler go through memory.
+  float predicted[kRowsPerSimdgroup];
   for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    predicted[r] = 0.0f;
     for (uint j = 0; j < kKeyPerLane; ++j) {
       s[r][j] = gates.decay * s[r][j];
       predicted[r] += s[r][j] * k[j];
     }
   }
-  const float4 delta = gates.beta * (v - simd_sum(predicted));
-  float4 o = float4(0.0f);
+  const float4 delta =
+      gates.beta * (v - simd_sum(float4(predicted[0], predicted[1], predicted[2], predicted[3])));
+  float o[kRowsPerSimdgroup];
   for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    o[r] = 0.0f;
     for (uint j = 0; j < kKeyPerLane; ++j) {
       s[r][j] += delta[r] * k[j];
       o[r] += s[r][j] * q[j];
     }
   }
-  return simd_sum(o);
+  return simd_sum(float4(o[0], o[1], o[2], o[3]));
 }
 
 // Writes this simdgroup's rows' readouts into a head's readout buffer.
@@ -95,17 +100,19 @@ inline void store_readout(float4 o, threadgroup float* readout, uint simd_index,
   }
 }
 
-// out = rmsnorm(readout) * norm_weight * silu(z) over one head. Every simdgroup reduces the
-// whole head itself, which saves a second barrier; readout must be complete (after a barrier).
+// out = rmsnorm(readout) * norm_weight * silu(z) over one head. The calling simdgroup reduces the
+// whole head itself; readout must be complete (after a barrier). It writes out[first],
+// out[first + stride], ...: the simdgroup alone (lane, SIMD_WIDTH), or several simdgroups that
+// all call it splitting the outputs (thread index, threads).
 inline void gdn_gated_rms_norm(threadgroup const float* readout, device const bfloat* norm_weight,
                                device const float* z, float eps, device float* out,
-                               uint thread_index, uint threads, uint lane) {
+                               uint first, uint stride, uint lane) {
   float o_sq = 0.0f;
   for (uint i = lane; i < kValueDim; i += SIMD_WIDTH) {
     o_sq += readout[i] * readout[i];
   }
   const float inv_rms = rsqrt(simd_sum(o_sq) / float(kValueDim) + eps);
-  for (uint i = thread_index; i < kValueDim; i += threads) {
+  for (uint i = first; i < kValueDim; i += stride) {
     out[i] = readout[i] * inv_rms * float(norm_weight[i]) * silu(z[i]);
   }
 }
@@ -176,37 +183,61 @@ struct GdnChunkParams {
   float norm_eps;  // of the gated RMSNorm
 };
 
-// What one token brings to this lane in the chunk kernel: its raw q and k dims, v of this
-// simdgroup's rows, and the head's a and b.
-struct GdnChunkToken {
-  float q[kKeyPerLane];
-  float k[kKeyPerLane];
-  float4 v;
-  float a;
-  float b;
+// The chunk kernel takes its tokens in blocks. Per block: each of the first `count` simdgroups
+// prepares one token (q/k norms and gates, into threadgroup memory); after a barrier every
+// simdgroup scans the block's tokens through its state rows, writing readouts; after a second
+// barrier each of the first `count` simdgroups normalises one token's readout into the output,
+// while the next block is prepared. Per token a lane thus pays for the two row reductions only,
+// and the per-token work every lane would repeat is done once.
+constexpr constant uint kBlockTokens = 16;
+static_assert(kBlockTokens <= kSimdgroups, "one simdgroup prepares each token of a block");
+
+// A block's prepared tokens: L2-normalised q and k (q also scaled), and the gates.
+struct GdnBlock {
+  float q[kBlockTokens][kKeyDim];
+  float k[kBlockTokens][kKeyDim];
+  GdnGates gates[kBlockTokens];
 };
 
-inline GdnChunkToken load_chunk_token(device const float* qkv_row, device const float* a_row,
-                                      device const float* b_row, uint key_head, uint head,
-                                      uint key_total, uint simd_index, uint lane) {
-  GdnChunkToken token;
-  load_qk(qkv_row + key_head * kKeyDim, qkv_row + key_total + key_head * kKeyDim, lane, token.q,
-          token.k);
-  device const float* v_in = qkv_row + 2 * key_total + head * kValueDim + simd_index;
-  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
-    token.v[r] = v_in[kSimdgroups * r];
+// Simdgroup `simd_index` < count prepares token first + simd_index of the chunk.
+inline void prepare_block_token(threadgroup GdnBlock& block, device const float* qkv,
+                                device const float* a, device const float* b, uint first,
+                                uint count, uint conv_dim, uint key_head, uint head,
+                                uint num_value_heads, uint key_total, float a_log_head,
+                                bfloat dt_bias_head, uint simd_index, uint lane) {
+  if (simd_index >= count) return;
+  const uint token = first + simd_index;
+  device const float* row = qkv + ulong(token) * conv_dim;
+  float q[kKeyPerLane];
+  float k[kKeyPerLane];
+  load_qk(row + key_head * kKeyDim, row + key_total + key_head * kKeyDim, lane, q, k);
+  normalize_qk(q, k);
+  for (uint j = 0; j < kKeyPerLane; ++j) {
+    block.q[simd_index][lane + SIMD_WIDTH * j] = q[j];
+    block.k[simd_index][lane + SIMD_WIDTH * j] = k[j];
   }
-  token.a = a_row[head];
-  token.b = b_row[head];
-  return token;
+  if (lane == 0) {
+    block.gates[simd_index] = gdn_gates(a[token * num_value_heads + head],
+                                        b[token * num_value_heads + head], a_log_head,
+                                        dt_bias_head);
+  }
+}
+
+// v of this simdgroup's rows for one token.
+inline float4 load_rows_v(device const float* qkv, uint token, uint conv_dim, uint key_total,
+                          uint head, uint simd_index) {
+  device const float* v_in =
+      qkv + ulong(token) * conv_dim + 2 * key_total + head * kValueDim + simd_index;
+  float4 v;
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    v[r] = v_in[kSimdgroups * r];
+  }
+  return v;
 }
 
 // One threadgroup of exactly kSimdgroups * 32 threads per value head scans the chunk's tokens
 // in order, with the head's state in registers: read from device memory before the first token
-// and written back after the last. Each token's inputs are loaded one token ahead so their latency overlaps the
-// previous token's reductions. The readout alternates between two buffers: a simdgroup can only
-// write one again after passing the next token's barrier, which every simdgroup reaches only
-// once it has finished reading that buffer, so one barrier per token suffices.
+// and written back after the last.
 [[kernel]] void gdn_chunk(
     constant GdnChunkParams& params [[buffer(0)]],
     device const float* qkv [[buffer(1)]],  // conv output [tokens, q Hk*Dk | k Hk*Dk | v Hv*Dv]
@@ -219,11 +250,10 @@ inline GdnChunkToken load_chunk_token(device const float* qkv_row, device const 
     device float* state [[buffer(8)]],               // [Hv, Dv, Dk], updated in place
     device float* out [[buffer(9)]],                 // [tokens, Hv*Dv]
     uint head [[threadgroup_position_in_grid]],
-    uint thread_index [[thread_index_in_threadgroup]],
-    uint threads [[threads_per_threadgroup]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float readout[2 * kValueDim];
+  threadgroup GdnBlock block;
+  threadgroup float readout[kBlockTokens * kValueDim];
 
   const uint num_value_heads = params.num_value_heads;
   const uint key_head = head / (num_value_heads / params.num_key_heads);
@@ -243,25 +273,39 @@ inline GdnChunkToken load_chunk_token(device const float* qkv_row, device const 
     }
   }
 
-  GdnChunkToken next = load_chunk_token(qkv, a, b, key_head, head, key_total, simd_index, lane);
-  for (uint token = 0; token < tokens; ++token) {
-    GdnChunkToken current = next;
-    if (token + 1 < tokens) {
-      const uint ahead = token + 1;
-      next = load_chunk_token(qkv + ahead * conv_dim, a + ahead * num_value_heads,
-                              b + ahead * num_value_heads, key_head, head, key_total, simd_index,
-                              lane);
+  uint count = min(tokens, kBlockTokens);
+  prepare_block_token(block, qkv, a, b, 0, count, conv_dim, key_head, head, num_value_heads,
+                      key_total, a_log_head, dt_bias_head, simd_index, lane);
+  for (uint first = 0; first < tokens; first += kBlockTokens) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the block is prepared
+    float4 v = load_rows_v(qkv, first, conv_dim, key_total, head, simd_index);
+    for (uint t = 0; t < count; ++t) {
+      const float4 current_v = v;
+      if (t + 1 < count) v = load_rows_v(qkv, first + t + 1, conv_dim, key_total, head, simd_index);
+      float q[kKeyPerLane];
+      float k[kKeyPerLane];
+      for (uint j = 0; j < kKeyPerLane; ++j) {
+        q[j] = block.q[t][lane + SIMD_WIDTH * j];
+        k[j] = block.k[t][lane + SIMD_WIDTH * j];
+      }
+      store_readout(gdn_update_rows(s, q, k, block.gates[t], current_v),
+                    readout + t * kValueDim, simd_index, lane);
     }
-    normalize_qk(current.q, current.k);
-    const GdnGates gates = gdn_gates(current.a, current.b, a_log_head, dt_bias_head);
-    threadgroup float* slot = readout + (token % 2) * kValueDim;
-    store_readout(gdn_update_rows(s, current.q, current.k, gates, current.v), slot, simd_index,
-                  lane);
+    // The readouts are complete, and every simdgroup is done with the block's q, k and gates.
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    const uint offset = token * value_total + head * kValueDim;
-    gdn_gated_rms_norm(slot, norm_weight, z + offset, params.norm_eps, out + offset,
-                       thread_index, threads, lane);
+    if (simd_index < count) {
+      const uint offset = (first + simd_index) * value_total + head * kValueDim;
+      gdn_gated_rms_norm(readout + simd_index * kValueDim, norm_weight, z + offset,
+                         params.norm_eps, out + offset, lane, SIMD_WIDTH, lane);
+    }
+    const uint next = first + kBlockTokens;
+    const uint next_count = next < tokens ? min(tokens - next, kBlockTokens) : 0;
+    prepare_block_token(block, qkv, a, b, next, next_count, conv_dim, key_head, head,
+                        num_value_heads, key_total, a_log_head, dt_bias_head, simd_index, lane);
+    // The next block's scan overwrites readouts still being normalised.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    count = next_count;
   }
 
   for (uint r = 0; r < kRowsPerSimdgroup; ++r) {

@@ -61,6 +61,10 @@ def test_divergent_simd_collectives(dev):
     assert "simd_sum" in msg and "simd_max" in msg
 
 
+def test_products_in_divergent_control_flow(dev):
+    expect_error(dev, "broken_divergent_product", r"simdgroup_matrix multiply", threads=32)
+
+
 def test_simd_collective_against_barrier(dev):
     expect_error(dev, "broken_simd_vs_barrier", r"simd_sum.*threadgroup_barrier", threads=32)
 

@@ -162,6 +162,26 @@ def test_simdgroup_multiply_accumulate(dev, dtype):
     assert (np.abs(got - exact) <= tol).all()
 
 
+def test_simdgroup_products_keep_program_order(dev):
+    """The sim queues products and computes them together; every result must still be the one
+    the program order gives, whoever reads it and whenever."""
+    a = np.random.default_rng(9).uniform(-1, 1, (8, 8)).astype(np.float32)
+    out = np.zeros(128 + 32, dtype=np.float32)
+    run(dev, "test_simdgroup_products_in_order", 1, 32, {0: a, 1: out})
+    a64 = a.astype(np.float64)
+    p = a64 @ a64
+    q = p @ a64
+    np.testing.assert_allclose(out[:64].reshape(8, 8), q @ a64 + p, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[64:128].reshape(8, 8), q, rtol=1e-5, atol=1e-5)
+    # Apple's layout: lane l holds row ((l / 4) & 4) + (l / 2) % 4, columns from
+    # ((l / 4) & 2) * 2 + (l % 2) * 2; element 1 is the second of them.
+    lanes = np.arange(32)
+    rows = ((lanes // 4) & 4) + (lanes // 2) % 4
+    cols = ((lanes // 4) & 2) * 2 + (lanes % 2) * 2 + 1
+    expected = np.where(lanes % 2 == 0, q[rows, cols], -1.0)
+    np.testing.assert_allclose(out[128:], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_simdgroup_tiles_with_origins_and_transpose(dev):
     rng = np.random.default_rng(6)
     a = rng.standard_normal((16, 16)).astype(np.float16)

@@ -42,6 +42,7 @@ namespace {
 
 constexpr size_t kStackSize = 64 * 1024;
 constexpr size_t kGuardSize = 4096;
+constexpr size_t kStackColours = 64;
 constexpr size_t kStackSlot = kStackSize + kGuardSize;
 constexpr size_t kAltStackSize = 64 * 1024;
 constexpr unsigned kMaxThreadgroupVariables = 64;
@@ -116,6 +117,7 @@ class Worker {
  public:
   Worker() {
     lanes_.resize(kMaxThreadsPerThreadgroup);
+    deferred_.resize(kMaxThreadsPerThreadgroup / kSimdWidth);
     order_.reserve(kMaxThreadsPerThreadgroup);
     void* stacks = mmap(nullptr, kStackSlot * kMaxThreadsPerThreadgroup, PROT_NONE,
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -173,6 +175,7 @@ class Worker {
   static void lane_main(void* arg);
 
   std::vector<LaneSlot> lanes_;
+  std::vector<DeferredMatrixOps> deferred_;  // by simdgroup
   std::vector<uint32_t> order_;
   std::vector<std::vector<uint32_t>> simdgroup_order_;  // order_ split by simdgroup
   std::vector<int32_t> free_stacks_;
@@ -227,7 +230,10 @@ void Worker::start_lane(LaneSlot& s) {
   s.stack = free_stacks_.back();
   free_stacks_.pop_back();
   char* stack = stacks_ + size_t(s.stack) * kStackSlot + kGuardSize;
-  fiber_prepare(s.context, stack, kStackSize, &Worker::lane_main, &s);
+  // Stack tops a whole number of pages apart would all fall in the same few cache sets, and every
+  // collective touches every lane's top of stack: start each lane's a different cache line in.
+  const size_t colour = size_t(s.stack) % kStackColours * 64;
+  fiber_prepare(s.context, stack, kStackSize - colour, &Worker::lane_main, &s);
 }
 
 void Worker::run_lane(LaneSlot& s) {
@@ -361,6 +367,8 @@ void Worker::run_threadgroup(const PreparedDispatch& d, uint64_t group, LaneOrde
     l.buffers = d.buffers;
     l.threadgroup_args = threadgroup_args_;
     l.group = this;
+    l.deferred = &deferred_[i / kSimdWidth];
+    l.deferred->count[i % kSimdWidth] = 0;
     s.state = LaneState::not_started;
   }
 
@@ -554,7 +562,9 @@ void Worker::barrier_failure(uint32_t base, uint32_t end, const LaneSlot& barrie
 
 // ---- the calls kernels make --------------------------------------------------------------------
 
-void simd_rendezvous(const CallSite& site, CollectiveOp op, const void* in, void* out) {
+namespace {
+
+void wait_for_simdgroup(const CallSite& site, CollectiveOp op, const void* in, void* out) {
   auto* s = reinterpret_cast<LaneSlot*>(current_lane);
   s->state = LaneState::waiting_simd;
   s->site = site;
@@ -564,7 +574,54 @@ void simd_rendezvous(const CallSite& site, CollectiveOp op, const void* in, void
   fiber_switch(s->context, static_cast<Worker*>(s->lane.group)->scheduler);
 }
 
+std::string describe_op(const DeferredMatrixOp& op) {
+  return std::string(op.file) + ":" + std::to_string(op.line);
+}
+
+// Every lane of the simdgroup has queued the same products (the same call sites in the same
+// order), so position i of every lane's queue is one product.
+void run_deferred_matrix_ops(const CollectiveSlots& slots) {
+  if (slots.active_mask != 0xffffffffu)
+    fail("simdgroup_matrix multiply with inactive lanes in the simdgroup");
+  auto& queue = *static_cast<DeferredMatrixOps*>(slots.out[0]);
+  const unsigned count = queue.count[0];
+  for (unsigned l = 1; l < kSimdWidth; ++l) {
+    if (queue.count[l] != count) {
+      throw Failure{"simdgroup_matrix multiply in divergent control flow: lane 0 issued " +
+                    std::to_string(count) + " products, lane " + std::to_string(l) + " " +
+                    std::to_string(queue.count[l])};
+    }
+  }
+  for (unsigned i = 0; i < count; ++i) {
+    const DeferredMatrixOp* lanes = queue.ops[i];
+    for (unsigned l = 1; l < kSimdWidth; ++l) {
+      if (lanes[l].line != lanes[0].line ||
+          (lanes[l].file != lanes[0].file && std::strcmp(lanes[l].file, lanes[0].file))) {
+        throw Failure{"simdgroup_matrix multiply in divergent control flow: lane 0 at " +
+                      describe_op(lanes[0]) + ", lane " + std::to_string(l) + " at " +
+                      describe_op(lanes[l])};
+      }
+    }
+    lanes[0].run(lanes);
+  }
+  for (unsigned l = 0; l < kSimdWidth; ++l) queue.count[l] = 0;
+}
+
+constexpr CallSite kMatrixFlushSite{"<queued products>", 0, "simdgroup_matrix multiply"};
+
+}  // namespace
+
+void flush_matrix_ops() {
+  wait_for_simdgroup(kMatrixFlushSite, &run_deferred_matrix_ops, nullptr, current_lane->deferred);
+}
+
+void simd_rendezvous(const CallSite& site, CollectiveOp op, const void* in, void* out) {
+  if (current_lane->deferred->count[current_lane->thread_index_in_simdgroup]) flush_matrix_ops();
+  wait_for_simdgroup(site, op, in, out);
+}
+
 void threadgroup_rendezvous(const CallSite& site) {
+  if (current_lane->deferred->count[current_lane->thread_index_in_simdgroup]) flush_matrix_ops();
   auto* s = reinterpret_cast<LaneSlot*>(current_lane);
   s->state = LaneState::waiting_barrier;
   s->site = site;

@@ -33,6 +33,15 @@ using namespace metal;
   out[lane] = v;
 }
 
+// Half a simdgroup multiplies matrices.
+[[kernel]] void broken_divergent_product(device float* out [[buffer(0)]],
+                                         ushort lane [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
+  simdgroup_float8x8 d = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  if (lane < 16) simdgroup_multiply_accumulate(d, m, m, d);
+  simdgroup_store(d, out, 8);
+}
+
 // One simdgroup waits at a simd collective while the other lanes of it are at a barrier.
 [[kernel]] void broken_simd_vs_barrier(device float* out [[buffer(0)]],
                                        ushort lane [[thread_index_in_simdgroup]]) {

@@ -124,6 +124,28 @@ template [[host_name("test_simdgroup_mma_bfloat")]] [[kernel]] decltype(test_sim
   }
 }
 
+// Products whose results are used in every way the sim's queue of products must honour: as an
+// operand of the next product, read by half the lanes only, accumulated into, left unread in a
+// matrix that goes out of scope, and stored.
+[[kernel]] void test_simdgroup_products_in_order(device const float* a [[buffer(0)]],
+                                                 device float* out [[buffer(1)]],
+                                                 ushort lane [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 ma, p, q;
+  simdgroup_load(ma, a, 8);
+  simdgroup_multiply(p, ma, ma);  // P = A A
+  simdgroup_multiply(q, p, ma);   // Q = P A
+  float seen = -1.0f;
+  if (lane % 2 == 0) seen = q.thread_elements()[1];
+  simdgroup_multiply_accumulate(p, q, ma, p);  // P = Q A + P
+  {
+    simdgroup_float8x8 unread;
+    simdgroup_multiply(unread, q, q);
+  }
+  simdgroup_store(p, out, 8);
+  simdgroup_store(q, out + 64, 8);
+  out[128 + lane] = seen;
+}
+
 // Every element of an 8x8 matrix set to the lane that holds it, through thread_elements().
 [[kernel]] void test_simdgroup_layout(device float* out [[buffer(0)]],
                                       ushort lane [[thread_index_in_simdgroup]]) {

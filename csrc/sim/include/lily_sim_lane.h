@@ -24,6 +24,30 @@ struct CallSite {
   const char* what;  // "threadgroup_barrier", "simd_sum", ...
 };
 
+// A simdgroup_multiply(_accumulate) needs every lane's operands, so on the sim it is a collective,
+// and one rendezvous per 8x8x8 product would dominate the time of every GEMM kernel. Instead each
+// lane queues its part of a product (its elements of A and B, captured when issued) and the
+// simdgroup computes the whole queue at one rendezvous, in issue order, when a result is needed:
+// a lane reads, overwrites or destroys a pending destination matrix, uses one as A or B, fills its
+// queue, or reaches any other collective or barrier. The results are those of computing each
+// product where it was issued.
+struct DeferredMatrixOp {
+  const char* file;
+  unsigned line;
+  // Computes all 32 lanes' results (lanes[l]: lane l's part) and clears their d_pending.
+  void (*run)(const DeferredMatrixOp* lanes);
+  float a[2], b[2], c[2];  // this lane's elements of A and B, and of C unless c_source is set
+  const void* c_source;    // C's elements, read when run: C is an earlier queued product
+  void* d;                 // D's elements
+  unsigned char* d_pending;
+};
+static constexpr unsigned kMaxDeferredMatrixOps = 64;
+// A simdgroup's queues, position-major so that computing one product reads adjacent memory.
+struct DeferredMatrixOps {
+  unsigned count[32];  // by lane
+  DeferredMatrixOp ops[kMaxDeferredMatrixOps][32];
+};
+
 struct Ids3 {
   uint32_t x, y, z;
 };
@@ -43,6 +67,7 @@ struct Lane {
   void* const* buffers;             // by [[buffer(n)]] index; unbound ones point at PROT_NONE pages
   void* const* threadgroup_args;    // by [[threadgroup(n)]] index
   void* group;                      // the runtime's threadgroup state (opaque here)
+  DeferredMatrixOps* deferred;      // the simdgroup's queued simdgroup-matrix products
 };
 
 static constexpr unsigned kMaxBufferBindings = 31;
@@ -64,6 +89,8 @@ extern thread_local constinit Lane* current_lane LILY_SIM_FAST_TLS;
 void simd_rendezvous(const CallSite& site, CollectiveOp op, const void* in, void* out);
 // Suspends the current lane until every live lane of the threadgroup reaches this barrier.
 void threadgroup_rendezvous(const CallSite& site);
+// Computes the queued simdgroup-matrix products of the current lane's simdgroup (a rendezvous).
+void flush_matrix_ops();
 // The element size and extents of a threadgroup array, for the checker's messages.
 struct ArrayShape {
   uint32_t element_bytes;

@@ -14,7 +14,7 @@ import struct
 from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
-    from lily.device import Buffer
+    from lily.device import Buffer, Kernel
 
 BufferRef = Union["Buffer", tuple["Buffer", int]]
 
@@ -54,6 +54,21 @@ def element_type(dtype: str) -> str:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def threads_within(kernel: Kernel, preferred: int) -> int:
+    """Threads per threadgroup for a kernel that works with any whole number of SIMD-groups:
+    `preferred`, or fewer when the pipeline allows fewer. Metal's limit
+    (maxTotalThreadsPerThreadgroup) depends on the compiled kernel's register use, so it is
+    only known once the pipeline exists; kernels that need an exact count are refused with a
+    clear error by the device instead."""
+    limit = kernel.max_threads_per_threadgroup // 32 * 32
+    if limit < 32:
+        raise ValueError(
+            f"the pipeline allows {kernel.max_threads_per_threadgroup} threads per "
+            "threadgroup, less than one SIMD-group"
+        )
+    return min(preferred, limit)
 
 
 def pack_params(fmt: str, *values: int | float) -> bytes:

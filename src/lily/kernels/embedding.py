@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lily.kernels import BufferRef, binding, ceil_div, pack_params
+from lily.kernels import BufferRef, binding, ceil_div, pack_params, threads_within
 from lily.kernels.quantized import QuantWeight
 
 if TYPE_CHECKING:
@@ -26,10 +26,12 @@ def record_embedding(
     the uint32 ids and `first` (one uint32, e.g. the step buffer's position) are read on the
     device."""
     words_per_row = table.in_dim * table.bits // 32
+    kernel = device.kernel(f"embedding_{table.bits}")
+    threads = threads_within(kernel, THREADS_PER_THREADGROUP)
     graph.dispatch(
-        device.kernel(f"embedding_{table.bits}"),
-        threadgroups=(ceil_div(words_per_row, THREADS_PER_THREADGROUP), token_count, 1),
-        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        kernel,
+        threadgroups=(ceil_div(words_per_row, threads), token_count, 1),
+        threads=(threads, 1, 1),
         buffers={
             1: binding(tokens),
             2: binding(table.weight),

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lily.kernels import BufferRef, binding, ceil_div, pack_params, require_aligned
+from lily.kernels import BufferRef, binding, ceil_div, pack_params, require_aligned, threads_within
 from lily.kernels.moe import MAX_EXPERTS, MoeWeights, record_moe_route
 from lily.kernels.quantized_gemm import record_qgemm, record_qgemm_grouped
 
@@ -146,10 +146,12 @@ def record_moe_chunk_swiglu(
     graph: Graph, device: Device, gate_then_hidden: BufferRef, up: BufferRef, count: int
 ) -> None:
     """gate_then_hidden = silu(gate_then_hidden) * up over `count` fp32 values, in place."""
+    kernel = device.kernel("moe_chunk_swiglu")
+    threads = threads_within(kernel, ELEMENTWISE_THREADS)
     graph.dispatch(
-        device.kernel("moe_chunk_swiglu"),
-        threadgroups=(ceil_div(count, ELEMENTWISE_THREADS), 1, 1),
-        threads=(ELEMENTWISE_THREADS, 1, 1),
+        kernel,
+        threadgroups=(ceil_div(count, threads), 1, 1),
+        threads=(threads, 1, 1),
         buffers={1: binding(gate_then_hidden), 2: binding(up)},
         bytes={0: pack_params("I", count)},
     )
@@ -176,10 +178,12 @@ def record_moe_combine(
     for ref, what in ((expert_down, "expert outputs"), (shared_down, "shared expert output")):
         require_aligned(ref, 16, what)
     require_aligned(out, 16, "MoE output")
+    kernel = device.kernel("moe_chunk_combine")
+    threads = threads_within(kernel, ELEMENTWISE_THREADS)
     graph.dispatch(
-        device.kernel("moe_chunk_combine"),
-        threadgroups=(ceil_div(hidden_size // 4, ELEMENTWISE_THREADS), tokens, 1),
-        threads=(ELEMENTWISE_THREADS, 1, 1),
+        kernel,
+        threadgroups=(ceil_div(hidden_size // 4, threads), tokens, 1),
+        threads=(threads, 1, 1),
         buffers={
             1: binding(expert_down),
             2: binding(slot_of),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lily.kernels import BufferRef, binding, ceil_div, element_type, pack_params
+from lily.kernels import BufferRef, binding, ceil_div, element_type, pack_params, threads_within
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -28,10 +28,11 @@ def record_rms_norm(
 ) -> None:
     """out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, per row; weight bf16 as stored
     (MLX files already hold 1 + w for the zero-centred norms), out fp32."""
+    kernel = device.kernel(f"rms_norm_{element_type(x_dtype)}")
     graph.dispatch(
-        device.kernel(f"rms_norm_{element_type(x_dtype)}"),
+        kernel,
         threadgroups=(rows, 1, 1),
-        threads=(threads_for(dim), 1, 1),
+        threads=(threads_within(kernel, threads_for(dim)), 1, 1),
         buffers={1: binding(x), 2: binding(weight), 3: binding(out)},
         bytes={0: pack_params("If", dim, eps)},
     )
@@ -50,10 +51,11 @@ def record_add_rms_norm(
     eps: float,
 ) -> None:
     """h = residual + delta (h may be residual itself), then out = rms_norm(h) * weight; fp32."""
+    kernel = device.kernel("add_rms_norm")
     graph.dispatch(
-        device.kernel("add_rms_norm"),
+        kernel,
         threadgroups=(rows, 1, 1),
-        threads=(threads_for(dim), 1, 1),
+        threads=(threads_within(kernel, threads_for(dim)), 1, 1),
         buffers={
             1: binding(residual),
             2: binding(delta),

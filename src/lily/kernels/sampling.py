@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lily.kernels import BufferRef, binding, pack_params
+from lily.kernels import BufferRef, binding, pack_params, threads_within
 from lily.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
@@ -150,10 +150,11 @@ def record_sample(
         buffer, offset = binding(ref)
         if buffer.size - offset < nbytes:
             raise ValueError(f"{name} needs {nbytes} bytes at offset {offset}: too small")
+    kernel = device.kernel("sample_token")
     graph.dispatch(
-        device.kernel("sample_token"),
+        kernel,
         threadgroups=(draws, 1, 1),
-        threads=(threads, 1, 1),
+        threads=(threads_within(kernel, threads), 1, 1),
         buffers={
             1: binding(params),
             2: binding(logits),
