@@ -28,14 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-BENCH_DECODE_STEPS = 64
+from lily.cli import BENCH_DECODE_STEPS, synthetic_prompt
+
 CONTRACT_CONTEXTS = [256, 1024, 4096, 16384, 32768, 65536, 131072]
 DEMO_CONTEXTS = [16, 64]
 ENGINES = ("lily", "mlx-lm")
-
-
-def synthetic_prompt(length: int, vocab_size: int) -> list[int]:
-    return [((i * 2654435761) % 2**32) % vocab_size for i in range(length)]
 
 
 # --- the mlx-lm arm (run in its own process) --------------------------------------------------
