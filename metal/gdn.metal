@@ -100,6 +100,38 @@ inline void store_readout(float4 o, threadgroup float* readout, uint simd_index,
   }
 }
 
+// This simdgroup's state rows of a head (rows simd_index + kSimdgroups * r), this lane's entries.
+inline void load_state_rows(device const float* head_state, uint simd_index, uint lane,
+                            thread float (*s)[kKeyPerLane]) {
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    device const float* s_in = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
+    for (uint j = 0; j < kKeyPerLane; ++j) {
+      s[r][j] = s_in[lane + SIMD_WIDTH * j];
+    }
+  }
+}
+inline void store_state_rows(thread const float (*s)[kKeyPerLane], uint simd_index, uint lane,
+                             device float* head_state) {
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    device float* s_out = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
+    for (uint j = 0; j < kKeyPerLane; ++j) {
+      s_out[lane + SIMD_WIDTH * j] = s[r][j];
+    }
+  }
+}
+
+// v of this simdgroup's rows for one token.
+inline float4 load_rows_v(device const float* qkv, uint token, uint conv_dim, uint key_total,
+                          uint head, uint simd_index) {
+  device const float* v_in =
+      qkv + ulong(token) * conv_dim + 2 * key_total + head * kValueDim + simd_index;
+  float4 v;
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    v[r] = v_in[kSimdgroups * r];
+  }
+  return v;
+}
+
 // out = rmsnorm(readout) * norm_weight * silu(z) over one head. The calling simdgroup reduces the
 // whole head itself; readout must be complete (after a barrier). It writes out[first],
 // out[first + stride], ...: the simdgroup alone (lane, SIMD_WIDTH), or several simdgroups that
@@ -145,7 +177,6 @@ struct GdnStepParams {
 
   const uint key_head = head / (params.num_value_heads / params.num_key_heads);
   const uint key_total = params.num_key_heads * kKeyDim;
-  device const float* v_in = qkv + 2 * key_total + head * kValueDim + simd_index;
 
   float q[kKeyPerLane];
   float k[kKeyPerLane];
@@ -155,21 +186,10 @@ struct GdnStepParams {
 
   device float* head_state = state + head * kValueDim * kKeyDim;
   float s[kRowsPerSimdgroup][kKeyPerLane];
-  float4 v;
-  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
-    device const float* s_in = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
-    for (uint j = 0; j < kKeyPerLane; ++j) {
-      s[r][j] = s_in[lane + SIMD_WIDTH * j];
-    }
-    v[r] = v_in[kSimdgroups * r];
-  }
+  load_state_rows(head_state, simd_index, lane, s);
+  const float4 v = load_rows_v(qkv, 0, 0, key_total, head, simd_index);
   store_readout(gdn_update_rows(s, q, k, gates, v), readout, simd_index, lane);
-  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
-    device float* s_out = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
-    for (uint j = 0; j < kKeyPerLane; ++j) {
-      s_out[lane + SIMD_WIDTH * j] = s[r][j];
-    }
-  }
+  store_state_rows(s, simd_index, lane, head_state);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   gdn_gated_rms_norm(readout, norm_weight, z + head * kValueDim, params.norm_eps,
@@ -223,18 +243,6 @@ inline void prepare_block_token(threadgroup GdnBlock& block, device const float*
   }
 }
 
-// v of this simdgroup's rows for one token.
-inline float4 load_rows_v(device const float* qkv, uint token, uint conv_dim, uint key_total,
-                          uint head, uint simd_index) {
-  device const float* v_in =
-      qkv + ulong(token) * conv_dim + 2 * key_total + head * kValueDim + simd_index;
-  float4 v;
-  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
-    v[r] = v_in[kSimdgroups * r];
-  }
-  return v;
-}
-
 // One threadgroup of exactly kSimdgroups * 32 threads per value head scans the chunk's tokens
 // in order, with the head's state in registers: read from device memory before the first token
 // and written back after the last.
@@ -266,12 +274,7 @@ inline float4 load_rows_v(device const float* qkv, uint token, uint conv_dim, ui
   device float* head_state = state + head * kValueDim * kKeyDim;
 
   float s[kRowsPerSimdgroup][kKeyPerLane];
-  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
-    device const float* s_in = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
-    for (uint j = 0; j < kKeyPerLane; ++j) {
-      s[r][j] = s_in[lane + SIMD_WIDTH * j];
-    }
-  }
+  load_state_rows(head_state, simd_index, lane, s);
 
   uint count = min(tokens, kBlockTokens);
   prepare_block_token(block, qkv, a, b, 0, count, conv_dim, key_head, head, num_value_heads,
@@ -308,10 +311,5 @@ inline float4 load_rows_v(device const float* qkv, uint token, uint conv_dim, ui
     count = next_count;
   }
 
-  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
-    device float* s_out = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
-    for (uint j = 0; j < kKeyPerLane; ++j) {
-      s_out[lane + SIMD_WIDTH * j] = s[r][j];
-    }
-  }
+  store_state_rows(s, simd_index, lane, head_state);
 }
