@@ -574,8 +574,8 @@ void wait_for_simdgroup(const CallSite& site, CollectiveOp op, const void* in, v
   fiber_switch(s->context, static_cast<Worker*>(s->lane.group)->scheduler);
 }
 
-std::string describe_op(const DeferredMatrixOp& op) {
-  return std::string(op.file) + ":" + std::to_string(op.line);
+CallSite site_of(const DeferredMatrixOp& op) {
+  return {op.file, op.line, "simdgroup_matrix multiply"};
 }
 
 // Every lane of the simdgroup has queued the same products (the same call sites in the same
@@ -597,9 +597,8 @@ void run_deferred_matrix_ops(const CollectiveSlots& slots) {
     for (unsigned l = 1; l < kSimdWidth; ++l) {
       if (lanes[l].line != lanes[0].line ||
           (lanes[l].file != lanes[0].file && std::strcmp(lanes[l].file, lanes[0].file))) {
-        throw Failure{"simdgroup_matrix multiply in divergent control flow: lane 0 at " +
-                      describe_op(lanes[0]) + ", lane " + std::to_string(l) + " at " +
-                      describe_op(lanes[l])};
+        throw Failure{"divergent control flow: lane 0 queued " + describe(site_of(lanes[0])) +
+                      ", lane " + std::to_string(l) + " queued " + describe(site_of(lanes[l]))};
       }
     }
     lanes[0].run(lanes);
@@ -609,6 +608,11 @@ void run_deferred_matrix_ops(const CollectiveSlots& slots) {
 
 constexpr CallSite kMatrixFlushSite{"<queued products>", 0, "simdgroup_matrix multiply"};
 
+// Before any other collective, the lane's simdgroup computes what it has queued.
+void flush_queued_products() {
+  if (current_lane->deferred->count[current_lane->thread_index_in_simdgroup]) flush_matrix_ops();
+}
+
 }  // namespace
 
 void flush_matrix_ops() {
@@ -616,12 +620,12 @@ void flush_matrix_ops() {
 }
 
 void simd_rendezvous(const CallSite& site, CollectiveOp op, const void* in, void* out) {
-  if (current_lane->deferred->count[current_lane->thread_index_in_simdgroup]) flush_matrix_ops();
+  flush_queued_products();
   wait_for_simdgroup(site, op, in, out);
 }
 
 void threadgroup_rendezvous(const CallSite& site) {
-  if (current_lane->deferred->count[current_lane->thread_index_in_simdgroup]) flush_matrix_ops();
+  flush_queued_products();
   auto* s = reinterpret_cast<LaneSlot*>(current_lane);
   s->state = LaneState::waiting_barrier;
   s->site = site;

@@ -34,12 +34,11 @@ struct CallSite {
 struct DeferredMatrixOp {
   const char* file;
   unsigned line;
-  // Computes all 32 lanes' results (lanes[l]: lane l's part) and clears their d_pending.
+  // Computes all 32 lanes' results (lanes[l]: lane l's part) and clears D's `pending`.
   void (*run)(const DeferredMatrixOp* lanes);
   float a[2], b[2], c[2];  // this lane's elements of A and B, and of C unless c_source is set
-  const void* c_source;    // C's elements, read when run: C is an earlier queued product
-  void* d;                 // D's elements
-  unsigned char* d_pending;
+  const void* c_source;    // the C matrix, read when run: C is an earlier queued product
+  void* d;                 // the D matrix
 };
 static constexpr unsigned kMaxDeferredMatrixOps = 64;
 // A simdgroup's queues, position-major so that computing one product reads adjacent memory.
