@@ -60,8 +60,9 @@ class ScriptedEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        snapshot_at: int | None = None,
+        snapshot_at: int | Sequence[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        cache_key: str | None = None,
     ) -> Iterator[GeneratedToken]:
         self.requests.append(
             dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling)
@@ -82,7 +83,7 @@ class ScriptedEngine:
             if produced < min(max_new_tokens, len(self.script)):
                 self.closed_early = True
 
-    def cached_prefix_length(self, prompt: Sequence[int]) -> int:
+    def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
         return 0
 
     def teacher_forced_logits(self, tokens):  # pragma: no cover - not used by the facade

@@ -12,6 +12,7 @@ SDK's objects.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ EXTRA_BODY_PARAMETERS = ("top_k", "min_p", "chat_template_kwargs", "reasoning_bu
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # What a think block ends with when the reasoning budget runs out (as the template renders it).
 THINK_CLOSE = "\n</think>\n\n"
+# Stands for a message's content when finding where it starts in the rendered conversation.
+CONTENT_MARKER = "\ue000lily-content\ue000"
 
 
 @dataclass
@@ -81,6 +84,8 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The most tokens generated inside the think block before Lily closes it; None: no limit.
     reasoning_budget: int | None = None
+    # Prefers the cached sequence last used with the same key (see lily.prefix_cache).
+    prompt_cache_key: str | None = None
 
 
 def _require(condition: bool, message: str, param: str) -> None:
@@ -304,6 +309,7 @@ def parse_request(
         tools=[dict(t) for t in tools] if tools else None,
         template_kwargs=dict(template_kwargs),
         reasoning_budget=budget,
+        prompt_cache_key=prompt_cache_key,
     )
 
 
@@ -351,8 +357,11 @@ class GenerationStats:
 class _Prompt:
     tokens: list[int]
     thinking: bool  # the generation prompt opened a <think> block
-    snapshot_at: int | None  # where the conversation before the generation prompt ends
-    cached: int  # leading tokens whose state a snapshot already holds
+    # Message boundaries: where the last message starts and where the conversation before
+    # the generation prompt ends (the next turn's, a regenerated or an edited turn's prompt
+    # starts with one of them).
+    snapshot_at: list[int]
+    cached: int  # leading tokens whose state the prefix cache already holds
 
 
 @dataclass
@@ -506,24 +515,50 @@ class ChatCompletions:
                 f"the context of {llm.max_seq} tokens can hold"
             )
         # The conversation so far, without the generation prompt: the next turn's prompt
-        # starts with it, so the engine snapshots its state there for reuse.
+        # starts with it, so the engine snapshots its state there for reuse; and where the
+        # last message's content starts, which an edited last message's prompt starts with.
         conversation = self._render(inputs, add_generation_prompt=False)
-        if inputs.placeholders:
-            # Escaped control tokens are tokenized piece by piece (`TemplateInputs.encode`):
-            # in this opt-in mode the conversation is tokenized on its own.
-            tokens, prefix = inputs.encode(text), inputs.encode(conversation)
-            boundary = len(prefix) if tokens[: len(prefix)] == prefix else None
-        elif text.startswith(conversation):
-            tokens, boundary = llm.tokenizer.encode_split(text, len(conversation))
-        else:
-            tokens, boundary = llm.tokenizer.encode(text), None
+        earlier = self._before_last_content(inputs, conversation)
+        tokens = inputs.encode(text)
+
+        def boundary(prefix: str) -> int | None:
+            """How many tokens of `tokens` spell exactly `prefix`, if some do."""
+            if inputs.placeholders:
+                # Escaped control tokens are tokenized piece by piece (`TemplateInputs.encode`):
+                # in this opt-in mode the prefix is tokenized on its own.
+                ids = inputs.encode(prefix)
+                return len(ids) if tokens[: len(ids)] == ids else None
+            return (
+                llm.tokenizer.encode_split(text, len(prefix))[1]
+                if text.startswith(prefix)
+                else None
+            )
+
+        boundaries = [boundary(p) for p in (earlier, conversation) if p is not None]
         return _Prompt(
             tokens=tokens,
             # The template opens a think block in the generation prompt when thinking is on.
             thinking=text.rstrip("\n").endswith("<think>"),
-            snapshot_at=boundary,
-            cached=llm.engine.cached_prefix_length(tokens),
+            snapshot_at=sorted({b for b in boundaries if b}),
+            cached=llm.engine.cached_prefix_length(tokens, request.prompt_cache_key),
         )
+
+    def _before_last_content(self, inputs: TemplateInputs, conversation: str) -> str | None:
+        """The rendered conversation up to the content of its last message: what it shares
+        with the same conversation whose last message says something else. Found by rendering
+        that message with a marker for content; None when it has no text content."""
+        last = inputs.messages[-1]
+        if not isinstance(last.get("content"), str) or not last["content"]:
+            return None
+        marked = [*inputs.messages[:-1], {**last, "content": CONTENT_MARKER}]
+        try:
+            text = self._render(
+                dataclasses.replace(inputs, messages=marked), add_generation_prompt=False
+            )
+        except RequestError:
+            return None
+        before = text.split(CONTENT_MARKER, 1)[0]
+        return before if len(before) < len(text) and conversation.startswith(before) else None
 
     def _template_inputs(self, request: ChatRequest) -> TemplateInputs:
         """What the template renders, with control tokens in the request's text escaped when
@@ -624,6 +659,7 @@ class ChatCompletions:
                 request.sampling,
                 snapshot_at=prompt.snapshot_at,
                 should_stop=should_stop,
+                cache_key=request.prompt_cache_key,
             )
             try:
                 for token in tokens:

@@ -15,15 +15,14 @@ state after exactly that prefix.
 
 **Prefix reuse.** The Gated DeltaNet state cannot be trimmed back like a KV cache, so an engine
 keeps snapshots of the recurrent state (conv windows and GDN state) at the positions the caller
-marks with `snapshot_at` (the chat facade marks the end of the conversation before the
-generation prompt). A later prompt that starts with a snapshot's tokens restores it and only
-feeds the rest; the KV cache needs nothing, since attention reads only positions already written
-for the current sequence.
+marks with `snapshot_at` (the chat facade marks message boundaries) and at regular positions of
+long prompts. A later prompt that starts with a snapshot's tokens restores it, with the KV rows
+before it, and only feeds the rest. Which snapshots and rows are kept, for how many sequences,
+within what memory, is `prefix_cache.PrefixCache`'s policy.
 """
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -33,8 +32,15 @@ import numpy as np
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
 from lily.kernels.sampling import NO_TOKEN, read_logprobs, write_sampling_params
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
-from lily.model_graph import DEFAULT_MAX_CHUNK, LOGPROB_RING_SLOTS, ModelGraph, pass_flops
-from lily.reference import ReferenceModel
+from lily.model_graph import (
+    DEFAULT_MAX_CHUNK,
+    LOGPROB_RING_SLOTS,
+    ModelGraph,
+    device_bytes,
+    pass_flops,
+)
+from lily.prefix_cache import Arrays, PrefixCache, PrefixMatch, default_cache_memory
+from lily.reference import ReferenceModel, ReferenceState
 from lily.sampling import (
     GeneratedToken,
     SamplingParams,
@@ -51,8 +57,6 @@ if TYPE_CHECKING:
     from lily.device import Device
 
 PIPELINE_DEPTH = 2
-# Snapshots kept per engine, most recent first (63 MB each on the real model).
-MAX_SNAPSHOTS = 4
 
 
 class Engine(Protocol):
@@ -65,20 +69,22 @@ class Engine(Protocol):
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        snapshot_at: int | None = None,
+        snapshot_at: int | Collection[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        cache_key: str | None = None,
     ) -> Iterator[GeneratedToken]:
         """Yields the tokens generated after `prompt`, stopping after a stop token; with
         `sampling.top_logprobs` set, each carries its logprob and that many alternatives.
-        Closing the iterator stops the generation. The longest snapshot that `prompt` starts
-        with is reused; `snapshot_at` asks for a new one after the first that many tokens.
+        Closing the iterator stops the generation. The longest cached prefix that `prompt`
+        starts with is reused (preferring the sequence last used with `cache_key` among equal
+        ones); `snapshot_at` asks for new snapshots after the first that many tokens.
         `should_stop` is asked before every prefill chunk and every token (also while the
         caller is not reading); once it returns True the generation raises
         GenerationCancelled."""
         ...
 
-    def cached_prefix_length(self, prompt: Sequence[int]) -> int:
-        """How many leading tokens of `prompt` a snapshot would spare `generate` feeding."""
+    def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
+        """How many leading tokens of `prompt` the prefix cache would spare `generate` feeding."""
         ...
 
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -91,33 +97,6 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-class _Snapshots:
-    """Recurrent states after given token prefixes, most recent first."""
-
-    def __init__(self) -> None:
-        self._entries: list[tuple[tuple[int, ...], object]] = []
-
-    def longest(
-        self, prompt: Sequence[int], resident: Sequence[int] | None = None
-    ) -> tuple[int, object | None]:
-        """The longest snapshot `prompt` starts with, leaving at least one token to feed (the
-        last prompt token must be consumed to predict the next). With `resident` (the tokens
-        whose keys and values the KV cache holds), only snapshots whose tokens it starts with
-        qualify: a snapshot restores the recurrent state, not the cache."""
-        best: tuple[int, object | None] = (0, None)
-        for tokens, state in self._entries:
-            n = len(tokens)
-            usable = resident is None or tuple(resident[:n]) == tokens
-            if best[0] < n < len(prompt) and tuple(prompt[:n]) == tokens and usable:
-                best = (n, state)
-        return best
-
-    def add(self, tokens: Sequence[int], state: object) -> None:
-        key = tuple(tokens)
-        self._entries = [(key, state)] + [e for e in self._entries if e[0] != key]
-        del self._entries[MAX_SNAPSHOTS:]
 
 
 def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
@@ -137,6 +116,40 @@ def _check_stop(should_stop: Callable[[], bool] | None) -> None:
         raise GenerationCancelled("the generation was cancelled")
 
 
+def _positions(snapshot_at: int | Collection[int] | None) -> list[int]:
+    if snapshot_at is None:
+        return []
+    return [snapshot_at] if isinstance(snapshot_at, int) else list(snapshot_at)
+
+
+class _DeviceRows:
+    """The device's KV cache arrays ([num_kv_heads, capacity, head_dim] bf16 bits each) through
+    their host-visible views (the sim's and Metal's buffers are shared memory)."""
+
+    def __init__(self, model: ModelGraph) -> None:
+        c = model.config
+        shape = (c.num_key_value_heads, model.capacity, c.head_dim)
+        state = model.state
+        self._arrays = [
+            buffer.numpy().view(np.uint16).reshape(shape)
+            for layer in sorted(state.k_cache)
+            for buffer in (state.k_cache[layer], state.v_cache[layer])
+        ]
+
+    def copy_out(self, tokens: int) -> Arrays:
+        return [a[:, :tokens].copy() for a in self._arrays]
+
+    def copy_in(self, rows: Arrays, tokens: int) -> None:
+        for array, saved in zip(self._arrays, rows, strict=True):
+            array[:, :tokens] = saved[:, :tokens]
+
+
+def kv_bytes_per_token(config: ModelConfig, itemsize: int) -> int:
+    """One position's keys and values over every attention layer."""
+    heads = config.num_key_value_heads * config.head_dim
+    return 2 * len(config.full_attention_layers) * heads * itemsize
+
+
 class DeviceEngine:
     def __init__(
         self,
@@ -146,27 +159,41 @@ class DeviceEngine:
         token_count: int,
         max_chunk: int = DEFAULT_MAX_CHUNK,
         chunk_flops: float | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         """`token_count`: how many ids the tokenizer can produce; only those are generated.
         `max_chunk`: the most prompt tokens one prefill pass (one command buffer) takes;
         `chunk_flops`, if given, also bounds a pass's estimated work (`pass_flops`), which
         grows with the context, so that no command buffer runs long enough to trip the GPU
-        watchdog."""
+        watchdog. `prefix_cache`: which prefixes are kept for reuse (default: in memory, with
+        `default_cache_memory`'s budget)."""
         self.config = checkpoint.config
         self.device = device
         self.max_seq = max_seq
         self.max_chunk = max_chunk
         self.chunk_flops = chunk_flops
         self._model = ModelGraph(checkpoint, device, max_seq, token_count, max_chunk)
-        self._snapshots = _Snapshots()
-        # The tokens whose keys and values fill the KV cache from position 0.
-        self._resident: list[int] = []
+        self._rows = _DeviceRows(self._model)
+        if prefix_cache is None:
+            working = device_bytes(checkpoint, max_seq, max_chunk)
+            prefix_cache = PrefixCache(
+                default_cache_memory(working), kv_bytes_per_token(self.config, 2)
+            )
+        self.prefix_cache = prefix_cache
+        # Prompt tokens fed through the model by `generate`, over the engine's life.
+        self.prompt_tokens_fed = 0
 
-    def _start(self, tokens: Sequence[int], prompt_end: int, reuse: bool = False) -> int:
-        """Sets the recurrent state (a snapshot's when `reuse` finds one, else zero) and points
-        the step buffer at the first token to feed; returns that token's position."""
-        start, saved = self._snapshots.longest(tokens, self._resident) if reuse else (0, None)
-        self._resident = list(tokens[:start])
+    def _start(
+        self,
+        tokens: Sequence[int],
+        prompt_end: int,
+        reuse: bool = False,
+        cache_key: str | None = None,
+    ) -> int:
+        """Sets the recurrent state (a cached prefix's when `reuse` finds one, else zero) and
+        points the step buffer at the first token to feed; returns that token's position."""
+        match = self.prefix_cache.begin(tokens, self._rows, cache_key, reuse)
+        start, saved = (0, None) if match is None else (match.length, match.state)
         for i, buffer in enumerate(self._model.state.recurrent_buffers()):
             buffer.numpy()[:] = 0 if saved is None else saved[i]
         history = self._model.history_view()
@@ -178,21 +205,23 @@ class DeviceEngine:
     def _take_snapshot(self, tokens: Sequence[int]) -> None:
         """Saves the recurrent state; call with no pass in flight."""
         buffers = self._model.state.recurrent_buffers()
-        self._snapshots.add(tokens, [b.numpy().copy() for b in buffers])
+        self.prefix_cache.add_snapshot(tokens, len(tokens), [b.numpy().copy() for b in buffers])
 
-    def cached_prefix_length(self, prompt: Sequence[int]) -> int:
-        return self._snapshots.longest(prompt, self._resident)[0]
+    def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
+        return self.prefix_cache.cached_length(prompt, cache_key)
 
     def _passes(
-        self, first: int, prompt_length: int, max_new_tokens: int, snapshot_at: int | None
+        self,
+        first: int,
+        prompt_length: int,
+        max_new_tokens: int,
+        snapshot_at: int | Collection[int] | None,
     ) -> Iterator[tuple[int, int, bool]]:
         """(start, tokens, predicts) of each pass of a generation, in order: prefill chunks
-        over positions [first, prompt_length) of at most `max_chunk` tokens, cut at
-        `snapshot_at`, the last predicting the first new token; then one decode step per
-        further token."""
-        cuts = (
-            [first, prompt_length] if snapshot_at is None else [first, snapshot_at, prompt_length]
-        )
+        over positions [first, prompt_length) of at most `max_chunk` tokens, cut at the
+        `snapshot_at` positions, the last predicting the first new token; then one decode step
+        per further token."""
+        cuts = [first, *sorted(_positions(snapshot_at)), prompt_length]
         for low, high in zip(cuts, cuts[1:], strict=False):
             start = low
             while start < high:
@@ -224,8 +253,9 @@ class DeviceEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        snapshot_at: int | None = None,
+        snapshot_at: int | Collection[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        cache_key: str | None = None,
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
@@ -233,11 +263,14 @@ class DeviceEngine:
             return
         state = self._model.state
         write_sampling_params(state.sampling_params, sampling.with_seed())
-        first = self._start(prompt, prompt_end=len(prompt), reuse=True)
-        if snapshot_at is not None and not first < snapshot_at < len(prompt):
-            snapshot_at = None  # already saved, or not inside what this call feeds
+        first = self._start(prompt, prompt_end=len(prompt), reuse=True, cache_key=cache_key)
+        self.prompt_tokens_fed += len(prompt) - first
+        # Only positions inside what this call feeds: the others are saved already.
+        snapshots = self.prefix_cache.snapshot_positions(
+            first, len(prompt), _positions(snapshot_at)
+        )
         history = self._model.history_view()
-        passes = self._passes(first, len(prompt), max_new_tokens, snapshot_at)
+        passes = self._passes(first, len(prompt), max_new_tokens, snapshots)
         # (position after the pass, whether it predicted a token, ticket)
         in_flight: deque[tuple[int, bool, int]] = deque()
         upcoming = next(passes, None)
@@ -246,12 +279,11 @@ class DeviceEngine:
                 while upcoming is not None and len(in_flight) < PIPELINE_DEPTH:
                     _check_stop(should_stop)
                     start, tokens, predicts = upcoming
-                    if start == snapshot_at:
-                        # The state after consuming tokens [0, snapshot_at): drain, then save.
+                    if snapshots and start == snapshots[0]:
+                        # The state after consuming tokens [0, start): drain, then save.
                         for _, _, pending in in_flight:
                             self.device.wait(pending)
-                        self._take_snapshot(prompt[:snapshot_at])
-                        snapshot_at = None
+                        self._take_snapshot(prompt[: snapshots.pop(0)])
                     graph = self._model.graph(tokens, predicts=predicts)
                     in_flight.append((start + tokens, predicts, self.device.submit(graph)))
                     upcoming = next(passes, None)
@@ -279,8 +311,7 @@ class DeviceEngine:
             # closed the iterator); it only writes state the next generation replaces.
             for _, _, pending in in_flight:
                 self.device.wait(pending)
-            consumed = int(self._model.step_view()[POSITION])
-            self._resident = history[:consumed].tolist()
+            self.prefix_cache.end(self._rows)
 
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
         prompt = [int(t) for t in prompt]
@@ -289,7 +320,6 @@ class DeviceEngine:
         self._start(prompt, prompt_end=len(prompt))
         for _, tokens, predicts in self._passes(0, len(prompt), 1, None):
             self.device.run(self._model.graph(tokens, predicts=predicts))
-        self._resident = prompt
         return self._model.logits_view().copy()
 
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
@@ -300,7 +330,6 @@ class DeviceEngine:
         for i in range(len(tokens)):
             self.device.run(self._model.decode)
             logits[i] = self._model.logits_view()
-        self._resident = tokens
         return logits
 
     def close(self) -> None:
@@ -308,16 +337,30 @@ class DeviceEngine:
 
 
 class ReferenceEngine:
-    def __init__(self, checkpoint: Checkpoint, max_seq: int, token_count: int) -> None:
-        """`token_count`: how many ids the tokenizer can produce; only those are generated."""
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        max_seq: int,
+        token_count: int,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        """`token_count`: how many ids the tokenizer can produce; only those are generated.
+        `prefix_cache`: as DeviceEngine's (the rows it keeps are the reference's float32)."""
         self.config = checkpoint.config
         self.max_seq = max_seq
         self.token_count = token_count
         self._model = ReferenceModel(checkpoint.config, checkpoint.tensors)
-        self._snapshots = _Snapshots()
+        self._rows = _ReferenceRows(self._model)
+        if prefix_cache is None:
+            itemsize = self._model.dtype.itemsize
+            prefix_cache = PrefixCache(
+                default_cache_memory(0), kv_bytes_per_token(self.config, itemsize)
+            )
+        self.prefix_cache = prefix_cache
+        self.prompt_tokens_fed = 0
 
-    def cached_prefix_length(self, prompt: Sequence[int]) -> int:
-        return self._snapshots.longest(prompt)[0]
+    def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
+        return self.prefix_cache.cached_length(prompt, cache_key)
 
     def generate(
         self,
@@ -325,22 +368,28 @@ class ReferenceEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        snapshot_at: int | None = None,
+        snapshot_at: int | Collection[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
+        cache_key: str | None = None,
     ) -> Iterator[GeneratedToken]:
+        prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
         if max_new_tokens == 0:
             return
         _check_stop(should_stop)
         sampling = sampling.with_seed()
-        start, saved = self._snapshots.longest(prompt)
-        state = copy.deepcopy(saved) if saved is not None else self._model.new_state()
-        if snapshot_at is not None and start < snapshot_at < len(prompt):
-            self._model.prefill(prompt[start:snapshot_at], state)
-            self._snapshots.add(prompt[:snapshot_at], copy.deepcopy(state))
-            start = snapshot_at
+        state = self._rows.start(self.prefix_cache.begin(prompt, self._rows, cache_key))
+        start = state.position
+        self.prompt_tokens_fed += len(prompt) - start
+        for position in self.prefix_cache.snapshot_positions(
+            start, len(prompt), _positions(snapshot_at)
+        ):
+            self._model.prefill(prompt[start:position], state)
+            self.prefix_cache.add_snapshot(prompt, position, self._rows.recurrent())
+            start = position
             _check_stop(should_stop)
         logits, state = self._model.prefill(prompt[start:], state)
+        self.prefix_cache.end(self._rows)
         next_logits = logits[-1, : self.token_count]
         for produced in range(max_new_tokens):
             position = len(prompt) + produced
@@ -372,3 +421,51 @@ class ReferenceEngine:
 
     def close(self) -> None:
         self._model = None  # type: ignore[assignment]
+
+
+class _ReferenceRows:
+    """The reference model's state as an engine's KV cache: the live state's keys and values
+    ([num_kv_heads, tokens, head_dim] per attention layer, in the model's dtype)."""
+
+    def __init__(self, model: ReferenceModel) -> None:
+        self._model = model
+        self.live = model.new_state()
+
+    def copy_out(self, tokens: int) -> Arrays:
+        live = self.live
+        return [
+            cache[layer][:, :tokens].copy()
+            for layer in sorted(live.keys)
+            for cache in (live.keys, live.values)
+        ]
+
+    def copy_in(self, rows: Arrays, tokens: int) -> None:
+        live = self.live
+        for i, layer in enumerate(sorted(live.keys)):
+            live.keys[layer] = rows[2 * i][:, :tokens].copy()
+            live.values[layer] = rows[2 * i + 1][:, :tokens].copy()
+
+    def start(self, match: PrefixMatch | None) -> ReferenceState:
+        """The live state, made the one after the match's prefix (a fresh state without)."""
+        if match is None:
+            self.live = self._model.new_state()
+            return self.live
+        live, tokens = self.live, match.length
+        for layer in live.keys:
+            live.keys[layer] = live.keys[layer][:, :tokens]
+            live.values[layer] = live.values[layer][:, :tokens]
+        layers = [*sorted(live.conv_windows), *sorted(live.recurrent)]
+        windows = len(live.conv_windows)
+        for i, layer in enumerate(layers):
+            target = live.conv_windows if i < windows else live.recurrent
+            target[layer] = match.state[i].copy()
+        live.position = tokens
+        return live
+
+    def recurrent(self) -> Arrays:
+        """A copy of the live recurrent state (conv windows, then GDN states)."""
+        live = self.live
+        return [
+            *(live.conv_windows[layer].copy() for layer in sorted(live.conv_windows)),
+            *(live.recurrent[layer].copy() for layer in sorted(live.recurrent)),
+        ]
