@@ -105,7 +105,7 @@ def test_the_log_line_format() -> None:
         prompt_tokens=14, cached_tokens=7, generated_tokens=21, first_token_s=0.25, total_s=2.25
     )
     assert describe("POST", "/v1/chat/completions", 200, 2.3, "r1", stats) == (
-        "POST /v1/chat/completions 200 2.30 s id=r1 prompt=14 cached=7 generated=21 "
+        "POST /v1/chat/completions 200 2.30 s id=r1 prompt=14 cached=7 cache=hit generated=21 "
         "first_token=0.250 s 10.0 tok/s"
     )
     assert describe("GET", "/health", None, 0.001, "r2") == "GET /health - 0.00 s id=r2"

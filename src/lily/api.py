@@ -17,9 +17,11 @@ from lily.chat import Chat
 from lily.chat_template import ChatTemplate
 from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
 from lily.detokenize import IncrementalDecoder
-from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine
+from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
 from lily.errors import CheckpointError, RequestError
 from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
+from lily.prefix_cache import CacheOptions
+from lily.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 from lily.sampling import SamplingParams
 from lily.stop import StopStringMatcher
 from lily.tokenizer import Tokenizer
@@ -67,16 +69,31 @@ METAL_CHUNK_FLOPS = 2.0e12
 
 
 def _make_engine(
-    checkpoint: Checkpoint, device: str, max_seq: int, token_count: int, prefill_chunk: int
+    checkpoint: Checkpoint,
+    device: str,
+    max_seq: int,
+    token_count: int,
+    prefill_chunk: int,
+    cache: CacheOptions,
 ) -> Engine:
+    config = checkpoint.config
     if device == "reference":
-        return ReferenceEngine(checkpoint, max_seq, token_count)
+        prefix_cache = cache.build(checkpoint, "reference-f32", kv_bytes_per_token(config, 4), 0)
+        return ReferenceEngine(checkpoint, max_seq, token_count, prefix_cache)
     from lily.device import check_memory, open_device
 
-    check_memory(device, device_bytes(checkpoint, max_seq, prefill_chunk))
+    working = device_bytes(checkpoint, max_seq, prefill_chunk)
+    check_memory(device, working)
     chunk_flops = METAL_CHUNK_FLOPS if device == "metal" else None
+    prefix_cache = cache.build(checkpoint, "device-bf16", kv_bytes_per_token(config, 2), working)
     return DeviceEngine(
-        checkpoint, open_device(device), max_seq, token_count, prefill_chunk, chunk_flops
+        checkpoint,
+        open_device(device),
+        max_seq,
+        token_count,
+        prefill_chunk,
+        chunk_flops,
+        prefix_cache,
     )
 
 
@@ -242,6 +259,10 @@ def load(
     max_seq: int | None = None,
     prefill_chunk: int = DEFAULT_MAX_CHUNK,
     escape_special_tokens: bool = False,
+    cache_memory: int | None = None,
+    cache_dir: str | Path | None = None,
+    cache_disk_size: int = DEFAULT_DISK_BYTES,
+    cache_disk_min_tokens: int = DEFAULT_MIN_TOKENS,
 ) -> Lily:
     """Load a checkpoint and prepare it on a device.
 
@@ -253,6 +274,12 @@ def load(
     estimated time). `escape_special_tokens`: read control tokens such as `<|im_end|>` written
     in a chat request's text as plain text, so that users cannot forge turns (off by default,
     as in transformers; see docs/python-api.md).
+
+    The prefix cache (docs/architecture.md) keeps the states of recent conversations in at
+    most `cache_memory` bytes of host memory (default: half the memory left after the weights
+    and the KV cache, at most 8 GiB; 0 turns reuse off). With `cache_dir`, the states of
+    prefixes of at least `cache_disk_min_tokens` tokens are also written there, within
+    `cache_disk_size` bytes, and reused by later processes.
     """
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
@@ -272,7 +299,8 @@ def load(
             f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
             f"{checkpoint.config.vocab_size}: they do not belong together"
         )
-    engine = _make_engine(checkpoint, device, max_seq, tokenizer.vocab_size, prefill_chunk)
+    cache = CacheOptions(cache_memory, cache_dir, cache_disk_size, cache_disk_min_tokens)
+    engine = _make_engine(checkpoint, device, max_seq, tokenizer.vocab_size, prefill_chunk, cache)
     # The name clients pass as `model`: the repo id, "demo", or the directory's name.
     if model is None:
         model_id = DEFAULT_REPO

@@ -21,6 +21,8 @@ from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from lily.api import DEFAULT_MAX_SEQ, DEVICES
 from lily.model_graph import DEFAULT_MAX_CHUNK
+from lily.prefix_cache import CacheOptions
+from lily.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -334,11 +336,31 @@ def _serve(args: argparse.Namespace) -> int:
             shutdown_grace=args.shutdown_grace,
             log_level=args.log_level,
             escape_special_tokens=args.escape_special_tokens,
+            cache=CacheOptions(
+                args.cache_memory, args.cache_dir, args.cache_disk_size, args.cache_disk_min_tokens
+            ),
         )
     except APIKeyError as exc:
         print(f"lily serve: error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def _byte_size(text: str) -> int:
+    """A size in bytes: an integer, or a number with a unit (KB, MB, GB, TB; KiB, ..., TiB;
+    K, M, G, T are binary)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4GiB, 500MB)")
+    number, unit, binary, suffix = match.groups()
+    if unit and (binary or not suffix):
+        scale = 1024 ** "kmgt".index(unit) * 1024
+    else:
+        scale = _BYTE_UNITS[unit]
+    return int(float(number) * scale)
 
 
 def _cors_origin(text: str) -> str:
@@ -669,6 +691,37 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read control tokens such as <|im_end|> written in a request's text as plain "
         "text, so clients cannot forge chat turns (default: off, as transformers does)",
+    )
+    serve.add_argument(
+        "--cache-memory",
+        type=_byte_size,
+        default=None,
+        metavar="BYTES",
+        help="host memory for the prefix cache, e.g. 4GiB or 500MB (default: half the memory "
+        "left after the weights and the KV cache, at most 8GiB; 0: no reuse)",
+    )
+    serve.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also keep the states of long prompt prefixes in DIR, for later runs (default: "
+        "memory only)",
+    )
+    serve.add_argument(
+        "--cache-disk-size",
+        type=_byte_size,
+        default=DEFAULT_DISK_BYTES,
+        metavar="BYTES",
+        help="most bytes kept in --cache-dir; the least recently used files go first "
+        "(default: 16GiB)",
+    )
+    serve.add_argument(
+        "--cache-disk-min-tokens",
+        type=_positive_int,
+        default=DEFAULT_MIN_TOKENS,
+        metavar="TOKENS",
+        help="shortest prefix written to --cache-dir",
     )
     serve.add_argument(
         "--log-level",

@@ -16,7 +16,8 @@ snapshot:
   from the shared prefix, leaving the old one intact;
 - every sequence is accounted as if its rows were on the host (the live one's will be, once
   another sequence is used), plus its snapshots; past `budget_bytes`, the least recently used
-  sequences are evicted.
+  snapshots are evicted (taken or resumed from: a conversation's old turns go before another
+  conversation's last one), and with a sequence's last snapshot the sequence and its rows.
 
 An engine talks to it through `LiveRows`, the host view of its KV cache. With a `DiskPrefixCache`
 (`prefix_disk.py`), snapshots of long prefixes are also written to disk and read back after a
@@ -29,12 +30,15 @@ import itertools
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from lily.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS, DiskPrefixCache
+
 if TYPE_CHECKING:
-    from lily.prefix_disk import DiskPrefixCache
+    from lily.checkpoint import Checkpoint
 
 # Long prompts are also snapshotted at every multiple of this many tokens, so that a long shared
 # prefix (a coding agent's system prompt) is reusable when what follows it differs. On the real
@@ -59,6 +63,34 @@ def default_cache_memory(device_bytes: int) -> int:
     return max(0, min(DEFAULT_MEMORY_CAP, (physical - device_bytes) // 2))
 
 
+@dataclass(frozen=True)
+class CacheOptions:
+    """What `lily.load` and `lily serve` take to size the prefix cache (see their docs)."""
+
+    cache_memory: int | None = None  # bytes; None: default_cache_memory
+    cache_dir: str | Path | None = None  # None: nothing on disk
+    cache_disk_size: int = DEFAULT_DISK_BYTES
+    cache_disk_min_tokens: int = DEFAULT_MIN_TOKENS
+
+    def build(
+        self, checkpoint: Checkpoint, engine_kind: str, kv_bytes_per_token: int, working: int
+    ) -> PrefixCache:
+        """The cache for an engine whose state layout is `engine_kind`, which keeps `working`
+        bytes on its device."""
+        from lily.prefix_disk import model_identity
+
+        memory = default_cache_memory(working) if self.cache_memory is None else self.cache_memory
+        disk = None
+        if self.cache_dir is not None:
+            disk = DiskPrefixCache(
+                self.cache_dir,
+                model_identity(checkpoint, engine_kind),
+                self.cache_disk_size,
+                self.cache_disk_min_tokens,
+            )
+        return PrefixCache(memory, kv_bytes_per_token, disk=disk)
+
+
 class LiveRows(Protocol):
     """The engine's KV cache, seen from the host."""
 
@@ -78,6 +110,7 @@ class CachedSequence:
     rows: Arrays | None = None  # host copy of the KV rows; None while only the engine holds them
     key: str | None = None  # the prompt_cache_key of the request that last used it
     last_used: int = 0
+    snapshot_used: dict[int, int] = field(default_factory=dict)  # position -> when last used
 
     def matches(self, prompt: Sequence[int], length: int) -> bool:
         return length <= len(self.tokens) and list(prompt[:length]) == self.tokens[:length]
@@ -156,7 +189,7 @@ class PrefixCache:
                 loaded = CachedSequence(
                     list(entry.tokens), {len(entry.tokens): entry.state}, rows=entry.rows
                 )
-                self._touch(loaded)
+                self._touch(loaded, len(entry.tokens))
                 self._insert(loaded)
                 if loaded in self.sequences:
                     length = len(entry.tokens)
@@ -193,8 +226,8 @@ class PrefixCache:
                 self._copy_out_live(live)
             self._live = CachedSequence(list(prompt[:length]))
         self._live.key = key if key is not None else sequence.key
-        self._touch(sequence)
-        self._touch(self._live)
+        self._touch(sequence, length)
+        self._live.last_used = sequence.last_used
         return PrefixMatch(length, sequence.snapshots[length])
 
     def snapshot_positions(
@@ -215,7 +248,7 @@ class PrefixCache:
             return
         sequence.tokens = list(prompt[:length])
         sequence.snapshots[length] = state
-        self._touch(sequence)
+        self._touch(sequence, length)
         self._insert(sequence)
         if self.disk is not None and length >= self.disk.min_tokens:
             self._to_disk.append(length)
@@ -235,8 +268,8 @@ class PrefixCache:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _touch(self, sequence: CachedSequence) -> None:
-        sequence.last_used = next(self._clock)
+    def _touch(self, sequence: CachedSequence, length: int) -> None:
+        sequence.last_used = sequence.snapshot_used[length] = next(self._clock)
 
     def _copy_out_live(self, live: LiveRows) -> None:
         """Copies the live sequence's rows to the host before the KV cache is overwritten."""
@@ -246,14 +279,24 @@ class PrefixCache:
         self._live = None
 
     def _insert(self, sequence: CachedSequence) -> None:
-        """Adds `sequence` (if new) and evicts the least recently used until within budget."""
+        """Adds `sequence` (if new), then evicts the least recently used snapshots until the
+        cache fits its budget."""
         if sequence not in self.sequences:
             self.sequences.append(sequence)
-        self.sequences.sort(key=lambda s: s.last_used, reverse=True)
         while self.sequences and self.used_bytes > self.budget_bytes:
-            evicted = self.sequences.pop()
-            if evicted is self._live:
-                self._live = None
+            oldest, length = min(
+                ((s, p) for s in self.sequences for p in s.snapshots),
+                key=lambda found: found[0].snapshot_used[found[1]],
+            )
+            del oldest.snapshots[length], oldest.snapshot_used[length]
+            if not oldest.snapshots:
+                self.sequences.remove(oldest)
+                continue
+            # Rows past its last remaining snapshot are of no use.
+            keep = max(oldest.snapshots)
+            oldest.tokens = oldest.tokens[:keep]
+            if oldest.rows is not None:
+                oldest.rows = [r[:, :keep].copy() for r in oldest.rows]
 
 
 def _nbytes(arrays: Arrays) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
 import tempfile
@@ -30,6 +31,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
+
+logger = logging.getLogger("lily.prefix_cache")
 
 MAGIC = b"LILYPFX1"
 SUFFIX = ".prefix"
@@ -105,6 +108,7 @@ class DiskPrefixCache:
             entry = self._read(path, prompt[:length])
             if entry is not None:
                 self.hits += 1
+                logger.info("prefix cache: %d tokens read from %s", length, path.name)
                 return entry
         return None
 
@@ -116,6 +120,7 @@ class DiskPrefixCache:
         entry = self._parse(data, tokens)
         if entry is None:
             self.rejected += 1
+            logger.warning("prefix cache: %s is damaged or not this model's: deleted", path)
             path.unlink(missing_ok=True)
         else:
             path.touch()  # the LRU order is the files' modification times

@@ -5,10 +5,11 @@ sends a usable one (visible ASCII, at most 128 characters), else a fresh random 
 the response carries it back. When the response has been sent, the `lily.requests` logger
 writes one line, e.g. (wrapped here)
 
-    POST /v1/chat/completions 200 0.84 s id=3f2a9c... prompt=14 cached=7 generated=20
-    first_token=0.210 s 30.2 tok/s
+    POST /v1/chat/completions 200 0.84 s id=3f2a9c... prompt=14 cached=7 cache=hit
+    generated=20 first_token=0.210 s 30.2 tok/s
 
-where the rate is the generated tokens after the first over the time after the first. The
+where `cache` says whether the prefix cache spared any prompt token (hit) or not (miss), and
+the rate is the generated tokens after the first over the time after the first. The
 token fields appear for chat completions whose generation has ended:
 the route puts an object with a `stats` attribute (a `GenerationStats`, or None while unknown)
 in the request state as `generation`.
@@ -57,7 +58,7 @@ def describe(
         return line
     line += (
         f" prompt={stats.prompt_tokens} cached={stats.cached_tokens}"
-        f" generated={stats.generated_tokens}"
+        f" cache={'hit' if stats.cached_tokens else 'miss'} generated={stats.generated_tokens}"
     )
     if stats.first_token_s is not None:
         line += f" first_token={stats.first_token_s:.3f} s"

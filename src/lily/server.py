@@ -49,6 +49,7 @@ from lily.errors import ChatTemplateLimitError, GenerationCancelled, RequestErro
 from lily.http_guard import GuardPolicy, HTTPGuard, bound_host_names
 from lily.model_graph import DEFAULT_MAX_CHUNK
 from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
+from lily.prefix_cache import CacheOptions
 from lily.request_log import RequestLog
 
 if TYPE_CHECKING:
@@ -645,6 +646,7 @@ def serve(
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     log_level: str = "info",
     escape_special_tokens: bool = False,
+    cache: CacheOptions | None = None,
 ) -> None:
     """Loads the model and serves it until SIGINT (Ctrl-C) or SIGTERM. Either drains: no new
     connections, waiting requests get 503 `shutting_down`, the running one gets
@@ -652,7 +654,8 @@ def serve(
     the function returns. Call it from the main thread (signals are only delivered there).
 
     The API key is `api_key`, else the content of `api_key_file`, else `$LILY_API_KEY`. The Host
-    header may name `host` itself besides localhost, IP addresses and `allowed_hosts`."""
+    header may name `host` itself besides localhost, IP addresses and `allowed_hosts`.
+    `cache` sizes the prefix cache, in memory and on disk (`lily.load`'s cache arguments)."""
     from lily.api import load
 
     api_key = resolve_api_key(api_key, api_key_file)
@@ -669,6 +672,7 @@ def serve(
         max_seq=max_seq,
         prefill_chunk=prefill_chunk,
         escape_special_tokens=escape_special_tokens,
+        **vars(cache or CacheOptions()),
     ) as llm:
         app = create_app(
             llm,
