@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 # prefix (a coding agent's system prompt) is reusable when what follows it differs. On the real
 # model a snapshot is 63 MB and 4096 tokens of KV rows 80 MB.
 DEFAULT_SNAPSHOT_INTERVAL = 4096
+# No snapshot after fewer tokens: feeding them again costs less than keeping the state (a
+# conversation's first message header, shared by every conversation, would otherwise be one).
+MIN_SNAPSHOT_TOKENS = 16
 
 # The default budget is half the memory left after the weights and the working KV cache, at
 # most this much: host copies of KV rows share the unified memory with the GPU.
@@ -235,10 +238,10 @@ class PrefixCache:
     ) -> list[int]:
         """Where a generation that feeds prompt positions [first, prompt_length) saves the
         recurrent state: the `requested` positions and every multiple of the snapshot interval
-        inside that range."""
+        inside that range (none before MIN_SNAPSHOT_TOKENS)."""
         interval = self.snapshot_interval
         periodic = range((first // interval + 1) * interval, prompt_length, interval)
-        inside = {p for p in requested if first < p < prompt_length}
+        inside = {p for p in requested if max(first, MIN_SNAPSHOT_TOKENS - 1) < p < prompt_length}
         return sorted(inside.union(periodic)) if self.budget_bytes > 0 else []
 
     def add_snapshot(self, prompt: Sequence[int], length: int, state: Arrays) -> None:
