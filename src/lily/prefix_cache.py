@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 DEFAULT_SNAPSHOT_INTERVAL = 4096
 # No snapshot after fewer tokens: feeding them again costs less than keeping the state (a
 # conversation's first message header, shared by every conversation, would otherwise be one).
-MIN_SNAPSHOT_TOKENS = 16
+MIN_SNAPSHOT_TOKENS = 8
 
 # The default budget is half the memory left after the weights and the working KV cache, at
 # most this much: host copies of KV rows share the unified memory with the GPU.
