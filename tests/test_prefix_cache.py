@@ -291,3 +291,80 @@ def test_the_memory_budget_holds_when_one_sequence_outgrows_it():
     assert [sorted(s.snapshots) for s in cache.sequences] == [[200, 300]]
     assert cache.used_bytes == 900
     assert cache.cached_length(prompt) == 300
+
+
+class HostRows:
+    """A KV cache of one array [1, capacity] whose row i holds token i, to watch the copies."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.cache = np.full((1, capacity), -1)
+
+    def fill(self, tokens: list[int]) -> None:
+        self.cache[0, : len(tokens)] = tokens
+
+    def copy_out(self, tokens: int) -> list[np.ndarray]:
+        return [self.cache[:, :tokens].copy()]
+
+    def copy_in(self, rows: list[np.ndarray], tokens: int) -> None:
+        self.cache[:, :tokens] = rows[0][:, :tokens]
+
+
+def _run(
+    cache: PrefixCache, rows: HostRows, prompt: list[int], key: str | None = None, tag: int = 0
+) -> tuple[int, int | None]:
+    """A generation's dealings with the cache: resumes, 'feeds' the prompt, snapshots its end
+    (a state holding `tag`). Returns where it resumed and the tag of the state it resumed."""
+    match = cache.begin(prompt, rows, key)
+    start = 0 if match is None else match.length
+    assert rows.cache[0, :start].tolist() == prompt[:start]  # the rows before it are in place
+    rows.fill(prompt)
+    cache.add_snapshot(prompt, len(prompt) - 1, [np.full(1, tag)])
+    cache.end(rows)
+    return start, None if match is None else int(match.state[0][0])
+
+
+def test_prompt_cache_key_prefers_its_sequence_among_equal_prefixes_only():
+    cache, rows = PrefixCache(budget_bytes=10_000, kv_bytes_per_token=8), HostRows()
+    shared = list(range(100, 110))
+    for key, tag in (("a", 1), ("b", 2)):
+        # Each conversation fed in full, snapshotted after `shared` and at its end.
+        prompt = [*shared, *[tag] * 5]
+        cache.begin(prompt, rows, key, reuse=False)
+        rows.fill(prompt)
+        cache.add_snapshot(prompt, len(shared), [np.full(1, tag)])
+        cache.add_snapshot(prompt, len(prompt) - 1, [np.full(1, tag)])
+    # Both sequences hold a snapshot after `shared`; the key decides which one is resumed.
+    assert _run(cache, rows, [*shared, 3], key="a") == (len(shared), 1)
+    assert _run(cache, rows, [*shared, 4], key="b") == (len(shared), 2)
+    # A key never makes a prompt resume from tokens it does not start with.
+    assert cache.cached_length([7, *shared[1:], 9], key="a") == 0
+
+
+def test_switching_sequences_copies_the_rows_out_and_back_in():
+    cache, rows = PrefixCache(budget_bytes=10_000, kv_bytes_per_token=8), HostRows()
+    first, second = list(range(10, 30)), list(range(40, 60))
+    _run(cache, rows, first)
+    _run(cache, rows, second)  # overwrites the cache: the first's rows went to the host first
+    assert _run(cache, rows, [*first[:-1], 99])[0] == len(first) - 1  # and came back (checked)
+    assert _run(cache, rows, [*second[:-1], 98])[0] == len(second) - 1
+
+
+def test_the_reference_engine_keeps_several_sequences_as_the_device_does():
+    from lily.checkpoint import load_checkpoint
+    from lily.engine import ReferenceEngine
+
+    with lily.load("demo", device="reference", max_seq=MAX_SEQ) as llm:
+        checkpoint = load_checkpoint(llm.model_dir)
+        engine = llm.engine
+        vocab = llm.tokenizer.vocab_size
+        first = np.random.default_rng(1).integers(0, vocab, 30).tolist()
+        second = np.random.default_rng(2).integers(0, vocab, 30).tolist()
+        list(engine.generate(first, 2, snapshot_at=20))
+        list(engine.generate(second, 2, snapshot_at=20))
+        again = [*first[:20], 5, 6]
+        assert engine.cached_prefix_length(again) == 20
+        fed = engine.prompt_tokens_fed
+        reused = [t.id for t in engine.generate(again, 4)]
+        assert engine.prompt_tokens_fed - fed == 2
+        fresh = ReferenceEngine(checkpoint, MAX_SEQ, vocab, PrefixCache(0, 0))
+        assert [t.id for t in fresh.generate(again, 4)] == reused

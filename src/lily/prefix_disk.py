@@ -145,7 +145,9 @@ class DiskPrefixCache:
         if not arrays or arrays[0].tolist() != list(tokens):
             return None
         rows, state = arrays[1 : 1 + header["rows"]], arrays[1 + header["rows"] :]
-        return DiskEntry(list(tokens), rows, state)
+        # The rows view the file's bytes; the state is copied so that it does not keep them
+        # alive once the rows are dropped (a sequence continued in the engine's cache).
+        return DiskEntry(list(tokens), rows, [a.copy() for a in state])
 
     def save(self, tokens: Sequence[int], rows: list[np.ndarray], state: list[np.ndarray]) -> None:
         """Writes the state after `tokens` (kept if already there), then trims the directory."""
