@@ -128,7 +128,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str 
     )
 
 
-def _load(args: argparse.Namespace, max_seq: int | None = None) -> Lily:
+def _load(
+    args: argparse.Namespace, max_seq: int | None = None, cache_memory: int | None = None
+) -> Lily:
     from lily.api import load
 
     llm = load(
@@ -137,6 +139,7 @@ def _load(args: argparse.Namespace, max_seq: int | None = None) -> Lily:
         device=args.device,
         max_seq=max_seq or args.max_seq,
         prefill_chunk=args.prefill_chunk,
+        cache_memory=cache_memory,
     )
     if args.model == "demo":
         print(DEMO_NOTE, file=sys.stderr)
@@ -457,7 +460,9 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"[bench context {context}: {stage}...]", file=sys.stderr, flush=True)
 
     progress("loading the model")
-    with _load(args, max_seq=max(args.max_seq or 0, context + BENCH_DECODE_STEPS + 1)) as llm:
+    max_seq = max(args.max_seq or 0, context + BENCH_DECODE_STEPS + 1)
+    # No prefix cache: the measured prefill must not resume from the warm-up's states.
+    with _load(args, max_seq=max_seq, cache_memory=0) as llm:
         arm = measure(llm, context, progress)
         if args.json:
             print(json.dumps({"device": llm.device, **arm}), flush=True)
