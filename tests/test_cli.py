@@ -62,7 +62,7 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     ("command", "options"),
     [
         ("serve", ["--host", "--port", "--api-key", "--queue-limit", "--max-seq", "--model",
-                   "--device"]),
+                   "--device", "--cache-memory", "--cache-dir"]),
         ("chat", ["--system", "--max-tokens", "--temperature", "--seed", "--no-thinking"]),
         ("bench", ["--context", "--json", "--model", "--device"]),
         ("generate", ["--max-tokens", "--model"]),
@@ -193,6 +193,24 @@ def test_serve_limits_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
     assert chosen["prefill_chunk"] == 8
     with pytest.raises(SystemExit):
         main(["serve", "--max-tokens-default", "0"])
+
+
+def test_serve_cache_options_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lily.prefix_cache import CacheOptions
+
+    calls: list[dict] = []
+    monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append(k))
+    main(["serve"])
+    main(["serve", "--cache-memory", "4GiB", "--cache-dir", "prefixes", "--cache-disk-size",
+          "500MB", "--cache-disk-min-tokens", "256"])  # fmt: skip
+    main(["serve", "--cache-memory", "0"])
+    defaults, chosen, off = (call["cache"] for call in calls)
+    assert defaults == CacheOptions()
+    assert chosen == CacheOptions(4 << 30, Path("prefixes"), 500_000_000, 256)
+    assert off.cache_memory == 0
+    for bad in ("-1", "4 lots", "GiB"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--cache-memory", bad])
 
 
 # -- the commands, for real --------------------------------------------------------------------
