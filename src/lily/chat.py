@@ -519,22 +519,16 @@ class ChatCompletions:
         # last message's content starts, which an edited last message's prompt starts with.
         conversation = self._render(inputs, add_generation_prompt=False)
         earlier = self._before_last_content(inputs, conversation)
-        tokens = inputs.encode(text)
-
-        def boundary(prefix: str) -> int | None:
-            """How many tokens of `tokens` spell exactly `prefix`, if some do."""
-            if inputs.placeholders:
-                # Escaped control tokens are tokenized piece by piece (`TemplateInputs.encode`):
-                # in this opt-in mode the prefix is tokenized on its own.
-                ids = inputs.encode(prefix)
-                return len(ids) if tokens[: len(ids)] == ids else None
-            return (
-                llm.tokenizer.encode_split(text, len(prefix))[1]
-                if text.startswith(prefix)
-                else None
-            )
-
-        boundaries = [boundary(p) for p in (earlier, conversation) if p is not None]
+        prefixes = [p for p in (earlier, conversation) if p is not None]
+        if inputs.placeholders:
+            # Escaped control tokens are tokenized piece by piece (`TemplateInputs.encode`):
+            # in this opt-in mode each prefix is tokenized on its own.
+            tokens = inputs.encode(text)
+            encoded = [inputs.encode(p) for p in prefixes]
+            boundaries = [len(ids) if tokens[: len(ids)] == ids else None for ids in encoded]
+        else:
+            starting = [p for p in prefixes if text.startswith(p)]
+            tokens, boundaries = llm.tokenizer.encode_splits(text, [len(p) for p in starting])
         return _Prompt(
             tokens=tokens,
             # The template opens a think block in the generation prompt when thinking is on.

@@ -152,11 +152,21 @@ class Tokenizer:
     def encode_split(self, text: str, at: int) -> tuple[list[int], int | None]:
         """Token ids of `text`, and how many of them spell exactly `text[:at]` (None when a
         token straddles that character offset): one tokenization for a prompt and a prefix."""
+        ids, (split,) = self.encode_splits(text, [at])
+        return ids, split
+
+    def encode_splits(
+        self, text: str, offsets: Sequence[int]
+    ) -> tuple[list[int], list[int | None]]:
+        """`encode_split` at several character offsets, from one tokenization."""
         encoding = self._encoding(text)
         ends = [end for _, end in encoding.offsets]
-        split = bisect.bisect_right(ends, at)
-        clean = split == len(ends) or encoding.offsets[split][0] >= at
-        return encoding.ids, split if clean and (split == 0 or ends[split - 1] == at) else None
+        splits: list[int | None] = []
+        for at in offsets:
+            split = bisect.bisect_right(ends, at)
+            clean = split == len(ends) or encoding.offsets[split][0] >= at
+            splits.append(split if clean and (split == 0 or ends[split - 1] == at) else None)
+        return encoding.ids, splits
 
     def _encoding(self, text: str) -> tokenizers.Encoding:
         # `encode_batch` releases the GIL while it works (`encode` holds it), so that a long
