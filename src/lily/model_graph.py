@@ -18,8 +18,11 @@ windows, GDN state, KV cache and step buffer exactly as the decode step expects 
 The decode step (T = 1) has no norm dispatches: every residual add and RMSNorm is folded into its
 neighbours. The layer's output projections (and the MoE down kernel) add their result to the
 residual in place, and the projections that consume a norm read the residual and apply the norm
-themselves (`FoldedNorm`); that removes two dependent levels per layer. A chunk keeps its
-`add_rms_norm` dispatches, since its GEMMs read the normed activations many times over.
+themselves (`FoldedNorm`); that removes two dependent levels per layer. Likewise the GDN's conv
+step runs in the epilogue of its input projection (`FoldedConvStep`), the MoE routing inside the
+expert gate/up kernel, and attention's prepare (q/k norms, RoPE, KV append) inside the
+split-context decode kernel. A chunk keeps those dispatches: its GEMMs read the normed
+activations many times over, and its kernels already amortise their levels over T tokens.
 
 Activations stay fp32 between kernels (decode is bound by reading weights, so this costs nothing
 and keeps the engine close to the reference); the KV cache is bf16 and the GDN state fp32.
@@ -375,12 +378,8 @@ class _Recorder:
             # The sampler keys its random numbers and log-probability slot on the position of
             # the token it consumes, the chunk's last.
             record_step_advance(g, dev, **advance, count=T - 1)
-        head = [
-            (
-                self.w.quantized(MODEL + "embed_tokens" if c.tie_word_embeddings else LM_HEAD),
-                state.logits,
-            )
-        ]
+        head_weight = MODEL + "embed_tokens" if c.tie_word_embeddings else LM_HEAD
+        head = [(self.w.quantized(head_weight), state.logits)]
         if self.folds_norms:
             record_qgemv(
                 g, dev, self.s.residual, head, norm=self.folded_norm(MODEL + "norm.weight")
