@@ -139,8 +139,6 @@ def stream_text(chunks) -> tuple[str, str, list]:
         ({"n": 2}, "n"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tool_choice": "required", "tools": [WEATHER_TOOL]}, "tool_choice"),
         ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
     ],
 )

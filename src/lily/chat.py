@@ -29,6 +29,7 @@ from lily.reasoning import ReasoningParser
 from lily.sampling import GeneratedToken, SamplingParams
 from lily.special_tokens import TemplateInputs, escape_special_tokens
 from lily.stop import StopStringMatcher
+from lily.structured_output import OutputGrammar, output_grammar
 from lily.template_inputs import (
     check_message_fields,
     check_template_kwargs,
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
     from lily.chat_template import ChatTemplate
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-SUPPORTED_TOOL_CHOICES = ("auto", "none")
 # Parameters that may also arrive through `extra_body`, as the openai SDK sends non-OpenAI ones.
 EXTRA_BODY_PARAMETERS = ("top_k", "min_p", "chat_template_kwargs", "reasoning_budget")
 # OpenAI's reasoning efforts: "none" turns thinking off; the model has no finer control, so the
@@ -81,6 +81,8 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The most tokens generated inside the think block before Lily closes it; None: no limit.
     reasoning_budget: int | None = None
+    # The grammar the answer follows (response_format, a forced tool call); None: free text.
+    output: OutputGrammar | None = None
 
 
 def _require(condition: bool, message: str, param: str) -> None:
@@ -186,6 +188,8 @@ def parse_request(
         "top_logprobs",
         "tools",
         "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
         "prompt_cache_key",
         "reasoning_effort",
         *EXTRA_BODY_PARAMETERS,
@@ -237,8 +241,6 @@ def parse_request(
 
     tools = params.get("tools")
     tool_choice = params.get("tool_choice")
-    if tool_choice is not None and tool_choice not in SUPPORTED_TOOL_CHOICES:
-        raise UnsupportedParameterError(["tool_choice"])
     if tools is not None:
         _require(
             isinstance(tools, list)
@@ -253,8 +255,11 @@ def parse_request(
             "tools",
         )
         check_tool_schemas(tools)
-        if tool_choice == "none":
-            tools = None
+    output = output_grammar(
+        params.get("response_format"), tool_choice, params.get("parallel_tool_calls"), tools
+    )
+    if tool_choice == "none":
+        tools = None
 
     template_kwargs = params.get("chat_template_kwargs") or {}
     _require(
@@ -304,6 +309,7 @@ def parse_request(
         tools=[dict(t) for t in tools] if tools else None,
         template_kwargs=dict(template_kwargs),
         reasoning_budget=budget,
+        output=output,
     )
 
 
@@ -601,6 +607,14 @@ class ChatCompletions:
         the answer follows."""
         budget = request.reasoning_budget if prompt.thinking else None
         fed = list(prompt.tokens)
+        constraint = None
+        if request.output is not None:
+            constraint = request.output.constraint(
+                self._llm.tokenizer,
+                self._llm.config.vocab_size,
+                thinking=prompt.thinking,
+                max_tokens=max_tokens,
+            )
 
         def room() -> int:
             return max_tokens - (len(fed) - len(prompt.tokens))
@@ -615,6 +629,8 @@ class ChatCompletions:
                 budget = None  # closed once: what follows is the answer
                 for token_id in self._llm.tokenizer.encode(THINK_CLOSE)[: room()]:
                     fed.append(token_id)
+                    if constraint is not None:
+                        constraint.consume(token_id)  # the grammar starts after </think>
                     yield GeneratedToken(token_id), True
                 continue
             tokens = self._llm.engine.generate(
@@ -624,6 +640,7 @@ class ChatCompletions:
                 request.sampling,
                 snapshot_at=prompt.snapshot_at,
                 should_stop=should_stop,
+                **({"constraint": constraint} if constraint is not None else {}),
             )
             try:
                 for token in tokens:
