@@ -19,6 +19,9 @@
 //           with key (seed_low, seed_high) and counter (i, position, 0, 0).
 // The token holding the largest z is always kept, so at least one token survives. A row holding
 // a NaN or +inf logit is refused: the draw is NO_TOKEN and no log-probabilities are written.
+// A token mask (a constraint's allowed tokens, written by the host before the draw) applies
+// first: a disallowed token's z is -inf, so it is neither the greedy choice, nor counted by the
+// filters, nor drawn. The log-probabilities ignore the mask: they stay the model's own.
 //
 // One threadgroup per draw. The thresholds are found by bisection on the order key (32 passes,
 // each a threadgroup reduction), never by sorting. When top_k <= threads, a cheap lower bound
@@ -62,6 +65,10 @@ struct LogprobEntry {
   uint token;
   float logprob;
 };
+
+// The token mask buffer (lily.kernels.sampling.write_token_mask): word 0 is 1 when the mask
+// applies to this draw, then bit i % 32 of word 1 + i / 32 is set when token i is allowed.
+constexpr constant uint MASK_HEADER_WORDS = 1;
 
 // Philox4x32-10 (Salmon et al., SC'11): four 32-bit outputs from a 128-bit counter and a 64-bit
 // key. Only the first output is used; the others are free for later uses of the same counter.
@@ -149,11 +156,27 @@ inline uint group_argmax(float value, uint index, threadgroup float* values,
   return winner;
 }
 
+// The logits a draw ranks tokens by: the model's, with the tokens the mask rules out at -inf
+// when `masked` (the log-probabilities read them unmasked).
+struct Logits {
+  device const float* values;
+  device const uint* mask;
+  bool masked;
+};
+
+inline bool allowed(thread const Logits& logits, uint i) {
+  return !logits.masked || ((logits.mask[MASK_HEADER_WORDS + (i >> 5)] >> (i & 31u)) & 1u) != 0;
+}
+
+inline float logit(thread const Logits& logits, uint i) {
+  return allowed(logits, i) ? logits.values[i] : -INFINITY;
+}
+
 // The tokens the filters and the race run over: either every token, read from the logits, or
 // the ones gathered into threadgroup memory when top-k bounds them (then every later pass reads
 // a few hundred values instead of the whole vocabulary).
 struct Tokens {
-  device const float* logits;
+  Logits logits;
   threadgroup const float* gathered_z;
   threadgroup const uint* gathered_ids;
   float inverse_temperature;
@@ -162,7 +185,8 @@ struct Tokens {
 };
 
 inline float token_z(thread const Tokens& tokens, uint j) {
-  return tokens.gathered ? tokens.gathered_z[j] : tokens.logits[j] * tokens.inverse_temperature;
+  return tokens.gathered ? tokens.gathered_z[j]
+                         : logit(tokens.logits, j) * tokens.inverse_temperature;
 }
 
 inline uint token_id(thread const Tokens& tokens, uint j) {
@@ -231,7 +255,7 @@ inline uint kth_largest_thread_key(uint own_key, uint k, threadgroup uint* scrat
 // The tokens whose key of logits * scale is at least `bound`, gathered into threadgroup memory
 // if `try_gather` and they fit (each thread's in one block, placed by a prefix sum of the
 // threads' counts), else a view of every token in the logits.
-inline Tokens gather_tokens(device const float* logits, uint vocab, float scale, uint bound,
+inline Tokens gather_tokens(thread const Logits& logits, uint vocab, float scale, uint bound,
                             bool try_gather, threadgroup float* gathered_z,
                             threadgroup uint* gathered_ids, threadgroup uint* scratch,
                             uint thread_id, uint threads, uint simdgroups, uint simdgroup,
@@ -239,7 +263,7 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
   const uint scanned = try_gather ? vocab : 0;
   uint own = 0;
   for (uint i = thread_id; i < scanned; i += threads) {
-    own += order_key(logits[i] * scale) >= bound ? 1u : 0u;
+    own += order_key(logit(logits, i) * scale) >= bound ? 1u : 0u;
   }
   const uint own_offset = simd_prefix_exclusive_sum(own);
   const uint simd_total = simd_sum(own);
@@ -254,7 +278,7 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const bool gathered = try_gather && count <= GATHER_CAPACITY;
   for (uint i = thread_id; gathered && i < vocab; i += threads) {
-    const float z = logits[i] * scale;
+    const float z = logit(logits, i) * scale;
     if (order_key(z) >= bound) {
       gathered_z[offset] = z;
       gathered_ids[offset] = i;
@@ -271,6 +295,7 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
                              device const uint* position [[buffer(3)]],
                              device uint* predicted [[buffer(4)]],
                              device LogprobEntry* logprob_ring [[buffer(5)]],
+                             device const uint* token_mask [[buffer(6)]],
                              uint draw [[threadgroup_position_in_grid]],
                              uint thread_id [[thread_index_in_threadgroup]],
                              uint threads [[threads_per_threadgroup]],
@@ -285,15 +310,25 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
   // Threadgroup g draws for position + g: one dispatch can draw many samples (the tests do).
   const uint step_position = position[0] + draw;
 
-  // The largest logit; its lowest index is the greedy choice. Each thread scans its indices in
-  // increasing order, so a strict > keeps the lowest index on ties.
+  const Logits raw = Logits{logits, token_mask, false};
+  const Logits ranked = Logits{logits, token_mask, token_mask[0] != 0};
+
+  // The largest allowed logit; its lowest index is the greedy choice. The largest logit of all
+  // normalises the log-probabilities. Each thread scans its indices in increasing order, so a
+  // strict > keeps the lowest index on ties.
   float best = 0.0f;
   uint best_index = NO_TOKEN;
+  float best_raw = 0.0f;
+  uint best_raw_index = NO_TOKEN;
   uint unusable = 0;
   for (uint i = thread_id; i < vocab; i += threads) {
     const float v = logits[i];
     unusable += is_nan_or_plus_infinity(v) ? 1u : 0u;
-    if (best_index == NO_TOKEN || v > best) {
+    if (best_raw_index == NO_TOKEN || v > best_raw) {
+      best_raw = v;
+      best_raw_index = i;
+    }
+    if (allowed(ranked, i) && (best_index == NO_TOKEN || v > best)) {
       best = v;
       best_index = i;
     }
@@ -306,6 +341,7 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
   }
   // Every index below is clamped to the vocabulary, so no value, however wrong, can make the
   // kernel read outside the logits.
+  // A mask allowing no token (which the host refuses before the draw) leaves the clamped index.
   const uint argmax_index = min(
       group_argmax(best, best_index, float_scratch, uint_scratch, simdgroups, simdgroup, lane),
       vocab - 1);
@@ -325,7 +361,7 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
                                      lane);
     }
     // Without a bound only a small vocabulary can fit, so the counting pass is skipped.
-    const Tokens tokens = gather_tokens(logits, vocab, inverse_temperature, bound,
+    const Tokens tokens = gather_tokens(ranked, vocab, inverse_temperature, bound,
                                         bound != 0 || vocab <= GATHER_CAPACITY, gathered_z,
                                         gathered_ids, uint_scratch, thread_id, threads,
                                         simdgroups, simdgroup, lane);
@@ -368,15 +404,19 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
 
   if (params.want_logprobs == 0) return;
   // Log-probabilities of the model's own distribution: log_softmax of the raw logits, before
-  // temperature and filtering (what OpenAI's API reports).
+  // the mask, temperature and filtering (what OpenAI's API reports).
+  const uint raw_argmax = min(group_argmax(best_raw, best_raw_index, float_scratch, uint_scratch,
+                                           simdgroups, simdgroup, lane),
+                              vocab - 1);
+  const float max_raw_logit = logits[raw_argmax];
   float exp_sum = 0.0f;
-  for (uint i = thread_id; i < vocab; i += threads) exp_sum += exp(logits[i] - max_logit);
+  for (uint i = thread_id; i < vocab; i += threads) exp_sum += exp(logits[i] - max_raw_logit);
   const float log_normalizer =
       log(group_sum(exp_sum, float_scratch, simdgroups, simdgroup, lane));
   device LogprobEntry* slot =
       logprob_ring + ulong(step_position % shape.ring_slots) * LOGPROB_ENTRIES;
   if (thread_id == 0) {
-    slot[0] = LogprobEntry{chosen, (logits[chosen] - max_logit) - log_normalizer};
+    slot[0] = LogprobEntry{chosen, (logits[chosen] - max_raw_logit) - log_normalizer};
   }
 
   // The alternatives, most likely first (ties to the lowest id): gathered like top-k (with the
@@ -384,10 +424,10 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
   // after the previous one in (logit descending, id ascending).
   const uint wanted = min(params.top_logprobs, min(MAX_TOP_LOGPROBS, vocab));
   if (wanted == 0) return;
-  const uint own_key = best_index == NO_TOKEN ? 0u : order_key(best);
+  const uint own_key = best_raw_index == NO_TOKEN ? 0u : order_key(best_raw);
   const uint bound =
       kth_largest_thread_key(own_key, wanted, uint_scratch, simdgroups, simdgroup, lane);
-  const Tokens tokens = gather_tokens(logits, vocab, 1.0f, bound, true, gathered_z, gathered_ids,
+  const Tokens tokens = gather_tokens(raw, vocab, 1.0f, bound, true, gathered_z, gathered_ids,
                                       uint_scratch, thread_id, threads, simdgroups, simdgroup,
                                       lane);
   float previous_value = 0.0f;
@@ -410,7 +450,7 @@ inline Tokens gather_tokens(device const float* logits, uint vocab, float scale,
         vocab - 1);
     previous_value = logits[previous_id];
     if (thread_id == 0) {
-      slot[1 + n] = LogprobEntry{previous_id, (previous_value - max_logit) - log_normalizer};
+      slot[1 + n] = LogprobEntry{previous_id, (previous_value - max_raw_logit) - log_normalizer};
     }
   }
 }

@@ -26,6 +26,7 @@ from lily.kernels.sampling import (
     SAMPLING_PARAMS_BYTES,
     logprob_ring_bytes,
     record_sample,
+    token_mask_bytes,
     write_sampling_params,
 )
 from lily.sampling import SamplingParams
@@ -48,6 +49,7 @@ def record_head(graph, device, x, weights, logits, token, vocab: int) -> None:
         predicted=token,
         logprob_ring=device.alloc(logprob_ring_bytes(1)),
         ring_slots=1,
+        token_mask=device.alloc(token_mask_bytes(vocab)),
     )
 
 

@@ -9,7 +9,9 @@ the kept set by sorting (the kernel bisects), the probabilities in float64. Thre
 - exact replay: a numpy replica of the Gumbel race with Philox4x32-10 (checked against the
   Random123 known answers) picks the same token as the kernel, so the counter layout, the seed
   and the kept set are all pinned down, including at the full 248320-token vocabulary;
-- edge cases and log-probabilities against float64 log_softmax, under all three lane orders.
+- edge cases and log-probabilities against float64 log_softmax, under all three lane orders;
+- the token mask (a constraint's allowed tokens): the same checks on the logits with every
+  disallowed token at -inf, and log-probabilities that ignore it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 from kernel_testing import FLOAT32_EPS, LANE_ORDERS, assert_within, run, sim_device
 
+from lily.constraint import mask_from_tokens
 from lily.kernels.sampling import (
     GATHER_CAPACITY,
     LOGPROB_ENTRIES,
@@ -30,7 +33,9 @@ from lily.kernels.sampling import (
     logprob_ring_bytes,
     read_logprobs,
     record_sample,
+    token_mask_bytes,
     write_sampling_params,
+    write_token_mask,
 )
 from lily.sampling import SamplingParams
 
@@ -178,11 +183,17 @@ def device_sample(
     position: int = 0,
     threads: int = 64,
     ring_slots: int | None = None,
+    allowed: np.ndarray | None = None,
 ) -> tuple[np.ndarray, object]:
-    """Tokens for positions position .. position + draws - 1, and the log-probability ring."""
+    """Tokens for positions position .. position + draws - 1, and the log-probability ring.
+    `allowed`: the ids the token mask allows, or None for no mask."""
     ring_slots = ring_slots or draws
     parameters = device.alloc(SAMPLING_PARAMS_BYTES)
     write_sampling_params(parameters, params)
+    token_mask = device.alloc(token_mask_bytes(len(logits)))
+    write_token_mask(
+        token_mask, None if allowed is None else mask_from_tokens(allowed, len(logits))
+    )
     step = device.wrap(np.array([position, 0, 0], dtype=np.uint32))
     predicted = device.alloc(4 * draws)
     predicted.numpy()[:] = 0xEE  # not a plausible token
@@ -199,6 +210,7 @@ def device_sample(
             predicted=predicted,
             logprob_ring=ring,
             ring_slots=ring_slots,
+            token_mask=token_mask,
             draws=draws,
             threads=threads,
         ),
@@ -562,7 +574,9 @@ def test_recording_refuses_bad_launches():
     device = sim_device("forward")
     buffer = device.alloc(4096)
     small = device.alloc(4)
-    common = dict(logits=buffer, params=buffer, position=buffer, predicted=buffer)
+    common = dict(
+        logits=buffer, params=buffer, position=buffer, predicted=buffer, token_mask=buffer
+    )
     from lily.device import Graph
 
     with pytest.raises(ValueError, match="threads"):
@@ -573,3 +587,143 @@ def test_recording_refuses_bad_launches():
         record_sample(Graph(), device, vocab=64, logprob_ring=small, ring_slots=1, **common)
     with pytest.raises(ValueError, match="logits"):
         record_sample(Graph(), device, vocab=2048, logprob_ring=buffer, ring_slots=1, **common)
+
+
+# ---- the token mask ----------------------------------------------------------------------------
+
+
+def masked(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """The logits the definition ranks under a mask: -inf for every token it does not allow."""
+    out = np.full_like(logits, -np.inf)
+    out[allowed] = logits[allowed]
+    return out
+
+
+def allowed_set(vocab: int, seed: int, logits: np.ndarray) -> np.ndarray:
+    """About a third of the tokens, never the five most likely ones: the mask changes the
+    greedy choice, and what top-k and top-p keep."""
+    rng = np.random.default_rng(seed)
+    allowed = rng.random(vocab) < 1 / 3
+    allowed[np.argsort(logits)[-5:]] = False
+    return np.flatnonzero(allowed)
+
+
+MASK_CASES = {
+    "temperature": SamplingParams(temperature=1.0, seed=31),
+    "all filters": SamplingParams(temperature=0.9, top_k=25, top_p=0.95, min_p=0.2, seed=32),
+}
+MASK_DRAWS = 2000
+
+
+@functools.cache
+def masked_draws(case: str, lane_order: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(logits, allowed ids, MASK_DRAWS tokens) of a case under a mask."""
+    params = MASK_CASES[case]
+    logits = peaked_logits(STATISTICS_VOCAB, seed=params.seed)
+    allowed = allowed_set(STATISTICS_VOCAB, params.seed, logits)
+    tokens, _ = device_sample(
+        sim_device(lane_order), logits, params, draws=MASK_DRAWS, allowed=allowed
+    )
+    return logits, allowed, tokens
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize("case", sorted(MASK_CASES))
+def test_masked_draws_follow_the_renormalised_distribution(case, lane_order):
+    params = MASK_CASES[case]
+    logits, allowed, tokens = masked_draws(case, lane_order)
+    assert set(tokens.tolist()) <= set(allowed.tolist())
+    counts = np.bincount(tokens, minlength=STATISTICS_VOCAB)
+    expected = reference_probabilities(masked(logits, allowed), params)
+    assert chi_square_p_value(counts, expected) > P_VALUE_THRESHOLD
+    # Filtering first and masking after would give another distribution, which the test tells
+    # apart: the filters must run over the allowed tokens only.
+    if case == "all filters":
+        filtered_then_masked = np.zeros(STATISTICS_VOCAB)
+        filtered_then_masked[allowed] = reference_probabilities(logits, params)[allowed]
+        wrong = filtered_then_masked / filtered_then_masked.sum()
+        assert chi_square_p_value(counts, wrong) < P_VALUE_THRESHOLD
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize("case", sorted(MASK_CASES))
+def test_masked_draws_replay_the_reference_race(case, lane_order):
+    params = MASK_CASES[case]
+    logits, allowed, tokens = masked_draws(case, lane_order)
+    ranked = masked(logits, allowed)
+    checked = 0
+    for position in range(0, MASK_DRAWS, 97):
+        scores = race_scores(ranked, params, position)
+        second, first = np.sort(scores)[-2:]
+        if first - second > 1e-4 * max(1.0, abs(first)):
+            assert tokens[position] == int(np.argmax(scores)), f"position {position}"
+            checked += 1
+    assert checked > 0.9 * len(range(0, MASK_DRAWS, 97))
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_greedy_under_a_mask_is_the_largest_allowed_logit(lane_order):
+    device = sim_device(lane_order)
+    logits = np.random.default_rng(33).normal(0, 1, 5000).astype(np.float32)
+    logits[[10, 4000]] = 9.0  # the argmax, tied, both disallowed
+    logits[[3333, 1200, 4999]] = 7.0  # the largest allowed, tied
+    allowed = np.array([5, 1200, 2047, 3333, 4999, 4998])
+    greedy = SamplingParams(temperature=0.0, seed=1)
+    tokens, _ = device_sample(device, logits, greedy, draws=2, threads=1024, allowed=allowed)
+    assert tokens.tolist() == [1200, 1200]
+    # A single allowed token is the only possible draw at any temperature, even a -inf one.
+    hot = SamplingParams(temperature=2.0, top_k=3, top_p=0.5, seed=2)
+    for only in (4999, 10):
+        one = np.array([only])
+        tokens, _ = device_sample(device, logits, hot, draws=16, threads=1024, allowed=one)
+        assert set(tokens.tolist()) == {only}
+    hopeless = logits.copy()
+    hopeless[77] = -np.inf
+    tokens, _ = device_sample(device, hopeless, hot, draws=4, allowed=np.array([77]))
+    assert set(tokens.tolist()) == {77}
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_logprobs_under_a_mask_are_the_models_own(lane_order):
+    """The chosen token is allowed, but its logprob and the alternatives are those of the raw
+    logits, disallowed tokens included."""
+    device = sim_device(lane_order)
+    logits = peaked_logits(4096, seed=34)
+    allowed = allowed_set(4096, 34, logits)
+    params = SamplingParams(temperature=1.0, top_k=50, top_logprobs=20, seed=4)
+    tokens, ring = device_sample(device, logits, params, draws=3, allowed=allowed)
+    for draw in range(3):
+        assert tokens[draw] in allowed
+        check_logprobs(ring, 3, draw, logits, tokens[draw], 20, threads=64)
+
+
+def test_the_mask_switched_off_leaves_the_draws_alone():
+    """The header word decides: with it clear, a bitmask allowing nothing changes nothing."""
+    device = sim_device("forward")
+    logits = peaked_logits(700, seed=35)
+    params = SamplingParams(temperature=1.0, seed=5)
+    plain, _ = device_sample(device, logits, params, draws=32)
+    mask = device.alloc(token_mask_bytes(700))
+    write_token_mask(mask, mask_from_tokens([3], 700))
+    write_token_mask(mask, None)
+    assert mask.numpy().view(np.uint32)[1] == 8  # the bits stay; only the flag is cleared
+    predicted = device.alloc(4 * 32)
+    parameters = device.alloc(SAMPLING_PARAMS_BYTES)
+    write_sampling_params(parameters, params)
+    run(
+        device,
+        lambda g: record_sample(
+            g,
+            device,
+            logits=device.wrap(logits),
+            vocab=700,
+            params=parameters,
+            position=(device.wrap(np.zeros(3, np.uint32)), 0),
+            predicted=predicted,
+            logprob_ring=device.alloc(logprob_ring_bytes(32)),
+            ring_slots=32,
+            token_mask=mask,
+            draws=32,
+        ),
+    )
+    np.testing.assert_array_equal(predicted.numpy().view(np.uint32), plain)

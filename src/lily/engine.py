@@ -3,7 +3,8 @@
 - `DeviceEngine` replays recorded graphs of the model on a device (sim or metal): prefill chunks,
   then one decode step per token, one native call each, keeping up to two passes in flight: pass
   N+1 is queued before pass N's token is read, which works because the graphs themselves
-  advance the step buffer.
+  advance the step buffer. A generation under a `TokenConstraint` keeps one pass in flight,
+  since the mask of draw N+1 depends on token N.
 - `ReferenceEngine` runs the numpy reference model: the oracle, and a device-free fallback that a
   user must ask for by name (`device="reference"`).
 
@@ -30,8 +31,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from lily.constraint import TokenConstraint, allowed_flags, checked_mask
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
-from lily.kernels.sampling import NO_TOKEN, read_logprobs, write_sampling_params
+from lily.kernels.sampling import (
+    NO_TOKEN,
+    read_logprobs,
+    write_sampling_params,
+    write_token_mask,
+)
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 from lily.model_graph import DEFAULT_MAX_CHUNK, LOGPROB_RING_SLOTS, ModelGraph, pass_flops
 from lily.reference import ReferenceModel
@@ -67,6 +74,7 @@ class Engine(Protocol):
         sampling: SamplingParams = GREEDY,
         snapshot_at: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Iterator[GeneratedToken]:
         """Yields the tokens generated after `prompt`, stopping after a stop token; with
         `sampling.top_logprobs` set, each carries its logprob and that many alternatives.
@@ -74,7 +82,9 @@ class Engine(Protocol):
         with is reused; `snapshot_at` asks for a new one after the first that many tokens.
         `should_stop` is asked before every prefill chunk and every token (also while the
         caller is not reading); once it returns True the generation raises
-        GenerationCancelled."""
+        GenerationCancelled. `constraint`, if given, is asked for the allowed tokens before
+        every draw and told every drawn token (before it is yielded); a mask allowing none of
+        the tokens raises NoAllowedTokenError. Log-probabilities ignore the mask."""
         ...
 
     def cached_prefix_length(self, prompt: Sequence[int]) -> int:
@@ -173,6 +183,7 @@ class DeviceEngine:
         history[: len(tokens)] = tokens
         step = self._model.step_view()
         step[POSITION], step[PROMPT_END], step[TOKEN] = start, prompt_end, tokens[start]
+        write_token_mask(self._model.state.token_mask, None)
         return start
 
     def _take_snapshot(self, tokens: Sequence[int]) -> None:
@@ -226,6 +237,7 @@ class DeviceEngine:
         sampling: SamplingParams = GREEDY,
         snapshot_at: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
@@ -240,10 +252,11 @@ class DeviceEngine:
         passes = self._passes(first, len(prompt), max_new_tokens, snapshot_at)
         # (position after the pass, whether it predicted a token, ticket)
         in_flight: deque[tuple[int, bool, int]] = deque()
+        depth = PIPELINE_DEPTH if constraint is None else 1
         upcoming = next(passes, None)
         try:
             while True:
-                while upcoming is not None and len(in_flight) < PIPELINE_DEPTH:
+                while upcoming is not None and len(in_flight) < depth:
                     _check_stop(should_stop)
                     start, tokens, predicts = upcoming
                     if start == snapshot_at:
@@ -252,6 +265,8 @@ class DeviceEngine:
                             self.device.wait(pending)
                         self._take_snapshot(prompt[:snapshot_at])
                         snapshot_at = None
+                    if predicts and constraint is not None:
+                        self._write_mask(constraint, start + tokens)
                     graph = self._model.graph(tokens, predicts=predicts)
                     in_flight.append((start + tokens, predicts, self.device.submit(graph)))
                     upcoming = next(passes, None)
@@ -264,6 +279,8 @@ class DeviceEngine:
                 token = int(history[end])
                 if token == NO_TOKEN:
                     raise NonFiniteLogitsError(end)
+                if constraint is not None:
+                    constraint.consume(token)
                 logprobs = None
                 if sampling.top_logprobs is not None:
                     # Slots are keyed by the position of the token the pass consumed last.
@@ -281,6 +298,14 @@ class DeviceEngine:
                 self.device.wait(pending)
             consumed = int(self._model.step_view()[POSITION])
             self._resident = history[:consumed].tolist()
+
+    def _write_mask(self, constraint: TokenConstraint, position: int) -> None:
+        """The mask of the draw of the token at `position`; call with no sampling pass in
+        flight."""
+        allowed = constraint.allowed_tokens()
+        count = self._model.token_count
+        mask = None if allowed is None else checked_mask(allowed, count, position)
+        write_token_mask(self._model.state.token_mask, mask)
 
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
         prompt = [int(t) for t in prompt]
@@ -327,6 +352,7 @@ class ReferenceEngine:
         sampling: SamplingParams = GREEDY,
         snapshot_at: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        constraint: TokenConstraint | None = None,
     ) -> Iterator[GeneratedToken]:
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
         if max_new_tokens == 0:
@@ -346,13 +372,20 @@ class ReferenceEngine:
             position = len(prompt) + produced
             if np.isnan(next_logits).any() or np.isposinf(next_logits).any():
                 raise NonFiniteLogitsError(position)
+            ranked = next_logits
+            allowed = None if constraint is None else constraint.allowed_tokens()
+            if allowed is not None:
+                mask = checked_mask(allowed, self.token_count, position)
+                ranked = np.where(allowed_flags(mask, self.token_count), next_logits, -np.inf)
             if sampling.greedy:
-                token = int(np.argmax(next_logits))
+                token = int(np.argmax(ranked))
             else:
                 # One generator per (seed, position): a seed reproduces a run, step by step.
                 rng = np.random.default_rng([sampling.seed, position])
-                p = sampling_distribution(next_logits, sampling)
+                p = sampling_distribution(ranked, sampling)
                 token = int(rng.choice(p.size, p=p))
+            if constraint is not None:
+                constraint.consume(token)
             logprobs = None
             if sampling.top_logprobs is not None:
                 logprobs = top_logprobs(next_logits, token, sampling.top_logprobs)

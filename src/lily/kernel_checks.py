@@ -622,6 +622,7 @@ def _greedy_sample(vocab: int):
         SAMPLING_PARAMS_BYTES,
         logprob_ring_bytes,
         record_sample,
+        token_mask_bytes,
         write_sampling_params,
     )
     from lily.sampling import SamplingParams
@@ -643,6 +644,7 @@ def _greedy_sample(vocab: int):
             predicted=predicted,
             logprob_ring=device.alloc(logprob_ring_bytes(1)),
             ring_slots=1,
+            token_mask=device.alloc(token_mask_bytes(vocab)),
         )
 
         def verify() -> Comparison:

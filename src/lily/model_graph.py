@@ -39,7 +39,12 @@ from lily.kernels.moe_chunk import MoeChunkScratch, moe_chunk_scratch_bytes, rec
 from lily.kernels.norm import record_add_rms_norm, record_rms_norm
 from lily.kernels.quantized import QuantWeight, record_qgemv
 from lily.kernels.quantized_gemm import record_qgemm
-from lily.kernels.sampling import SAMPLING_PARAMS_BYTES, logprob_ring_bytes, record_sample
+from lily.kernels.sampling import (
+    SAMPLING_PARAMS_BYTES,
+    logprob_ring_bytes,
+    record_sample,
+    token_mask_bytes,
+)
 from lily.kernels.step import STEP_FIELDS, record_step_advance
 
 if TYPE_CHECKING:
@@ -66,6 +71,7 @@ class SequenceState:
     predicted: Buffer  # uint32 [1]: the token the last predicting pass sampled
     sampling_params: Buffer  # the sampler's settings, written by the host between generations
     logprob_ring: Buffer  # per-step log-probabilities, LOGPROB_RING_SLOTS slots
+    token_mask: Buffer  # the allowed tokens of the next draw, written by the host before it
     conv_windows: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [K-1, C]
     recurrent: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [Hv, Dv, Dk]
     k_cache: dict[int, Buffer] = field(default_factory=dict)  # attention layer -> bf16 cache
@@ -233,6 +239,7 @@ class ModelGraph:
             predicted=dev.alloc(4),
             sampling_params=dev.alloc(SAMPLING_PARAMS_BYTES),
             logprob_ring=dev.alloc(logprob_ring_bytes(LOGPROB_RING_SLOTS)),
+            token_mask=dev.alloc(token_mask_bytes(self.token_count)),
         )
         for i, kind in enumerate(c.layer_types):
             if kind == FULL_ATTENTION:
@@ -356,6 +363,7 @@ class _Recorder:
             predicted=state.predicted,
             logprob_ring=state.logprob_ring,
             ring_slots=LOGPROB_RING_SLOTS,
+            token_mask=state.token_mask,
         )
         g.barrier()
         record_step_advance(g, dev, **advance)

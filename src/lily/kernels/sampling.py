@@ -22,16 +22,21 @@ every quantity in fp32:
    generator state exists. The 32-bit variates cut the Gumbel tail: a token more than about
    25 nats below the most likely one can never be drawn (its true probability is < 1e-11).
 
-The most likely token always survives the filters. Ties in the sampling race go to the lowest
-id (probability ~0). A -inf logit is a token that cannot be drawn. A row holding a NaN or +inf
-logit is refused: the draw is `NO_TOKEN` and no log-probabilities are written (the engine then
-raises `NonFiniteLogitsError`).
+A token mask (`write_token_mask`; the hook is `lily.constraint.TokenConstraint`) applies before
+step 1 when the host switched it on for the draw: a disallowed token counts as a -inf logit, so
+it is never the greedy choice, the filters see only the allowed tokens, and it is never drawn.
+
+The most likely (allowed) token always survives the filters. Ties in the sampling race go to the
+lowest id (probability ~0). A -inf logit is a token that cannot be drawn. A row holding a NaN or
++inf logit (allowed or not) is refused: the draw is `NO_TOKEN` and no log-probabilities are
+written (the engine then raises `NonFiniteLogitsError`).
 
 Log-probabilities (when requested) are those of the model's own distribution, the log_softmax of
-the raw logits (before temperature and filtering, as OpenAI reports them): the chosen token's,
-then the `top_logprobs` most likely tokens (largest logit first, ties to the lowest id). They are
-written to a ring of `ring_slots` slots, slot ``position % ring_slots``, each `LOGPROB_ENTRIES`
-(token uint32, logprob fp32) pairs, so the host can read step N's while step N+1 runs.
+the raw logits (before the mask, temperature and filtering, as OpenAI reports them): the chosen
+token's, then the `top_logprobs` most likely tokens (largest logit first, ties to the lowest
+id). They are written to a ring of `ring_slots` slots, slot ``position % ring_slots``, each
+`LOGPROB_ENTRIES` (token uint32, logprob fp32) pairs, so the host can read step N's while step
+N+1 runs.
 
 Limits, checked when a graph is recorded or parameters are packed: one threadgroup of at most
 1024 threads (a multiple of 32) per draw; at most `MAX_TOP_LOGPROBS` alternatives; the vocab
@@ -49,6 +54,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lily.constraint import mask_words
 from lily.kernels import BufferRef, binding, pack_params, threads_within
 from lily.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -70,6 +76,25 @@ SAMPLING_PARAMS_FORMAT = "<fIffIIII"
 SAMPLING_PARAMS_BYTES = struct.calcsize(SAMPLING_PARAMS_FORMAT)
 
 _LOWEST_FLOAT32 = float(np.finfo(np.float32).min)
+# The token mask buffer: a word saying whether the mask applies, then the bitmask.
+MASK_HEADER_WORDS = 1
+
+
+def token_mask_bytes(vocab: int) -> int:
+    return 4 * (MASK_HEADER_WORDS + mask_words(vocab))
+
+
+def write_token_mask(buffer: BufferRef, mask: np.ndarray | None) -> None:
+    """Store the allowed tokens of the next draw (a bitmask as `lily.constraint` defines it,
+    its bits past the vocabulary clear), or None for no mask. Write it only while no
+    submitted pass that samples is still running."""
+    target, offset = binding(buffer)
+    words = target.numpy()[offset:].view(np.uint32)
+    if mask is None:
+        words[0] = 0
+        return
+    words[0] = 1
+    words[MASK_HEADER_WORDS : MASK_HEADER_WORDS + mask.size] = mask
 
 
 def pack_sampling_params(params: SamplingParams) -> bytes:
@@ -127,13 +152,15 @@ def record_sample(
     predicted: BufferRef,
     logprob_ring: BufferRef,
     ring_slots: int,
+    token_mask: BufferRef,
     draws: int = 1,
     threads: int = SAMPLE_THREADS,
 ) -> None:
     """predicted[g] (uint32) = the token sampled from `vocab` fp32 logits under the parameters
     in `params` (written by `write_sampling_params`), for g < `draws`. `position` points at the
     uint32 step position (the step buffer's first field). Draw g uses position + g as its
-    counter and logprob ring slot: the decode graph records one draw, the tests many."""
+    counter and logprob ring slot: the decode graph records one draw, the tests many.
+    `token_mask` holds the mask the draws obey (`write_token_mask`)."""
     if not 1 <= vocab < 2**32 - 1:
         raise ValueError(f"vocab must be in [1, 2^32 - 1), got {vocab}")
     if threads % 32 or not 32 <= threads <= 1024:
@@ -146,6 +173,7 @@ def record_sample(
         ("position", position, 4),
         ("predicted", predicted, 4 * draws),
         ("logprob_ring", logprob_ring, logprob_ring_bytes(ring_slots)),
+        ("token_mask", token_mask, token_mask_bytes(vocab)),
     ):
         buffer, offset = binding(ref)
         if buffer.size - offset < nbytes:
@@ -161,6 +189,7 @@ def record_sample(
             3: binding(position),
             4: binding(predicted),
             5: binding(logprob_ring),
+            6: binding(token_mask),
         },
         bytes={0: pack_params("II", vocab, ring_slots)},
     )

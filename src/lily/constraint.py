@@ -1,0 +1,77 @@
+"""The hook through which something outside the sampler (a grammar, a forced tool call) limits
+which tokens a generation may draw: `TokenConstraint`, and the bitmask it speaks.
+
+Before every draw the engine asks the constraint for the allowed tokens; the sampler then treats
+every other token as if its logit were -inf (not the greedy choice, not counted by top-k, top-p
+or min-p, never drawn). Log-probabilities stay those of the model's own distribution. After the
+draw the engine tells the constraint which token was taken. On a device the next step can only
+be queued once the token is known, so a constrained generation runs one pass at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from lily.errors import RequestError
+
+MASK_WORD_BITS = 32
+
+
+class TokenConstraint(Protocol):
+    def allowed_tokens(self) -> np.ndarray | None:
+        """The tokens the next draw may take: a uint32 bitmask of ceil(vocab/32) words (bit
+        i % 32 of word i // 32 set = token i allowed), or None for no constraint on this draw."""
+        ...
+
+    def consume(self, token: int) -> None:
+        """The token that was drawn (called for every generated token, in order)."""
+        ...
+
+
+class NoAllowedTokenError(RequestError):
+    """A constraint's mask allows none of the tokens the model can produce: no draw is
+    possible, so the generation stops instead of emitting a token the constraint forbids."""
+
+    def __init__(self, position: int):
+        super().__init__(
+            f"the constraint allows no token at position {position}", code="no_allowed_token"
+        )
+        self.position = position
+
+
+def mask_words(vocab: int) -> int:
+    """The uint32 words of a bitmask over `vocab` tokens."""
+    return -(-vocab // MASK_WORD_BITS)
+
+
+def mask_from_tokens(tokens: object, vocab: int) -> np.ndarray:
+    """The bitmask allowing exactly `tokens` (ids below `vocab`)."""
+    allowed = np.zeros(mask_words(vocab) * MASK_WORD_BITS, bool)
+    allowed[np.asarray(tokens, np.int64)] = True
+    return np.packbits(allowed, bitorder="little").view(np.uint32).copy()
+
+
+def allowed_flags(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """Bool [vocab]: whether each token is allowed by `mask`."""
+    bits = np.unpackbits(np.asarray(mask, np.uint32).view(np.uint8), bitorder="little")
+    return bits[:vocab].astype(bool)
+
+
+def checked_mask(mask: np.ndarray, vocab: int, position: int) -> np.ndarray:
+    """`mask` as the sampler reads it: its first `mask_words(vocab)` words (a mask must have at
+    least those; later words are ignored) with the bits at or past `vocab` cleared, so that
+    no padding row of the lm_head can be drawn. Refuses a mask that allows no token."""
+    mask = np.asarray(mask)
+    words = mask_words(vocab)
+    if mask.dtype != np.uint32 or mask.ndim != 1 or mask.size < words:
+        raise ValueError(
+            f"a token mask is at least {words} uint32 words, got {mask.dtype} {mask.shape}"
+        )
+    checked = mask[:words].copy()
+    if vocab % MASK_WORD_BITS:
+        checked[-1] &= np.uint32((1 << (vocab % MASK_WORD_BITS)) - 1)
+    if not checked.any():
+        raise NoAllowedTokenError(position)
+    return checked
