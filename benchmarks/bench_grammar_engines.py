@@ -103,7 +103,7 @@ SCHEMA = {
     "required": ["order_id", "status", "customer", "items"],
     "additionalProperties": False,
 }
-ANSWER = json.dumps(
+VALID_ANSWER = json.dumps(
     {
         "order_id": "ABC-1234",
         "status": "shipped",
@@ -116,6 +116,8 @@ ANSWER = json.dumps(
     },
     separators=(",", ":"),
 )
+# The same without the escaped quotes in a length-limited string (xgrammar 0.2.9 refuses those).
+PLAIN_ANSWER = VALID_ANSWER.replace('Ada \\"the first\\" Lovelace', "Ada Lovelace")
 
 # keyword: (schema, an instance that uses it, an instance that breaks it)
 COVERAGE: dict[str, tuple[dict[str, Any], Any, Any]] = {
@@ -201,6 +203,7 @@ class Result:
     engine: str
     version: str = ""
     error: str = ""
+    refused: str = ""  # the valid answer's text up to a token the engine refused
     tokenizer_s: float = 0.0
     compile_s: float = 0.0
     mask_us_median: float = 0.0
@@ -366,13 +369,12 @@ def measure(
         result.error = f"the benchmark schema does not compile: {e}"
         return result
     result.compile_s = time.perf_counter() - started
-    times = []
-    for token in encode(ANSWER):
-        started = time.perf_counter()
-        engine.mask(matcher)
-        times.append(time.perf_counter() - started)
-        if not engine.consume(matcher, token):
-            result.error = "refused a token of a valid answer"
+    times = _follow(engine, matcher, encode(VALID_ANSWER))
+    if isinstance(times, int):
+        result.refused = VALID_ANSWER[: len(_decode(encode(VALID_ANSWER)[: times + 1]))]
+        times = _follow(engine, engine.compile(SCHEMA), encode(PLAIN_ANSWER))
+        if isinstance(times, int):
+            result.error = "refused the plain answer too"
             return result
     result.mask_us_median = statistics.median(times) * 1e6
     result.mask_us_p95 = float(np.percentile(times, 95)) * 1e6
@@ -384,15 +386,33 @@ def measure(
     return result
 
 
+def _follow(engine: Engine, matcher: Any, ids: list[int]) -> list[float] | int:
+    """The time of each mask while following `ids`, or the index of the first refused one."""
+    times = []
+    for i, token in enumerate(ids):
+        started = time.perf_counter()
+        engine.mask(matcher)
+        times.append(time.perf_counter() - started)
+        if not engine.consume(matcher, token):
+            return i
+    return times
+
+
+_REFERENCE = get_tokenizer("qwen3.6-35b-a3b")
+
+
+def _decode(ids: list[int]) -> str:
+    return _REFERENCE.decode(ids)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per engine")
     args = parser.parse_args()
     tokens, added = vocabulary()
-    reference = get_tokenizer("qwen3.6-35b-a3b")
 
     def encode(text: str) -> list[int]:
-        return list(reference.encode(text))
+        return list(_REFERENCE.encode(text))
 
     print(f"vocabulary: {len(tokens)} tokens, masks of {(MODEL_VOCAB + 31) // 32} words")
     for engine_class in (LLGuidance, XGrammar, OutlinesCore):
@@ -400,12 +420,14 @@ def main() -> None:
         if args.json:
             print(json.dumps(result.__dict__))
             continue
-        print(f"\n{result.engine} {result.version}")
+        print(f"\n{result.engine} {result.version}", flush=True)
         if result.error:
             print(f"  {result.error}")
             if not result.tokenizer_s:
                 continue
         print(f"  tokenizer index: {result.tokenizer_s:.2f} s")
+        if result.refused:
+            print(f"  refused a valid answer at the end of: {result.refused}")
         if result.compile_s:
             print(f"  schema compile: {result.compile_s * 1e3:.1f} ms")
             print(
@@ -416,7 +438,7 @@ def main() -> None:
                 f"  enforced ({len(result.enforced)}/{len(COVERAGE)}): "
                 + ", ".join(result.enforced)
             )
-            print(f"  not enforced: {', '.join(result.not_enforced) or '-'}")
+            print(f"  not enforced: {', '.join(result.not_enforced) or '-'}", flush=True)
 
 
 if __name__ == "__main__":

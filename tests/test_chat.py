@@ -62,6 +62,7 @@ class ScriptedEngine:
         sampling: SamplingParams = GREEDY,
         snapshot_at: int | None = None,
         should_stop: Callable[[], bool] | None = None,
+        constraint: object = None,
     ) -> Iterator[GeneratedToken]:
         self.requests.append(
             dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling)

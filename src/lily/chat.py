@@ -640,7 +640,7 @@ class ChatCompletions:
                 request.sampling,
                 snapshot_at=prompt.snapshot_at,
                 should_stop=should_stop,
-                **({"constraint": constraint} if constraint is not None else {}),
+                constraint=constraint,
             )
             try:
                 for token in tokens:

@@ -9,12 +9,15 @@ for the answer. Per generation, `OutputGrammar.constraint` makes a `GrammarConst
 - while the model thinks (the generation prompt opened `<think>`) the answer is free text, except
   that the end of turn is not allowed; the grammar starts after `</think>`;
 - then only tokens that keep the answer a prefix of the grammar are allowed, and the stop tokens
-  (`<|im_end|>`) only where the grammar accepts: a finished answer always parses;
-- in the last `closing_margin` tokens of `max_tokens` the answer is steered to its end: where
-  one of `CLOSING_TEXTS` (a quote, a closing bracket, the end of a tool-call parameter, ...)
+  (`<|im_end|>`) only where the grammar accepts: a finished answer always parses; text the
+  grammar forces (a required key, a tool-call tag) is written in its canonical tokens;
+- near the end of `max_tokens` the answer is steered to its end (the closing stretch): where
+  one of `CLOSING_TEXTS` (the end of a tool-call parameter, a quote, a closing bracket, ...)
   may come next, its tokens are the only ones allowed, and once the grammar accepts only the
-  end of turn is. A model that would go on (a random one, in a long string) still finishes
-  with an answer that parses, unless the schema requires more than the margin leaves room for.
+  end of turn is. In the last `CLOSING_LOOKAHEAD` tokens each draw first plays the stretch out
+  on a copy of the grammar state; it starts when what it needs (plus `CLOSING_SLACK`) no longer
+  fits. A model that would go on (a random one, in a long string) so still finishes with an
+  answer that parses, unless the schema needs more tokens than `max_tokens` leaves.
 
 JSON is written compactly (`", "` and `": "` separators, no other whitespace): a grammar that
 allows free whitespace lets a model pad forever. Forced tool calls follow the qwen3_coder format
@@ -47,24 +50,29 @@ if TYPE_CHECKING:
     from lily.tokenizer import Tokenizer
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-TOOL_CHOICES = ("none", "auto", "required")
 THINK_END = "</think>"
 # How llguidance writes JSON here: compact, with the separators json.dumps uses by default.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # What ends an answer soonest, tried in this order: the closing tags of the tool-call format
 # (raw parameter text may hold anything else), then a quote (inside a JSON string it is the
-# only way out; elsewhere it opens a string the next quote closes), closing brackets, and a
-# digit for a number.
+# only way out; elsewhere it opens a string the next quote closes; after ":" the separator's
+# space comes first), closing brackets, the separator towards a required member still missing,
+# and last a digit, to start a number (after one, a bracket or the separator always fits).
 CLOSING_TEXTS = (
     f"\n{PARAMETER_END}\n",
     f"{FUNCTION_END}\n{TOOL_CALL_END}",
     '"',
+    ' "',
     "}",
     "]",
+    JSON_OPTIONS["item_separator"],
     "0",
+    " 0",
 )
-# The closing stretch: its length, at most half of max_tokens.
-CLOSING_MARGIN = 32
+# How close to max_tokens the closing stretch is planned, and the spare tokens it starts with
+# (the model's own choices where no closing text fits may take longer than the plan's).
+CLOSING_LOOKAHEAD = 128
+CLOSING_SLACK = 4
 # String keywords a raw (unquoted) tool-call parameter value cannot be held to.
 _RAW_STRING_CONSTRAINTS = ("pattern", "format", "contentEncoding", "contentMediaType")
 
@@ -387,9 +395,10 @@ class GrammarConstraint:
             allowed[self._stop_ids] = False  # the answer must still come
             self._reasoning_mask = np.packbits(allowed, bitorder="little").view(np.uint32)
         self.tokens: list[int] = []
-        self._closing_from = max_tokens - min(CLOSING_MARGIN, max_tokens // 2)
-        self._closing_ids = [tokenizer.encode_as_text(text) for text in CLOSING_TEXTS]
-        self._closing_plan: list[int] = []  # the rest of the closing text being written
+        self._max_tokens = max_tokens
+        self._closing = False
+        self._closing_ids = tuple(tuple(tokenizer.encode_as_text(t)) for t in CLOSING_TEXTS)
+        self._plan: list[int] = []  # the rest of the forced or closing text being written
 
     @property
     def in_reasoning(self) -> bool:
@@ -403,13 +412,19 @@ class GrammarConstraint:
     def allowed_tokens(self) -> np.ndarray | None:
         if self._reasoning_mask is not None:
             return self._reasoning_mask
-        if len(self.tokens) >= self._closing_from:
-            closing = self._closing_tokens()
-            if closing:
-                self._mask[:] = 0
-                for token in closing:
-                    self._mask[token // 32] |= np.uint32(1 << (token % 32))
-                return self._mask
+        if not self._plan:
+            # Text the grammar forces (a key, a tag) goes in its canonical tokens.
+            self._plan = list(self._matcher.compute_ff_tokens())
+        remaining = self._max_tokens - len(self.tokens)
+        if not self._closing and remaining <= CLOSING_LOOKAHEAD:
+            needed = self._closing_length(remaining)
+            self._closing = needed is None or needed + CLOSING_SLACK >= remaining
+        chosen = self._closing_tokens() if self._closing else self._plan[:1]
+        if chosen:
+            self._mask[:] = 0
+            for token in chosen:
+                self._mask[token // 32] |= np.uint32(1 << (token % 32))
+            return self._mask
         self._matcher.unsafe_compute_mask_ptr(
             self._grammar_view.ctypes.data, self._grammar_view.nbytes
         )
@@ -419,25 +434,53 @@ class GrammarConstraint:
                 self._mask[token // 32] |= np.uint32(1 << (token % 32))
         return self._mask
 
+    def _closing_length(self, limit: int) -> int | None:
+        """How many tokens the closing stretch takes from here to a complete answer, played
+        out on a copy of the grammar state (None: more than `limit`). Where no closing text
+        fits, the copy takes the lowest allowed token, as a stand-in for the model's choice."""
+        matcher = self._matcher.deep_copy()
+        plan = list(self._plan)
+        scratch = np.zeros_like(self._grammar_view)
+        for steps in range(limit + 1):
+            if matcher.is_accepting():
+                return steps
+            if not plan:
+                plan = list(matcher.compute_ff_tokens()) or list(
+                    next(
+                        (i for i in self._closing_ids if matcher.validate_tokens(i) == len(i)),
+                        (),
+                    )
+                )
+            if plan:
+                token = plan.pop(0)
+            else:
+                matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+                bits = np.unpackbits(scratch.view(np.uint8), bitorder="little")
+                token = int(np.argmax(bits))
+            if not matcher.consume_token(token):
+                return None
+        return None
+
     def _closing_tokens(self) -> list[int]:
         """In the closing stretch: the stop tokens once the answer may end, else the next
-        token of a closing text that may follow (none: the grammar's own choice)."""
+        token of forced text or of a closing text that may follow (none: the grammar's own
+        choice)."""
         if self._matcher.is_accepting():
             return self._stop_ids
-        if not self._closing_plan:
+        if not self._plan:
             for ids in self._closing_ids:
                 if self._matcher.validate_tokens(ids) == len(ids):
-                    self._closing_plan = list(ids)
+                    self._plan = list(ids)
                     break
-        return self._closing_plan[:1]
+        return self._plan[:1]
 
     def consume(self, token: int) -> None:
         self.tokens.append(token)
-        if self._closing_plan:
-            if self._closing_plan[0] == token:
-                self._closing_plan.pop(0)
+        if self._plan:
+            if self._plan[0] == token:
+                self._plan.pop(0)
             else:
-                self._closing_plan.clear()
+                self._plan.clear()
         if self._reasoning_mask is not None:
             if token == self._think_end:
                 self._reasoning_mask = None
