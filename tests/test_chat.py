@@ -63,6 +63,7 @@ class ScriptedEngine:
         snapshot_at: int | Sequence[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
         cache_key: str | None = None,
+        constraint: object = None,
     ) -> Iterator[GeneratedToken]:
         self.requests.append(
             dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling)
@@ -140,8 +141,6 @@ def stream_text(chunks) -> tuple[str, str, list]:
         ({"n": 2}, "n"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tool_choice": "required", "tools": [WEATHER_TOOL]}, "tool_choice"),
         ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
     ],
 )

@@ -30,6 +30,7 @@ from lily.reasoning import ReasoningParser
 from lily.sampling import GeneratedToken, SamplingParams
 from lily.special_tokens import TemplateInputs, escape_special_tokens
 from lily.stop import StopStringMatcher
+from lily.structured_output import OutputGrammar, output_grammar
 from lily.template_inputs import (
     check_message_fields,
     check_template_kwargs,
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
     from lily.chat_template import ChatTemplate
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-SUPPORTED_TOOL_CHOICES = ("auto", "none")
 # Parameters that may also arrive through `extra_body`, as the openai SDK sends non-OpenAI ones.
 EXTRA_BODY_PARAMETERS = ("top_k", "min_p", "chat_template_kwargs", "reasoning_budget")
 # OpenAI's reasoning efforts: "none" turns thinking off; the model has no finer control, so the
@@ -86,6 +86,8 @@ class ChatRequest:
     reasoning_budget: int | None = None
     # Prefers the cached sequence last used with the same key (see lily.prefix_cache).
     prompt_cache_key: str | None = None
+    # The grammar the answer follows (response_format, a forced tool call); None: free text.
+    output: OutputGrammar | None = None
 
 
 def _require(condition: bool, message: str, param: str) -> None:
@@ -191,6 +193,8 @@ def parse_request(
         "top_logprobs",
         "tools",
         "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
         "prompt_cache_key",
         "reasoning_effort",
         *EXTRA_BODY_PARAMETERS,
@@ -242,8 +246,6 @@ def parse_request(
 
     tools = params.get("tools")
     tool_choice = params.get("tool_choice")
-    if tool_choice is not None and tool_choice not in SUPPORTED_TOOL_CHOICES:
-        raise UnsupportedParameterError(["tool_choice"])
     if tools is not None:
         _require(
             isinstance(tools, list)
@@ -258,8 +260,11 @@ def parse_request(
             "tools",
         )
         check_tool_schemas(tools)
-        if tool_choice == "none":
-            tools = None
+    output = output_grammar(
+        params.get("response_format"), tool_choice, params.get("parallel_tool_calls"), tools
+    )
+    if tool_choice == "none":
+        tools = None
 
     template_kwargs = params.get("chat_template_kwargs") or {}
     _require(
@@ -310,6 +315,7 @@ def parse_request(
         template_kwargs=dict(template_kwargs),
         reasoning_budget=budget,
         prompt_cache_key=prompt_cache_key,
+        output=output,
     )
 
 
@@ -630,6 +636,14 @@ class ChatCompletions:
         the answer follows."""
         budget = request.reasoning_budget if prompt.thinking else None
         fed = list(prompt.tokens)
+        constraint = None
+        if request.output is not None:
+            constraint = request.output.constraint(
+                self._llm.tokenizer,
+                self._llm.config.vocab_size,
+                thinking=prompt.thinking,
+                max_tokens=max_tokens,
+            )
 
         def room() -> int:
             return max_tokens - (len(fed) - len(prompt.tokens))
@@ -644,6 +658,8 @@ class ChatCompletions:
                 budget = None  # closed once: what follows is the answer
                 for token_id in self._llm.tokenizer.encode(THINK_CLOSE)[: room()]:
                     fed.append(token_id)
+                    if constraint is not None:
+                        constraint.consume(token_id)  # the grammar starts after </think>
                     yield GeneratedToken(token_id), True
                 continue
             tokens = self._llm.engine.generate(
@@ -654,6 +670,7 @@ class ChatCompletions:
                 snapshot_at=prompt.snapshot_at,
                 should_stop=should_stop,
                 cache_key=request.prompt_cache_key,
+                constraint=constraint,
             )
             try:
                 for token in tokens:

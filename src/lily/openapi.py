@@ -108,6 +108,24 @@ CHAT_REQUEST_SCHEMA: dict[str, Any] = {
                 "function": {"type": "object", "properties": {"name": _STRING}},
             },
         },
+        "parallel_tool_calls": _nullable("boolean"),
+        "response_format": {
+            "type": ["object", "null"],
+            "required": ["type"],
+            "properties": {
+                "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": _STRING,
+                        "schema": {"type": "object"},
+                        "strict": _nullable("boolean"),
+                    },
+                },
+            },
+            "description": "enforced while generating (docs/structured-output.md)",
+        },
         "prompt_cache_key": _nullable("string"),
         "chat_template_kwargs": _nullable("object"),
         "reasoning_effort": {
@@ -226,6 +244,27 @@ CHAT_REQUEST_EXAMPLES = {
             "temperature": 0.7,
             "seed": 42,
             "chat_template_kwargs": {"enable_thinking": False},
+        },
+    },
+    "json": {
+        "summary": "An answer that is a JSON object valid for a schema",
+        "value": {
+            "messages": [{"role": "user", "content": "Name a colour, as JSON."}],
+            "max_tokens": 16,
+            "reasoning_effort": "none",
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "colour",
+                    "strict": True,
+                    "schema": {
+                        "type": "object",
+                        "properties": {"colour": {"type": "string"}},
+                        "required": ["colour"],
+                        "additionalProperties": False,
+                    },
+                },
+            },
         },
     },
 }

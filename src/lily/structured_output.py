@@ -1,0 +1,493 @@
+"""Structured output: `response_format` and forced tool calls as a grammar the sampler follows.
+
+A request's `response_format` (`text`, `json_object`, `json_schema`) and `tool_choice`
+(`"none"`, `"auto"`, `"required"`, or a named function, with `parallel_tool_calls`) are checked
+into an `OutputGrammar`: an llguidance grammar (Lark syntax, JSON Schemas inlined with `%json`)
+for the answer. Per generation, `OutputGrammar.constraint` makes a `GrammarConstraint`, the
+`TokenConstraint` the engine asks for a token mask before every draw:
+
+- while the model thinks (the generation prompt opened `<think>`) the answer is free text, except
+  that the end of turn is not allowed; the grammar starts after `</think>`;
+- then only tokens that keep the answer a prefix of the grammar are allowed, and the stop tokens
+  (`<|im_end|>`) only where the grammar accepts: a finished answer always parses; text the
+  grammar forces (a required key, a tool-call tag) is written in its canonical tokens;
+- near the end of `max_tokens` the answer is steered to its end (the closing stretch): where
+  one of `CLOSING_TEXTS` (the end of a tool-call parameter, a quote, a closing bracket, ...)
+  may come next, its tokens are the only ones allowed, and once the grammar accepts only the
+  end of turn is. In the last `CLOSING_LOOKAHEAD` tokens each draw first plays the stretch out
+  on a copy of the grammar state; it starts when what it needs (plus `CLOSING_SLACK`) no longer
+  fits. A model that would go on (a random one, in a long string) so still finishes with an
+  answer that parses, unless the schema needs more tokens than `max_tokens` leaves.
+
+JSON is written compactly (`", "` and `": "` separators, no other whitespace): a grammar that
+allows free whitespace lets a model pad forever. Forced tool calls follow the qwen3_coder format
+the chat template renders (`lily.tool_calls`): string parameters are raw text, other parameters
+JSON, each checked against the tool's parameter schema.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import numpy as np
+
+from lily.errors import RequestError
+from lily.tool_calls import (
+    FUNCTION_END,
+    FUNCTION_START,
+    PARAMETER_END,
+    PARAMETER_START,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+)
+
+if TYPE_CHECKING:
+    from lily.tokenizer import Tokenizer
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+THINK_END = "</think>"
+# How llguidance writes JSON here: compact, with the separators json.dumps uses by default.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# What ends an answer soonest, tried in this order: the closing tags of the tool-call format
+# (raw parameter text may hold anything else), then a quote (inside a JSON string it is the
+# only way out; elsewhere it opens a string the next quote closes; after ":" the separator's
+# space comes first), closing brackets, the separator towards a required member still missing,
+# and last a digit, to start a number (after one, a bracket or the separator always fits).
+CLOSING_TEXTS = (
+    f"\n{PARAMETER_END}\n",
+    f"{FUNCTION_END}\n{TOOL_CALL_END}",
+    '"',
+    ' "',
+    "}",
+    "]",
+    JSON_OPTIONS["item_separator"],
+    "0",
+    " 0",
+)
+# How close to max_tokens the closing stretch is planned, and the spare tokens it starts with
+# (the model's own choices where no closing text fits may take longer than the plan's).
+CLOSING_LOOKAHEAD = 128
+CLOSING_SLACK = 4
+# String keywords a raw (unquoted) tool-call parameter value cannot be held to.
+_RAW_STRING_CONSTRAINTS = ("pattern", "format", "contentEncoding", "contentMediaType")
+
+
+class UnsupportedSchemaError(RequestError):
+    """A schema the grammar engine cannot enforce (400, naming the keyword when it can)."""
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message, param=param, code="unsupported_schema")
+
+
+@dataclass(frozen=True)
+class OutputGrammar:
+    """The grammar a request's answer must follow (checked, ready to start per generation)."""
+
+    lark: str
+
+    def constraint(
+        self, tokenizer: Tokenizer, vocab_size: int, *, thinking: bool, max_tokens: int
+    ) -> GrammarConstraint:
+        """A fresh constraint for one generation of at most `max_tokens` over `vocab_size`
+        logits; with `thinking` the generation starts inside the think block."""
+        return GrammarConstraint(
+            self, tokenizer, vocab_size, thinking=thinking, max_tokens=max_tokens
+        )
+
+
+def output_grammar(
+    response_format: Any,
+    tool_choice: Any,
+    parallel_tool_calls: Any,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> OutputGrammar | None:
+    """The grammar that `response_format` and `tool_choice` ask for (`tools` already checked),
+    or None when the answer is free. Raises RequestError naming the offending parameter."""
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise RequestError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    parallel = parallel_tool_calls is not False
+    calls = _forced_calls(tool_choice, tools, parallel)
+    answer = _response_format(response_format)
+    may_call = bool(tools) and tool_choice != "none"
+    if calls is not None:
+        # A forced call is the whole answer; response_format shapes text answers only.
+        body = calls
+    elif answer is None:
+        return None
+    elif may_call:
+        # tool_choice "auto": the model may still call a tool instead of answering.
+        body = f"{answer} | {_calls_rule(parallel)}"
+    else:
+        body = answer
+    rules = _tool_rules(tools) if may_call and tools else ""
+    grammar = OutputGrammar(f"answer: {body}\n{rules}")
+    _check(grammar)
+    return grammar
+
+
+def _response_format(value: Any) -> str | None:
+    """The answer rule for `response_format` (None: free text)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or value.get("type") not in RESPONSE_FORMATS:
+        raise RequestError(
+            f"response_format must be an object whose type is one of {', '.join(RESPONSE_FORMATS)}",
+            param="response_format",
+        )
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _json_rule({"type": "object"}, strict=True, param="response_format")
+    spec = value.get("json_schema")
+    param = "response_format.json_schema"
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise RequestError("json_schema needs a name (and a schema)", param=param)
+    schema = spec.get("schema", {})
+    if not isinstance(schema, Mapping):
+        raise RequestError("json_schema.schema must be an object", param=f"{param}.schema")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise RequestError("json_schema.strict must be a boolean", param=f"{param}.strict")
+    return _json_rule(schema, strict=bool(strict), param=f"{param}.schema")
+
+
+def _json_rule(schema: Mapping[str, Any], *, strict: bool, param: str) -> str:
+    """A `%json` rule for `schema`. Strict: every keyword is enforced or the request is refused;
+    otherwise keywords the engine does not implement are left unchecked."""
+    options = {**JSON_OPTIONS, "lenient": not strict}
+    schema = {**schema, "x-guidance": options}
+    rule = f"%json {json.dumps(schema)}"
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(f"start: {rule}\n")
+    if is_error:
+        raise UnsupportedSchemaError(
+            f"the schema cannot be enforced: {_first_line(messages[0])}", param=param
+        )
+    return rule
+
+
+def _forced_calls(
+    tool_choice: Any, tools: Sequence[Mapping[str, Any]] | None, parallel: bool
+) -> str | None:
+    """The answer rule when `tool_choice` forces a call (None when it does not)."""
+    if tool_choice is None or tool_choice in ("none", "auto"):
+        return None
+    if tool_choice == "required":
+        if not tools:
+            raise RequestError('tool_choice "required" needs tools', param="tool_choice")
+        return _calls_rule(parallel)
+    if (
+        isinstance(tool_choice, Mapping)
+        and tool_choice.get("type") == "function"
+        and isinstance(tool_choice.get("function"), Mapping)
+        and isinstance(tool_choice["function"].get("name"), str)
+    ):
+        name = tool_choice["function"]["name"]
+        names = [t["function"]["name"] for t in tools or []]
+        if name not in names:
+            raise RequestError(
+                f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+            )
+        return _calls_rule(parallel, only=names.index(name))
+    raise RequestError(
+        'tool_choice must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
+
+
+def _calls_rule(parallel: bool, only: int | None = None) -> str:
+    call = f"call_{only}" if only is not None else "call"
+    return f'{call} ("\\n" {call})*' if parallel else call
+
+
+def _tool_rules(tools: Sequence[Mapping[str, Any]]) -> str:
+    """Lark rules `call` (any tool) and `call_<i>` (tool i), in the chat template's format:
+    <tool_call>\\n<function=NAME>\\n(<parameter=KEY>\\nVALUE\\n</parameter>\\n)*</function>\\n</tool_call>
+    """
+    rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(tools)))}"]
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        param = f"tools[{i}].function.parameters"
+        strict = function.get("strict") is True
+        opening = f"{TOOL_CALL_START}\n{FUNCTION_START}{function['name']}>\n"
+        parameters = function.get("parameters") or {}
+        properties = parameters.get("properties") or {}
+        required = set(parameters.get("required") or [])
+        definitions = {
+            key: parameters[key] for key in ("$defs", "definitions") if key in parameters
+        }
+        pieces = []
+        for j, (key, schema) in enumerate(properties.items()):
+            value = f"value_{i}_{j}"
+            rule = _value_rule(schema, definitions, strict, f"{param}.properties.{key}")
+            if isinstance(rule, _RawText):
+                # A lazy lexeme: the value ends at the first `</parameter>` line.
+                rules += [f"{value}[lazy]: RAW_{i}_{j}", f"RAW_{i}_{j}: {rule.lexeme}"]
+            else:
+                rules.append(f"{value}: {rule}")
+            tag = f"{PARAMETER_START}{key}>\n"
+            piece = f"{_lark_string(tag)} {value}"
+            pieces.append(piece if key in required else f"({piece})?")
+        closing = f"{FUNCTION_END}\n{TOOL_CALL_END}"
+        body = " ".join([_lark_string(opening), *pieces, _lark_string(closing)])
+        rules.append(f"call_{i}: {body}")
+    return "\n".join(rules) + "\n"
+
+
+@dataclass(frozen=True)
+class _RawText:
+    lexeme: str
+
+
+def _value_rule(
+    schema: Any, definitions: Mapping[str, Any], strict: bool, param: str
+) -> str | _RawText:
+    """One parameter's value and the `</parameter>` line after it, as `ToolCallParser` reads
+    it back: raw text for a string, JSON for anything else."""
+    end = f"\n{PARAMETER_END}\n"
+    if not isinstance(schema, Mapping):
+        schema = {}
+    kinds = _json_types(schema)
+    if kinds == {"string"}:
+        choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        if choices is not None:
+            return " | ".join(_lark_string(f"{c}{end}") for c in choices)
+        unsupported = [k for k in _RAW_STRING_CONSTRAINTS if k in schema]
+        if unsupported and strict:
+            raise UnsupportedSchemaError(
+                f"a string parameter with {unsupported[0]!r} cannot be enforced in a tool call",
+                param=param,
+            )
+        return _raw_text_rule(schema.get("minLength", 0), schema.get("maxLength"), end)
+    if "string" in kinds:
+        if strict:
+            raise UnsupportedSchemaError(
+                "a parameter that may be a string or another type cannot be enforced in a "
+                "tool call (its value is raw text either way)",
+                param=param,
+            )
+        return _raw_text_rule(0, None, end)
+    rule = _json_rule({**schema, **definitions}, strict=strict, param=param)
+    return f"{rule} {_lark_string(end)}"
+
+
+def _raw_text_rule(min_length: int, max_length: int | None, end: str) -> _RawText:
+    """Text up to the first `end` (a lazy lexeme), which no other tool-call tag interrupts."""
+    length = f"{{{min_length},{'' if max_length is None else max_length}}}"
+    tags = "|".join(_regex_escape(t) for t in (PARAMETER_START, FUNCTION_END, TOOL_CALL_END))
+    return _RawText(
+        f"/(?s:.){length}{_regex_escape(end)}/"
+        f" & ~/(?s:.*({tags}|{_regex_escape(end)}).*{_regex_escape(end)})/"
+    )
+
+
+def _json_types(schema: Mapping[str, Any]) -> set[str]:
+    """The JSON types a value of `schema` may have (all of them when the schema does not say)."""
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return {declared}
+    if isinstance(declared, list):
+        return set(declared)
+    for key in ("enum", "const"):
+        values = schema.get(key, [])
+        values = [values] if key == "const" else values
+        if values:
+            return {"string" if isinstance(v, str) else "other" for v in values}
+    members = [*schema.get("anyOf", []), *schema.get("oneOf", [])]
+    if members:
+        return set().union(*(_json_types(m) for m in members if isinstance(m, Mapping)))
+    return {"string", "other"}
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+def _regex_escape(text: str) -> str:
+    return "".join(f"\\{c}" if c in r"\.+*?()|[]{}^$/-" else c for c in text).replace("\n", "\\n")
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+
+
+def _check(grammar: OutputGrammar) -> None:
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        _with_start(grammar.lark, thinking=False)
+    )
+    if is_error:
+        raise UnsupportedSchemaError(
+            f"the output grammar is invalid: {_first_line(messages[0])}", param="tools"
+        )
+
+
+def _with_start(lark: str, *, thinking: bool) -> str:
+    # After `</think>` the template puts a blank line before the answer.
+    start = 'start: "\\n\\n"? answer' if thinking else "start: answer"
+    return f"{start}\n{lark}"
+
+
+_TOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, llguidance.LLTokenizer] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def grammar_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    """llguidance's index of the vocabulary (built once per tokenizer: ~1 s for 248k tokens)."""
+    cached = _TOKENIZERS.get(tokenizer)
+    if cached is None:
+        cached = _TOKENIZERS[tokenizer] = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_VocabularyView(tokenizer))
+        )
+    return cached
+
+
+class _VocabularyView:
+    """What llguidance reads of a tokenizer: every id's bytes, the control tokens, an encoder."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        self.eos_token_id = min(tokenizer.stop_token_ids)
+        self.bos_token_id = None
+        self.special_token_ids = sorted(tokenizer.special_token_ids)
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode_as_text(text)
+
+
+class GrammarConstraint:
+    """A `TokenConstraint` (`lily.constraint`): the answer follows an `OutputGrammar`."""
+
+    def __init__(
+        self,
+        grammar: OutputGrammar,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        *,
+        thinking: bool,
+        max_tokens: int,
+    ) -> None:
+        index = grammar_tokenizer(tokenizer)
+        self._matcher = llguidance.LLMatcher(
+            index, _with_start(grammar.lark, thinking=thinking), log_level=0
+        )
+        if self._matcher.is_error():
+            raise RuntimeError(f"a checked grammar failed to load: {self._matcher.get_error()}")
+        words = (vocab_size + 31) // 32
+        # llguidance writes the tokenizer's ids; the logits' padding past them stays banned.
+        self._mask = np.zeros(words, dtype=np.uint32)
+        self._grammar_view = self._mask[: (index.vocab_size + 31) // 32]
+        self._stop_ids = sorted(tokenizer.stop_token_ids)
+        self._think_end = tokenizer.token_to_id(THINK_END) if thinking else None
+        self._reasoning_mask: np.ndarray | None = None
+        if self._think_end is not None:
+            allowed = np.zeros(words * 32, dtype=bool)
+            allowed[: tokenizer.vocab_size] = True
+            allowed[self._stop_ids] = False  # the answer must still come
+            self._reasoning_mask = np.packbits(allowed, bitorder="little").view(np.uint32)
+        self.tokens: list[int] = []
+        self._max_tokens = max_tokens
+        self._closing = False
+        self._closing_ids = tuple(tuple(tokenizer.encode_as_text(t)) for t in CLOSING_TEXTS)
+        self._plan: list[int] = []  # the rest of the forced or closing text being written
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._reasoning_mask is not None
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the answer so far is complete (the grammar allows the end of turn)."""
+        return not self.in_reasoning and self._matcher.is_accepting()
+
+    def allowed_tokens(self) -> np.ndarray | None:
+        if self._reasoning_mask is not None:
+            return self._reasoning_mask
+        if not self._plan:
+            # Text the grammar forces (a key, a tag) goes in its canonical tokens.
+            self._plan = list(self._matcher.compute_ff_tokens())
+        remaining = self._max_tokens - len(self.tokens)
+        if not self._closing and remaining <= CLOSING_LOOKAHEAD:
+            needed = self._closing_length(remaining)
+            self._closing = needed is None or needed + CLOSING_SLACK >= remaining
+        chosen = self._closing_tokens() if self._closing else self._plan[:1]
+        if chosen:
+            self._mask[:] = 0
+            for token in chosen:
+                self._mask[token // 32] |= np.uint32(1 << (token % 32))
+            return self._mask
+        self._matcher.unsafe_compute_mask_ptr(
+            self._grammar_view.ctypes.data, self._grammar_view.nbytes
+        )
+        if self._matcher.is_accepting():
+            # llguidance knows one end-of-turn token; every stop token ends the turn alike.
+            for token in self._stop_ids:
+                self._mask[token // 32] |= np.uint32(1 << (token % 32))
+        return self._mask
+
+    def _closing_length(self, limit: int) -> int | None:
+        """How many tokens the closing stretch takes from here to a complete answer, played
+        out on a copy of the grammar state (None: more than `limit`). Where no closing text
+        fits, the copy takes the lowest allowed token, as a stand-in for the model's choice."""
+        matcher = self._matcher.deep_copy()
+        plan = list(self._plan)
+        scratch = np.zeros_like(self._grammar_view)
+        for steps in range(limit + 1):
+            if matcher.is_accepting():
+                return steps
+            if not plan:
+                plan = list(matcher.compute_ff_tokens()) or list(
+                    next(
+                        (i for i in self._closing_ids if matcher.validate_tokens(i) == len(i)),
+                        (),
+                    )
+                )
+            if plan:
+                token = plan.pop(0)
+            else:
+                matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+                bits = np.unpackbits(scratch.view(np.uint8), bitorder="little")
+                token = int(np.argmax(bits))
+            if not matcher.consume_token(token):
+                return None
+        return None
+
+    def _closing_tokens(self) -> list[int]:
+        """In the closing stretch: the stop tokens once the answer may end, else the next
+        token of forced text or of a closing text that may follow (none: the grammar's own
+        choice)."""
+        if self._matcher.is_accepting():
+            return self._stop_ids
+        if not self._plan:
+            for ids in self._closing_ids:
+                if self._matcher.validate_tokens(ids) == len(ids):
+                    self._plan = list(ids)
+                    break
+        return self._plan[:1]
+
+    def consume(self, token: int) -> None:
+        self.tokens.append(token)
+        if self._plan:
+            if self._plan[0] == token:
+                self._plan.pop(0)
+            else:
+                self._plan.clear()
+        if self._reasoning_mask is not None:
+            if token == self._think_end:
+                self._reasoning_mask = None
+            return
+        if token in self._stop_ids and self._matcher.is_accepting():
+            return
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(
+                f"token {token} is not allowed by the output grammar: {self._matcher.get_error()}"
+            )

@@ -1,0 +1,382 @@
+"""Structured output: response_format and forced tool calls, through the chat facade.
+
+The engine here draws every token from seeded random logits restricted to the constraint's mask
+(the `TokenConstraint` protocol the device sampler applies), so the grammar alone decides
+whether the answer parses: random logits know nothing of JSON or of the tool-call format.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection, Iterator, Sequence
+
+import jsonschema
+import numpy as np
+import pytest
+
+from lily.api import Lily
+from lily.checkpoint import resolve_model
+from lily.config import load_config
+from lily.engine import GREEDY
+from lily.errors import RequestError
+from lily.sampling import GeneratedToken, SamplingParams
+from lily.structured_output import UnsupportedSchemaError
+from lily.tokenizer import Tokenizer
+
+# Nested objects, arrays, enums, required fields, numbers and strings (which random tokens fill
+# with quotes, backslashes and control characters: escapes).
+ORDER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "maxLength": 12},
+        "status": {"enum": ["pending", "shipped", 'say "hi"']},
+        "customer": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 10},
+                "vip": {"type": "boolean"},
+            },
+            "required": ["name"],
+            "additionalProperties": False,
+        },
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "price": {"type": "number"},
+                },
+                "required": ["qty", "price"],
+                "additionalProperties": False,
+            },
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "note": {"type": ["string", "null"], "maxLength": 8},
+    },
+    "required": ["id", "status", "customer", "items"],
+    "additionalProperties": False,
+}
+ORDER_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "order", "strict": True, "schema": ORDER_SCHEMA},
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "hourly": {"type": "boolean"},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "maxLength": 20},
+                "filters": {
+                    "type": "object",
+                    "properties": {"tags": {"type": "array", "items": {"type": "integer"}}},
+                    "required": ["tags"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["query"],
+        },
+    },
+}
+USER = [{"role": "user", "content": "answer"}]
+NO_THINKING = {"reasoning_effort": "none"}
+
+
+class MaskedRandomEngine:
+    """Draws each token from seeded random logits where the constraint allows (all tokens the
+    tokenizer has when there is none), and records the masks it was given."""
+
+    def __init__(self, config, token_count: int, max_seq: int = 4096) -> None:
+        self.config = config
+        self.max_seq = max_seq
+        self.token_count = token_count
+        self.constraints: list[object] = []
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Collection[int] = (),
+        sampling: SamplingParams = GREEDY,
+        snapshot_at: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        constraint=None,
+    ) -> Iterator[GeneratedToken]:
+        self.constraints.append(constraint)
+        rng = np.random.default_rng([sampling.with_seed().seed, len(prompt)])
+        for _ in range(max_new_tokens):
+            logits = rng.normal(0.0, 2.0, self.config.vocab_size)
+            logits[self.token_count :] = -np.inf
+            mask = constraint.allowed_tokens() if constraint is not None else None
+            if mask is not None:
+                assert mask.dtype == np.uint32 and mask.size == (self.config.vocab_size + 31) // 32
+                bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+                logits[~bits[: self.config.vocab_size].astype(bool)] = -np.inf
+            token = int(np.argmax(logits))
+            if constraint is not None:
+                constraint.consume(token)
+            yield GeneratedToken(token)
+            if token in stop_token_ids:
+                return
+
+    def cached_prefix_length(self, prompt: Sequence[int]) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def demo_dir():
+    return resolve_model("demo")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_dir):
+    return Tokenizer.from_dir(demo_dir)
+
+
+@pytest.fixture
+def llm(demo_dir, tokenizer) -> Lily:
+    engine = MaskedRandomEngine(load_config(demo_dir), tokenizer.vocab_size)
+    return Lily("demo", demo_dir, tokenizer, engine, "masked-random")
+
+
+def create(llm: Lily, **params):
+    return llm.chat.completions.create(messages=USER, **{"max_tokens": 400, **params})
+
+
+def test_fifty_schema_answers_all_validate(llm):
+    answers = []
+    for seed in range(50):
+        completion = create(llm, response_format=ORDER_FORMAT, seed=seed, **NO_THINKING)
+        assert completion.choices[0].finish_reason == "stop"
+        answer = json.loads(completion.choices[0].message.content)
+        jsonschema.validate(answer, ORDER_SCHEMA)
+        answers.append(completion.choices[0].message.content)
+    assert len(set(answers)) == 50  # 50 different answers, not one repeated
+    assert any("\\" in a for a in answers)  # strings needed escapes, and got them right
+
+
+def test_fifty_json_object_answers_are_objects(llm):
+    for seed in range(50):
+        completion = create(llm, response_format={"type": "json_object"}, seed=seed, **NO_THINKING)
+        assert isinstance(json.loads(completion.choices[0].message.content), dict)
+
+
+def test_the_closing_stretch_ends_long_answers_inside_max_tokens(llm):
+    # Random tokens fill strings for hundreds of tokens; in the last tokens of the budget the
+    # answer is steered shut, so it still parses.
+    for seed in range(10):
+        completion = create(
+            llm, response_format={"type": "json_object"}, seed=seed, max_tokens=40, **NO_THINKING
+        )
+        assert completion.choices[0].finish_reason == "stop"
+        assert completion.usage.completion_tokens <= 40
+        assert isinstance(json.loads(completion.choices[0].message.content), dict)
+
+
+def test_without_the_constraint_random_logits_do_not_make_json(llm):
+    completion = create(llm, seed=0, max_tokens=40, **NO_THINKING)
+    with pytest.raises(ValueError):
+        json.loads(completion.choices[0].message.content or "")
+
+
+def _validated_calls(message, tools) -> list[tuple[str, dict]]:
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    calls = []
+    for call in message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, schemas[call.function.name])
+        calls.append((call.function.name, arguments))
+    return calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_calls_validate(llm, stream):
+    tools = [WEATHER, SEARCH]
+    counts = set()
+    for seed in range(10):
+        params = dict(tools=tools, tool_choice="required", seed=seed, **NO_THINKING)
+        message, finish = _answer(create(llm, stream=stream, **params), stream)
+        assert finish == "tool_calls" and message.content is None
+        counts.add(len(_validated_calls(message, tools)))
+    assert 1 in counts and max(counts) > 1  # parallel calls are allowed by default
+
+
+def test_parallel_tool_calls_false_allows_one_call(llm):
+    for seed in range(10):
+        completion = create(
+            llm,
+            tools=[WEATHER, SEARCH],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            seed=seed,
+            **NO_THINKING,
+        )
+        assert len(_validated_calls(completion.choices[0].message, [WEATHER, SEARCH])) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_is_the_one_called(llm, stream):
+    choice = {"type": "function", "function": {"name": "search"}}
+    for seed in range(10):
+        params = dict(tools=[WEATHER, SEARCH], tool_choice=choice, seed=seed, **NO_THINKING)
+        message, _ = _answer(create(llm, stream=stream, **params), stream)
+        names = {name for name, _ in _validated_calls(message, [WEATHER, SEARCH])}
+        assert names == {"search"}
+
+
+def _answer(result, stream: bool):
+    """(message, finish_reason) of a completion, or of a stream accumulated as a client does."""
+    if not stream:
+        return result.choices[0].message, result.choices[0].finish_reason
+    from types import SimpleNamespace
+
+    content, calls, finish = [], {}, None
+    for chunk in result:
+        for choice in chunk.choices:
+            content.append(choice.delta.content or "")
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    message = SimpleNamespace(
+        content="".join(content) or None,
+        tool_calls=[SimpleNamespace(function=SimpleNamespace(**calls[i])) for i in sorted(calls)],
+    )
+    return message, finish
+
+
+def test_auto_with_a_format_answers_or_calls(llm):
+    kinds = set()
+    for seed in range(20):
+        completion = create(
+            llm, tools=[WEATHER], response_format={"type": "json_object"}, seed=seed, **NO_THINKING
+        )
+        message = completion.choices[0].message
+        if message.tool_calls:
+            _validated_calls(message, [WEATHER])
+            kinds.add("call")
+        else:
+            assert isinstance(json.loads(message.content), dict)
+            kinds.add("json")
+    assert kinds == {"call", "json"}
+
+
+def test_thinking_stays_free_and_the_answer_follows_the_think_block(llm, tokenizer):
+    completion = create(
+        llm, response_format=ORDER_FORMAT, seed=3, extra_body={"reasoning_budget": 30}
+    )
+    message = completion.choices[0].message
+    assert message.reasoning_content  # free text, up to the budget, then Lily closed the block
+    assert completion.usage.completion_tokens_details.reasoning_tokens == 30
+    jsonschema.validate(json.loads(message.content), ORDER_SCHEMA)
+
+
+def test_the_end_of_turn_is_banned_while_thinking(llm, tokenizer):
+    grammar_request = create(llm, response_format={"type": "json_object"}, seed=1, max_tokens=20)
+    assert grammar_request.choices[0].finish_reason == "length"  # never ended while thinking
+    constraint = llm.engine.constraints[-1]
+    assert constraint.in_reasoning
+    bits = np.unpackbits(constraint.allowed_tokens().view(np.uint8), bitorder="little")
+    stop = tokenizer.token_to_id("<|im_end|>")
+    assert not bits[stop] and bits[tokenizer.token_to_id("</think>")]
+
+
+def test_text_and_no_tools_need_no_constraint(llm):
+    create(llm, response_format={"type": "text"}, seed=0, max_tokens=5)
+    create(llm, tools=[WEATHER], tool_choice="none", seed=0, max_tokens=5)
+    assert llm.engine.constraints == [None, None]
+
+
+@pytest.mark.parametrize(
+    "params, param, words",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format", "type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "name"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "strict": True,
+                        "schema": {"type": "array", "uniqueItems": True},
+                    },
+                }
+            },
+            "response_format.json_schema.schema",
+            "uniqueItems",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "tools"),
+        ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice", "required"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [WEATHER]},
+            "tool_choice",
+            "nope",
+        ),
+        ({"parallel_tool_calls": "yes", "tools": [WEATHER]}, "parallel_tool_calls", "boolean"),
+        (
+            {
+                "tool_choice": "required",
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "strict": True,
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "string", "pattern": "^x+$"}},
+                            },
+                        },
+                    }
+                ],
+            },
+            "tools[0].function.parameters.properties.a",
+            "pattern",
+        ),
+    ],
+)
+def test_what_cannot_be_enforced_is_refused_by_name(llm, params, param, words):
+    with pytest.raises(RequestError) as info:
+        create(llm, **params)
+    assert info.value.param == param
+    assert words in info.value.message
+    assert llm.engine.constraints == []  # refused before any generation
+
+
+def test_a_non_strict_schema_is_enforced_as_far_as_the_engine_goes(llm):
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 3, "uniqueItems": True}
+    fmt = {"type": "json_schema", "json_schema": {"name": "ids", "schema": schema}}
+    for seed in range(5):
+        answer = json.loads(
+            create(llm, response_format=fmt, seed=seed, **NO_THINKING).choices[0].message.content
+        )
+        # uniqueItems is not enforced (llguidance does not implement it); the rest is.
+        assert isinstance(answer, list) and len(answer) <= 3
+        assert all(isinstance(x, int) for x in answer)
+    with pytest.raises(UnsupportedSchemaError):
+        strict = {**fmt, "json_schema": {**fmt["json_schema"], "strict": True}}
+        create(llm, response_format=strict)
