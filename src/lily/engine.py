@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from lily.constraint import TokenConstraint, allowed_flags, checked_mask
-from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
+from lily.constraint import TokenConstraint, allowed_flags, ban_mask, draw_mask
+from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError, RequestError
 from lily.kernels.sampling import (
     NO_TOKEN,
     read_logprobs,
+    write_logit_adjustments,
     write_sampling_params,
     write_token_mask,
 )
@@ -46,6 +47,7 @@ from lily.sampling import (
     GeneratedToken,
     SamplingParams,
     TokenLogprobs,
+    adjusted_logits,
     sampling_distribution,
     top_logprobs,
 )
@@ -140,6 +142,18 @@ def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
             f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"context of {max_seq} tokens; load with a larger max_seq or ask for fewer tokens"
         )
+
+
+def _banned_tokens(sampling: SamplingParams, token_count: int) -> np.ndarray | None:
+    """The mask without the tokens `sampling` bans, refusing a logit_bias for an id the
+    tokenizer cannot produce."""
+    for token, _ in sampling.logit_bias:
+        if token >= token_count:
+            raise RequestError(
+                f"logit_bias names token {token}, but the vocabulary has {token_count} tokens",
+                param="logit_bias",
+            )
+    return ban_mask(sampling.banned_tokens(), token_count)
 
 
 def _check_stop(should_stop: Callable[[], bool] | None) -> None:
@@ -244,8 +258,12 @@ class DeviceEngine:
         if max_new_tokens == 0:
             return
         state = self._model.state
+        token_count = self._model.token_count
+        bans = _banned_tokens(sampling, token_count)
         write_sampling_params(state.sampling_params, sampling.with_seed())
+        write_logit_adjustments(state.adjustments, sampling, prompt, token_count)
         first = self._start(prompt, prompt_end=len(prompt), reuse=True)
+        write_token_mask(state.token_mask, bans)
         if snapshot_at is not None and not first < snapshot_at < len(prompt):
             snapshot_at = None  # already saved, or not inside what this call feeds
         history = self._model.history_view()
@@ -266,7 +284,8 @@ class DeviceEngine:
                         self._take_snapshot(prompt[:snapshot_at])
                         snapshot_at = None
                     if predicts and constraint is not None:
-                        self._write_mask(constraint, start + tokens)
+                        mask = draw_mask(constraint, bans, token_count, start + tokens)
+                        write_token_mask(state.token_mask, mask)
                     graph = self._model.graph(tokens, predicts=predicts)
                     in_flight.append((start + tokens, predicts, self.device.submit(graph)))
                     upcoming = next(passes, None)
@@ -298,14 +317,6 @@ class DeviceEngine:
                 self.device.wait(pending)
             consumed = int(self._model.step_view()[POSITION])
             self._resident = history[:consumed].tolist()
-
-    def _write_mask(self, constraint: TokenConstraint, position: int) -> None:
-        """The mask of the draw of the token at `position`; call with no sampling pass in
-        flight."""
-        allowed = constraint.allowed_tokens()
-        count = self._model.token_count
-        mask = None if allowed is None else checked_mask(allowed, count, position)
-        write_token_mask(self._model.state.token_mask, mask)
 
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
         prompt = [int(t) for t in prompt]
@@ -359,6 +370,8 @@ class ReferenceEngine:
             return
         _check_stop(should_stop)
         sampling = sampling.with_seed()
+        bans = _banned_tokens(sampling, self.token_count)
+        generated: list[int] = []
         start, saved = self._snapshots.longest(prompt)
         state = copy.deepcopy(saved) if saved is not None else self._model.new_state()
         if snapshot_at is not None and start < snapshot_at < len(prompt):
@@ -373,10 +386,11 @@ class ReferenceEngine:
             if np.isnan(next_logits).any() or np.isposinf(next_logits).any():
                 raise NonFiniteLogitsError(position)
             ranked = next_logits
-            allowed = None if constraint is None else constraint.allowed_tokens()
-            if allowed is not None:
-                mask = checked_mask(allowed, self.token_count, position)
-                ranked = np.where(allowed_flags(mask, self.token_count), next_logits, -np.inf)
+            if sampling.adjusts_logits:
+                ranked = adjusted_logits(next_logits, sampling, prompt, generated)
+            mask = draw_mask(constraint, bans, self.token_count, position)
+            if mask is not None:
+                ranked = np.where(allowed_flags(mask, self.token_count), ranked, -np.inf)
             if sampling.greedy:
                 token = int(np.argmax(ranked))
             else:
@@ -386,6 +400,7 @@ class ReferenceEngine:
                 token = int(rng.choice(p.size, p=p))
             if constraint is not None:
                 constraint.consume(token)
+            generated.append(token)
             logprobs = None
             if sampling.top_logprobs is not None:
                 logprobs = top_logprobs(next_logits, token, sampling.top_logprobs)
