@@ -466,6 +466,23 @@ AGREEMENT_CASES = {
     ),
     "top_k past uint32": ({"top_k": 2**32}, "top_k"),
     "developer message": ({"messages": [{"role": "developer", "content": "a"}, *user("b")]}, None),
+    "bias and penalties": (
+        {
+            "logit_bias": {"17": -100, "200": 5},
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.25,
+            "repetition_penalty": 1.1,
+        },
+        None,
+    ),
+    "penalty out of range": ({"presence_penalty": 2.5}, "presence_penalty"),
+    "logit_bias key not an id": ({"logit_bias": {"x": 1}}, "logit_bias"),
+    "logit_bias id past the vocabulary": ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    "fields not used": (
+        {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"},
+        None,
+    ),
+    "user not a string": ({"user": 5}, "user"),
 }
 
 

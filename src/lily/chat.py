@@ -27,6 +27,7 @@ from lily.errors import (
 )
 from lily.reasoning import ReasoningParser
 from lily.sampling import GeneratedToken, SamplingParams
+from lily.sampling_fields import ADJUSTMENT_FIELDS, adjustment_fields
 from lily.special_tokens import TemplateInputs, escape_special_tokens
 from lily.stop import StopStringMatcher
 from lily.template_inputs import (
@@ -51,6 +52,7 @@ from lily.types import (
     TopLogprob,
     new_completion_id,
 )
+from lily.unused_fields import UNUSED_FIELDS, check_unused_fields
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -189,10 +191,13 @@ def parse_request(
         "prompt_cache_key",
         "reasoning_effort",
         *EXTRA_BODY_PARAMETERS,
+        *ADJUSTMENT_FIELDS,
+        *UNUSED_FIELDS,
     }
     unknown = [k for k in params if k not in known]
     if unknown:
         raise UnsupportedParameterError(unknown)
+    check_unused_fields(params)
 
     model = params.get("model")
     if model is not None and model != served_model:
@@ -287,6 +292,7 @@ def parse_request(
         min_p=_optional_number(params.get("min_p"), "min_p", default_sampling.min_p),
         seed=seed,
         top_logprobs=(top or 0) if logprobs else None,
+        **adjustment_fields(params),
     )
     prompt_cache_key = params.get("prompt_cache_key")
     _require(
@@ -479,6 +485,7 @@ class ChatCompletions:
         by the stream's iteration)."""
         llm = self._llm
         self.last_stats = None
+        request.sampling.check_token_ids(llm.tokenizer.vocab_size)
         prompt = self._prompt(request)
         room = llm.max_seq - len(prompt.tokens)
         if room < 1 or (request.max_tokens is not None and request.max_tokens > room):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from lily.constraint import TokenConstraint, allowed_flags, ban_mask, draw_mask
-from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError, RequestError
+from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
 from lily.kernels.sampling import (
     NO_TOKEN,
     read_logprobs,
@@ -147,12 +147,7 @@ def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
 def _banned_tokens(sampling: SamplingParams, token_count: int) -> np.ndarray | None:
     """The mask without the tokens `sampling` bans, refusing a logit_bias for an id the
     tokenizer cannot produce."""
-    for token, _ in sampling.logit_bias:
-        if token >= token_count:
-            raise RequestError(
-                f"logit_bias names token {token}, but the vocabulary has {token_count} tokens",
-                param="logit_bias",
-            )
+    sampling.check_token_ids(token_count)
     return ban_mask(sampling.banned_tokens(), token_count)
 
 

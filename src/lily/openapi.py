@@ -9,7 +9,7 @@ from typing import Any
 
 from lily import __version__
 from lily.errors import RequestError
-from lily.sampling import MAX_SEED, MAX_TOP_K
+from lily.sampling import MAX_SEED, MAX_TOP_K, PENALTY_LIMIT
 
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -121,6 +121,24 @@ CHAT_REQUEST_SCHEMA: dict[str, Any] = {
             description="the most tokens the model thinks before Lily closes the think block "
             "itself and the answer follows",
         ),
+        "logit_bias": _nullable(
+            "object",
+            description="token id (a string of digits) -> bias in [-100, 100], added to the "
+            "logit before sampling; -100 bans the token",
+        ),
+        "presence_penalty": _nullable("number", minimum=-PENALTY_LIMIT, maximum=PENALTY_LIMIT),
+        "frequency_penalty": _nullable("number", minimum=-PENALTY_LIMIT, maximum=PENALTY_LIMIT),
+        "repetition_penalty": _nullable(
+            "number",
+            exclusiveMinimum=0,
+            description="vLLM's and mlx-lm's: the logits of tokens in the prompt or the "
+            "completion so far are divided by it when positive, multiplied when negative",
+        ),
+        "user": _nullable("string", description="accepted, not used"),
+        "safety_identifier": _nullable("string", description="accepted, not used"),
+        "metadata": _nullable("object", description="accepted, not used"),
+        "service_tier": _nullable("string", description="accepted, not used"),
+        "store": _nullable("boolean", description="accepted, not used: nothing is stored"),
     },
 }
 

@@ -139,6 +139,15 @@ class SamplingParams:
             or self.repetition_penalty != 1
         )
 
+    def check_token_ids(self, token_count: int) -> None:
+        """Refuses a logit_bias for an id past the `token_count` ids the tokenizer produces."""
+        for token, _ in self.logit_bias:
+            if token >= token_count:
+                raise RequestError(
+                    f"logit_bias names token {token}, but the vocabulary has {token_count} tokens",
+                    param="logit_bias",
+                )
+
     def banned_tokens(self) -> list[int]:
         """The tokens a bias of -100 rules out."""
         return [t for t, b in self.logit_bias if b == -BIAS_LIMIT]
