@@ -136,7 +136,6 @@ def stream_text(chunks) -> tuple[str, str, list]:
 @pytest.mark.parametrize(
     "params, named",
     [
-        ({"n": 2}, "n"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tool_choice": "required", "tools": [WEATHER_TOOL]}, "tool_choice"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
@@ -175,6 +174,9 @@ def test_unsupported_parameters_are_refused_by_name(demo_dir, tokenizer, params,
         ({"messages": USER, "user": 7}, "user"),
         ({"messages": USER, "metadata": {"k": 1}}, "metadata"),
         ({"messages": USER, "store": "yes"}, "store"),
+        ({"messages": USER, "n": 0}, "n"),
+        ({"messages": USER, "n": 9}, "n"),
+        ({"messages": USER, "n": True}, "n"),
     ],
 )
 def test_bad_values_name_the_parameter(demo_dir, tokenizer, params, param):

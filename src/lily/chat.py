@@ -12,12 +12,14 @@ SDK's objects.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lily.chat_template import template_message
+from lily.choices import choice_count, choice_sampling
 from lily.detokenize import IncrementalDecoder
 from lily.errors import (
     ContextLengthError,
@@ -83,6 +85,7 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The most tokens generated inside the think block before Lily closes it; None: no limit.
     reasoning_budget: int | None = None
+    n: int = 1  # choices (`lily.choices`)
 
 
 def _require(condition: bool, message: str, param: str) -> None:
@@ -171,9 +174,8 @@ def parse_request(
             raise RequestError(f"{key} given both directly and in extra_body", param=key)
         params[key] = value
 
-    if params.get("n") in (None, 1):
-        params.pop("n", None)
     known = {
+        "n",
         "messages",
         "model",
         "max_tokens",
@@ -310,6 +312,7 @@ def parse_request(
         tools=[dict(t) for t in tools] if tools else None,
         template_kwargs=dict(template_kwargs),
         reasoning_budget=budget,
+        n=choice_count(params.get("n")),
     )
 
 
@@ -357,7 +360,9 @@ class GenerationStats:
 class _Prompt:
     tokens: list[int]
     thinking: bool  # the generation prompt opened a <think> block
-    snapshot_at: int | None  # where the conversation before the generation prompt ends
+    # Where the conversation before the generation prompt ends (and, for the first of several
+    # choices, also the last prompt token's position).
+    snapshot_at: int | list[int] | None
     cached: int  # leading tokens whose state a snapshot already holds
 
 
@@ -497,10 +502,30 @@ class ChatCompletions:
             max_tokens = request.max_tokens
         else:
             max_tokens = min(room, default_max_tokens or room)
-        events = self._run(request, prompt, max_tokens, should_stop)
+        choices = self._choices(request, prompt, max_tokens, should_stop)
         if request.stream:
-            return self._chunks(request, prompt, events)
-        return self._completion(request, prompt, events)
+            return self._chunks(request, prompt, choices)
+        return self._completion(request, prompt, choices)
+
+    def _choices(
+        self,
+        request: ChatRequest,
+        prompt: _Prompt,
+        max_tokens: int,
+        should_stop: Callable[[], bool] | None,
+    ) -> Iterator[Iterator[tuple[_Delta, _TextPipeline, int]]]:
+        """The events (`_run`) of each choice, each started once the caller is done with the
+        one before: choice i samples with `choice_sampling`; with n > 1 the first also saves
+        the state before the last prompt token, so the others feed that token alone."""
+        if request.n == 1:
+            yield self._run(request, prompt, max_tokens, should_stop)
+            return
+        before_last = len(prompt.tokens) - 1
+        for index in range(request.n):
+            choice = dataclasses.replace(request, sampling=choice_sampling(request.sampling, index))
+            marks = [p for p in (prompt.snapshot_at, before_last) if p is not None]
+            choice_prompt = dataclasses.replace(prompt, snapshot_at=marks if index == 0 else None)
+            yield self._run(choice, choice_prompt, max_tokens, should_stop)
 
     def _prompt(self, request: ChatRequest) -> _Prompt:
         llm = self._llm
@@ -650,45 +675,52 @@ class ChatCompletions:
         return "stop" if pipeline.stopped else "length"
 
     @staticmethod
-    def _usage(prompt: _Prompt, produced: int, pipeline: _TextPipeline) -> CompletionUsage:
+    def _usage(prompt: _Prompt, produced: int, reasoning_tokens: int) -> CompletionUsage:
+        """The prompt counted once, the tokens of every choice added up."""
         return CompletionUsage.count(
             len(prompt.tokens),
             produced,
             cached_tokens=prompt.cached,
-            reasoning_tokens=pipeline.reasoning_tokens,
+            reasoning_tokens=reasoning_tokens,
         )
 
     def _completion(
-        self, request: ChatRequest, prompt: _Prompt, events: Iterator
+        self, request: ChatRequest, prompt: _Prompt, choices: Iterator[Iterator]
     ) -> ChatCompletion:
-        reasoning, content, logprobs = [], [], []
-        for delta, pipeline, produced in events:  # noqa: B007 (the last values are used below)
-            reasoning.append(delta.reasoning)
-            content.append(delta.content)
-            logprobs.extend(delta.logprobs)
-        calls = [ChatCompletionMessageToolCall.from_call(c) for c in pipeline.tool_calls]
-        text = "".join(content)
-        message = ChatCompletionMessage(
-            content=text if text or not calls else None,
-            reasoning_content="".join(reasoning) or None,
-            tool_calls=calls or None,
-        )
-        return ChatCompletion(
-            choices=[
+        built, produced_total, reasoning_total = [], 0, 0
+        for index, events in enumerate(choices):
+            reasoning, content, logprobs = [], [], []
+            for delta, pipeline, produced in events:  # noqa: B007 (the last values are used)
+                reasoning.append(delta.reasoning)
+                content.append(delta.content)
+                logprobs.extend(delta.logprobs)
+            calls = [ChatCompletionMessageToolCall.from_call(c) for c in pipeline.tool_calls]
+            text = "".join(content)
+            message = ChatCompletionMessage(
+                content=text if text or not calls else None,
+                reasoning_content="".join(reasoning) or None,
+                tool_calls=calls or None,
+            )
+            built.append(
                 Choice(
                     message=message,
                     finish_reason=self._finish_reason(pipeline),
+                    index=index,
                     logprobs=ChoiceLogprobs(content=logprobs)
                     if request.sampling.top_logprobs is not None
                     else None,
                 )
-            ],
+            )
+            produced_total += produced
+            reasoning_total += pipeline.reasoning_tokens
+        return ChatCompletion(
+            choices=built,
             model=self._llm.model_id,
-            usage=self._usage(prompt, produced, pipeline),
+            usage=self._usage(prompt, produced_total, reasoning_total),
         )
 
     def _chunks(
-        self, request: ChatRequest, prompt: _Prompt, events: Iterator
+        self, request: ChatRequest, prompt: _Prompt, choices: Iterator[Iterator]
     ) -> Iterator[ChatCompletionChunk]:
         completion_id = new_completion_id()
         first = ChatCompletion(choices=[], model=self._llm.model_id)
@@ -703,30 +735,44 @@ class ChatCompletions:
                 usage=usage,
             )
 
+        produced_total, reasoning_total = 0, 0
         try:
-            yield chunk(ChunkChoice(delta=ChoiceDelta(role="assistant", content="")))
-            for delta, pipeline, produced in events:  # noqa: B007 (the last values are used)
-                if delta.empty():
-                    continue
-                yield chunk(
-                    ChunkChoice(
-                        delta=ChoiceDelta(
-                            content=delta.content or None,
-                            reasoning_content=delta.reasoning or None,
-                            tool_calls=delta.tool_calls or None,
-                        ),
-                        logprobs=ChoiceLogprobs(content=delta.logprobs)
-                        if request.sampling.top_logprobs is not None
-                        else None,
+            for index, events in enumerate(choices):
+                try:
+                    yield chunk(
+                        ChunkChoice(index=index, delta=ChoiceDelta(role="assistant", content=""))
                     )
-                )
-            yield chunk(
-                ChunkChoice(delta=ChoiceDelta(), finish_reason=self._finish_reason(pipeline))
-            )
+                    for delta, pipeline, produced in events:  # noqa: B007 (the last are used)
+                        if delta.empty():
+                            continue
+                        yield chunk(
+                            ChunkChoice(
+                                index=index,
+                                delta=ChoiceDelta(
+                                    content=delta.content or None,
+                                    reasoning_content=delta.reasoning or None,
+                                    tool_calls=delta.tool_calls or None,
+                                ),
+                                logprobs=ChoiceLogprobs(content=delta.logprobs)
+                                if request.sampling.top_logprobs is not None
+                                else None,
+                            )
+                        )
+                    yield chunk(
+                        ChunkChoice(
+                            index=index,
+                            delta=ChoiceDelta(),
+                            finish_reason=self._finish_reason(pipeline),
+                        )
+                    )
+                finally:
+                    events.close()
+                produced_total += produced
+                reasoning_total += pipeline.reasoning_tokens
             if request.include_usage:
-                yield chunk(None, self._usage(prompt, produced, pipeline))
+                yield chunk(None, self._usage(prompt, produced_total, reasoning_total))
         finally:
-            events.close()
+            choices.close()
 
 
 class Chat:

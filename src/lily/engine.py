@@ -74,14 +74,15 @@ class Engine(Protocol):
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        snapshot_at: int | None = None,
+        snapshot_at: int | Sequence[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
         constraint: TokenConstraint | None = None,
     ) -> Iterator[GeneratedToken]:
         """Yields the tokens generated after `prompt`, stopping after a stop token; with
         `sampling.top_logprobs` set, each carries its logprob and that many alternatives.
         Closing the iterator stops the generation. The longest snapshot that `prompt` starts
-        with is reused; `snapshot_at` asks for a new one after the first that many tokens.
+        with is reused; `snapshot_at` asks for a new one after the first that many tokens (or
+        one after each of several such counts).
         `should_stop` is asked before every prefill chunk and every token (also while the
         caller is not reading); once it returns True the generation raises
         GenerationCancelled. `constraint`, if given, is asked for the allowed tokens before
@@ -151,6 +152,22 @@ def _banned_tokens(sampling: SamplingParams, token_count: int) -> np.ndarray | N
     return ban_mask(sampling.banned_tokens(), token_count)
 
 
+def _snapshot_positions(
+    snapshot_at: int | Sequence[int] | None, first: int, length: int
+) -> list[int]:
+    """The requested snapshot positions inside what a call feeds (after `first`, before the
+    last prompt token's position `length`), in order; the others are already saved or out of
+    reach."""
+    wanted = (
+        []
+        if snapshot_at is None
+        else [snapshot_at]
+        if isinstance(snapshot_at, int)
+        else snapshot_at
+    )
+    return sorted({p for p in wanted if first < p < length})
+
+
 def _check_stop(should_stop: Callable[[], bool] | None) -> None:
     if should_stop is not None and should_stop():
         raise GenerationCancelled("the generation was cancelled")
@@ -204,15 +221,13 @@ class DeviceEngine:
         return self._snapshots.longest(prompt, self._resident)[0]
 
     def _passes(
-        self, first: int, prompt_length: int, max_new_tokens: int, snapshot_at: int | None
+        self, first: int, prompt_length: int, max_new_tokens: int, snapshots: Sequence[int]
     ) -> Iterator[tuple[int, int, bool]]:
         """(start, tokens, predicts) of each pass of a generation, in order: prefill chunks
         over positions [first, prompt_length) of at most `max_chunk` tokens, cut at
-        `snapshot_at`, the last predicting the first new token; then one decode step per
+        each of `snapshots`, the last predicting the first new token; then one decode step per
         further token."""
-        cuts = (
-            [first, prompt_length] if snapshot_at is None else [first, snapshot_at, prompt_length]
-        )
+        cuts = [first, *snapshots, prompt_length]
         for low, high in zip(cuts, cuts[1:], strict=False):
             start = low
             while start < high:
@@ -244,7 +259,7 @@ class DeviceEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        snapshot_at: int | None = None,
+        snapshot_at: int | Sequence[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
         constraint: TokenConstraint | None = None,
     ) -> Iterator[GeneratedToken]:
@@ -259,10 +274,9 @@ class DeviceEngine:
         write_logit_adjustments(state.adjustments, sampling, prompt, token_count)
         first = self._start(prompt, prompt_end=len(prompt), reuse=True)
         write_token_mask(state.token_mask, bans)
-        if snapshot_at is not None and not first < snapshot_at < len(prompt):
-            snapshot_at = None  # already saved, or not inside what this call feeds
+        snapshots = _snapshot_positions(snapshot_at, first, len(prompt))
         history = self._model.history_view()
-        passes = self._passes(first, len(prompt), max_new_tokens, snapshot_at)
+        passes = self._passes(first, len(prompt), max_new_tokens, snapshots)
         # (position after the pass, whether it predicted a token, ticket)
         in_flight: deque[tuple[int, bool, int]] = deque()
         depth = PIPELINE_DEPTH if constraint is None else 1
@@ -272,12 +286,11 @@ class DeviceEngine:
                 while upcoming is not None and len(in_flight) < depth:
                     _check_stop(should_stop)
                     start, tokens, predicts = upcoming
-                    if start == snapshot_at:
-                        # The state after consuming tokens [0, snapshot_at): drain, then save.
+                    if snapshots and start == snapshots[0]:
+                        # The state after consuming tokens [0, start): drain, then save.
                         for _, _, pending in in_flight:
                             self.device.wait(pending)
-                        self._take_snapshot(prompt[:snapshot_at])
-                        snapshot_at = None
+                        self._take_snapshot(prompt[: snapshots.pop(0)])
                     if predicts and constraint is not None:
                         mask = draw_mask(constraint, bans, token_count, start + tokens)
                         write_token_mask(state.token_mask, mask)
@@ -356,7 +369,7 @@ class ReferenceEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        snapshot_at: int | None = None,
+        snapshot_at: int | Sequence[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
         constraint: TokenConstraint | None = None,
     ) -> Iterator[GeneratedToken]:
@@ -369,10 +382,10 @@ class ReferenceEngine:
         generated: list[int] = []
         start, saved = self._snapshots.longest(prompt)
         state = copy.deepcopy(saved) if saved is not None else self._model.new_state()
-        if snapshot_at is not None and start < snapshot_at < len(prompt):
-            self._model.prefill(prompt[start:snapshot_at], state)
-            self._snapshots.add(prompt[:snapshot_at], copy.deepcopy(state))
-            start = snapshot_at
+        for position in _snapshot_positions(snapshot_at, start, len(prompt)):
+            self._model.prefill(prompt[start:position], state)
+            self._snapshots.add(prompt[:position], copy.deepcopy(state))
+            start = position
             _check_stop(should_stop)
         logits, state = self._model.prefill(prompt[start:], state)
         next_logits = logits[-1, : self.token_count]

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lily import __version__
+from lily.choices import MAX_CHOICES
 from lily.errors import RequestError
 from lily.sampling import MAX_SEED, MAX_TOP_K, PENALTY_LIMIT
 
@@ -120,6 +121,13 @@ CHAT_REQUEST_SCHEMA: dict[str, Any] = {
             minimum=0,
             description="the most tokens the model thinks before Lily closes the think block "
             "itself and the answer follows",
+        ),
+        "n": _nullable(
+            "integer",
+            minimum=1,
+            maximum=MAX_CHOICES,
+            description="choices, run one after the other from one feeding of the prompt; "
+            "choice i samples with seed + i",
         ),
         "logit_bias": _nullable(
             "object",
