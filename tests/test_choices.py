@@ -45,7 +45,7 @@ def fresh_starts(llm: Lily, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return starts
 
 
-def test_each_choice_is_the_run_of_its_own_seed(llm, monkeypatch):
+def test_each_choice_is_the_run_of_its_own_seed(llm):
     several = llm.chat.completions.create(**REQUEST, n=3)
     assert [c.index for c in several.choices] == [0, 1, 2]
     texts = [c.message.content for c in several.choices]
@@ -58,6 +58,13 @@ def test_each_choice_is_the_run_of_its_own_seed(llm, monkeypatch):
     assert usage.prompt_tokens == alone.usage.prompt_tokens
     assert usage.completion_tokens == 3 * REQUEST["max_tokens"]
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_the_stats_the_server_logs_add_up_the_choices(llm):
+    answer = llm.chat.completions.create(**REQUEST, n=2)
+    stats = llm.chat.completions.last_stats
+    assert stats.generated_tokens == answer.usage.completion_tokens == 2 * REQUEST["max_tokens"]
+    assert stats.prompt_tokens == answer.usage.prompt_tokens
 
 
 def test_the_prompt_is_fed_once(llm, monkeypatch):

@@ -521,11 +521,20 @@ class ChatCompletions:
             yield self._run(request, prompt, max_tokens, should_stop)
             return
         before_last = len(prompt.tokens) - 1
+        stats: list[GenerationStats] = []
         for index in range(request.n):
             choice = dataclasses.replace(request, sampling=choice_sampling(request.sampling, index))
             marks = [p for p in (prompt.snapshot_at, before_last) if p is not None]
             choice_prompt = dataclasses.replace(prompt, snapshot_at=marks if index == 0 else None)
             yield self._run(choice, choice_prompt, max_tokens, should_stop)
+            if self.last_stats is not None:
+                stats.append(self.last_stats)
+        # What the server logs: the choices together.
+        self.last_stats = dataclasses.replace(
+            stats[0],
+            generated_tokens=sum(s.generated_tokens for s in stats),
+            total_s=sum(s.total_s for s in stats),
+        )
 
     def _prompt(self, request: ChatRequest) -> _Prompt:
         llm = self._llm

@@ -221,13 +221,17 @@ class DeviceEngine:
         return self._snapshots.longest(prompt, self._resident)[0]
 
     def _passes(
-        self, first: int, prompt_length: int, max_new_tokens: int, snapshots: Sequence[int]
+        self,
+        first: int,
+        prompt_length: int,
+        max_new_tokens: int,
+        snapshot_at: int | Sequence[int] | None,
     ) -> Iterator[tuple[int, int, bool]]:
         """(start, tokens, predicts) of each pass of a generation, in order: prefill chunks
-        over positions [first, prompt_length) of at most `max_chunk` tokens, cut at
-        each of `snapshots`, the last predicting the first new token; then one decode step per
+        over positions [first, prompt_length) of at most `max_chunk` tokens, cut at each
+        snapshot position, the last predicting the first new token; then one decode step per
         further token."""
-        cuts = [first, *snapshots, prompt_length]
+        cuts = [first, *_snapshot_positions(snapshot_at, first, prompt_length), prompt_length]
         for low, high in zip(cuts, cuts[1:], strict=False):
             start = low
             while start < high:
