@@ -541,12 +541,15 @@ def test_errors_through_the_openai_client(server: RunningServer) -> None:
     assert unknown_model.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as unsupported:
         client.chat.completions.create(
-            model=MODEL, messages=user("a"), logit_bias={"1": 1}, presence_penalty=0.5
+            model=MODEL,
+            messages=user("a"),
+            modalities=["text", "audio"],
+            prediction={"type": "content", "content": "a"},
         )
     assert unsupported.value.body["code"] == "unsupported_parameter"
-    assert "logit_bias, presence_penalty" in unsupported.value.message
-    with pytest.raises(openai.BadRequestError) as several_choices:
-        client.chat.completions.create(model=MODEL, messages=user("a"), n=2)
+    assert "modalities, prediction" in unsupported.value.message
+    with pytest.raises(openai.UnprocessableEntityError) as several_choices:
+        client.chat.completions.create(model=MODEL, messages=user("a"), n=9)
     assert several_choices.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as too_long:
         client.chat.completions.create(model=MODEL, messages=user("a"), max_tokens=MAX_SEQ)
