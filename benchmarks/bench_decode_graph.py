@@ -6,7 +6,9 @@ but not executing kernels (so the number is the host overhead alone).
 With --traffic it also runs one step on the counting sim (every load and store of the kernels
 counted, distinct bytes per dispatch and binding) and reports the measured bytes per token, by
 what they are, next to the analytic figure: a kernel that reads a weight twice or reads padding
-shows up as a difference.
+shows up as a difference. It then prints a per-kernel table (dispatches, threadgroups, levels,
+bytes moved) and an ESTIMATE of the time per token on Apple GPUs from a stated model (see
+`estimate_seconds`): not a measurement.
 
 Usage:
     python benchmarks/make_synthetic_checkpoint.py SYNTH_DIR   # once, ~19.5 GB
@@ -57,10 +59,72 @@ def kv_bytes_per_context_token(config) -> int:
     return len(config.full_attention_layers) * 2 * cache_bytes(config.num_key_value_heads, 1)
 
 
+# Assumed, not measured: peak memory bandwidth (GB/s) and GPU cores of each chip, the fraction
+# of the peak a well-filled streaming kernel reaches, and the cost of one dependent level
+# (launch, drain and the barrier) on Apple GPUs.
+GPUS = {"M1 Pro": (200.0, 16), "M4 Max": (546.0, 40), "M5 Max": (614.0, 40)}
+BANDWIDTH_EFFICIENCY = 0.8
+LEVEL_SECONDS = 2.5e-6
+
+
+def estimate_seconds(levels: list[list[tuple[int, int]]], bandwidth_gbs: float, cores: int):
+    """The estimated time of one decode step: each level (its dispatches' (bytes moved,
+    threadgroups)) takes LEVEL_SECONDS plus its slowest dispatch's bytes at
+    BANDWIDTH_EFFICIENCY of the peak, scaled down when it has fewer threadgroups than the GPU
+    has cores (a core's share of the bandwidth then idles)."""
+    total = 0.0
+    for level in levels:
+        slowest = 0.0
+        for nbytes, threadgroups in level:
+            fill = min(1.0, threadgroups / cores)
+            slowest = max(slowest, nbytes / (bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY * fill))
+        total += LEVEL_SECONDS + slowest
+    return total
+
+
+def print_kernel_table(graph, traffic) -> None:
+    """Per kernel: dispatches per token, threadgroups per dispatch, the levels it runs in, and
+    the bytes its dispatches moved (read + written, distinct per binding); then the estimate."""
+    rows: dict[str, dict] = {}
+    levels: dict[int, list[tuple[int, int]]] = {}
+    for record, moved in zip(graph.dispatches, traffic, strict=True):
+        assert record.kernel == moved.kernel, (record.kernel, moved.kernel)
+        nbytes = moved.read + moved.written
+        threadgroups = record.threadgroups[0] * record.threadgroups[1] * record.threadgroups[2]
+        row = rows.setdefault(record.kernel, {"n": 0, "tg": set(), "bytes": 0, "read": 0})
+        row["n"] += 1
+        row["tg"].add(threadgroups)
+        row["bytes"] += nbytes
+        row["read"] += moved.read
+        levels.setdefault(record.level, []).append((nbytes, threadgroups))
+    print(f"per kernel, one step ({len(levels)} levels):")
+    print(
+        f"  {'kernel':<36} {'dispatches':>10} {'threadgroups':>14} {'MB read':>9} {'MB moved':>9}"
+    )
+    for name, row in sorted(rows.items(), key=lambda item: -item[1]["bytes"]):
+        tg = sorted(row["tg"])
+        groups = str(tg[0]) if len(tg) == 1 else f"{tg[0]}-{tg[-1]}"
+        print(
+            f"  {name:<36} {row['n']:>10} {groups:>14} {row['read'] / 1e6:>9.2f} "
+            f"{row['bytes'] / 1e6:>9.2f}"
+        )
+    print(
+        f"ESTIMATED time per token (model: {LEVEL_SECONDS * 1e6:.1f} us per level + bytes at "
+        f"{BANDWIDTH_EFFICIENCY:.0%} of peak bandwidth, scaled by min(1, threadgroups / cores)):"
+    )
+    for gpu, (bandwidth, cores) in GPUS.items():
+        seconds = estimate_seconds(list(levels.values()), bandwidth, cores)
+        floor = LEVEL_SECONDS * len(levels)
+        print(
+            f"  {gpu:<8} {bandwidth:.0f} GB/s, {cores} cores: {seconds * 1e3:.2f} ms "
+            f"({1 / seconds:.0f} tok/s; of it {floor * 1e3:.2f} ms of levels)"
+        )
+
+
 def measured_bytes_per_token(checkpoint, max_seq: int) -> tuple[dict[str, int], float]:
     """Runs the first decode step (position 0) on the counting sim: the distinct bytes every
     dispatch read plus those it wrote, summed over the step by what the buffer holds, and the
-    seconds the step took."""
+    seconds the step took; then prints the per-kernel table and the estimate."""
     device = open_device("sim", count_traffic=True)
     decode = ModelGraph(checkpoint, device, max_seq, checkpoint.config.vocab_size, max_chunk=1)
     state = decode.state
@@ -77,7 +141,9 @@ def measured_bytes_per_token(checkpoint, max_seq: int) -> tuple[dict[str, int], 
     device.run(decode.decode)
     seconds = time.perf_counter() - start
     totals: dict[str, int] = {}
-    for dispatch in device.traffic():
+    traffic = device.traffic()
+    print_kernel_table(decode.decode, traffic)
+    for dispatch in traffic:
         for binding in dispatch.buffers.values():
             # The checkpoint's shards are the only read-only buffers.
             kind = "weights" if not binding.buffer.writable else "activations and step"

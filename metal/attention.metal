@@ -1,4 +1,5 @@
-// Gated full attention, in three dispatches for one decoded token:
+// Gated full attention, in three dispatches for one decoded token (the decode step runs the
+// first two as one, attention_decode_fused):
 //
 //   attention_prepare  per-head RMSNorm of q and k, partial rotate-half RoPE, and the append of
 //                      the rotated key and the value to the bf16 KV cache at the position
@@ -32,6 +33,42 @@ struct AttentionPrepareParams {
   float norm_eps;
 };
 
+// One head of one token as attention uses it: RMSNorm with the stored gain, then rotate-half
+// RoPE at `position`; this lane's 8 dims (lane, lane + 32, ...) in x. The prepare kernel and the
+// fused decode kernel both go through it, so they agree bit for bit.
+inline void prepare_head(device const float* src, device const bfloat* gain, uint position,
+                         uint rotary_dim, float rope_theta, float norm_eps, uint lane,
+                         thread float* x) {
+  float sum_sq = 0.0f;
+  for (uint j = 0; j < kPerLane; ++j) {
+    x[j] = src[lane + SIMD_WIDTH * j];
+    sum_sq += x[j] * x[j];
+  }
+  const float inv_rms = rsqrt(simd_sum(sum_sq) / float(kHeadDim) + norm_eps);
+  for (uint j = 0; j < kPerLane; ++j) {
+    x[j] *= inv_rms * float(gain[lane + SIMD_WIDTH * j]);
+  }
+
+  // Rotate-half RoPE on the first rotary_dim dims: dim i pairs with i + rotary_dim / 2, which
+  // sits in the same lane, slot j + pair_offset.
+  const uint half_rotary = rotary_dim / 2;
+  const uint pair_offset = half_rotary / SIMD_WIDTH;
+  const float log2_theta = log2(rope_theta);
+  for (uint j = 0; j < pair_offset; ++j) {
+    const uint i = lane + SIMD_WIDTH * j;
+    const float inv_freq = exp2(-float(2 * i) / float(rotary_dim) * log2_theta);
+    const float angle = float(position) * inv_freq;
+    // Angles reach the hundreds of thousands of radians; the fast-math versions are only
+    // accurate near [-pi, pi], and this runs 32 times per head, so take the precise ones.
+    const float c = precise::cos(angle);
+    const float s = precise::sin(angle);
+    const float first = x[j];
+    const float second = x[j + pair_offset];
+    x[j] = first * c - second * s;
+    x[j + pair_offset] = second * c + first * s;
+  }
+}
+
 // One simdgroup per head of one token: grid (num_q_heads + num_kv_heads, tokens); threadgroups
 // x < num_q_heads are query heads, the next num_kv_heads are key/value heads, and y is the token
 // of the chunk. Threads per threadgroup: 32.
@@ -59,34 +96,7 @@ struct AttentionPrepareParams {
   device const bfloat* gain = is_query ? q_norm : k_norm;
 
   float x[kPerLane];
-  float sum_sq = 0.0f;
-  for (uint j = 0; j < kPerLane; ++j) {
-    x[j] = src[lane + SIMD_WIDTH * j];
-    sum_sq += x[j] * x[j];
-  }
-  const float inv_rms = rsqrt(simd_sum(sum_sq) / float(kHeadDim) + params.norm_eps);
-  for (uint j = 0; j < kPerLane; ++j) {
-    x[j] *= inv_rms * float(gain[lane + SIMD_WIDTH * j]);
-  }
-
-  // Rotate-half RoPE on the first rotary_dim dims: dim i pairs with i + rotary_dim / 2, which
-  // sits in the same lane, slot j + pair_offset.
-  const uint half_rotary = params.rotary_dim / 2;
-  const uint pair_offset = half_rotary / SIMD_WIDTH;
-  const float log2_theta = log2(params.rope_theta);
-  for (uint j = 0; j < pair_offset; ++j) {
-    const uint i = lane + SIMD_WIDTH * j;
-    const float inv_freq = exp2(-float(2 * i) / float(params.rotary_dim) * log2_theta);
-    const float angle = float(position) * inv_freq;
-    // Angles reach the hundreds of thousands of radians; the fast-math versions are only
-    // accurate near [-pi, pi], and this runs 32 times per head, so take the precise ones.
-    const float c = precise::cos(angle);
-    const float s = precise::sin(angle);
-    const float first = x[j];
-    const float second = x[j + pair_offset];
-    x[j] = first * c - second * s;
-    x[j + pair_offset] = second * c + first * s;
-  }
+  prepare_head(src, gain, position, params.rotary_dim, params.rope_theta, params.norm_eps, lane, x);
 
   if (is_query) {
     device float* dst = queries + (ulong(token) * params.num_q_heads + head) * kHeadDim;
@@ -114,6 +124,56 @@ struct AttentionDecodeParams {
   uint num_splits;
   float scale;
 };
+
+// One position of the online softmax: this lane's 8 dims of the position's key and value.
+inline void attend_position(thread const float* q, thread const float* k, thread const float* v,
+                            thread float& running_max, thread float& running_sum,
+                            thread float* acc) {
+  float dot = 0.0f;
+  for (uint j = 0; j < kPerLane; ++j) {
+    dot += q[j] * k[j];
+  }
+  const float score = simd_sum(dot);
+  const float new_max = max(running_max, score);
+  const float rescale = exp(running_max - new_max);
+  const float weight = exp(score - new_max);
+  running_sum = running_sum * rescale + weight;
+  for (uint j = 0; j < kPerLane; ++j) {
+    acc[j] = acc[j] * rescale + weight * v[j];
+  }
+  running_max = new_max;
+}
+
+// The online softmax over cached positions [begin, end) of one kv head's cache rows.
+inline void attend_cached(thread const float* q, device const bfloat* k_head,
+                          device const bfloat* v_head, uint begin, uint end, uint lane,
+                          thread float& running_max, thread float& running_sum,
+                          thread float* acc) {
+  for (uint t = begin; t < end; ++t) {
+    device const bfloat* k_row = k_head + ulong(t) * kHeadDim;
+    device const bfloat* v_row = v_head + ulong(t) * kHeadDim;
+    float k[kPerLane];
+    float v[kPerLane];
+    for (uint j = 0; j < kPerLane; ++j) {
+      k[j] = float(k_row[lane + SIMD_WIDTH * j]);
+      v[j] = float(v_row[lane + SIMD_WIDTH * j]);
+    }
+    attend_position(q, k, v, running_max, running_sum, acc);
+  }
+}
+
+// A split's partial: its running max, its sum of exp(score - max) and the weighted values.
+inline void store_partial(thread const float* acc, float running_max, float running_sum,
+                          uint slot, device float* partial_out, device float* partial_stats,
+                          uint lane) {
+  for (uint j = 0; j < kPerLane; ++j) {
+    partial_out[ulong(slot) * kHeadDim + lane + SIMD_WIDTH * j] = acc[j];
+  }
+  if (lane == 0) {
+    partial_stats[2 * slot] = running_max;
+    partial_stats[2 * slot + 1] = running_sum;
+  }
+}
 
 // Grid (num_splits, num_kv_heads); one simdgroup per query head of the kv head's group, so a
 // threadgroup has (num_q_heads / num_kv_heads) * 32 threads and its simdgroups read the same
@@ -153,32 +213,91 @@ struct AttentionDecodeParams {
     acc[j] = 0.0f;
   }
   const ulong head_base = ulong(kv_head) * params.cache_capacity * kHeadDim;
-  for (uint t = begin; t < end; ++t) {
-    device const bfloat* k_row = k_cache + head_base + ulong(t) * kHeadDim;
-    device const bfloat* v_row = v_cache + head_base + ulong(t) * kHeadDim;
-    float dot = 0.0f;
-    for (uint j = 0; j < kPerLane; ++j) {
-      dot += q[j] * float(k_row[lane + SIMD_WIDTH * j]);
-    }
-    const float score = simd_sum(dot);
-    const float new_max = max(running_max, score);
-    const float rescale = exp(running_max - new_max);
-    const float weight = exp(score - new_max);
-    running_sum = running_sum * rescale + weight;
-    for (uint j = 0; j < kPerLane; ++j) {
-      acc[j] = acc[j] * rescale + weight * float(v_row[lane + SIMD_WIDTH * j]);
-    }
-    running_max = new_max;
-  }
+  attend_cached(q, k_cache + head_base, v_cache + head_base, begin, end, lane, running_max,
+                running_sum, acc);
+  store_partial(acc, running_max, running_sum, q_head * params.num_splits + split, partial_out,
+                partial_stats, lane);
+}
 
-  const uint slot = q_head * params.num_splits + split;
+struct AttentionDecodeFusedParams {
+  uint num_q_heads;
+  uint num_kv_heads;
+  uint cache_capacity;
+  uint num_splits;
+  float scale;
+  uint rotary_dim;
+  float rope_theta;
+  float norm_eps;
+};
+
+// attention_prepare and attention_decode in one dispatch, for the decode step: grid and splits
+// as attention_decode. Each simdgroup norms and rotates its own query head from q_proj, and the
+// current token's key (normed, rotated) and value from k_proj / v_proj, rounded to bf16 as the
+// cache holds them, so the current position is attended from registers, exactly as if read from
+// the cache. Only the split holding the current position attends it; that split's simdgroup 0 also
+// appends the key and value to the cache for later steps. No other threadgroup reads that row, so
+// the append needs no barrier before attention, and attention no level after the prepare.
+[[kernel]] void attention_decode_fused(
+    constant AttentionDecodeFusedParams& params [[buffer(0)]],
+    device const float* q_proj [[buffer(1)]],   // [Hq, 2, head_dim]: query | gate per head
+    device const float* k_proj [[buffer(2)]],   // [Hkv, head_dim]
+    device const float* v_proj [[buffer(3)]],   // [Hkv, head_dim]
+    device const bfloat* q_norm [[buffer(4)]],  // [head_dim], stored gain
+    device const bfloat* k_norm [[buffer(5)]],  // [head_dim], stored gain
+    device const uint* step [[buffer(6)]],      // [position, ...]
+    device bfloat* k_cache [[buffer(7)]],       // [Hkv, cache_capacity, head_dim]
+    device bfloat* v_cache [[buffer(8)]],
+    device float* partial_out [[buffer(9)]],    // [Hq, num_splits, head_dim]
+    device float* partial_stats [[buffer(10)]],  // [Hq, num_splits, 2]: max, sum
+    uint2 group_id [[threadgroup_position_in_grid]],
+    uint simd_index [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const uint split = group_id.x;
+  const uint kv_head = group_id.y;
+  const uint group_size = params.num_q_heads / params.num_kv_heads;
+  const uint q_head = kv_head * group_size + simd_index;
+  const uint position = step[0];
+  const uint context = position + 1;
+  const uint chunk = (context + params.num_splits - 1) / params.num_splits;
+  const uint begin = min(split * chunk, context);
+  const uint end = min(begin + chunk, context);
+  const bool holds_current = begin <= position && position < end;
+
+  float q[kPerLane];
+  prepare_head(q_proj + q_head * 2 * kHeadDim, q_norm, position, params.rotary_dim,
+               params.rope_theta, params.norm_eps, lane, q);
+  for (uint j = 0; j < kPerLane; ++j) q[j] *= params.scale;
+
+  float running_max = -1.0e30f;
+  float running_sum = 0.0f;
+  float acc[kPerLane];
   for (uint j = 0; j < kPerLane; ++j) {
-    partial_out[ulong(slot) * kHeadDim + lane + SIMD_WIDTH * j] = acc[j];
+    acc[j] = 0.0f;
   }
-  if (lane == 0) {
-    partial_stats[2 * slot] = running_max;
-    partial_stats[2 * slot + 1] = running_sum;
+  const ulong head_base = ulong(kv_head) * params.cache_capacity * kHeadDim;
+  attend_cached(q, k_cache + head_base, v_cache + head_base, begin, holds_current ? position : end,
+                lane, running_max, running_sum, acc);
+  if (holds_current) {
+    float k[kPerLane];
+    float v[kPerLane];
+    prepare_head(k_proj + kv_head * kHeadDim, k_norm, position, params.rotary_dim,
+                 params.rope_theta, params.norm_eps, lane, k);
+    for (uint j = 0; j < kPerLane; ++j) {
+      k[j] = float(bfloat(k[j]));
+      v[j] = float(bfloat(v_proj[kv_head * kHeadDim + lane + SIMD_WIDTH * j]));
+    }
+    attend_position(q, k, v, running_max, running_sum, acc);
+    // A step queued past the capacity must not write past the end of the cache.
+    if (simd_index == 0 && position < params.cache_capacity) {
+      const ulong row = head_base + ulong(position) * kHeadDim;
+      for (uint j = 0; j < kPerLane; ++j) {
+        k_cache[row + lane + SIMD_WIDTH * j] = bfloat(k[j]);
+        v_cache[row + lane + SIMD_WIDTH * j] = bfloat(v[j]);
+      }
+    }
   }
+  store_partial(acc, running_max, running_sum, q_head * params.num_splits + split, partial_out,
+                partial_stats, lane);
 }
 
 struct AttentionCombineParams {

@@ -5,20 +5,7 @@
 // kernels consume it and leave the rows the next call needs, so a prefilled chunk followed by
 // decode steps sees the same history as decode steps alone.
 #include "common.h"
-
-constexpr constant uint kTaps = 4;
-constexpr constant uint kHistory = kTaps - 1;
-
-// One output of the convolution. Both kernels go through this one expression, in this order, so
-// prefill and decode round alike and a chunk equals its tokens decoded one by one, bit for bit.
-inline float causal_conv_silu(device const bfloat* filter, thread const float* history,
-                              float current) {
-  float acc = float(filter[kTaps - 1]) * current;
-  for (uint t = 0; t < kHistory; ++t) {
-    acc += float(filter[t]) * history[t];
-  }
-  return silu(acc);
-}
+#include "conv1d.h"
 
 struct Conv1dStepParams {
   uint channels;
@@ -37,17 +24,7 @@ struct Conv1dStepParams {
   if (channel >= channels) {
     return;
   }
-  float history[kHistory];
-  for (uint t = 0; t < kHistory; ++t) {
-    history[t] = window[t * channels + channel];
-  }
-  const float current = x[channel];
-  out[channel] = causal_conv_silu(weight + channel * kTaps, history, current);
-
-  for (uint t = 0; t + 1 < kHistory; ++t) {
-    window[t * channels + channel] = history[t + 1];
-  }
-  window[(kHistory - 1) * channels + channel] = current;
+  out[channel] = conv_step_channel(weight, window, channels, channel, x[channel]);
 }
 
 struct Conv1dChunkParams {

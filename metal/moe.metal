@@ -1,6 +1,7 @@
 // The sparse MoE block of one token, after the router GEMV (8-bit, with the shared-expert gate in
 // the same multi-projection dispatch):
-//   moe_route           softmax over the router logits, top-k, renormalised weights;
+//   moe_route           softmax over the router logits, top-k, renormalised weights (the
+//                       decode step runs it inside moe_gate_up_swiglu instead; prefill alone);
 //   moe_gate_up_swiglu  silu(gate_e x) * up_e x for the k chosen experts and the shared expert;
 //   moe_down            sum_k w_k down_e(h_k) + sigmoid(shared gate) down_s(h_s), one pass.
 // Expert weights are the stacked checkpoint tensors [experts, rows, ...], indexed on the device by
@@ -18,59 +19,73 @@ struct MoeRouteParams {
   uint normalize;  // renormalise the top-k weights to sum to 1 (norm_topk_prob)
 };
 
-// One SIMD-group per token. Lane l holds experts l, l + 32, ...; k rounds each pick the largest
-// remaining logit, ties to the lowest expert id.
-[[kernel]] void moe_route(constant MoeRouteParams& p [[buffer(0)]],
-                          device const float* logits [[buffer(1)]],
-                          device uint* expert_ids [[buffer(2)]],
-                          device float* expert_weights [[buffer(3)]],
-                          uint token [[threadgroup_position_in_grid]],
-                          uint lane [[thread_index_in_simdgroup]]) {
-  logits += ulong(token) * p.experts;
+// Routing of one token by one SIMD-group. Lane l holds experts l, l + 32, ...; each round picks
+// the largest remaining logit, ties to the lowest expert id. Runs `rounds` rounds (<= top_k) and
+// returns the expert of the last one to every lane; when `write`, it runs all top_k and lane 0
+// stores every id and its weight (softmax probability, renormalised over the top_k when
+// `normalize`). Call from uniform control flow within the SIMD-group.
+inline uint route_token(device const float* logits, uint experts, uint top_k, bool normalize,
+                        uint rounds, bool write, device uint* expert_ids,
+                        device float* expert_weights, uint lane) {
   float held[MOE_MAX_EXPERTS_PER_LANE];
   float lane_max = -INFINITY;
   for (uint j = 0; j < MOE_MAX_EXPERTS_PER_LANE; ++j) {
     const uint e = lane + j * SIMD_WIDTH;
-    held[j] = e < p.experts ? logits[e] : -INFINITY;
+    held[j] = e < experts ? logits[e] : -INFINITY;
     lane_max = max(lane_max, held[j]);
   }
   // Softmax denominators are taken relative to the largest logit, which is also the top-1.
   const float top = simd_max(lane_max);
   float lane_sum = 0.0f;
   for (uint j = 0; j < MOE_MAX_EXPERTS_PER_LANE; ++j) {
-    if (lane + j * SIMD_WIDTH < p.experts) lane_sum += exp(held[j] - top);
+    if (lane + j * SIMD_WIDTH < experts) lane_sum += exp(held[j] - top);
   }
   const float all_sum = simd_sum(lane_sum);
 
   uint taken = 0;  // bit j: this lane's expert lane + 32 j is already chosen
+  uint winner = 0;
   float chosen_sum = 0.0f;
-  for (uint round = 0; round < p.top_k; ++round) {
+  const uint last = write ? top_k : rounds;
+  for (uint round = 0; round < last; ++round) {
     float best = -INFINITY;
     uint best_expert = 0xFFFFFFFFu;
     for (uint j = 0; j < MOE_MAX_EXPERTS_PER_LANE; ++j) {
       const uint e = lane + j * SIMD_WIDTH;
-      if (e < p.experts && (taken & (1u << j)) == 0 && (best_expert == 0xFFFFFFFFu || held[j] > best)) {
+      if (e < experts && (taken & (1u << j)) == 0 && (best_expert == 0xFFFFFFFFu || held[j] > best)) {
         best = held[j];
         best_expert = e;
       }
     }
     // NaN logits have no argmax (simd_argmax then returns 0xFFFFFFFF); the clamp keeps the id
     // an expert of this layer, so a broken activation cannot index outside the expert tensors.
-    const uint winner = min(simd_argmax(best, best_expert), p.experts - 1);
-    const float winner_logit = simd_max(best);
-    if (winner % SIMD_WIDTH == lane) taken |= 1u << (winner / SIMD_WIDTH);
-    const float weight = exp(winner_logit - top);
+    const uint chosen = min(simd_argmax(best, best_expert), experts - 1);
+    const float chosen_logit = simd_max(best);
+    if (chosen % SIMD_WIDTH == lane) taken |= 1u << (chosen / SIMD_WIDTH);
+    if (round + 1 == rounds) winner = chosen;
+    const float weight = exp(chosen_logit - top);
     chosen_sum += weight;
-    if (lane == 0) {
-      expert_ids[token * p.top_k + round] = winner;
-      expert_weights[token * p.top_k + round] = weight;
+    if (write && lane == 0) {
+      expert_ids[round] = chosen;
+      expert_weights[round] = weight;
     }
   }
   // Lane 0 wrote the unnormalised weights above; it alone rescales them.
-  const float denominator = p.normalize != 0 ? chosen_sum : all_sum;
-  if (lane == 0) {
-    for (uint round = 0; round < p.top_k; ++round) expert_weights[token * p.top_k + round] /= denominator;
+  const float denominator = normalize ? chosen_sum : all_sum;
+  if (write && lane == 0) {
+    for (uint round = 0; round < top_k; ++round) expert_weights[round] /= denominator;
   }
+  return winner;
+}
+
+// One SIMD-group per token.
+[[kernel]] void moe_route(constant MoeRouteParams& p [[buffer(0)]],
+                          device const float* logits [[buffer(1)]],
+                          device uint* expert_ids [[buffer(2)]],
+                          device float* expert_weights [[buffer(3)]],
+                          uint token [[threadgroup_position_in_grid]],
+                          uint lane [[thread_index_in_simdgroup]]) {
+  route_token(logits + ulong(token) * p.experts, p.experts, p.top_k, p.normalize != 0, p.top_k,
+              true, expert_ids + token * p.top_k, expert_weights + token * p.top_k, lane);
 }
 
 struct MoeGateUpParams {
@@ -78,37 +93,57 @@ struct MoeGateUpParams {
   uint expert_rows;  // moe_intermediate_size
   uint shared_rows;  // shared_expert_intermediate_size
   uint top_k;
+  float eps;         // the folded norm's epsilon (NORMED kernels only)
+  uint experts;      // router logits (ROUTES kernels only)
+  uint normalize;    // as MoeRouteParams (ROUTES kernels only)
 };
 
 // h[slot * expert_rows + r] = silu(gate_e x)[r] * (up_e x)[r] for slot < top_k (expert e =
 // expert_ids[slot]); slot top_k is the shared expert, at h[top_k * expert_rows + r].
 // Grid: x over rows (8 per threadgroup), y over the top_k + 1 slots.
-template <uint BITS>
+//
+// The decode step folds its neighbours in. NORMED kernels take the un-normed residual as x and
+// apply the post-attention RMSNorm themselves (see qgemv_rows_gained). ROUTES kernels take the
+// router logits instead of routed ids: each SIMD-group of a routed slot runs the routing rounds
+// up to its slot (a few hundred ALU operations on 1 KB of logits, against the 128 KB of weights
+// it reads), and threadgroup (0, 0) also stores the ids and weights that moe_down reads, so
+// routing is no dependent level of its own.
+template <uint BITS, bool NORMED, bool ROUTES>
 [[kernel]] void moe_gate_up_swiglu(
     constant MoeGateUpParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
-    device const uint* expert_ids [[buffer(2)]], device const uint* gate_w [[buffer(3)]],
+    device uint* expert_ids [[buffer(2)]], device const uint* gate_w [[buffer(3)]],
     device const bfloat* gate_s [[buffer(4)]], device const bfloat* gate_b [[buffer(5)]],
     device const uint* up_w [[buffer(6)]], device const bfloat* up_s [[buffer(7)]],
     device const bfloat* up_b [[buffer(8)]], device const uint* shared_gate_w [[buffer(9)]],
     device const bfloat* shared_gate_s [[buffer(10)]],
     device const bfloat* shared_gate_b [[buffer(11)]], device const uint* shared_up_w [[buffer(12)]],
     device const bfloat* shared_up_s [[buffer(13)]], device const bfloat* shared_up_b [[buffer(14)]],
-    device float* h [[buffer(15)]], uint2 threadgroup_id [[threadgroup_position_in_grid]],
+    device float* h [[buffer(15)]], device const bfloat* gain [[buffer(16)]],
+    device const float* router_logits [[buffer(17)]], device float* expert_weights [[buffer(18)]],
+    uint2 threadgroup_id [[threadgroup_position_in_grid]],
     uint simdgroup [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
   const uint slot = threadgroup_id.y;
   const bool shared = slot == p.top_k;
   const uint rows = shared ? p.shared_rows : p.expert_rows;
+  const uint row0 = threadgroup_id.x * (MOE_SIMDGROUPS * MOE_ROWS_PER_SIMDGROUP) +
+                    simdgroup * MOE_ROWS_PER_SIMDGROUP;
+  if (row0 >= rows) return;  // the whole SIMD-group leaves together (never the id writer: row0 0)
+  const uint count = min(MOE_ROWS_PER_SIMDGROUP, rows - row0);
+
   QuantMatrix gate{shared_gate_w, shared_gate_s, shared_gate_b};
   QuantMatrix up{shared_up_w, shared_up_s, shared_up_b};
   if (!shared) {
-    const uint expert = expert_ids[slot];
+    uint expert;
+    if (ROUTES) {
+      const bool writes = threadgroup_id.x == 0 && slot == 0 && simdgroup == 0;
+      expert = route_token(router_logits, p.experts, p.top_k, p.normalize != 0, slot + 1, writes,
+                           expert_ids, expert_weights, lane);
+    } else {
+      expert = expert_ids[slot];
+    }
     gate = quant_expert(QuantMatrix{gate_w, gate_s, gate_b}, expert, rows, p.in_dim, BITS);
     up = quant_expert(QuantMatrix{up_w, up_s, up_b}, expert, rows, p.in_dim, BITS);
   }
-  const uint row0 = threadgroup_id.x * (MOE_SIMDGROUPS * MOE_ROWS_PER_SIMDGROUP) +
-                    simdgroup * MOE_ROWS_PER_SIMDGROUP;
-  if (row0 >= rows) return;  // the whole SIMD-group leaves together
-  const uint count = min(MOE_ROWS_PER_SIMDGROUP, rows - row0);
 
   constexpr uint chunk = quant_chunk(BITS);
   float gate_acc[MOE_ROWS_PER_SIMDGROUP];
@@ -117,30 +152,40 @@ template <uint BITS>
     gate_acc[r] = 0.0f;
     up_acc[r] = 0.0f;
   }
+  float squares = 0.0f;
   for (uint k = lane * chunk; k < p.in_dim; k += SIMD_WIDTH * chunk) {
     float xs[chunk];
-    const float xsum = load_chunk<BITS>(x, k, xs);
+    const float xsum =
+        NORMED ? load_chunk_gained<BITS>(x, gain, k, xs, squares) : load_chunk<BITS>(x, k, xs);
     for (uint r = 0; r < count; ++r) {
       gate_acc[r] += qdot_chunk<BITS>(gate, p.in_dim, row0 + r, k, xs, xsum);
       up_acc[r] += qdot_chunk<BITS>(up, p.in_dim, row0 + r, k, xs, xsum);
     }
   }
+  const float scale = NORMED ? folded_inv_rms(squares, p.in_dim, p.eps) : 1.0f;
   device float* out = h + slot * p.expert_rows + row0;
   for (uint r = 0; r < MOE_ROWS_PER_SIMDGROUP; ++r) {
-    const float g = simd_sum(gate_acc[r]);
-    const float u = simd_sum(up_acc[r]);
+    const float g = simd_sum(gate_acc[r]) * scale;
+    const float u = simd_sum(up_acc[r]) * scale;
     if (lane == 0 && r < count) out[r] = silu(g) * u;
   }
 }
 
-template [[host_name("moe_gate_up_swiglu_4")]] [[kernel]] decltype(moe_gate_up_swiglu<4>)
-    moe_gate_up_swiglu<4>;
+template [[host_name("moe_gate_up_swiglu_4")]] [[kernel]]
+decltype(moe_gate_up_swiglu<4, false, false>) moe_gate_up_swiglu<4, false, false>;
+template [[host_name("moe_gate_up_swiglu_normed_4")]] [[kernel]]
+decltype(moe_gate_up_swiglu<4, true, false>) moe_gate_up_swiglu<4, true, false>;
+template [[host_name("moe_gate_up_swiglu_routed_4")]] [[kernel]]
+decltype(moe_gate_up_swiglu<4, false, true>) moe_gate_up_swiglu<4, false, true>;
+template [[host_name("moe_gate_up_swiglu_normed_routed_4")]] [[kernel]]
+decltype(moe_gate_up_swiglu<4, true, true>) moe_gate_up_swiglu<4, true, true>;
 
 struct MoeDownParams {
   uint expert_in;  // moe_intermediate_size
   uint shared_in;  // shared_expert_intermediate_size
   uint out_rows;   // hidden_size
   uint top_k;
+  uint accumulate;  // out += the block's output (the residual add folded in) instead of out =
 };
 
 // out = sum_slot w[slot] down_{e(slot)} h_slot + sigmoid(shared_gate_logit) down_s h_shared.
@@ -196,7 +241,8 @@ template <uint BITS>
 
   for (uint r = 0; r < MOE_ROWS_PER_SIMDGROUP; ++r) {
     const float total = simd_sum(acc[r]);
-    if (lane == 0 && r < count) out[row0 + r] = total;
+    // Each row is read and written by the one lane that owns it, so accumulating is race-free.
+    if (lane == 0 && r < count) out[row0 + r] = p.accumulate != 0 ? out[row0 + r] + total : total;
   }
 }
 

@@ -73,3 +73,42 @@ inline void qgemv_rows(QuantMatrix m, uint in_dim, uint row0, uint count, device
     for (uint r = 0; r < count; ++r) acc[r] += qdot_chunk<BITS>(m, in_dim, row0 + r, k, xs, xsum);
   }
 }
+
+// An RMSNorm folded into the GEMV that consumes it: y = W (x * rsqrt(mean(x^2) + eps) * gain).
+// The inverse RMS is one scalar, so it factors out of every dot product: a lane loads x * gain,
+// keeps the sum of x^2 over its chunks, and the finished (SIMD-summed) dot products are scaled by
+// `folded_inv_rms`. Every SIMD-group already reads all of x, so the norm costs no extra pass and
+// no dispatch of its own; each SIMD-group sums the squares in the same order, so all agree.
+template <uint BITS>
+inline float load_chunk_gained(device const float* x, device const bfloat* gain, uint k,
+                               thread float* xs, thread float& squares) {
+  float sum = 0.0f;
+  for (uint i = 0; i < quant_chunk(BITS); ++i) {
+    const float v = x[k + i];
+    squares += v * v;
+    xs[i] = v * float(gain[k + i]);
+    sum += xs[i];
+  }
+  return sum;
+}
+
+// The inverse RMS of x from one lane's partial sum of squares; all lanes of the SIMD-group call it.
+inline float folded_inv_rms(float squares, uint in_dim, float eps) {
+  return rsqrt(simd_sum(squares) / float(in_dim) + eps);
+}
+
+// qgemv_rows on x * gain, also returning this lane's sum of x^2 (for folded_inv_rms).
+template <uint BITS, uint R>
+inline float qgemv_rows_gained(QuantMatrix m, uint in_dim, uint row0, uint count,
+                               device const float* x, device const bfloat* gain, uint lane,
+                               thread float* acc) {
+  constexpr uint chunk = quant_chunk(BITS);
+  for (uint r = 0; r < R; ++r) acc[r] = 0.0f;
+  float squares = 0.0f;
+  for (uint k = lane * chunk; k < in_dim; k += SIMD_WIDTH * chunk) {
+    float xs[chunk];
+    const float xsum = load_chunk_gained<BITS>(x, gain, k, xs, squares);
+    for (uint r = 0; r < count; ++r) acc[r] += qdot_chunk<BITS>(m, in_dim, row0 + r, k, xs, xsum);
+  }
+  return squares;
+}

@@ -4,7 +4,15 @@
 //
 // Each threadgroup is two SIMD-groups of four rows each. The grid is the concatenation of every
 // projection's threadgroups; `first_threadgroup` tells a threadgroup which projection it serves.
+//
+// The decode step folds its residual adds and RMSNorms into these GEMVs: the `qgemv_normed_*`
+// kernels take the un-normed residual as x and the norm's gain (see qgemv_rows_gained), and with
+// `accumulate` a GEMV adds its result to y instead of overwriting it (y = residual + W x), so the
+// mixer's output projection writes the next residual directly. With `conv`, projection 0's rows
+// (the GDN's in_proj_qkv) leave through the causal conv1d step (conv_step_channel), so the conv
+// is no dispatch of its own either.
 #include "common.h"
+#include "conv1d.h"
 #include "quantized.h"
 
 constexpr constant uint QGEMV_MAX_PROJECTIONS = 4;
@@ -16,9 +24,12 @@ struct QGemvParams {
   uint projections;
   uint rows[QGEMV_MAX_PROJECTIONS];
   uint first_threadgroup[QGEMV_MAX_PROJECTIONS];
+  float eps;        // the folded norm's epsilon (normed kernels only)
+  uint accumulate;  // y += W x instead of y = W x
+  uint conv;        // projection 0's outputs go through the conv1d step (conv weight, window)
 };
 
-template <uint BITS, typename T>
+template <uint BITS, typename T, bool NORMED>
 [[kernel]] void qgemv(constant QGemvParams& p [[buffer(0)]], device const T* x [[buffer(1)]],
                       device const uint* w0 [[buffer(2)]], device const bfloat* s0 [[buffer(3)]],
                       device const bfloat* b0 [[buffer(4)]], device float* y0 [[buffer(5)]],
@@ -28,6 +39,9 @@ template <uint BITS, typename T>
                       device const bfloat* b2 [[buffer(12)]], device float* y2 [[buffer(13)]],
                       device const uint* w3 [[buffer(14)]], device const bfloat* s3 [[buffer(15)]],
                       device const bfloat* b3 [[buffer(16)]], device float* y3 [[buffer(17)]],
+                      device const bfloat* gain [[buffer(18)]],
+                      device const bfloat* conv_weight [[buffer(19)]],
+                      device float* conv_window [[buffer(20)]],
                       uint threadgroup_id [[threadgroup_position_in_grid]],
                       uint simdgroup [[simdgroup_index_in_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
@@ -55,14 +69,38 @@ template <uint BITS, typename T>
   const uint count = min(QGEMV_ROWS_PER_SIMDGROUP, rows - row0);
 
   float acc[QGEMV_ROWS_PER_SIMDGROUP];
-  qgemv_rows<BITS, QGEMV_ROWS_PER_SIMDGROUP>(m, p.in_dim, row0, count, x, lane, acc);
+  float scale = 1.0f;
+  if (NORMED) {
+    const float squares = qgemv_rows_gained<BITS, QGEMV_ROWS_PER_SIMDGROUP>(
+        m, p.in_dim, row0, count, reinterpret_cast<device const float*>(x), gain, lane, acc);
+    scale = folded_inv_rms(squares, p.in_dim, p.eps);
+  } else {
+    qgemv_rows<BITS, QGEMV_ROWS_PER_SIMDGROUP>(m, p.in_dim, row0, count, x, lane, acc);
+  }
   for (uint r = 0; r < QGEMV_ROWS_PER_SIMDGROUP; ++r) {
-    const float total = simd_sum(acc[r]);
-    if (lane == 0 && r < count) y[row0 + r] = total;
+    float total = simd_sum(acc[r]);
+    if (NORMED) total *= scale;
+    // Each row (and its conv channel) is read and written by the one lane that owns it, so
+    // accumulating and the window's in-place shift are race-free.
+    if (lane == 0 && r < count) {
+      if (p.conv != 0 && proj == 0) {
+        total = conv_step_channel(conv_weight, conv_window, rows, row0 + r, total);
+      }
+      y[row0 + r] = p.accumulate != 0 ? y[row0 + r] + total : total;
+    }
   }
 }
 
-template [[host_name("qgemv_4_float")]] [[kernel]] decltype(qgemv<4, float>) qgemv<4, float>;
-template [[host_name("qgemv_4_bfloat")]] [[kernel]] decltype(qgemv<4, bfloat>) qgemv<4, bfloat>;
-template [[host_name("qgemv_8_float")]] [[kernel]] decltype(qgemv<8, float>) qgemv<8, float>;
-template [[host_name("qgemv_8_bfloat")]] [[kernel]] decltype(qgemv<8, bfloat>) qgemv<8, bfloat>;
+template [[host_name("qgemv_4_float")]] [[kernel]] decltype(qgemv<4, float, false>)
+    qgemv<4, float, false>;
+template [[host_name("qgemv_4_bfloat")]] [[kernel]] decltype(qgemv<4, bfloat, false>)
+    qgemv<4, bfloat, false>;
+template [[host_name("qgemv_8_float")]] [[kernel]] decltype(qgemv<8, float, false>)
+    qgemv<8, float, false>;
+template [[host_name("qgemv_8_bfloat")]] [[kernel]] decltype(qgemv<8, bfloat, false>)
+    qgemv<8, bfloat, false>;
+// The residual stream is fp32, so only fp32 inputs are ever normed on the fly.
+template [[host_name("qgemv_normed_4_float")]] [[kernel]] decltype(qgemv<4, float, true>)
+    qgemv<4, float, true>;
+template [[host_name("qgemv_normed_8_float")]] [[kernel]] decltype(qgemv<8, float, true>)
+    qgemv<8, float, true>;

@@ -79,11 +79,22 @@ def _size3(value: Size, what: str) -> tuple[int, int, int]:
     return (*dims, *(1,) * (3 - len(dims)))  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class DispatchRecord:
+    """What a graph recorded of one dispatch, for reports (the benchmarks' per-kernel tables)."""
+
+    kernel: str
+    threadgroups: tuple[int, int, int]
+    threads: tuple[int, int, int]
+    level: int  # barriers recorded before it
+
+
 class Graph:
     """Dispatches in order, cut into levels by barriers; built once, run many times."""
 
     def __init__(self) -> None:
         self._graph = _native.Graph()
+        self.dispatches: list[DispatchRecord] = []
 
     def dispatch(
         self,
@@ -135,15 +146,9 @@ class Graph:
             if size % 16:
                 raise ValueError(f"threadgroup_memory {index}: {size} is not a multiple of 16")
             memory.append((index, size))
-        self._graph.dispatch(
-            kernel,
-            _size3(threadgroups, "threadgroups"),
-            _size3(threads, "threads"),
-            bound,
-            inline,
-            memory,
-            lengths,
-        )
+        grid, group = _size3(threadgroups, "threadgroups"), _size3(threads, "threads")
+        self._graph.dispatch(kernel, grid, group, bound, inline, memory, lengths)
+        self.dispatches.append(DispatchRecord(kernel.name, grid, group, self.barrier_count))
 
     def barrier(self) -> None:
         """Every later dispatch sees every write of the earlier ones."""

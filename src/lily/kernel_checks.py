@@ -239,24 +239,37 @@ def read_floats(buffer, count: int) -> np.ndarray:
     return buffer.numpy()[: 4 * count].view(np.float32)
 
 
-def _qgemv(rows: int, in_dim: int, bits: int, dtype: str):
+def _qgemv(rows: int, in_dim: int, bits: int, dtype: str, normed: bool = False):
+    """The GEMV; `normed`: with the decode step's RMSNorm folded in (y = W rms_norm(x))."""
+    from lily.kernels.norm import FoldedNorm
     from lily.kernels.quantized import record_qgemv, wrap_quant_weight
+
+    eps = 1e-6
 
     def prepare(device: Device, rng: np.random.Generator) -> Trial:
         triple = random_quantized(rng, rows, in_dim, bits)
         x32 = rng.normal(0, 1, in_dim).astype(np.float32)
         x = float32_to_bf16(x32) if dtype == "bfloat16" else x32
         x64 = (bf16_to_float32(x) if dtype == "bfloat16" else x).astype(np.float64)
+        gain = float32_to_bf16(1 + rng.normal(0, 0.2, in_dim).astype(np.float32))
         out = floats(device, rows)
         graph = Graph()
         weight = wrap_quant_weight(device, *triple)
-        record_qgemv(graph, device, device.wrap(x), [(weight, out)], x_dtype=dtype)
+        norm = FoldedNorm(device.wrap(gain), eps) if normed else None
+        record_qgemv(graph, device, device.wrap(x), [(weight, out)], x_dtype=dtype, norm=norm)
 
         def verify() -> Comparison:
-            expected, magnitude = reference_qgemv(*triple, bits, x64)
-            return compare_ulps(
-                read_floats(out, rows), expected, magnitude, qgemv_ulps(in_dim, bits)
-            )
+            if not normed:
+                expected, magnitude = reference_qgemv(*triple, bits, x64)
+                ulps = qgemv_ulps(in_dim, bits)
+                return compare_ulps(read_floats(out, rows), expected, magnitude, ulps)
+            inv_rms = 1.0 / np.sqrt(np.mean(x64 * x64) + eps)
+            gained = x64 * bf16_to_float32(gain).astype(np.float64)
+            expected, magnitude = reference_qgemv(*triple, bits, gained)
+            expected, magnitude = inv_rms * expected, inv_rms * magnitude
+            # One ulp more for x * gain, and the inverse RMS's relative error (see the tests).
+            ulps = qgemv_ulps(in_dim, bits) + 1 + (in_dim / 32 + 31) / 2 + 4
+            return compare_ulps(read_floats(out, rows), expected, magnitude, ulps)
 
         moved = sum(a.nbytes for a in triple) + x.nbytes + 4 * rows
         return Trial(graph, verify, moved)
@@ -431,15 +444,17 @@ def _gdn(num_key_heads: int, num_value_heads: int):
     return prepare
 
 
-def _attention(num_q: int, num_kv: int, context: int, num_splits: int = 32):
+def _attention(num_q: int, num_kv: int, context: int, num_splits: int = 32, fused: bool = False):
     """prepare (norms, RoPE, cache append at position context - 1), decode over the whole cache
-    and combine with the output gate, chained in one graph as in a decode step."""
+    and combine with the output gate, chained in one graph; with `fused`, prepare and decode as
+    the decode step runs them, in one dispatch (attention_decode_fused)."""
     from lily.kernels.attention import (
         HEAD_DIM,
         partial_out_bytes,
         partial_stats_bytes,
         record_attention_combine,
         record_attention_decode,
+        record_attention_decode_fused,
         record_attention_prepare,
     )
 
@@ -462,9 +477,8 @@ def _attention(num_q: int, num_kv: int, context: int, num_splits: int = 32):
         bound = {name: device.wrap(a) for name, a in [("q_proj", q_proj), ("queries", queries)]}
         caches = {"k_cache": device.wrap(k_cache), "v_cache": device.wrap(v_cache)}
         graph = Graph()
-        record_attention_prepare(
-            graph,
-            device,
+        inputs = dict(
+            q_proj=bound["q_proj"],
             k_proj=device.wrap(k_proj),
             v_proj=device.wrap(v_proj),
             q_norm=device.wrap(q_norm),
@@ -476,23 +490,33 @@ def _attention(num_q: int, num_kv: int, context: int, num_splits: int = 32):
             rotary_dim=rotary_dim,
             rope_theta=theta,
             norm_eps=eps,
-            **bound,
             **caches,
         )
-        graph.barrier()
-        record_attention_decode(
-            graph,
-            device,
-            queries=bound["queries"],
-            step=step,
-            partial_out=partial_out,
-            partial_stats=partial_stats,
-            num_q_heads=num_q,
-            num_kv_heads=num_kv,
-            capacity=context,
-            num_splits=num_splits,
-            **caches,
-        )
+        if fused:
+            record_attention_decode_fused(
+                graph,
+                device,
+                **inputs,
+                partial_out=partial_out,
+                partial_stats=partial_stats,
+                num_splits=num_splits,
+            )
+        else:
+            record_attention_prepare(graph, device, **inputs, queries=bound["queries"])
+            graph.barrier()
+            record_attention_decode(
+                graph,
+                device,
+                queries=bound["queries"],
+                step=step,
+                partial_out=partial_out,
+                partial_stats=partial_stats,
+                num_q_heads=num_q,
+                num_kv_heads=num_kv,
+                capacity=context,
+                num_splits=num_splits,
+                **caches,
+            )
         graph.barrier()
         record_attention_combine(
             graph,
@@ -510,10 +534,25 @@ def _attention(num_q: int, num_kv: int, context: int, num_splits: int = 32):
             # reference, so this compares the attention itself.
             k = bf16_to_float32(k_cache).astype(np.float64)
             v = bf16_to_float32(v_cache).astype(np.float64)
-            q = queries.astype(np.float64)[:, None, :]
+            if fused:
+                # No queries leave the fused kernel: the reference norms and rotates its own,
+                # and the appended key row is checked against the reference's.
+                def normed_rotated(x, gain):
+                    gain64 = bf16_to_float32(gain).astype(np.float64)
+                    normed = reference.rms_norm(x.astype(np.float64), gain64, eps)
+                    return reference.apply_rope(normed[:, None, :], [position], rotary_dim, theta)
+
+                q = normed_rotated(q_proj[:, 0], q_norm)
+                rope = 1e-5 + 2 * position * 2.0**-24
+                key = compare_close(
+                    k[:, position], normed_rotated(k_proj, k_norm)[:, 0], 2.0**-8, rope
+                )
+            else:
+                q = queries.astype(np.float64)[:, None, :]
             attended = reference.attention(q, k, v, HEAD_DIM**-0.5, [position])[:, 0]
             gate = reference.sigmoid(q_proj[:, 1].astype(np.float64))
-            return compare_close(out, attended * gate, 1e-4, 1e-5)
+            result = compare_close(out, attended * gate, 1e-4, 1e-5)
+            return result.merge(key) if fused else result
 
         return Trial(graph, verify, 2 * k_cache.nbytes + q_proj.nbytes + out.nbytes)
 
@@ -1065,6 +1104,9 @@ CHECKS: list[KernelCheck] = [
     KernelCheck("quantized_gemv", "8192x2048 q4, fp32 x", _qgemv(8192, 2048, 4, "float32"), True),
     KernelCheck("quantized_gemv", "2048x4096 q4, bf16 x", _qgemv(2048, 4096, 4, "bfloat16"), True),
     KernelCheck("quantized_gemv", "256x2048 q8, fp32 x", _qgemv(256, 2048, 8, "float32")),
+    KernelCheck(
+        "quantized_gemv, folded norm", "4096x2048 q4", _qgemv(4096, 2048, 4, "float32", True)
+    ),
     KernelCheck("gemm_nt", "8x512x2048 fp32", _gemm(8, 512, 2048), True),
     KernelCheck("gemm_nt", "37x45x19 fp32", _gemm(37, 45, 19)),
     KernelCheck("rms_norm", "16x256", _rms_norm(16, 256)),
@@ -1076,6 +1118,12 @@ CHECKS: list[KernelCheck] = [
         "attention prepare+decode+combine",
         "16 q, 2 kv heads, 4096 ctx",
         _attention(16, 2, 4096),
+        True,
+    ),
+    KernelCheck(
+        "attention_decode_fused+combine",
+        "16 q, 2 kv heads, 300 ctx",
+        _attention(16, 2, 300, fused=True),
         True,
     ),
     KernelCheck(

@@ -15,6 +15,15 @@ the token history, runs the layers, and then:
 The host therefore only submits; it never writes between passes, and a chunk leaves the conv
 windows, GDN state, KV cache and step buffer exactly as the decode step expects them.
 
+The decode step (T = 1) has no norm dispatches: every residual add and RMSNorm is folded into its
+neighbours. The layer's output projections (and the MoE down kernel) add their result to the
+residual in place, and the projections that consume a norm read the residual and apply the norm
+themselves (`FoldedNorm`); that removes two dependent levels per layer. Likewise the GDN's conv
+step runs in the epilogue of its input projection (`FoldedConvStep`), the MoE routing inside the
+expert gate/up kernel, and attention's prepare (q/k norms, RoPE, KV append) inside the
+split-context decode kernel. A chunk keeps those dispatches: its GEMMs read the normed
+activations many times over, and its kernels already amortise their levels over T tokens.
+
 Activations stay fp32 between kernels (decode is bound by reading weights, so this costs nothing
 and keeps the engine close to the reference); the KV cache is bf16 and the GDN state fp32.
 """
@@ -31,12 +40,12 @@ from lily.config import FULL_ATTENTION, ModelConfig
 from lily.device import Graph
 from lily.device_weights import DeviceWeights
 from lily.kernels import BufferRef, attention, offset_by
-from lily.kernels.conv1d import record_conv1d_chunk, record_conv1d_step, window_bytes
+from lily.kernels.conv1d import FoldedConvStep, record_conv1d_chunk, window_bytes
 from lily.kernels.embedding import record_embedding
 from lily.kernels.gdn import record_gdn_chunk, record_gdn_step, state_bytes
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
 from lily.kernels.moe_chunk import MoeChunkScratch, moe_chunk_scratch_bytes, record_moe_chunk
-from lily.kernels.norm import record_add_rms_norm, record_rms_norm
+from lily.kernels.norm import FoldedNorm, record_add_rms_norm, record_rms_norm
 from lily.kernels.quantized import QuantWeight, record_qgemv
 from lily.kernels.quantized_gemm import record_qgemm
 from lily.kernels.sampling import (
@@ -278,11 +287,32 @@ class _Recorder:
         """Row `index` of a [tokens, hidden_size] activation."""
         return offset_by(buffer, 4 * self.c.hidden_size * index)
 
-    def project(self, x: BufferRef, projections: Sequence[tuple[QuantWeight, BufferRef]]) -> None:
-        if self.tokens == 1:
-            record_qgemv(self.g, self.dev, x, projections)
+    @property
+    def folds_norms(self) -> bool:
+        """Whether residual adds and RMSNorms are folded into the GEMVs (the decode step)."""
+        return self.tokens == 1
+
+    def folded_norm(self, weight: str) -> FoldedNorm:
+        return FoldedNorm(self.w.tensor(weight), self.c.rms_norm_eps)
+
+    def project_normed(
+        self, norm_weight: str, projections: Sequence[tuple[QuantWeight, BufferRef]]
+    ) -> None:
+        """Projections of the normed residual: norm_weight's RMSNorm folded into the GEMV at
+        T = 1; at T > 1 the preceding add_norm left it in `normed`."""
+        if self.folds_norms:
+            norm = self.folded_norm(norm_weight)
+            record_qgemv(self.g, self.dev, self.s.residual, projections, norm=norm)
         else:
-            record_qgemm(self.g, self.dev, x, projections, self.tokens)
+            record_qgemm(self.g, self.dev, self.s.normed, projections, self.tokens)
+
+    def project_into_residual(self, x: BufferRef, weight: QuantWeight) -> None:
+        """The mixer's output projection: added to the residual in place at T = 1, written to
+        `mixer_out` for the following add_norm at T > 1."""
+        if self.folds_norms:
+            record_qgemv(self.g, self.dev, x, [(weight, self.s.residual)], accumulate=True)
+        else:
+            record_qgemm(self.g, self.dev, x, [(weight, self.s.mixer_out)], self.tokens)
 
     def record(self) -> Graph:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
@@ -291,29 +321,35 @@ class _Recorder:
             g, dev, self.state.history, position, w.quantized(MODEL + "embed_tokens"), s.residual, T
         )
         g.barrier()
-        record_rms_norm(
-            g,
-            dev,
-            s.residual,
-            w.tensor(MODEL + "layers.0.input_layernorm.weight"),
-            s.normed,
-            rows=T,
-            dim=c.hidden_size,
-            eps=c.rms_norm_eps,
-        )
-        g.barrier()
+        if not self.folds_norms:
+            record_rms_norm(
+                g,
+                dev,
+                s.residual,
+                w.tensor(MODEL + "layers.0.input_layernorm.weight"),
+                s.normed,
+                rows=T,
+                dim=c.hidden_size,
+                eps=c.rms_norm_eps,
+            )
+            g.barrier()
         for i, kind in enumerate(c.layer_types):
             layer = f"{MODEL}layers.{i}."
+            input_norm = layer + "input_layernorm.weight"
             if kind == FULL_ATTENTION:
-                self.attention(i, layer + "self_attn.")
+                self.attention(i, layer + "self_attn.", input_norm)
             else:
-                self.gated_deltanet(i, layer + "linear_attn.")
+                self.gated_deltanet(i, layer + "linear_attn.", input_norm)
             g.barrier()
-            # h = x + mixer(x); normed = post_attention_layernorm(h)
-            self.add_norm(s.mixer_out, layer + "post_attention_layernorm.weight", rows=T)
+            post_norm = layer + "post_attention_layernorm.weight"
+            if not self.folds_norms:
+                # h = x + mixer(x); normed = post_attention_layernorm(h)
+                self.add_norm(s.mixer_out, post_norm, rows=T)
+                g.barrier()
+            self.moe(layer + "mlp.", post_norm)
             g.barrier()
-            self.moe(layer + "mlp.")
-            g.barrier()
+            if self.folds_norms:
+                continue
             # x = h + moe(h); normed = the next layer's input norm, or the final norm, which
             # only the predicting token needs.
             if i + 1 < c.num_hidden_layers:
@@ -353,9 +389,14 @@ class _Recorder:
             # The sampler keys its random numbers and log-probability slot on the position of
             # the token it consumes, the chunk's last.
             record_step_advance(g, dev, **advance, count=T - 1)
-        head = MODEL + "embed_tokens" if c.tie_word_embeddings else LM_HEAD
-        last = self.hidden_row(self.s.normed, T - 1)
-        record_qgemv(g, dev, last, [(self.w.quantized(head), state.logits)])
+        head_weight = MODEL + "embed_tokens" if c.tie_word_embeddings else LM_HEAD
+        head = [(self.w.quantized(head_weight), state.logits)]
+        if self.folds_norms:
+            record_qgemv(
+                g, dev, self.s.residual, head, norm=self.folded_norm(MODEL + "norm.weight")
+            )
+        else:
+            record_qgemv(g, dev, self.hidden_row(self.s.normed, T - 1), head)
         g.barrier()
         record_sample(
             g,
@@ -381,29 +422,38 @@ class _Recorder:
         )
         record_step_advance(g, dev, **advance)
 
-    def gated_deltanet(self, i: int, prefix: str) -> None:
+    def gated_deltanet(self, i: int, prefix: str, input_norm: str) -> None:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
-        self.project(
-            s.normed,
-            [
-                (w.quantized(prefix + "in_proj_qkv"), s.qkv_projected),
-                (w.quantized(prefix + "in_proj_z"), s.z),
-                (w.quantized(prefix + "in_proj_a"), s.a),
-                (w.quantized(prefix + "in_proj_b"), s.b),
-            ],
-        )
-        g.barrier()
-        conv = dict(
-            x=s.qkv_projected,
-            weight=w.tensor(prefix + "conv1d.weight"),
-            window=self.state.conv_windows[i],
-            out=s.qkv,
-            channels=c.linear_conv_dim,
-        )
+        qkv_weight = w.quantized(prefix + "in_proj_qkv")
+        gates = [
+            (w.quantized(prefix + "in_proj_z"), s.z),
+            (w.quantized(prefix + "in_proj_a"), s.a),
+            (w.quantized(prefix + "in_proj_b"), s.b),
+        ]
+        conv_weight, window = w.tensor(prefix + "conv1d.weight"), self.state.conv_windows[i]
         if T == 1:
-            record_conv1d_step(g, dev, **conv)
+            # The conv step is folded into the projection, which writes the conv's output.
+            record_qgemv(
+                g,
+                dev,
+                s.residual,
+                [(qkv_weight, s.qkv), *gates],
+                norm=self.folded_norm(input_norm),
+                conv=FoldedConvStep(conv_weight, window),
+            )
         else:
-            record_conv1d_chunk(g, dev, **conv, tokens=T)
+            self.project_normed(input_norm, [(qkv_weight, s.qkv_projected), *gates])
+            g.barrier()
+            record_conv1d_chunk(
+                g,
+                dev,
+                x=s.qkv_projected,
+                weight=conv_weight,
+                window=window,
+                out=s.qkv,
+                channels=c.linear_conv_dim,
+                tokens=T,
+            )
         g.barrier()
         gdn = dict(
             qkv=s.qkv,
@@ -426,13 +476,13 @@ class _Recorder:
         else:
             record_gdn_chunk(g, dev, **gdn, tokens=T)
         g.barrier()
-        self.project(s.gdn_out, [(w.quantized(prefix + "out_proj"), s.mixer_out)])
+        self.project_into_residual(s.gdn_out, w.quantized(prefix + "out_proj"))
 
-    def attention(self, i: int, prefix: str) -> None:
+    def attention(self, i: int, prefix: str, input_norm: str) -> None:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
         heads = dict(num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads)
-        self.project(
-            s.normed,
+        self.project_normed(
+            input_norm,
             [
                 (w.quantized(prefix + "q_proj"), s.q),
                 (w.quantized(prefix + "k_proj"), s.k),
@@ -441,38 +491,24 @@ class _Recorder:
         )
         g.barrier()
         caches = dict(k_cache=self.state.k_cache[i], v_cache=self.state.v_cache[i])
-        attention.record_attention_prepare(
-            g,
-            dev,
+        prepare = dict(
             q_proj=s.q,
             k_proj=s.k,
             v_proj=s.v,
             q_norm=w.tensor(prefix + "q_norm.weight"),
             k_norm=w.tensor(prefix + "k_norm.weight"),
             step=self.state.step,
-            queries=s.queries,
             capacity=self.m.capacity,
             rotary_dim=c.rotary_dim,
             rope_theta=c.rope_theta,
             norm_eps=c.rms_norm_eps,
             head_dim=c.head_dim,
-            tokens=T,
             **caches,
             **heads,
         )
-        g.barrier()
         if T == 1:
-            attention.record_attention_decode(
-                g,
-                dev,
-                queries=s.queries,
-                step=self.state.step,
-                partial_out=s.partial_out,
-                partial_stats=s.partial_stats,
-                capacity=self.m.capacity,
-                head_dim=c.head_dim,
-                **caches,
-                **heads,
+            attention.record_attention_decode_fused(
+                g, dev, **prepare, partial_out=s.partial_out, partial_stats=s.partial_stats
             )
             g.barrier()
             attention.record_attention_combine(
@@ -485,6 +521,8 @@ class _Recorder:
                 num_q_heads=c.num_attention_heads,
             )
         else:
+            attention.record_attention_prepare(g, dev, **prepare, queries=s.queries, tokens=T)
+            g.barrier()
             attention.record_attention_chunk(
                 g,
                 dev,
@@ -499,21 +537,25 @@ class _Recorder:
                 **heads,
             )
         g.barrier()
-        self.project(s.attn_out, [(w.quantized(prefix + "o_proj"), s.mixer_out)])
+        self.project_into_residual(s.attn_out, w.quantized(prefix + "o_proj"))
 
-    def moe(self, prefix: str) -> None:
+    def moe(self, prefix: str, norm_weight: str) -> None:
+        """The MoE block of the post-attention-normed residual: at T = 1 with the norm and the
+        residual add folded in (out is the residual itself)."""
         c, g, dev, s, T = self.c, self.g, self.dev, self.s, self.tokens
         weights = self.moe_weights(prefix)
         if T == 1:
             record_moe(
                 g,
                 dev,
-                s.normed,
+                s.residual,
                 weights,
                 c.num_experts_per_tok,
                 s.moe,
-                s.moe_out,
+                s.residual,
                 normalize=c.norm_topk_prob,
+                norm=self.folded_norm(norm_weight),
+                accumulate=True,
             )
         else:
             record_moe_chunk(

@@ -8,6 +8,10 @@ For one decoded token, three dispatches, each needing a barrier before the next:
    that run as separate threadgroups and leave partial results in a scratch buffer;
 3. `record_attention_combine`: merges the partials and applies the sigmoid output gate.
 
+The decode step runs the first two as one, `record_attention_decode_fused`: every split prepares
+its own queries and the current key and value, and the split holding the current position
+appends them to the cache, so prepare costs no dependent level of its own.
+
 For a chunk of T prompt tokens, two: `record_attention_prepare` with `tokens=T` (token t at
 position + t), then `record_attention_chunk`, causal attention of the T queries over the cache
 with the output gate applied; no scratch.
@@ -154,6 +158,69 @@ def record_attention_decode(
         },
         bytes={
             0: pack_params("IIIIf", num_q_heads, num_kv_heads, capacity, num_splits, head_dim**-0.5)
+        },
+    )
+
+
+def record_attention_decode_fused(
+    graph: Graph,
+    device: Device,
+    *,
+    q_proj: BufferRef,
+    k_proj: BufferRef,
+    v_proj: BufferRef,
+    q_norm: BufferRef,
+    k_norm: BufferRef,
+    step: BufferRef,
+    k_cache: BufferRef,
+    v_cache: BufferRef,
+    partial_out: BufferRef,
+    partial_stats: BufferRef,
+    num_q_heads: int,
+    num_kv_heads: int,
+    capacity: int,
+    rotary_dim: int,
+    rope_theta: float,
+    norm_eps: float = 1e-6,
+    num_splits: int = DEFAULT_NUM_SPLITS,
+    head_dim: int = HEAD_DIM,
+) -> None:
+    """`record_attention_prepare` (one token) then `record_attention_decode`, in one dispatch
+    with the same results: the caches get the rotated key and the value at step[0] (unless past
+    the capacity), the partials are those of the context including it."""
+    _check_heads(num_q_heads, num_kv_heads, head_dim)
+    if num_splits <= 0:
+        raise ValueError("num_splits must be positive")
+    if rotary_dim <= 0 or rotary_dim % (2 * SIMD_WIDTH) or rotary_dim > HEAD_DIM:
+        raise ValueError(f"rotary_dim {rotary_dim} must be a positive multiple of 64 up to 256")
+    graph.dispatch(
+        device.kernel("attention_decode_fused"),
+        threadgroups=(num_splits, num_kv_heads, 1),
+        threads=(SIMD_WIDTH * (num_q_heads // num_kv_heads), 1, 1),
+        buffers={
+            1: binding(q_proj),
+            2: binding(k_proj),
+            3: binding(v_proj),
+            4: binding(q_norm),
+            5: binding(k_norm),
+            6: binding(step),
+            7: binding(k_cache),
+            8: binding(v_cache),
+            9: binding(partial_out),
+            10: binding(partial_stats),
+        },
+        bytes={
+            0: pack_params(
+                "IIIIfIff",
+                num_q_heads,
+                num_kv_heads,
+                capacity,
+                num_splits,
+                head_dim**-0.5,
+                rotary_dim,
+                rope_theta,
+                norm_eps,
+            )
         },
     )
 

@@ -8,6 +8,7 @@ chunks, in any mix.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lily.kernels import BufferRef, binding, ceil_div, pack_params
@@ -19,6 +20,15 @@ KERNEL_TAPS = 4
 THREADS_PER_THREADGROUP = 256
 # Tokens each thread of the chunk kernel convolves (kConvChunkTokensPerThread in the kernel).
 CHUNK_TOKENS_PER_THREAD = 16
+
+
+@dataclass(frozen=True)
+class FoldedConvStep:
+    """The decode step's conv1d folded into the GEMV that produces its input: each output row
+    (channel) goes through the conv and SiLU, shifting the window, as `record_conv1d_step`."""
+
+    weight: BufferRef  # bf16 [channels, 4, 1] as stored in the checkpoint
+    window: BufferRef  # fp32 [3, channels], updated in place
 
 
 def window_bytes(channels: int) -> int:

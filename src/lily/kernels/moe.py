@@ -1,11 +1,17 @@
 """Launching the sparse MoE block (`metal/moe.metal`) for one token.
 
-The block is four dispatches separated by barriers:
+The block is three dispatches separated by barriers:
 1. the 8-bit router GEMV, with the shared-expert gate as a second projection of the same dispatch
    (its one logit is written right after the router logits);
-2. routing: softmax, top-k, renormalised weights, expert ids, all on the device;
-3. gate and up projections of the chosen experts and the shared expert, with SwiGLU;
-4. down projections weighted by the router (and the sigmoid shared gate), summed into the output.
+2. gate and up projections of the chosen experts and the shared expert, with SwiGLU; each
+   threadgroup routes for itself first (softmax, top-k, renormalised weights, all on the device),
+   and one also stores the expert ids and weights;
+3. down projections weighted by the router (and the sigmoid shared gate), summed into the output.
+`record_moe_route` (routing as a dispatch of its own) serves the prefill chunk's MoE and tests.
+
+In the decode step the block also takes the RMSNorm before it and the residual add after it: given
+a `FoldedNorm`, the router GEMV and the gate/up kernel norm the residual themselves, and with
+`accumulate` the down kernel adds the block's output to `out` (the residual) instead of writing it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lily.kernels import BufferRef, binding, ceil_div, offset_by, pack_params
+from lily.kernels.norm import FoldedNorm
 from lily.kernels.quantized import QuantWeight, record_qgemv
 
 if TYPE_CHECKING:
@@ -85,6 +92,17 @@ def record_moe_route(
     )
 
 
+@dataclass(frozen=True)
+class InKernelRouting:
+    """Routing done inside the gate/up kernel: from these router logits, storing the expert ids
+    (in the gate/up call's `expert_ids`) and `expert_weights` for the down kernel."""
+
+    logits: BufferRef  # fp32 [experts]
+    experts: int
+    expert_weights: BufferRef  # fp32 [top_k], written
+    normalize: bool = True
+
+
 def record_moe_gate_up(
     graph: Graph,
     device: Device,
@@ -93,22 +111,52 @@ def record_moe_gate_up(
     top_k: int,
     w: MoeWeights,
     hidden: BufferRef,
+    norm: FoldedNorm | None = None,
+    routing: InKernelRouting | None = None,
 ) -> None:
-    """hidden = [silu(gate_e x) * up_e x for each chosen e] + [the same for the shared expert]."""
+    """hidden = [silu(gate_e x) * up_e x for each chosen e] + [the same for the shared expert];
+    with `norm`, of rms_norm(x) instead of x. The chosen experts are read from `expert_ids`, or
+    with `routing` chosen in the kernel and written there."""
     expert_rows, shared_rows = w.expert_gate.rows, w.shared_gate.rows
     row_groups = ceil_div(max(expert_rows, shared_rows), ROWS_PER_THREADGROUP)
     matrices = (w.expert_gate, w.expert_up, w.shared_gate, w.shared_up)
-    buffers = {1: binding(x), 2: binding(expert_ids), 15: binding(hidden)}
+    # Slots a variant does not read are bound to x, so every declared buffer is bound.
+    gain = norm.gain if norm is not None else x
+    logits = routing.logits if routing is not None else x
+    weights_out = routing.expert_weights if routing is not None else x
+    buffers = {
+        1: binding(x),
+        2: binding(expert_ids),
+        15: binding(hidden),
+        16: binding(gain),
+        17: binding(logits),
+        18: binding(weights_out),
+    }
     for i, m in enumerate(matrices):
         buffers[3 + 3 * i] = binding(m.weight)
         buffers[4 + 3 * i] = binding(m.scales)
         buffers[5 + 3 * i] = binding(m.biases)
+    if routing is not None and not (top_k <= routing.experts <= MAX_EXPERTS):
+        raise ValueError(f"routing supports top_k <= experts <= {MAX_EXPERTS}")
+    variant = "moe_gate_up_swiglu"
+    variant += "_normed" if norm is not None else ""
+    variant += "_routed" if routing is not None else ""
+    params = pack_params(
+        "IIIIfII",
+        w.expert_gate.in_dim,
+        expert_rows,
+        shared_rows,
+        top_k,
+        norm.eps if norm is not None else 0.0,
+        routing.experts if routing is not None else 0,
+        int(routing.normalize) if routing is not None else 0,
+    )
     graph.dispatch(
-        device.kernel(f"moe_gate_up_swiglu_{w.expert_gate.bits}"),
+        device.kernel(f"{variant}_{w.expert_gate.bits}"),
         threadgroups=(row_groups, top_k + 1, 1),
         threads=(THREADS_PER_THREADGROUP, 1, 1),
         buffers=buffers,
-        bytes={0: pack_params("IIII", w.expert_gate.in_dim, expert_rows, shared_rows, top_k)},
+        bytes={0: params},
     )
 
 
@@ -122,8 +170,10 @@ def record_moe_down(
     top_k: int,
     w: MoeWeights,
     out: BufferRef,
+    accumulate: bool = False,
 ) -> None:
-    """out = sum_k weight_k down_{e_k}(hidden_k) + sigmoid(shared gate) down_s(hidden_shared)."""
+    """out = sum_k weight_k down_{e_k}(hidden_k) + sigmoid(shared gate) down_s(hidden_shared);
+    with `accumulate`, out += the same."""
     rows = w.expert_down.rows
     graph.dispatch(
         device.kernel(f"moe_down_{w.expert_down.bits}"),
@@ -142,7 +192,11 @@ def record_moe_down(
             10: binding(w.shared_down.biases),
             11: binding(out),
         },
-        bytes={0: pack_params("IIII", w.expert_down.in_dim, w.shared_down.in_dim, rows, top_k)},
+        bytes={
+            0: pack_params(
+                "IIIII", w.expert_down.in_dim, w.shared_down.in_dim, rows, top_k, int(accumulate)
+            )
+        },
     )
 
 
@@ -155,9 +209,12 @@ def record_moe(
     scratch: MoeScratch,
     out: BufferRef,
     normalize: bool = True,
+    norm: FoldedNorm | None = None,
+    accumulate: bool = False,
 ) -> None:
-    """The whole block, out = MoE(x), with barriers between its four dispatches (the caller
-    places the one before, x ready, and after, out ready)."""
+    """The whole block, out = MoE(x), with barriers between its dispatches (the caller places
+    the one before, x ready, and after, out ready); MoE(rms_norm(x)) with `norm`, and out +=
+    with `accumulate`."""
     experts = w.router.rows
     record_qgemv(
         graph,
@@ -167,20 +224,13 @@ def record_moe(
             (w.router, scratch.logits),
             (w.shared_expert_gate, offset_by(scratch.logits, 4 * experts)),
         ],
+        norm=norm,
     )
     graph.barrier()
-    record_moe_route(
-        graph,
-        device,
-        scratch.logits,
-        experts,
-        top_k,
-        scratch.expert_ids,
-        scratch.expert_weights,
-        normalize,
+    routing = InKernelRouting(scratch.logits, experts, scratch.expert_weights, normalize)
+    record_moe_gate_up(
+        graph, device, x, scratch.expert_ids, top_k, w, scratch.hidden, norm, routing
     )
-    graph.barrier()
-    record_moe_gate_up(graph, device, x, scratch.expert_ids, top_k, w, scratch.hidden)
     graph.barrier()
     record_moe_down(
         graph,
@@ -192,4 +242,5 @@ def record_moe(
         top_k,
         w,
         out,
+        accumulate,
     )

@@ -1,13 +1,24 @@
-"""Launching RMSNorm and the residual add fused with it (`metal/rms_norm.metal`)."""
+"""Launching RMSNorm and the residual add fused with it (`metal/rms_norm.metal`), and the
+description of a norm that its consuming GEMV applies itself (`FoldedNorm`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lily.kernels import BufferRef, binding, ceil_div, element_type, pack_params, threads_within
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
+
+
+@dataclass(frozen=True)
+class FoldedNorm:
+    """An RMSNorm folded into the GEMV that consumes it: the GEMV reads the un-normed fp32 row
+    x and computes W (x * rsqrt(mean(x^2) + eps) * gain) with no norm dispatch before it."""
+
+    gain: BufferRef  # bf16 [in_dim], as stored (see record_rms_norm)
+    eps: float
 
 
 def threads_for(dim: int) -> int:

@@ -17,6 +17,8 @@ from lily.kernels import (
     pack_params,
     require_aligned,
 )
+from lily.kernels.conv1d import FoldedConvStep
+from lily.kernels.norm import FoldedNorm
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -80,8 +82,15 @@ def record_qgemv(
     x: BufferRef,
     projections: Sequence[tuple[QuantWeight, BufferRef]],
     x_dtype: str = "float32",
+    norm: FoldedNorm | None = None,
+    accumulate: bool = False,
+    conv: FoldedConvStep | None = None,
 ) -> None:
-    """y_i = W_i x (fp32 out) for each `(W_i, y_i)`; all W_i share x's length and bit width."""
+    """y_i = W_i x (fp32 out) for each `(W_i, y_i)`; all W_i share x's length and bit width.
+
+    With `norm`, x (fp32) is normed on the fly: y_i = W_i rms_norm(x). With `accumulate`, the
+    result is added to what y_i holds (y_i += W_i x): a residual add folded into the GEMV. With
+    `conv`, y_0 = silu(conv1d step of W_0 x), one channel per row."""
     if not 1 <= len(projections) <= MAX_PROJECTIONS:
         raise ValueError(f"between 1 and {MAX_PROJECTIONS} projections, got {len(projections)}")
     first = projections[0][0]
@@ -95,20 +104,32 @@ def record_qgemv(
     # Unused slots repeat the first projection so that every declared buffer is bound.
     slots = list(projections) + [projections[0]] * (MAX_PROJECTIONS - len(projections))
     padding = [0] * (MAX_PROJECTIONS - len(projections))
+    if norm is not None and element_type(x_dtype) != "float":
+        raise ValueError("a folded norm reads an fp32 residual")
     params = pack_params(
-        "II4I4I",
+        "II4I4IfII",
         first.in_dim,
         len(projections),
         *(rows + padding),
         *(list(first_threadgroup[:-1]) + padding),
+        norm.eps if norm is not None else 0.0,
+        int(accumulate),
+        int(conv is not None),
     )
-    buffers = {1: binding(x)}
+    # Slots a call does not use are bound to x, unread, so every declared buffer is bound.
+    buffers = {
+        1: binding(x),
+        18: binding(norm.gain if norm is not None else x),
+        19: binding(conv.weight if conv is not None else x),
+        20: binding(conv.window if conv is not None else x),
+    }
     for i, (weight, out) in enumerate(slots):
         buffers[2 + 4 * i] = binding(weight.weight)
         buffers[3 + 4 * i] = binding(weight.scales)
         buffers[4 + 4 * i] = binding(weight.biases)
         buffers[5 + 4 * i] = binding(out)
-    kernel = device.kernel(f"qgemv_{first.bits}_{element_type(x_dtype)}")
+    variant = "qgemv_normed" if norm is not None else "qgemv"
+    kernel = device.kernel(f"{variant}_{first.bits}_{element_type(x_dtype)}")
     graph.dispatch(
         kernel,
         threadgroups=(int(first_threadgroup[-1]), 1, 1),
