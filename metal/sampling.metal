@@ -7,7 +7,10 @@
 // no generator state carried between steps.
 //
 // Definition (z is fp32, every comparison below is on fp32 values):
-//   z_i = logits_i * inverse_temperature                      (greedy argmax when it is 0)
+//   l_i = logits_i + bias_i, when the request adjusts logits; then, for a token in the prompt
+//         or generated before (count_i > 0), l_i = l_i / r if l_i > 0 else l_i * r (the
+//         repetition penalty r), and l_i -= frequency * count_i + (count_i > 0 ? presence : 0)
+//   z_i = l_i * inverse_temperature                           (greedy argmax when it is 0)
 //   order key: the fp32 bits of z mapped to a uint32 that sorts like the value (-0 as +0)
 //   top-k:  t_k = the k-th largest key; keep key_i >= t_k      (ties at the k-th value all kept)
 //   top-p:  mass_i = exp(z_i - max z); t_p = the largest key t with
@@ -21,7 +24,8 @@
 // a NaN or +inf logit is refused: the draw is NO_TOKEN and no log-probabilities are written.
 // A token mask (a constraint's allowed tokens, written by the host before the draw) applies
 // first: a disallowed token's z is -inf, so it is neither the greedy choice, nor counted by the
-// filters, nor drawn. The log-probabilities ignore the mask: they stay the model's own.
+// filters, nor drawn. The log-probabilities ignore the mask and the adjustments: they stay the
+// model's own.
 //
 // One threadgroup per draw. The thresholds are found by bisection on the order key (32 passes,
 // each a threadgroup reduction), never by sorting. When top_k <= threads, a cheap lower bound
@@ -53,6 +57,10 @@ struct SamplingParams {
   uint seed_high;
   uint want_logprobs;  // 0: skip the log-probability pass
   uint top_logprobs;   // alternatives to report, at most MAX_TOP_LOGPROBS
+  float presence_penalty;
+  float frequency_penalty;
+  float repetition_penalty;  // 1: off
+  uint adjusts;              // 1: read the bias, the counts and the prompt's tokens
 };
 
 // Fixed when the graph is recorded.
@@ -156,20 +164,46 @@ inline uint group_argmax(float value, uint index, threadgroup float* values,
   return winner;
 }
 
-// The logits a draw ranks tokens by: the model's, with the tokens the mask rules out at -inf
-// when `masked` (the log-probabilities read them unmasked).
+// The per-token inputs of the adjustments (lily.kernels.sampling.write_logit_adjustments).
+struct Adjustments {
+  device const float* bias;         // [vocab]
+  device const uint* counts;        // [vocab]: times generated so far in this completion
+  device const uint* prompt_tokens;  // bitmask: the tokens the prompt holds
+};
+
+// The logits a draw ranks tokens by: the model's, adjusted when `adjusted`, with the tokens the
+// mask rules out at -inf when `masked` (the log-probabilities read the model's own).
 struct Logits {
   device const float* values;
   device const uint* mask;
   bool masked;
+  bool adjusted;
+  Adjustments adjustments;
+  device const SamplingParams* params;
 };
 
 inline bool allowed(thread const Logits& logits, uint i) {
   return !logits.masked || ((logits.mask[MASK_HEADER_WORDS + (i >> 5)] >> (i & 31u)) & 1u) != 0;
 }
 
+// Token i's logit l_i adjusted by the bias and the penalties (the definition above).
+inline float adjusted_logit(thread const Logits& logits, uint i) {
+  float value = logits.values[i];
+  if (!logits.adjusted) return value;
+  value += logits.adjustments.bias[i];
+  const uint count = logits.adjustments.counts[i];
+  const bool in_prompt = ((logits.adjustments.prompt_tokens[i >> 5] >> (i & 31u)) & 1u) != 0;
+  if (count != 0 || in_prompt) {
+    const float penalty = logits.params->repetition_penalty;
+    value = value > 0.0f ? value / penalty : value * penalty;
+  }
+  value -= logits.params->frequency_penalty * float(count);
+  value -= count != 0 ? logits.params->presence_penalty : 0.0f;
+  return value;
+}
+
 inline float logit(thread const Logits& logits, uint i) {
-  return allowed(logits, i) ? logits.values[i] : -INFINITY;
+  return allowed(logits, i) ? adjusted_logit(logits, i) : -INFINITY;
 }
 
 // The tokens the filters and the race run over: either every token, read from the logits, or
@@ -296,6 +330,9 @@ inline Tokens gather_tokens(thread const Logits& logits, uint vocab, float scale
                              device uint* predicted [[buffer(4)]],
                              device LogprobEntry* logprob_ring [[buffer(5)]],
                              device const uint* token_mask [[buffer(6)]],
+                             device const float* bias [[buffer(7)]],
+                             device const uint* counts [[buffer(8)]],
+                             device const uint* prompt_tokens [[buffer(9)]],
                              uint draw [[threadgroup_position_in_grid]],
                              uint thread_id [[thread_index_in_threadgroup]],
                              uint threads [[threads_per_threadgroup]],
@@ -310,8 +347,10 @@ inline Tokens gather_tokens(thread const Logits& logits, uint vocab, float scale
   // Threadgroup g draws for position + g: one dispatch can draw many samples (the tests do).
   const uint step_position = position[0] + draw;
 
-  const Logits raw = Logits{logits, token_mask, false};
-  const Logits ranked = Logits{logits, token_mask, token_mask[0] != 0};
+  const Adjustments adjustments = Adjustments{bias, counts, prompt_tokens};
+  const Logits raw = Logits{logits, token_mask, false, false, adjustments, &params};
+  const Logits ranked =
+      Logits{logits, token_mask, token_mask[0] != 0, params.adjusts != 0, adjustments, &params};
 
   // The largest allowed logit; its lowest index is the greedy choice. The largest logit of all
   // normalises the log-probabilities. Each thread scans its indices in increasing order, so a
@@ -328,9 +367,12 @@ inline Tokens gather_tokens(thread const Logits& logits, uint vocab, float scale
       best_raw = v;
       best_raw_index = i;
     }
-    if (allowed(ranked, i) && (best_index == NO_TOKEN || v > best)) {
-      best = v;
-      best_index = i;
+    if (allowed(ranked, i)) {
+      const float a = adjusted_logit(ranked, i);
+      if (best_index == NO_TOKEN || a > best) {
+        best = a;
+        best_index = i;
+      }
     }
   }
   // A NaN or +inf logit means the model's arithmetic broke down: no token can be drawn from it
@@ -345,7 +387,7 @@ inline Tokens gather_tokens(thread const Logits& logits, uint vocab, float scale
   const uint argmax_index = min(
       group_argmax(best, best_index, float_scratch, uint_scratch, simdgroups, simdgroup, lane),
       vocab - 1);
-  const float max_logit = logits[argmax_index];
+  const float max_logit = logit(ranked, argmax_index);
 
   uint chosen = argmax_index;
   const float inverse_temperature = params.inverse_temperature;
@@ -453,4 +495,14 @@ inline Tokens gather_tokens(thread const Logits& logits, uint vocab, float scale
       slot[1 + n] = LogprobEntry{previous_id, (previous_value - max_raw_logit) - log_normalizer};
     }
   }
+}
+
+// After a draw, when the request adjusts logits: one more occurrence of the drawn token, which
+// the frequency and presence penalties of the next draws read. One thread.
+[[kernel]] void count_token(constant SampleShape& shape [[buffer(0)]],
+                            device const SamplingParams& params [[buffer(1)]],
+                            device const uint* predicted [[buffer(2)]],
+                            device uint* counts [[buffer(3)]]) {
+  const uint token = predicted[0];
+  if (params.adjusts != 0 && token != NO_TOKEN) counts[min(token, shape.vocab - 1)] += 1;
 }

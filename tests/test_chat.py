@@ -138,10 +138,8 @@ def stream_text(chunks) -> tuple[str, str, list]:
 @pytest.mark.parametrize(
     "params, named",
     [
-        ({"n": 2}, "n"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"logit_bias": {"1": 2}}, "logit_bias"),
-        ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
     ],
 )
 def test_unsupported_parameters_are_refused_by_name(demo_dir, tokenizer, params, named):
@@ -168,6 +166,18 @@ def test_unsupported_parameters_are_refused_by_name(demo_dir, tokenizer, params,
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": USER, "stop": [""]}, "stop"),
         ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty"),
+        ({"messages": USER, "frequency_penalty": "0.5"}, "frequency_penalty"),
+        ({"messages": USER, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"messages": USER, "logit_bias": {"12": 101}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": {"twelve": 1}}, "logit_bias"),
+        ({"messages": USER, "logit_bias": [12, 1]}, "logit_bias"),
+        ({"messages": USER, "user": 7}, "user"),
+        ({"messages": USER, "metadata": {"k": 1}}, "metadata"),
+        ({"messages": USER, "store": "yes"}, "store"),
+        ({"messages": USER, "n": 0}, "n"),
+        ({"messages": USER, "n": 9}, "n"),
+        ({"messages": USER, "n": True}, "n"),
     ],
 )
 def test_bad_values_name_the_parameter(demo_dir, tokenizer, params, param):
@@ -307,6 +317,40 @@ def test_sampling_parameters_reach_the_engine(demo_dir, tokenizer):
         messages=USER, temperature=0.7, top_p=0.9, seed=5, extra_body={"top_k": 20, "min_p": 0.1}
     )
     assert engine.requests[-1]["sampling"] == SamplingParams(0.7, 20, 0.9, 0.1, 5, None)
+
+
+def test_bias_and_penalties_reach_the_engine(demo_dir, tokenizer):
+    llm, engine = scripted(demo_dir, tokenizer, "x")
+    llm.chat.completions.create(
+        messages=USER,
+        logit_bias={"17": -100, "5": 2.5},
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        extra_body={"repetition_penalty": 1.2},
+    )
+    sampling = engine.requests[-1]["sampling"]
+    assert sampling.logit_bias == ((5, 2.5), (17, -100.0))
+    assert sampling.banned_tokens() == [17]
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
+    assert sampling.repetition_penalty == 1.2
+    # Zero penalties (which clients send by default) leave the logits alone.
+    llm.chat.completions.create(messages=USER, presence_penalty=0, frequency_penalty=0)
+    assert not engine.requests[-1]["sampling"].adjusts_logits
+
+
+def test_fields_that_do_not_change_generation_are_accepted(demo_dir, tokenizer):
+    llm, engine = scripted(demo_dir, tokenizer, "x")
+    plain = llm.chat.completions.create(messages=USER)
+    tagged = llm.chat.completions.create(
+        messages=USER,
+        user="user-42",
+        safety_identifier="hash",
+        metadata={"purpose": "test"},
+        service_tier="auto",
+        store=False,
+    )
+    assert engine.requests[-1] == engine.requests[-2]
+    assert tagged.choices[0].message == plain.choices[0].message
 
 
 # -- the text stages ---------------------------------------------------------------------------

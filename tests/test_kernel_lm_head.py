@@ -24,6 +24,7 @@ from test_kernel_quantized import ulps_for
 from lily.kernels.quantized import record_qgemv, wrap_quant_weight
 from lily.kernels.sampling import (
     SAMPLING_PARAMS_BYTES,
+    LogitAdjustments,
     logprob_ring_bytes,
     record_sample,
     token_mask_bytes,
@@ -50,6 +51,7 @@ def record_head(graph, device, x, weights, logits, token, vocab: int) -> None:
         logprob_ring=device.alloc(logprob_ring_bytes(1)),
         ring_slots=1,
         token_mask=device.alloc(token_mask_bytes(vocab)),
+        adjustments=LogitAdjustments.allocate(device, vocab),
     )
 
 

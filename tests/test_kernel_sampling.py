@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -30,14 +31,17 @@ from lily.kernels.sampling import (
     LOGPROB_ENTRIES,
     LOGPROB_ENTRY,
     SAMPLING_PARAMS_BYTES,
+    LogitAdjustments,
     logprob_ring_bytes,
     read_logprobs,
+    record_count_token,
     record_sample,
     token_mask_bytes,
+    write_logit_adjustments,
     write_sampling_params,
     write_token_mask,
 )
-from lily.sampling import SamplingParams
+from lily.sampling import SamplingParams, adjusted_logits
 
 P_VALUE_THRESHOLD = 1e-3
 REAL_VOCAB = 248320
@@ -184,9 +188,12 @@ def device_sample(
     threads: int = 64,
     ring_slots: int | None = None,
     allowed: np.ndarray | None = None,
+    prompt: Sequence[int] = (),
+    generated: Sequence[int] = (),
 ) -> tuple[np.ndarray, object]:
     """Tokens for positions position .. position + draws - 1, and the log-probability ring.
-    `allowed`: the ids the token mask allows, or None for no mask."""
+    `allowed`: the ids the token mask allows, or None for no mask. `prompt` and `generated`:
+    the tokens the penalties count (every draw sees the same)."""
     ring_slots = ring_slots or draws
     parameters = device.alloc(SAMPLING_PARAMS_BYTES)
     write_sampling_params(parameters, params)
@@ -194,6 +201,10 @@ def device_sample(
     write_token_mask(
         token_mask, None if allowed is None else mask_from_tokens(allowed, len(logits))
     )
+    adjustments = LogitAdjustments.allocate(device, len(logits))
+    write_logit_adjustments(adjustments, params, prompt, len(logits))
+    counts = adjustments.counts.numpy().view(np.uint32)
+    np.add.at(counts, np.asarray(generated, np.int64), 1)
     step = device.wrap(np.array([position, 0, 0], dtype=np.uint32))
     predicted = device.alloc(4 * draws)
     predicted.numpy()[:] = 0xEE  # not a plausible token
@@ -211,6 +222,7 @@ def device_sample(
             logprob_ring=ring,
             ring_slots=ring_slots,
             token_mask=token_mask,
+            adjustments=adjustments,
             draws=draws,
             threads=threads,
         ),
@@ -575,7 +587,12 @@ def test_recording_refuses_bad_launches():
     buffer = device.alloc(4096)
     small = device.alloc(4)
     common = dict(
-        logits=buffer, params=buffer, position=buffer, predicted=buffer, token_mask=buffer
+        logits=buffer,
+        params=buffer,
+        position=buffer,
+        predicted=buffer,
+        token_mask=buffer,
+        adjustments=LogitAdjustments(buffer, buffer, buffer),
     )
     from lily.device import Graph
 
@@ -723,7 +740,168 @@ def test_the_mask_switched_off_leaves_the_draws_alone():
             logprob_ring=device.alloc(logprob_ring_bytes(32)),
             ring_slots=32,
             token_mask=mask,
+            adjustments=LogitAdjustments.allocate(device, 700),
             draws=32,
         ),
     )
     np.testing.assert_array_equal(predicted.numpy().view(np.uint32), plain)
+
+
+# ---- logit bias and penalties ------------------------------------------------------------------
+
+
+def reference_adjusted(
+    logits: np.ndarray, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int]
+) -> np.ndarray:
+    """The adjusted logits in float32, in the kernel's order of operations (bias, repetition
+    penalty, frequency and presence penalties)."""
+    values = logits.astype(np.float32).copy()
+    for token, bias in params.logit_bias:
+        values[token] += np.float32(bias)
+    counts = np.bincount(np.asarray(generated, np.int64), minlength=len(values))
+    seen = (counts > 0) | np.isin(np.arange(len(values)), prompt)
+    r = np.float32(params.repetition_penalty)
+    values = np.where(seen, np.where(values > 0, values / r, values * r), values)
+    values = values - np.float32(params.frequency_penalty) * counts.astype(np.float32)
+    values = values - np.where(counts > 0, np.float32(params.presence_penalty), np.float32(0))
+    return values.astype(np.float32)
+
+
+ADJUSTED_VOCAB = 3000
+ADJUSTED_DRAWS = 3000
+
+
+def adjusted_case(seed: int) -> tuple[np.ndarray, SamplingParams, list[int], list[int]]:
+    """Peaked logits whose likely tokens are hit by every adjustment: the most likely ones are
+    in the prompt and generated (some several times), two get a bias."""
+    logits = peaked_logits(ADJUSTED_VOCAB, seed)
+    order = np.argsort(logits)[::-1].tolist()
+    prompt = order[0:6] + order[30:40]
+    generated = order[0:3] * 3 + order[3:8] + order[50:52]
+    params = SamplingParams(
+        temperature=0.9,
+        top_p=0.8,
+        seed=seed,
+        logit_bias=((order[20], 3.0), (order[1], -1.5)),
+        presence_penalty=0.7,
+        frequency_penalty=0.4,
+        repetition_penalty=1.3,
+    )
+    return logits, params, prompt, generated
+
+
+def test_the_kernels_reference_adjustments_are_lily_sampling_definition():
+    logits, params, prompt, generated = adjusted_case(40)
+    np.testing.assert_allclose(
+        reference_adjusted(logits, params, prompt, generated),
+        adjusted_logits(logits, params, prompt, generated),
+        rtol=1e-6,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_adjusted_draws_follow_the_adjusted_distribution(lane_order):
+    logits, params, prompt, generated = adjusted_case(41)
+    tokens, _ = device_sample(
+        sim_device(lane_order),
+        logits,
+        params,
+        draws=ADJUSTED_DRAWS,
+        prompt=prompt,
+        generated=generated,
+    )
+    counts = np.bincount(tokens, minlength=ADJUSTED_VOCAB)
+    adjusted = reference_adjusted(logits, params, prompt, generated)
+    assert chi_square_p_value(counts, reference_probabilities(adjusted, params)) > P_VALUE_THRESHOLD
+    # The unadjusted distribution is told apart by the same test.
+    assert chi_square_p_value(counts, reference_probabilities(logits, params)) < P_VALUE_THRESHOLD
+    positions = range(0, ADJUSTED_DRAWS, 101)
+    checked = 0
+    for position in positions:
+        scores = race_scores(adjusted, params, position)
+        second, first = np.sort(scores)[-2:]
+        if first - second > 1e-4 * max(1.0, abs(first)):
+            assert tokens[position] == int(np.argmax(scores)), f"position {position}"
+            checked += 1
+    assert checked > 0.9 * len(positions)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_adjustments_decide_the_greedy_choice(lane_order):
+    device = sim_device(lane_order)
+    logits = np.zeros(500, np.float32)
+    logits[[10, 20, 30, 40]] = [4.0, 3.0, -0.5, 2.5]
+    logits[[50, 60]] = -1.0
+    greedy = SamplingParams(temperature=0.0, seed=1)
+
+    def choice(**adjust) -> int:
+        params = dataclasses.replace(greedy, **{k: v for k, v in adjust.items() if k != "seen"})
+        prompt, generated = adjust.get("seen", ((), ()))
+        tokens, _ = device_sample(
+            device, logits, params, draws=1, prompt=prompt, generated=generated
+        )
+        return int(tokens[0])
+
+    assert choice() == 10
+    assert choice(logit_bias=((30, 100.0),)) == 30  # +100 wins against any logit here
+    assert choice(logit_bias=((10, -1.5),)) == 20
+    # Repetition: 4 / 2 < 3 for a prompt token; a negative logit is multiplied.
+    assert choice(repetition_penalty=2.0, seen=([10], [])) == 20
+    # Frequency counts repeats, presence does not: 4 - 2 * 0.6 = 2.8 < 3; 4 - 0.6 > 3.
+    assert choice(frequency_penalty=0.6, seen=([], [10, 10])) == 20
+    assert choice(presence_penalty=0.6, seen=([], [10, 10])) == 10
+    assert choice(presence_penalty=1.6, seen=([], [10])) == 20
+    # A negative penalty favours the repeated token: 2.5 + 2 * 1.0 > 4.
+    assert choice(frequency_penalty=-1.0, seen=([], [40, 40])) == 40
+    # Among negative logits, the repetition penalty pushes a seen token further down.
+    only_negative = logits.copy()
+    only_negative[:] = -3.0
+    only_negative[[50, 60]] = -1.0
+    tokens, _ = device_sample(
+        device,
+        only_negative,
+        dataclasses.replace(greedy, repetition_penalty=1.5),
+        draws=1,
+        prompt=[50],
+    )
+    assert tokens[0] == 60
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_logprobs_ignore_the_adjustments(lane_order):
+    logits, params, prompt, generated = adjusted_case(42)
+    params = dataclasses.replace(params, top_logprobs=20)
+    tokens, ring = device_sample(
+        sim_device(lane_order), logits, params, draws=2, prompt=prompt, generated=generated
+    )
+    for draw in range(2):
+        check_logprobs(ring, 2, draw, logits, tokens[draw], 20, threads=64)
+
+
+def test_count_token_counts_only_when_the_request_adjusts():
+    device = sim_device("random")
+    adjustments = LogitAdjustments.allocate(device, 100)
+    predicted = device.wrap(np.array([37], np.uint32))
+    for params, expected in (
+        (SamplingParams(seed=1), 0),
+        (SamplingParams(seed=1, frequency_penalty=0.5), 2),
+    ):
+        parameters = device.alloc(SAMPLING_PARAMS_BYTES)
+        write_sampling_params(parameters, params)
+        adjustments.counts.numpy()[:] = 0
+        for _ in range(2):
+            run(
+                device,
+                lambda g, parameters=parameters: record_count_token(
+                    g,
+                    device,
+                    vocab=100,
+                    params=parameters,
+                    predicted=predicted,
+                    adjustments=adjustments,
+                ),
+            )
+        counts = adjustments.counts.numpy().view(np.uint32)[:100]
+        assert counts[37] == expected
+        assert counts.sum() == expected

@@ -466,6 +466,23 @@ AGREEMENT_CASES = {
     ),
     "top_k past uint32": ({"top_k": 2**32}, "top_k"),
     "developer message": ({"messages": [{"role": "developer", "content": "a"}, *user("b")]}, None),
+    "bias and penalties": (
+        {
+            "logit_bias": {"17": -100, "200": 5},
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.25,
+            "repetition_penalty": 1.1,
+        },
+        None,
+    ),
+    "penalty out of range": ({"presence_penalty": 2.5}, "presence_penalty"),
+    "logit_bias key not an id": ({"logit_bias": {"x": 1}}, "logit_bias"),
+    "logit_bias id past the vocabulary": ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    "fields not used": (
+        {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto"},
+        None,
+    ),
+    "user not a string": ({"user": 5}, "user"),
 }
 
 
@@ -524,12 +541,15 @@ def test_errors_through_the_openai_client(server: RunningServer) -> None:
     assert unknown_model.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as unsupported:
         client.chat.completions.create(
-            model=MODEL, messages=user("a"), logit_bias={"1": 1}, presence_penalty=0.5
+            model=MODEL,
+            messages=user("a"),
+            modalities=["text", "audio"],
+            prediction={"type": "content", "content": "a"},
         )
     assert unsupported.value.body["code"] == "unsupported_parameter"
-    assert "logit_bias, presence_penalty" in unsupported.value.message
-    with pytest.raises(openai.BadRequestError) as several_choices:
-        client.chat.completions.create(model=MODEL, messages=user("a"), n=2)
+    assert "modalities, prediction" in unsupported.value.message
+    with pytest.raises(openai.UnprocessableEntityError) as several_choices:
+        client.chat.completions.create(model=MODEL, messages=user("a"), n=9)
     assert several_choices.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as too_long:
         client.chat.completions.create(model=MODEL, messages=user("a"), max_tokens=MAX_SEQ)

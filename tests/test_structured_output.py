@@ -117,9 +117,10 @@ class MaskedRandomEngine:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
-        snapshot_at: int | None = None,
+        snapshot_at: int | Sequence[int] | None = None,
         should_stop: Callable[[], bool] | None = None,
         constraint=None,
+        cache_key: str | None = None,
     ) -> Iterator[GeneratedToken]:
         self.constraints.append(constraint)
         rng = np.random.default_rng([sampling.with_seed().seed, len(prompt)])
@@ -138,7 +139,7 @@ class MaskedRandomEngine:
             if token in stop_token_ids:
                 return
 
-    def cached_prefix_length(self, prompt: Sequence[int]) -> int:
+    def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
         return 0
 
     def close(self) -> None:

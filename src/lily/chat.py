@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lily.chat_template import template_message
+from lily.choices import choice_count, choice_sampling
 from lily.detokenize import IncrementalDecoder
 from lily.errors import (
     ContextLengthError,
@@ -28,6 +29,7 @@ from lily.errors import (
 )
 from lily.reasoning import ReasoningParser
 from lily.sampling import GeneratedToken, SamplingParams
+from lily.sampling_fields import ADJUSTMENT_FIELDS, adjustment_fields
 from lily.special_tokens import TemplateInputs, escape_special_tokens
 from lily.stop import StopStringMatcher
 from lily.structured_output import OutputGrammar, output_grammar
@@ -53,6 +55,7 @@ from lily.types import (
     TopLogprob,
     new_completion_id,
 )
+from lily.unused_fields import UNUSED_FIELDS, check_unused_fields
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -88,6 +91,7 @@ class ChatRequest:
     prompt_cache_key: str | None = None
     # The grammar the answer follows (response_format, a forced tool call); None: free text.
     output: OutputGrammar | None = None
+    n: int = 1  # choices (`lily.choices`)
 
 
 def _require(condition: bool, message: str, param: str) -> None:
@@ -176,9 +180,8 @@ def parse_request(
             raise RequestError(f"{key} given both directly and in extra_body", param=key)
         params[key] = value
 
-    if params.get("n") in (None, 1):
-        params.pop("n", None)
     known = {
+        "n",
         "messages",
         "model",
         "max_tokens",
@@ -198,10 +201,13 @@ def parse_request(
         "prompt_cache_key",
         "reasoning_effort",
         *EXTRA_BODY_PARAMETERS,
+        *ADJUSTMENT_FIELDS,
+        *UNUSED_FIELDS,
     }
     unknown = [k for k in params if k not in known]
     if unknown:
         raise UnsupportedParameterError(unknown)
+    check_unused_fields(params)
 
     model = params.get("model")
     if model is not None and model != served_model:
@@ -297,6 +303,7 @@ def parse_request(
         min_p=_optional_number(params.get("min_p"), "min_p", default_sampling.min_p),
         seed=seed,
         top_logprobs=(top or 0) if logprobs else None,
+        **adjustment_fields(params),
     )
     prompt_cache_key = params.get("prompt_cache_key")
     _require(
@@ -316,6 +323,7 @@ def parse_request(
         reasoning_budget=budget,
         prompt_cache_key=prompt_cache_key,
         output=output,
+        n=choice_count(params.get("n")),
     )
 
 
@@ -494,6 +502,7 @@ class ChatCompletions:
         by the stream's iteration)."""
         llm = self._llm
         self.last_stats = None
+        request.sampling.check_token_ids(llm.tokenizer.vocab_size)
         prompt = self._prompt(request)
         room = llm.max_seq - len(prompt.tokens)
         if room < 1 or (request.max_tokens is not None and request.max_tokens > room):
@@ -505,10 +514,39 @@ class ChatCompletions:
             max_tokens = request.max_tokens
         else:
             max_tokens = min(room, default_max_tokens or room)
-        events = self._run(request, prompt, max_tokens, should_stop)
+        choices = self._choices(request, prompt, max_tokens, should_stop)
         if request.stream:
-            return self._chunks(request, prompt, events)
-        return self._completion(request, prompt, events)
+            return self._chunks(request, prompt, choices)
+        return self._completion(request, prompt, choices)
+
+    def _choices(
+        self,
+        request: ChatRequest,
+        prompt: _Prompt,
+        max_tokens: int,
+        should_stop: Callable[[], bool] | None,
+    ) -> Iterator[Iterator[tuple[_Delta, _TextPipeline, int]]]:
+        """The events (`_run`) of each choice, each started once the caller is done with the
+        one before: choice i samples with `choice_sampling`; with n > 1 the first also saves
+        the state before the last prompt token, so the others feed that token alone."""
+        if request.n == 1:
+            yield self._run(request, prompt, max_tokens, should_stop)
+            return
+        before_last = len(prompt.tokens) - 1
+        stats: list[GenerationStats] = []
+        for index in range(request.n):
+            choice = dataclasses.replace(request, sampling=choice_sampling(request.sampling, index))
+            marks = [*prompt.snapshot_at, before_last]
+            choice_prompt = dataclasses.replace(prompt, snapshot_at=marks if index == 0 else [])
+            yield self._run(choice, choice_prompt, max_tokens, should_stop)
+            if self.last_stats is not None:
+                stats.append(self.last_stats)
+        # What the server logs: the choices together.
+        self.last_stats = dataclasses.replace(
+            stats[0],
+            generated_tokens=sum(s.generated_tokens for s in stats),
+            total_s=sum(s.total_s for s in stats),
+        )
 
     def _prompt(self, request: ChatRequest) -> _Prompt:
         llm = self._llm
@@ -690,45 +728,52 @@ class ChatCompletions:
         return "stop" if pipeline.stopped else "length"
 
     @staticmethod
-    def _usage(prompt: _Prompt, produced: int, pipeline: _TextPipeline) -> CompletionUsage:
+    def _usage(prompt: _Prompt, produced: int, reasoning_tokens: int) -> CompletionUsage:
+        """The prompt counted once, the tokens of every choice added up."""
         return CompletionUsage.count(
             len(prompt.tokens),
             produced,
             cached_tokens=prompt.cached,
-            reasoning_tokens=pipeline.reasoning_tokens,
+            reasoning_tokens=reasoning_tokens,
         )
 
     def _completion(
-        self, request: ChatRequest, prompt: _Prompt, events: Iterator
+        self, request: ChatRequest, prompt: _Prompt, choices: Iterator[Iterator]
     ) -> ChatCompletion:
-        reasoning, content, logprobs = [], [], []
-        for delta, pipeline, produced in events:  # noqa: B007 (the last values are used below)
-            reasoning.append(delta.reasoning)
-            content.append(delta.content)
-            logprobs.extend(delta.logprobs)
-        calls = [ChatCompletionMessageToolCall.from_call(c) for c in pipeline.tool_calls]
-        text = "".join(content)
-        message = ChatCompletionMessage(
-            content=text if text or not calls else None,
-            reasoning_content="".join(reasoning) or None,
-            tool_calls=calls or None,
-        )
-        return ChatCompletion(
-            choices=[
+        built, produced_total, reasoning_total = [], 0, 0
+        for index, events in enumerate(choices):
+            reasoning, content, logprobs = [], [], []
+            for delta, pipeline, produced in events:  # noqa: B007 (the last values are used)
+                reasoning.append(delta.reasoning)
+                content.append(delta.content)
+                logprobs.extend(delta.logprobs)
+            calls = [ChatCompletionMessageToolCall.from_call(c) for c in pipeline.tool_calls]
+            text = "".join(content)
+            message = ChatCompletionMessage(
+                content=text if text or not calls else None,
+                reasoning_content="".join(reasoning) or None,
+                tool_calls=calls or None,
+            )
+            built.append(
                 Choice(
                     message=message,
                     finish_reason=self._finish_reason(pipeline),
+                    index=index,
                     logprobs=ChoiceLogprobs(content=logprobs)
                     if request.sampling.top_logprobs is not None
                     else None,
                 )
-            ],
+            )
+            produced_total += produced
+            reasoning_total += pipeline.reasoning_tokens
+        return ChatCompletion(
+            choices=built,
             model=self._llm.model_id,
-            usage=self._usage(prompt, produced, pipeline),
+            usage=self._usage(prompt, produced_total, reasoning_total),
         )
 
     def _chunks(
-        self, request: ChatRequest, prompt: _Prompt, events: Iterator
+        self, request: ChatRequest, prompt: _Prompt, choices: Iterator[Iterator]
     ) -> Iterator[ChatCompletionChunk]:
         completion_id = new_completion_id()
         first = ChatCompletion(choices=[], model=self._llm.model_id)
@@ -743,30 +788,44 @@ class ChatCompletions:
                 usage=usage,
             )
 
+        produced_total, reasoning_total = 0, 0
         try:
-            yield chunk(ChunkChoice(delta=ChoiceDelta(role="assistant", content="")))
-            for delta, pipeline, produced in events:  # noqa: B007 (the last values are used)
-                if delta.empty():
-                    continue
-                yield chunk(
-                    ChunkChoice(
-                        delta=ChoiceDelta(
-                            content=delta.content or None,
-                            reasoning_content=delta.reasoning or None,
-                            tool_calls=delta.tool_calls or None,
-                        ),
-                        logprobs=ChoiceLogprobs(content=delta.logprobs)
-                        if request.sampling.top_logprobs is not None
-                        else None,
+            for index, events in enumerate(choices):
+                try:
+                    yield chunk(
+                        ChunkChoice(index=index, delta=ChoiceDelta(role="assistant", content=""))
                     )
-                )
-            yield chunk(
-                ChunkChoice(delta=ChoiceDelta(), finish_reason=self._finish_reason(pipeline))
-            )
+                    for delta, pipeline, produced in events:  # noqa: B007 (the last are used)
+                        if delta.empty():
+                            continue
+                        yield chunk(
+                            ChunkChoice(
+                                index=index,
+                                delta=ChoiceDelta(
+                                    content=delta.content or None,
+                                    reasoning_content=delta.reasoning or None,
+                                    tool_calls=delta.tool_calls or None,
+                                ),
+                                logprobs=ChoiceLogprobs(content=delta.logprobs)
+                                if request.sampling.top_logprobs is not None
+                                else None,
+                            )
+                        )
+                    yield chunk(
+                        ChunkChoice(
+                            index=index,
+                            delta=ChoiceDelta(),
+                            finish_reason=self._finish_reason(pipeline),
+                        )
+                    )
+                finally:
+                    events.close()
+                produced_total += produced
+                reasoning_total += pipeline.reasoning_tokens
             if request.include_usage:
-                yield chunk(None, self._usage(prompt, produced, pipeline))
+                yield chunk(None, self._usage(prompt, produced_total, reasoning_total))
         finally:
-            events.close()
+            choices.close()
 
 
 class Chat:

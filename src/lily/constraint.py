@@ -59,10 +59,13 @@ def allowed_flags(mask: np.ndarray, vocab: int) -> np.ndarray:
     return bits[:vocab].astype(bool)
 
 
-def checked_mask(mask: np.ndarray, vocab: int, position: int) -> np.ndarray:
+def checked_mask(
+    mask: np.ndarray, vocab: int, position: int, also: np.ndarray | None = None
+) -> np.ndarray:
     """`mask` as the sampler reads it: its first `mask_words(vocab)` words (a mask must have at
     least those; later words are ignored) with the bits at or past `vocab` cleared, so that
-    no padding row of the lm_head can be drawn. Refuses a mask that allows no token."""
+    no padding row of the lm_head can be drawn, and intersected with the mask `also` if
+    given. Refuses a mask that allows no token."""
     mask = np.asarray(mask)
     words = mask_words(vocab)
     if mask.dtype != np.uint32 or mask.ndim != 1 or mask.size < words:
@@ -72,6 +75,28 @@ def checked_mask(mask: np.ndarray, vocab: int, position: int) -> np.ndarray:
     checked = mask[:words].copy()
     if vocab % MASK_WORD_BITS:
         checked[-1] &= np.uint32((1 << (vocab % MASK_WORD_BITS)) - 1)
+    if also is not None:
+        checked &= also
     if not checked.any():
         raise NoAllowedTokenError(position)
     return checked
+
+
+def ban_mask(banned: list[int], vocab: int) -> np.ndarray | None:
+    """The mask allowing every token but `banned` (None when nothing is banned)."""
+    if not banned:
+        return None
+    allowed = np.ones(vocab, bool)
+    allowed[banned] = False
+    return checked_mask(mask_from_tokens(np.flatnonzero(allowed), vocab), vocab, position=0)
+
+
+def draw_mask(
+    constraint: TokenConstraint | None, bans: np.ndarray | None, vocab: int, position: int
+) -> np.ndarray | None:
+    """The mask of the draw of the token at `position`: the constraint's (asked now), less the
+    banned tokens; None when neither limits the draw."""
+    allowed = None if constraint is None else constraint.allowed_tokens()
+    if allowed is None:
+        return bans
+    return checked_mask(allowed, vocab, position, also=bans)

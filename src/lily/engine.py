@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from lily.constraint import TokenConstraint, allowed_flags, checked_mask
+from lily.constraint import TokenConstraint, allowed_flags, ban_mask, draw_mask
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
 from lily.kernels.sampling import (
     NO_TOKEN,
     read_logprobs,
+    write_logit_adjustments,
     write_sampling_params,
     write_token_mask,
 )
@@ -52,6 +53,7 @@ from lily.sampling import (
     GeneratedToken,
     SamplingParams,
     TokenLogprobs,
+    adjusted_logits,
     sampling_distribution,
     top_logprobs,
 )
@@ -124,6 +126,13 @@ def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
 def _check_stop(should_stop: Callable[[], bool] | None) -> None:
     if should_stop is not None and should_stop():
         raise GenerationCancelled("the generation was cancelled")
+
+
+def _banned_tokens(sampling: SamplingParams, token_count: int) -> np.ndarray | None:
+    """The mask without the tokens `sampling` bans, refusing a logit_bias for an id the
+    tokenizer cannot produce."""
+    sampling.check_token_ids(token_count)
+    return ban_mask(sampling.banned_tokens(), token_count)
 
 
 def _positions(snapshot_at: int | Collection[int] | None) -> list[int]:
@@ -274,8 +283,12 @@ class DeviceEngine:
         if max_new_tokens == 0:
             return
         state = self._model.state
+        token_count = self._model.token_count
+        bans = _banned_tokens(sampling, token_count)
         write_sampling_params(state.sampling_params, sampling.with_seed())
+        write_logit_adjustments(state.adjustments, sampling, prompt, token_count)
         first = self._start(prompt, prompt_end=len(prompt), reuse=True, cache_key=cache_key)
+        write_token_mask(state.token_mask, bans)
         self.prompt_tokens_fed += len(prompt) - first
         # Only positions inside what this call feeds: the others are saved already.
         snapshots = self.prefix_cache.snapshot_positions(
@@ -298,7 +311,8 @@ class DeviceEngine:
                             self.device.wait(pending)
                         self._take_snapshot(prompt[: snapshots.pop(0)])
                     if predicts and constraint is not None:
-                        self._write_mask(constraint, start + tokens)
+                        mask = draw_mask(constraint, bans, token_count, start + tokens)
+                        write_token_mask(state.token_mask, mask)
                     graph = self._model.graph(tokens, predicts=predicts)
                     in_flight.append((start + tokens, predicts, self.device.submit(graph)))
                     upcoming = next(passes, None)
@@ -329,14 +343,6 @@ class DeviceEngine:
             for _, _, pending in in_flight:
                 self.device.wait(pending)
             self.prefix_cache.end(self._rows)
-
-    def _write_mask(self, constraint: TokenConstraint, position: int) -> None:
-        """The mask of the draw of the token at `position`; call with no sampling pass in
-        flight."""
-        allowed = constraint.allowed_tokens()
-        count = self._model.token_count
-        mask = None if allowed is None else checked_mask(allowed, count, position)
-        write_token_mask(self._model.state.token_mask, mask)
 
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
         prompt = [int(t) for t in prompt]
@@ -404,6 +410,8 @@ class ReferenceEngine:
             return
         _check_stop(should_stop)
         sampling = sampling.with_seed()
+        bans = _banned_tokens(sampling, self.token_count)
+        generated: list[int] = []
         state = self._rows.start(self.prefix_cache.begin(prompt, self._rows, cache_key))
         start = state.position
         self.prompt_tokens_fed += len(prompt) - start
@@ -422,10 +430,11 @@ class ReferenceEngine:
             if np.isnan(next_logits).any() or np.isposinf(next_logits).any():
                 raise NonFiniteLogitsError(position)
             ranked = next_logits
-            allowed = None if constraint is None else constraint.allowed_tokens()
-            if allowed is not None:
-                mask = checked_mask(allowed, self.token_count, position)
-                ranked = np.where(allowed_flags(mask, self.token_count), next_logits, -np.inf)
+            if sampling.adjusts_logits:
+                ranked = adjusted_logits(next_logits, sampling, prompt, generated)
+            mask = draw_mask(constraint, bans, self.token_count, position)
+            if mask is not None:
+                ranked = np.where(allowed_flags(mask, self.token_count), ranked, -np.inf)
             if sampling.greedy:
                 token = int(np.argmax(ranked))
             else:
@@ -435,6 +444,7 @@ class ReferenceEngine:
                 token = int(rng.choice(p.size, p=p))
             if constraint is not None:
                 constraint.consume(token)
+            generated.append(token)
             logprobs = None
             if sampling.top_logprobs is not None:
                 logprobs = top_logprobs(next_logits, token, sampling.top_logprobs)

@@ -659,6 +659,7 @@ def _moe(hidden: int, experts: int, top_k: int, expert_rows: int, shared_rows: i
 def _greedy_sample(vocab: int):
     from lily.kernels.sampling import (
         SAMPLING_PARAMS_BYTES,
+        LogitAdjustments,
         logprob_ring_bytes,
         record_sample,
         token_mask_bytes,
@@ -684,6 +685,7 @@ def _greedy_sample(vocab: int):
             logprob_ring=device.alloc(logprob_ring_bytes(1)),
             ring_slots=1,
             token_mask=device.alloc(token_mask_bytes(vocab)),
+            adjustments=LogitAdjustments.allocate(device, vocab),
         )
 
         def verify() -> Comparison:

@@ -50,7 +50,9 @@ from lily.kernels.quantized import QuantWeight, record_qgemv
 from lily.kernels.quantized_gemm import record_qgemm
 from lily.kernels.sampling import (
     SAMPLING_PARAMS_BYTES,
+    LogitAdjustments,
     logprob_ring_bytes,
+    record_count_token,
     record_sample,
     token_mask_bytes,
 )
@@ -81,6 +83,7 @@ class SequenceState:
     sampling_params: Buffer  # the sampler's settings, written by the host between generations
     logprob_ring: Buffer  # per-step log-probabilities, LOGPROB_RING_SLOTS slots
     token_mask: Buffer  # the allowed tokens of the next draw, written by the host before it
+    adjustments: LogitAdjustments  # logit bias and penalty inputs, written per generation
     conv_windows: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [K-1, C]
     recurrent: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [Hv, Dv, Dk]
     k_cache: dict[int, Buffer] = field(default_factory=dict)  # attention layer -> bf16 cache
@@ -249,6 +252,7 @@ class ModelGraph:
             sampling_params=dev.alloc(SAMPLING_PARAMS_BYTES),
             logprob_ring=dev.alloc(logprob_ring_bytes(LOGPROB_RING_SLOTS)),
             token_mask=dev.alloc(token_mask_bytes(self.token_count)),
+            adjustments=LogitAdjustments.allocate(dev, self.token_count),
         )
         for i, kind in enumerate(c.layer_types):
             if kind == FULL_ATTENTION:
@@ -405,8 +409,17 @@ class _Recorder:
             logprob_ring=state.logprob_ring,
             ring_slots=LOGPROB_RING_SLOTS,
             token_mask=state.token_mask,
+            adjustments=state.adjustments,
         )
         g.barrier()
+        record_count_token(
+            g,
+            dev,
+            vocab=m.token_count,
+            params=state.sampling_params,
+            predicted=state.predicted,
+            adjustments=state.adjustments,
+        )
         record_step_advance(g, dev, **advance)
 
     def gated_deltanet(self, i: int, prefix: str, input_norm: str) -> None:

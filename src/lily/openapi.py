@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from lily import __version__
+from lily.choices import MAX_CHOICES
 from lily.errors import RequestError
-from lily.sampling import MAX_SEED, MAX_TOP_K
+from lily.sampling import MAX_SEED, MAX_TOP_K, PENALTY_LIMIT
 
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -139,6 +140,31 @@ CHAT_REQUEST_SCHEMA: dict[str, Any] = {
             description="the most tokens the model thinks before Lily closes the think block "
             "itself and the answer follows",
         ),
+        "n": _nullable(
+            "integer",
+            minimum=1,
+            maximum=MAX_CHOICES,
+            description="choices, run one after the other from one feeding of the prompt; "
+            "choice i samples with seed + i",
+        ),
+        "logit_bias": _nullable(
+            "object",
+            description="token id (a string of digits) -> bias in [-100, 100], added to the "
+            "logit before sampling; -100 bans the token",
+        ),
+        "presence_penalty": _nullable("number", minimum=-PENALTY_LIMIT, maximum=PENALTY_LIMIT),
+        "frequency_penalty": _nullable("number", minimum=-PENALTY_LIMIT, maximum=PENALTY_LIMIT),
+        "repetition_penalty": _nullable(
+            "number",
+            exclusiveMinimum=0,
+            description="vLLM's and mlx-lm's: the logits of tokens in the prompt or the "
+            "completion so far are divided by it when positive, multiplied when negative",
+        ),
+        "user": _nullable("string", description="accepted, not used"),
+        "safety_identifier": _nullable("string", description="accepted, not used"),
+        "metadata": _nullable("object", description="accepted, not used"),
+        "service_tier": _nullable("string", description="accepted, not used"),
+        "store": _nullable("boolean", description="accepted, not used: nothing is stored"),
     },
 }
 

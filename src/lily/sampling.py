@@ -2,7 +2,13 @@
 definition of the sampling distribution, used by the reference engine. The device sampler
 (`kernels/sampling.py`) implements the same definition in fp32 and documents its rounding.
 
-The distribution, in the order vLLM and transformers apply the filters:
+The distribution, in the order vLLM applies its steps:
+0. the logits are adjusted (`adjusted_logits`): the logit bias is added (a bias of -100 bans the
+   token outright: it is never drawn), then the repetition penalty divides the positive and
+   multiplies the negative logits of every token the prompt or the completion so far holds (as
+   vLLM and mlx-lm define it; the window is the whole prompt and completion), then OpenAI's
+   frequency and presence penalties subtract ``count * frequency + (count > 0) * presence``,
+   where count is how many times the completion so far holds the token;
 1. a temperature below 1e-5 (0 included) means greedy (argmax, ties to the lowest id), as in
    vLLM; otherwise p = softmax(logits / T);
 2. top-k (0 = off): keep the tokens at least as probable as the k-th most probable one;
@@ -15,7 +21,9 @@ then renormalise and draw. Tokens tied with a filter's boundary are all kept.
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,12 +35,19 @@ MAX_TOP_LOGPROBS = 20
 MAX_TOP_K = 2**32 - 1
 # Seeds are 64-bit: the device sampler's Philox key, numpy's generator seed.
 MAX_SEED = 2**64 - 1
+# OpenAI's ranges. A bias of exactly -BIAS_LIMIT bans the token.
+BIAS_LIMIT = 100.0
+PENALTY_LIMIT = 2.0
 # Temperatures below this decode greedily (as vLLM does), so that 1 / temperature stays finite.
 GREEDY_TEMPERATURE = 1e-5
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,12 @@ class SamplingParams:
     # None: a fresh random seed per generation. A seed reproduces a run exactly.
     seed: int | None = None
     top_logprobs: int | None = None
+    # (token id, bias) pairs, OpenAI's logit_bias.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # 1: off. vLLM's and mlx-lm's definition (not an OpenAI parameter).
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         top = self.top_logprobs
@@ -72,6 +93,31 @@ class SamplingParams:
                 f"an integer from 0 to {MAX_TOP_LOGPROBS}",
                 top is None or (isinstance(top, int) and 0 <= top <= MAX_TOP_LOGPROBS),
             ),
+            (
+                "logit_bias",
+                f"pairs of a token id >= 0 and a bias in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}]",
+                all(
+                    _is_int(t) and t >= 0 and _is_number(b) and -BIAS_LIMIT <= b <= BIAS_LIMIT
+                    for t, b in self.logit_bias
+                ),
+            ),
+            (
+                "presence_penalty",
+                f"in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]",
+                _is_number(self.presence_penalty)
+                and -PENALTY_LIMIT <= self.presence_penalty <= PENALTY_LIMIT,
+            ),
+            (
+                "frequency_penalty",
+                f"in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]",
+                _is_number(self.frequency_penalty)
+                and -PENALTY_LIMIT <= self.frequency_penalty <= PENALTY_LIMIT,
+            ),
+            (
+                "repetition_penalty",
+                "a finite number > 0",
+                _is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty < math.inf,
+            ),
         ]
         for name, allowed, ok in checks:
             if not ok:
@@ -82,6 +128,29 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any bias or penalty changes the logits before the filters."""
+        return (
+            any(b != 0 for _, b in self.logit_bias)
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    def check_token_ids(self, token_count: int) -> None:
+        """Refuses a logit_bias for an id past the `token_count` ids the tokenizer produces."""
+        for token, _ in self.logit_bias:
+            if token >= token_count:
+                raise RequestError(
+                    f"logit_bias names token {token}, but the vocabulary has {token_count} tokens",
+                    param="logit_bias",
+                )
+
+    def banned_tokens(self) -> list[int]:
+        """The tokens a bias of -100 rules out."""
+        return [t for t, b in self.logit_bias if b == -BIAS_LIMIT]
 
     def with_seed(self) -> SamplingParams:
         """These parameters with a concrete seed (drawn at random when none was given)."""
@@ -102,6 +171,29 @@ class TokenLogprobs:
 class GeneratedToken:
     id: int
     logprobs: TokenLogprobs | None = None
+
+
+def adjusted_logits(
+    logits: np.ndarray, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int]
+) -> np.ndarray:
+    """The logits (float64) after the bias and the penalties, given the prompt's tokens and the
+    completion's so far; banned tokens (a bias of -100) are -inf."""
+    adjusted = np.asarray(logits, np.float64).copy()
+    vocab = adjusted.size
+    for token, bias in params.logit_bias:
+        if token < vocab:
+            adjusted[token] += bias
+    counts = np.bincount(np.asarray(generated, np.int64), minlength=vocab)[:vocab]
+    seen = counts > 0
+    seen[[t for t in prompt if t < vocab]] = True
+    penalty = params.repetition_penalty
+    adjusted = np.where(
+        seen, np.where(adjusted > 0, adjusted / penalty, adjusted * penalty), adjusted
+    )
+    adjusted -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    banned = [t for t in params.banned_tokens() if t < vocab]
+    adjusted[banned] = -np.inf
+    return adjusted
 
 
 def sampling_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

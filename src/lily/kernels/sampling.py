@@ -22,6 +22,15 @@ every quantity in fp32:
    generator state exists. The 32-bit variates cut the Gumbel tail: a token more than about
    25 nats below the most likely one can never be drawn (its true probability is < 1e-11).
 
+0. When the request adjusts the logits (`SamplingParams.adjusts_logits`), each logit l is first
+   replaced as `lily.sampling.adjusted_logits` defines it, in fp32: ``l + bias``; then, for a
+   token the prompt or the completion so far holds, divided by the repetition penalty when
+   positive, else multiplied by it; then less ``frequency * count + (count > 0) * presence``.
+   The bias is a dense fp32 vector, the counts a uint32 vector that `record_count_token`
+   (after each draw) increments on the device, so a pipelined decode needs no host writes, and
+   the prompt's tokens a bitmask (`write_logit_adjustments` writes all three per request). A
+   bias of -100 bans the token: the host clears it from the token mask.
+
 A token mask (`write_token_mask`; the hook is `lily.constraint.TokenConstraint`) applies before
 step 1 when the host switched it on for the draw: a disallowed token counts as a -inf logit, so
 it is never the greedy choice, the filters see only the allowed tokens, and it is never drawn.
@@ -50,11 +59,13 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lily.constraint import mask_words
+from lily.constraint import mask_from_tokens, mask_words
 from lily.kernels import BufferRef, binding, pack_params, threads_within
 from lily.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -71,8 +82,8 @@ GATHER_CAPACITY = 2048
 # Entries of one ring slot: the chosen token, then the alternatives.
 LOGPROB_ENTRIES = 1 + MAX_TOP_LOGPROBS
 LOGPROB_ENTRY = np.dtype([("token", "<u4"), ("logprob", "<f4")])
-# The SamplingParams struct of sampling.metal: 8 four-byte fields.
-SAMPLING_PARAMS_FORMAT = "<fIffIIII"
+# The SamplingParams struct of sampling.metal: 12 four-byte fields.
+SAMPLING_PARAMS_FORMAT = "<fIffIIIIfffI"
 SAMPLING_PARAMS_BYTES = struct.calcsize(SAMPLING_PARAMS_FORMAT)
 
 _LOWEST_FLOAT32 = float(np.finfo(np.float32).min)
@@ -115,6 +126,10 @@ def pack_sampling_params(params: SamplingParams) -> bytes:
         seed >> 32,
         int(params.top_logprobs is not None),
         params.top_logprobs or 0,
+        params.presence_penalty,
+        params.frequency_penalty,
+        params.repetition_penalty,
+        int(params.adjusts_logits),
     )
 
 
@@ -124,6 +139,40 @@ def write_sampling_params(buffer: BufferRef, params: SamplingParams) -> None:
     target, offset = binding(buffer)
     data = pack_sampling_params(params)
     target.numpy()[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class LogitAdjustments:
+    """The per-token buffers the adjustments read: `bias` fp32 [vocab], `counts` uint32 [vocab]
+    (the completion's tokens so far), `prompt_tokens` a bitmask (`lily.constraint`) of the
+    prompt's tokens."""
+
+    bias: Buffer
+    counts: Buffer
+    prompt_tokens: Buffer
+
+    @staticmethod
+    def allocate(device: Device, vocab: int) -> LogitAdjustments:
+        return LogitAdjustments(
+            device.alloc(4 * vocab), device.alloc(4 * vocab), device.alloc(4 * mask_words(vocab))
+        )
+
+
+def write_logit_adjustments(
+    adjustments: LogitAdjustments, params: SamplingParams, prompt: Sequence[int], vocab: int
+) -> None:
+    """Prepare the buffers for a completion of `prompt` under `params`: its bias, no token
+    generated yet, the prompt's tokens. Nothing is written when `params` adjusts nothing (the
+    sampler then reads none of them). Write only while no submitted pass that samples runs."""
+    if not params.adjusts_logits:
+        return
+    bias = adjustments.bias.numpy()[: 4 * vocab].view(np.float32)
+    bias[:] = 0
+    for token, value in params.logit_bias:
+        bias[token] += value
+    adjustments.counts.numpy()[: 4 * vocab] = 0
+    words = adjustments.prompt_tokens.numpy()[: 4 * mask_words(vocab)].view(np.uint32)
+    words[:] = mask_from_tokens(sorted(set(prompt)), vocab)
 
 
 def logprob_ring_bytes(ring_slots: int) -> int:
@@ -153,6 +202,7 @@ def record_sample(
     logprob_ring: BufferRef,
     ring_slots: int,
     token_mask: BufferRef,
+    adjustments: LogitAdjustments,
     draws: int = 1,
     threads: int = SAMPLE_THREADS,
 ) -> None:
@@ -160,7 +210,8 @@ def record_sample(
     in `params` (written by `write_sampling_params`), for g < `draws`. `position` points at the
     uint32 step position (the step buffer's first field). Draw g uses position + g as its
     counter and logprob ring slot: the decode graph records one draw, the tests many.
-    `token_mask` holds the mask the draws obey (`write_token_mask`)."""
+    `token_mask` holds the mask the draws obey (`write_token_mask`), `adjustments` the bias
+    and penalty inputs (`write_logit_adjustments`), read when `params` says so."""
     if not 1 <= vocab < 2**32 - 1:
         raise ValueError(f"vocab must be in [1, 2^32 - 1), got {vocab}")
     if threads % 32 or not 32 <= threads <= 1024:
@@ -174,6 +225,9 @@ def record_sample(
         ("predicted", predicted, 4 * draws),
         ("logprob_ring", logprob_ring, logprob_ring_bytes(ring_slots)),
         ("token_mask", token_mask, token_mask_bytes(vocab)),
+        ("bias", adjustments.bias, 4 * vocab),
+        ("counts", adjustments.counts, 4 * vocab),
+        ("prompt_tokens", adjustments.prompt_tokens, 4 * mask_words(vocab)),
     ):
         buffer, offset = binding(ref)
         if buffer.size - offset < nbytes:
@@ -190,6 +244,29 @@ def record_sample(
             4: binding(predicted),
             5: binding(logprob_ring),
             6: binding(token_mask),
+            7: binding(adjustments.bias),
+            8: binding(adjustments.counts),
+            9: binding(adjustments.prompt_tokens),
         },
         bytes={0: pack_params("II", vocab, ring_slots)},
+    )
+
+
+def record_count_token(
+    graph: Graph,
+    device: Device,
+    *,
+    vocab: int,
+    params: BufferRef,
+    predicted: BufferRef,
+    adjustments: LogitAdjustments,
+) -> None:
+    """counts[predicted[0]] += 1 when `params` adjusts logits: record it after `record_sample`
+    (and a barrier), so that the next draw's penalties see the token just drawn."""
+    graph.dispatch(
+        device.kernel("count_token"),
+        threadgroups=(1, 1, 1),
+        threads=(1, 1, 1),
+        buffers={1: binding(params), 2: binding(predicted), 3: binding(adjustments.counts)},
+        bytes={0: pack_params("II", vocab, 0)},
     )
