@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -163,3 +164,19 @@ def test_a_forced_call_streams_into_valid_arguments(url: str) -> None:
             finish = choice.finish_reason or finish
     assert finish == "tool_calls" and list(arguments) == [0]
     jsonschema.validate(json.loads(arguments[0]), tools[0]["function"]["parameters"])
+
+
+def test_the_structured_output_check_passes_in_its_reduced_form() -> None:
+    """`benchmarks/structured_output_check.py` (the demo model through the Python API on the
+    sim): every constrained answer of its three kinds validates."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "structured_output_check.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--quick"],
+        env=dict(os.environ),  # the lily under test: installed, or on the caller's PYTHONPATH
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for kind in ("json_schema", "json_object", "tool_call"):
+        assert f"{kind}: 3/3 valid" in result.stdout, result.stdout
