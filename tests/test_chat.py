@@ -433,6 +433,22 @@ def test_tool_calls_split_across_stream_chunks(demo_dir, tokenizer):
     assert finish == ["tool_calls"]
 
 
+def test_a_call_cut_short_by_max_tokens_finishes_with_length(demo_dir, tokenizer):
+    # A complete call followed by more text, the turn never ended: max_tokens ran out, so the
+    # finish is "length" (as OpenAI reports it), not "tool_calls".
+    call = (
+        "<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>\nAnd more"
+    )
+    llm, _ = scripted(demo_dir, tokenizer, call, end=False)
+    params = dict(messages=USER, tools=[WEATHER_TOOL], **NO_THINKING)
+    r = llm.chat.completions.create(**params)
+    assert r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "length"
+    _, _, finish = stream_text(llm.chat.completions.create(stream=True, **params))
+    assert finish == ["length"]
+
+
 def test_tool_results_are_rendered_into_the_next_prompt(demo_dir, tokenizer):
     llm, engine = scripted(demo_dir, tokenizer, "Sunny.")
     messages = [

@@ -723,9 +723,10 @@ class ChatCompletions:
 
     @staticmethod
     def _finish_reason(pipeline: _TextPipeline) -> str:
-        if pipeline.tool_calls:
-            return "tool_calls"
-        return "stop" if pipeline.stopped else "length"
+        # max_tokens ran out first: any call parsed so far may be cut short, as OpenAI reports.
+        if not pipeline.stopped:
+            return "length"
+        return "tool_calls" if pipeline.tool_calls else "stop"
 
     @staticmethod
     def _usage(prompt: _Prompt, produced: int, reasoning_tokens: int) -> CompletionUsage:
