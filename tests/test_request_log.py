@@ -93,7 +93,7 @@ def test_refused_requests_are_logged_without_token_counts(
     client: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="lily.requests")
-    client.post("/v1/chat/completions", json={"messages": USER, "logit_bias": {}})
+    client.post("/v1/chat/completions", json={"messages": USER, "prediction": {}})
     client.get("/v1/models")
     refused, models = log_lines(caplog)
     assert refused.startswith("POST /v1/chat/completions 400 ") and "prompt=" not in refused
