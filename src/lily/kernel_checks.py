@@ -444,12 +444,14 @@ def _gdn(num_key_heads: int, num_value_heads: int):
     return prepare
 
 
-def _attention(num_q: int, num_kv: int, context: int, num_splits: int = 32, fused: bool = False):
+def _attention(num_q: int, num_kv: int, context: int, fused: bool = False):
     """prepare (norms, RoPE, cache append at position context - 1), decode over the whole cache
     and combine with the output gate, chained in one graph; with `fused`, prepare and decode as
-    the decode step runs them, in one dispatch (attention_decode_fused)."""
+    the decode step runs them, in one dispatch (attention_decode_fused). The cache is full: the
+    grid has the engine's splits for its capacity, all in use."""
     from lily.kernels.attention import (
         HEAD_DIM,
+        decode_splits,
         partial_out_bytes,
         partial_stats_bytes,
         record_attention_combine,
@@ -459,6 +461,7 @@ def _attention(num_q: int, num_kv: int, context: int, num_splits: int = 32, fuse
     )
 
     eps, theta, rotary_dim, position = 1e-6, 1e7, 64, context - 1
+    num_splits = decode_splits(context)
 
     def prepare(device: Device, rng: np.random.Generator) -> Trial:
         q_proj = rng.normal(0, 2, (num_q, 2, HEAD_DIM)).astype(np.float32)
@@ -524,6 +527,7 @@ def _attention(num_q: int, num_kv: int, context: int, num_splits: int = 32, fuse
             partial_out=partial_out,
             partial_stats=partial_stats,
             q_proj=bound["q_proj"],
+            step=step,
             out=device.wrap(out),
             num_q_heads=num_q,
             num_splits=num_splits,

@@ -148,12 +148,12 @@ class _Scratch:
     queries: Buffer
     attn_out: Buffer
 
-    def __init__(self, c: ModelConfig, device: Device, max_chunk: int) -> None:
+    def __init__(self, c: ModelConfig, device: Device, max_chunk: int, capacity: int) -> None:
         for name, width in _activation_widths(c).items():
             setattr(self, name, device.alloc(4 * width * max_chunk))
-        q_heads = c.num_attention_heads
-        self.partial_out = device.alloc(attention.partial_out_bytes(q_heads))
-        self.partial_stats = device.alloc(attention.partial_stats_bytes(q_heads))
+        q_heads, splits = c.num_attention_heads, attention.decode_splits(capacity)
+        self.partial_out = device.alloc(attention.partial_out_bytes(q_heads, splits))
+        self.partial_stats = device.alloc(attention.partial_stats_bytes(q_heads, splits))
         self.moe = MoeScratch.allocate(device, *_moe_shape(c))
         self.moe_chunk = (
             MoeChunkScratch.allocate(device, *_moe_shape(c), c.hidden_size, max_chunk)
@@ -177,7 +177,10 @@ def device_bytes(checkpoint: Checkpoint, capacity: int, max_chunk: int = DEFAULT
     kv = 2 * len(c.full_attention_layers) * attention.cache_bytes(c.num_key_value_heads, capacity)
     gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
     recurrent = state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim)
-    small = attention.partial_out_bytes(c.num_attention_heads) + 4 * capacity + (1 << 20)
+    splits = attention.decode_splits(capacity)
+    partials = attention.partial_out_bytes(c.num_attention_heads, splits)
+    partials += attention.partial_stats_bytes(c.num_attention_heads, splits)
+    small = partials + 4 * capacity + (1 << 20)
     return weights + kv + gdn_layers * recurrent + scratch_bytes(c, max_chunk) + small
 
 
@@ -227,7 +230,7 @@ class ModelGraph:
         self.max_chunk = max_chunk
         self.weights = DeviceWeights(checkpoint, device)
         self.state = self._allocate_state()
-        self._scratch = _Scratch(self.config, device, max_chunk)
+        self._scratch = _Scratch(self.config, device, max_chunk, capacity)
         self._graphs: dict[tuple[int, bool], Graph] = {}
         self.decode = self.graph(1, predicts=True)
 
@@ -507,16 +510,20 @@ class _Recorder:
             **heads,
         )
         if T == 1:
-            attention.record_attention_decode_fused(
-                g, dev, **prepare, partial_out=s.partial_out, partial_stats=s.partial_stats
+            # The grid covers the capacity; the kernels take the context from the step buffer.
+            partials = dict(
+                partial_out=s.partial_out,
+                partial_stats=s.partial_stats,
+                num_splits=attention.decode_splits(self.m.capacity),
             )
+            attention.record_attention_decode_fused(g, dev, **prepare, **partials)
             g.barrier()
             attention.record_attention_combine(
                 g,
                 dev,
-                partial_out=s.partial_out,
-                partial_stats=s.partial_stats,
+                **partials,
                 q_proj=s.q,
+                step=self.state.step,
                 out=s.attn_out,
                 num_q_heads=c.num_attention_heads,
             )
