@@ -474,7 +474,8 @@ struct AttentionCombineParams {
 constexpr constant uint kCombineDims = 64;
 
 // Grid (num_q_heads, head_dim / kCombineDims), one thread per head dim. Only the splits the
-// context reaches are read: the rest hold what an earlier, shorter or longer, step left.
+// context reaches are read: the others hold whatever an earlier step (of this sequence or of a
+// longer one before it) left there.
 [[kernel]] void attention_combine(
     constant AttentionCombineParams& params [[buffer(0)]],
     device const float* partial_out [[buffer(1)]],

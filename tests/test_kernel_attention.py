@@ -759,6 +759,22 @@ def test_rejects_dims_it_was_not_built_for(device, change: dict, message: str) -
         record_attention_prepare(Graph(), device, **dict.fromkeys(names, buffer), **(dims | change))
 
 
+def test_decode_rejects_groups_of_more_than_8_heads(device) -> None:
+    """The decode kernels keep at most 8 query heads' states per kv head."""
+    buffer = device.alloc(16)
+    names = ("queries", "k_cache", "v_cache", "step", "partial_out", "partial_stats")
+    with pytest.raises(ValueError, match="at most 8"):
+        record_attention_decode(
+            Graph(),
+            device,
+            **dict.fromkeys(names, buffer),
+            num_q_heads=18,
+            num_kv_heads=2,
+            capacity=8,
+            num_splits=1,
+        )
+
+
 def test_chunk_rejects_dims_it_was_not_built_for(device) -> None:
     buffer = device.alloc(16)
     names = ("queries", "q_proj", "k_cache", "v_cache", "step", "out")
