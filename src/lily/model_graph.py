@@ -43,6 +43,7 @@ from lily.kernels import BufferRef, attention, offset_by
 from lily.kernels.conv1d import FoldedConvStep, record_conv1d_chunk, window_bytes
 from lily.kernels.embedding import record_embedding
 from lily.kernels.gdn import record_gdn_chunk, record_gdn_step, state_bytes
+from lily.kernels.gdn_out_proj import record_gdn_out_proj
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
 from lily.kernels.moe_chunk import MoeChunkScratch, moe_chunk_scratch_bytes, record_moe_chunk
 from lily.kernels.norm import FoldedNorm, record_add_rms_norm, record_rms_norm
@@ -455,28 +456,45 @@ class _Recorder:
                 tokens=T,
             )
         g.barrier()
-        gdn = dict(
-            qkv=s.qkv,
-            z=s.z,
-            a=s.a,
-            b=s.b,
+        weights = dict(
             a_log=w.tensor(prefix + "A_log"),
             dt_bias=w.tensor(prefix + "dt_bias"),
-            norm_weight=w.tensor(prefix + "norm.weight"),
             state=self.state.recurrent[i],
-            out=s.gdn_out,
             num_key_heads=c.linear_num_key_heads,
             num_value_heads=c.linear_num_value_heads,
             key_head_dim=c.linear_key_head_dim,
             value_head_dim=c.linear_value_head_dim,
-            norm_eps=c.rms_norm_eps,
         )
+        norm_weight, out_proj = w.tensor(prefix + "norm.weight"), w.quantized(prefix + "out_proj")
         if T == 1:
-            record_gdn_step(g, dev, **gdn)
+            # The step writes the readout; out_proj applies the gated RMSNorm as it reads it.
+            record_gdn_step(g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, **weights)
+            g.barrier()
+            record_gdn_out_proj(
+                g,
+                dev,
+                readout=s.gdn_out,
+                z=s.z,
+                norm=FoldedNorm(norm_weight, c.rms_norm_eps),
+                weight=out_proj,
+                residual=s.residual,
+            )
         else:
-            record_gdn_chunk(g, dev, **gdn, tokens=T)
-        g.barrier()
-        self.project_into_residual(s.gdn_out, w.quantized(prefix + "out_proj"))
+            record_gdn_chunk(
+                g,
+                dev,
+                qkv=s.qkv,
+                z=s.z,
+                a=s.a,
+                b=s.b,
+                norm_weight=norm_weight,
+                out=s.gdn_out,
+                norm_eps=c.rms_norm_eps,
+                tokens=T,
+                **weights,
+            )
+            g.barrier()
+            self.project_into_residual(s.gdn_out, out_proj)
 
     def attention(self, i: int, prefix: str, input_norm: str) -> None:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
