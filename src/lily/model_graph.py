@@ -96,10 +96,16 @@ class SequenceState:
         return [*self.conv_windows.values(), *self.recurrent.values()]
 
 
-def _activation_widths(c: ModelConfig) -> dict[str, int]:
-    """fp32 elements per token of each activation passed between a pass's dispatches."""
+# Activations only a chunk passes between its dispatches: the decode step folds the norms and
+# residual adds, the GDN's conv and attention's prepare into the kernels around them.
+_CHUNK_ONLY_ACTIVATIONS = ("normed", "mixer_out", "moe_out", "qkv_projected", "queries")
+
+
+def _activation_widths(c: ModelConfig, max_chunk: int) -> dict[str, int]:
+    """fp32 elements per token of each activation passed between the dispatches of passes of
+    up to `max_chunk` tokens."""
     q_heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    return {
+    widths = {
         "residual": c.hidden_size,
         "normed": c.hidden_size,
         "mixer_out": c.hidden_size,
@@ -118,6 +124,10 @@ def _activation_widths(c: ModelConfig) -> dict[str, int]:
         "queries": q_heads * c.head_dim,
         "attn_out": q_heads * c.head_dim,
     }
+    if max_chunk == 1:
+        for name in _CHUNK_ONLY_ACTIVATIONS:
+            del widths[name]
+    return widths
 
 
 def _moe_shape(c: ModelConfig) -> tuple[int, int, int, int]:
@@ -131,13 +141,14 @@ def _moe_shape(c: ModelConfig) -> tuple[int, int, int, int]:
 
 class _Scratch:
     """Activations passed between the dispatches of one pass, reused by every layer and sized
-    for the longest chunk: [max_chunk, width] fp32 each (widths in `_activation_widths`)."""
+    for the longest chunk: [max_chunk, width] fp32 each (widths in `_activation_widths`). The
+    chunk-only ones are None when max_chunk is 1."""
 
     residual: Buffer
-    normed: Buffer
-    mixer_out: Buffer
-    moe_out: Buffer
-    qkv_projected: Buffer
+    normed: Buffer | None
+    mixer_out: Buffer | None
+    moe_out: Buffer | None
+    qkv_projected: Buffer | None
     qkv: Buffer
     z: Buffer
     a: Buffer
@@ -146,11 +157,13 @@ class _Scratch:
     q: Buffer
     k: Buffer
     v: Buffer
-    queries: Buffer
+    queries: Buffer | None
     attn_out: Buffer
 
     def __init__(self, c: ModelConfig, device: Device, max_chunk: int) -> None:
-        for name, width in _activation_widths(c).items():
+        for name in _CHUNK_ONLY_ACTIVATIONS:
+            setattr(self, name, None)
+        for name, width in _activation_widths(c, max_chunk).items():
             setattr(self, name, device.alloc(4 * width * max_chunk))
         q_heads = c.num_attention_heads
         self.partial_out = device.alloc(attention.partial_out_bytes(q_heads))
@@ -165,7 +178,7 @@ class _Scratch:
 
 def scratch_bytes(c: ModelConfig, max_chunk: int) -> int:
     """What the per-pass scratch of a ModelGraph allocates for chunks of up to `max_chunk`."""
-    activations = 4 * max_chunk * sum(_activation_widths(c).values())
+    activations = 4 * max_chunk * sum(_activation_widths(c, max_chunk).values())
     chunk_moe = moe_chunk_scratch_bytes(*_moe_shape(c), c.hidden_size, max_chunk)
     return activations + (chunk_moe if max_chunk > 1 else 0) + 4 * c.vocab_size
 
