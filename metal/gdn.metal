@@ -143,8 +143,8 @@ constexpr constant uint kStepRowsPerThreadgroup = kStepSimdgroups * kRowsPerSimd
 static_assert(kValueDim % kStepRowsPerThreadgroup == 0, "a head splits into whole threadgroups");
 
 // Threadgroups of exactly kStepSimdgroups * 32 threads, kValueDim / kStepRowsPerThreadgroup per
-// value head. The state is read and written exactly once; out is the readout S q, the gated
-// RMSNorm left to the consumer (gdn_out_proj).
+// value head. The state is read and written exactly once; the readout is S q, the gated RMSNorm
+// left to its consumer (gdn_out_proj).
 [[kernel]] void gdn_step(
     constant GdnStepParams& params [[buffer(0)]],
     device const float* qkv [[buffer(1)]],  // conv output: [q Hk*Dk | k Hk*Dk | v Hv*Dv]
