@@ -4,8 +4,8 @@
 //   attention_prepare  per-head RMSNorm of q and k, partial rotate-half RoPE, and the append of
 //                      the rotated key and the value to the bf16 KV cache at the position
 //   attention_decode   softmax(q K^T * scale) V over the whole context with GQA, the context
-//                      split into ranges of kSplitPositions positions ("splits") that run as
-//                      separate threadgroups; each split leaves an unnormalised partial per
+//                      split into ranges of positions ("splits", split_length below) that run
+//                      as separate threadgroups; each split leaves an unnormalised partial per
 //                      query head
 //   attention_combine  merges the partials of the splits the context reaches and applies the
 //                      sigmoid output gate
@@ -206,12 +206,22 @@ static_assert(kDecodeThreads == kHeadDim, "one merging thread per head dim");
 // its prologue (the fused kernel's norms and RoPE) and keep the partials a few percent of the KV
 // bytes, few enough that a long context spreads over the GPU's cores.
 constexpr constant uint kSplitPositions = 256;
+// Splits a context of up to kMinSplits * kSplitPositions positions is spread over: the real
+// model's 2 kv heads make them 40 threadgroups, a core each on the largest GPUs, so a context of
+// a few thousand positions (megabytes of KV per layer) does not run on a few cores. Splits
+// shorter than kMinSplitPositions would cost more in partials than they read.
+constexpr constant uint kMinSplits = 20;
+constexpr constant uint kMinSplitPositions = 16;
 
-// Positions per split at `context` tokens over a grid of `num_splits` splits: kSplitPositions
-// until the splits run out, then evenly more. Splits at or past the context are empty. The decode
-// kernels and the combine derive it alike from the step buffer.
+// Positions per split at `context` tokens over a grid of `num_splits` (>= kMinSplits) splits:
+// the context spread over kMinSplits splits of kMinSplitPositions to kSplitPositions positions,
+// then kSplitPositions per split until the grid's splits run out, then evenly more. Splits at
+// or past the context are empty. The decode kernels and the combine derive it alike from the
+// step buffer.
 inline uint split_length(uint context, uint num_splits) {
-  return max(kSplitPositions, (context + num_splits - 1) / num_splits);
+  const uint spread =
+      clamp((context + kMinSplits - 1) / kMinSplits, kMinSplitPositions, kSplitPositions);
+  return max(spread, (context + num_splits - 1) / num_splits);
 }
 
 struct AttentionDecodeParams {

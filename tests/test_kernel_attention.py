@@ -253,8 +253,8 @@ class DecodeCase:
 # fp32 online softmax against float64: outputs are of order 0.1 for short contexts and shrink
 # like 1/sqrt(context) for long random ones; absolute errors stay near 1e-6 and below, a formula
 # error (a missed key, a wrong rescale, a wrong head) is orders of magnitude larger. The order of
-# the sums follows the split layout (256-position splits, 8 simdgroups taking every 8th position,
-# merged per split and then across splits), which the bound does not depend on.
+# the sums follows the split layout (splits of 16 to 256 positions, 8 simdgroups taking every
+# 8th position, merged per split and then across splits), which the bound does not depend on.
 DECODE_RTOL, DECODE_ATOL = 1e-4, 1e-5
 
 
@@ -271,12 +271,12 @@ def test_decode_matches_reference(device, heads: tuple[int, int], context: int) 
     np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
 
 
-@pytest.mark.parametrize("context", [4096, 4093])
+@pytest.mark.parametrize("context", [5120, 5117])
 def test_decode_at_the_capacity(device, context: int) -> None:
-    """The cache full to its last row: every split of the grid in use, the last one full or
-    ragged."""
-    case = DecodeCase(REAL, context, seed=context + 1, capacity=4096)
-    assert case.num_splits == 16
+    """The cache full to its last row: every split of the grid in use (20 of 256 positions),
+    the last one full or ragged."""
+    case = DecodeCase(REAL, context, seed=context + 1, capacity=5120)
+    assert case.num_splits == 20
     case.run(device)
     np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
 
@@ -300,21 +300,25 @@ def test_decode_at_65536_tokens(device, long_case: tuple[DecodeCase, np.ndarray]
 
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
 def test_split_count_does_not_change_the_result(device, num_splits: int) -> None:
-    """A context longer than 256 positions per split (1000 positions in one split, or in three
-    of 334) and one that leaves splits of the grid empty (four of seven)."""
+    """A context longer than 256 positions per split, over grids smaller than the engine's:
+    1000 positions in one split, in three of 334, in seven of 143."""
     case = DecodeCase(TINY, 1000, num_splits=num_splits, seed=5)
     case.run(device)
     np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
 
 
-@pytest.mark.parametrize(("context", "active"), [(1, 1), (256, 1), (257, 2), (1000, 4)])
+@pytest.mark.parametrize(
+    ("context", "capacity", "active"),
+    [(1, 4096, 1), (17, 4096, 2), (40, 4096, 3), (300, 4096, 19), (6000, 8192, 24)],
+)
 def test_splits_past_the_context_are_neither_written_nor_read(
-    device, context: int, active: int
+    device, context: int, capacity: int, active: int
 ) -> None:
-    """With a grid of 16 splits (capacity 4096), a context of n positions uses ceil(n / 256)
-    of them. The others keep what they held, here a finite partial that would dominate the
+    """Over a grid of 20 splits (capacity 4096) a context of n positions is spread in splits of
+    clamp(ceil(n / 20), 16, 256) positions, over 32 (capacity 8192) in splits of 256. The
+    splits past the context keep what they held, here a finite partial that would dominate the
     result if the combine merged it (max 100, sum 1, values 1e6)."""
-    case = DecodeCase(TINY, context, seed=context, capacity=4096)
+    case = DecodeCase(TINY, context, seed=context, capacity=capacity)
     num_q = TINY[0]
     stats = case.partial_stats.reshape(num_q, case.num_splits, 2)
     stats[:, :, 0], stats[:, :, 1] = 100.0, 1.0
@@ -329,17 +333,11 @@ def test_splits_past_the_context_are_neither_written_nor_read(
 
 
 def test_decode_splits_follow_the_capacity() -> None:
-    """One split per 256 positions of the cache, at most 128 (the kernels lengthen them past
-    that)."""
-    assert [decode_splits(n) for n in (1, 256, 257, 4096, 32768, 32769, 262144)] == [
-        1,
-        1,
-        2,
-        16,
-        128,
-        128,
-        128,
-    ]
+    """One split per 256 positions of the cache, at least 20 (a short context still spreads
+    over 40 threadgroups of the real model's 2 kv heads), at most 128 (the kernels lengthen
+    them past that)."""
+    capacities = (1, 256, 4096, 5120, 5121, 32768, 32769, 262144)
+    assert [decode_splits(n) for n in capacities] == [20, 20, 20, 20, 21, 128, 128, 128]
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,10 +4,10 @@ For one decoded token, three dispatches, each needing a barrier before the next:
 
 1. `record_attention_prepare`: q/k RMSNorm, partial RoPE, and the append of the rotated key and
    the value to the bf16 cache at the position held in the step buffer;
-2. `record_attention_decode`: attention over the whole context, split into ranges of
-   SPLIT_POSITIONS positions that run as separate threadgroups and leave partial results in a
-   scratch buffer; the grid has `decode_splits(capacity)` splits, and the kernel derives from the
-   step buffer how many of them the context reaches (the rest exit at once);
+2. `record_attention_decode`: attention over the whole context, split into ranges of positions
+   (attention.metal's `split_length`) that run as separate threadgroups and leave partial
+   results in a scratch buffer; the grid has `decode_splits(capacity)` splits, and the kernel
+   derives from the step buffer how many of them the context reaches (the rest exit at once);
 3. `record_attention_combine`: merges the partials of the splits the context reaches and applies
    the sigmoid output gate.
 
@@ -35,12 +35,16 @@ if TYPE_CHECKING:
 # Every head is covered by one simdgroup holding 8 dims per lane.
 HEAD_DIM = 256
 SIMD_WIDTH = 32
-# Must match kDecodeThreads, kMaxGroup, kSplitPositions and kCombineDims in attention.metal: the
-# decode kernels' threads, the most query heads per kv head they keep, the positions per split
-# while the grid has splits to spare, and the dims per combine threadgroup.
+# Must match kDecodeThreads, kMaxGroup, kSplitPositions, kMinSplits, kMinSplitPositions and
+# kCombineDims in attention.metal: the decode kernels' threads, the most query heads per kv head
+# they keep, the positions per split while the grid has splits to spare, the splits a short
+# context is still spread over (40 threadgroups on the real model's 2 kv heads) and their
+# shortest length, and the dims per combine threadgroup.
 DECODE_THREADS = 256
 MAX_GROUP = 8
 SPLIT_POSITIONS = 256
+MIN_SPLITS = 20
+MIN_SPLIT_POSITIONS = 16
 COMBINE_DIMS = 64
 # The most splits a decode grid gets: 128 splits of the real model's 2 kv heads are 256
 # threadgroups, six or more per core on a 40-core GPU; more would add threadgroups that cannot
@@ -55,8 +59,9 @@ CHUNK_THREADS = 128
 
 def decode_splits(capacity: int) -> int:
     """The splits of a decode grid for a cache of `capacity` positions: one per SPLIT_POSITIONS,
-    at most MAX_SPLITS. The kernels lengthen the splits when the context outgrows them."""
-    return max(1, min(MAX_SPLITS, ceil_div(capacity, SPLIT_POSITIONS)))
+    at least MIN_SPLITS, at most MAX_SPLITS. The kernels lengthen the splits when the context
+    outgrows them."""
+    return min(MAX_SPLITS, max(MIN_SPLITS, ceil_div(capacity, SPLIT_POSITIONS)))
 
 
 def cache_bytes(num_kv_heads: int, capacity: int) -> int:
