@@ -157,9 +157,10 @@ template <uint BITS, bool NORMED, bool ROUTES>
     float xs[chunk];
     const float xsum =
         NORMED ? load_chunk_gained<BITS>(x, gain, k, xs, squares) : load_chunk<BITS>(x, k, xs);
-    for (uint r = 0; r < count; ++r) {
-      gate_acc[r] += qdot_chunk<BITS>(gate, p.in_dim, row0 + r, k, xs, xsum);
-      up_acc[r] += qdot_chunk<BITS>(up, p.in_dim, row0 + r, k, xs, xsum);
+    for (uint r = 0; r < MOE_ROWS_PER_SIMDGROUP; ++r) {
+      const uint row = clamped_row(row0, count, r);
+      gate_acc[r] += qdot_chunk<BITS>(gate, p.in_dim, row, k, xs, xsum);
+      up_acc[r] += qdot_chunk<BITS>(up, p.in_dim, row, k, xs, xsum);
     }
   }
   const float scale = NORMED ? folded_inv_rms(squares, p.in_dim, p.eps) : 1.0f;
@@ -223,8 +224,9 @@ template <uint BITS>
     const float weight = expert_weights[slot];
     float xs[chunk];
     const float xsum = load_chunk<BITS>(h, k, xs);
-    for (uint r = 0; r < count; ++r) {
-      acc[r] += weight * qdot_chunk<BITS>(expert, p.expert_in, row0 + r, k % p.expert_in, xs, xsum);
+    for (uint r = 0; r < MOE_ROWS_PER_SIMDGROUP; ++r) {
+      acc[r] += weight * qdot_chunk<BITS>(expert, p.expert_in, clamped_row(row0, count, r),
+                                          k % p.expert_in, xs, xsum);
     }
   }
 
@@ -234,8 +236,9 @@ template <uint BITS>
   for (uint k = lane * chunk; k < p.shared_in; k += SIMD_WIDTH * chunk) {
     float xs[chunk];
     const float xsum = load_chunk<BITS>(h_shared, k, xs);
-    for (uint r = 0; r < count; ++r) {
-      acc[r] += shared_weight * qdot_chunk<BITS>(shared, p.shared_in, row0 + r, k, xs, xsum);
+    for (uint r = 0; r < MOE_ROWS_PER_SIMDGROUP; ++r) {
+      acc[r] += shared_weight *
+                qdot_chunk<BITS>(shared, p.shared_in, clamped_row(row0, count, r), k, xs, xsum);
     }
   }
 

@@ -22,6 +22,8 @@ from kernel_testing import (
     sim_device,
 )
 
+from lily.device import Graph
+from lily.kernels.norm import FoldedNorm
 from lily.kernels.quantized import QuantWeight, record_qgemv, wrap_quant_weight
 from lily.quant import bf16_to_float32
 
@@ -139,4 +141,29 @@ def test_misaligned_weight_is_refused():
     with pytest.raises(ValueError, match="offset 4"):
         QuantWeight(
             (buffer, 4), device.wrap(scales), device.wrap(biases), rows=4, in_dim=64, bits=4
+        )
+
+
+@pytest.mark.parametrize(("dtype", "offset"), [("float32", 8), ("bfloat16", 4)])
+def test_input_not_aligned_to_four_elements_is_refused(dtype, offset):
+    """x is read four elements at a time, so a binding between two such vectors is refused."""
+    device = sim_device("forward")
+    weight = wrap_quant_weight(device, *random_quantized(np.random.default_rng(0), 4, 64, 4))
+    x = device.wrap(np.zeros(80, np.float32))
+    with pytest.raises(ValueError, match=f"GEMV input is bound at byte offset {offset}"):
+        record_qgemv(Graph(), device, (x, offset), [(weight, float_buffer(device, 4))], dtype)
+
+
+def test_folded_norm_gain_not_aligned_is_refused():
+    device = sim_device("forward")
+    weight = wrap_quant_weight(device, *random_quantized(np.random.default_rng(0), 4, 64, 4))
+    gain = device.wrap(np.zeros(80, np.uint16))
+    norm = FoldedNorm((gain, 2), 1e-6)
+    with pytest.raises(ValueError, match="folded norm gain is bound at byte offset 2"):
+        record_qgemv(
+            Graph(),
+            device,
+            device.wrap(np.zeros(64, np.float32)),
+            [(weight, float_buffer(device, 4))],
+            norm=norm,
         )

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from lily.kernels import BufferRef, binding, ceil_div, offset_by, pack_params
 from lily.kernels.norm import FoldedNorm
-from lily.kernels.quantized import QuantWeight, record_qgemv
+from lily.kernels.quantized import QuantWeight, record_qgemv, require_vector_aligned
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -117,6 +117,7 @@ def record_moe_gate_up(
     """hidden = [silu(gate_e x) * up_e x for each chosen e] + [the same for the shared expert];
     with `norm`, of rms_norm(x) instead of x. The chosen experts are read from `expert_ids`, or
     with `routing` chosen in the kernel and written there."""
+    require_vector_aligned(x, "float32", norm)
     expert_rows, shared_rows = w.expert_gate.rows, w.shared_gate.rows
     row_groups = ceil_div(max(expert_rows, shared_rows), ROWS_PER_THREADGROUP)
     matrices = (w.expert_gate, w.expert_up, w.shared_gate, w.shared_up)
@@ -174,6 +175,7 @@ def record_moe_down(
 ) -> None:
     """out = sum_k weight_k down_{e_k}(hidden_k) + sigmoid(shared gate) down_s(hidden_shared);
     with `accumulate`, out += the same."""
+    require_vector_aligned(hidden, "float32")
     rows = w.expert_down.rows
     graph.dispatch(
         device.kernel(f"moe_down_{w.expert_down.bits}"),

@@ -76,6 +76,15 @@ def wrap_quant_weight(
     )
 
 
+def require_vector_aligned(x: BufferRef, x_dtype: str, norm: FoldedNorm | None = None) -> None:
+    """The GEMVs read x (and a folded norm's bf16 gain) four elements at a time (load_chunk in
+    quantized.h), so those bindings must be aligned to four elements."""
+    x_bytes = 4 if element_type(x_dtype) == "float" else 2
+    require_aligned(x, 4 * x_bytes, "GEMV input")
+    if norm is not None:
+        require_aligned(norm.gain, 4 * 2, "folded norm gain")
+
+
 def record_qgemv(
     graph: Graph,
     device: Device,
@@ -106,6 +115,7 @@ def record_qgemv(
     padding = [0] * (MAX_PROJECTIONS - len(projections))
     if norm is not None and element_type(x_dtype) != "float":
         raise ValueError("a folded norm reads an fp32 residual")
+    require_vector_aligned(x, x_dtype, norm)
     params = pack_params(
         "II4I4IfII",
         first.in_dim,
