@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -33,6 +35,7 @@ from kernel_testing import (
     sim_device,
 )
 
+from lily.device import Graph
 from lily.kernels.moe import MoeWeights, record_moe_down, record_moe_gate_up
 from lily.kernels.norm import FoldedNorm
 from lily.kernels.quantized import record_qgemv, wrap_quant_weight
@@ -165,19 +168,33 @@ def test_normed_accumulating_qgemv_adds_in_the_model_order(lane_order, rows, in_
 
 # -- MoE gate/up and down -----------------------------------------------------------------------
 
-HIDDEN, EXPERTS, TOP_K, EXPERT_ROWS, SHARED_ROWS = 2048, 6, 3, 256, 512
+EXPERTS, TOP_K = 6, 3
 
 
-def moe_layer(rng: np.random.Generator, expert_rows: int, shared_rows: int):
+@dataclass(frozen=True)
+class MoeDims:
+    hidden: int
+    expert_rows: int
+    shared_rows: int
+    threads: int  # per threadgroup, as gemv_simdgroups chooses for the kernel under test
+
+
+# The gate/up kernel at its real row count (one SIMD-group per threadgroup) and with enough
+# rows for two; the down kernel likewise (its rows are the hidden size).
+GATE_UP_DIMS = [MoeDims(2048, 256, 512, 32), MoeDims(64, 2048, 512, 64)]
+DOWN_DIMS = [MoeDims(2048, 256, 512, 32), MoeDims(8192, 64, 128, 64)]
+
+
+def moe_layer(rng: np.random.Generator, d: MoeDims):
     return {
-        "router": random_quantized(rng, EXPERTS, HIDDEN, 8),
-        "shared_expert_gate": random_quantized(rng, 1, HIDDEN, 8),
-        "expert_gate": random_quantized(rng, expert_rows, HIDDEN, 4, experts=EXPERTS),
-        "expert_up": random_quantized(rng, expert_rows, HIDDEN, 4, experts=EXPERTS),
-        "expert_down": random_quantized(rng, HIDDEN, expert_rows, 4, experts=EXPERTS),
-        "shared_gate": random_quantized(rng, shared_rows, HIDDEN, 4),
-        "shared_up": random_quantized(rng, shared_rows, HIDDEN, 4),
-        "shared_down": random_quantized(rng, HIDDEN, shared_rows, 4),
+        "router": random_quantized(rng, EXPERTS, d.hidden, 8),
+        "shared_expert_gate": random_quantized(rng, 1, d.hidden, 8),
+        "expert_gate": random_quantized(rng, d.expert_rows, d.hidden, 4, experts=EXPERTS),
+        "expert_up": random_quantized(rng, d.expert_rows, d.hidden, 4, experts=EXPERTS),
+        "expert_down": random_quantized(rng, d.hidden, d.expert_rows, 4, experts=EXPERTS),
+        "shared_gate": random_quantized(rng, d.shared_rows, d.hidden, 4),
+        "shared_up": random_quantized(rng, d.shared_rows, d.hidden, 4),
+        "shared_down": random_quantized(rng, d.hidden, d.shared_rows, 4),
     }
 
 
@@ -185,24 +202,35 @@ def expert_of(triple, e: int):
     return tuple(a[e] for a in triple)
 
 
+def run_one_dispatch(device, record: Callable[[Graph], None], threads: int) -> None:
+    """Records one dispatch, checks its threadgroup size, and runs it."""
+    graph = Graph()
+    record(graph)
+    (dispatch,) = graph.dispatches
+    assert dispatch.threads == (threads, 1, 1)
+    device.run(graph)
+
+
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
 @pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
-def test_moe_gate_up_adds_in_the_model_order(lane_order, normed):
+@pytest.mark.parametrize("dims", GATE_UP_DIMS, ids=lambda d: f"{d.threads}threads")
+def test_moe_gate_up_adds_in_the_model_order(lane_order, normed, dims):
     rng = np.random.default_rng(7)
     device = sim_device(lane_order)
-    layer = moe_layer(rng, EXPERT_ROWS, SHARED_ROWS)
+    layer = moe_layer(rng, dims)
     weights = MoeWeights(**{k: wrap_quant_weight(device, *t) for k, t in layer.items()})
-    x = rng.normal(0, 1, HIDDEN).astype(F32)
-    gain = random_bf16(rng, HIDDEN, 0.3, 1.0)
+    x = rng.normal(0, 1, dims.hidden).astype(F32)
+    gain = random_bf16(rng, dims.hidden, 0.3, 1.0)
     ids = np.array([4, 1, 4], np.uint32)  # a repeated expert reads the same rows twice
     norm = FoldedNorm(device.wrap(gain), 1e-6) if normed else None
-    total = TOP_K * EXPERT_ROWS + SHARED_ROWS
+    total = TOP_K * dims.expert_rows + dims.shared_rows
     hidden = float_buffer(device, total)
-    run(
+    run_one_dispatch(
         device,
         lambda g: record_moe_gate_up(
             g, device, device.wrap(x), device.wrap(ids), TOP_K, weights, hidden, norm
         ),
+        dims.threads,
     )
     expected = []
     pairs = [(expert_of(layer["expert_gate"], e), expert_of(layer["expert_up"], e)) for e in ids]
@@ -226,28 +254,28 @@ def model_moe_down(layer, ids, weights, shared_weight, hidden, expert_rows: int)
     ]
     shared = shared_weight * chunk_terms(layer["shared_down"], 4, hidden[TOP_K * expert_rows :])
     acc = lane_walk(np.concatenate(routed, axis=1))
-    shared_chunks = shared.shape[1]
-    for c in range(shared_chunks):
+    for c in range(shared.shape[1]):
         acc[:, c % LANES] = acc[:, c % LANES] + shared[:, c]
     return simd_sum(acc)
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
 @pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
-def test_moe_down_adds_in_the_model_order(lane_order, accumulate):
+@pytest.mark.parametrize("dims", DOWN_DIMS, ids=lambda d: f"{d.threads}threads")
+def test_moe_down_adds_in_the_model_order(lane_order, accumulate, dims):
     rng = np.random.default_rng(8)
     device = sim_device(lane_order)
-    layer = moe_layer(rng, EXPERT_ROWS, SHARED_ROWS)
+    layer = moe_layer(rng, dims)
     weights = MoeWeights(**{k: wrap_quant_weight(device, *t) for k, t in layer.items()})
-    total = TOP_K * EXPERT_ROWS + SHARED_ROWS
+    total = TOP_K * dims.expert_rows + dims.shared_rows
     hidden = rng.normal(0, 1, total).astype(F32)
     ids = np.array([2, 5, 2], np.uint32)
     router_weights = rng.uniform(0.1, 0.5, TOP_K).astype(F32)
     # sigmoid(0) = 1 / (1 + exp(0)) is exactly 0.5 whatever the C library's exp.
     shared_logit = np.zeros(1, F32)
-    start = rng.normal(0, 1, HIDDEN).astype(F32)
-    out = device.wrap(start.copy()) if accumulate else float_buffer(device, HIDDEN)
-    run(
+    start = rng.normal(0, 1, dims.hidden).astype(F32)
+    out = device.wrap(start.copy()) if accumulate else float_buffer(device, dims.hidden)
+    run_one_dispatch(
         device,
         lambda g: record_moe_down(
             g,
@@ -261,8 +289,9 @@ def test_moe_down_adds_in_the_model_order(lane_order, accumulate):
             out,
             accumulate,
         ),
+        dims.threads,
     )
-    expected = model_moe_down(layer, ids, router_weights, F32(0.5), hidden, EXPERT_ROWS)
+    expected = model_moe_down(layer, ids, router_weights, F32(0.5), hidden, dims.expert_rows)
     if accumulate:
         expected = start + expected
-    assert_bits_equal(as_float32(out, HIDDEN), expected)
+    assert_bits_equal(as_float32(out, dims.hidden), expected)

@@ -167,3 +167,28 @@ def test_folded_norm_gain_not_aligned_is_refused():
             [(weight, float_buffer(device, 4))],
             norm=norm,
         )
+
+
+@pytest.mark.parametrize(
+    ("rows", "threadgroups", "threads"),
+    [
+        # A 2048-row projection (out_proj, o_proj): 512 threadgroups of one SIMD-group, 12.8 per
+        # core of a 40-core GPU, rather than 256 of two (6.4: a 40%-full last round).
+        ([2048], 512, 32),
+        ([256, 1], 65, 32),  # router + shared-expert gate: more threadgroups than 40 cores
+        # GDN in_proj qkv|z|a|b: 3,088 SIMD-groups, plenty of threadgroups of two.
+        ([8192, 4096, 32, 32], 1024 + 512 + 4 + 4, 64),
+    ],
+)
+def test_threadgroup_size_follows_the_dispatch_size(rows, threadgroups, threads):
+    device = sim_device("forward")
+    rng = np.random.default_rng(0)
+    projections = [
+        (wrap_quant_weight(device, *random_quantized(rng, r, 64, 4)), float_buffer(device, r))
+        for r in rows
+    ]
+    graph = Graph()
+    record_qgemv(graph, device, device.wrap(np.zeros(64, np.float32)), projections)
+    (dispatch,) = graph.dispatches
+    assert dispatch.threadgroups == (threadgroups, 1, 1)
+    assert dispatch.threads == (threads, 1, 1)
