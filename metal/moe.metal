@@ -10,8 +10,9 @@
 #include "quantized.h"
 
 constexpr constant uint MOE_MAX_EXPERTS_PER_LANE = 8;  // up to 256 experts
+// Rows per SIMD-group; a threadgroup is one or two SIMD-groups, as the host chose for the
+// dispatch (kernels/quantized.py, gemv_simdgroups).
 constexpr constant uint MOE_ROWS_PER_SIMDGROUP = 4;
-constexpr constant uint MOE_SIMDGROUPS = 2;
 
 struct MoeRouteParams {
   uint experts;
@@ -100,7 +101,7 @@ struct MoeGateUpParams {
 
 // h[slot * expert_rows + r] = silu(gate_e x)[r] * (up_e x)[r] for slot < top_k (expert e =
 // expert_ids[slot]); slot top_k is the shared expert, at h[top_k * expert_rows + r].
-// Grid: x over rows (8 per threadgroup), y over the top_k + 1 slots.
+// Grid: x over rows (4 per SIMD-group), y over the top_k + 1 slots.
 //
 // The decode step folds its neighbours in. NORMED kernels take the un-normed residual as x and
 // apply the post-attention RMSNorm themselves (see qgemv_rows_gained). ROUTES kernels take the
@@ -121,11 +122,12 @@ template <uint BITS, bool NORMED, bool ROUTES>
     device float* h [[buffer(15)]], device const bfloat* gain [[buffer(16)]],
     device const float* router_logits [[buffer(17)]], device float* expert_weights [[buffer(18)]],
     uint2 threadgroup_id [[threadgroup_position_in_grid]],
-    uint simdgroup [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+    uint simdgroup [[simdgroup_index_in_threadgroup]],
+    uint simdgroups [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
   const uint slot = threadgroup_id.y;
   const bool shared = slot == p.top_k;
   const uint rows = shared ? p.shared_rows : p.expert_rows;
-  const uint row0 = threadgroup_id.x * (MOE_SIMDGROUPS * MOE_ROWS_PER_SIMDGROUP) +
+  const uint row0 = threadgroup_id.x * (simdgroups * MOE_ROWS_PER_SIMDGROUP) +
                     simdgroup * MOE_ROWS_PER_SIMDGROUP;
   if (row0 >= rows) return;  // the whole SIMD-group leaves together (never the id writer: row0 0)
   const uint count = min(MOE_ROWS_PER_SIMDGROUP, rows - row0);
@@ -157,9 +159,10 @@ template <uint BITS, bool NORMED, bool ROUTES>
     float xs[chunk];
     const float xsum =
         NORMED ? load_chunk_gained<BITS>(x, gain, k, xs, squares) : load_chunk<BITS>(x, k, xs);
-    for (uint r = 0; r < count; ++r) {
-      gate_acc[r] += qdot_chunk<BITS>(gate, p.in_dim, row0 + r, k, xs, xsum);
-      up_acc[r] += qdot_chunk<BITS>(up, p.in_dim, row0 + r, k, xs, xsum);
+    for (uint r = 0; r < MOE_ROWS_PER_SIMDGROUP; ++r) {
+      const uint row = clamped_row(row0, count, r);
+      gate_acc[r] += qdot_chunk<BITS>(gate, p.in_dim, row, k, xs, xsum);
+      up_acc[r] += qdot_chunk<BITS>(up, p.in_dim, row, k, xs, xsum);
     }
   }
   const float scale = NORMED ? folded_inv_rms(squares, p.in_dim, p.eps) : 1.0f;
@@ -191,7 +194,7 @@ struct MoeDownParams {
 // out = sum_slot w[slot] down_{e(slot)} h_slot + sigmoid(shared_gate_logit) down_s h_shared.
 // The k routed inputs are one contiguous vector of top_k * expert_in values, walked in chunks by
 // all 32 lanes (a chunk never straddles two experts since expert_in is a multiple of 64), so a
-// short expert input does not leave most lanes idle. Grid: x over rows, 8 per threadgroup.
+// short expert input does not leave most lanes idle. Grid: x over rows, 4 per SIMD-group.
 template <uint BITS>
 [[kernel]] void moe_down(constant MoeDownParams& p [[buffer(0)]], device const float* h [[buffer(1)]],
                          device const uint* expert_ids [[buffer(2)]],
@@ -206,8 +209,9 @@ template <uint BITS>
                          device float* out [[buffer(11)]],
                          uint threadgroup_id [[threadgroup_position_in_grid]],
                          uint simdgroup [[simdgroup_index_in_threadgroup]],
+                         uint simdgroups [[simdgroups_per_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]]) {
-  const uint row0 = threadgroup_id * (MOE_SIMDGROUPS * MOE_ROWS_PER_SIMDGROUP) +
+  const uint row0 = threadgroup_id * (simdgroups * MOE_ROWS_PER_SIMDGROUP) +
                     simdgroup * MOE_ROWS_PER_SIMDGROUP;
   if (row0 >= p.out_rows) return;  // the whole SIMD-group leaves together
   const uint count = min(MOE_ROWS_PER_SIMDGROUP, p.out_rows - row0);
@@ -223,8 +227,9 @@ template <uint BITS>
     const float weight = expert_weights[slot];
     float xs[chunk];
     const float xsum = load_chunk<BITS>(h, k, xs);
-    for (uint r = 0; r < count; ++r) {
-      acc[r] += weight * qdot_chunk<BITS>(expert, p.expert_in, row0 + r, k % p.expert_in, xs, xsum);
+    for (uint r = 0; r < MOE_ROWS_PER_SIMDGROUP; ++r) {
+      acc[r] += weight * qdot_chunk<BITS>(expert, p.expert_in, clamped_row(row0, count, r),
+                                          k % p.expert_in, xs, xsum);
     }
   }
 
@@ -234,8 +239,9 @@ template <uint BITS>
   for (uint k = lane * chunk; k < p.shared_in; k += SIMD_WIDTH * chunk) {
     float xs[chunk];
     const float xsum = load_chunk<BITS>(h_shared, k, xs);
-    for (uint r = 0; r < count; ++r) {
-      acc[r] += shared_weight * qdot_chunk<BITS>(shared, p.shared_in, row0 + r, k, xs, xsum);
+    for (uint r = 0; r < MOE_ROWS_PER_SIMDGROUP; ++r) {
+      acc[r] += shared_weight *
+                qdot_chunk<BITS>(shared, p.shared_in, clamped_row(row0, count, r), k, xs, xsum);
     }
   }
 

@@ -30,12 +30,20 @@ inline QuantMatrix quant_expert(QuantMatrix stacked, uint expert, uint rows, uin
 }
 
 // Loads the activations of one chunk (starting at input k) as float and returns their sum.
+// x is read as 4-element vectors (16 bytes of fp32, 8 of bf16): a chunk starts at a multiple of
+// 16 inputs, so a 16-byte aligned x keeps every vector aligned. The sum still runs input by
+// input, so the vector loads change no rounding.
 template <uint BITS, typename T>
 inline float load_chunk(device const T* x, uint k, thread float* xs) {
+  device const vec<T, 4>* x4 = reinterpret_cast<device const vec<T, 4>*>(x + k);
   float sum = 0.0f;
-  for (uint i = 0; i < quant_chunk(BITS); ++i) {
-    xs[i] = float(x[k + i]);
-    sum += xs[i];
+  for (uint v = 0; v < quant_chunk(BITS) / 4; ++v) {
+    const vec<T, 4> loaded = x4[v];
+    const float4 values = float4(loaded);
+    for (uint i = 0; i < 4; ++i) {
+      xs[4 * v + i] = values[i];
+      sum += values[i];
+    }
   }
   return sum;
 }
@@ -59,9 +67,16 @@ inline float qdot_chunk(QuantMatrix m, uint in_dim, uint row, uint k, thread con
   return float(m.scales[group]) * dot + float(m.biases[group]) * xsum;
 }
 
-// This lane's partial dot products of rows [row0, row0 + count) with x; count <= R. The caller
-// reduces acc across the SIMD-group. Lanes walk the input in chunks strided by the SIMD-group width,
-// so an input dimension that is not a multiple of 32 chunks just leaves some lanes idle at the end.
+// The row that slot r (< R) of a SIMD-group's rows [row0, row0 + count) computes. The row loops
+// run all R slots, a compile-time trip count that keeps acc[] in registers; the slots past count
+// (only in the last SIMD-group of a matrix whose rows are not a multiple of R) recompute the last
+// row, an in-bounds read of cached data, and the caller drops their results.
+inline uint clamped_row(uint row0, uint count, uint r) { return row0 + min(r, count - 1); }
+
+// This lane's partial dot products of rows [row0, row0 + count) with x in acc[0, count);
+// 1 <= count <= R. The caller reduces acc across the SIMD-group. Lanes walk the input in chunks
+// strided by the SIMD-group width, so an input dimension that is not a multiple of 32 chunks just
+// leaves some lanes idle at the end.
 template <uint BITS, uint R, typename T>
 inline void qgemv_rows(QuantMatrix m, uint in_dim, uint row0, uint count, device const T* x,
                        uint lane, thread float* acc) {
@@ -70,7 +85,9 @@ inline void qgemv_rows(QuantMatrix m, uint in_dim, uint row0, uint count, device
   for (uint k = lane * chunk; k < in_dim; k += SIMD_WIDTH * chunk) {
     float xs[chunk];
     const float xsum = load_chunk<BITS>(x, k, xs);
-    for (uint r = 0; r < count; ++r) acc[r] += qdot_chunk<BITS>(m, in_dim, row0 + r, k, xs, xsum);
+    for (uint r = 0; r < R; ++r) {
+      acc[r] += qdot_chunk<BITS>(m, in_dim, clamped_row(row0, count, r), k, xs, xsum);
+    }
   }
 }
 
@@ -79,15 +96,22 @@ inline void qgemv_rows(QuantMatrix m, uint in_dim, uint row0, uint count, device
 // keeps the sum of x^2 over its chunks, and the finished (SIMD-summed) dot products are scaled by
 // `folded_inv_rms`. Every SIMD-group already reads all of x, so the norm costs no extra pass and
 // no dispatch of its own; each SIMD-group sums the squares in the same order, so all agree.
+// x and the gain are read as vectors as in load_chunk (the gain 8-byte aligned).
 template <uint BITS>
 inline float load_chunk_gained(device const float* x, device const bfloat* gain, uint k,
                                thread float* xs, thread float& squares) {
+  device const float4* x4 = reinterpret_cast<device const float4*>(x + k);
+  device const bfloat4* gain4 = reinterpret_cast<device const bfloat4*>(gain + k);
   float sum = 0.0f;
-  for (uint i = 0; i < quant_chunk(BITS); ++i) {
-    const float v = x[k + i];
-    squares += v * v;
-    xs[i] = v * float(gain[k + i]);
-    sum += xs[i];
+  for (uint v = 0; v < quant_chunk(BITS) / 4; ++v) {
+    const float4 values = x4[v];
+    const bfloat4 loaded_gains = gain4[v];
+    const float4 gains = float4(loaded_gains);
+    for (uint i = 0; i < 4; ++i) {
+      squares += values[i] * values[i];
+      xs[4 * v + i] = values[i] * gains[i];
+      sum += xs[4 * v + i];
+    }
   }
   return sum;
 }
@@ -108,7 +132,9 @@ inline float qgemv_rows_gained(QuantMatrix m, uint in_dim, uint row0, uint count
   for (uint k = lane * chunk; k < in_dim; k += SIMD_WIDTH * chunk) {
     float xs[chunk];
     const float xsum = load_chunk_gained<BITS>(x, gain, k, xs, squares);
-    for (uint r = 0; r < count; ++r) acc[r] += qdot_chunk<BITS>(m, in_dim, row0 + r, k, xs, xsum);
+    for (uint r = 0; r < R; ++r) {
+      acc[r] += qdot_chunk<BITS>(m, in_dim, clamped_row(row0, count, r), k, xs, xsum);
+    }
   }
   return squares;
 }

@@ -2,8 +2,10 @@
 // (GDN in_proj_qkv|z|a|b, attention q|k|v, shared expert gate|up, router|shared-expert gate).
 // Weights are read where they lie in the checkpoint; one projection is just the case count == 1.
 //
-// Each threadgroup is two SIMD-groups of four rows each. The grid is the concatenation of every
-// projection's threadgroups; `first_threadgroup` tells a threadgroup which projection it serves.
+// Each SIMD-group computes four rows; a threadgroup is one or two SIMD-groups, as the host chose
+// for the dispatch's size (kernels/quantized.py, gemv_simdgroups). The grid is the concatenation
+// of every projection's threadgroups; `first_threadgroup` tells a threadgroup which projection it
+// serves.
 //
 // The decode step folds its residual adds and RMSNorms into these GEMVs: the `qgemv_normed_*`
 // kernels take the un-normed residual as x and the norm's gain (see qgemv_rows_gained), and with
@@ -17,7 +19,6 @@
 
 constexpr constant uint QGEMV_MAX_PROJECTIONS = 4;
 constexpr constant uint QGEMV_ROWS_PER_SIMDGROUP = 4;
-constexpr constant uint QGEMV_SIMDGROUPS = 2;
 
 struct QGemvParams {
   uint in_dim;
@@ -44,6 +45,7 @@ template <uint BITS, typename T, bool NORMED>
                       device float* conv_window [[buffer(20)]],
                       uint threadgroup_id [[threadgroup_position_in_grid]],
                       uint simdgroup [[simdgroup_index_in_threadgroup]],
+                      uint simdgroups [[simdgroups_per_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
   uint proj = 0;
   while (proj + 1 < p.projections && threadgroup_id >= p.first_threadgroup[proj + 1]) ++proj;
@@ -63,7 +65,7 @@ template <uint BITS, typename T, bool NORMED>
 
   const uint rows = p.rows[proj];
   const uint row0 = (threadgroup_id - p.first_threadgroup[proj]) *
-                        (QGEMV_SIMDGROUPS * QGEMV_ROWS_PER_SIMDGROUP) +
+                        (simdgroups * QGEMV_ROWS_PER_SIMDGROUP) +
                     simdgroup * QGEMV_ROWS_PER_SIMDGROUP;
   if (row0 >= rows) return;  // the whole SIMD-group leaves together
   const uint count = min(QGEMV_ROWS_PER_SIMDGROUP, rows - row0);

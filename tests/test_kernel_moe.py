@@ -34,6 +34,7 @@ from kernel_testing import (
 from test_kernel_quantized import ulps_for
 
 from lily import reference
+from lily.device import Graph
 from lily.kernels.moe import (
     MoeScratch,
     MoeWeights,
@@ -297,3 +298,33 @@ def test_moe_block(lane_order, dims):
     hidden = as_float32(scratch.hidden, total)
     check_gate_up(dims, x64, ids, hidden)
     check_down(dims, hidden, ids, weights_out, logits[dims.experts], as_float32(out, dims.hidden))
+
+
+# -- grid shapes ----------------------------------------------------------------------------------
+
+
+def test_real_dims_grids_have_many_threadgroups_per_core():
+    """At the real dims both kernels run one SIMD-group (4 rows) per threadgroup: gate/up as
+    128 x 9 threadgroups (28.8 per core of a 40-core GPU, not 64 x 9 = 14.4) and down as 512
+    (12.8 per core, not 256 = 6.4, whose last round would run 40% full)."""
+    device = sim_device("forward")
+    d = REAL
+    w = bind(device, d)
+    x = device.wrap(np.zeros(d.hidden, np.float32))
+    scratch = MoeScratch.allocate(device, d.experts, d.top_k, d.expert_rows, d.shared_rows)
+    graph = Graph()
+    record_moe_gate_up(graph, device, x, scratch.expert_ids, d.top_k, w, scratch.hidden)
+    record_moe_down(
+        graph,
+        device,
+        scratch.hidden,
+        scratch.expert_ids,
+        scratch.expert_weights,
+        scratch.logits,
+        d.top_k,
+        w,
+        float_buffer(device, d.hidden),
+    )
+    gate_up, down = graph.dispatches
+    assert (gate_up.threadgroups, gate_up.threads) == ((128, 9, 1), (32, 1, 1))
+    assert (down.threadgroups, down.threads) == ((512, 1, 1), (32, 1, 1))

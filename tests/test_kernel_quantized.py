@@ -22,6 +22,8 @@ from kernel_testing import (
     sim_device,
 )
 
+from lily.device import Graph
+from lily.kernels.norm import FoldedNorm
 from lily.kernels.quantized import QuantWeight, record_qgemv, wrap_quant_weight
 from lily.quant import bf16_to_float32
 
@@ -140,3 +142,53 @@ def test_misaligned_weight_is_refused():
         QuantWeight(
             (buffer, 4), device.wrap(scales), device.wrap(biases), rows=4, in_dim=64, bits=4
         )
+
+
+@pytest.mark.parametrize(("dtype", "offset"), [("float32", 8), ("bfloat16", 4)])
+def test_input_not_aligned_to_four_elements_is_refused(dtype, offset):
+    """x is read four elements at a time, so a binding between two such vectors is refused."""
+    device = sim_device("forward")
+    weight = wrap_quant_weight(device, *random_quantized(np.random.default_rng(0), 4, 64, 4))
+    x = device.wrap(np.zeros(80, np.float32))
+    with pytest.raises(ValueError, match=f"GEMV input is bound at byte offset {offset}"):
+        record_qgemv(Graph(), device, (x, offset), [(weight, float_buffer(device, 4))], dtype)
+
+
+def test_folded_norm_gain_not_aligned_is_refused():
+    device = sim_device("forward")
+    weight = wrap_quant_weight(device, *random_quantized(np.random.default_rng(0), 4, 64, 4))
+    gain = device.wrap(np.zeros(80, np.uint16))
+    norm = FoldedNorm((gain, 2), 1e-6)
+    with pytest.raises(ValueError, match="folded norm gain is bound at byte offset 2"):
+        record_qgemv(
+            Graph(),
+            device,
+            device.wrap(np.zeros(64, np.float32)),
+            [(weight, float_buffer(device, 4))],
+            norm=norm,
+        )
+
+
+@pytest.mark.parametrize(
+    ("rows", "threadgroups", "threads"),
+    [
+        # A 2048-row projection (out_proj, o_proj): 512 threadgroups of one SIMD-group, 12.8 per
+        # core of a 40-core GPU, rather than 256 of two (6.4: a 40%-full last round).
+        ([2048], 512, 32),
+        ([256, 1], 65, 32),  # router + shared-expert gate: more threadgroups than 40 cores
+        # GDN in_proj qkv|z|a|b: 3,088 SIMD-groups, plenty of threadgroups of two.
+        ([8192, 4096, 32, 32], 1024 + 512 + 4 + 4, 64),
+    ],
+)
+def test_threadgroup_size_follows_the_dispatch_size(rows, threadgroups, threads):
+    device = sim_device("forward")
+    rng = np.random.default_rng(0)
+    projections = [
+        (wrap_quant_weight(device, *random_quantized(rng, r, 64, 4)), float_buffer(device, r))
+        for r in rows
+    ]
+    graph = Graph()
+    record_qgemv(graph, device, device.wrap(np.zeros(64, np.float32)), projections)
+    (dispatch,) = graph.dispatches
+    assert dispatch.threadgroups == (threadgroups, 1, 1)
+    assert dispatch.threads == (threads, 1, 1)

@@ -21,14 +21,19 @@ from typing import TYPE_CHECKING
 
 from lily.kernels import BufferRef, binding, ceil_div, offset_by, pack_params
 from lily.kernels.norm import FoldedNorm
-from lily.kernels.quantized import QuantWeight, record_qgemv
+from lily.kernels.quantized import (
+    ROWS_PER_SIMDGROUP,
+    SIMD_WIDTH,
+    QuantWeight,
+    gemv_simdgroups,
+    record_qgemv,
+    require_vector_aligned,
+)
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
 
-# Must match MOE_SIMDGROUPS * MOE_ROWS_PER_SIMDGROUP and MOE_MAX_EXPERTS_PER_LANE in moe.metal.
-ROWS_PER_THREADGROUP = 8
-THREADS_PER_THREADGROUP = 64
+# Must match MOE_MAX_EXPERTS_PER_LANE in moe.metal.
 MAX_EXPERTS = 256
 
 
@@ -117,8 +122,11 @@ def record_moe_gate_up(
     """hidden = [silu(gate_e x) * up_e x for each chosen e] + [the same for the shared expert];
     with `norm`, of rms_norm(x) instead of x. The chosen experts are read from `expert_ids`, or
     with `routing` chosen in the kernel and written there."""
+    require_vector_aligned(x, "float32", norm)
     expert_rows, shared_rows = w.expert_gate.rows, w.shared_gate.rows
-    row_groups = ceil_div(max(expert_rows, shared_rows), ROWS_PER_THREADGROUP)
+    slots = top_k + 1
+    row_simdgroups = ceil_div(max(expert_rows, shared_rows), ROWS_PER_SIMDGROUP)
+    simdgroups = gemv_simdgroups(row_simdgroups * slots)
     matrices = (w.expert_gate, w.expert_up, w.shared_gate, w.shared_up)
     # Slots a variant does not read are bound to x, so every declared buffer is bound.
     gain = norm.gain if norm is not None else x
@@ -153,8 +161,8 @@ def record_moe_gate_up(
     )
     graph.dispatch(
         device.kernel(f"{variant}_{w.expert_gate.bits}"),
-        threadgroups=(row_groups, top_k + 1, 1),
-        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        threadgroups=(ceil_div(row_simdgroups, simdgroups), slots, 1),
+        threads=(simdgroups * SIMD_WIDTH, 1, 1),
         buffers=buffers,
         bytes={0: params},
     )
@@ -174,11 +182,14 @@ def record_moe_down(
 ) -> None:
     """out = sum_k weight_k down_{e_k}(hidden_k) + sigmoid(shared gate) down_s(hidden_shared);
     with `accumulate`, out += the same."""
+    require_vector_aligned(hidden, "float32")
     rows = w.expert_down.rows
+    row_simdgroups = ceil_div(rows, ROWS_PER_SIMDGROUP)
+    simdgroups = gemv_simdgroups(row_simdgroups)
     graph.dispatch(
         device.kernel(f"moe_down_{w.expert_down.bits}"),
-        threadgroups=(ceil_div(rows, ROWS_PER_THREADGROUP), 1, 1),
-        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        threadgroups=(ceil_div(row_simdgroups, simdgroups), 1, 1),
+        threads=(simdgroups * SIMD_WIDTH, 1, 1),
         buffers={
             1: binding(hidden),
             2: binding(expert_ids),

@@ -25,9 +25,11 @@ if TYPE_CHECKING:
 
 GROUP_SIZE = 64
 MAX_PROJECTIONS = 4
-# Must match QGEMV_ROWS_PER_SIMDGROUP * QGEMV_SIMDGROUPS in quantized_gemv.metal.
-ROWS_PER_THREADGROUP = 8
-THREADS_PER_THREADGROUP = 64
+# Must match QGEMV_ROWS_PER_SIMDGROUP (quantized_gemv.metal) and MOE_ROWS_PER_SIMDGROUP (moe.metal).
+ROWS_PER_SIMDGROUP = 4
+SIMD_WIDTH = 32
+# Dispatches of fewer SIMD-groups than this run one SIMD-group per threadgroup, larger ones two.
+FEW_SIMDGROUPS = 2048
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,29 @@ def wrap_quant_weight(
     )
 
 
+def gemv_simdgroups(simdgroups: int) -> int:
+    """SIMD-groups per threadgroup for a GEMV dispatch of `simdgroups` SIMD-groups in all.
+
+    Two (64 threads) unless the dispatch has few threadgroups per GPU core: cores take
+    threadgroups in rounds, and a last round only partly filled idles the rest.
+    A 2048-row projection in threadgroups of two is 256 of them, 6.4 per core of a 40-core GPU,
+    so the 7th round runs 40% full (the busiest core does 7 where 6.4 would be even: +9%). One
+    SIMD-group per threadgroup gives 512, 12.8 per core (+1.6%; on 16 cores exactly 32), and
+    lifts the router with the shared-expert gate (256 + 1 rows) from 33 threadgroups, fewer than
+    40 cores, to 65. The kernels have no threadgroup memory or barriers, so the size changes
+    nothing but scheduling."""
+    return 1 if simdgroups < FEW_SIMDGROUPS else 2
+
+
+def require_vector_aligned(x: BufferRef, x_dtype: str, norm: FoldedNorm | None = None) -> None:
+    """The GEMVs read x (and a folded norm's bf16 gain) four elements at a time (load_chunk in
+    quantized.h), so those bindings must be aligned to four elements."""
+    x_bytes = 4 if element_type(x_dtype) == "float" else 2
+    require_aligned(x, 4 * x_bytes, "GEMV input")
+    if norm is not None:
+        require_aligned(norm.gain, 4 * 2, "folded norm gain")
+
+
 def record_qgemv(
     graph: Graph,
     device: Device,
@@ -98,14 +123,17 @@ def record_qgemv(
         if (weight.in_dim, weight.bits) != (first.in_dim, first.bits):
             raise ValueError("projections sharing one dispatch need the same input and bits")
     rows = [w.rows for w, _ in projections]
+    simdgroups = gemv_simdgroups(sum(ceil_div(r, ROWS_PER_SIMDGROUP) for r in rows))
+    rows_per_threadgroup = simdgroups * ROWS_PER_SIMDGROUP
     first_threadgroup = np.concatenate(
-        [[0], np.cumsum([ceil_div(r, ROWS_PER_THREADGROUP) for r in rows])]
+        [[0], np.cumsum([ceil_div(r, rows_per_threadgroup) for r in rows])]
     )
     # Unused slots repeat the first projection so that every declared buffer is bound.
     slots = list(projections) + [projections[0]] * (MAX_PROJECTIONS - len(projections))
     padding = [0] * (MAX_PROJECTIONS - len(projections))
     if norm is not None and element_type(x_dtype) != "float":
         raise ValueError("a folded norm reads an fp32 residual")
+    require_vector_aligned(x, x_dtype, norm)
     params = pack_params(
         "II4I4IfII",
         first.in_dim,
@@ -133,7 +161,7 @@ def record_qgemv(
     graph.dispatch(
         kernel,
         threadgroups=(int(first_threadgroup[-1]), 1, 1),
-        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        threads=(simdgroups * SIMD_WIDTH, 1, 1),
         buffers=buffers,
         bytes={0: params},
     )
