@@ -662,6 +662,7 @@ def _greedy_sample(vocab: int):
         LogitAdjustments,
         logprob_ring_bytes,
         record_sample,
+        sample_partials_bytes,
         token_mask_bytes,
         write_sampling_params,
     )
@@ -686,6 +687,7 @@ def _greedy_sample(vocab: int):
             ring_slots=1,
             token_mask=device.alloc(token_mask_bytes(vocab)),
             adjustments=LogitAdjustments.allocate(device, vocab),
+            partials=device.scratch(sample_partials_bytes(vocab)),
         )
 
         def verify() -> Comparison:
