@@ -11,7 +11,11 @@ the kept set by sorting (the kernel bisects), the probabilities in float64. Thre
   and the kept set are all pinned down, including at the full 248320-token vocabulary;
 - edge cases and log-probabilities against float64 log_softmax, under all three lane orders;
 - the token mask (a constraint's allowed tokens): the same checks on the logits with every
-  disallowed token at -inf, and log-probabilities that ignore it.
+  disallowed token at -inf, and log-probabilities that ignore it;
+- the two dispatches: over many slices the draws replay the race token for token whichever way
+  the finish decides (the slices' winners, their candidates, or the logits after all), the
+  finish reads no logits when the slices decide, and with bookkeeping it counts the token and
+  advances the step buffer as the decode step needs.
 """
 
 from __future__ import annotations

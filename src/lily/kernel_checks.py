@@ -1131,7 +1131,7 @@ CHECKS: list[KernelCheck] = [
     KernelCheck(
         "moe (route, gate/up, down)", "64 experts top-8, 2048", _moe(2048, 64, 8, 512, 512), True
     ),
-    KernelCheck("sample_token (greedy)", "vocab 248320", _greedy_sample(248320)),
+    KernelCheck("sample_slices + sample_token (greedy)", "vocab 248320", _greedy_sample(248320)),
     KernelCheck("step_advance", "capacity 4096", _step_advance(4096, 17)),
     KernelCheck(
         "qgemm_4 (in_proj qkv, z, a, b)",
