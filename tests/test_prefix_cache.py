@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -269,6 +270,47 @@ def test_the_disk_cache_stays_within_its_size_dropping_the_least_recently_used(t
     kept = {p.name for p in tmp_path.glob("*.prefix")}
     assert kept == {disk.path_of(prefixes[0]).name, disk.path_of(prefixes[2]).name}
     assert sum(p.stat().st_size for p in tmp_path.glob("*.prefix")) <= 20_000
+
+
+def test_an_answer_does_not_wait_for_its_prefix_to_be_written(tmp_path, uncached):
+    messages = _long_messages()
+    with _load(cache_dir=tmp_path, cache_disk_min_tokens=64) as llm:
+        disk = llm.engine.prefix_cache.disk
+        written = threading.Event()
+        save = disk.save
+
+        def slow_save(*args: Any) -> None:
+            assert written.wait(timeout=120), "the test never let the write finish"
+            save(*args)
+
+        disk.save = slow_save  # type: ignore[method-assign]
+        reply = llm.chat.completions.create(messages=messages, **PARAMS)
+        # The answer is complete while its prefix's write is still held back.
+        assert not list(tmp_path.glob("*.prefix"))
+        written.set()
+    # Leaving the block waited for the write.
+    assert max(int(p.name.split("-")[0]) for p in tmp_path.glob("*.prefix")) == (
+        _conversation_tokens(uncached, messages)
+    )
+    assert (
+        reply.choices[0].message
+        == uncached.chat.completions.create(messages=messages, **PARAMS).choices[0].message
+    )
+
+
+def test_a_failed_background_write_is_logged_not_raised(tmp_path, caplog):
+    directory = tmp_path / "cache"
+    disk = DiskPrefixCache(directory, "m", min_tokens=1)
+    directory.rmdir()  # every write now fails
+    disk.save_in_background([1, 2, 3], [np.zeros((1, 3, 4), np.uint16)], [])
+    with caplog.at_level("WARNING", logger="lily.prefix_cache"):
+        disk.flush()
+    assert "could not write" in caplog.text
+    directory.mkdir()
+    disk.save_in_background([1, 2, 3], [np.zeros((1, 3, 4), np.uint16)], [])
+    disk.flush()
+    entry = disk.load_longest([1, 2, 3, 4])
+    assert entry is not None and entry.tokens == [1, 2, 3]
 
 
 def test_the_memory_budget_holds_when_one_sequence_outgrows_it():

@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import checks
 
 import lily
+import lily.server
 from lily.api import Lily
 from lily.errors import RequestError
 from lily.openapi import CHAT_REQUEST_EXAMPLES, openapi_document
@@ -532,6 +533,23 @@ def test_deeply_nested_json_is_a_400(server: RunningServer) -> None:
     response = post(server, '{"messages": ' + "[" * 50_000)
     assert response.status_code == 400
     error_of(response)
+
+
+def test_bodies_are_parsed_off_the_event_loop(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed_on: list[threading.Thread] = []
+    parse = lily.server.parse_chat_request
+
+    def recording_parse(body: bytes) -> dict[str, Any]:
+        parsed_on.append(threading.current_thread())
+        return parse(body)
+
+    monkeypatch.setattr(lily.server, "parse_chat_request", recording_parse)
+    response = post(server, "[1]")  # refused by the parser: no generation needed
+    assert response.status_code == 400
+    # uvicorn runs the event loop on the server's thread; the parse ran elsewhere.
+    assert parsed_on and parsed_on[0] is not server.thread
 
 
 def test_errors_through_the_openai_client(server: RunningServer) -> None:

@@ -17,6 +17,7 @@ import pytest
 from lily.api import Lily
 from lily.checkpoint import resolve_model
 from lily.config import load_config
+from lily.constraint import allowed_flags
 from lily.engine import GREEDY
 from lily.errors import RequestError
 from lily.sampling import GeneratedToken, SamplingParams
@@ -130,8 +131,7 @@ class MaskedRandomEngine:
             mask = constraint.allowed_tokens() if constraint is not None else None
             if mask is not None:
                 assert mask.dtype == np.uint32 and mask.size == (self.config.vocab_size + 31) // 32
-                bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
-                logits[~bits[: self.config.vocab_size].astype(bool)] = -np.inf
+                logits[~allowed_flags(mask, self.config.vocab_size)] = -np.inf
             token = int(np.argmax(logits))
             if constraint is not None:
                 constraint.consume(token)
@@ -300,9 +300,9 @@ def test_the_end_of_turn_is_banned_while_thinking(llm, tokenizer):
     assert grammar_request.choices[0].finish_reason == "length"  # never ended while thinking
     constraint = llm.engine.constraints[-1]
     assert constraint.in_reasoning
-    bits = np.unpackbits(constraint.allowed_tokens().view(np.uint8), bitorder="little")
+    allowed = allowed_flags(constraint.allowed_tokens(), llm.engine.config.vocab_size)
     stop = tokenizer.token_to_id("<|im_end|>")
-    assert not bits[stop] and bits[tokenizer.token_to_id("</think>")]
+    assert not allowed[stop] and allowed[tokenizer.token_to_id("</think>")]
 
 
 def test_text_and_no_tools_need_no_constraint(llm):

@@ -319,3 +319,35 @@ def test_a_malformed_tool_schema_types_nothing(parameters):
     text = "<tool_call>\n<function=f>\n<parameter=n>\n2\n</parameter>\n</function>\n</tool_call>"
     _, calls = parse_tool_calls(text, tools)
     assert json.loads(calls[0].arguments) == {"n": "2"}
+
+
+# A JSON-typed value whose strings hold every tag that ends a value; escaped quotes and
+# backslashes must not end its strings early either.
+TAGS_IN_JSON = {"note": 'see </parameter> and <parameter=x> "</function>" \\ </tool_call>'}
+
+
+def test_tags_inside_the_strings_of_a_json_value_do_not_end_it():
+    text = (
+        "<tool_call>\n<function=search>\n"
+        f"<parameter=filters>\n{json.dumps(TAGS_IN_JSON)}\n</parameter>\n"
+        "<parameter=limit>\n2\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    expected = {"filters": TAGS_IN_JSON, "limit": 2}
+    _, calls = parse_tool_calls(text, TOOLS)
+    assert json.loads(calls[0].arguments) == expected
+    streamed = stream(list(text))
+    assert json.loads(streamed[1][0][2]) == expected
+
+
+def test_a_string_value_still_ends_at_the_first_tag():
+    text = '<function=search>\n<parameter=query>\na "</parameter>" b\n</parameter>\n</function>'
+    _, calls = parse_tool_calls(text, TOOLS)
+    assert json.loads(calls[0].arguments) == {"query": 'a "'}
+
+
+def test_an_unclosed_quote_in_a_json_value_ends_at_its_line():
+    text = '<function=search>\n<parameter=filters>\n{"a": "open\n</parameter>\n</function>'
+    _, calls = parse_tool_calls(text, TOOLS)
+    # Not JSON, so it stays text, and the call still closes where it should.
+    assert json.loads(calls[0].arguments) == {"filters": '{"a": "open'}

@@ -364,6 +364,7 @@ class DeviceEngine:
         return logits
 
     def close(self) -> None:
+        self.prefix_cache.close()
         self._model = None  # type: ignore[assignment]
 
 
@@ -463,6 +464,7 @@ class ReferenceEngine:
         return self.teacher_forced_logits(prompt)[-1]
 
     def close(self) -> None:
+        self.prefix_cache.close()
         self._model = None  # type: ignore[assignment]
 
 

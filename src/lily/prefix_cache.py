@@ -264,10 +264,15 @@ class PrefixCache:
             return
         for length in self._to_disk:
             if length in sequence.snapshots:
-                self.disk.save(
+                self.disk.save_in_background(
                     sequence.tokens[:length], live.copy_out(length), sequence.snapshots[length]
                 )
         self._to_disk = []
+
+    def close(self) -> None:
+        """Waits for the disk writes still under way."""
+        if self.disk is not None:
+            self.disk.flush()
 
     # -- internals ------------------------------------------------------------------------------
 

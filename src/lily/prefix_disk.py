@@ -12,17 +12,24 @@ is used only if its checksum, identity and token ids all agree; anything else (a
 tampered file, another model's) is deleted and the prefix is computed again. Files are written
 aside and renamed into place, and the directory is kept under `max_bytes` by deleting the least
 recently used files (a hit refreshes a file's modification time).
+
+The engine saves in the background (`save_in_background`): hashing and writing a long prefix
+(tens to hundreds of MB on the real model) would otherwise hold up the end of every answer.
+`flush()` waits for those writes; closing the engine flushes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import struct
 import tempfile
+from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,6 +50,8 @@ _LENGTH = struct.Struct("<Q")
 _IDENTITY_SAMPLE = 1 << 20
 DEFAULT_DISK_BYTES = 16 << 30
 DEFAULT_MIN_TOKENS = 1024
+# Background writes queued at most: each holds its prefix's rows in host memory until written.
+_MAX_PENDING_WRITES = 2
 
 
 def model_identity(checkpoint: Checkpoint, engine_kind: str) -> str:
@@ -84,6 +93,8 @@ class DiskPrefixCache:
         # What happened, for logs and tests: files read, and files found unusable (deleted).
         self.hits = 0
         self.rejected = 0
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: deque[tuple[Path, Future[None]]] = deque()
 
     def path_of(self, tokens: Sequence[int]) -> Path:
         digest = hashlib.sha256(self.identity.encode())
@@ -123,7 +134,7 @@ class DiskPrefixCache:
             logger.warning("prefix cache: %s is damaged or not this model's: deleted", path)
             path.unlink(missing_ok=True)
         else:
-            path.touch()  # the LRU order is the files' modification times
+            _refresh(path)
         return entry
 
     def _parse(self, data: bytearray, tokens: Sequence[int]) -> DiskEntry | None:
@@ -149,11 +160,38 @@ class DiskPrefixCache:
         # alive once the rows are dropped (a sequence continued in the engine's cache).
         return DiskEntry(list(tokens), rows, [a.copy() for a in state])
 
+    def save_in_background(
+        self, tokens: Sequence[int], rows: list[np.ndarray], state: list[np.ndarray]
+    ) -> None:
+        """`save` on a writer thread; the arrays must not change until `flush` returns. A write
+        that fails is logged, not raised: the prefix is just computed again next time."""
+        path = self.path_of(tokens)
+        if any(queued == path for queued, _ in self._pending):
+            return
+        while len(self._pending) >= _MAX_PENDING_WRITES:
+            self._wait_oldest()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="lily-prefix-disk")
+        tokens = list(tokens)
+        self._pending.append((path, self._writer.submit(self.save, tokens, rows, state)))
+
+    def flush(self) -> None:
+        """Waits until every background save is on disk (or has failed and been logged)."""
+        while self._pending:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        path, write = self._pending.popleft()
+        try:
+            write.result()
+        except OSError as error:
+            logger.warning("prefix cache: could not write %s: %s", path.name, error)
+
     def save(self, tokens: Sequence[int], rows: list[np.ndarray], state: list[np.ndarray]) -> None:
         """Writes the state after `tokens` (kept if already there), then trims the directory."""
         path = self.path_of(tokens)
         if path.exists():
-            path.touch()
+            _refresh(path)
             return
         arrays = [np.asarray(tokens, dtype=np.uint32), *rows, *state]
         header = json.dumps(
@@ -195,6 +233,13 @@ class DiskPrefixCache:
                 break
             entry.unlink(missing_ok=True)
             total -= size
+
+
+def _refresh(path: Path) -> None:
+    """Marks a file as just used: the LRU order is the files' modification times. (Not
+    `Path.touch`, which would create an empty file if a trim deleted it meanwhile.)"""
+    with contextlib.suppress(FileNotFoundError):
+        os.utime(path)
 
 
 def _unpack(payload: memoryview, specs: list) -> list[np.ndarray]:

@@ -440,7 +440,10 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         self._check_api_key(request)
-        params = parse_chat_request(await _read_body(request, self.max_body_bytes))
+        body = await _read_body(request, self.max_body_bytes)
+        # A body of megabytes takes tens of ms to parse: off the event loop, so that streams
+        # being served meanwhile do not stall.
+        params = await asyncio.to_thread(parse_chat_request, body)
         # The facade's checks, run here so that a bad request is refused at once instead of
         # after waiting its turn (the prompt is rendered, sized and tokenized on the worker).
         checked = parse_request(

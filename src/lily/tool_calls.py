@@ -17,6 +17,8 @@ completed parameter, that concatenate to `json.dumps(arguments, ensure_ascii=Fal
 
 The parser tolerates a `<function=...>` the model wrote without its `<tool_call>` wrapper and a
 missing `</parameter>` (the next `<parameter=`, `</function>` or `</tool_call>` ends the value).
+A value whose schema says it is JSON (an object, array, number, ...) ends only at a tag outside
+its JSON strings, so a string inside it may hold any of those tags.
 """
 
 from __future__ import annotations
@@ -326,11 +328,12 @@ class ToolCallParser:
     def _parameter_value(
         self, content: list[str], deltas: list[ToolCallDelta], final: bool
     ) -> bool:
-        ends = [(self._buffer.find(m), m) for m in _VALUE_ENDS]
-        found = [(at, m) for at, m in ends if at >= 0]
-        if not found:
+        schema = self._schemas.get(self._name, {}).get(self._parameter)
+        json_typed = schema is not None and "string" not in _schema_types(schema)
+        found = _value_end(self._buffer, json_typed)
+        if found is None:
             return False
-        at, marker = min(found)
+        at, marker = found
         self._add_parameter(self._buffer[:at], deltas)
         # A well-formed value ends with </parameter>; any other end tag is left to be read.
         consumed = at + len(marker) if marker == PARAMETER_END else at
@@ -367,6 +370,32 @@ class ToolCallParser:
         self._arguments += piece
         deltas.append(ToolCallDelta(len(self.calls), arguments=piece))
         self.calls.append(ToolCall(self._id, self._name, self._arguments))
+
+
+def _value_end(text: str, json_typed: bool) -> tuple[int, str] | None:
+    """Where a parameter value ends: the first of `_VALUE_ENDS`, and its marker. A value typed as
+    JSON (no string in its schema) ends only at a marker outside its string literals, so
+    `{"note": "</parameter>"}` stays whole. JSON strings cannot hold a raw newline, so a
+    newline also ends a string literal: an unclosed quote cannot swallow the value's end."""
+    found = [(at, m) for at, m in ((text.find(m), m) for m in _VALUE_ENDS) if at >= 0]
+    if not json_typed or not found:
+        return min(found) if found else None
+    in_string = escaped = False
+    for at, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char in '"\n':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char == "<":
+            for marker in _VALUE_ENDS:
+                if text.startswith(marker, at):
+                    return at, marker
+    return None
 
 
 def _could_become(text: str, markers: Iterable[str]) -> bool:
