@@ -4,9 +4,11 @@
 //   attention_prepare  per-head RMSNorm of q and k, partial rotate-half RoPE, and the append of
 //                      the rotated key and the value to the bf16 KV cache at the position
 //   attention_decode   softmax(q K^T * scale) V over the whole context with GQA, the context
-//                      split into a fixed number of ranges ("splits") so that long contexts
-//                      spread over many threadgroups; each split leaves an unnormalised partial
-//   attention_combine  merges the partials of every split and applies the sigmoid output gate
+//                      split into ranges of kSplitPositions positions ("splits") that run as
+//                      separate threadgroups; each split leaves an unnormalised partial per
+//                      query head
+//   attention_combine  merges the partials of the splits the context reaches and applies the
+//                      sigmoid output gate
 //
 // and in two for a chunk of T prompt tokens: attention_prepare over the T tokens (token t sits at
 // position + t), then attention_chunk, a causal flash-attention pass whose epilogue applies the
@@ -19,53 +21,121 @@
 // epilogue) the gate half.
 #include "common.h"
 
-// Every Qwen3.5/3.6 attention layer has 256-dim heads; a simdgroup covers one head with 8
-// elements per lane (lane, lane + 32, ...), so loads are coalesced across the simdgroup.
+// Every Qwen3.5/3.6 attention layer has 256-dim heads; a simdgroup covers one row (a head of one
+// token, or one cached position) with 8 contiguous dims per lane, 8 * lane to 8 * lane + 7, so a
+// lane reads its share of a bf16 cache row in one 16-byte load and of an fp32 row in two.
 constexpr constant uint kHeadDim = 256;
 constexpr constant uint kPerLane = kHeadDim / SIMD_WIDTH;
+
+// This lane's 8 dims of a bf16 row, widened. A bf16 is the top half of the float it widens to,
+// so the shifts are exact; word i holds dims 2i (low half) and 2i + 1.
+inline void load_bf16_row(device const bfloat* row, uint lane, thread float* x) {
+  const uint4 words = reinterpret_cast<device const uint4*>(row)[lane];
+  for (uint i = 0; i < 4; ++i) {
+    x[2 * i] = as_type<float>(words[i] << 16);
+    x[2 * i + 1] = as_type<float>(words[i] & 0xFFFF0000u);
+  }
+}
+
+// This lane's 8 dims of an fp32 row (16-byte aligned: rows start at multiples of 256 floats).
+inline void load_float_row(device const float* row, uint lane, thread float* x) {
+  const float4 low = reinterpret_cast<device const float4*>(row)[2 * lane];
+  const float4 high = reinterpret_cast<device const float4*>(row)[2 * lane + 1];
+  for (uint i = 0; i < 4; ++i) {
+    x[i] = low[i];
+    x[4 + i] = high[i];
+  }
+}
+
+// Stores of this lane's 8 dims of an fp32 row, and threadgroup-memory loads and stores of them,
+// as float4s: 16-byte accesses, which the checking sim sees (8 scalar stores to consecutive
+// floats may be merged by the compiler into one access it does not).
+inline void store_float_row(thread const float* x, uint lane, device float* row) {
+  reinterpret_cast<device float4*>(row)[2 * lane] = float4(x[0], x[1], x[2], x[3]);
+  reinterpret_cast<device float4*>(row)[2 * lane + 1] = float4(x[4], x[5], x[6], x[7]);
+}
+
+inline void store_threadgroup_row(thread const float* x, uint lane, threadgroup float* row) {
+  reinterpret_cast<threadgroup float4*>(row)[2 * lane] = float4(x[0], x[1], x[2], x[3]);
+  reinterpret_cast<threadgroup float4*>(row)[2 * lane + 1] = float4(x[4], x[5], x[6], x[7]);
+}
+
+inline void load_threadgroup_row(threadgroup const float* row, uint lane, thread float* x) {
+  const float4 low = reinterpret_cast<threadgroup const float4*>(row)[2 * lane];
+  const float4 high = reinterpret_cast<threadgroup const float4*>(row)[2 * lane + 1];
+  for (uint i = 0; i < 4; ++i) {
+    x[i] = low[i];
+    x[4 + i] = high[i];
+  }
+}
+
+inline void store_bf16_row(thread const float* x, uint lane, device bfloat* row) {
+  for (uint j = 0; j < kPerLane; ++j) {
+    row[kPerLane * lane + j] = bfloat(x[j]);
+  }
+}
 
 struct AttentionPrepareParams {
   uint num_q_heads;
   uint num_kv_heads;
   uint cache_capacity;  // positions per head in the cache
-  uint rotary_dim;      // a multiple of 64, so that rotate-half partners share a lane
+  uint rotary_dim;      // a multiple of 64 (the host checks; rotate-half needs a multiple of 16)
   float rope_theta;
   float norm_eps;
 };
 
-// One head of one token as attention uses it: RMSNorm with the stored gain, then rotate-half
-// RoPE at `position`; this lane's 8 dims (lane, lane + 32, ...) in x. The prepare kernel and the
-// fused decode kernel both go through it, so they agree bit for bit.
-inline void prepare_head(device const float* src, device const bfloat* gain, uint position,
-                         uint rotary_dim, float rope_theta, float norm_eps, uint lane,
-                         thread float* x) {
-  float sum_sq = 0.0f;
-  for (uint j = 0; j < kPerLane; ++j) {
-    x[j] = src[lane + SIMD_WIDTH * j];
-    sum_sq += x[j] * x[j];
-  }
-  const float inv_rms = rsqrt(simd_sum(sum_sq) / float(kHeadDim) + norm_eps);
-  for (uint j = 0; j < kPerLane; ++j) {
-    x[j] *= inv_rms * float(gain[lane + SIMD_WIDTH * j]);
-  }
-
-  // Rotate-half RoPE on the first rotary_dim dims: dim i pairs with i + rotary_dim / 2, which
-  // sits in the same lane, slot j + pair_offset.
-  const uint half_rotary = rotary_dim / 2;
-  const uint pair_offset = half_rotary / SIMD_WIDTH;
+// cos and sin of the RoPE angles at `position`, entry i for the rotate-half pair of dims i and
+// i + rotary_dim / 2, filled by `threads` threads together; the caller puts a threadgroup barrier
+// between this and the first read. Every kernel rotates with a table from this function, so they
+// all rotate by the same bits.
+inline void fill_rope_table(uint position, uint rotary_dim, float rope_theta, uint thread_id,
+                            uint threads, threadgroup float* cos_table,
+                            threadgroup float* sin_table) {
   const float log2_theta = log2(rope_theta);
-  for (uint j = 0; j < pair_offset; ++j) {
-    const uint i = lane + SIMD_WIDTH * j;
+  for (uint i = thread_id; i < rotary_dim / 2; i += threads) {
     const float inv_freq = exp2(-float(2 * i) / float(rotary_dim) * log2_theta);
     const float angle = float(position) * inv_freq;
     // Angles reach the hundreds of thousands of radians; the fast-math versions are only
-    // accurate near [-pi, pi], and this runs 32 times per head, so take the precise ones.
-    const float c = precise::cos(angle);
-    const float s = precise::sin(angle);
-    const float first = x[j];
-    const float second = x[j + pair_offset];
-    x[j] = first * c - second * s;
-    x[j + pair_offset] = second * c + first * s;
+    // accurate near [-pi, pi], and this runs once per pair and threadgroup, so take the precise
+    // ones.
+    cos_table[i] = precise::cos(angle);
+    sin_table[i] = precise::sin(angle);
+  }
+}
+
+// One head of one token as attention uses it: RMSNorm with the stored gain, then rotate-half
+// RoPE with the table of fill_rope_table; this lane's 8 dims in x. The prepare kernel and the
+// fused decode kernel both go through it, so they agree bit for bit.
+inline void prepare_head(device const float* src, device const bfloat* gain, uint rotary_dim,
+                         float norm_eps, threadgroup const float* cos_table,
+                         threadgroup const float* sin_table, uint lane, thread float* x) {
+  load_float_row(src, lane, x);
+  float sum_sq = 0.0f;
+  for (uint j = 0; j < kPerLane; ++j) {
+    sum_sq += x[j] * x[j];
+  }
+  const float inv_rms = rsqrt(simd_sum(sum_sq) / float(kHeadDim) + norm_eps);
+  // The gains are checkpoint tensors, not necessarily 16-byte aligned: scalar loads.
+  for (uint j = 0; j < kPerLane; ++j) {
+    x[j] *= inv_rms * float(gain[kPerLane * lane + j]);
+  }
+
+  // Rotate-half on the first rotary_dim dims: dim i pairs with i + rotary_dim / 2, the same slot
+  // half_lanes lanes further on.
+  const uint half_lanes = rotary_dim / 2 / kPerLane;
+  const bool first_half = lane < half_lanes;
+  const uint partner_lane = first_half ? lane + half_lanes : lane - half_lanes;
+  float partner[kPerLane];
+  for (uint j = 0; j < kPerLane; ++j) {
+    partner[j] = simd_shuffle(x[j], partner_lane);
+  }
+  if (lane < 2 * half_lanes) {
+    const uint pair = kPerLane * (first_half ? lane : lane - half_lanes);
+    for (uint j = 0; j < kPerLane; ++j) {
+      const float c = cos_table[pair + j];
+      const float s = sin_table[pair + j];
+      x[j] = first_half ? x[j] * c - partner[j] * s : x[j] * c + partner[j] * s;
+    }
   }
 }
 
@@ -85,6 +155,8 @@ inline void prepare_head(device const float* src, device const bfloat* gain, uin
     device bfloat* v_cache [[buffer(9)]],       // [Hkv, cache_capacity, head_dim]
     uint2 group_id [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float rope_cos[kHeadDim / 2];
+  threadgroup float rope_sin[kHeadDim / 2];
   const uint head = group_id.x;
   const uint token = group_id.y;
   const uint position = step[0] + token;
@@ -95,14 +167,14 @@ inline void prepare_head(device const float* src, device const bfloat* gain, uin
   device const float* src = is_query ? q_proj + q_row : k_proj + kv_row;
   device const bfloat* gain = is_query ? q_norm : k_norm;
 
+  fill_rope_table(position, params.rotary_dim, params.rope_theta, lane, SIMD_WIDTH, rope_cos,
+                  rope_sin);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   float x[kPerLane];
-  prepare_head(src, gain, position, params.rotary_dim, params.rope_theta, params.norm_eps, lane, x);
+  prepare_head(src, gain, params.rotary_dim, params.norm_eps, rope_cos, rope_sin, lane, x);
 
   if (is_query) {
-    device float* dst = queries + (ulong(token) * params.num_q_heads + head) * kHeadDim;
-    for (uint j = 0; j < kPerLane; ++j) {
-      dst[lane + SIMD_WIDTH * j] = x[j];
-    }
+    store_float_row(x, lane, queries + (ulong(token) * params.num_q_heads + head) * kHeadDim);
     return;
   }
   // A chunk running past the cache must not write past the end of it.
@@ -110,76 +182,147 @@ inline void prepare_head(device const float* src, device const bfloat* gain, uin
     return;
   }
   const ulong row = (ulong(kv_head) * params.cache_capacity + position) * kHeadDim;
-  device const float* v_src = v_proj + kv_row;
-  for (uint j = 0; j < kPerLane; ++j) {
-    k_cache[row + lane + SIMD_WIDTH * j] = bfloat(x[j]);
-    v_cache[row + lane + SIMD_WIDTH * j] = bfloat(v_src[lane + SIMD_WIDTH * j]);
-  }
+  float v[kPerLane];
+  load_float_row(v_proj + kv_row, lane, v);
+  store_bf16_row(x, lane, k_cache + row);
+  store_bf16_row(v, lane, v_cache + row);
+}
+
+// ---- decode: one token's queries over the cached context ----------------------------------------
+//
+// A threadgroup takes one split of one kv head: kDecodeSimdgroups simdgroups walk the split's
+// positions interleaved (simdgroup g takes begin + g, begin + g + 8, ...), each lane loading its 16
+// bytes of the key and of the value row once for all the query heads of the kv head, whose
+// online-softmax states (scaled queries, running max and sum, weighted values) the simdgroup
+// keeps in registers. The simdgroups' states are then merged in threadgroup memory into the
+// split's partial per query head.
+constexpr constant uint kDecodeSimdgroups = 8;
+constexpr constant uint kDecodeThreads = kDecodeSimdgroups * SIMD_WIDTH;
+// The fused kernel prepares one query head per simdgroup; the real model has 8 (16 q, 2 kv).
+constexpr constant uint kMaxGroup = kDecodeSimdgroups;
+// The merge gives each thread of the threadgroup one head dim.
+static_assert(kDecodeThreads == kHeadDim, "one merging thread per head dim");
+// Positions per split while the grid has splits to spare: enough work per threadgroup to hide
+// its prologue (the fused kernel's norms and RoPE) and keep the partials a few percent of the KV
+// bytes, few enough that a long context spreads over the GPU's cores.
+constexpr constant uint kSplitPositions = 256;
+
+// Positions per split at `context` tokens over a grid of `num_splits` splits: kSplitPositions
+// until the splits run out, then evenly more. Splits at or past the context are empty. The decode
+// kernels and the combine derive it alike from the step buffer.
+inline uint split_length(uint context, uint num_splits) {
+  return max(kSplitPositions, (context + num_splits - 1) / num_splits);
 }
 
 struct AttentionDecodeParams {
   uint num_q_heads;
   uint num_kv_heads;
   uint cache_capacity;
-  uint num_splits;
+  uint num_splits;  // the grid's, sized for the cache capacity
   float scale;
 };
 
-// One position of the online softmax: this lane's 8 dims of the position's key and value.
-inline void attend_position(thread const float* q, thread const float* k, thread const float* v,
-                            thread float& running_max, thread float& running_sum,
-                            thread float* acc) {
-  float dot = 0.0f;
-  for (uint j = 0; j < kPerLane; ++j) {
-    dot += q[j] * k[j];
+// A simdgroup's online softmax for every query head of the group, over the positions it took.
+struct GroupState {
+  float q[kMaxGroup][kPerLane];  // scaled query, this lane's dims
+  float acc[kMaxGroup][kPerLane];  // sum of exp(score - running_max) * v
+  float running_max[kMaxGroup];
+  float running_sum[kMaxGroup];  // sum of exp(score - running_max)
+};
+
+inline void start_group(thread GroupState& s) {
+  for (uint h = 0; h < kMaxGroup; ++h) {
+    // Finite start value: fast math does not promise IEEE infinities.
+    s.running_max[h] = -1.0e30f;
+    s.running_sum[h] = 0.0f;
+    for (uint j = 0; j < kPerLane; ++j) {
+      s.acc[h][j] = 0.0f;
+    }
   }
-  const float score = simd_sum(dot);
-  const float new_max = max(running_max, score);
-  const float rescale = exp(running_max - new_max);
-  const float weight = exp(score - new_max);
-  running_sum = running_sum * rescale + weight;
-  for (uint j = 0; j < kPerLane; ++j) {
-    acc[j] = acc[j] * rescale + weight * v[j];
-  }
-  running_max = new_max;
 }
 
-// The online softmax over cached positions [begin, end) of one kv head's cache rows.
-inline void attend_cached(thread const float* q, device const bfloat* k_head,
-                          device const bfloat* v_head, uint begin, uint end, uint lane,
-                          thread float& running_max, thread float& running_sum,
-                          thread float* acc) {
-  for (uint t = begin; t < end; ++t) {
-    device const bfloat* k_row = k_head + ulong(t) * kHeadDim;
-    device const bfloat* v_row = v_head + ulong(t) * kHeadDim;
+// One position for the group's `group` query heads: this lane's 8 dims of its key and value.
+// The head loop has a constant trip count so that the state stays in registers.
+inline void attend_row(thread GroupState& s, uint group, thread const float* k,
+                       thread const float* v) {
+  for (uint h = 0; h < kMaxGroup; ++h) {
+    if (h < group) {
+      float dot = 0.0f;
+      for (uint j = 0; j < kPerLane; ++j) {
+        dot += s.q[h][j] * k[j];
+      }
+      const float score = simd_sum(dot);
+      const float new_max = max(s.running_max[h], score);
+      const float rescale = exp(s.running_max[h] - new_max);
+      const float weight = exp(score - new_max);
+      s.running_sum[h] = s.running_sum[h] * rescale + weight;
+      for (uint j = 0; j < kPerLane; ++j) {
+        s.acc[h][j] = s.acc[h][j] * rescale + weight * v[j];
+      }
+      s.running_max[h] = new_max;
+    }
+  }
+}
+
+// Cached positions first, first + kDecodeSimdgroups, ... below end of one kv head's rows.
+inline void attend_cached_rows(thread GroupState& s, uint group, device const bfloat* k_head,
+                               device const bfloat* v_head, uint first, uint end, uint lane) {
+  for (uint t = first; t < end; t += kDecodeSimdgroups) {
     float k[kPerLane];
     float v[kPerLane];
-    for (uint j = 0; j < kPerLane; ++j) {
-      k[j] = float(k_row[lane + SIMD_WIDTH * j]);
-      v[j] = float(v_row[lane + SIMD_WIDTH * j]);
-    }
-    attend_position(q, k, v, running_max, running_sum, acc);
+    load_bf16_row(k_head + ulong(t) * kHeadDim, lane, k);
+    load_bf16_row(v_head + ulong(t) * kHeadDim, lane, v);
+    attend_row(s, group, k, v);
   }
 }
 
-// A split's partial: its running max, its sum of exp(score - max) and the weighted values.
-inline void store_partial(thread const float* acc, float running_max, float running_sum,
-                          uint slot, device float* partial_out, device float* partial_stats,
-                          uint lane) {
-  for (uint j = 0; j < kPerLane; ++j) {
-    partial_out[ulong(slot) * kHeadDim + lane + SIMD_WIDTH * j] = acc[j];
-  }
+// Merges the simdgroups' states into the split's partial of each query head of the group and
+// stores it: its max m, its sum of exp(score - m), and sum exp(score - m) * v. A simdgroup that
+// took no position (max -1e30, sum 0) adds nothing. Called by the whole threadgroup once it no
+// longer reads `exchange` (kDecodeSimdgroups * kHeadDim floats); `stats` holds
+// 2 * kMaxGroup * kDecodeSimdgroups floats.
+inline void store_split_partials(thread const GroupState& s, uint group, uint first_head,
+                                 uint split, uint num_splits, threadgroup float* exchange,
+                                 threadgroup float* stats, uint simd_index, uint lane,
+                                 device float* partial_out, device float* partial_stats) {
+  const uint dim = simd_index * SIMD_WIDTH + lane;
   if (lane == 0) {
-    partial_stats[2 * slot] = running_max;
-    partial_stats[2 * slot + 1] = running_sum;
+    for (uint h = 0; h < kMaxGroup; ++h) {
+      stats[2 * (h * kDecodeSimdgroups + simd_index)] = s.running_max[h];
+      stats[2 * (h * kDecodeSimdgroups + simd_index) + 1] = s.running_sum[h];
+    }
+  }
+  for (uint h = 0; h < kMaxGroup; ++h) {
+    if (h < group) {
+      // Every thread is done with the previous head's rows (or the caller's use of exchange).
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      store_threadgroup_row(s.acc[h], lane, exchange + simd_index * kHeadDim);
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      threadgroup const float* head_stats = stats + 2 * h * kDecodeSimdgroups;
+      float split_max = -1.0e30f;
+      for (uint g = 0; g < kDecodeSimdgroups; ++g) {
+        split_max = max(split_max, head_stats[2 * g]);
+      }
+      float sum = 0.0f;
+      float weighted = 0.0f;
+      for (uint g = 0; g < kDecodeSimdgroups; ++g) {
+        const float w = exp(head_stats[2 * g] - split_max);
+        sum += w * head_stats[2 * g + 1];
+        weighted += w * exchange[g * kHeadDim + dim];
+      }
+      const uint slot = (first_head + h) * num_splits + split;
+      partial_out[ulong(slot) * kHeadDim + dim] = weighted;
+      if (dim == 0) {
+        partial_stats[2 * slot] = split_max;
+        partial_stats[2 * slot + 1] = sum;
+      }
+    }
   }
 }
 
-// Grid (num_splits, num_kv_heads); one simdgroup per query head of the kv head's group, so a
-// threadgroup has (num_q_heads / num_kv_heads) * 32 threads and its simdgroups read the same
-// cache rows. Split s covers positions [s * chunk, (s + 1) * chunk) of the context, chunk =
-// ceil(context / num_splits). The partial of a split is its running max m, its sum of
-// exp(score - m), and sum exp(score - m) * v; an empty split writes sum 0.
+// Grid (num_splits, num_kv_heads), kDecodeThreads threads. Split s covers positions
+// [s * length, (s + 1) * length) of the context, length = split_length(context, num_splits);
+// splits past the context exit at once and leave their partials as they were.
 [[kernel]] void attention_decode(
     constant AttentionDecodeParams& params [[buffer(0)]],
     device const float* queries [[buffer(1)]],  // [Hq, head_dim]
@@ -191,32 +334,35 @@ inline void store_partial(thread const float* acc, float running_max, float runn
     uint2 group_id [[threadgroup_position_in_grid]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float exchange[kDecodeSimdgroups * kHeadDim];
+  threadgroup float stats[2 * kMaxGroup * kDecodeSimdgroups];
   const uint split = group_id.x;
   const uint kv_head = group_id.y;
-  const uint group_size = params.num_q_heads / params.num_kv_heads;
-  const uint q_head = kv_head * group_size + simd_index;
+  const uint group = params.num_q_heads / params.num_kv_heads;
   const uint context = step[0] + 1;
-  const uint chunk = (context + params.num_splits - 1) / params.num_splits;
-  const uint begin = min(split * chunk, context);
-  const uint end = min(begin + chunk, context);
-
-  float q[kPerLane];
-  for (uint j = 0; j < kPerLane; ++j) {
-    q[j] = queries[q_head * kHeadDim + lane + SIMD_WIDTH * j] * params.scale;
+  const uint length = split_length(context, params.num_splits);
+  const uint begin = split * length;
+  if (begin >= context) {
+    return;
   }
+  const uint end = min(begin + length, context);
 
-  // Finite start value: fast math does not promise IEEE infinities.
-  float running_max = -1.0e30f;
-  float running_sum = 0.0f;
-  float acc[kPerLane];
-  for (uint j = 0; j < kPerLane; ++j) {
-    acc[j] = 0.0f;
+  const uint first_head = kv_head * group;
+  GroupState s;
+  start_group(s);
+  for (uint h = 0; h < kMaxGroup; ++h) {
+    if (h < group) {
+      load_float_row(queries + (first_head + h) * kHeadDim, lane, s.q[h]);
+      for (uint j = 0; j < kPerLane; ++j) {
+        s.q[h][j] *= params.scale;
+      }
+    }
   }
   const ulong head_base = ulong(kv_head) * params.cache_capacity * kHeadDim;
-  attend_cached(q, k_cache + head_base, v_cache + head_base, begin, end, lane, running_max,
-                running_sum, acc);
-  store_partial(acc, running_max, running_sum, q_head * params.num_splits + split, partial_out,
-                partial_stats, lane);
+  attend_cached_rows(s, group, k_cache + head_base, v_cache + head_base, begin + simd_index, end,
+                     lane);
+  store_split_partials(s, group, first_head, split, params.num_splits, exchange, stats,
+                       simd_index, lane, partial_out, partial_stats);
 }
 
 struct AttentionDecodeFusedParams {
@@ -230,13 +376,14 @@ struct AttentionDecodeFusedParams {
   float norm_eps;
 };
 
-// attention_prepare and attention_decode in one dispatch, for the decode step: grid and splits
-// as attention_decode. Each simdgroup norms and rotates its own query head from q_proj, and the
-// current token's key (normed, rotated) and value from k_proj / v_proj, rounded to bf16 as the
-// cache holds them, so the current position is attended from registers, exactly as if read from
-// the cache. Only the split holding the current position attends it; that split's simdgroup 0 also
-// appends the key and value to the cache for later steps. No other threadgroup reads that row, so
-// the append needs no barrier before attention, and attention no level after the prepare.
+// attention_prepare and attention_decode in one dispatch, for the decode step: grid, threads and
+// splits as attention_decode. Simdgroup h norms and rotates query head h of the group from
+// q_proj into threadgroup memory, where every simdgroup takes the group's queries from. The
+// current position is the context's last: in the split holding it, the simdgroup whose turn it
+// is norms and rotates the current key from k_proj and rounds it and the value from v_proj to
+// bf16 as the cache holds them, attends them from registers (exactly as if read from the cache)
+// and appends them to the cache for later steps. No other threadgroup reads that row, so the
+// append needs no barrier before attention, and attention no level after the prepare.
 [[kernel]] void attention_decode_fused(
     constant AttentionDecodeFusedParams& params [[buffer(0)]],
     device const float* q_proj [[buffer(1)]],   // [Hq, 2, head_dim]: query | gate per head
@@ -252,70 +399,99 @@ struct AttentionDecodeFusedParams {
     uint2 group_id [[threadgroup_position_in_grid]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  // The group's scaled queries, then the merge's rows.
+  threadgroup float exchange[kDecodeSimdgroups * kHeadDim];
+  threadgroup float stats[2 * kMaxGroup * kDecodeSimdgroups];
+  threadgroup float rope_cos[kHeadDim / 2];
+  threadgroup float rope_sin[kHeadDim / 2];
   const uint split = group_id.x;
   const uint kv_head = group_id.y;
-  const uint group_size = params.num_q_heads / params.num_kv_heads;
-  const uint q_head = kv_head * group_size + simd_index;
+  const uint group = params.num_q_heads / params.num_kv_heads;
   const uint position = step[0];
   const uint context = position + 1;
-  const uint chunk = (context + params.num_splits - 1) / params.num_splits;
-  const uint begin = min(split * chunk, context);
-  const uint end = min(begin + chunk, context);
-  const bool holds_current = begin <= position && position < end;
-
-  float q[kPerLane];
-  prepare_head(q_proj + q_head * 2 * kHeadDim, q_norm, position, params.rotary_dim,
-               params.rope_theta, params.norm_eps, lane, q);
-  for (uint j = 0; j < kPerLane; ++j) q[j] *= params.scale;
-
-  float running_max = -1.0e30f;
-  float running_sum = 0.0f;
-  float acc[kPerLane];
-  for (uint j = 0; j < kPerLane; ++j) {
-    acc[j] = 0.0f;
+  const uint length = split_length(context, params.num_splits);
+  const uint begin = split * length;
+  if (begin >= context) {
+    return;
   }
+  const uint end = min(begin + length, context);
+  const bool holds_current = end == context;
+
+  fill_rope_table(position, params.rotary_dim, params.rope_theta, simd_index * SIMD_WIDTH + lane,
+                  kDecodeThreads, rope_cos, rope_sin);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint first_head = kv_head * group;
+  if (simd_index < group) {
+    float q[kPerLane];
+    prepare_head(q_proj + (first_head + simd_index) * 2 * kHeadDim, q_norm, params.rotary_dim,
+                 params.norm_eps, rope_cos, rope_sin, lane, q);
+    for (uint j = 0; j < kPerLane; ++j) {
+      q[j] *= params.scale;
+    }
+    store_threadgroup_row(q, lane, exchange + simd_index * kHeadDim);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  GroupState s;
+  start_group(s);
+  for (uint h = 0; h < kMaxGroup; ++h) {
+    if (h < group) {
+      load_threadgroup_row(exchange + h * kHeadDim, lane, s.q[h]);
+    }
+  }
+
   const ulong head_base = ulong(kv_head) * params.cache_capacity * kHeadDim;
-  attend_cached(q, k_cache + head_base, v_cache + head_base, begin, holds_current ? position : end,
-                lane, running_max, running_sum, acc);
-  if (holds_current) {
+  attend_cached_rows(s, group, k_cache + head_base, v_cache + head_base, begin + simd_index,
+                     holds_current ? position : end, lane);
+  if (holds_current && simd_index == (position - begin) % kDecodeSimdgroups) {
     float k[kPerLane];
     float v[kPerLane];
-    prepare_head(k_proj + kv_head * kHeadDim, k_norm, position, params.rotary_dim,
-                 params.rope_theta, params.norm_eps, lane, k);
+    prepare_head(k_proj + kv_head * kHeadDim, k_norm, params.rotary_dim, params.norm_eps,
+                 rope_cos, rope_sin, lane, k);
+    load_float_row(v_proj + kv_head * kHeadDim, lane, v);
     for (uint j = 0; j < kPerLane; ++j) {
       k[j] = float(bfloat(k[j]));
-      v[j] = float(bfloat(v_proj[kv_head * kHeadDim + lane + SIMD_WIDTH * j]));
+      v[j] = float(bfloat(v[j]));
     }
-    attend_position(q, k, v, running_max, running_sum, acc);
+    attend_row(s, group, k, v);
     // A step queued past the capacity must not write past the end of the cache.
-    if (simd_index == 0 && position < params.cache_capacity) {
+    if (position < params.cache_capacity) {
       const ulong row = head_base + ulong(position) * kHeadDim;
-      for (uint j = 0; j < kPerLane; ++j) {
-        k_cache[row + lane + SIMD_WIDTH * j] = bfloat(k[j]);
-        v_cache[row + lane + SIMD_WIDTH * j] = bfloat(v[j]);
-      }
+      store_bf16_row(k, lane, k_cache + row);
+      store_bf16_row(v, lane, v_cache + row);
     }
   }
-  store_partial(acc, running_max, running_sum, q_head * params.num_splits + split, partial_out,
-                partial_stats, lane);
+  store_split_partials(s, group, first_head, split, params.num_splits, exchange, stats,
+                       simd_index, lane, partial_out, partial_stats);
 }
 
 struct AttentionCombineParams {
   uint num_q_heads;
-  uint num_splits;
+  uint num_splits;  // the decode grid's
 };
 
-// One threadgroup per query head, one thread per head dim (head_dim threads).
+// Dims per combine threadgroup: four threadgroups per head spread a long context's partials
+// (up to 1 KB per split and head) over more of the GPU than one per head would.
+constexpr constant uint kCombineDims = 64;
+
+// Grid (num_q_heads, head_dim / kCombineDims), one thread per head dim. Only the splits the
+// context reaches are read: the others hold whatever an earlier step (of this sequence or of a
+// longer one before it) left there.
 [[kernel]] void attention_combine(
     constant AttentionCombineParams& params [[buffer(0)]],
     device const float* partial_out [[buffer(1)]],
     device const float* partial_stats [[buffer(2)]],
     device const float* q_proj [[buffer(3)]],  // the gate half of each head is read here
     device float* out [[buffer(4)]],           // [Hq, head_dim]: attention * sigmoid(gate)
-    uint head [[threadgroup_position_in_grid]],
-    uint dim [[thread_index_in_threadgroup]]) {
-  const uint splits = params.num_splits;
-  device const float* stats = partial_stats + 2 * head * splits;
+    device const uint* step [[buffer(5)]],     // [position, ...]
+    uint2 group_id [[threadgroup_position_in_grid]],
+    uint thread_id [[thread_index_in_threadgroup]]) {
+  const uint head = group_id.x;
+  const uint dim = group_id.y * kCombineDims + thread_id;
+  const uint context = step[0] + 1;
+  const uint length = split_length(context, params.num_splits);
+  const uint splits = (context + length - 1) / length;
+  device const float* stats = partial_stats + 2 * head * params.num_splits;
+  device const float* head_out = partial_out + ulong(head) * params.num_splits * kHeadDim;
 
   float global_max = -1.0e30f;
   for (uint s = 0; s < splits; ++s) {
@@ -330,7 +506,7 @@ struct AttentionCombineParams {
     if (sum > 0.0f) {
       const float w = exp(stats[2 * s] - global_max);
       denominator += w * sum;
-      numerator += w * partial_out[(ulong(head) * splits + s) * kHeadDim + dim];
+      numerator += w * head_out[ulong(s) * kHeadDim + dim];
     }
   }
   const float gate = q_proj[head * 2 * kHeadDim + kHeadDim + dim];

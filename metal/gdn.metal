@@ -7,29 +7,30 @@
 //   out   =  rmsnorm(o) * norm_weight * silu(z)
 // Every row of S (one value dim) evolves independently given q, k, g and beta, so each
 // simdgroup owns whole rows: the two dot products are simd reductions, taken for all of a
-// simdgroup's rows at once. Only the final RMSNorm needs the whole head, through threadgroup
-// memory. Both kernels run each token through the
-// same inline functions below, in the same order, so a chunk equals its tokens decoded one by
-// one, bit for bit where the compiler keeps that order.
+// simdgroup's rows at once. Only the final RMSNorm needs the whole head. The chunk kernel does it
+// through threadgroup memory; the step kernel leaves it to its consumer, the out_proj GEMV
+// (gdn_out_proj.metal), and so can split a head's rows over several threadgroups. Both kernels
+// run each token through the same inline functions below, in the same order, so a chunk equals
+// its tokens decoded one by one (state, and readout before the norm), bit for bit where the
+// compiler keeps that order.
 #include "common.h"
 
-// Both head dims are 128 in every Qwen3.5/3.6 model; each lane holds 4 of the 128 key dims
-// (lane, lane + 32, ...), so loads are coalesced across the simdgroup.
+// Both head dims are 128 in every Qwen3.5/3.6 model; each lane holds 4 adjacent key dims
+// (4 lane .. 4 lane + 3), so a row, q or k is one 16-byte load per lane.
 constexpr constant uint kKeyDim = 128;
 constexpr constant uint kValueDim = 128;
 constexpr constant uint kKeyPerLane = kKeyDim / SIMD_WIDTH;
-// Both kernels run 32 simdgroups of 4 state rows each (rows simd_index + 32 r): a head's whole
-// state in registers at 16 floats per thread, and a simdgroup's rows fit one float4 reduction.
-constexpr constant uint kSimdgroups = 32;
-constexpr constant uint kRowsPerSimdgroup = kValueDim / kSimdgroups;
-static_assert(kRowsPerSimdgroup == 4, "a simdgroup's rows are reduced as one float4");
+// A simdgroup owns 4 state rows, so its rows fit one float4 reduction.
+constexpr constant uint kRowsPerSimdgroup = 4;
 
 // This lane's dims of one token's q and k.
 inline void load_qk(device const float* q_in, device const float* k_in, uint lane,
                     thread float* q, thread float* k) {
+  const float4 q4 = *reinterpret_cast<device const float4*>(q_in + kKeyPerLane * lane);
+  const float4 k4 = *reinterpret_cast<device const float4*>(k_in + kKeyPerLane * lane);
   for (uint j = 0; j < kKeyPerLane; ++j) {
-    q[j] = q_in[lane + SIMD_WIDTH * j];
-    k[j] = k_in[lane + SIMD_WIDTH * j];
+    q[j] = q4[j];
+    k[j] = k4[j];
   }
 }
 
@@ -91,90 +92,76 @@ inline float4 gdn_update_rows(thread float (*s)[kKeyPerLane], thread const float
   return simd_sum(float4(o[0], o[1], o[2], o[3]));
 }
 
-// Writes this simdgroup's rows' readouts into a head's readout buffer.
-inline void store_readout(float4 o, threadgroup float* readout, uint simd_index, uint lane) {
-  if (lane == 0) {
-    for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
-      readout[simd_index + kSimdgroups * r] = o[r];
-    }
-  }
-}
+// Which rows of a head a simdgroup owns: first, first + stride, ... (kRowsPerSimdgroup of them).
+struct StateRows {
+  uint first;
+  uint stride;
+};
 
-// This simdgroup's state rows of a head (rows simd_index + kSimdgroups * r), this lane's entries.
-inline void load_state_rows(device const float* head_state, uint simd_index, uint lane,
+// This simdgroup's state rows of a head, this lane's entries.
+inline void load_state_rows(device const float* head_state, StateRows rows, uint lane,
                             thread float (*s)[kKeyPerLane]) {
   for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
-    device const float* s_in = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
+    device const float* s_in = head_state + (rows.first + rows.stride * r) * kKeyDim;
+    const float4 entries = *reinterpret_cast<device const float4*>(s_in + kKeyPerLane * lane);
     for (uint j = 0; j < kKeyPerLane; ++j) {
-      s[r][j] = s_in[lane + SIMD_WIDTH * j];
+      s[r][j] = entries[j];
     }
   }
 }
-inline void store_state_rows(thread const float (*s)[kKeyPerLane], uint simd_index, uint lane,
+inline void store_state_rows(thread const float (*s)[kKeyPerLane], StateRows rows, uint lane,
                              device float* head_state) {
   for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
-    device float* s_out = head_state + (simd_index + kSimdgroups * r) * kKeyDim;
-    for (uint j = 0; j < kKeyPerLane; ++j) {
-      s_out[lane + SIMD_WIDTH * j] = s[r][j];
-    }
+    device float* s_out = head_state + (rows.first + rows.stride * r) * kKeyDim;
+    *reinterpret_cast<device float4*>(s_out + kKeyPerLane * lane) =
+        float4(s[r][0], s[r][1], s[r][2], s[r][3]);
   }
 }
 
 // v of this simdgroup's rows for one token.
 inline float4 load_rows_v(device const float* qkv, uint token, uint conv_dim, uint key_total,
-                          uint head, uint simd_index) {
+                          uint head, StateRows rows) {
   device const float* v_in =
-      qkv + ulong(token) * conv_dim + 2 * key_total + head * kValueDim + simd_index;
+      qkv + ulong(token) * conv_dim + 2 * key_total + head * kValueDim + rows.first;
   float4 v;
   for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
-    v[r] = v_in[kSimdgroups * r];
+    v[r] = v_in[rows.stride * r];
   }
   return v;
-}
-
-// out = rmsnorm(readout) * norm_weight * silu(z) over one head. The calling simdgroup reduces the
-// whole head itself; readout must be complete (after a barrier). It writes out[first],
-// out[first + stride], ...: the simdgroup alone (lane, SIMD_WIDTH), or several simdgroups that
-// all call it splitting the outputs (thread index, threads).
-inline void gdn_gated_rms_norm(threadgroup const float* readout, device const bfloat* norm_weight,
-                               device const float* z, float eps, device float* out,
-                               uint first, uint stride, uint lane) {
-  float o_sq = 0.0f;
-  for (uint i = lane; i < kValueDim; i += SIMD_WIDTH) {
-    o_sq += readout[i] * readout[i];
-  }
-  const float inv_rms = rsqrt(simd_sum(o_sq) / float(kValueDim) + eps);
-  for (uint i = first; i < kValueDim; i += stride) {
-    out[i] = readout[i] * inv_rms * float(norm_weight[i]) * silu(z[i]);
-  }
 }
 
 struct GdnStepParams {
   uint num_key_heads;
   uint num_value_heads;
-  float norm_eps;  // of the gated RMSNorm
 };
 
-// One threadgroup of exactly kSimdgroups * 32 threads per value head. The state is read and
-// written exactly once.
+// The step splits each head's rows over threadgroups of kStepSimdgroups simdgroups, each
+// simdgroup 4 adjacent rows: many small threadgroups spread the state's 2 MiB per layer over
+// every GPU core. A simdgroup needs nothing from the others: each normalises q and k itself.
+constexpr constant uint kStepSimdgroups = 4;
+constexpr constant uint kStepRowsPerThreadgroup = kStepSimdgroups * kRowsPerSimdgroup;
+static_assert(kValueDim % kStepRowsPerThreadgroup == 0, "a head splits into whole threadgroups");
+
+// Threadgroups of exactly kStepSimdgroups * 32 threads, kValueDim / kStepRowsPerThreadgroup per
+// value head. The state is read and written exactly once; the readout is S q, the gated RMSNorm
+// left to its consumer (gdn_out_proj).
 [[kernel]] void gdn_step(
     constant GdnStepParams& params [[buffer(0)]],
     device const float* qkv [[buffer(1)]],  // conv output: [q Hk*Dk | k Hk*Dk | v Hv*Dv]
-    device const float* z [[buffer(2)]],    // [Hv*Dv]
-    device const float* a [[buffer(3)]],    // [Hv]
-    device const float* b [[buffer(4)]],    // [Hv]
-    device const float* a_log [[buffer(5)]],         // [Hv]
-    device const bfloat* dt_bias [[buffer(6)]],      // [Hv]
-    device const bfloat* norm_weight [[buffer(7)]],  // [Dv], a plain gain
-    device float* state [[buffer(8)]],               // [Hv, Dv, Dk], updated in place
-    device float* out [[buffer(9)]],                 // [Hv*Dv]
-    uint head [[threadgroup_position_in_grid]],
-    uint thread_index [[thread_index_in_threadgroup]],
-    uint threads [[threads_per_threadgroup]],
+    device const float* a [[buffer(2)]],    // [Hv]
+    device const float* b [[buffer(3)]],    // [Hv]
+    device const float* a_log [[buffer(4)]],     // [Hv]
+    device const bfloat* dt_bias [[buffer(5)]],  // [Hv]
+    device float* state [[buffer(6)]],           // [Hv, Dv, Dk], updated in place
+    device float* readout [[buffer(7)]],         // [Hv*Dv]
+    uint threadgroup_id [[threadgroup_position_in_grid]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float readout[kValueDim];
-
+  constexpr uint parts = kValueDim / kStepRowsPerThreadgroup;
+  const uint head = threadgroup_id / parts;
+  const StateRows rows{(threadgroup_id % parts) * kStepRowsPerThreadgroup +
+                           simd_index * kRowsPerSimdgroup,
+                       1};
   const uint key_head = head / (params.num_value_heads / params.num_key_heads);
   const uint key_total = params.num_key_heads * kKeyDim;
 
@@ -186,14 +173,40 @@ struct GdnStepParams {
 
   device float* head_state = state + head * kValueDim * kKeyDim;
   float s[kRowsPerSimdgroup][kKeyPerLane];
-  load_state_rows(head_state, simd_index, lane, s);
-  const float4 v = load_rows_v(qkv, 0, 0, key_total, head, simd_index);
-  store_readout(gdn_update_rows(s, q, k, gates, v), readout, simd_index, lane);
-  store_state_rows(s, simd_index, lane, head_state);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  load_state_rows(head_state, rows, lane, s);
+  const float4 v = load_rows_v(qkv, 0, 0, key_total, head, rows);
+  const float4 o = gdn_update_rows(s, q, k, gates, v);
+  store_state_rows(s, rows, lane, head_state);
+  if (lane == 0) {
+    *reinterpret_cast<device float4*>(readout + head * kValueDim + rows.first) = o;
+  }
+}
 
-  gdn_gated_rms_norm(readout, norm_weight, z + head * kValueDim, params.norm_eps,
-                     out + head * kValueDim, thread_index, threads, lane);
+// The chunk kernel runs 32 simdgroups of 4 state rows each (rows simd_index + 32 r): a head's
+// whole state in registers at 16 floats per thread.
+constexpr constant uint kChunkSimdgroups = kValueDim / kRowsPerSimdgroup;
+
+// Writes this simdgroup's rows' readouts into a head's readout in threadgroup memory.
+inline void store_readout(float4 o, threadgroup float* readout, StateRows rows, uint lane) {
+  if (lane == 0) {
+    for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+      readout[rows.first + rows.stride * r] = o[r];
+    }
+  }
+}
+
+// out = rmsnorm(readout) * norm_weight * silu(z) over one head, by one simdgroup; readout must be
+// complete (after a barrier).
+inline void gdn_gated_rms_norm(threadgroup const float* readout, device const bfloat* norm_weight,
+                               device const float* z, float eps, device float* out, uint lane) {
+  float o_sq = 0.0f;
+  for (uint i = lane; i < kValueDim; i += SIMD_WIDTH) {
+    o_sq += readout[i] * readout[i];
+  }
+  const float inv_rms = rsqrt(simd_sum(o_sq) / float(kValueDim) + eps);
+  for (uint i = lane; i < kValueDim; i += SIMD_WIDTH) {
+    out[i] = readout[i] * inv_rms * float(norm_weight[i]) * silu(z[i]);
+  }
 }
 
 struct GdnChunkParams {
@@ -210,12 +223,13 @@ struct GdnChunkParams {
 // while the next block is prepared. Per token a lane thus pays for the two row reductions only,
 // and the per-token work every lane would repeat is done once.
 constexpr constant uint kBlockTokens = 16;
-static_assert(kBlockTokens <= kSimdgroups, "one simdgroup prepares each token of a block");
+static_assert(kBlockTokens <= kChunkSimdgroups, "one simdgroup prepares each token of a block");
 
-// A block's prepared tokens: L2-normalised q and k (q also scaled), and the gates.
+// A block's prepared tokens: L2-normalised q and k (q also scaled), each lane's dims as one
+// float4, and the gates.
 struct GdnBlock {
-  float q[kBlockTokens][kKeyDim];
-  float k[kBlockTokens][kKeyDim];
+  float4 q[kBlockTokens][SIMD_WIDTH];
+  float4 k[kBlockTokens][SIMD_WIDTH];
   GdnGates gates[kBlockTokens];
 };
 
@@ -232,10 +246,8 @@ inline void prepare_block_token(threadgroup GdnBlock& block, device const float*
   float k[kKeyPerLane];
   load_qk(row + key_head * kKeyDim, row + key_total + key_head * kKeyDim, lane, q, k);
   normalize_qk(q, k);
-  for (uint j = 0; j < kKeyPerLane; ++j) {
-    block.q[simd_index][lane + SIMD_WIDTH * j] = q[j];
-    block.k[simd_index][lane + SIMD_WIDTH * j] = k[j];
-  }
+  block.q[simd_index][lane] = float4(q[0], q[1], q[2], q[3]);
+  block.k[simd_index][lane] = float4(k[0], k[1], k[2], k[3]);
   if (lane == 0) {
     block.gates[simd_index] = gdn_gates(a[token * num_value_heads + head],
                                         b[token * num_value_heads + head], a_log_head,
@@ -243,9 +255,9 @@ inline void prepare_block_token(threadgroup GdnBlock& block, device const float*
   }
 }
 
-// One threadgroup of exactly kSimdgroups * 32 threads per value head scans the chunk's tokens
-// in order, with the head's state in registers: read from device memory before the first token
-// and written back after the last.
+// One threadgroup of exactly kChunkSimdgroups * 32 threads per value head scans the chunk's
+// tokens in order, with the head's state in registers: read from device memory before the first
+// token and written back after the last.
 [[kernel]] void gdn_chunk(
     constant GdnChunkParams& params [[buffer(0)]],
     device const float* qkv [[buffer(1)]],  // conv output [tokens, q Hk*Dk | k Hk*Dk | v Hv*Dv]
@@ -273,26 +285,27 @@ inline void prepare_block_token(threadgroup GdnBlock& block, device const float*
   const bfloat dt_bias_head = dt_bias[head];
   device float* head_state = state + head * kValueDim * kKeyDim;
 
+  const StateRows rows{simd_index, kChunkSimdgroups};
   float s[kRowsPerSimdgroup][kKeyPerLane];
-  load_state_rows(head_state, simd_index, lane, s);
+  load_state_rows(head_state, rows, lane, s);
 
   uint count = min(tokens, kBlockTokens);
   prepare_block_token(block, qkv, a, b, 0, count, conv_dim, key_head, head, num_value_heads,
                       key_total, a_log_head, dt_bias_head, simd_index, lane);
   for (uint first = 0; first < tokens; first += kBlockTokens) {
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the block is prepared
-    float4 v = load_rows_v(qkv, first, conv_dim, key_total, head, simd_index);
+    float4 v = load_rows_v(qkv, first, conv_dim, key_total, head, rows);
     for (uint t = 0; t < count; ++t) {
       const float4 current_v = v;
-      if (t + 1 < count) v = load_rows_v(qkv, first + t + 1, conv_dim, key_total, head, simd_index);
+      if (t + 1 < count) v = load_rows_v(qkv, first + t + 1, conv_dim, key_total, head, rows);
       float q[kKeyPerLane];
       float k[kKeyPerLane];
       for (uint j = 0; j < kKeyPerLane; ++j) {
-        q[j] = block.q[t][lane + SIMD_WIDTH * j];
-        k[j] = block.k[t][lane + SIMD_WIDTH * j];
+        q[j] = block.q[t][lane][j];
+        k[j] = block.k[t][lane][j];
       }
       store_readout(gdn_update_rows(s, q, k, block.gates[t], current_v),
-                    readout + t * kValueDim, simd_index, lane);
+                    readout + t * kValueDim, rows, lane);
     }
     // The readouts are complete, and every simdgroup is done with the block's q, k and gates.
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -300,7 +313,7 @@ inline void prepare_block_token(threadgroup GdnBlock& block, device const float*
     if (simd_index < count) {
       const uint offset = (first + simd_index) * value_total + head * kValueDim;
       gdn_gated_rms_norm(readout + simd_index * kValueDim, norm_weight, z + offset,
-                         params.norm_eps, out + offset, lane, SIMD_WIDTH, lane);
+                         params.norm_eps, out + offset, lane);
     }
     const uint next = first + kBlockTokens;
     const uint next_count = next < tokens ? min(tokens - next, kBlockTokens) : 0;
@@ -311,5 +324,5 @@ inline void prepare_block_token(threadgroup GdnBlock& block, device const float*
     count = next_count;
   }
 
-  store_state_rows(s, simd_index, lane, head_state);
+  store_state_rows(s, rows, lane, head_state);
 }

@@ -18,6 +18,7 @@ from lily.device import Graph
 from lily.kernels.attention import (
     HEAD_DIM,
     cache_bytes,
+    decode_splits,
     partial_out_bytes,
     partial_stats_bytes,
     record_attention_chunk,
@@ -68,7 +69,14 @@ def _rope_tolerance(position: int) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def _run_prepare(device, heads: tuple[int, int], position: int, capacity: int, seed: int):
+def _run_prepare(
+    device,
+    heads: tuple[int, int],
+    position: int,
+    capacity: int,
+    seed: int,
+    rotary_dim: int = ROTARY_DIM,
+):
     num_q, num_kv = heads
     rng = np.random.default_rng(seed)
     q_proj = rng.normal(0, 2, (num_q, 2, HEAD_DIM)).astype(np.float32)
@@ -96,7 +104,7 @@ def _run_prepare(device, heads: tuple[int, int], position: int, capacity: int, s
         num_q_heads=num_q,
         num_kv_heads=num_kv,
         capacity=capacity,
-        rotary_dim=ROTARY_DIM,
+        rotary_dim=rotary_dim,
         rope_theta=THETA,
         norm_eps=EPS,
     )
@@ -104,7 +112,7 @@ def _run_prepare(device, heads: tuple[int, int], position: int, capacity: int, s
 
     def normed_rotated(x: np.ndarray, gain: np.ndarray) -> np.ndarray:
         normed = reference.rms_norm(x.astype(np.float64), _f64(gain), EPS)
-        return reference.apply_rope(normed[:, None, :], [position], ROTARY_DIM, THETA)[:, 0]
+        return reference.apply_rope(normed[:, None, :], [position], rotary_dim, THETA)[:, 0]
 
     expected_q = normed_rotated(q_proj[:, 0], q_norm)
     expected_k = normed_rotated(k_proj, k_norm)
@@ -132,6 +140,19 @@ def test_prepare_matches_reference(device, heads: tuple[int, int], position: int
     assert np.all(v_cache[:, untouched] == SENTINEL)
 
 
+@pytest.mark.parametrize("rotary_dim", [128, 192, 256])
+def test_prepare_rotates_wider_rotary_dims(device, rotary_dim: int) -> None:
+    """Rotate-half partners sit rotary_dim / 16 lanes apart: 8, 12 and 16 lanes here (4 for the
+    model's 64)."""
+    position = 1000
+    queries, k_cache, _, expected_q, expected_k, _ = _run_prepare(
+        device, TINY, position, position + 1, seed=rotary_dim, rotary_dim=rotary_dim
+    )
+    tol = _rope_tolerance(position)
+    np.testing.assert_allclose(queries, expected_q, rtol=1e-5, atol=tol)
+    np.testing.assert_allclose(_f64(k_cache[:, position]), expected_k, rtol=2.0**-8, atol=tol)
+
+
 def test_prepare_at_a_far_position(device) -> None:
     """RoPE at position 65535, one kv head to keep the cache small."""
     position = 65535
@@ -154,14 +175,23 @@ def test_prepare_at_a_far_position(device) -> None:
 
 class DecodeCase:
     """Random queries, a random bf16 cache of `context` tokens and a q_proj whose query halves
-    are NaN (combine must read only the gate halves)."""
+    are NaN (combine must read only the gate halves). By default spare capacity past the context,
+    so that a wrong head stride reads the sentinel rows, and the engine's splits for it."""
 
-    def __init__(self, heads: tuple[int, int], context: int, num_splits: int, seed: int) -> None:
+    def __init__(
+        self,
+        heads: tuple[int, int],
+        context: int,
+        seed: int,
+        num_splits: int | None = None,
+        capacity: int | None = None,
+    ) -> None:
         num_q, num_kv = heads
+        self.capacity = context + 3 if capacity is None else capacity
+        if num_splits is None:
+            num_splits = decode_splits(self.capacity)
         self.heads, self.context, self.num_splits = heads, context, num_splits
         rng = np.random.default_rng(seed)
-        # Spare capacity past the context, so that a wrong head stride reads the sentinel rows.
-        self.capacity = context + 3
         shape = (num_kv, self.capacity, HEAD_DIM)
         self.k_cache = np.full(shape, SENTINEL, dtype=np.uint16)
         self.v_cache = np.full(shape, SENTINEL, dtype=np.uint16)
@@ -205,6 +235,7 @@ class DecodeCase:
             partial_out=partial_out,
             partial_stats=partial_stats,
             q_proj=q_proj,
+            step=device.wrap(self.step),
             out=device.wrap(self.out),
             num_q_heads=num_q,
             num_splits=self.num_splits,
@@ -221,16 +252,31 @@ class DecodeCase:
 
 # fp32 online softmax against float64: outputs are of order 0.1 for short contexts and shrink
 # like 1/sqrt(context) for long random ones; absolute errors stay near 1e-6 and below, a formula
-# error (a missed key, a wrong rescale, a wrong head) is orders of magnitude larger.
+# error (a missed key, a wrong rescale, a wrong head) is orders of magnitude larger. The order of
+# the sums follows the split layout (256-position splits, 8 simdgroups taking every 8th position,
+# merged per split and then across splits), which the bound does not depend on.
 DECODE_RTOL, DECODE_ATOL = 1e-4, 1e-5
 
 
 @pytest.mark.parametrize(
     ("heads", "context"),
-    [(heads, n) for heads in (REAL, TINY) for n in (1, 255, 256, 4096)],
+    [(heads, n) for heads in (REAL, TINY) for n in (1, 7, 255, 256, 300, 4096)]
+    + [(GROUP_OF_3, 300)],
 )
 def test_decode_matches_reference(device, heads: tuple[int, int], context: int) -> None:
-    case = DecodeCase(heads, context, num_splits=32, seed=context)
+    """One position (seven simdgroups with nothing to do), fewer positions than simdgroups,
+    one split exactly and just short of it, a ragged second split, sixteen full splits."""
+    case = DecodeCase(heads, context, seed=context)
+    case.run(device)
+    np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
+
+
+@pytest.mark.parametrize("context", [4096, 4093])
+def test_decode_at_the_capacity(device, context: int) -> None:
+    """The cache full to its last row: every split of the grid in use, the last one full or
+    ragged."""
+    case = DecodeCase(REAL, context, seed=context + 1, capacity=4096)
+    assert case.num_splits == 16
     case.run(device)
     np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
 
@@ -238,8 +284,10 @@ def test_decode_matches_reference(device, heads: tuple[int, int], context: int) 
 @pytest.fixture(scope="module")
 def long_case() -> tuple[DecodeCase, np.ndarray]:
     """The 65536-token cache and its expected output, built once per module (one kv head, a
-    group of two: the context length is what this case is about)."""
-    case = DecodeCase((2, 1), 65536, num_splits=32, seed=65536)
+    group of two: the context length is what this case is about). Its grid has the most splits
+    there are, each 512 positions long."""
+    case = DecodeCase((2, 1), 65536, seed=65536)
+    assert case.num_splits == 128
     return case, case.expected()
 
 
@@ -252,10 +300,46 @@ def test_decode_at_65536_tokens(device, long_case: tuple[DecodeCase, np.ndarray]
 
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
 def test_split_count_does_not_change_the_result(device, num_splits: int) -> None:
-    """Few splits (one long range each) and splits that do not divide the context."""
-    case = DecodeCase(TINY, 100, num_splits=num_splits, seed=5)
+    """A context longer than 256 positions per split (1000 positions in one split, or in three
+    of 334) and one that leaves splits of the grid empty (four of seven)."""
+    case = DecodeCase(TINY, 1000, num_splits=num_splits, seed=5)
     case.run(device)
     np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
+
+
+@pytest.mark.parametrize(("context", "active"), [(1, 1), (256, 1), (257, 2), (1000, 4)])
+def test_splits_past_the_context_are_neither_written_nor_read(
+    device, context: int, active: int
+) -> None:
+    """With a grid of 16 splits (capacity 4096), a context of n positions uses ceil(n / 256)
+    of them. The others keep what they held, here a finite partial that would dominate the
+    result if the combine merged it (max 100, sum 1, values 1e6)."""
+    case = DecodeCase(TINY, context, seed=context, capacity=4096)
+    num_q = TINY[0]
+    stats = case.partial_stats.reshape(num_q, case.num_splits, 2)
+    stats[:, :, 0], stats[:, :, 1] = 100.0, 1.0
+    case.partial_out[:] = 1e6
+    case.run(device)
+    stats = case.partial_stats.reshape(num_q, case.num_splits, 2)
+    partials = case.partial_out.reshape(num_q, case.num_splits, HEAD_DIM)
+    assert np.all(stats[:, active:] == [100.0, 1.0])
+    assert np.all(partials[:, active:] == 1e6)
+    assert np.all(stats[:, :active, 1] >= 1.0)  # the max's own position weighs 1
+    np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
+
+
+def test_decode_splits_follow_the_capacity() -> None:
+    """One split per 256 positions of the cache, at most 128 (the kernels lengthen them past
+    that)."""
+    assert [decode_splits(n) for n in (1, 256, 257, 4096, 32768, 32769, 262144)] == [
+        1,
+        1,
+        2,
+        16,
+        128,
+        128,
+        128,
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +352,8 @@ def test_replayed_graph_over_a_sequence(device, heads: tuple[int, int]) -> None:
     """One graph recorded once; each replay appends the token at the position in the step
     buffer and attends over everything appended so far."""
     num_q, num_kv = heads
-    steps, capacity, num_splits = 6, 8, 4
+    steps, capacity = 6, 8
+    num_splits = decode_splits(capacity)
     rng = np.random.default_rng(21)
     arrays = {
         "q_proj": np.zeros((num_q, 2, HEAD_DIM), dtype=np.float32),
@@ -309,6 +394,7 @@ def test_replayed_graph_over_a_sequence(device, heads: tuple[int, int]) -> None:
         device,
         **partials_kw,
         q_proj=b["q_proj"],
+        step=b["step"],
         out=b["out"],
         num_q_heads=num_q,
         num_splits=num_splits,
@@ -540,7 +626,8 @@ def test_chunk_equals_decode_steps(
     """prepare + chunk over T tokens leaves the same cache as T replays of the decode graph
     (prepare, decode, combine per token) and the same outputs within fp32 rounding."""
     num_q, num_kv = heads
-    capacity, num_splits = position + tokens + 2, 4
+    capacity = position + tokens + 2
+    num_splits = decode_splits(capacity)
     rng = np.random.default_rng(tokens)
     q_proj = rng.normal(0, 2, (tokens, num_q, 2, HEAD_DIM)).astype(np.float32)
     k_proj = rng.normal(0, 2, (tokens, num_kv, HEAD_DIM)).astype(np.float32)
@@ -621,6 +708,7 @@ def test_chunk_equals_decode_steps(
         device,
         **partials_kw,
         q_proj=d["q_proj"],
+        step=d["step"],
         out=d["out"],
         num_q_heads=num_q,
         num_splits=num_splits,
@@ -669,6 +757,22 @@ def test_rejects_dims_it_was_not_built_for(device, change: dict, message: str) -
     }
     with pytest.raises(ValueError, match=message):
         record_attention_prepare(Graph(), device, **dict.fromkeys(names, buffer), **(dims | change))
+
+
+def test_decode_rejects_groups_of_more_than_8_heads(device) -> None:
+    """The decode kernels keep at most 8 query heads' states per kv head."""
+    buffer = device.alloc(16)
+    names = ("queries", "k_cache", "v_cache", "step", "partial_out", "partial_stats")
+    with pytest.raises(ValueError, match="at most 8"):
+        record_attention_decode(
+            Graph(),
+            device,
+            **dict.fromkeys(names, buffer),
+            num_q_heads=18,
+            num_kv_heads=2,
+            capacity=8,
+            num_splits=1,
+        )
 
 
 def test_chunk_rejects_dims_it_was_not_built_for(device) -> None:

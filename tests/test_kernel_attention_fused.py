@@ -4,6 +4,7 @@ KV append) and split-context attention in one dispatch, on the sim under the thr
 prepare and decode are each checked against float64 numpy in test_kernel_attention.py; the fused
 kernel goes through the same inline functions in the same order, so it must leave the same
 partials and the same caches, bit for bit, as the two dispatches with a barrier between them.
+With the combine after it, it is also checked against float64 numpy directly.
 """
 
 from __future__ import annotations
@@ -11,13 +12,30 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, sim_device
-from test_kernel_attention import EPS, REAL, ROTARY_DIM, SENTINEL, THETA, TINY, _bf16
+from test_kernel_attention import (
+    DECODE_ATOL,
+    DECODE_RTOL,
+    EPS,
+    GROUP_OF_3,
+    REAL,
+    ROTARY_DIM,
+    SCALE,
+    SENTINEL,
+    THETA,
+    TINY,
+    _bf16,
+    _f64,
+    _rope_tolerance,
+)
 
+from lily import reference
 from lily.device import Graph
 from lily.kernels.attention import (
     HEAD_DIM,
+    decode_splits,
     partial_out_bytes,
     partial_stats_bytes,
+    record_attention_combine,
     record_attention_decode,
     record_attention_decode_fused,
     record_attention_prepare,
@@ -30,10 +48,14 @@ def device(request: pytest.FixtureRequest):
 
 
 class FusedCase:
-    """Projections of one token at `position`, and a cache holding `position` earlier tokens."""
+    """Projections of one token at `position`, and a cache holding `position` earlier tokens;
+    by default the engine's splits for the capacity."""
 
-    def __init__(self, heads: tuple[int, int], position: int, capacity: int, splits: int):
+    def __init__(
+        self, heads: tuple[int, int], position: int, capacity: int, splits: int | None = None
+    ):
         num_q, num_kv = heads
+        splits = decode_splits(capacity) if splits is None else splits
         rng = np.random.default_rng(position + splits)
         self.heads, self.position, self.capacity, self.splits = heads, position, capacity, splits
         self.q_proj = rng.normal(0, 2, (num_q, 2, HEAD_DIM)).astype(np.float32)
@@ -125,10 +147,21 @@ class FusedCase:
 
 @pytest.mark.parametrize("heads", [REAL, TINY], ids=["real", "tiny"])
 @pytest.mark.parametrize(
-    ("position", "splits"), [(0, 32), (1, 32), (254, 32), (255, 32), (300, 7), (40, 1)]
+    ("position", "capacity", "splits"),
+    [
+        (0, 3, None),  # one position, attended from registers
+        (1, 4, None),
+        (9, 12, None),  # the current position in the second simdgroup's turn
+        (255, 258, None),  # the last position of the first split
+        (256, 259, None),  # the first of the second
+        (300, 303, None),  # a ragged second split
+        (600, 603, 2),  # past 256 positions per split: two splits of 301
+        (40, 43, 1),
+        (299, 300, None),  # the cache's last row
+    ],
 )
-def test_fused_equals_prepare_then_decode(device, heads, position, splits):
-    case = FusedCase(heads, position, capacity=position + 3, splits=splits)
+def test_fused_equals_prepare_then_decode(device, heads, position, capacity, splits):
+    case = FusedCase(heads, position, capacity=capacity, splits=splits)
     fused = case.run_fused(device)
     separate = case.run_two_dispatches(device)
     for name, got, expected in zip(
@@ -140,11 +173,54 @@ def test_fused_equals_prepare_then_decode(device, heads, position, splits):
     assert np.flatnonzero(changed).tolist() == [position]
 
 
+@pytest.mark.parametrize(
+    ("heads", "position", "capacity"),
+    [(REAL, 0, 8), (REAL, 700, 1024), (TINY, 511, 512), (GROUP_OF_3, 260, 300)],
+)
+def test_fused_then_combine_matches_reference(device, heads, position, capacity):
+    """Against float64: queries and the current key normed and rotated by the reference, the
+    cached keys and values as the cache holds them (the appended row bf16-rounded, checked
+    against the reference's key)."""
+    case = FusedCase(heads, position, capacity=capacity)
+    partial_out, partial_stats, k_cache, v_cache = case.run_fused(device)
+    num_q = heads[0]
+    out = np.full((num_q, HEAD_DIM), np.nan, dtype=np.float32)
+    graph = Graph()
+    record_attention_combine(
+        graph,
+        device,
+        partial_out=device.wrap(partial_out),
+        partial_stats=device.wrap(partial_stats),
+        q_proj=device.wrap(case.q_proj),
+        step=device.wrap(np.array([position, 0], dtype=np.uint32)),
+        out=device.wrap(out),
+        num_q_heads=num_q,
+        num_splits=case.splits,
+    )
+    device.run(graph)
+
+    def normed_rotated(x: np.ndarray, gain: np.ndarray) -> np.ndarray:
+        normed = reference.rms_norm(x.astype(np.float64), _f64(gain), EPS)
+        return reference.apply_rope(normed[:, None, :], [position], ROTARY_DIM, THETA)
+
+    tol = _rope_tolerance(position)
+    expected_k = normed_rotated(case.k_proj, case.k_norm)[:, 0]
+    np.testing.assert_allclose(_f64(k_cache[:, position]), expected_k, rtol=2.0**-8, atol=tol)
+    np.testing.assert_array_equal(v_cache[:, position], _bf16(case.v_proj))
+    k = _f64(k_cache[:, : position + 1])
+    v = _f64(v_cache[:, : position + 1])
+    q = normed_rotated(case.q_proj[:, 0], case.q_norm)
+    attended = reference.attention(q, k, v, SCALE, [position])[:, 0]
+    gated = attended * reference.sigmoid(case.q_proj[:, 1].astype(np.float64))
+    np.testing.assert_allclose(out, gated, rtol=DECODE_RTOL, atol=DECODE_ATOL)
+
+
 def test_a_step_past_the_capacity_writes_nothing(device):
     """A step queued at the capacity attends from registers and leaves the cache as it was
     (the checking sim also fails any access past the cache)."""
-    case = FusedCase(REAL, position=16, capacity=16, splits=32)
+    case = FusedCase(REAL, position=16, capacity=16)
     partial_out, partial_stats, k_cache, v_cache = case.run_fused(device)
     np.testing.assert_array_equal(k_cache, case.k_cache)
     np.testing.assert_array_equal(v_cache, case.v_cache)
+    # The one split of the grid holds all 17 positions.
     assert np.all(np.isfinite(partial_out)) and np.all(np.isfinite(partial_stats))

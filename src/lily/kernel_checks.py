@@ -129,11 +129,11 @@ def reference_combine(down, slot_of, weights, shared_logit, shared_down):
     return routed + gate * shared_down, magnitude + gate * np.abs(shared_down), gate * shared_down
 
 
-def reference_gdn_token(
-    state, qkv, z, a, b, *, a_log, dt_bias, norm_weight, num_key_heads, num_value_heads, eps
+def reference_gdn_readout(
+    state, qkv, a, b, *, a_log, dt_bias, num_key_heads, num_value_heads
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(out [Hv*Dv], new state) of one Gated DeltaNet token in float64, composed from
-    lily.reference; dt_bias and norm_weight are bf16 bits."""
+    """(readout S q [Hv, Dv], new state) of one Gated DeltaNet token in float64, composed from
+    lily.reference; dt_bias is bf16 bits."""
     from lily.kernels.gdn import KEY_HEAD_DIM, VALUE_HEAD_DIM
 
     f64 = np.float64
@@ -150,10 +150,47 @@ def reference_gdn_token(
         np.asarray(a_log, f64),
         bf16_to_float32(dt_bias).astype(f64),
     )
-    o, new_state = reference.gated_delta_step(np.asarray(state, f64), q, k, v, g, beta)
-    z = np.asarray(z, f64).reshape(num_value_heads, VALUE_HEAD_DIM)
-    weight = bf16_to_float32(norm_weight).astype(f64)
-    return reference.gated_rms_norm(o, weight, z, eps).reshape(-1), new_state
+    return reference.gated_delta_step(np.asarray(state, f64), q, k, v, g, beta)
+
+
+def reference_gdn_token(
+    state, qkv, z, a, b, *, a_log, dt_bias, norm_weight, num_key_heads, num_value_heads, eps
+) -> tuple[np.ndarray, np.ndarray]:
+    """(out [Hv*Dv], new state) of one Gated DeltaNet token in float64: the readout through the
+    gated RMSNorm; dt_bias and norm_weight are bf16 bits."""
+    o, new_state = reference_gdn_readout(
+        state,
+        qkv,
+        a,
+        b,
+        a_log=a_log,
+        dt_bias=dt_bias,
+        num_key_heads=num_key_heads,
+        num_value_heads=num_value_heads,
+    )
+    return reference_gated_norm(o, z, norm_weight, eps), new_state
+
+
+def reference_gated_norm(readout, z, norm_weight, eps: float) -> np.ndarray:
+    """The GDN's gated RMSNorm [Hv*Dv] of a readout [Hv*Dv] in float64, per 128-wide head;
+    norm_weight is bf16 bits."""
+    from lily.kernels.gdn import VALUE_HEAD_DIM
+
+    o = np.asarray(readout, np.float64).reshape(-1, VALUE_HEAD_DIM)
+    z = np.asarray(z, np.float64).reshape(o.shape)
+    weight = bf16_to_float32(norm_weight).astype(np.float64)
+    return reference.gated_rms_norm(o, weight, z, eps).reshape(-1)
+
+
+def gdn_out_proj_ulps(in_dim: int, bits: int) -> float:
+    """gdn_out_proj's error bound in float32 ulps of its GEMV magnitude: the GEMV's, plus the
+    relative error of each normed input: its head's sum of squares ((chunk - 1) sequential adds
+    and log2(128 / chunk) shuffle adds, of positive terms) halved by the square root, the rsqrt
+    (2), the three products (3) and silu = z * sigmoid(z) (exp 4, then 3 roundings). The add
+    into the residual rounds once more, by an ulp of the result."""
+    chunk = 128 // bits
+    squares = chunk - 1 + np.log2(128 // chunk) + 1
+    return qgemv_ulps(in_dim, bits) + squares / 2 + 2 + 3 + 7
 
 
 # --- comparing -----------------------------------------------------------------------------------
@@ -409,34 +446,34 @@ def _gdn_inputs(
 
 
 def _gdn(num_key_heads: int, num_value_heads: int):
+    """The step's state and readout (the gated RMSNorm is gdn_out_proj's)."""
     from lily.kernels.gdn import record_gdn_step
-
-    eps = 1e-6
 
     def prepare(device: Device, rng: np.random.Generator) -> Trial:
         inputs = _gdn_inputs(rng, num_key_heads, num_value_heads, ())
         initial_state = inputs["state"].copy()
+        step_inputs = ("qkv", "a", "b", "a_log", "dt_bias", "state")
         graph = Graph()
         record_gdn_step(
             graph,
             device,
             num_key_heads=num_key_heads,
             num_value_heads=num_value_heads,
-            norm_eps=eps,
-            **{name: device.wrap(array) for name, array in inputs.items()},
+            readout=device.wrap(inputs["out"]),
+            **{name: device.wrap(inputs[name]) for name in step_inputs},
         )
 
         def verify() -> Comparison:
-            expected, state = reference_gdn_token(
+            readout, state = reference_gdn_readout(
                 initial_state,
-                *(inputs[name] for name in ("qkv", "z", "a", "b")),
-                **{name: inputs[name] for name in ("a_log", "dt_bias", "norm_weight")},
+                *(inputs[name] for name in ("qkv", "a", "b")),
+                a_log=inputs["a_log"],
+                dt_bias=inputs["dt_bias"],
                 num_key_heads=num_key_heads,
                 num_value_heads=num_value_heads,
-                eps=eps,
             )
             return compare_close(inputs["state"], state, 1e-5, 1e-5).merge(
-                compare_close(inputs["out"], expected, 1e-4, 2e-5)
+                compare_close(inputs["out"], readout.reshape(-1), 1e-5, 2e-7)
             )
 
         return Trial(graph, verify, 2 * initial_state.nbytes)
@@ -444,12 +481,56 @@ def _gdn(num_key_heads: int, num_value_heads: int):
     return prepare
 
 
-def _attention(num_q: int, num_kv: int, context: int, num_splits: int = 32, fused: bool = False):
+def _gdn_out_proj(rows: int, num_value_heads: int, bits: int):
+    """The output projection of a random readout, its gated RMSNorm folded in, into a random
+    residual."""
+    from lily.kernels.gdn import VALUE_HEAD_DIM
+    from lily.kernels.gdn_out_proj import record_gdn_out_proj
+    from lily.kernels.norm import FoldedNorm
+    from lily.kernels.quantized import wrap_quant_weight
+
+    eps, in_dim = 1e-6, num_value_heads * VALUE_HEAD_DIM
+
+    def prepare(device: Device, rng: np.random.Generator) -> Trial:
+        triple = random_quantized(rng, rows, in_dim, bits)
+        f32 = np.float32
+        readout = rng.normal(0, 0.5, in_dim).astype(f32)
+        z = rng.normal(0, 1.5, in_dim).astype(f32)
+        gain = float32_to_bf16(1 + rng.normal(0, 0.1, VALUE_HEAD_DIM).astype(f32))
+        residual = rng.normal(0, 1, rows).astype(f32)
+        initial_residual = residual.copy()
+        graph = Graph()
+        record_gdn_out_proj(
+            graph,
+            device,
+            readout=device.wrap(readout),
+            z=device.wrap(z),
+            norm=FoldedNorm(device.wrap(gain), eps),
+            weight=wrap_quant_weight(device, *triple),
+            residual=device.wrap(residual),
+        )
+
+        def verify() -> Comparison:
+            x = reference_gated_norm(readout, z, gain, eps)
+            y, magnitude = reference_qgemv(*triple, bits, x)
+            expected = initial_residual + y
+            bound = FLOAT32_EPS * (gdn_out_proj_ulps(in_dim, bits) * magnitude + np.abs(expected))
+            return compare(residual, expected, bound)
+
+        moved = sum(a.nbytes for a in triple) + readout.nbytes + z.nbytes + 2 * residual.nbytes
+        return Trial(graph, verify, moved)
+
+    return prepare
+
+
+def _attention(num_q: int, num_kv: int, context: int, fused: bool = False):
     """prepare (norms, RoPE, cache append at position context - 1), decode over the whole cache
     and combine with the output gate, chained in one graph; with `fused`, prepare and decode as
-    the decode step runs them, in one dispatch (attention_decode_fused)."""
+    the decode step runs them, in one dispatch (attention_decode_fused). The cache is full: the
+    grid has the engine's splits for its capacity, all in use."""
     from lily.kernels.attention import (
         HEAD_DIM,
+        decode_splits,
         partial_out_bytes,
         partial_stats_bytes,
         record_attention_combine,
@@ -459,6 +540,7 @@ def _attention(num_q: int, num_kv: int, context: int, num_splits: int = 32, fuse
     )
 
     eps, theta, rotary_dim, position = 1e-6, 1e7, 64, context - 1
+    num_splits = decode_splits(context)
 
     def prepare(device: Device, rng: np.random.Generator) -> Trial:
         q_proj = rng.normal(0, 2, (num_q, 2, HEAD_DIM)).astype(np.float32)
@@ -524,6 +606,7 @@ def _attention(num_q: int, num_kv: int, context: int, num_splits: int = 32, fuse
             partial_out=partial_out,
             partial_stats=partial_stats,
             q_proj=bound["q_proj"],
+            step=step,
             out=device.wrap(out),
             num_q_heads=num_q,
             num_splits=num_splits,
@@ -1116,6 +1199,7 @@ CHECKS: list[KernelCheck] = [
     KernelCheck("embedding", "4096x2048 q4, 3 tokens", _embedding(4096, 2048, [7, 4095, 0])),
     KernelCheck("conv1d_step", "8192 channels", _conv1d(8192)),
     KernelCheck("gdn_step", "16 key, 32 value heads", _gdn(16, 32), True),
+    KernelCheck("gdn_out_proj", "2048x4096 q4", _gdn_out_proj(2048, 32, 4), True),
     KernelCheck(
         "attention prepare+decode+combine",
         "16 q, 2 kv heads, 4096 ctx",

@@ -43,6 +43,7 @@ from lily.kernels import BufferRef, attention, offset_by
 from lily.kernels.conv1d import FoldedConvStep, record_conv1d_chunk, window_bytes
 from lily.kernels.embedding import record_embedding
 from lily.kernels.gdn import record_gdn_chunk, record_gdn_step, state_bytes
+from lily.kernels.gdn_out_proj import record_gdn_out_proj
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
 from lily.kernels.moe_chunk import MoeChunkScratch, moe_chunk_scratch_bytes, record_moe_chunk
 from lily.kernels.norm import FoldedNorm, record_add_rms_norm, record_rms_norm
@@ -96,10 +97,16 @@ class SequenceState:
         return [*self.conv_windows.values(), *self.recurrent.values()]
 
 
-def _activation_widths(c: ModelConfig) -> dict[str, int]:
-    """fp32 elements per token of each activation passed between a pass's dispatches."""
+# Activations only a chunk passes between its dispatches: the decode step folds the norms and
+# residual adds, the GDN's conv and attention's prepare into the kernels around them.
+_CHUNK_ONLY_ACTIVATIONS = ("normed", "mixer_out", "moe_out", "qkv_projected", "queries")
+
+
+def _activation_widths(c: ModelConfig, max_chunk: int) -> dict[str, int]:
+    """fp32 elements per token of each activation passed between the dispatches of passes of
+    up to `max_chunk` tokens."""
     q_heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    return {
+    widths = {
         "residual": c.hidden_size,
         "normed": c.hidden_size,
         "mixer_out": c.hidden_size,
@@ -118,6 +125,10 @@ def _activation_widths(c: ModelConfig) -> dict[str, int]:
         "queries": q_heads * c.head_dim,
         "attn_out": q_heads * c.head_dim,
     }
+    if max_chunk == 1:
+        for name in _CHUNK_ONLY_ACTIVATIONS:
+            del widths[name]
+    return widths
 
 
 def _moe_shape(c: ModelConfig) -> tuple[int, int, int, int]:
@@ -131,13 +142,14 @@ def _moe_shape(c: ModelConfig) -> tuple[int, int, int, int]:
 
 class _Scratch:
     """Activations passed between the dispatches of one pass, reused by every layer and sized
-    for the longest chunk: [max_chunk, width] fp32 each (widths in `_activation_widths`)."""
+    for the longest chunk: [max_chunk, width] fp32 each (widths in `_activation_widths`). The
+    chunk-only ones are None when max_chunk is 1."""
 
     residual: Buffer
-    normed: Buffer
-    mixer_out: Buffer
-    moe_out: Buffer
-    qkv_projected: Buffer
+    normed: Buffer | None
+    mixer_out: Buffer | None
+    moe_out: Buffer | None
+    qkv_projected: Buffer | None
     qkv: Buffer
     z: Buffer
     a: Buffer
@@ -146,15 +158,17 @@ class _Scratch:
     q: Buffer
     k: Buffer
     v: Buffer
-    queries: Buffer
+    queries: Buffer | None
     attn_out: Buffer
 
-    def __init__(self, c: ModelConfig, device: Device, max_chunk: int) -> None:
-        for name, width in _activation_widths(c).items():
+    def __init__(self, c: ModelConfig, device: Device, max_chunk: int, capacity: int) -> None:
+        for name in _CHUNK_ONLY_ACTIVATIONS:
+            setattr(self, name, None)
+        for name, width in _activation_widths(c, max_chunk).items():
             setattr(self, name, device.alloc(4 * width * max_chunk))
-        q_heads = c.num_attention_heads
-        self.partial_out = device.alloc(attention.partial_out_bytes(q_heads))
-        self.partial_stats = device.alloc(attention.partial_stats_bytes(q_heads))
+        q_heads, splits = c.num_attention_heads, attention.decode_splits(capacity)
+        self.partial_out = device.alloc(attention.partial_out_bytes(q_heads, splits))
+        self.partial_stats = device.alloc(attention.partial_stats_bytes(q_heads, splits))
         self.moe = MoeScratch.allocate(device, *_moe_shape(c))
         # Sized for the whole vocabulary, at least what the sampler's token count needs.
         self.sample_partials = device.alloc(sample_partials_bytes(c.vocab_size))
@@ -167,7 +181,7 @@ class _Scratch:
 
 def scratch_bytes(c: ModelConfig, max_chunk: int) -> int:
     """What the per-pass scratch of a ModelGraph allocates for chunks of up to `max_chunk`."""
-    activations = 4 * max_chunk * sum(_activation_widths(c).values())
+    activations = 4 * max_chunk * sum(_activation_widths(c, max_chunk).values())
     chunk_moe = moe_chunk_scratch_bytes(*_moe_shape(c), c.hidden_size, max_chunk)
     sampler = 4 * c.vocab_size + sample_partials_bytes(c.vocab_size)
     return activations + (chunk_moe if max_chunk > 1 else 0) + sampler
@@ -181,7 +195,10 @@ def device_bytes(checkpoint: Checkpoint, capacity: int, max_chunk: int = DEFAULT
     kv = 2 * len(c.full_attention_layers) * attention.cache_bytes(c.num_key_value_heads, capacity)
     gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
     recurrent = state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim)
-    small = attention.partial_out_bytes(c.num_attention_heads) + 4 * capacity + (1 << 20)
+    splits = attention.decode_splits(capacity)
+    partials = attention.partial_out_bytes(c.num_attention_heads, splits)
+    partials += attention.partial_stats_bytes(c.num_attention_heads, splits)
+    small = partials + 4 * capacity + (1 << 20)
     return weights + kv + gdn_layers * recurrent + scratch_bytes(c, max_chunk) + small
 
 
@@ -231,7 +248,7 @@ class ModelGraph:
         self.max_chunk = max_chunk
         self.weights = DeviceWeights(checkpoint, device)
         self.state = self._allocate_state()
-        self._scratch = _Scratch(self.config, device, max_chunk)
+        self._scratch = _Scratch(self.config, device, max_chunk, capacity)
         self._graphs: dict[tuple[int, bool], Graph] = {}
         self.decode = self.graph(1, predicts=True)
 
@@ -452,28 +469,45 @@ class _Recorder:
                 tokens=T,
             )
         g.barrier()
-        gdn = dict(
-            qkv=s.qkv,
-            z=s.z,
-            a=s.a,
-            b=s.b,
+        weights = dict(
             a_log=w.tensor(prefix + "A_log"),
             dt_bias=w.tensor(prefix + "dt_bias"),
-            norm_weight=w.tensor(prefix + "norm.weight"),
             state=self.state.recurrent[i],
-            out=s.gdn_out,
             num_key_heads=c.linear_num_key_heads,
             num_value_heads=c.linear_num_value_heads,
             key_head_dim=c.linear_key_head_dim,
             value_head_dim=c.linear_value_head_dim,
-            norm_eps=c.rms_norm_eps,
         )
+        norm_weight, out_proj = w.tensor(prefix + "norm.weight"), w.quantized(prefix + "out_proj")
         if T == 1:
-            record_gdn_step(g, dev, **gdn)
+            # The step writes the readout; out_proj applies the gated RMSNorm as it reads it.
+            record_gdn_step(g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, **weights)
+            g.barrier()
+            record_gdn_out_proj(
+                g,
+                dev,
+                readout=s.gdn_out,
+                z=s.z,
+                norm=FoldedNorm(norm_weight, c.rms_norm_eps),
+                weight=out_proj,
+                residual=s.residual,
+            )
         else:
-            record_gdn_chunk(g, dev, **gdn, tokens=T)
-        g.barrier()
-        self.project_into_residual(s.gdn_out, w.quantized(prefix + "out_proj"))
+            record_gdn_chunk(
+                g,
+                dev,
+                qkv=s.qkv,
+                z=s.z,
+                a=s.a,
+                b=s.b,
+                norm_weight=norm_weight,
+                out=s.gdn_out,
+                norm_eps=c.rms_norm_eps,
+                tokens=T,
+                **weights,
+            )
+            g.barrier()
+            self.project_into_residual(s.gdn_out, out_proj)
 
     def attention(self, i: int, prefix: str, input_norm: str) -> None:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
@@ -504,16 +538,20 @@ class _Recorder:
             **heads,
         )
         if T == 1:
-            attention.record_attention_decode_fused(
-                g, dev, **prepare, partial_out=s.partial_out, partial_stats=s.partial_stats
+            # The grid covers the capacity; the kernels take the context from the step buffer.
+            partials = dict(
+                partial_out=s.partial_out,
+                partial_stats=s.partial_stats,
+                num_splits=attention.decode_splits(self.m.capacity),
             )
+            attention.record_attention_decode_fused(g, dev, **prepare, **partials)
             g.barrier()
             attention.record_attention_combine(
                 g,
                 dev,
-                partial_out=s.partial_out,
-                partial_stats=s.partial_stats,
+                **partials,
                 q_proj=s.q,
+                step=self.state.step,
                 out=s.attn_out,
                 num_q_heads=c.num_attention_heads,
             )

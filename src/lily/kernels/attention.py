@@ -4,9 +4,12 @@ For one decoded token, three dispatches, each needing a barrier before the next:
 
 1. `record_attention_prepare`: q/k RMSNorm, partial RoPE, and the append of the rotated key and
    the value to the bf16 cache at the position held in the step buffer;
-2. `record_attention_decode`: attention over the whole context, split into `num_splits` ranges
-   that run as separate threadgroups and leave partial results in a scratch buffer;
-3. `record_attention_combine`: merges the partials and applies the sigmoid output gate.
+2. `record_attention_decode`: attention over the whole context, split into ranges of
+   SPLIT_POSITIONS positions that run as separate threadgroups and leave partial results in a
+   scratch buffer; the grid has `decode_splits(capacity)` splits, and the kernel derives from the
+   step buffer how many of them the context reaches (the rest exit at once);
+3. `record_attention_combine`: merges the partials of the splits the context reaches and applies
+   the sigmoid output gate.
 
 The decode step runs the first two as one, `record_attention_decode_fused`: every split prepares
 its own queries and the current key and value, and the split holding the current position
@@ -32,13 +35,28 @@ if TYPE_CHECKING:
 # Every head is covered by one simdgroup holding 8 dims per lane.
 HEAD_DIM = 256
 SIMD_WIDTH = 32
+# Must match kDecodeThreads, kMaxGroup, kSplitPositions and kCombineDims in attention.metal: the
+# decode kernels' threads, the most query heads per kv head they keep, the positions per split
+# while the grid has splits to spare, and the dims per combine threadgroup.
+DECODE_THREADS = 256
+MAX_GROUP = 8
+SPLIT_POSITIONS = 256
+COMBINE_DIMS = 64
+# The most splits a decode grid gets: 128 splits of the real model's 2 kv heads are 256
+# threadgroups, six or more per core on a 40-core GPU; more would add threadgroups that cannot
+# run at once anyway while growing the partials the combine reads back (16 heads x 1 KB per
+# split). Past 128 * 256 = 32768 positions the splits lengthen instead.
+MAX_SPLITS = 128
 # Must match kChunkRows and kChunkThreads in attention.metal: (token, query head) rows per
 # threadgroup of the chunk kernel, and its threads.
 CHUNK_ROWS = 32
 CHUNK_THREADS = 128
-# Enough threadgroups to spread a long context over a GPU's cores, few enough that the combine
-# pass stays negligible; a short context leaves most splits empty, which costs one early exit.
-DEFAULT_NUM_SPLITS = 32
+
+
+def decode_splits(capacity: int) -> int:
+    """The splits of a decode grid for a cache of `capacity` positions: one per SPLIT_POSITIONS,
+    at most MAX_SPLITS. The kernels lengthen the splits when the context outgrows them."""
+    return max(1, min(MAX_SPLITS, ceil_div(capacity, SPLIT_POSITIONS)))
 
 
 def cache_bytes(num_kv_heads: int, capacity: int) -> int:
@@ -46,12 +64,12 @@ def cache_bytes(num_kv_heads: int, capacity: int) -> int:
     return num_kv_heads * capacity * HEAD_DIM * 2
 
 
-def partial_out_bytes(num_q_heads: int, num_splits: int = DEFAULT_NUM_SPLITS) -> int:
+def partial_out_bytes(num_q_heads: int, num_splits: int) -> int:
     """Scratch for the unnormalised per-split outputs, reusable across layers."""
     return num_q_heads * num_splits * HEAD_DIM * 4
 
 
-def partial_stats_bytes(num_q_heads: int, num_splits: int = DEFAULT_NUM_SPLITS) -> int:
+def partial_stats_bytes(num_q_heads: int, num_splits: int) -> int:
     """Scratch for the per-split running max and sum, reusable across layers."""
     return num_q_heads * num_splits * 2 * 4
 
@@ -61,6 +79,17 @@ def _check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
         raise ValueError(f"the attention kernels need {HEAD_DIM}-dim heads, not {head_dim}")
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads do not share {num_kv_heads} kv heads")
+
+
+def _check_splits_positive(num_splits: int) -> None:
+    if num_splits <= 0:
+        raise ValueError("num_splits must be positive")
+
+
+def _check_decode(num_q_heads: int, num_kv_heads: int, num_splits: int) -> None:
+    if num_q_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"the decode kernels take at most {MAX_GROUP} query heads per kv head")
+    _check_splits_positive(num_splits)
 
 
 def _check_tokens(tokens: int) -> None:
@@ -137,17 +166,18 @@ def record_attention_decode(
     num_q_heads: int,
     num_kv_heads: int,
     capacity: int,
-    num_splits: int = DEFAULT_NUM_SPLITS,
+    num_splits: int,
     head_dim: int = HEAD_DIM,
 ) -> None:
-    """Per-split softmax partials of every query head over the cached context (scale 1/16)."""
+    """Per-split softmax partials of every query head over the cached context (scale 1/16):
+    partials fp32 [Hq, num_splits, 256] and stats [Hq, num_splits, 2] (max, sum), of which the
+    splits the context reaches are written (`decode_splits(capacity)` covers the capacity)."""
     _check_heads(num_q_heads, num_kv_heads, head_dim)
-    if num_splits <= 0:
-        raise ValueError("num_splits must be positive")
+    _check_decode(num_q_heads, num_kv_heads, num_splits)
     graph.dispatch(
         device.kernel("attention_decode"),
         threadgroups=(num_splits, num_kv_heads, 1),
-        threads=(SIMD_WIDTH * (num_q_heads // num_kv_heads), 1, 1),
+        threads=(DECODE_THREADS, 1, 1),
         buffers={
             1: binding(queries),
             2: binding(k_cache),
@@ -182,21 +212,20 @@ def record_attention_decode_fused(
     rotary_dim: int,
     rope_theta: float,
     norm_eps: float = 1e-6,
-    num_splits: int = DEFAULT_NUM_SPLITS,
+    num_splits: int,
     head_dim: int = HEAD_DIM,
 ) -> None:
     """`record_attention_prepare` (one token) then `record_attention_decode`, in one dispatch
     with the same results: the caches get the rotated key and the value at step[0] (unless past
     the capacity), the partials are those of the context including it."""
     _check_heads(num_q_heads, num_kv_heads, head_dim)
-    if num_splits <= 0:
-        raise ValueError("num_splits must be positive")
+    _check_decode(num_q_heads, num_kv_heads, num_splits)
     if rotary_dim <= 0 or rotary_dim % (2 * SIMD_WIDTH) or rotary_dim > HEAD_DIM:
         raise ValueError(f"rotary_dim {rotary_dim} must be a positive multiple of 64 up to 256")
     graph.dispatch(
         device.kernel("attention_decode_fused"),
         threadgroups=(num_splits, num_kv_heads, 1),
-        threads=(SIMD_WIDTH * (num_q_heads // num_kv_heads), 1, 1),
+        threads=(DECODE_THREADS, 1, 1),
         buffers={
             1: binding(q_proj),
             2: binding(k_proj),
@@ -232,20 +261,24 @@ def record_attention_combine(
     partial_out: BufferRef,
     partial_stats: BufferRef,
     q_proj: BufferRef,
+    step: BufferRef,
     out: BufferRef,
     num_q_heads: int,
-    num_splits: int = DEFAULT_NUM_SPLITS,
+    num_splits: int,
 ) -> None:
-    """`out = attention * sigmoid(gate)`, fp32 [Hq, 256], gate read from q_proj's second halves."""
+    """`out = attention * sigmoid(gate)`, fp32 [Hq, 256], gate read from q_proj's second halves;
+    `num_splits` is the decode grid's, and only the splits the context reaches are read."""
+    _check_splits_positive(num_splits)
     graph.dispatch(
         device.kernel("attention_combine"),
-        threadgroups=(num_q_heads, 1, 1),
-        threads=(HEAD_DIM, 1, 1),
+        threadgroups=(num_q_heads, HEAD_DIM // COMBINE_DIMS, 1),
+        threads=(COMBINE_DIMS, 1, 1),
         buffers={
             1: binding(partial_out),
             2: binding(partial_stats),
             3: binding(q_proj),
             4: binding(out),
+            5: binding(step),
         },
         bytes={0: pack_params("II", num_q_heads, num_splits)},
     )

@@ -1,0 +1,89 @@
+// The Gated DeltaNet's output projection in the decode step, with the gated RMSNorm folded in:
+//   residual += W x,  x_h = rmsnorm(o_h) * norm_weight * silu(z_h) for each value head h,
+// where o is gdn_step's readout. gdn_step splits each head's rows over several threadgroups, so
+// none of them has the whole head to norm; this GEMV reads all of o anyway.
+//
+// A lane's 16-byte load of codes covers 32 (4-bit) or 16 (8-bit) inputs, which lie inside one
+// 128-wide head, and the lanes holding one head's chunks are 4 (or 8) adjacent, aligned lanes.
+// The head's sum of squares is thus each lane's own plus a butterfly of shuffles over that group,
+// the same on each of its lanes and in every SIMD-group. Each input is then normed, gained and
+// gated in the order gdn_gated_rms_norm uses, and the dot products are those of qgemv: only the
+// order of the sum of squares differs from a separate norm.
+#include "common.h"
+#include "quantized.h"
+
+constexpr constant uint kNormedHeadDim = 128;  // Dv, the span of one inverse RMS
+constexpr constant uint kOutProjRowsPerSimdgroup = 4;
+constexpr constant uint kOutProjSimdgroups = 2;
+
+struct GdnOutProjParams {
+  uint in_dim;  // Hv * Dv
+  float eps;    // of the gated RMSNorm
+};
+
+// Threadgroups of kOutProjSimdgroups SIMD-groups of kOutProjRowsPerSimdgroup rows each; the rows
+// are a whole number of threadgroups.
+template <uint BITS>
+[[kernel]] void gdn_out_proj(constant GdnOutProjParams& p [[buffer(0)]],
+                             device const float* readout [[buffer(1)]],       // [Hv*Dv]
+                             device const float* z [[buffer(2)]],             // [Hv*Dv]
+                             device const bfloat* norm_weight [[buffer(3)]],  // [Dv], a gain
+                             device const uint* weight [[buffer(4)]],
+                             device const bfloat* scales [[buffer(5)]],
+                             device const bfloat* biases [[buffer(6)]],
+                             device float* residual [[buffer(7)]],  // [rows], added to
+                             uint threadgroup_id [[threadgroup_position_in_grid]],
+                             uint simdgroup [[simdgroup_index_in_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint chunk = quant_chunk(BITS);
+  constexpr uint lanes_per_head = kNormedHeadDim / chunk;
+  const QuantMatrix m{weight, scales, biases};
+  const uint row0 =
+      (threadgroup_id * kOutProjSimdgroups + simdgroup) * kOutProjRowsPerSimdgroup;
+
+  float acc[kOutProjRowsPerSimdgroup];
+  for (uint r = 0; r < kOutProjRowsPerSimdgroup; ++r) acc[r] = 0.0f;
+  // Every lane takes every pass, so that the shuffles stay in uniform control flow; a pass past
+  // the end of a short input (a model with few heads) idles whole groups of lanes.
+  for (uint base = 0; base < p.in_dim; base += SIMD_WIDTH * chunk) {
+    const uint k = base + lane * chunk;
+    const bool active = k < p.in_dim;
+    float xs[chunk];
+    float squares = 0.0f;
+    if (active) {
+      for (uint i = 0; i < chunk; i += 4) {
+        const float4 o = *reinterpret_cast<device const float4*>(readout + k + i);
+        for (uint j = 0; j < 4; ++j) {
+          xs[i + j] = o[j];
+          squares += o[j] * o[j];
+        }
+      }
+    }
+    for (uint offset = 1; offset < lanes_per_head; offset <<= 1) {
+      squares += simd_shuffle_xor(squares, offset);
+    }
+    if (active) {
+      const float inv_rms = rsqrt(squares / float(kNormedHeadDim) + p.eps);
+      device const bfloat* gain = norm_weight + k % kNormedHeadDim;
+      float xsum = 0.0f;
+      for (uint i = 0; i < chunk; i += 4) {
+        const float4 gate = *reinterpret_cast<device const float4*>(z + k + i);
+        for (uint j = 0; j < 4; ++j) {
+          xs[i + j] = xs[i + j] * inv_rms * float(gain[i + j]) * silu(gate[j]);
+          xsum += xs[i + j];
+        }
+      }
+      for (uint r = 0; r < kOutProjRowsPerSimdgroup; ++r) {
+        acc[r] += qdot_chunk<BITS>(m, p.in_dim, row0 + r, k, xs, xsum);
+      }
+    }
+  }
+  for (uint r = 0; r < kOutProjRowsPerSimdgroup; ++r) {
+    const float total = simd_sum(acc[r]);
+    // Each row is read and written by the one lane that owns it.
+    if (lane == 0) residual[row0 + r] += total;
+  }
+}
+
+template [[host_name("gdn_out_proj_4")]] [[kernel]] decltype(gdn_out_proj<4>) gdn_out_proj<4>;
+template [[host_name("gdn_out_proj_8")]] [[kernel]] decltype(gdn_out_proj<8>) gdn_out_proj<8>;

@@ -1,0 +1,34 @@
+"""The per-pass scratch of model_graph: what a decode-only graph (max_chunk 1) allocates.
+
+The decode step folds the norms and residual adds, the GDN's conv and attention's prepare into
+the kernels around them, so the activations only a chunk passes between its dispatches are not
+allocated when no chunk graph can be recorded; a decode-only engine still decodes as one that
+can also take chunks (test_prefill.py runs a whole prompt through it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tiny_models import tiny_checkpoint
+
+from lily.checkpoint import load_checkpoint
+from lily.device import open_device
+from lily.model_graph import ModelGraph
+
+CHUNK_ONLY = ("normed", "mixer_out", "moe_out", "qkv_projected", "queries")
+
+
+def test_a_decode_only_graph_allocates_no_chunk_activations() -> None:
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    c, device = checkpoint.config, open_device("sim")
+    decode_only = ModelGraph(checkpoint, device, 16, c.vocab_size, max_chunk=1)
+    chunked = ModelGraph(checkpoint, device, 16, c.vocab_size, max_chunk=2)
+
+    assert all(getattr(decode_only._scratch, name) is None for name in CHUNK_ONLY)
+    assert all(getattr(chunked._scratch, name) is not None for name in CHUNK_ONLY)
+    # The same prompt token decoded by both: the same logits, bit for bit.
+    for model in (decode_only, chunked):
+        model.history_view()[0] = 7
+        model.step_view()[:3] = (0, 1, 0)
+        device.run(model.decode)
+    np.testing.assert_array_equal(decode_only.logits_view(), chunked.logits_view())
