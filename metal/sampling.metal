@@ -27,21 +27,42 @@
 // filters, nor drawn. The log-probabilities ignore the mask and the adjustments: they stay the
 // model's own.
 //
-// One threadgroup per draw. The thresholds are found by bisection on the order key (32 passes,
-// each a threadgroup reduction), never by sorting. When top_k <= threads, a cheap lower bound
-// on the k-th largest key (the k-th largest of the threads' own maxima) selects the tokens
-// top-k can keep; if at most GATHER_CAPACITY, they are gathered into threadgroup memory and
-// the bisections and the race read only them. Otherwise (top-k off, or thousands of ties)
-// every pass reads the logits, which for the 248320-token vocabulary stay in the GPU's cache.
-// The top log-probabilities are gathered the same way.
+// Two dispatches per draw. `sample_slices` spreads the full-vocabulary work over many threadgroups,
+// each reducing one slice of the vocabulary into a SlicePartial: its NaN/+inf count, its largest
+// ranked and raw logits (lowest index), the log-probability normaliser's partial sum, its Gumbel-
+// race winner when no top-k or top-p applies, its SLICE_CANDIDATES most likely tokens when a
+// filter applies, and its most likely raw logits when alternatives are wanted. `sample_token`
+// (one threadgroup per draw) finishes from the partials:
+// - greedy, and the race without top-k or top-p, are reductions over the slices' results (the
+//   race's argmax over all tokens is the argmax of the slices' winners; min-p alone only checks
+//   that the winner passes it, since it wins the race over any subset holding it);
+// - the filters run over the slices' candidates, gathered into threadgroup memory: every token
+//   whose key is above the largest of the full slices' last candidate keys is among them, so a
+//   threshold found above that key is the exact one (thresholds are found by bisection on the
+//   order key, 32 passes each, never by sorting);
+// - otherwise (a top-k larger than the candidates, a top-p needing more mass, thousands of
+//   ties) the filters fall back to passes over the logits in device memory, as one threadgroup:
+//   when top-k is on, the k-th largest candidate key (a lower bound on the k-th largest key)
+//   selects the tokens the cut can keep, gathered when at most GATHER_CAPACITY.
+// The top log-probabilities are the best of the slices' own best. The finishing dispatch can
+// also count the drawn token for the penalties and advance the step buffer (step.h), so a
+// decode step needs no further dispatch after it.
 #include "common.h"
+#include "step.h"
 
 constexpr constant uint NO_TOKEN = 0xFFFFFFFFu;
 // Entries per log-probability ring slot: the chosen token, then up to 20 alternatives.
 constexpr constant uint MAX_TOP_LOGPROBS = 20;
 constexpr constant uint LOGPROB_ENTRIES = 1 + MAX_TOP_LOGPROBS;
-// Tokens gathered into threadgroup memory when top-k bounds them (8 bytes each).
+// Tokens gathered into threadgroup memory (8 bytes each): the slices' candidates, or the tokens
+// a lower bound on the thresholds selects.
 constexpr constant uint GATHER_CAPACITY = 2048;
+// Candidates each slice lists for the filters, and so the most slices one draw may have.
+constexpr constant uint SLICE_CANDIDATES = 16;
+constexpr constant uint MAX_SLICES = GATHER_CAPACITY / SLICE_CANDIDATES;
+// The bits of the lowest float, the host's log_min_p when min-p is off.
+constexpr constant uint LOWEST_FLOAT_BITS = 0xFF7FFFFFu;
+constexpr constant uint MINUS_INFINITY_BITS = 0xFF800000u;
 constexpr constant float TWO_TO_MINUS_32 = 1.0f / 4294967296.0f;
 constexpr constant float LARGEST_BELOW_ONE = 1.0f - 1.0f / 16777216.0f;
 // Below this, -log(1 - u) = u + u^2/2 to fp32 precision.
@@ -66,7 +87,33 @@ struct SamplingParams {
 // Fixed when the graph is recorded.
 struct SampleShape {
   uint vocab;
-  uint ring_slots;  // slots of the log-probability ring
+  uint ring_slots;    // slots of the log-probability ring
+  uint slices;        // slices of the vocabulary per draw, at most MAX_SLICES
+  uint slice_tokens;  // tokens per slice (the last may hold fewer)
+  uint capacity;      // the token history's length, for the step advance
+  uint bookkeeping;   // 1: the finishing dispatch counts the token and advances the step buffer
+};
+
+struct TokenValue {
+  uint token;
+  float value;
+};
+
+// What `sample_slices` writes for one slice of one draw. A field is written whenever a later
+// read of it can happen: the first five always, the rest when the parameters need them.
+struct SlicePartial {
+  uint unusable;        // NaN or +inf logits in the slice
+  uint best_index;      // the largest ranked logit's lowest index; NO_TOKEN if none is allowed
+  float best;           // that adjusted logit
+  uint best_raw_index;  // the largest raw logit's lowest index
+  float best_raw;
+  float raw_exp_sum;    // sum of exp(logit - best_raw) over the slice (log-probabilities)
+  float mass;           // sum of exp(z - best * inverse_temperature) (top-p without top-k)
+  uint race_winner;     // the race's winner over the slice's finite z (no top-k, no top-p)
+  uint candidate_count;
+  uint candidate_bound;  // the last candidate's key when the slice holds more tokens, else 0
+  TokenValue candidates[SLICE_CANDIDATES];  // the most likely by (z desc, id asc), with z
+  TokenValue top_raw[MAX_TOP_LOGPROBS];     // the largest raw logits by (value desc, id asc)
 };
 
 struct LogprobEntry {
@@ -99,6 +146,12 @@ inline float exponential_variate(uint bits) {
   return u < SERIES_LIMIT ? u * (1.0f + 0.5f * u) : -log(1.0f - u);
 }
 
+// The race's score of token `id` at `position`: z_i + G_i (the definition above).
+inline float race_score(float z, uint id, uint position, uint2 key) {
+  const uint bits = philox_first_word(uint4(id, position, 0, 0), key);
+  return z - log(exponential_variate(bits));
+}
+
 // An order-preserving uint32 image of a float (NaN excluded): larger floats give larger keys.
 // -0 is folded into +0 on the integer side, where fast math cannot drop the test.
 inline uint order_key(float value) {
@@ -106,6 +159,13 @@ inline uint order_key(float value) {
   const uint bits = raw == 0x80000000u ? 0u : raw;
   return (bits & 0x80000000u) != 0 ? ~bits : bits | 0x80000000u;
 }
+
+// The float whose order key is `key` (+0 for the key of -0).
+inline float key_value(uint key) {
+  return as_type<float>((key & 0x80000000u) != 0 ? key & 0x7FFFFFFFu : ~key);
+}
+
+inline bool is_minus_infinity(float value) { return as_type<uint>(value) == MINUS_INFINITY_BITS; }
 
 // Tested on the bits, since fast math may assume isnan and isinf are false. -inf is a token the
 // logits rule out; NaN and +inf are values no token can be drawn from.
@@ -136,6 +196,17 @@ inline uint group_count(uint value, threadgroup uint* scratch, uint simdgroups, 
   for (uint s = 0; s < simdgroups; ++s) total += scratch[s];
   threadgroup_barrier(mem_flags::mem_threadgroup);
   return total;
+}
+
+inline uint group_max(uint value, threadgroup uint* scratch, uint simdgroups, uint simdgroup,
+                      uint lane) {
+  const uint partial = simd_max(value);
+  if (lane == 0) scratch[simdgroup] = partial;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint largest = 0;
+  for (uint s = 0; s < simdgroups; ++s) largest = max(largest, scratch[s]);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return largest;
 }
 
 // The candidate with the largest value, ties to the lowest index, over the threadgroup; a
@@ -272,20 +343,6 @@ inline uint top_p_key(thread const Tokens& tokens, float max_z, uint floor, floa
   return max(found, floor);
 }
 
-// A lower bound on the k-th largest key of all tokens: the k-th largest of the threads' own
-// largest keys (those are k distinct tokens), 0 when k exceeds the threads. Every token a
-// top-k cut keeps lies at or above it.
-inline uint kth_largest_thread_key(uint own_key, uint k, threadgroup uint* scratch,
-                                   uint simdgroups, uint simdgroup, uint lane) {
-  uint found = 0;
-  for (uint bit = 32; bit-- > 0;) {
-    const uint candidate = found | (1u << bit);
-    const uint above = own_key >= candidate ? 1u : 0u;
-    if (group_count(above, scratch, simdgroups, simdgroup, lane) >= k) found = candidate;
-  }
-  return found;
-}
-
 // The tokens whose key of logits * scale is at least `bound`, gathered into threadgroup memory
 // if `try_gather` and they fit (each thread's in one block, placed by a prefix sum of the
 // threads' counts), else a view of every token in the logits.
@@ -323,44 +380,322 @@ inline Tokens gather_tokens(thread const Logits& logits, uint vocab, float scale
   return Tokens{logits, gathered_z, gathered_ids, scale, gathered ? count : vocab, gathered};
 }
 
-[[kernel]] void sample_token(constant SampleShape& shape [[buffer(0)]],
-                             device const SamplingParams& params [[buffer(1)]],
-                             device const float* logits [[buffer(2)]],
-                             device const uint* position [[buffer(3)]],
-                             device uint* predicted [[buffer(4)]],
-                             device LogprobEntry* logprob_ring [[buffer(5)]],
-                             device const uint* token_mask [[buffer(6)]],
-                             device const float* bias [[buffer(7)]],
-                             device const uint* counts [[buffer(8)]],
-                             device const uint* prompt_tokens [[buffer(9)]],
-                             uint draw [[threadgroup_position_in_grid]],
-                             uint thread_id [[thread_index_in_threadgroup]],
-                             uint threads [[threads_per_threadgroup]],
-                             uint simdgroup [[simdgroup_index_in_threadgroup]],
-                             uint lane [[thread_index_in_simdgroup]]) {
+// The `count` largest of logit * scale over tokens [begin, end) in (value desc, id asc) order,
+// written to `out` by thread 0, count <= end - begin. Returns the last one's value.
+inline float slice_top(thread const Logits& logits, float scale, uint begin, uint end, uint count,
+                       device TokenValue* out, threadgroup float* values,
+                       threadgroup uint* indices, uint thread_id, uint threads, uint simdgroups,
+                       uint simdgroup, uint lane) {
+  float previous_value = 0.0f;
+  uint previous_id = NO_TOKEN;
+  for (uint n = 0; n < count; ++n) {
+    float value = 0.0f;
+    uint index = NO_TOKEN;
+    // Each thread scans its ids in increasing order, so a strict > keeps the lowest on ties.
+    for (uint i = begin + thread_id; i < end; i += threads) {
+      const float v = logit(logits, i) * scale;
+      const bool after_previous = previous_id == NO_TOKEN || v < previous_value ||
+                                  (v == previous_value && i > previous_id);
+      if (after_previous && (index == NO_TOKEN || v > value)) {
+        value = v;
+        index = i;
+      }
+    }
+    previous_id =
+        min(group_argmax(value, index, values, indices, simdgroups, simdgroup, lane), end - 1);
+    previous_value = logit(logits, previous_id) * scale;
+    if (thread_id == 0) out[n] = TokenValue{previous_id, previous_value};
+  }
+  return previous_value;
+}
+
+// The tokens every slice listed as candidates, gathered into threadgroup memory (at most
+// MAX_SLICES * SLICE_CANDIDATES = GATHER_CAPACITY). `complete_above` is set to the largest of the
+// full slices' last candidate keys: every token with a larger key is among the gathered ones.
+inline Tokens gather_candidates(thread const Logits& logits, float scale,
+                                device const SlicePartial* partials, uint slices,
+                                thread uint& complete_above, threadgroup float* gathered_z,
+                                threadgroup uint* gathered_ids, threadgroup uint* scratch,
+                                uint thread_id, uint threads, uint simdgroups, uint simdgroup,
+                                uint lane) {
+  uint own = 0;
+  uint bound = 0;
+  for (uint s = thread_id; s < slices; s += threads) {
+    own += min(partials[s].candidate_count, SLICE_CANDIDATES);
+    bound = max(bound, partials[s].candidate_bound);
+  }
+  complete_above = group_max(bound, scratch, simdgroups, simdgroup, lane);
+  const uint own_offset = simd_prefix_exclusive_sum(own);
+  const uint simd_total = simd_sum(own);
+  if (lane == 0) scratch[simdgroup] = simd_total;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint offset = own_offset;
+  uint count = 0;
+  for (uint s = 0; s < simdgroups; ++s) {
+    offset += s < simdgroup ? scratch[s] : 0u;
+    count += scratch[s];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint s = thread_id; s < slices; s += threads) {
+    const uint listed = min(partials[s].candidate_count, SLICE_CANDIDATES);
+    for (uint j = 0; j < listed; ++j) {
+      gathered_z[offset] = partials[s].candidates[j].value;
+      gathered_ids[offset] = partials[s].candidates[j].token;
+      ++offset;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return Tokens{logits, gathered_z, gathered_ids, scale, count, true};
+}
+
+// sum(exp(z_i - max_z)) over every allowed token, from the slices' sums relative to their own
+// largest z.
+inline float slices_mass(device const SlicePartial* partials, uint slices, float max_z,
+                         float inverse_temperature, threadgroup float* scratch, uint thread_id,
+                         uint threads, uint simdgroups, uint simdgroup, uint lane) {
+  float mass = 0.0f;
+  for (uint s = thread_id; s < slices; s += threads) {
+    const float slice_max = partials[s].best * inverse_temperature;
+    if (!is_minus_infinity(slice_max)) mass += partials[s].mass * exp(slice_max - max_z);
+  }
+  return group_sum(mass, scratch, simdgroups, simdgroup, lane);
+}
+
+// The Gumbel race over the tokens with key >= threshold that pass min-p. Gathered tokens are not
+// in id order, so ties compare ids explicitly.
+inline uint race(thread const Tokens& tokens, uint threshold, float max_z, float log_min_p,
+                 uint2 key, uint position, threadgroup float* float_scratch,
+                 threadgroup uint* uint_scratch, uint thread_id, uint threads, uint simdgroups,
+                 uint simdgroup, uint lane) {
+  float best_score = 0.0f;
+  uint winner = NO_TOKEN;
+  for (uint j = thread_id; j < tokens.count; j += threads) {
+    const float z = token_z(tokens, j);
+    if (order_key(z) < threshold || !(z - max_z >= log_min_p)) continue;
+    const uint id = token_id(tokens, j);
+    const float score = race_score(z, id, position, key);
+    if (winner == NO_TOKEN || score > best_score || (score == best_score && id < winner)) {
+      best_score = score;
+      winner = id;
+    }
+  }
+  return group_argmax(best_score, winner, float_scratch, uint_scratch, simdgroups, simdgroup,
+                      lane);
+}
+
+// The sampled token (NO_TOKEN when every allowed z is -inf) from the slices' partials, max_z the
+// largest z.
+inline uint sample_from_partials(thread const Logits& ranked, uint vocab, float max_z,
+                                 device const SamplingParams& params,
+                                 device const SlicePartial* partials, uint slices, uint position,
+                                 threadgroup float* gathered_z, threadgroup uint* gathered_ids,
+                                 threadgroup float* float_scratch, threadgroup uint* uint_scratch,
+                                 uint thread_id, uint threads, uint simdgroups, uint simdgroup,
+                                 uint lane) {
+  const float inverse_temperature = params.inverse_temperature;
+  const uint2 key = uint2(params.seed_low, params.seed_high);
+  const bool top_k_on = params.top_k != 0 && params.top_k < vocab;
+  const bool top_p_on = params.top_p < 1.0f;
+  const bool min_p_on = as_type<uint>(params.log_min_p) != LOWEST_FLOAT_BITS;
+
+  if (!top_k_on && !top_p_on) {
+    // The race over every token is won by the best of the slices' winners; it also wins over
+    // the tokens min-p keeps whenever it is one of them.
+    float best_score = 0.0f;
+    uint winner = NO_TOKEN;
+    for (uint s = thread_id; s < slices; s += threads) {
+      const uint id = partials[s].race_winner;
+      if (id >= vocab) continue;
+      const float score =
+          race_score(logit(ranked, id) * inverse_temperature, id, position, key);
+      if (winner == NO_TOKEN || score > best_score) {  // later slices hold larger ids
+        best_score = score;
+        winner = id;
+      }
+    }
+    const uint sampled = group_argmax(best_score, winner, float_scratch, uint_scratch,
+                                      simdgroups, simdgroup, lane);
+    if (sampled == NO_TOKEN) return NO_TOKEN;
+    if (logit(ranked, sampled) * inverse_temperature - max_z >= params.log_min_p) return sampled;
+  }
+
+  uint bound = 0;
+  if (top_k_on || top_p_on || min_p_on) {
+    uint complete_above = 0;
+    const Tokens listed =
+        gather_candidates(ranked, inverse_temperature, partials, slices, complete_above,
+                          gathered_z, gathered_ids, uint_scratch, thread_id, threads, simdgroups,
+                          simdgroup, lane);
+    // A threshold above complete_above counts and sums the same tokens over the candidates as
+    // over the whole vocabulary, so it is the exact one.
+    bool exact = true;
+    uint threshold = 0;
+    if (top_k_on) {
+      const uint kth = kth_largest_key(listed, params.top_k, uint_scratch, thread_id, threads,
+                                       simdgroups, simdgroup, lane);
+      if (kth > complete_above) {
+        threshold = kth;
+      } else {
+        // The candidates are some of the tokens: their k-th largest key is at most the k-th
+        // largest of all, a lower bound for the passes over the logits.
+        exact = false;
+        bound = kth;
+      }
+    }
+    if (exact && top_p_on) {
+      const float kept_mass =
+          top_k_on ? mass_above(listed, max_z, threshold, float_scratch, thread_id, threads,
+                                simdgroups, simdgroup, lane)
+                   : slices_mass(partials, slices, max_z, inverse_temperature, float_scratch,
+                                 thread_id, threads, simdgroups, simdgroup, lane);
+      const uint top_p = top_p_key(listed, max_z, threshold, params.top_p * kept_mass,
+                                   float_scratch, thread_id, threads, simdgroups, simdgroup, lane);
+      if (top_k_on || top_p > complete_above) {
+        threshold = top_p;
+      } else {
+        exact = false;
+      }
+    }
+    if (!top_k_on && !top_p_on) {
+      // min-p alone: the tokens left out all fail it when a token at complete_above does.
+      exact = complete_above == 0 || !(key_value(complete_above) - max_z >= params.log_min_p);
+    }
+    if (exact) {
+      // Keeps the most likely token even if rounding (or a denormal top_p) pushed the key past it.
+      return race(listed, min(threshold, order_key(max_z)), max_z, params.log_min_p, key,
+                  position, float_scratch, uint_scratch, thread_id, threads, simdgroups,
+                  simdgroup, lane);
+    }
+  }
+
+  // Passes over the logits in device memory. Without a bound only a small vocabulary can fit,
+  // so the counting pass is skipped.
+  const Tokens tokens = gather_tokens(ranked, vocab, inverse_temperature, bound,
+                                      bound != 0 || vocab <= GATHER_CAPACITY, gathered_z,
+                                      gathered_ids, uint_scratch, thread_id, threads, simdgroups,
+                                      simdgroup, lane);
+  uint threshold = 0;
+  if (top_k_on) {
+    threshold = kth_largest_key(tokens, params.top_k, uint_scratch, thread_id, threads,
+                                simdgroups, simdgroup, lane);
+  }
+  if (top_p_on) {
+    const float kept_mass = mass_above(tokens, max_z, threshold, float_scratch, thread_id,
+                                       threads, simdgroups, simdgroup, lane);
+    threshold = top_p_key(tokens, max_z, threshold, params.top_p * kept_mass, float_scratch,
+                          thread_id, threads, simdgroups, simdgroup, lane);
+  }
+  return race(tokens, min(threshold, order_key(max_z)), max_z, params.log_min_p, key, position,
+              float_scratch, uint_scratch, thread_id, threads, simdgroups, simdgroup, lane);
+}
+
+// Log-probabilities of the model's own distribution: log_softmax of the raw logits, before the
+// mask, temperature and filtering (what OpenAI's API reports), for the chosen token and the
+// wanted alternatives, most likely first (ties to the lowest id), into the ring slot.
+inline void write_logprobs(device const float* logits, uint vocab, uint slice_tokens,
+                           device const SamplingParams& params,
+                           device const SlicePartial* partials, uint slices, uint chosen,
+                           device LogprobEntry* slot, threadgroup float* float_scratch,
+                           threadgroup uint* uint_scratch, uint thread_id, uint threads,
+                           uint simdgroups, uint simdgroup, uint lane) {
+  float best_raw = 0.0f;
+  uint best_raw_index = NO_TOKEN;
+  for (uint s = thread_id; s < slices; s += threads) {
+    if (best_raw_index == NO_TOKEN || partials[s].best_raw > best_raw) {
+      best_raw = partials[s].best_raw;
+      best_raw_index = partials[s].best_raw_index;
+    }
+  }
+  const uint raw_argmax = min(group_argmax(best_raw, best_raw_index, float_scratch, uint_scratch,
+                                           simdgroups, simdgroup, lane),
+                              vocab - 1);
+  const float max_raw_logit = logits[raw_argmax];
+  float exp_sum = 0.0f;
+  for (uint s = thread_id; s < slices; s += threads) {
+    const float slice_max = partials[s].best_raw;
+    if (!is_minus_infinity(slice_max)) {
+      exp_sum += partials[s].raw_exp_sum * exp(slice_max - max_raw_logit);
+    }
+  }
+  const float log_normalizer =
+      log(group_sum(exp_sum, float_scratch, simdgroups, simdgroup, lane));
+  if (thread_id == 0) {
+    slot[0] = LogprobEntry{chosen, (logits[chosen] - max_raw_logit) - log_normalizer};
+  }
+
+  // Every one of the most likely tokens is among its own slice's most likely ones, so each pass
+  // takes the best listed token ordered after the previous one in (logit desc, id asc).
+  const uint wanted = min(params.top_logprobs, min(MAX_TOP_LOGPROBS, vocab));
+  float previous_value = 0.0f;
+  uint previous_id = NO_TOKEN;
+  for (uint n = 0; n < wanted; ++n) {
+    float value = 0.0f;
+    uint index = NO_TOKEN;
+    for (uint s = thread_id; s < slices; s += threads) {
+      const uint begin = s * slice_tokens;
+      const uint listed = begin < vocab ? min(wanted, min(vocab - begin, slice_tokens)) : 0u;
+      for (uint j = 0; j < listed; ++j) {
+        const float v = partials[s].top_raw[j].value;
+        const uint id = partials[s].top_raw[j].token;
+        const bool after_previous = previous_id == NO_TOKEN || v < previous_value ||
+                                    (v == previous_value && id > previous_id);
+        if (after_previous && (index == NO_TOKEN || v > value || (v == value && id < index))) {
+          value = v;
+          index = id;
+        }
+      }
+    }
+    previous_id = min(
+        group_argmax(value, index, float_scratch, uint_scratch, simdgroups, simdgroup, lane),
+        vocab - 1);
+    previous_value = logits[previous_id];
+    if (thread_id == 0) {
+      slot[1 + n] = LogprobEntry{previous_id, (previous_value - max_raw_logit) - log_normalizer};
+    }
+  }
+}
+
+// The first dispatch of a draw: grid (slices, draws), each threadgroup reducing one slice of
+// the vocabulary into its SlicePartial.
+[[kernel]] void sample_slices(constant SampleShape& shape [[buffer(0)]],
+                              device const SamplingParams& params [[buffer(1)]],
+                              device const float* logits [[buffer(2)]],
+                              device const uint* step [[buffer(3)]],
+                              device SlicePartial* partials [[buffer(4)]],
+                              device const uint* token_mask [[buffer(6)]],
+                              device const float* bias [[buffer(7)]],
+                              device const uint* counts [[buffer(8)]],
+                              device const uint* prompt_tokens [[buffer(9)]],
+                              uint2 group [[threadgroup_position_in_grid]],
+                              uint thread_id [[thread_index_in_threadgroup]],
+                              uint threads [[threads_per_threadgroup]],
+                              uint simdgroup [[simdgroup_index_in_threadgroup]],
+                              uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float float_scratch[SIMD_WIDTH];
   threadgroup uint uint_scratch[SIMD_WIDTH];
-  threadgroup float gathered_z[GATHER_CAPACITY];
-  threadgroup uint gathered_ids[GATHER_CAPACITY];
   const uint vocab = shape.vocab;
   const uint simdgroups = (threads + SIMD_WIDTH - 1) / SIMD_WIDTH;
-  // Threadgroup g draws for position + g: one dispatch can draw many samples (the tests do).
-  const uint step_position = position[0] + draw;
+  const uint slice = group.x;
+  const uint draw = group.y;
+  const uint begin = min(slice * shape.slice_tokens, vocab - 1);
+  const uint end = min(begin + shape.slice_tokens, vocab);
+  device SlicePartial& out = partials[draw * min(shape.slices, MAX_SLICES) + slice];
+  // Draw g is for position + g: one dispatch can draw many samples (the tests do).
+  const uint step_position = step[0] + draw;
 
   const Adjustments adjustments = Adjustments{bias, counts, prompt_tokens};
   const Logits raw = Logits{logits, token_mask, false, false, adjustments, &params};
   const Logits ranked =
       Logits{logits, token_mask, token_mask[0] != 0, params.adjusts != 0, adjustments, &params};
 
-  // The largest allowed logit; its lowest index is the greedy choice. The largest logit of all
-  // normalises the log-probabilities. Each thread scans its indices in increasing order, so a
-  // strict > keeps the lowest index on ties.
+  // The largest allowed logit (lowest index on ties: each thread scans its indices in
+  // increasing order, so a strict > keeps the first), and the largest logit of all.
   float best = 0.0f;
   uint best_index = NO_TOKEN;
   float best_raw = 0.0f;
   uint best_raw_index = NO_TOKEN;
   uint unusable = 0;
-  for (uint i = thread_id; i < vocab; i += threads) {
+  for (uint i = begin + thread_id; i < end; i += threads) {
     const float v = logits[i];
     unusable += is_nan_or_plus_infinity(v) ? 1u : 0u;
     if (best_raw_index == NO_TOKEN || v > best_raw) {
@@ -375,134 +710,163 @@ inline Tokens gather_tokens(thread const Logits& logits, uint vocab, float scale
       }
     }
   }
-  // A NaN or +inf logit means the model's arithmetic broke down: no token can be drawn from it
-  // (and a NaN row has no argmax at all). The host sees NO_TOKEN and refuses the step.
-  if (group_count(unusable, uint_scratch, simdgroups, simdgroup, lane) != 0) {
-    if (thread_id == 0) predicted[draw] = NO_TOKEN;
-    return;
+  const uint unusable_count = group_count(unusable, uint_scratch, simdgroups, simdgroup, lane);
+  const uint slice_best =
+      group_argmax(best, best_index, float_scratch, uint_scratch, simdgroups, simdgroup, lane);
+  const uint slice_raw_best = min(group_argmax(best_raw, best_raw_index, float_scratch,
+                                               uint_scratch, simdgroups, simdgroup, lane),
+                                  end - 1);
+  const float max_logit = slice_best == NO_TOKEN ? -INFINITY : logit(ranked, slice_best);
+  const float max_raw_logit = logits[slice_raw_best];
+  if (thread_id == 0) {
+    out.unusable = unusable_count;
+    out.best_index = slice_best;
+    out.best = max_logit;
+    out.best_raw_index = slice_raw_best;
+    out.best_raw = max_raw_logit;
   }
-  // Every index below is clamped to the vocabulary, so no value, however wrong, can make the
-  // kernel read outside the logits.
-  // A mask allowing no token (which the host refuses before the draw) leaves the clamped index.
-  const uint argmax_index = min(
-      group_argmax(best, best_index, float_scratch, uint_scratch, simdgroups, simdgroup, lane),
-      vocab - 1);
-  const float max_logit = logit(ranked, argmax_index);
+  // The finishing dispatch refuses the row without reading more.
+  if (unusable_count != 0) return;
 
-  uint chosen = argmax_index;
   const float inverse_temperature = params.inverse_temperature;
   if (inverse_temperature != 0.0f) {
-    // Multiplication by a positive number is monotonic in fp32, so this is the largest z.
-    const float max_z = max_logit * inverse_temperature;
     const bool top_k_on = params.top_k != 0 && params.top_k < vocab;
-
-    const uint own_key = best_index == NO_TOKEN ? 0u : order_key(best * inverse_temperature);
-    uint bound = 0;
-    if (top_k_on && params.top_k <= threads) {
-      bound = kth_largest_thread_key(own_key, params.top_k, uint_scratch, simdgroups, simdgroup,
-                                     lane);
+    const bool top_p_on = params.top_p < 1.0f;
+    const bool min_p_on = as_type<uint>(params.log_min_p) != LOWEST_FLOAT_BITS;
+    if (!top_k_on && !top_p_on) {
+      const uint2 key = uint2(params.seed_low, params.seed_high);
+      float best_score = 0.0f;
+      uint winner = NO_TOKEN;
+      for (uint i = begin + thread_id; i < end; i += threads) {
+        const float z = logit(ranked, i) * inverse_temperature;
+        if (is_minus_infinity(z)) continue;
+        const float score = race_score(z, i, step_position, key);
+        if (winner == NO_TOKEN || score > best_score) {
+          best_score = score;
+          winner = i;
+        }
+      }
+      const uint slice_winner = group_argmax(best_score, winner, float_scratch, uint_scratch,
+                                             simdgroups, simdgroup, lane);
+      if (thread_id == 0) out.race_winner = slice_winner;
     }
-    // Without a bound only a small vocabulary can fit, so the counting pass is skipped.
-    const Tokens tokens = gather_tokens(ranked, vocab, inverse_temperature, bound,
-                                        bound != 0 || vocab <= GATHER_CAPACITY, gathered_z,
-                                        gathered_ids, uint_scratch, thread_id, threads,
-                                        simdgroups, simdgroup, lane);
-
-    uint threshold = 0;
-    if (top_k_on) {
-      threshold = kth_largest_key(tokens, params.top_k, uint_scratch, thread_id, threads,
-                                  simdgroups, simdgroup, lane);
-    }
-    if (params.top_p < 1.0f) {
-      const float kept_mass = mass_above(tokens, max_z, threshold, float_scratch, thread_id,
-                                         threads, simdgroups, simdgroup, lane);
-      threshold = top_p_key(tokens, max_z, threshold, params.top_p * kept_mass, float_scratch,
-                            thread_id, threads, simdgroups, simdgroup, lane);
-    }
-    // Keeps the most likely token even if rounding (or a denormal top_p) pushed the key past it.
-    threshold = min(threshold, order_key(max_z));
-
-    // The Gumbel race. Gathered tokens are not in id order, so ties compare ids explicitly.
-    const uint2 key = uint2(params.seed_low, params.seed_high);
-    float best_score = 0.0f;
-    uint winner = NO_TOKEN;
-    for (uint j = thread_id; j < tokens.count; j += threads) {
-      const float z = token_z(tokens, j);
-      if (order_key(z) < threshold || !(z - max_z >= params.log_min_p)) continue;
-      const uint id = token_id(tokens, j);
-      const uint bits = philox_first_word(uint4(id, step_position, 0, 0), key);
-      const float score = z - log(exponential_variate(bits));
-      if (winner == NO_TOKEN || score > best_score || (score == best_score && id < winner)) {
-        best_score = score;
-        winner = id;
+    if (top_k_on || top_p_on || min_p_on) {
+      const uint listed = min(SLICE_CANDIDATES, end - begin);
+      const float last =
+          slice_top(ranked, inverse_temperature, begin, end, listed, out.candidates,
+                    float_scratch, uint_scratch, thread_id, threads, simdgroups, simdgroup, lane);
+      if (thread_id == 0) {
+        out.candidate_count = listed;
+        out.candidate_bound = end - begin > listed ? order_key(last) : 0u;
       }
     }
-    const uint sampled =
-        group_argmax(best_score, winner, float_scratch, uint_scratch, simdgroups, simdgroup, lane);
-    // Only an all -inf row keeps nothing; fall back to the greedy choice.
-    if (sampled < vocab) chosen = sampled;
-  }
-  if (thread_id == 0) predicted[draw] = chosen;
-
-  if (params.want_logprobs == 0) return;
-  // Log-probabilities of the model's own distribution: log_softmax of the raw logits, before
-  // the mask, temperature and filtering (what OpenAI's API reports).
-  const uint raw_argmax = min(group_argmax(best_raw, best_raw_index, float_scratch, uint_scratch,
-                                           simdgroups, simdgroup, lane),
-                              vocab - 1);
-  const float max_raw_logit = logits[raw_argmax];
-  float exp_sum = 0.0f;
-  for (uint i = thread_id; i < vocab; i += threads) exp_sum += exp(logits[i] - max_raw_logit);
-  const float log_normalizer =
-      log(group_sum(exp_sum, float_scratch, simdgroups, simdgroup, lane));
-  device LogprobEntry* slot =
-      logprob_ring + ulong(step_position % shape.ring_slots) * LOGPROB_ENTRIES;
-  if (thread_id == 0) {
-    slot[0] = LogprobEntry{chosen, (logits[chosen] - max_raw_logit) - log_normalizer};
-  }
-
-  // The alternatives, most likely first (ties to the lowest id): gathered like top-k (with the
-  // threads' largest raw logits as the bound), then each pass takes the best token ordered
-  // after the previous one in (logit descending, id ascending).
-  const uint wanted = min(params.top_logprobs, min(MAX_TOP_LOGPROBS, vocab));
-  if (wanted == 0) return;
-  const uint own_key = best_raw_index == NO_TOKEN ? 0u : order_key(best_raw);
-  const uint bound =
-      kth_largest_thread_key(own_key, wanted, uint_scratch, simdgroups, simdgroup, lane);
-  const Tokens tokens = gather_tokens(raw, vocab, 1.0f, bound, true, gathered_z, gathered_ids,
-                                      uint_scratch, thread_id, threads, simdgroups, simdgroup,
-                                      lane);
-  float previous_value = 0.0f;
-  uint previous_id = NO_TOKEN;
-  for (uint n = 0; n < wanted; ++n) {
-    float value = 0.0f;
-    uint index = NO_TOKEN;
-    for (uint j = thread_id; j < tokens.count; j += threads) {
-      const float v = token_z(tokens, j);
-      const uint id = token_id(tokens, j);
-      const bool after_previous = previous_id == NO_TOKEN || v < previous_value ||
-                                  (v == previous_value && id > previous_id);
-      if (after_previous && (index == NO_TOKEN || v > value || (v == value && id < index))) {
-        value = v;
-        index = id;
+    if (top_p_on && !top_k_on) {
+      // The mass relative to the slice's largest z; the finish rescales it to the largest of all.
+      const float slice_max_z = max_logit * inverse_temperature;
+      float mass = 0.0f;
+      for (uint i = begin + thread_id; i < end && !is_minus_infinity(slice_max_z); i += threads) {
+        mass += exp(logit(ranked, i) * inverse_temperature - slice_max_z);
       }
+      const float slice_mass = group_sum(mass, float_scratch, simdgroups, simdgroup, lane);
+      if (thread_id == 0) out.mass = slice_mass;
     }
-    previous_id = min(
-        group_argmax(value, index, float_scratch, uint_scratch, simdgroups, simdgroup, lane),
-        vocab - 1);
-    previous_value = logits[previous_id];
-    if (thread_id == 0) {
-      slot[1 + n] = LogprobEntry{previous_id, (previous_value - max_raw_logit) - log_normalizer};
+  }
+
+  if (params.want_logprobs != 0) {
+    float exp_sum = 0.0f;
+    for (uint i = begin + thread_id; i < end && !is_minus_infinity(max_raw_logit); i += threads) {
+      exp_sum += exp(logits[i] - max_raw_logit);
     }
+    const float slice_exp_sum = group_sum(exp_sum, float_scratch, simdgroups, simdgroup, lane);
+    if (thread_id == 0) out.raw_exp_sum = slice_exp_sum;
+    const uint wanted = min(params.top_logprobs, min(MAX_TOP_LOGPROBS, end - begin));
+    slice_top(raw, 1.0f, begin, end, wanted, out.top_raw, float_scratch, uint_scratch,
+              thread_id, threads, simdgroups, simdgroup, lane);
   }
 }
 
-// After a draw, when the request adjusts logits: one more occurrence of the drawn token, which
-// the frequency and presence penalties of the next draws read. One thread.
-[[kernel]] void count_token(constant SampleShape& shape [[buffer(0)]],
-                            device const SamplingParams& params [[buffer(1)]],
-                            device const uint* predicted [[buffer(2)]],
-                            device uint* counts [[buffer(3)]]) {
-  const uint token = predicted[0];
-  if (params.adjusts != 0 && token != NO_TOKEN) counts[min(token, shape.vocab - 1)] += 1;
+// The second dispatch of a draw, one threadgroup each: the token from the slices' partials,
+// written to predicted[draw], then the log-probabilities and, when `shape.bookkeeping` is set
+// (one draw), the token's count for the penalties and the step buffer's advance.
+[[kernel]] void sample_token(constant SampleShape& shape [[buffer(0)]],
+                             device const SamplingParams& params [[buffer(1)]],
+                             device const float* logits [[buffer(2)]],
+                             device uint* step [[buffer(3)]],
+                             device const SlicePartial* all_partials [[buffer(4)]],
+                             device uint* predicted [[buffer(5)]],
+                             device const uint* token_mask [[buffer(6)]],
+                             device const float* bias [[buffer(7)]],
+                             device uint* counts [[buffer(8)]],
+                             device const uint* prompt_tokens [[buffer(9)]],
+                             device LogprobEntry* logprob_ring [[buffer(10)]],
+                             device uint* history [[buffer(11)]],
+                             uint draw [[threadgroup_position_in_grid]],
+                             uint thread_id [[thread_index_in_threadgroup]],
+                             uint threads [[threads_per_threadgroup]],
+                             uint simdgroup [[simdgroup_index_in_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float float_scratch[SIMD_WIDTH];
+  threadgroup uint uint_scratch[SIMD_WIDTH];
+  threadgroup float gathered_z[GATHER_CAPACITY];
+  threadgroup uint gathered_ids[GATHER_CAPACITY];
+  const uint vocab = shape.vocab;
+  const uint slices = min(shape.slices, MAX_SLICES);
+  const uint simdgroups = (threads + SIMD_WIDTH - 1) / SIMD_WIDTH;
+  const uint step_position = step[0] + draw;
+  device const SlicePartial* partials = all_partials + draw * slices;
+
+  const Adjustments adjustments = Adjustments{bias, counts, prompt_tokens};
+  const Logits ranked =
+      Logits{logits, token_mask, token_mask[0] != 0, params.adjusts != 0, adjustments, &params};
+
+  uint unusable = 0;
+  float best = 0.0f;
+  uint best_index = NO_TOKEN;
+  for (uint s = thread_id; s < slices; s += threads) {
+    unusable += partials[s].unusable;
+    // Later slices hold larger ids, so a strict > keeps the lowest index on ties.
+    if (partials[s].best_index != NO_TOKEN && (best_index == NO_TOKEN || partials[s].best > best)) {
+      best = partials[s].best;
+      best_index = partials[s].best_index;
+    }
+  }
+  // A NaN or +inf logit means the model's arithmetic broke down: no token can be drawn from it
+  // (and a NaN row has no argmax at all). The host sees NO_TOKEN and refuses the step.
+  uint chosen = NO_TOKEN;
+  if (group_count(unusable, uint_scratch, simdgroups, simdgroup, lane) == 0) {
+    // Every index below is clamped to the vocabulary, so no value, however wrong, can make the
+    // kernel read outside the logits. A mask allowing no token (which the host refuses before
+    // the draw) leaves the clamped index.
+    chosen = min(
+        group_argmax(best, best_index, float_scratch, uint_scratch, simdgroups, simdgroup, lane),
+        vocab - 1);
+    if (params.inverse_temperature != 0.0f) {
+      // Multiplication by a positive number is monotonic in fp32, so this is the largest z.
+      const float max_z = logit(ranked, chosen) * params.inverse_temperature;
+      const uint sampled = sample_from_partials(
+          ranked, vocab, max_z, params, partials, slices, step_position, gathered_z,
+          gathered_ids, float_scratch, uint_scratch, thread_id, threads, simdgroups, simdgroup,
+          lane);
+      // Only an all -inf row keeps nothing; fall back to the greedy choice.
+      if (sampled < vocab) chosen = sampled;
+    }
+    if (params.want_logprobs != 0) {
+      device LogprobEntry* slot =
+          logprob_ring + ulong(step_position % shape.ring_slots) * LOGPROB_ENTRIES;
+      write_logprobs(logits, vocab, shape.slice_tokens, params, partials, slices, chosen, slot,
+                     float_scratch, uint_scratch, thread_id, threads, simdgroups, simdgroup,
+                     lane);
+    }
+  }
+  if (thread_id == 0) predicted[draw] = chosen;
+
+  if (shape.bookkeeping != 0) {
+    // Every thread has read the step buffer and the counts by now.
+    threadgroup_barrier(mem_flags::mem_device);
+    if (thread_id == 0 && draw == 0) {
+      // One more occurrence of the drawn token, which the penalties of the next draws read.
+      if (params.adjusts != 0 && chosen != NO_TOKEN) counts[min(chosen, vocab - 1)] += 1;
+      advance_step(1, shape.capacity, step, history, chosen);
+    }
+  }
 }

@@ -27,6 +27,7 @@ from lily.kernels.sampling import (
     LogitAdjustments,
     logprob_ring_bytes,
     record_sample,
+    sample_partials_bytes,
     token_mask_bytes,
     write_sampling_params,
 )
@@ -52,6 +53,7 @@ def record_head(graph, device, x, weights, logits, token, vocab: int) -> None:
         ring_slots=1,
         token_mask=device.alloc(token_mask_bytes(vocab)),
         adjustments=LogitAdjustments.allocate(device, vocab),
+        partials=device.scratch(sample_partials_bytes(vocab)),
     )
 
 

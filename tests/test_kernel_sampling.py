@@ -11,7 +11,11 @@ the kept set by sorting (the kernel bisects), the probabilities in float64. Thre
   and the kept set are all pinned down, including at the full 248320-token vocabulary;
 - edge cases and log-probabilities against float64 log_softmax, under all three lane orders;
 - the token mask (a constraint's allowed tokens): the same checks on the logits with every
-  disallowed token at -inf, and log-probabilities that ignore it.
+  disallowed token at -inf, and log-probabilities that ignore it;
+- the two dispatches: over many slices the draws replay the race token for token whichever way
+  the finish decides (the slices' winners, their candidates, or the logits after all), the
+  finish reads no logits when the slices decide, and with bookkeeping it counts the token and
+  advances the step buffer as the decode step needs.
 """
 
 from __future__ import annotations
@@ -26,16 +30,18 @@ import pytest
 from kernel_testing import FLOAT32_EPS, LANE_ORDERS, assert_within, run, sim_device
 
 from lily.constraint import mask_from_tokens
+from lily.device import Graph, open_device
 from lily.kernels.sampling import (
     GATHER_CAPACITY,
     LOGPROB_ENTRIES,
     LOGPROB_ENTRY,
     SAMPLING_PARAMS_BYTES,
     LogitAdjustments,
+    StepBookkeeping,
     logprob_ring_bytes,
     read_logprobs,
-    record_count_token,
     record_sample,
+    sample_partials_bytes,
     token_mask_bytes,
     write_logit_adjustments,
     write_sampling_params,
@@ -190,10 +196,12 @@ def device_sample(
     allowed: np.ndarray | None = None,
     prompt: Sequence[int] = (),
     generated: Sequence[int] = (),
+    slices: int | None = None,
 ) -> tuple[np.ndarray, object]:
     """Tokens for positions position .. position + draws - 1, and the log-probability ring.
     `allowed`: the ids the token mask allows, or None for no mask. `prompt` and `generated`:
-    the tokens the penalties count (every draw sees the same)."""
+    the tokens the penalties count (every draw sees the same). `slices`: of the vocabulary
+    for the first dispatch (its default gives small vocabularies one or two)."""
     ring_slots = ring_slots or draws
     parameters = device.alloc(SAMPLING_PARAMS_BYTES)
     write_sampling_params(parameters, params)
@@ -223,8 +231,11 @@ def device_sample(
             ring_slots=ring_slots,
             token_mask=token_mask,
             adjustments=adjustments,
+            partials=device.scratch(sample_partials_bytes(len(logits), draws, slices)),
             draws=draws,
             threads=threads,
+            slices=slices,
+            slice_threads=min(threads, 256),
         ),
     )
     return predicted.numpy().view(np.uint32).copy(), ring
@@ -593,9 +604,8 @@ def test_recording_refuses_bad_launches():
         predicted=buffer,
         token_mask=buffer,
         adjustments=LogitAdjustments(buffer, buffer, buffer),
+        partials=buffer,
     )
-    from lily.device import Graph
-
     with pytest.raises(ValueError, match="threads"):
         record_sample(
             Graph(), device, vocab=64, logprob_ring=buffer, ring_slots=1, threads=48, **common
@@ -741,6 +751,7 @@ def test_the_mask_switched_off_leaves_the_draws_alone():
             ring_slots=32,
             token_mask=mask,
             adjustments=LogitAdjustments.allocate(device, 700),
+            partials=device.scratch(sample_partials_bytes(700, 32)),
             draws=32,
         ),
     )
@@ -879,29 +890,255 @@ def test_logprobs_ignore_the_adjustments(lane_order):
         check_logprobs(ring, 2, draw, logits, tokens[draw], 20, threads=64)
 
 
-def test_count_token_counts_only_when_the_request_adjusts():
-    device = sim_device("random")
-    adjustments = LogitAdjustments.allocate(device, 100)
-    predicted = device.wrap(np.array([37], np.uint32))
-    for params, expected in (
-        (SamplingParams(seed=1), 0),
-        (SamplingParams(seed=1, frequency_penalty=0.5), 2),
-    ):
-        parameters = device.alloc(SAMPLING_PARAMS_BYTES)
-        write_sampling_params(parameters, params)
-        adjustments.counts.numpy()[:] = 0
-        for _ in range(2):
-            run(
-                device,
-                lambda g, parameters=parameters: record_count_token(
-                    g,
-                    device,
-                    vocab=100,
-                    params=parameters,
-                    predicted=predicted,
-                    adjustments=adjustments,
-                ),
-            )
-        counts = adjustments.counts.numpy().view(np.uint32)[:100]
-        assert counts[37] == expected
-        assert counts.sum() == expected
+# ---- the slices and the finishing dispatch -----------------------------------------------------
+
+# Many slices of a small vocabulary: 40 of 75 tokens, each listing 16 candidates.
+SLICED_VOCAB = 3000
+SLICES = 40
+
+
+def flat_logits(vocab: int, seed: int) -> np.ndarray:
+    """No token stands out: top-p and a loose min-p keep thousands of tokens, more than the
+    slices list, so the finish must fall back to the logits."""
+    return np.random.default_rng(seed).normal(0.0, 0.3, vocab).astype(np.float32)
+
+
+def tied_logits(vocab: int, seed: int) -> np.ndarray:
+    """A few tokens above a level that 900 share: every slice's last candidate sits on that
+    level, which top-k's k-th value and top-p's boundary then reach."""
+    rng = np.random.default_rng(seed)
+    logits = rng.integers(-8, 0, vocab).astype(np.float32)
+    logits[rng.choice(vocab, 900, replace=False)] = 1.0
+    logits[rng.choice(vocab, 12, replace=False)] = rng.uniform(1.5, 3.0, 12).astype(np.float32)
+    return logits
+
+
+SLICED_CASES = {
+    "plain": (peaked_logits, SamplingParams(temperature=1.0, seed=51)),
+    "min-p": (peaked_logits, SamplingParams(temperature=1.0, min_p=0.3, seed=52)),
+    "loose min-p": (flat_logits, SamplingParams(temperature=1.0, min_p=0.05, seed=53)),
+    "top-p": (peaked_logits, SamplingParams(temperature=1.0, top_p=0.5, seed=54)),
+    "flat top-p": (flat_logits, SamplingParams(temperature=1.0, top_p=0.9, seed=58)),
+    "tied top-p": (tied_logits, SamplingParams(temperature=1.0, top_p=0.3, seed=56)),
+    "top-k": (peaked_logits, SamplingParams(temperature=0.8, top_k=30, seed=57)),
+    "tied top-k": (tied_logits, SamplingParams(temperature=1.0, top_k=20, seed=58)),
+    "large top-k": (flat_logits, SamplingParams(temperature=1.0, top_k=1500, seed=59)),
+    "all filters": (
+        peaked_logits,
+        SamplingParams(temperature=0.9, top_k=200, top_p=0.6, min_p=0.05, seed=60),
+    ),
+}
+SLICED_DRAWS = 48
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize("case", sorted(SLICED_CASES))
+def test_sliced_draws_replay_the_reference_race(case, lane_order):
+    """Over 40 slices, token for token the winner of the numpy race over the kept set, whether
+    the finish decides from the slices' winners, from their candidates, or from the logits."""
+    make_logits, params = SLICED_CASES[case]
+    logits = make_logits(SLICED_VOCAB, params.seed)
+    tokens, _ = device_sample(
+        sim_device(lane_order), logits, params, draws=SLICED_DRAWS, position=77, slices=SLICES
+    )
+    checked = 0
+    for draw in range(SLICED_DRAWS):
+        scores = race_scores(logits, params, 77 + draw)
+        second, first = np.sort(scores)[-2:]
+        if first - second > 1e-4 * max(1.0, abs(first)):
+            assert tokens[draw] == int(np.argmax(scores)), f"draw {draw}"
+            checked += 1
+    assert checked > 0.9 * SLICED_DRAWS
+
+
+def test_the_sliced_cases_reach_each_way_of_finishing():
+    """The cases above are only worth their names if the kept sets are where they say: well
+    within the slices' candidates (16 per slice), well past them, or ending on the level of
+    900 ties that every slice's last candidate sits on (found there, the threshold is not
+    above every unlisted token, so the finish must not trust the candidates)."""
+    listed = SLICES * 16
+    kept = {
+        case: int(reference_kept(make_logits(SLICED_VOCAB, p.seed), p).sum())
+        for case, (make_logits, p) in SLICED_CASES.items()
+    }
+    for case in ("min-p", "top-p", "top-k", "all filters"):
+        assert kept[case] < listed // 4, (case, kept[case])
+    for case in ("loose min-p", "flat top-p", "large top-k"):
+        assert kept[case] > listed, (case, kept[case])
+    for case in ("tied top-p", "tied top-k"):
+        assert 900 < kept[case] < 920, (case, kept[case])
+
+
+def finish_logits_bytes(logits: np.ndarray, params: SamplingParams) -> tuple[int, int]:
+    """Distinct bytes of the logits the two dispatches read, on the counting sim."""
+    device = open_device("sim", count_traffic=True)
+    device_sample(device, logits, params, draws=1, slices=SLICES)
+    traffic = device.traffic()
+    assert [d.kernel for d in traffic] == ["sample_slices", "sample_token"]
+    return traffic[0].buffers[2].read, traffic[1].buffers[2].read
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, seed=1),
+        SamplingParams(temperature=1.0, seed=2, top_logprobs=5),
+        SamplingParams(temperature=1.0, top_p=0.5, seed=3),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.95, min_p=0.1, seed=4),
+    ],
+    ids=["greedy", "plain", "top-p", "all filters"],
+)
+def test_the_finish_reads_no_logits_when_the_slices_decide(params):
+    """The vocabulary is read by the slices, once; the finish reads a few logits by index
+    (a slice's winner, the chosen token, the alternatives), not the 3000 a pass would."""
+    logits = peaked_logits(SLICED_VOCAB, seed=61)
+    spread, finish = finish_logits_bytes(logits, params)
+    assert spread == logits.nbytes
+    assert finish <= 4 * 4 * SLICES
+
+
+def test_a_top_p_past_the_candidates_falls_back_to_the_logits():
+    spread, finish = finish_logits_bytes(
+        flat_logits(SLICED_VOCAB, seed=62), SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+    )
+    assert spread == finish == 4 * SLICED_VOCAB
+
+
+def test_the_real_vocabulary_spreads_over_many_threadgroups():
+    """Enough threadgroups for a 40-core GPU, each slice's candidates fitting the finish."""
+    device = sim_device("forward")
+    buffer = device.alloc(sample_partials_bytes(REAL_VOCAB))
+    graph = Graph()
+    record_sample(
+        graph,
+        device,
+        logits=device.alloc(4 * REAL_VOCAB),
+        vocab=REAL_VOCAB,
+        params=buffer,
+        position=buffer,
+        predicted=buffer,
+        logprob_ring=device.alloc(logprob_ring_bytes(1)),
+        ring_slots=1,
+        token_mask=device.alloc(token_mask_bytes(REAL_VOCAB)),
+        adjustments=LogitAdjustments.allocate(device, REAL_VOCAB),
+        partials=buffer,
+    )
+    spread, finish = graph.dispatches
+    assert spread.threadgroups == (122, 1, 1) and finish.threadgroups == (1, 1, 1)
+    assert finish.level == spread.level + 1
+    assert GATHER_CAPACITY >= 122 * 16
+
+
+# ---- bookkeeping: the decode step's count and advance ------------------------------------------
+
+BOOKKEEPING_VOCAB = 300
+HISTORY = 16
+
+
+def draw_and_advance(
+    device, logits: np.ndarray, params: SamplingParams, step: list[int], draws_in_a_row: int = 1
+):
+    """The finishing dispatch with bookkeeping, replayed `draws_in_a_row` times as a decode
+    graph is: (tokens drawn, step buffer, history, counts) afterwards."""
+    parameters = device.alloc(SAMPLING_PARAMS_BYTES)
+    write_sampling_params(parameters, params)
+    adjustments = LogitAdjustments.allocate(device, BOOKKEEPING_VOCAB)
+    write_logit_adjustments(adjustments, params, [], BOOKKEEPING_VOCAB)
+    step_buffer = device.wrap(np.array(step, dtype=np.uint32))
+    history = device.wrap(np.arange(100, 100 + HISTORY, dtype=np.uint32))
+    predicted = device.alloc(4)
+    graph = Graph()
+    record_sample(
+        graph,
+        device,
+        logits=device.wrap(logits),
+        vocab=BOOKKEEPING_VOCAB,
+        params=parameters,
+        position=step_buffer,
+        predicted=predicted,
+        logprob_ring=device.alloc(logprob_ring_bytes(1)),
+        ring_slots=1,
+        token_mask=device.alloc(token_mask_bytes(BOOKKEEPING_VOCAB)),
+        adjustments=adjustments,
+        partials=device.scratch(sample_partials_bytes(BOOKKEEPING_VOCAB, slices=3)),
+        slices=3,
+        bookkeeping=StepBookkeeping(history, HISTORY),
+    )
+    drawn = []
+    for _ in range(draws_in_a_row):
+        device.run(graph)
+        drawn.append(int(predicted.numpy().view(np.uint32)[0]))
+    counts = adjustments.counts.numpy().view(np.uint32)[:BOOKKEEPING_VOCAB].copy()
+    return drawn, step_buffer.numpy().view(np.uint32), history.numpy().view(np.uint32), counts
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_the_finish_counts_the_drawn_token_and_advances_the_step(lane_order):
+    """Greedy under a frequency penalty, replayed: each draw sees the counts of those before
+    it, and each appends its token to the history past the prompt."""
+    device = sim_device(lane_order)
+    logits = np.zeros(BOOKKEEPING_VOCAB, np.float32)
+    logits[[10, 20, 30]] = [3.0, 2.5, 2.3]
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.4, seed=1)
+    drawn, step, history, counts = draw_and_advance(device, logits, params, [4, 3, 0], 4)
+    # Token 10 at 3.0, then 2.6 > 2.5; at 2.2 it drops below 20 (2.5), which at 2.1 drops
+    # below 30 (2.3).
+    assert drawn == [10, 10, 20, 30]
+    assert step.tolist() == [8, 3, 30]
+    assert history[5:9].tolist() == drawn
+    assert history[:5].tolist() == list(range(100, 105))
+    assert history[9:].tolist() == list(range(109, 100 + HISTORY))
+    assert counts[[10, 20, 30]].tolist() == [2, 1, 1] and counts.sum() == 4
+
+
+def test_the_finish_counts_only_when_the_request_adjusts():
+    logits = peaked_logits(BOOKKEEPING_VOCAB, seed=63)
+    drawn, step, history, counts = draw_and_advance(
+        sim_device("random"), logits, SamplingParams(temperature=1.0, seed=2), [0, 1, 0], 2
+    )
+    assert not counts.any()
+    assert step.tolist() == [2, 1, drawn[1]] and history[1:3].tolist() == drawn
+
+
+def test_the_finish_advances_inside_the_prompt_and_saturates_at_the_capacity():
+    device = sim_device("forward")
+    logits = peaked_logits(BOOKKEEPING_VOCAB, seed=64)
+    greedy = SamplingParams(temperature=0.0, seed=3)
+    _, step, history, _ = draw_and_advance(device, logits, greedy, [2, 10, 0])
+    assert step.tolist() == [3, 10, 103] and history[3] == 103  # the prompt's own token
+    _, step, history, _ = draw_and_advance(device, logits, greedy, [HISTORY - 1, 3, 0])
+    assert step[0] == HISTORY
+    assert history.tolist() == list(range(100, 100 + HISTORY))
+
+
+def test_a_refused_row_still_advances_with_no_token():
+    """As the separate step_advance did: the engine sees NO_TOKEN and refuses the step."""
+    logits = peaked_logits(BOOKKEEPING_VOCAB, seed=65)
+    logits[7] = np.nan
+    params = SamplingParams(temperature=1.0, frequency_penalty=0.5, seed=4)
+    drawn, step, history, counts = draw_and_advance(sim_device("random"), logits, params, [5, 0, 0])
+    assert drawn == [NO_TOKEN]
+    assert step.tolist() == [6, 0, NO_TOKEN] and history[6] == NO_TOKEN
+    assert not counts.any()
+
+
+def test_bookkeeping_needs_a_single_draw():
+    device = sim_device("forward")
+    buffer = device.alloc(1 << 16)
+    with pytest.raises(ValueError, match="one draw"):
+        record_sample(
+            Graph(),
+            device,
+            logits=buffer,
+            vocab=64,
+            params=buffer,
+            position=buffer,
+            predicted=buffer,
+            logprob_ring=buffer,
+            ring_slots=1,
+            token_mask=buffer,
+            adjustments=LogitAdjustments(buffer, buffer, buffer),
+            partials=buffer,
+            draws=2,
+            bookkeeping=StepBookkeeping(buffer, 16),
+        )

@@ -745,6 +745,7 @@ def _greedy_sample(vocab: int):
         LogitAdjustments,
         logprob_ring_bytes,
         record_sample,
+        sample_partials_bytes,
         token_mask_bytes,
         write_sampling_params,
     )
@@ -769,6 +770,7 @@ def _greedy_sample(vocab: int):
             ring_slots=1,
             token_mask=device.alloc(token_mask_bytes(vocab)),
             adjustments=LogitAdjustments.allocate(device, vocab),
+            partials=device.scratch(sample_partials_bytes(vocab)),
         )
 
         def verify() -> Comparison:
@@ -1213,7 +1215,7 @@ CHECKS: list[KernelCheck] = [
     KernelCheck(
         "moe (route, gate/up, down)", "64 experts top-8, 2048", _moe(2048, 64, 8, 512, 512), True
     ),
-    KernelCheck("sample_token (greedy)", "vocab 248320", _greedy_sample(248320)),
+    KernelCheck("sample_slices + sample_token (greedy)", "vocab 248320", _greedy_sample(248320)),
     KernelCheck("step_advance", "capacity 4096", _step_advance(4096, 17)),
     KernelCheck(
         "qgemm_4 (in_proj qkv, z, a, b)",

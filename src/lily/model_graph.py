@@ -52,9 +52,10 @@ from lily.kernels.quantized_gemm import record_qgemm
 from lily.kernels.sampling import (
     SAMPLING_PARAMS_BYTES,
     LogitAdjustments,
+    StepBookkeeping,
     logprob_ring_bytes,
-    record_count_token,
     record_sample,
+    sample_partials_bytes,
     token_mask_bytes,
 )
 from lily.kernels.step import STEP_FIELDS, record_step_advance
@@ -169,6 +170,8 @@ class _Scratch:
         self.partial_out = device.alloc(attention.partial_out_bytes(q_heads, splits))
         self.partial_stats = device.alloc(attention.partial_stats_bytes(q_heads, splits))
         self.moe = MoeScratch.allocate(device, *_moe_shape(c))
+        # Sized for the whole vocabulary, at least what the sampler's token count needs.
+        self.sample_partials = device.alloc(sample_partials_bytes(c.vocab_size))
         self.moe_chunk = (
             MoeChunkScratch.allocate(device, *_moe_shape(c), c.hidden_size, max_chunk)
             if max_chunk > 1
@@ -180,7 +183,8 @@ def scratch_bytes(c: ModelConfig, max_chunk: int) -> int:
     """What the per-pass scratch of a ModelGraph allocates for chunks of up to `max_chunk`."""
     activations = 4 * max_chunk * sum(_activation_widths(c, max_chunk).values())
     chunk_moe = moe_chunk_scratch_bytes(*_moe_shape(c), c.hidden_size, max_chunk)
-    return activations + (chunk_moe if max_chunk > 1 else 0) + 4 * c.vocab_size
+    sampler = 4 * c.vocab_size + sample_partials_bytes(c.vocab_size)
+    return activations + (chunk_moe if max_chunk > 1 else 0) + sampler
 
 
 def device_bytes(checkpoint: Checkpoint, capacity: int, max_chunk: int = DEFAULT_MAX_CHUNK) -> int:
@@ -394,7 +398,8 @@ class _Recorder:
         )
 
     def finish(self) -> None:
-        """The predicting token's lm_head and sample, and the step buffer's advance."""
+        """The predicting token's lm_head and sample, and the step buffer's advance (by the
+        sampler's last dispatch when the pass predicts)."""
         c, g, dev, m, state, T = self.c, self.g, self.dev, self.m, self.state, self.tokens
         advance = dict(
             step=state.step, history=state.history, predicted=state.predicted, capacity=m.capacity
@@ -427,17 +432,9 @@ class _Recorder:
             ring_slots=LOGPROB_RING_SLOTS,
             token_mask=state.token_mask,
             adjustments=state.adjustments,
+            partials=self.s.sample_partials,
+            bookkeeping=StepBookkeeping(state.history, m.capacity),
         )
-        g.barrier()
-        record_count_token(
-            g,
-            dev,
-            vocab=m.token_count,
-            params=state.sampling_params,
-            predicted=state.predicted,
-            adjustments=state.adjustments,
-        )
-        record_step_advance(g, dev, **advance)
 
     def gated_deltanet(self, i: int, prefix: str, input_norm: str) -> None:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens

@@ -26,8 +26,8 @@ every quantity in fp32:
    replaced as `lily.sampling.adjusted_logits` defines it, in fp32: ``l + bias``; then, for a
    token the prompt or the completion so far holds, divided by the repetition penalty when
    positive, else multiplied by it; then less ``frequency * count + (count > 0) * presence``.
-   The bias is a dense fp32 vector, the counts a uint32 vector that `record_count_token`
-   (after each draw) increments on the device, so a pipelined decode needs no host writes, and
+   The bias is a dense fp32 vector, the counts a uint32 vector that the decode step's draw
+   increments on the device (`StepBookkeeping`), so a pipelined decode needs no host writes, and
    the prompt's tokens a bitmask (`write_logit_adjustments` writes all three per request). A
    bias of -100 bans the token: the host clears it from the token mask.
 
@@ -47,12 +47,25 @@ id). They are written to a ring of `ring_slots` slots, slot ``position % ring_sl
 `LOGPROB_ENTRIES` (token uint32, logprob fp32) pairs, so the host can read step N's while step
 N+1 runs.
 
-Limits, checked when a graph is recorded or parameters are packed: one threadgroup of at most
-1024 threads (a multiple of 32) per draw; at most `MAX_TOP_LOGPROBS` alternatives; the vocab
-below 2^32 - 1. The thresholds are found by bisection on an order-preserving integer image of z
-(32 reduction passes each for top-k and top-p), never by sorting, so top_k is not bounded; with
-top_k <= threads those passes usually read only the few tokens gathered into threadgroup memory
-(see `GATHER_CAPACITY`), else the whole vocabulary.
+How it runs: a draw is two dispatches. The first spreads the vocabulary over up to `MAX_SLICES`
+threadgroups (122 for 248320 tokens), each reducing its slice to the few numbers the rest needs:
+its argmax, the race's winner when neither top-k nor top-p applies, its `SLICE_CANDIDATES` most
+likely tokens when a filter applies, its largest raw logits and a partial log_softmax sum when
+log-probabilities are wanted. The second (one threadgroup per draw) finishes from those: greedy
+and the unfiltered race are reductions over the slices; top-k, top-p and min-p run over the
+gathered candidates whenever the thresholds they find provably lie where the candidates hold
+every token, which they do unless the kept set is larger than about a thousand tokens or tied
+at the boundary; otherwise over the logits in device memory, in one threadgroup, as before. The
+token is the same either way: the thresholds are the same keys (found by bisection on an
+order-preserving integer image of z, 32 reduction passes each, never by sorting), and each
+token's race score the same fp32 expression. Only fp32 sums are taken in another order: the
+log_softmax normaliser and top-p's total mass without top-k (slices' sums rescaled from their
+own maximum), which can move a top-p boundary lying within fp32 rounding of top_p, as the
+definition allows.
+
+Limits, checked when a graph is recorded or parameters are packed: threadgroups of at most
+1024 threads (a multiple of 32); at most `MAX_TOP_LOGPROBS` alternatives; the vocab below
+2^32 - 1; top_k is not bounded.
 """
 
 from __future__ import annotations
@@ -66,25 +79,36 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lily.constraint import mask_from_tokens, mask_words
-from lily.kernels import BufferRef, binding, pack_params, threads_within
+from lily.kernels import BufferRef, binding, ceil_div, pack_params, threads_within
 from lily.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from lily.device import Buffer, Device, Graph
 
 SAMPLE_THREADS = 1024
+# sampling.metal's slices: each threadgroup of the first dispatch reduces about SLICE_TOKENS
+# tokens with SLICE_THREADS threads; a vocabulary of 248320 spreads over 122 of them. A slice
+# lists its SLICE_CANDIDATES most likely tokens for the filters, so that at most MAX_SLICES
+# slices' candidates fit the finishing threadgroup's GATHER_CAPACITY.
+SLICE_TOKENS = 2048
+SLICE_THREADS = 256
+SLICE_CANDIDATES = 16
 # The draw of a refused row (a NaN or +inf logit): no token id.
 NO_TOKEN = 0xFFFFFFFF
-# sampling.metal's GATHER_CAPACITY: when top_k <= threads, the tokens at or above a cheap lower
-# bound on the k-th largest z (the k-th largest of the threads' own maxima) are gathered into
-# threadgroup memory if at most this many, and the later passes read only those.
+# sampling.metal's GATHER_CAPACITY: tokens the finishing threadgroup holds in its memory, the
+# slices' candidates or, falling back to the logits, those at or above a lower bound on the
+# top-k threshold (the k-th largest candidate key) when at most this many.
 GATHER_CAPACITY = 2048
+MAX_SLICES = GATHER_CAPACITY // SLICE_CANDIDATES
 # Entries of one ring slot: the chosen token, then the alternatives.
 LOGPROB_ENTRIES = 1 + MAX_TOP_LOGPROBS
 LOGPROB_ENTRY = np.dtype([("token", "<u4"), ("logprob", "<f4")])
 # The SamplingParams struct of sampling.metal: 12 four-byte fields.
 SAMPLING_PARAMS_FORMAT = "<fIffIIIIfffI"
 SAMPLING_PARAMS_BYTES = struct.calcsize(SAMPLING_PARAMS_FORMAT)
+# sampling.metal's SlicePartial: ten four-byte fields, then SLICE_CANDIDATES and
+# MAX_TOP_LOGPROBS (token, value) pairs.
+SLICE_PARTIAL_BYTES = 4 * 10 + 8 * (SLICE_CANDIDATES + MAX_TOP_LOGPROBS)
 
 _LOWEST_FLOAT32 = float(np.finfo(np.float32).min)
 # The token mask buffer: a word saying whether the mask applies, then the bitmask.
@@ -190,6 +214,30 @@ def read_logprobs(
     return pairs[0], pairs[1:]
 
 
+@dataclass(frozen=True)
+class StepBookkeeping:
+    """What the finishing dispatch needs to end a decode step itself: the token history
+    (uint32 [capacity]) the step buffer's advance appends the drawn token to."""
+
+    history: BufferRef
+    capacity: int
+
+
+def slice_layout(vocab: int, slices: int | None = None) -> tuple[int, int]:
+    """(slices, tokens per slice) of a draw over `vocab` tokens: `slices` as asked (default
+    about `SLICE_TOKENS` tokens each, at most `MAX_SLICES`), fewer if needed so none is empty."""
+    asked = slices if slices is not None else min(MAX_SLICES, ceil_div(vocab, SLICE_TOKENS))
+    if not 1 <= asked <= MAX_SLICES:
+        raise ValueError(f"slices must be in [1, {MAX_SLICES}], got {asked}")
+    slice_tokens = ceil_div(vocab, asked)
+    return ceil_div(vocab, slice_tokens), slice_tokens
+
+
+def sample_partials_bytes(vocab: int, draws: int = 1, slices: int | None = None) -> int:
+    """Bytes of the scratch `record_sample` passes the slices' partial results through."""
+    return slice_layout(vocab, slices)[0] * draws * SLICE_PARTIAL_BYTES
+
+
 def record_sample(
     graph: Graph,
     device: Device,
@@ -203,21 +251,35 @@ def record_sample(
     ring_slots: int,
     token_mask: BufferRef,
     adjustments: LogitAdjustments,
+    partials: BufferRef,
     draws: int = 1,
     threads: int = SAMPLE_THREADS,
+    slices: int | None = None,
+    slice_threads: int = SLICE_THREADS,
+    bookkeeping: StepBookkeeping | None = None,
 ) -> None:
     """predicted[g] (uint32) = the token sampled from `vocab` fp32 logits under the parameters
     in `params` (written by `write_sampling_params`), for g < `draws`. `position` points at the
     uint32 step position (the step buffer's first field). Draw g uses position + g as its
     counter and logprob ring slot: the decode graph records one draw, the tests many.
     `token_mask` holds the mask the draws obey (`write_token_mask`), `adjustments` the bias
-    and penalty inputs (`write_logit_adjustments`), read when `params` says so."""
+    and penalty inputs (`write_logit_adjustments`), read when `params` says so.
+
+    Two dispatches with a barrier between them: `slices` threadgroups of `slice_threads` per
+    draw reduce the vocabulary into `partials` (`sample_partials_bytes`), then one of `threads`
+    per draw finishes. With `bookkeeping` (one draw, `position` the step buffer itself) the
+    finish also does what `record_count_token` and `lily.kernels.step.record_step_advance` by
+    one would after it."""
     if not 1 <= vocab < 2**32 - 1:
         raise ValueError(f"vocab must be in [1, 2^32 - 1), got {vocab}")
-    if threads % 32 or not 32 <= threads <= 1024:
-        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads}")
+    for name, count in (("threads", threads), ("slice_threads", slice_threads)):
+        if count % 32 or not 32 <= count <= 1024:
+            raise ValueError(f"{name} must be a multiple of 32 in [32, 1024], got {count}")
     if draws < 1 or ring_slots < 1:
         raise ValueError(f"draws and ring_slots must be >= 1, got {draws} and {ring_slots}")
+    if bookkeeping is not None and draws != 1:
+        raise ValueError(f"bookkeeping ends a decode step: one draw, got {draws}")
+    slice_count, slice_tokens = slice_layout(vocab, slices)
     for name, ref, nbytes in (
         ("logits", logits, 4 * vocab),
         ("params", params, SAMPLING_PARAMS_BYTES),
@@ -228,45 +290,42 @@ def record_sample(
         ("bias", adjustments.bias, 4 * vocab),
         ("counts", adjustments.counts, 4 * vocab),
         ("prompt_tokens", adjustments.prompt_tokens, 4 * mask_words(vocab)),
+        ("partials", partials, sample_partials_bytes(vocab, draws, slices)),
     ):
         buffer, offset = binding(ref)
         if buffer.size - offset < nbytes:
             raise ValueError(f"{name} needs {nbytes} bytes at offset {offset}: too small")
-    kernel = device.kernel("sample_token")
-    graph.dispatch(
-        kernel,
-        threadgroups=(draws, 1, 1),
-        threads=(threads_within(kernel, threads), 1, 1),
-        buffers={
-            1: binding(params),
-            2: binding(logits),
-            3: binding(position),
-            4: binding(predicted),
-            5: binding(logprob_ring),
-            6: binding(token_mask),
-            7: binding(adjustments.bias),
-            8: binding(adjustments.counts),
-            9: binding(adjustments.prompt_tokens),
-        },
-        bytes={0: pack_params("II", vocab, ring_slots)},
+    inputs = {
+        1: binding(params),
+        2: binding(logits),
+        3: binding(position),
+        4: binding(partials),
+        6: binding(token_mask),
+        7: binding(adjustments.bias),
+        8: binding(adjustments.counts),
+        9: binding(adjustments.prompt_tokens),
+    }
+    capacity = 0 if bookkeeping is None else bookkeeping.capacity
+    shape = pack_params(
+        "IIIIII", vocab, ring_slots, slice_count, slice_tokens, capacity, int(bool(bookkeeping))
     )
-
-
-def record_count_token(
-    graph: Graph,
-    device: Device,
-    *,
-    vocab: int,
-    params: BufferRef,
-    predicted: BufferRef,
-    adjustments: LogitAdjustments,
-) -> None:
-    """counts[predicted[0]] += 1 when `params` adjusts logits: record it after `record_sample`
-    (and a barrier), so that the next draw's penalties see the token just drawn."""
+    spread = device.kernel("sample_slices")
     graph.dispatch(
-        device.kernel("count_token"),
-        threadgroups=(1, 1, 1),
-        threads=(1, 1, 1),
-        buffers={1: binding(params), 2: binding(predicted), 3: binding(adjustments.counts)},
-        bytes={0: pack_params("II", vocab, 0)},
+        spread,
+        threadgroups=(slice_count, draws, 1),
+        threads=(threads_within(spread, slice_threads), 1, 1),
+        buffers=inputs,
+        bytes={0: shape},
+    )
+    graph.barrier()
+    finish = device.kernel("sample_token")
+    outputs = {5: binding(predicted), 10: binding(logprob_ring)}
+    if bookkeeping is not None:
+        outputs[11] = binding(bookkeeping.history)
+    graph.dispatch(
+        finish,
+        threadgroups=(draws, 1, 1),
+        threads=(threads_within(finish, threads), 1, 1),
+        buffers={**inputs, **outputs},
+        bytes={0: shape},
     )
