@@ -138,8 +138,8 @@ def test_after_gdn_step_matches_the_token_reference(
 
 def test_rejects_shapes_it_was_not_built_for(device) -> None:
     case = OutProjCase(device, 64, 4, 4, seed=0)
-    ragged_rows = wrap_quant_weight(device, *random_quantized(np.random.default_rng(0), 60, 512, 4))
-    with pytest.raises(ValueError, match="multiple of 8"):
+    ragged_rows = wrap_quant_weight(device, *random_quantized(np.random.default_rng(0), 62, 512, 4))
+    with pytest.raises(ValueError, match="multiple of 4"):
         record_gdn_out_proj(Graph(), device, **{**case.buffers, "weight": ragged_rows})
     partial_head = wrap_quant_weight(
         device, *random_quantized(np.random.default_rng(0), 64, 192, 4)
@@ -148,3 +148,13 @@ def test_rejects_shapes_it_was_not_built_for(device) -> None:
         record_gdn_out_proj(Graph(), device, **{**case.buffers, "weight": partial_head})
     with pytest.raises(ValueError, match="z"):
         record_gdn_out_proj(Graph(), device, **{**case.buffers, "z": (case.buffers["z"], 8)})
+
+
+def test_the_real_out_proj_spreads_over_512_threadgroups(device) -> None:
+    """2048 rows in threadgroups of one SIMD-group (4 rows): 12.8 rounds per core of a 40-core
+    GPU, where threadgroups of 8 rows would leave a last round 40% full."""
+    case = OutProjCase(device, 2048, 32, 4, seed=1)
+    graph = Graph()
+    case.record(graph, device)
+    (dispatch,) = graph.dispatches
+    assert dispatch.threadgroups == (512, 1, 1)

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from lily.device import Device, Graph
 
 # Must match kOutProjRowsPerSimdgroup * kOutProjSimdgroups in gdn_out_proj.metal.
-ROWS_PER_THREADGROUP = 8
-THREADS_PER_THREADGROUP = 64
+ROWS_PER_THREADGROUP = 4
+THREADS_PER_THREADGROUP = 32
 
 
 def record_gdn_out_proj(
