@@ -268,8 +268,8 @@ def record_sample(
     Two dispatches with a barrier between them: `slices` threadgroups of `slice_threads` per
     draw reduce the vocabulary into `partials` (`sample_partials_bytes`), then one of `threads`
     per draw finishes. With `bookkeeping` (one draw, `position` the step buffer itself) the
-    finish also does what `record_count_token` and `lily.kernels.step.record_step_advance` by
-    one would after it."""
+    finish also counts the drawn token for the penalties (when the request adjusts logits) and
+    does what `lily.kernels.step.record_step_advance` by one would after it."""
     if not 1 <= vocab < 2**32 - 1:
         raise ValueError(f"vocab must be in [1, 2^32 - 1), got {vocab}")
     for name, count in (("threads", threads), ("slice_threads", slice_threads)):
