@@ -160,13 +160,16 @@ class _Scratch:
     v: Buffer
     queries: Buffer | None
     attn_out: Buffer
+    decode_splits: int
 
     def __init__(self, c: ModelConfig, device: Device, max_chunk: int, capacity: int) -> None:
         for name in _CHUNK_ONLY_ACTIVATIONS:
             setattr(self, name, None)
         for name, width in _activation_widths(c, max_chunk).items():
             setattr(self, name, device.alloc(4 * width * max_chunk))
-        q_heads, splits = c.num_attention_heads, attention.decode_splits(capacity)
+        q_heads = c.num_attention_heads
+        # The decode attention's grid covers the capacity; its partials are sized for that grid.
+        self.decode_splits = splits = attention.decode_splits(capacity)
         self.partial_out = device.alloc(attention.partial_out_bytes(q_heads, splits))
         self.partial_stats = device.alloc(attention.partial_stats_bytes(q_heads, splits))
         self.moe = MoeScratch.allocate(device, *_moe_shape(c))
@@ -542,7 +545,7 @@ class _Recorder:
             partials = dict(
                 partial_out=s.partial_out,
                 partial_stats=s.partial_stats,
-                num_splits=attention.decode_splits(self.m.capacity),
+                num_splits=s.decode_splits,
             )
             attention.record_attention_decode_fused(g, dev, **prepare, **partials)
             g.barrier()
