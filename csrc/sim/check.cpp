@@ -201,7 +201,7 @@ std::string binding_name(const CheckedBinding& b) {
   return (b.inline_bytes ? "the inline bytes at index " : "buffer ") + std::to_string(b.index);
 }
 
-[[noreturn]] void out_of_bounds(const DispatchCheck& d, uintptr_t a, uint32_t n, const char* verb,
+[[noreturn]] void out_of_bounds(const DispatchCheck& d, uintptr_t a, size_t n, const char* verb,
                                 uint32_t thread) {
   const CheckedBinding* nearest = nullptr;
   uintptr_t best = ~uintptr_t(0);
@@ -218,7 +218,7 @@ std::string binding_name(const CheckedBinding& b) {
   abandon_lane(std::move(message));
 }
 
-void record(CheckedBinding& b, size_t offset, uint32_t n, bool reads, bool writes,
+void record(CheckedBinding& b, size_t offset, size_t n, bool reads, bool writes,
             uint32_t thread) {
   const char* verb = writes ? (reads ? "updates" : "writes") : "reads";
   if (writes && !b.writable) {
@@ -240,7 +240,7 @@ void record(CheckedBinding& b, size_t offset, uint32_t n, bool reads, bool write
   if (writes) b.written.set(offset, n);
 }
 
-void device_access(DispatchCheck& d, uintptr_t a, uint32_t n, bool reads, bool writes) {
+void device_access(DispatchCheck& d, uintptr_t a, size_t n, bool reads, bool writes) {
   const uint32_t thread = current_lane->thread_index_in_threadgroup;
   for (CheckedBinding& b : d.bindings) {
     const uintptr_t offset = a - reinterpret_cast<uintptr_t>(b.seen);
@@ -251,14 +251,17 @@ void device_access(DispatchCheck& d, uintptr_t a, uint32_t n, bool reads, bool w
     out_of_bounds(d, a, n, writes ? (reads ? "updates" : "writes") : "reads", thread);
 }
 
-inline void on_access(const volatile void* p, uint32_t n, bool reads, bool writes, bool atomic) {
+// An access of n > 0 bytes from p (a load, a store, an atomic, or one side of a mem* call).
+inline void on_access(const volatile void* p, size_t n, bool reads, bool writes, bool atomic) {
   CheckContext* c = check_context;
   if (__builtin_expect(c == nullptr, 1)) return;
   const auto a = reinterpret_cast<uintptr_t>(p);
   if (a - c->threadgroup_lo < c->threadgroup_span) {
-    std::string error =
-        c->shadow->access(uint32_t(a - c->threadgroup_lo), n, reads, writes, atomic,
-                          current_lane->thread_index_in_threadgroup);
+    const uintptr_t offset = a - c->threadgroup_lo;
+    // A range longer than the rest of threadgroup memory is checked up to one byte past it.
+    const auto bytes = uint32_t(std::min<size_t>(n, c->threadgroup_span - offset + 1));
+    std::string error = c->shadow->access(uint32_t(offset), bytes, reads, writes, atomic,
+                                          current_lane->thread_index_in_threadgroup);
     if (!error.empty()) abandon_lane(std::move(error));
     return;
   }
@@ -268,7 +271,7 @@ inline void on_access(const volatile void* p, uint32_t n, bool reads, bool write
 }  // namespace
 
 void atomic_access(const volatile void* object, size_t bytes, AtomicAccess kind) {
-  on_access(object, uint32_t(bytes), kind != AtomicAccess::store, kind != AtomicAccess::load, true);
+  on_access(object, bytes, kind != AtomicAccess::store, kind != AtomicAccess::load, true);
 }
 
 }  // namespace lily_sim
@@ -288,3 +291,35 @@ LILY_SIM_HOOKS(4, uint32_t)
 LILY_SIM_HOOKS(8, uint64_t)
 LILY_SIM_HOOKS(16, __int128)
 #undef LILY_SIM_HOOKS
+
+// The checked build's memset / memcpy / memmove. The optimiser turns loops of stores into
+// llvm.memset, loops of copies into llvm.memcpy or llvm.memmove, and clang emits struct copies
+// as llvm.memcpy; the backend expands the small ones inline and calls the C library for the
+// rest, and neither is a load or store the hooks above see. So the checked build is also
+// compiled with -fsanitize=thread reduced to its replacement of every memory intrinsic by a
+// call to these functions (CMakeLists.txt: no access, atomic or function-entry instrumentation),
+// the interface ThreadSanitizer's own runtime and the Linux kernel's KCSAN implement. Each checks
+// and records its whole source and destination range, then does the operation. Hidden, as the
+// hooks are, so they never stand in for a sanitizer runtime loaded in the same process.
+#define LILY_SIM_HOOK extern "C" __attribute__((visibility("hidden")))
+LILY_SIM_HOOK void* __tsan_memset(void* destination, int value, uintptr_t n) {
+  if (n) lily_sim::on_access(destination, n, false, true, false);
+  return std::memset(destination, value, n);
+}
+LILY_SIM_HOOK void* __tsan_memcpy(void* destination, const void* source, uintptr_t n) {
+  if (n) {
+    lily_sim::on_access(source, n, true, false, false);
+    lily_sim::on_access(destination, n, false, true, false);
+  }
+  return std::memcpy(destination, source, n);
+}
+LILY_SIM_HOOK void* __tsan_memmove(void* destination, const void* source, uintptr_t n) {
+  if (n) {
+    lily_sim::on_access(source, n, true, false, false);
+    lily_sim::on_access(destination, n, false, true, false);
+  }
+  return std::memmove(destination, source, n);
+}
+// Called by the module constructor the instrumentation adds to every checked kernel object.
+LILY_SIM_HOOK void __tsan_init() {}
+#undef LILY_SIM_HOOK
