@@ -5,6 +5,10 @@
 // __sanitizer_cov_loadN / __sanitizer_cov_storeN (defined in check.cpp) before every load and
 // store the optimised kernel code still makes, whatever pointer it goes through: casts, struct
 // members, inline helpers, simdgroup_load/store. Atomics report themselves (atomic_access).
+// The memset / memcpy / memmove the compiler forms (from loops, for struct copies) are no loads
+// or stores to those hooks: the checked build turns each into a call of the checked
+// __tsan_memset / __tsan_memcpy / __tsan_memmove in check.cpp (CMakeLists.txt), and a pre-link
+// step (cmake/check_sim_objects.cmake) refuses objects that could reach memory another way.
 //
 // A hook classifies the address with two range compares: the worker's threadgroup memory, the
 // dispatch's device bindings, or anything else (fiber stacks, constants), which it ignores.
