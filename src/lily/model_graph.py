@@ -21,8 +21,11 @@ residual in place, and the projections that consume a norm read the residual and
 themselves (`FoldedNorm`); that removes two dependent levels per layer. Likewise the GDN's conv
 step runs in the epilogue of its input projection (`FoldedConvStep`), the MoE routing inside the
 expert gate/up kernel, and attention's prepare (q/k norms, RoPE, KV append) inside the
-split-context decode kernel. A chunk keeps those dispatches: its GEMMs read the normed
-activations many times over, and its kernels already amortise their levels over T tokens.
+split-context decode kernel. Nor has the decode step an embedding dispatch: layer 0's first GEMV
+(GDN or attention) reads the token's embedding row from the quantized table itself and writes it
+to the residual (`EmbeddedInput`, `_Recorder.decode_layer_input`). A chunk keeps those
+dispatches: its GEMMs read the normed activations many times over, and its kernels already
+amortise their levels over T tokens.
 
 Activations stay fp32 between kernels (decode is bound by reading weights, so this costs nothing
 and keeps the engine close to the reference); the KV cache is bf16 and the GDN state fp32.
