@@ -21,12 +21,11 @@ Usage: python benchmarks/bench_gemv_input.py [--device metal|sim] [--copies N] [
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
+from bench_sim import random_quantized, time_graph
 
-from lily.device import Graph, available, open_device
+from lily.device import available, open_device
 from lily.kernels.norm import FoldedNorm
 from lily.kernels.quantized import QuantWeight, record_qgemv, wrap_quant_weight
 from lily.quant import float32_to_bf16
@@ -42,26 +41,8 @@ SHAPES = {
 SIM_SHRINK = 16
 
 
-def random_projection(rng: np.random.Generator, rows: int) -> tuple[np.ndarray, ...]:
-    words = rng.integers(0, 2**32, (rows, HIDDEN * 4 // 32), dtype=np.uint32)
-    scales = float32_to_bf16(rng.uniform(0.002, 0.02, (rows, HIDDEN // 64)).astype(np.float32))
-    biases = float32_to_bf16(rng.normal(0, 0.05, (rows, HIDDEN // 64)).astype(np.float32))
-    return words, scales, biases
-
-
 def weight_bytes(weight: QuantWeight) -> int:
     return weight.rows * (HIDDEN // 2 + 4 * HIDDEN // 64)
-
-
-def time_graph(device, graph: Graph, repeat: int) -> float:
-    """Median wall time of running the graph, after one warm-up run."""
-    device.run(graph)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        device.run(graph)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -89,7 +70,9 @@ def main() -> None:
         rows = tuple(max(32, r // SIM_SHRINK) if on_sim else r for r in rows)
         layers = []
         for _ in range(copies):
-            weights = [wrap_quant_weight(device, *random_projection(rng, r)) for r in rows]
+            weights = [
+                wrap_quant_weight(device, *random_quantized(rng, r, HIDDEN, 4)) for r in rows
+            ]
             layers.append([(w, device.alloc(4 * w.rows)) for w in weights])
         per_gemv = sum(weight_bytes(w) for w, _ in layers[0])
         cases = {
@@ -98,11 +81,13 @@ def main() -> None:
             "bf16": dict(x=x_bf16, x_dtype="bfloat16"),
         }
         for label, inputs in cases.items():
-            graph = Graph()
-            for projections in layers:
-                record_qgemv(graph, device, projections=projections, **inputs)
-                graph.barrier()
-            seconds = time_graph(device, graph, repeat) / copies
+
+            def record(graph, inputs=inputs, layers=layers):
+                for projections in layers:
+                    record_qgemv(graph, device, projections=projections, **inputs)
+                    graph.barrier()
+
+            seconds = time_graph(device, record, repeat) / copies
             rate = per_gemv / seconds / 1e9
             print(f"{name:<24} {label:<12} {seconds * 1e6:>12.1f} {rate:>12.1f}")
 
