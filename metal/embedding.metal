@@ -3,6 +3,7 @@
 // and the step buffer's position), so one recorded graph serves every position and a replayed
 // graph can feed back its own output.
 #include "common.h"
+#include "embedding.h"
 #include "quantized.h"
 
 struct EmbeddingParams {
@@ -23,19 +24,17 @@ template <uint BITS>
                           uint thread_id [[thread_index_in_threadgroup]],
                           uint threads [[threads_per_threadgroup]]) {
   constexpr uint per_word = 32 / BITS;
-  constexpr uint mask = (1u << BITS) - 1u;
   const uint words_per_row = p.dim / per_word;
   const uint word = threadgroup_id.x * threads + thread_id;
   if (word >= words_per_row) return;
-  // An id past the table would read outside it; the engine only produces ids below vocab_size.
-  const uint row = min(tokens[first[0] + threadgroup_id.y], p.rows - 1);
+  const uint row = embedding_row(tokens[first[0] + threadgroup_id.y], p.rows);
 
   const uint packed = weight[ulong(row) * words_per_row + word];
   const ulong group = ulong(row) * (p.dim / QUANT_GROUP_SIZE) + word * per_word / QUANT_GROUP_SIZE;
   const float scale = float(scales[group]);
   const float bias = float(biases[group]);
   device float* dst = out + ulong(threadgroup_id.y) * p.dim + word * per_word;
-  for (uint j = 0; j < per_word; ++j) dst[j] = scale * float((packed >> (j * BITS)) & mask) + bias;
+  for (uint j = 0; j < per_word; ++j) dst[j] = dequantize_code<BITS>(packed, j, scale, bias);
 }
 
 template [[host_name("embedding_4")]] [[kernel]] decltype(embedding<4>) embedding<4>;

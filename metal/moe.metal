@@ -97,18 +97,20 @@ struct MoeGateUpParams {
   float eps;         // the folded norm's epsilon (NORMED kernels only)
   uint experts;      // router logits (ROUTES kernels only)
   uint normalize;    // as MoeRouteParams (ROUTES kernels only)
+  uint first_slot;   // the slot of grid row y = 0: a dispatch may take a contiguous run of slots
 };
 
 // h[slot * expert_rows + r] = silu(gate_e x)[r] * (up_e x)[r] for slot < top_k (expert e =
 // expert_ids[slot]); slot top_k is the shared expert, at h[top_k * expert_rows + r].
-// Grid: x over rows (4 per SIMD-group), y over the top_k + 1 slots.
+// Grid: x over rows (4 per SIMD-group), y over a run of slots from first_slot: all top_k + 1, or
+// (the decode step) the shared expert alone, beside the router, and the routed ones after it.
 //
 // The decode step folds its neighbours in. NORMED kernels take the un-normed residual as x and
 // apply the post-attention RMSNorm themselves (see qgemv_rows_gained). ROUTES kernels take the
 // router logits instead of routed ids: each SIMD-group of a routed slot runs the routing rounds
 // up to its slot (a few hundred ALU operations on 1 KB of logits, against the 128 KB of weights
-// it reads), and threadgroup (0, 0) also stores the ids and weights that moe_down reads, so
-// routing is no dependent level of its own.
+// it reads), and slot 0's first threadgroup also stores the ids and weights that moe_down reads,
+// so routing is no dependent level of its own.
 template <uint BITS, bool NORMED, bool ROUTES>
 [[kernel]] void moe_gate_up_swiglu(
     constant MoeGateUpParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
@@ -124,7 +126,7 @@ template <uint BITS, bool NORMED, bool ROUTES>
     uint2 threadgroup_id [[threadgroup_position_in_grid]],
     uint simdgroup [[simdgroup_index_in_threadgroup]],
     uint simdgroups [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
-  const uint slot = threadgroup_id.y;
+  const uint slot = p.first_slot + threadgroup_id.y;
   const bool shared = slot == p.top_k;
   const uint rows = shared ? p.shared_rows : p.expert_rows;
   const uint row0 = threadgroup_id.x * (simdgroups * MOE_ROWS_PER_SIMDGROUP) +

@@ -48,6 +48,15 @@ inline float load_chunk(device const T* x, uint k, thread float* xs) {
   return sum;
 }
 
+// Input j of a word of codes, dequantized: scale * code + bias in fp32. The embedding lookup
+// and the GEMV that reads the embedding row itself (embedding.h) both go through this one
+// expression, so the row they see is the same, bit for bit.
+template <uint BITS>
+inline float dequantize_code(uint packed, uint j, float scale, float bias) {
+  constexpr uint mask = (1u << BITS) - 1u;
+  return scale * float((packed >> (j * BITS)) & mask) + bias;
+}
+
 // sum over one chunk of (scale * code + bias) * x, for row `row` and inputs [k, k + chunk).
 template <uint BITS>
 inline float qdot_chunk(QuantMatrix m, uint in_dim, uint row, uint k, thread const float* xs,
@@ -96,24 +105,40 @@ inline void qgemv_rows(QuantMatrix m, uint in_dim, uint row0, uint count, device
 // keeps the sum of x^2 over its chunks, and the finished (SIMD-summed) dot products are scaled by
 // `folded_inv_rms`. Every SIMD-group already reads all of x, so the norm costs no extra pass and
 // no dispatch of its own; each SIMD-group sums the squares in the same order, so all agree.
-// x and the gain are read as vectors as in load_chunk (the gain 8-byte aligned).
+// The gain is read as vectors as x is in load_chunk (8-byte aligned).
+//
+// gain_chunk is that step on one chunk of x already loaded as float: every source of a normed
+// GEMV's x (the fp32 residual below, the embedding row in embedding.h) goes through it, so they
+// round alike.
 template <uint BITS>
-inline float load_chunk_gained(device const float* x, device const bfloat* gain, uint k,
-                               thread float* xs, thread float& squares) {
-  device const float4* x4 = reinterpret_cast<device const float4*>(x + k);
+inline float gain_chunk(thread const float* values, device const bfloat* gain, uint k,
+                        thread float* xs, thread float& squares) {
   device const bfloat4* gain4 = reinterpret_cast<device const bfloat4*>(gain + k);
   float sum = 0.0f;
   for (uint v = 0; v < quant_chunk(BITS) / 4; ++v) {
-    const float4 values = x4[v];
     const bfloat4 loaded_gains = gain4[v];
     const float4 gains = float4(loaded_gains);
     for (uint i = 0; i < 4; ++i) {
-      squares += values[i] * values[i];
-      xs[4 * v + i] = values[i] * gains[i];
+      const float value = values[4 * v + i];
+      squares += value * value;
+      xs[4 * v + i] = value * gains[i];
       sum += xs[4 * v + i];
     }
   }
   return sum;
+}
+
+// One chunk of an fp32 x (the residual) for a normed GEMV, read as float4 vectors.
+template <uint BITS>
+inline float load_chunk_gained(device const float* x, device const bfloat* gain, uint k,
+                               thread float* xs, thread float& squares) {
+  device const float4* x4 = reinterpret_cast<device const float4*>(x + k);
+  float values[quant_chunk(BITS)];
+  for (uint v = 0; v < quant_chunk(BITS) / 4; ++v) {
+    const float4 loaded = x4[v];
+    for (uint i = 0; i < 4; ++i) values[4 * v + i] = loaded[i];
+  }
+  return gain_chunk<BITS>(values, gain, k, xs, squares);
 }
 
 // The inverse RMS of x from one lane's partial sum of squares; all lanes of the SIMD-group call it.
@@ -121,11 +146,12 @@ inline float folded_inv_rms(float squares, uint in_dim, float eps) {
   return rsqrt(simd_sum(squares) / float(in_dim) + eps);
 }
 
-// qgemv_rows on x * gain, also returning this lane's sum of x^2 (for folded_inv_rms).
-template <uint BITS, uint R>
-inline float qgemv_rows_gained(QuantMatrix m, uint in_dim, uint row0, uint count,
-                               device const float* x, device const bfloat* gain, uint lane,
-                               thread float* acc) {
+// qgemv_rows on x * gain, also returning this lane's sum of x^2 (for folded_inv_rms). x is an
+// fp32 `device const float*`, or any other source with a load_chunk_gained overload (the
+// embedding row, embedding.h).
+template <uint BITS, uint R, typename Input>
+inline float qgemv_rows_gained(QuantMatrix m, uint in_dim, uint row0, uint count, Input x,
+                               device const bfloat* gain, uint lane, thread float* acc) {
   constexpr uint chunk = quant_chunk(BITS);
   for (uint r = 0; r < R; ++r) acc[r] = 0.0f;
   float squares = 0.0f;

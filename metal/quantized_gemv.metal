@@ -13,8 +13,14 @@
 // mixer's output projection writes the next residual directly. With `conv`, projection 0's rows
 // (the GDN's in_proj_qkv) leave through the causal conv1d step (conv_step_channel), so the conv
 // is no dispatch of its own either.
+//
+// The decode step's very first GEMV (layer 0's in_proj_qkv|z|a|b, or q|k|v) also folds the
+// embedding lookup: `qgemv_embedded_*` reads x as the embedding row of the token at the step's
+// position, dequantized by each lane from the quantized table (EmbeddedRow, embedding.h), and
+// writes that row to the residual for the layer's residual adds.
 #include "common.h"
 #include "conv1d.h"
+#include "embedding.h"
 #include "quantized.h"
 
 constexpr constant uint QGEMV_MAX_PROJECTIONS = 4;
@@ -28,7 +34,65 @@ struct QGemvParams {
   float eps;        // the folded norm's epsilon (normed kernels only)
   uint accumulate;  // y += W x instead of y = W x
   uint conv;        // projection 0's outputs go through the conv1d step (conv weight, window)
+  uint embed_rows;  // the embedding table's rows (embedded kernels only)
 };
+
+// The rows one SIMD-group of a dispatch computes: [row0, row0 + count) of projection `proj`,
+// whose matrix is m and output y; count is 0 for a SIMD-group past its projection's rows.
+struct QGemvTarget {
+  QuantMatrix m;
+  device float* y;
+  uint proj;
+  uint row0;
+  uint count;
+};
+
+inline QGemvTarget qgemv_target(constant QGemvParams& p, QuantMatrix m0, device float* y0,
+                                QuantMatrix m1, device float* y1, QuantMatrix m2,
+                                device float* y2, QuantMatrix m3, device float* y3,
+                                uint threadgroup_id, uint simdgroup, uint simdgroups) {
+  QGemvTarget t{m0, y0, 0, 0, 0};
+  while (t.proj + 1 < p.projections && threadgroup_id >= p.first_threadgroup[t.proj + 1]) {
+    ++t.proj;
+  }
+  if (t.proj == 1) {
+    t.m = m1;
+    t.y = y1;
+  } else if (t.proj == 2) {
+    t.m = m2;
+    t.y = y2;
+  } else if (t.proj == 3) {
+    t.m = m3;
+    t.y = y3;
+  }
+  const uint rows = p.rows[t.proj];
+  t.row0 = (threadgroup_id - p.first_threadgroup[t.proj]) *
+               (simdgroups * QGEMV_ROWS_PER_SIMDGROUP) +
+           simdgroup * QGEMV_ROWS_PER_SIMDGROUP;
+  t.count = t.row0 < rows ? min(QGEMV_ROWS_PER_SIMDGROUP, rows - t.row0) : 0;
+  return t;
+}
+
+// Reduces the lanes' partial dot products, scales them by a folded norm's inverse RMS when
+// NORMED, and writes (or adds) the target's rows, through the conv step for projection 0 with
+// `conv`. Each row (and its conv channel) is read and written by the one lane that owns it, so
+// accumulating and the window's in-place shift are race-free.
+template <bool NORMED>
+inline void qgemv_store(constant QGemvParams& p, QGemvTarget t, thread const float* acc,
+                        float inv_rms, device const bfloat* conv_weight,
+                        device float* conv_window, uint lane) {
+  for (uint r = 0; r < QGEMV_ROWS_PER_SIMDGROUP; ++r) {
+    float total = simd_sum(acc[r]);
+    if (NORMED) total *= inv_rms;
+    if (lane == 0 && r < t.count) {
+      const uint row = t.row0 + r;
+      if (p.conv != 0 && t.proj == 0) {
+        total = conv_step_channel(conv_weight, conv_window, p.rows[0], row, total);
+      }
+      t.y[row] = p.accumulate != 0 ? t.y[row] + total : total;
+    }
+  }
+}
 
 template <uint BITS, typename T, bool NORMED>
 [[kernel]] void qgemv(constant QGemvParams& p [[buffer(0)]], device const T* x [[buffer(1)]],
@@ -47,50 +111,61 @@ template <uint BITS, typename T, bool NORMED>
                       uint simdgroup [[simdgroup_index_in_threadgroup]],
                       uint simdgroups [[simdgroups_per_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
-  uint proj = 0;
-  while (proj + 1 < p.projections && threadgroup_id >= p.first_threadgroup[proj + 1]) ++proj;
-
-  QuantMatrix m{w0, s0, b0};
-  device float* y = y0;
-  if (proj == 1) {
-    m = QuantMatrix{w1, s1, b1};
-    y = y1;
-  } else if (proj == 2) {
-    m = QuantMatrix{w2, s2, b2};
-    y = y2;
-  } else if (proj == 3) {
-    m = QuantMatrix{w3, s3, b3};
-    y = y3;
-  }
-
-  const uint rows = p.rows[proj];
-  const uint row0 = (threadgroup_id - p.first_threadgroup[proj]) *
-                        (simdgroups * QGEMV_ROWS_PER_SIMDGROUP) +
-                    simdgroup * QGEMV_ROWS_PER_SIMDGROUP;
-  if (row0 >= rows) return;  // the whole SIMD-group leaves together
-  const uint count = min(QGEMV_ROWS_PER_SIMDGROUP, rows - row0);
+  const QGemvTarget t = qgemv_target(p, QuantMatrix{w0, s0, b0}, y0, QuantMatrix{w1, s1, b1}, y1,
+                                     QuantMatrix{w2, s2, b2}, y2, QuantMatrix{w3, s3, b3}, y3,
+                                     threadgroup_id, simdgroup, simdgroups);
+  if (t.count == 0) return;  // the whole SIMD-group leaves together
 
   float acc[QGEMV_ROWS_PER_SIMDGROUP];
-  float scale = 1.0f;
+  float inv_rms = 1.0f;
   if (NORMED) {
     const float squares = qgemv_rows_gained<BITS, QGEMV_ROWS_PER_SIMDGROUP>(
-        m, p.in_dim, row0, count, reinterpret_cast<device const float*>(x), gain, lane, acc);
-    scale = folded_inv_rms(squares, p.in_dim, p.eps);
+        t.m, p.in_dim, t.row0, t.count, reinterpret_cast<device const float*>(x), gain, lane, acc);
+    inv_rms = folded_inv_rms(squares, p.in_dim, p.eps);
   } else {
-    qgemv_rows<BITS, QGEMV_ROWS_PER_SIMDGROUP>(m, p.in_dim, row0, count, x, lane, acc);
+    qgemv_rows<BITS, QGEMV_ROWS_PER_SIMDGROUP>(t.m, p.in_dim, t.row0, t.count, x, lane, acc);
   }
-  for (uint r = 0; r < QGEMV_ROWS_PER_SIMDGROUP; ++r) {
-    float total = simd_sum(acc[r]);
-    if (NORMED) total *= scale;
-    // Each row (and its conv channel) is read and written by the one lane that owns it, so
-    // accumulating and the window's in-place shift are race-free.
-    if (lane == 0 && r < count) {
-      if (p.conv != 0 && proj == 0) {
-        total = conv_step_channel(conv_weight, conv_window, rows, row0 + r, total);
-      }
-      y[row0 + r] = p.accumulate != 0 ? y[row0 + r] + total : total;
-    }
-  }
+  qgemv_store<NORMED>(p, t, acc, inv_rms, conv_weight, conv_window, lane);
+}
+
+// The decode step's first GEMV: x is the embedding row of token tokens[position[0]] (clamped to
+// the table, as embedding.metal does), with the layer's input norm folded in as qgemv_normed.
+// The SIMD-group computing projection 0's first rows also writes the row to `residual`, each
+// lane the chunks it dequantized. Nothing else in this dispatch reads `residual` (every
+// SIMD-group dequantizes x from the table), so that write races with no read; the residual adds
+// of later dispatches see it after the barrier that follows.
+template <uint BITS, uint EMBED_BITS>
+[[kernel]] void qgemv_embedded(
+    constant QGemvParams& p [[buffer(0)]], device float* residual [[buffer(1)]],
+    device const uint* w0 [[buffer(2)]], device const bfloat* s0 [[buffer(3)]],
+    device const bfloat* b0 [[buffer(4)]], device float* y0 [[buffer(5)]],
+    device const uint* w1 [[buffer(6)]], device const bfloat* s1 [[buffer(7)]],
+    device const bfloat* b1 [[buffer(8)]], device float* y1 [[buffer(9)]],
+    device const uint* w2 [[buffer(10)]], device const bfloat* s2 [[buffer(11)]],
+    device const bfloat* b2 [[buffer(12)]], device float* y2 [[buffer(13)]],
+    device const uint* w3 [[buffer(14)]], device const bfloat* s3 [[buffer(15)]],
+    device const bfloat* b3 [[buffer(16)]], device float* y3 [[buffer(17)]],
+    device const bfloat* gain [[buffer(18)]], device const bfloat* conv_weight [[buffer(19)]],
+    device float* conv_window [[buffer(20)]], device const uint* tokens [[buffer(21)]],
+    device const uint* position [[buffer(22)]], device const uint* table_weight [[buffer(23)]],
+    device const bfloat* table_scales [[buffer(24)]],
+    device const bfloat* table_biases [[buffer(25)]],
+    uint threadgroup_id [[threadgroup_position_in_grid]],
+    uint simdgroup [[simdgroup_index_in_threadgroup]],
+    uint simdgroups [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+  const QGemvTarget t = qgemv_target(p, QuantMatrix{w0, s0, b0}, y0, QuantMatrix{w1, s1, b1}, y1,
+                                     QuantMatrix{w2, s2, b2}, y2, QuantMatrix{w3, s3, b3}, y3,
+                                     threadgroup_id, simdgroup, simdgroups);
+  if (t.count == 0) return;  // the whole SIMD-group leaves together
+
+  const EmbeddedRow<EMBED_BITS> x{QuantMatrix{table_weight, table_scales, table_biases},
+                                  p.in_dim, embedding_row(tokens[position[0]], p.embed_rows),
+                                  residual, t.proj == 0 && t.row0 == 0};
+  float acc[QGEMV_ROWS_PER_SIMDGROUP];
+  const float squares = qgemv_rows_gained<BITS, QGEMV_ROWS_PER_SIMDGROUP>(
+      t.m, p.in_dim, t.row0, t.count, x, gain, lane, acc);
+  qgemv_store<true>(p, t, acc, folded_inv_rms(squares, p.in_dim, p.eps), conv_weight,
+                    conv_window, lane);
 }
 
 template [[host_name("qgemv_4_float")]] [[kernel]] decltype(qgemv<4, float, false>)
@@ -106,3 +181,12 @@ template [[host_name("qgemv_normed_4_float")]] [[kernel]] decltype(qgemv<4, floa
     qgemv<4, float, true>;
 template [[host_name("qgemv_normed_8_float")]] [[kernel]] decltype(qgemv<8, float, true>)
     qgemv<8, float, true>;
+// The embedding table's bit width need not be the projection's: every pairing of 4 and 8 bits.
+template [[host_name("qgemv_embedded_4_4")]] [[kernel]] decltype(qgemv_embedded<4, 4>)
+    qgemv_embedded<4, 4>;
+template [[host_name("qgemv_embedded_4_8")]] [[kernel]] decltype(qgemv_embedded<4, 8>)
+    qgemv_embedded<4, 8>;
+template [[host_name("qgemv_embedded_8_4")]] [[kernel]] decltype(qgemv_embedded<8, 4>)
+    qgemv_embedded<8, 4>;
+template [[host_name("qgemv_embedded_8_8")]] [[kernel]] decltype(qgemv_embedded<8, 8>)
+    qgemv_embedded<8, 8>;

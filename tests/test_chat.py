@@ -64,6 +64,7 @@ class ScriptedEngine:
         should_stop: Callable[[], bool] | None = None,
         cache_key: str | None = None,
         constraint: object = None,
+        reply_so_far: int = 0,
     ) -> Iterator[GeneratedToken]:
         self.requests.append(
             dict(prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=sampling)

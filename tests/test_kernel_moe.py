@@ -36,6 +36,7 @@ from test_kernel_quantized import ulps_for
 from lily import reference
 from lily.device import Graph
 from lily.kernels.moe import (
+    InKernelRouting,
     MoeScratch,
     MoeWeights,
     record_moe,
@@ -204,6 +205,57 @@ def test_gate_up_swiglu(lane_order, dims):
     check_gate_up(dims, x.astype(np.float64), ids, as_float32(hidden, total))
 
 
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize("dims", [REAL, TINY], ids=["real", "tiny"])
+def test_gate_up_split_into_slot_runs_is_bit_identical(lane_order, dims):
+    """The decode step runs the shared expert's slot and the routed slots as two dispatches: the
+    same code per slot, so together they write exactly what one dispatch of every slot does."""
+    device = sim_device(lane_order)
+    rng = np.random.default_rng(9)
+    x = device.wrap(rng.normal(0, 1, dims.hidden).astype(np.float32))
+    ids = device.wrap(rng.permutation(dims.experts)[: dims.top_k].astype(np.uint32))
+    total = dims.top_k * dims.expert_rows + dims.shared_rows
+    weights = bind(device, dims)
+    whole, split = float_buffer(device, total), float_buffer(device, total)
+    run(device, lambda g: record_moe_gate_up(g, device, x, ids, dims.top_k, weights, whole))
+
+    def runs(g):
+        for slots in (range(dims.top_k, dims.top_k + 1), range(dims.top_k)):
+            record_moe_gate_up(g, device, x, ids, dims.top_k, weights, split, slots=slots)
+
+    run(device, runs)
+    np.testing.assert_array_equal(as_float32(split, total), as_float32(whole, total))
+
+
+@pytest.mark.parametrize(
+    "slots, routed, message",
+    [
+        (range(0, 6), False, "slots must be a run"),
+        (range(2, 2), False, "slots must be a run"),
+        (range(0, 5, 2), False, "slots must be a run"),
+        (range(1, 4), True, "needs slot 0"),
+    ],
+)
+def test_gate_up_refuses_slot_runs_it_cannot_serve(slots, routed, message):
+    device = sim_device("forward")
+    d = TINY
+    x = device.wrap(np.zeros(d.hidden, np.float32))
+    scratch = MoeScratch.allocate(device, d.experts, d.top_k, d.expert_rows, d.shared_rows)
+    routing = InKernelRouting(scratch.logits, d.experts, scratch.expert_weights)
+    with pytest.raises(ValueError, match=message):
+        record_moe_gate_up(
+            Graph(),
+            device,
+            x,
+            scratch.expert_ids,
+            d.top_k,
+            bind(device, d),
+            scratch.hidden,
+            routing=routing if routed else None,
+            slots=slots,
+        )
+
+
 # -- down, weighted, with the shared expert -------------------------------------------------------
 
 
@@ -328,3 +380,21 @@ def test_real_dims_grids_have_many_threadgroups_per_core():
     gate_up, down = graph.dispatches
     assert (gate_up.threadgroups, gate_up.threads) == ((128, 9, 1), (32, 1, 1))
     assert (down.threadgroups, down.threads) == ((512, 1, 1), (32, 1, 1))
+
+
+def test_the_shared_expert_runs_beside_the_router():
+    """In the block, the shared expert's gate/up (no routing needed) shares the router's level,
+    and the routed experts' gate/up and the down kernel follow it, one level each."""
+    device = sim_device("forward")
+    d = REAL
+    scratch = MoeScratch.allocate(device, d.experts, d.top_k, d.expert_rows, d.shared_rows)
+    graph = Graph()
+    x = device.wrap(np.zeros(d.hidden, np.float32))
+    record_moe(graph, device, x, bind(device, d), d.top_k, scratch, float_buffer(device, d.hidden))
+    layout = [(r.kernel, r.threadgroups, r.level) for r in graph.dispatches]
+    assert layout == [
+        ("qgemv_8_float", (65, 1, 1), 0),  # router and shared-expert gate: 257 rows
+        ("moe_gate_up_swiglu_4", (128, 1, 1), 0),  # the shared expert's 512 rows
+        ("moe_gate_up_swiglu_routed_4", (128, 8, 1), 1),
+        ("moe_down_4", (512, 1, 1), 2),
+    ]

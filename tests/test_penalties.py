@@ -95,3 +95,33 @@ def test_out_of_range_adjustments_are_refused(bad):
     with pytest.raises(RequestError) as refused:
         SamplingParams(**bad)
     assert refused.value.param == next(iter(bad))
+
+
+RESUMING = SamplingParams(temperature=0, frequency_penalty=-2.0, presence_penalty=1.0)
+
+
+@pytest.mark.parametrize("engine", ["sim", "reference"])
+def test_a_resumed_reply_keeps_its_penalty_counts(engine, request):
+    """A generation resumed from the reply so far (as Lily does after closing a think block
+    whose budget ran out) continues exactly as the uninterrupted one when it says how much of
+    its prompt is reply; counted from zero instead, the penalties steer it elsewhere."""
+    llm = request.getfixturevalue(engine)
+    prompt = llm.tokenizer.encode(PROMPT)
+    whole = generated(llm, RESUMING)
+    cut = STEPS // 2
+    fed = prompt + whole[:cut]
+
+    def resumed(reply_so_far: int) -> list[int]:
+        tokens = llm.engine.generate(fed, STEPS - cut, sampling=RESUMING, reply_so_far=reply_so_far)
+        return [t.id for t in tokens]
+
+    assert resumed(cut) == whole[cut:]
+    assert resumed(0) != whole[cut:]
+
+
+@pytest.mark.parametrize("engine", ["sim", "reference"])
+@pytest.mark.parametrize("reply_so_far", [-1, 8])
+def test_a_reply_longer_than_the_prompt_is_refused(engine, reply_so_far, request):
+    llm = request.getfixturevalue(engine)
+    with pytest.raises(ValueError, match="reply_so_far"):
+        next(llm.engine.generate([1, 2, 3], 2, reply_so_far=reply_so_far))

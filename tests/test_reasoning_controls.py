@@ -32,12 +32,17 @@ def demo() -> Iterator[Lily]:
 
 @pytest.fixture
 def generate_calls(demo: Lily) -> Iterator[list[dict[str, Any]]]:
-    """Each engine.generate call: the prompt it was fed and the tokens it produced."""
+    """Each engine.generate call: the prompt it was fed, how much of it was reply, and the
+    tokens it produced."""
     calls: list[dict[str, Any]] = []
     inner = demo.engine.generate
 
     def recording(prompt: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        call: dict[str, Any] = {"prompt": list(prompt), "produced": []}
+        call: dict[str, Any] = {
+            "prompt": list(prompt),
+            "reply_so_far": kwargs.get("reply_so_far", 0),
+            "produced": [],
+        }
         calls.append(call)
         for token in inner(prompt, *args, **kwargs):
             call["produced"].append(token.id)
@@ -68,6 +73,8 @@ def test_a_budget_of_n_thinks_n_tokens_then_answers(
     thought = first[0]["produced"][:budget] if first else []
     assert len(thought) == budget
     assert resumed["prompt"] == first_prompt(demo) + thought + close
+    # The resumed generation's penalties count the reply so far, not only what it generates.
+    assert resumed["reply_so_far"] == len(thought + close)
     assert demo.tokenizer.decode(resumed["produced"]) == r.choices[0].message.content
 
 

@@ -122,6 +122,7 @@ class MaskedRandomEngine:
         should_stop: Callable[[], bool] | None = None,
         constraint=None,
         cache_key: str | None = None,
+        reply_so_far: int = 0,
     ) -> Iterator[GeneratedToken]:
         self.constraints.append(constraint)
         rng = np.random.default_rng([sampling.with_seed().seed, len(prompt)])

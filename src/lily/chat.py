@@ -709,6 +709,7 @@ class ChatCompletions:
                 should_stop=should_stop,
                 cache_key=request.prompt_cache_key,
                 constraint=constraint,
+                reply_so_far=len(fed) - len(prompt.tokens),
             )
             try:
                 for token in tokens:

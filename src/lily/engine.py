@@ -82,6 +82,7 @@ class Engine(Protocol):
         should_stop: Callable[[], bool] | None = None,
         constraint: TokenConstraint | None = None,
         cache_key: str | None = None,
+        reply_so_far: int = 0,
     ) -> Iterator[GeneratedToken]:
         """Yields the tokens generated after `prompt`, stopping after a stop token; with
         `sampling.top_logprobs` set, each carries its logprob and that many alternatives.
@@ -92,7 +93,10 @@ class Engine(Protocol):
         caller is not reading); once it returns True the generation raises
         GenerationCancelled. `constraint`, if given, is asked for the allowed tokens before
         every draw and told every drawn token (before it is yielded); a mask allowing none of
-        the tokens raises NoAllowedTokenError. Log-probabilities ignore the mask."""
+        the tokens raises NoAllowedTokenError. Log-probabilities ignore the mask. The last
+        `reply_so_far` tokens of `prompt` are the reply so far, when a generation resumes after
+        the caller appended to it: the frequency and presence penalties count them as
+        generated, so a reply's penalties do not restart."""
         ...
 
     def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
@@ -121,6 +125,15 @@ def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
             f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
             f"context of {max_seq} tokens; load with a larger max_seq or ask for fewer tokens"
         )
+
+
+def _reply(prompt: list[int], reply_so_far: int) -> list[int]:
+    """The last `reply_so_far` tokens of `prompt`: a resumed reply's tokens so far."""
+    if not 0 <= reply_so_far <= len(prompt):
+        raise ValueError(
+            f"reply_so_far must be 0 to {len(prompt)} (the prompt), got {reply_so_far}"
+        )
+    return prompt[len(prompt) - reply_so_far :]
 
 
 def _check_stop(should_stop: Callable[[], bool] | None) -> None:
@@ -277,16 +290,18 @@ class DeviceEngine:
         should_stop: Callable[[], bool] | None = None,
         constraint: TokenConstraint | None = None,
         cache_key: str | None = None,
+        reply_so_far: int = 0,
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
+        reply = _reply(prompt, reply_so_far)
         if max_new_tokens == 0:
             return
         state = self._model.state
         token_count = self._model.token_count
         bans = _banned_tokens(sampling, token_count)
         write_sampling_params(state.sampling_params, sampling.with_seed())
-        write_logit_adjustments(state.adjustments, sampling, prompt, token_count)
+        write_logit_adjustments(state.adjustments, sampling, prompt, token_count, reply)
         first = self._start(prompt, prompt_end=len(prompt), reuse=True, cache_key=cache_key)
         write_token_mask(state.token_mask, bans)
         self.prompt_tokens_fed += len(prompt) - first
@@ -404,15 +419,16 @@ class ReferenceEngine:
         should_stop: Callable[[], bool] | None = None,
         constraint: TokenConstraint | None = None,
         cache_key: str | None = None,
+        reply_so_far: int = 0,
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
+        generated = _reply(prompt, reply_so_far)
         if max_new_tokens == 0:
             return
         _check_stop(should_stop)
         sampling = sampling.with_seed()
         bans = _banned_tokens(sampling, self.token_count)
-        generated: list[int] = []
         state = self._rows.start(self.prefix_cache.begin(prompt, self._rows, cache_key))
         start = state.position
         self.prompt_tokens_fed += len(prompt) - start

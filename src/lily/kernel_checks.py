@@ -314,6 +314,63 @@ def _qgemv(rows: int, in_dim: int, bits: int, dtype: str, normed: bool = False):
     return prepare
 
 
+def _qgemv_embedded(rows: list[int], in_dim: int, bits: int, vocab: int, embed_bits: int):
+    """The decode step's first GEMV: x the embedding row of a token, read from the quantized
+    table by the GEMV, the input norm folded in, and the row also written to the residual."""
+    from lily.kernels.embedding import EmbeddedInput
+    from lily.kernels.norm import FoldedNorm
+    from lily.kernels.quantized import record_qgemv, wrap_quant_weight
+
+    eps = 1e-6
+    token = vocab - 2
+
+    def prepare(device: Device, rng: np.random.Generator) -> Trial:
+        triples = [random_quantized(rng, r, in_dim, bits) for r in rows]
+        table = random_quantized(rng, vocab, in_dim, embed_bits)
+        gain = float32_to_bf16(1 + rng.normal(0, 0.2, in_dim).astype(np.float32))
+        outs = [floats(device, r) for r in rows]
+        residual = floats(device, in_dim)
+        embedded = EmbeddedInput(
+            tokens=device.wrap(np.array([0, token], np.uint32)),
+            position=device.wrap(np.array([1], np.uint32)),
+            table=wrap_quant_weight(device, *table),
+            residual=residual,
+        )
+        projections = [
+            (wrap_quant_weight(device, *t), out) for t, out in zip(triples, outs, strict=True)
+        ]
+        graph = Graph()
+        norm = FoldedNorm(device.wrap(gain), eps)
+        record_qgemv(graph, device, embedded, projections, norm=norm)
+
+        def verify() -> Comparison:
+            words, scales, biases = (a[token] for a in table)
+            codes = unpack_codes(words, embed_bits).astype(np.float64).reshape(-1, 64)
+            s = bf16_to_float32(scales).astype(np.float64)[:, None]
+            b = bf16_to_float32(biases).astype(np.float64)[:, None]
+            row = (s * codes + b).ravel()
+            result = compare_ulps(
+                read_floats(residual, in_dim), row, (np.abs(s * codes) + np.abs(b)).ravel(), 2
+            )
+            # The kernel norms its fp32 row: the float64 one rounded once (a bf16 scale times
+            # a code is exact in fp32). Bounds as for the folded norm above.
+            x64 = row.astype(np.float32).astype(np.float64)
+            inv_rms = 1.0 / np.sqrt(np.mean(x64 * x64) + eps)
+            gained = x64 * bf16_to_float32(gain).astype(np.float64)
+            ulps = qgemv_ulps(in_dim, bits) + 1 + (in_dim / 32 + 31) / 2 + 4
+            for triple, out, r in zip(triples, outs, rows, strict=True):
+                expected, magnitude = reference_qgemv(*triple, bits, gained)
+                result = result.merge(
+                    compare_ulps(read_floats(out, r), inv_rms * expected, inv_rms * magnitude, ulps)
+                )
+            return result
+
+        moved = sum(a.nbytes for t in triples for a in t) + 4 * (sum(rows) + in_dim)
+        return Trial(graph, verify, moved)
+
+    return prepare
+
+
 def _gemm(m: int, n: int, k: int):
     from lily.kernels.gemm import record_gemm_nt
 
@@ -1191,6 +1248,11 @@ CHECKS: list[KernelCheck] = [
     KernelCheck("quantized_gemv", "256x2048 q8, fp32 x", _qgemv(256, 2048, 8, "float32")),
     KernelCheck(
         "quantized_gemv, folded norm", "4096x2048 q4", _qgemv(4096, 2048, 4, "float32", True)
+    ),
+    KernelCheck(
+        "quantized_gemv, embedded input + folded norm",
+        "2048 -> 4096+512+512 q4, q8 table",
+        _qgemv_embedded([4096, 512, 512], 2048, 4, 4096, 8),
     ),
     KernelCheck("gemm_nt", "8x512x2048 fp32", _gemm(8, 512, 2048), True),
     KernelCheck("gemm_nt", "37x45x19 fp32", _gemm(37, 45, 19)),

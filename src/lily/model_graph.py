@@ -21,8 +21,11 @@ residual in place, and the projections that consume a norm read the residual and
 themselves (`FoldedNorm`); that removes two dependent levels per layer. Likewise the GDN's conv
 step runs in the epilogue of its input projection (`FoldedConvStep`), the MoE routing inside the
 expert gate/up kernel, and attention's prepare (q/k norms, RoPE, KV append) inside the
-split-context decode kernel. A chunk keeps those dispatches: its GEMMs read the normed
-activations many times over, and its kernels already amortise their levels over T tokens.
+split-context decode kernel. Nor has the decode step an embedding dispatch: layer 0's first GEMV
+(GDN or attention) reads the token's embedding row from the quantized table itself and writes it
+to the residual (`EmbeddedInput`, `_Recorder.decode_layer_input`). A chunk keeps those
+dispatches: its GEMMs read the normed activations many times over, and its kernels already
+amortise their levels over T tokens.
 
 Activations stay fp32 between kernels (decode is bound by reading weights, so this costs nothing
 and keeps the engine close to the reference); the KV cache is bf16 and the GDN state fp32.
@@ -41,7 +44,7 @@ from lily.device import Graph
 from lily.device_weights import DeviceWeights
 from lily.kernels import BufferRef, attention, offset_by
 from lily.kernels.conv1d import FoldedConvStep, record_conv1d_chunk, window_bytes
-from lily.kernels.embedding import record_embedding
+from lily.kernels.embedding import EmbeddedInput, record_embedding
 from lily.kernels.gdn import record_gdn_chunk, record_gdn_step, state_bytes
 from lily.kernels.gdn_out_proj import record_gdn_out_proj
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
@@ -319,14 +322,30 @@ class _Recorder:
     def folded_norm(self, weight: str) -> FoldedNorm:
         return FoldedNorm(self.w.tensor(weight), self.c.rms_norm_eps)
 
+    def decode_layer_input(self, layer: int) -> BufferRef | EmbeddedInput:
+        """What the first GEMV of `layer` reads at T = 1 (its input norm folded in): the
+        residual, or for layer 0 the embedding row of the step's token, which that GEMV reads
+        from the table and writes to the residual itself, so the decode step has no embedding
+        dispatch (nor its barrier)."""
+        if layer > 0:
+            return self.s.residual
+        return EmbeddedInput(
+            tokens=self.state.history,
+            position=(self.state.step, 0),
+            table=self.w.quantized(MODEL + "embed_tokens"),
+            residual=self.s.residual,
+        )
+
     def project_normed(
-        self, norm_weight: str, projections: Sequence[tuple[QuantWeight, BufferRef]]
+        self, layer: int, norm_weight: str, projections: Sequence[tuple[QuantWeight, BufferRef]]
     ) -> None:
-        """Projections of the normed residual: norm_weight's RMSNorm folded into the GEMV at
-        T = 1; at T > 1 the preceding add_norm left it in `normed`."""
+        """Projections of layer `layer`'s normed input: norm_weight's RMSNorm folded into the
+        GEMV at T = 1 (see decode_layer_input); at T > 1 the preceding add_norm (or rms_norm,
+        after the embedding) left it in `normed`."""
         if self.folds_norms:
+            x = self.decode_layer_input(layer)
             norm = self.folded_norm(norm_weight)
-            record_qgemv(self.g, self.dev, self.s.residual, projections, norm=norm)
+            record_qgemv(self.g, self.dev, x, projections, norm=norm)
         else:
             record_qgemm(self.g, self.dev, self.s.normed, projections, self.tokens)
 
@@ -340,12 +359,12 @@ class _Recorder:
 
     def record(self) -> Graph:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
-        position = (self.state.step, 0)
-        record_embedding(
-            g, dev, self.state.history, position, w.quantized(MODEL + "embed_tokens"), s.residual, T
-        )
-        g.barrier()
+        # At T = 1 layer 0's first GEMV reads the embedding itself (decode_layer_input).
         if not self.folds_norms:
+            position = (self.state.step, 0)
+            embed_tokens = w.quantized(MODEL + "embed_tokens")
+            record_embedding(g, dev, self.state.history, position, embed_tokens, s.residual, T)
+            g.barrier()
             record_rms_norm(
                 g,
                 dev,
@@ -453,13 +472,13 @@ class _Recorder:
             record_qgemv(
                 g,
                 dev,
-                s.residual,
+                self.decode_layer_input(i),
                 [(qkv_weight, s.qkv), *gates],
                 norm=self.folded_norm(input_norm),
                 conv=FoldedConvStep(conv_weight, window),
             )
         else:
-            self.project_normed(input_norm, [(qkv_weight, s.qkv_projected), *gates])
+            self.project_normed(i, input_norm, [(qkv_weight, s.qkv_projected), *gates])
             g.barrier()
             record_conv1d_chunk(
                 g,
@@ -516,6 +535,7 @@ class _Recorder:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
         heads = dict(num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads)
         self.project_normed(
+            i,
             input_norm,
             [
                 (w.quantized(prefix + "q_proj"), s.q),

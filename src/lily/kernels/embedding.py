@@ -1,16 +1,32 @@
-"""Launching the quantized embedding lookup (`metal/embedding.metal`)."""
+"""Launching the quantized embedding lookup (`metal/embedding.metal`), and the description of an
+embedding row that the GEMV consuming it reads itself (`EmbeddedInput`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lily.kernels import BufferRef, binding, ceil_div, pack_params, threads_within
-from lily.kernels.quantized import QuantWeight
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
+    from lily.kernels.quantized import QuantWeight
 
 THREADS_PER_THREADGROUP = 64
+
+
+@dataclass(frozen=True)
+class EmbeddedInput:
+    """A GEMV's input x as the embedding row of one token, which the GEMV dequantizes from the
+    table itself (`qgemv_embedded_*`, the decode step's first GEMV) with no lookup dispatch
+    before it. The token is `tokens[position[0]]`, clamped to the table as `record_embedding`
+    does; the GEMV also writes the fp32 row to `residual`, bit for bit what `record_embedding`
+    would have written there."""
+
+    tokens: BufferRef  # uint32 ids (the token history)
+    position: BufferRef  # one uint32, the token's index in `tokens` (the step buffer's position)
+    table: QuantWeight  # the quantized embedding table, 4 or 8 bits
+    residual: BufferRef  # fp32 [table.in_dim], written
 
 
 def record_embedding(

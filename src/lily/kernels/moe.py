@@ -1,12 +1,15 @@
 """Launching the sparse MoE block (`metal/moe.metal`) for one token.
 
-The block is three dispatches separated by barriers:
+The block is three levels separated by barriers:
 1. the 8-bit router GEMV, with the shared-expert gate as a second projection of the same dispatch
-   (its one logit is written right after the router logits);
-2. gate and up projections of the chosen experts and the shared expert, with SwiGLU; each
-   threadgroup routes for itself first (softmax, top-k, renormalised weights, all on the device),
-   and one also stores the expert ids and weights;
+   (its one logit is written right after the router logits), and beside it the shared expert's
+   gate and up projections with SwiGLU, which need no routing;
+2. gate and up projections of the chosen experts, with SwiGLU; each threadgroup routes for
+   itself first (softmax, top-k, renormalised weights, all on the device), and one also stores
+   the expert ids and weights;
 3. down projections weighted by the router (and the sigmoid shared gate), summed into the output.
+Level 1 alone would read half a megabyte; the shared expert's megabyte moves there from level 2,
+whose routed experts read eight times as much.
 `record_moe_route` (routing as a dispatch of its own) serves the prefill chunk's MoE and tests.
 
 In the decode step the block also takes the RMSNorm before it and the residual add after it: given
@@ -118,15 +121,25 @@ def record_moe_gate_up(
     hidden: BufferRef,
     norm: FoldedNorm | None = None,
     routing: InKernelRouting | None = None,
+    slots: range | None = None,
 ) -> None:
     """hidden = [silu(gate_e x) * up_e x for each chosen e] + [the same for the shared expert];
     with `norm`, of rms_norm(x) instead of x. The chosen experts are read from `expert_ids`, or
-    with `routing` chosen in the kernel and written there."""
+    with `routing` chosen in the kernel and written there. `slots` limits the dispatch to a run
+    of them (slot top_k is the shared expert); by default it takes all top_k + 1."""
     require_vector_aligned(x, "float32", norm)
     expert_rows, shared_rows = w.expert_gate.rows, w.shared_gate.rows
-    slots = top_k + 1
-    row_simdgroups = ceil_div(max(expert_rows, shared_rows), ROWS_PER_SIMDGROUP)
-    simdgroups = gemv_simdgroups(row_simdgroups * slots)
+    slots = range(top_k + 1) if slots is None else slots
+    if slots.step != 1 or not 0 <= slots.start < slots.stop <= top_k + 1:
+        raise ValueError(f"slots must be a run within 0..{top_k}, got {slots}")
+    if routing is not None and slots.start != 0:
+        # Slot 0's first threadgroup stores the routed ids and weights for the down kernel.
+        raise ValueError("in-kernel routing needs slot 0 in the dispatch")
+    routed = slots.start < top_k
+    shared = slots.stop == top_k + 1
+    widest = max(expert_rows if routed else 0, shared_rows if shared else 0)
+    row_simdgroups = ceil_div(widest, ROWS_PER_SIMDGROUP)
+    simdgroups = gemv_simdgroups(row_simdgroups * len(slots))
     matrices = (w.expert_gate, w.expert_up, w.shared_gate, w.shared_up)
     # Slots a variant does not read are bound to x, so every declared buffer is bound.
     gain = norm.gain if norm is not None else x
@@ -150,7 +163,7 @@ def record_moe_gate_up(
     variant += "_normed" if norm is not None else ""
     variant += "_routed" if routing is not None else ""
     params = pack_params(
-        "IIIIfII",
+        "IIIIfIII",
         w.expert_gate.in_dim,
         expert_rows,
         shared_rows,
@@ -158,10 +171,11 @@ def record_moe_gate_up(
         norm.eps if norm is not None else 0.0,
         routing.experts if routing is not None else 0,
         int(routing.normalize) if routing is not None else 0,
+        slots.start,
     )
     graph.dispatch(
         device.kernel(f"{variant}_{w.expert_gate.bits}"),
-        threadgroups=(ceil_div(row_simdgroups, simdgroups), slots, 1),
+        threadgroups=(ceil_div(row_simdgroups, simdgroups), len(slots), 1),
         threads=(simdgroups * SIMD_WIDTH, 1, 1),
         buffers=buffers,
         bytes={0: params},
@@ -223,9 +237,9 @@ def record_moe(
     norm: FoldedNorm | None = None,
     accumulate: bool = False,
 ) -> None:
-    """The whole block, out = MoE(x), with barriers between its dispatches (the caller places
-    the one before, x ready, and after, out ready); MoE(rms_norm(x)) with `norm`, and out +=
-    with `accumulate`."""
+    """The whole block, out = MoE(x), with barriers between its levels (the caller places the
+    one before, x ready, and after, out ready); MoE(rms_norm(x)) with `norm`, and out += with
+    `accumulate`."""
     experts = w.router.rows
     record_qgemv(
         graph,
@@ -237,11 +251,12 @@ def record_moe(
         ],
         norm=norm,
     )
+    # The shared expert needs no routing, so it runs beside the router.
+    gate_up = dict(x=x, expert_ids=scratch.expert_ids, top_k=top_k, w=w, hidden=scratch.hidden)
+    record_moe_gate_up(graph, device, **gate_up, norm=norm, slots=range(top_k, top_k + 1))
     graph.barrier()
     routing = InKernelRouting(scratch.logits, experts, scratch.expert_weights, normalize)
-    record_moe_gate_up(
-        graph, device, x, scratch.expert_ids, top_k, w, scratch.hidden, norm, routing
-    )
+    record_moe_gate_up(graph, device, **gate_up, norm=norm, routing=routing, slots=range(top_k))
     graph.barrier()
     record_moe_down(
         graph,

@@ -18,6 +18,7 @@ from lily.kernels import (
     require_aligned,
 )
 from lily.kernels.conv1d import FoldedConvStep
+from lily.kernels.embedding import EmbeddedInput
 from lily.kernels.norm import FoldedNorm
 
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def require_vector_aligned(x: BufferRef, x_dtype: str, norm: FoldedNorm | None =
 def record_qgemv(
     graph: Graph,
     device: Device,
-    x: BufferRef,
+    x: BufferRef | EmbeddedInput,
     projections: Sequence[tuple[QuantWeight, BufferRef]],
     x_dtype: str = "float32",
     norm: FoldedNorm | None = None,
@@ -115,7 +116,9 @@ def record_qgemv(
 
     With `norm`, x (fp32) is normed on the fly: y_i = W_i rms_norm(x). With `accumulate`, the
     result is added to what y_i holds (y_i += W_i x): a residual add folded into the GEMV. With
-    `conv`, y_0 = silu(conv1d step of W_0 x), one channel per row."""
+    `conv`, y_0 = silu(conv1d step of W_0 x), one channel per row. An `EmbeddedInput` x is the
+    embedding row of a token, read from the table by the GEMV (which also writes it to the
+    input's residual); it needs `norm`, as the first layer's input norm always follows it."""
     if not 1 <= len(projections) <= MAX_PROJECTIONS:
         raise ValueError(f"between 1 and {MAX_PROJECTIONS} projections, got {len(projections)}")
     first = projections[0][0]
@@ -133,9 +136,19 @@ def record_qgemv(
     padding = [0] * (MAX_PROJECTIONS - len(projections))
     if norm is not None and element_type(x_dtype) != "float":
         raise ValueError("a folded norm reads an fp32 residual")
+    embedded = x if isinstance(x, EmbeddedInput) else None
+    if embedded is not None:
+        if norm is None:
+            raise ValueError("an embedded input is read with its layer's input norm folded in")
+        if embedded.table.in_dim != first.in_dim:
+            raise ValueError(
+                f"embedding rows of {embedded.table.in_dim} for projections of {first.in_dim} "
+                "inputs"
+            )
+        x = embedded.residual  # bound at x's slot, written with the row
     require_vector_aligned(x, x_dtype, norm)
     params = pack_params(
-        "II4I4IfII",
+        "II4I4IfIII",
         first.in_dim,
         len(projections),
         *(rows + padding),
@@ -143,6 +156,7 @@ def record_qgemv(
         norm.eps if norm is not None else 0.0,
         int(accumulate),
         int(conv is not None),
+        embedded.table.rows if embedded is not None else 0,
     )
     # Slots a call does not use are bound to x, unread, so every declared buffer is bound.
     buffers = {
@@ -156,8 +170,16 @@ def record_qgemv(
         buffers[3 + 4 * i] = binding(weight.scales)
         buffers[4 + 4 * i] = binding(weight.biases)
         buffers[5 + 4 * i] = binding(out)
-    variant = "qgemv_normed" if norm is not None else "qgemv"
-    kernel = device.kernel(f"{variant}_{first.bits}_{element_type(x_dtype)}")
+    if embedded is not None:
+        buffers[21] = binding(embedded.tokens)
+        buffers[22] = binding(embedded.position)
+        buffers[23] = binding(embedded.table.weight)
+        buffers[24] = binding(embedded.table.scales)
+        buffers[25] = binding(embedded.table.biases)
+        kernel = device.kernel(f"qgemv_embedded_{first.bits}_{embedded.table.bits}")
+    else:
+        variant = "qgemv_normed" if norm is not None else "qgemv"
+        kernel = device.kernel(f"{variant}_{first.bits}_{element_type(x_dtype)}")
     graph.dispatch(
         kernel,
         threadgroups=(int(first_threadgroup[-1]), 1, 1),

@@ -183,18 +183,24 @@ class LogitAdjustments:
 
 
 def write_logit_adjustments(
-    adjustments: LogitAdjustments, params: SamplingParams, prompt: Sequence[int], vocab: int
+    adjustments: LogitAdjustments,
+    params: SamplingParams,
+    prompt: Sequence[int],
+    vocab: int,
+    generated: Sequence[int] = (),
 ) -> None:
-    """Prepare the buffers for a completion of `prompt` under `params`: its bias, no token
-    generated yet, the prompt's tokens. Nothing is written when `params` adjusts nothing (the
-    sampler then reads none of them). Write only while no submitted pass that samples runs."""
+    """Prepare the buffers for a completion of `prompt` under `params`: its bias, the tokens
+    `generated` so far (none for a new completion), the prompt's tokens. Nothing is written when
+    `params` adjusts nothing (the sampler then reads none of them). Write only while no
+    submitted pass that samples runs."""
     if not params.adjusts_logits:
         return
     bias = adjustments.bias.numpy()[: 4 * vocab].view(np.float32)
     bias[:] = 0
     for token, value in params.logit_bias:
         bias[token] += value
-    adjustments.counts.numpy()[: 4 * vocab] = 0
+    counts = adjustments.counts.numpy()[: 4 * vocab].view(np.uint32)
+    counts[:] = np.bincount(np.asarray(generated, np.int64), minlength=vocab)[:vocab]
     words = adjustments.prompt_tokens.numpy()[: 4 * mask_words(vocab)].view(np.uint32)
     words[:] = mask_from_tokens(sorted(set(prompt)), vocab)
 
