@@ -173,6 +173,12 @@ class GeneratedToken:
     logprobs: TokenLogprobs | None = None
 
 
+def token_counts(tokens: Sequence[int], vocab: int) -> np.ndarray:
+    """How often each of the `vocab` ids occurs in `tokens`: what the frequency and presence
+    penalties count."""
+    return np.bincount(np.asarray(tokens, np.int64), minlength=vocab)[:vocab]
+
+
 def adjusted_logits(
     logits: np.ndarray, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int]
 ) -> np.ndarray:
@@ -183,7 +189,7 @@ def adjusted_logits(
     for token, bias in params.logit_bias:
         if token < vocab:
             adjusted[token] += bias
-    counts = np.bincount(np.asarray(generated, np.int64), minlength=vocab)[:vocab]
+    counts = token_counts(generated, vocab)
     seen = counts > 0
     seen[[t for t in prompt if t < vocab]] = True
     penalty = params.repetition_penalty

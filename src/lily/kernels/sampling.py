@@ -80,7 +80,7 @@ import numpy as np
 
 from lily.constraint import mask_from_tokens, mask_words
 from lily.kernels import BufferRef, binding, ceil_div, pack_params, threads_within
-from lily.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from lily.sampling import MAX_TOP_LOGPROBS, SamplingParams, token_counts
 
 if TYPE_CHECKING:
     from lily.device import Buffer, Device, Graph
@@ -200,7 +200,7 @@ def write_logit_adjustments(
     for token, value in params.logit_bias:
         bias[token] += value
     counts = adjustments.counts.numpy()[: 4 * vocab].view(np.uint32)
-    counts[:] = np.bincount(np.asarray(generated, np.int64), minlength=vocab)[:vocab]
+    counts[:] = token_counts(generated, vocab)
     words = adjustments.prompt_tokens.numpy()[: 4 * mask_words(vocab)].view(np.uint32)
     words[:] = mask_from_tokens(sorted(set(prompt)), vocab)
 
