@@ -72,6 +72,7 @@ MODEL = "language_model.model."
 # for it with at most one more step in flight, so anything above 2 is margin.
 LOGPROB_RING_SLOTS = 8
 LM_HEAD = "language_model.lm_head"
+EMBED_TOKENS = MODEL + "embed_tokens"
 # The most tokens one prefill chunk takes unless the caller says otherwise: each weight is read
 # once per chunk, so longer chunks amortise it better; the scratch grows with it.
 DEFAULT_MAX_CHUNK = 512
@@ -332,7 +333,7 @@ class _Recorder:
         return EmbeddedInput(
             tokens=self.state.history,
             position=(self.state.step, 0),
-            table=self.w.quantized(MODEL + "embed_tokens"),
+            table=self.w.quantized(EMBED_TOKENS),
             residual=self.s.residual,
         )
 
@@ -362,7 +363,7 @@ class _Recorder:
         # At T = 1 layer 0's first GEMV reads the embedding itself (decode_layer_input).
         if not self.folds_norms:
             position = (self.state.step, 0)
-            embed_tokens = w.quantized(MODEL + "embed_tokens")
+            embed_tokens = w.quantized(EMBED_TOKENS)
             record_embedding(g, dev, self.state.history, position, embed_tokens, s.residual, T)
             g.barrier()
             record_rms_norm(
@@ -433,7 +434,7 @@ class _Recorder:
             # The sampler keys its random numbers and log-probability slot on the position of
             # the token it consumes, the chunk's last.
             record_step_advance(g, dev, **advance, count=T - 1)
-        head_weight = MODEL + "embed_tokens" if c.tie_word_embeddings else LM_HEAD
+        head_weight = EMBED_TOKENS if c.tie_word_embeddings else LM_HEAD
         head = [(self.w.quantized(head_weight), state.logits)]
         if self.folds_norms:
             record_qgemv(
