@@ -18,6 +18,7 @@ from lily.chat_template import ChatTemplate
 from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
 from lily.detokenize import IncrementalDecoder
 from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
+from lily.serial_engine import SerialEngine
 from lily.errors import CheckpointError, RequestError
 from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
 from lily.prefix_cache import CacheOptions
@@ -148,7 +149,8 @@ class Lily:
         self.config = engine.config
         self.device = device
         self.chat = Chat(self)
-        self._engine: Engine | None = engine
+        # Shared between threads, one generation at a time (serial_engine.py).
+        self._engine: Engine | None = SerialEngine(engine)
         # Token counts of the last generation: (prompt tokens, generated tokens).
         self.last_token_counts = (0, 0)
 

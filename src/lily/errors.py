@@ -58,6 +58,11 @@ class ConfigError(CheckpointError):
     """config.json is missing, malformed, or describes a model Lily does not run."""
 
 
+class EngineBusyError(RuntimeError):
+    """A thread started a generation (or a logits call) on a model while one of its own
+    generations on that model was still open. Other threads wait their turn instead."""
+
+
 class NonFiniteLogitsError(RuntimeError):
     """The model produced NaN or +inf logits, so no token was emitted from them. The engine
     stays usable: the next generation starts from a clean state. The usual cause is a broken
