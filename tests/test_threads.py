@@ -37,7 +37,8 @@ def test_threads_sharing_a_model_each_get_their_own_answer(demo: Lily) -> None:
     alone = {prompt: demo.generate(prompt, 8) for prompt in PROMPTS}
     assert len(set(alone.values())) == len(PROMPTS), "the prompts must give different answers"
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        together = dict(zip(PROMPTS, pool.map(lambda p: slow_stream(demo, p), PROMPTS)))
+        answers = pool.map(lambda p: slow_stream(demo, p), PROMPTS)
+        together = dict(zip(PROMPTS, answers, strict=True))
     assert together == alone
 
 

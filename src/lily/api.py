@@ -18,12 +18,12 @@ from lily.chat_template import ChatTemplate
 from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
 from lily.detokenize import IncrementalDecoder
 from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
-from lily.serial_engine import SerialEngine
 from lily.errors import CheckpointError, RequestError
 from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
 from lily.prefix_cache import CacheOptions
 from lily.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 from lily.sampling import SamplingParams
+from lily.serial_engine import SerialEngine
 from lily.stop import StopStringMatcher
 from lily.tokenizer import Tokenizer
 
