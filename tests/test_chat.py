@@ -278,6 +278,21 @@ def test_prompt_plus_max_tokens_over_the_context_is_refused(demo_dir, tokenizer)
         llm.chat.completions.create(messages=[{"role": "user", "content": "word " * 40}])
 
 
+def test_max_tokens_the_context_cannot_hold_is_named_with_the_numbers(demo_dir, tokenizer):
+    llm, engine = scripted(demo_dir, tokenizer, "x")
+    engine.max_seq = 30
+    with pytest.raises(ContextLengthError) as beyond:
+        llm.chat.completions.create(messages=USER, max_tokens=500)
+    assert beyond.value.param == "max_tokens"
+    assert "max_tokens is 500" in str(beyond.value) and "holds 30" in str(beyond.value)
+    with pytest.raises(ContextLengthError) as no_room_left:
+        llm.chat.completions.create(messages=USER, max_tokens=29)
+    assert no_room_left.value.param == "max_tokens"
+    with pytest.raises(ContextLengthError) as prompt_too_long:
+        llm.chat.completions.create(messages=[{"role": "user", "content": "word " * 40}])
+    assert prompt_too_long.value.param == "messages"
+
+
 def test_run_bounds_requests_without_max_tokens_by_the_default_and_the_room(demo_dir, tokenizer):
     llm, engine = scripted(demo_dir, tokenizer, "x")
     engine.max_seq = 60
