@@ -7,7 +7,6 @@ with lily.load("demo") as llm:
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 from collections.abc import Iterator, Sequence
@@ -16,6 +15,7 @@ from pathlib import Path
 from lily.chat import Chat
 from lily.chat_template import ChatTemplate
 from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
+from lily.checkpoint_files import read_json_file
 from lily.detokenize import IncrementalDecoder
 from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
 from lily.errors import CheckpointError, ContextLengthError, RequestError
@@ -104,8 +104,8 @@ def default_sampling(model_dir: Path) -> SamplingParams:
     path = model_dir / "generation_config.json"
     # A value a request could not ask for (a top_k of 2^32, a negative temperature) is the
     # checkpoint's fault: refused when the model is loaded, naming the file and the field.
+    config = read_json_file(path) if path.is_file() else {}
     try:
-        config = json.loads(path.read_text()) if path.is_file() else {}
         if not isinstance(config, dict):
             raise ValueError("it is not a JSON object")
         if config.get("do_sample") is False:
