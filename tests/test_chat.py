@@ -643,6 +643,26 @@ def test_a_seed_reproduces_a_sampled_answer(demo):
     assert first != other
 
 
+def test_logprobs_cover_the_answer_not_the_thinking(demo_dir, tokenizer):
+    llm, _ = scripted(demo_dir, tokenizer, "weighing it up\n</think>\n\nParis is the capital")
+    for stream in (False, True):
+        r = llm.chat.completions.create(messages=USER, logprobs=True, stream=stream)
+        if stream:
+            chunks = [c for c in r if c.choices]
+            reasoning = "".join(c.choices[0].delta.reasoning_content or "" for c in chunks)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            pieces = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+            entries = [entry for piece in pieces for entry in piece.content]
+        else:
+            reasoning = r.choices[0].message.reasoning_content
+            content = r.choices[0].message.content
+            entries = r.choices[0].logprobs.content
+        assert "weighing" in reasoning and content == "Paris is the capital"
+        text = "".join(e.token for e in entries)
+        assert "weighing" not in text and "think" not in text
+        assert text.strip().removesuffix("<|im_end|>").strip() == content
+
+
 def test_logprobs_agree_with_the_reference(demo):
     params = dict(messages=USER, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
     with lily.load("demo", device="reference", max_seq=256) as reference:

@@ -419,7 +419,9 @@ class _TextPipeline:
         """One token of the answer; `forced` ones were appended by Lily (the think block's
         close when the reasoning budget runs out), not generated, and are not reasoning."""
         delta = _Delta()
-        if token.logprobs is not None:
+        # logprobs.content lines up with message.content, as OpenAI's does: the thinking's
+        # tokens (its closing tag included) are not the answer's.
+        if token.logprobs is not None and not self._reasoning.in_reasoning:
             delta.logprobs.append(self._logprob_entry(token))
         if token.id in self._tokenizer.stop_token_ids:
             self.hit_stop = True
