@@ -23,7 +23,6 @@ from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
 from lily.prefix_cache import CacheOptions
 from lily.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 from lily.sampling import SamplingParams
-from lily.serial_engine import SerialEngine
 from lily.stop import StopStringMatcher
 from lily.tokenizer import Tokenizer
 
@@ -149,8 +148,7 @@ class Lily:
         self.config = engine.config
         self.device = device
         self.chat = Chat(self)
-        # Shared between threads, one generation at a time (serial_engine.py).
-        self._engine: Engine | None = SerialEngine(engine)
+        self._engine: Engine | None = engine
         # Token counts of the last generation: (prompt tokens, generated tokens).
         self.last_token_counts = (0, 0)
 
