@@ -7,9 +7,15 @@
 # * when Xcode's Metal toolchain is installed (`xcrun metal`), compiles metal/*.metal into
 #   lily.metallib and installs it beside the module. Without the toolchain (Command Line Tools
 #   only, or Xcode 26 without the separately downloaded Metal toolchain) nothing fails: the
-#   device compiles the shipped .metal sources at first run instead.
+#   device compiles the shipped .metal sources at first run instead. Unless
+#   LILY_REQUIRE_METALLIB is ON (the macOS workflow): then a missing toolchain fails the build,
+#   so that a run that should test the metallib cannot silently test the first-run compile.
 
 enable_language(OBJCXX)
+
+option(LILY_REQUIRE_METALLIB
+  "Fail the build when lily.metallib cannot be built (no xcrun metal) instead of leaving the kernels to a first-run compile"
+  OFF)
 
 target_sources(_native PRIVATE "${PROJECT_SOURCE_DIR}/csrc/metal/metal_device.mm")
 set_source_files_properties("${PROJECT_SOURCE_DIR}/csrc/metal/metal_device.mm"
@@ -38,6 +44,12 @@ file(GLOB lily_metallib_sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*
 file(GLOB lily_metallib_headers CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.h")
 
 if(lily_metal_toolchain_missing OR NOT lily_metallib_sources)
+  if(LILY_REQUIRE_METALLIB)
+    message(FATAL_ERROR
+      "Lily: LILY_REQUIRE_METALLIB is ON but lily.metallib cannot be built: "
+      "`xcrun -sdk macosx metal --version` failed (no Metal toolchain: install Xcode, and on "
+      "Xcode 26 or later `xcodebuild -downloadComponent MetalToolchain`) or metal/ has no kernels")
+  endif()
   message(STATUS "Lily: no Metal toolchain (xcrun metal) or no kernels: the metal device will "
                  "compile metal/*.metal at first run")
 else()

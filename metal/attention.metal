@@ -142,7 +142,7 @@ inline void prepare_head(device const float* src, device const bfloat* gain, uin
 // One simdgroup per head of one token: grid (num_q_heads + num_kv_heads, tokens); threadgroups
 // x < num_q_heads are query heads, the next num_kv_heads are key/value heads, and y is the token
 // of the chunk. Threads per threadgroup: 32.
-[[kernel]] void attention_prepare(
+[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH)]] void attention_prepare(
     constant AttentionPrepareParams& params [[buffer(0)]],
     device const float* q_proj [[buffer(1)]],  // [T, Hq, 2, head_dim]: query | gate per head
     device const float* k_proj [[buffer(2)]],  // [T, Hkv, head_dim]
@@ -333,7 +333,7 @@ inline void store_split_partials(thread const GroupState& s, uint group, uint fi
 // Grid (num_splits, num_kv_heads), kDecodeThreads threads. Split s covers positions
 // [s * length, (s + 1) * length) of the context, length = split_length(context, num_splits);
 // splits past the context exit at once and leave their partials as they were.
-[[kernel]] void attention_decode(
+[[kernel, max_total_threads_per_threadgroup(kDecodeThreads)]] void attention_decode(
     constant AttentionDecodeParams& params [[buffer(0)]],
     device const float* queries [[buffer(1)]],  // [Hq, head_dim]
     device const bfloat* k_cache [[buffer(2)]],
@@ -344,7 +344,8 @@ inline void store_split_partials(thread const GroupState& s, uint group, uint fi
     uint2 group_id [[threadgroup_position_in_grid]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float exchange[kDecodeSimdgroups * kHeadDim];
+  // Read and written as float4 (store_threadgroup_row): float's own alignment is not enough.
+  alignas(16) threadgroup float exchange[kDecodeSimdgroups * kHeadDim];
   threadgroup float stats[2 * kMaxGroup * kDecodeSimdgroups];
   const uint split = group_id.x;
   const uint kv_head = group_id.y;
@@ -394,7 +395,7 @@ struct AttentionDecodeFusedParams {
 // bf16 as the cache holds them, attends them from registers (exactly as if read from the cache)
 // and appends them to the cache for later steps. No other threadgroup reads that row, so the
 // append needs no barrier before attention, and attention no level after the prepare.
-[[kernel]] void attention_decode_fused(
+[[kernel, max_total_threads_per_threadgroup(kDecodeThreads)]] void attention_decode_fused(
     constant AttentionDecodeFusedParams& params [[buffer(0)]],
     device const float* q_proj [[buffer(1)]],   // [Hq, 2, head_dim]: query | gate per head
     device const float* k_proj [[buffer(2)]],   // [Hkv, head_dim]
@@ -410,7 +411,8 @@ struct AttentionDecodeFusedParams {
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   // The group's scaled queries, then the merge's rows.
-  threadgroup float exchange[kDecodeSimdgroups * kHeadDim];
+  // Read and written as float4 (store_threadgroup_row): float's own alignment is not enough.
+  alignas(16) threadgroup float exchange[kDecodeSimdgroups * kHeadDim];
   threadgroup float stats[2 * kMaxGroup * kDecodeSimdgroups];
   threadgroup float rope_cos[kHeadDim / 2];
   threadgroup float rope_sin[kHeadDim / 2];
@@ -486,7 +488,7 @@ constexpr constant uint kCombineDims = 64;
 // Grid (num_q_heads, head_dim / kCombineDims), one thread per head dim. Only the splits the
 // context reaches are read: the others hold whatever an earlier step (of this sequence or of a
 // longer one before it) left there.
-[[kernel]] void attention_combine(
+[[kernel, max_total_threads_per_threadgroup(kCombineDims)]] void attention_combine(
     constant AttentionCombineParams& params [[buffer(0)]],
     device const float* partial_out [[buffer(1)]],
     device const float* partial_stats [[buffer(2)]],
@@ -571,7 +573,7 @@ struct AttentionChunkParams {
 };
 
 // Grid (ceil(tokens * group_size / 32), num_kv_heads), 128 threads per threadgroup.
-[[kernel]] void attention_chunk(
+[[kernel, max_total_threads_per_threadgroup(kChunkThreads)]] void attention_chunk(
     constant AttentionChunkParams& params [[buffer(0)]],
     device const float* queries [[buffer(1)]],  // [T, Hq, head_dim]: normed, rotated
     device const float* q_proj [[buffer(2)]],   // [T, Hq, 2, head_dim]: the gate halves are read

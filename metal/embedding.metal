@@ -11,7 +11,8 @@ struct EmbeddingParams {
   uint rows;  // vocabulary size
 };
 
-// Grid: x covers a row in words of codes (one word per thread), y is the token.
+// Grid: x covers a row in words of codes (one word per thread), y is the token. The position and
+// size built-ins are all uint2: MSL requires one dimension for all of a kernel's.
 template <uint BITS>
 [[kernel]] void embedding(constant EmbeddingParams& p [[buffer(0)]],
                           device const uint* tokens [[buffer(1)]],
@@ -22,10 +23,10 @@ template <uint BITS>
                           device const uint* first [[buffer(6)]],
                           uint2 threadgroup_id [[threadgroup_position_in_grid]],
                           uint thread_id [[thread_index_in_threadgroup]],
-                          uint threads [[threads_per_threadgroup]]) {
+                          uint2 threads [[threads_per_threadgroup]]) {
   constexpr uint per_word = 32 / BITS;
   const uint words_per_row = p.dim / per_word;
-  const uint word = threadgroup_id.x * threads + thread_id;
+  const uint word = threadgroup_id.x * threads.x + thread_id;
   if (word >= words_per_row) return;
   const uint row = embedding_row(tokens[first[0] + threadgroup_id.y], p.rows);
 

@@ -145,7 +145,7 @@ static_assert(kValueDim % kStepRowsPerThreadgroup == 0, "a head splits into whol
 // Threadgroups of exactly kStepSimdgroups * 32 threads, kValueDim / kStepRowsPerThreadgroup per
 // value head. The state is read and written exactly once; the readout is S q, the gated RMSNorm
 // left to its consumer (gdn_out_proj).
-[[kernel]] void gdn_step(
+[[kernel, max_total_threads_per_threadgroup(kStepSimdgroups * SIMD_WIDTH)]] void gdn_step(
     constant GdnStepParams& params [[buffer(0)]],
     device const float* qkv [[buffer(1)]],  // conv output: [q Hk*Dk | k Hk*Dk | v Hv*Dv]
     device const float* a [[buffer(2)]],    // [Hv]
@@ -258,7 +258,7 @@ inline void prepare_block_token(threadgroup GdnBlock& block, device const float*
 // One threadgroup of exactly kChunkSimdgroups * 32 threads per value head scans the chunk's
 // tokens in order, with the head's state in registers: read from device memory before the first
 // token and written back after the last.
-[[kernel]] void gdn_chunk(
+[[kernel, max_total_threads_per_threadgroup(kChunkSimdgroups * SIMD_WIDTH)]] void gdn_chunk(
     constant GdnChunkParams& params [[buffer(0)]],
     device const float* qkv [[buffer(1)]],  // conv output [tokens, q Hk*Dk | k Hk*Dk | v Hv*Dv]
     device const float* z [[buffer(2)]],    // [tokens, Hv*Dv]

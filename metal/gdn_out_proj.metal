@@ -27,17 +27,18 @@ struct GdnOutProjParams {
 // Threadgroups of kOutProjSimdgroups SIMD-groups of kOutProjRowsPerSimdgroup rows each; the rows
 // are a whole number of threadgroups.
 template <uint BITS>
-[[kernel]] void gdn_out_proj(constant GdnOutProjParams& p [[buffer(0)]],
-                             device const float* readout [[buffer(1)]],       // [Hv*Dv]
-                             device const float* z [[buffer(2)]],             // [Hv*Dv]
-                             device const bfloat* norm_weight [[buffer(3)]],  // [Dv], a gain
-                             device const uint* weight [[buffer(4)]],
-                             device const bfloat* scales [[buffer(5)]],
-                             device const bfloat* biases [[buffer(6)]],
-                             device float* residual [[buffer(7)]],  // [rows], added to
-                             uint threadgroup_id [[threadgroup_position_in_grid]],
-                             uint simdgroup [[simdgroup_index_in_threadgroup]],
-                             uint lane [[thread_index_in_simdgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(kOutProjSimdgroups * SIMD_WIDTH)]]
+void gdn_out_proj(constant GdnOutProjParams& p [[buffer(0)]],
+                  device const float* readout [[buffer(1)]],       // [Hv*Dv]
+                  device const float* z [[buffer(2)]],             // [Hv*Dv]
+                  device const bfloat* norm_weight [[buffer(3)]],  // [Dv], a gain
+                  device const uint* weight [[buffer(4)]],
+                  device const bfloat* scales [[buffer(5)]],
+                  device const bfloat* biases [[buffer(6)]],
+                  device float* residual [[buffer(7)]],  // [rows], added to
+                  uint threadgroup_id [[threadgroup_position_in_grid]],
+                  uint simdgroup [[simdgroup_index_in_threadgroup]],
+                  uint lane [[thread_index_in_simdgroup]]) {
   constexpr uint chunk = quant_chunk(BITS);
   constexpr uint lanes_per_head = kNormedHeadDim / chunk;
   const QuantMatrix m{weight, scales, biases};

@@ -79,12 +79,13 @@ inline uint route_token(device const float* logits, uint experts, uint top_k, bo
 }
 
 // One SIMD-group per token.
-[[kernel]] void moe_route(constant MoeRouteParams& p [[buffer(0)]],
-                          device const float* logits [[buffer(1)]],
-                          device uint* expert_ids [[buffer(2)]],
-                          device float* expert_weights [[buffer(3)]],
-                          uint token [[threadgroup_position_in_grid]],
-                          uint lane [[thread_index_in_simdgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH)]]
+void moe_route(constant MoeRouteParams& p [[buffer(0)]],
+               device const float* logits [[buffer(1)]],
+               device uint* expert_ids [[buffer(2)]],
+               device float* expert_weights [[buffer(3)]],
+               uint token [[threadgroup_position_in_grid]],
+               uint lane [[thread_index_in_simdgroup]]) {
   route_token(logits + ulong(token) * p.experts, p.experts, p.top_k, p.normalize != 0, p.top_k,
               true, expert_ids + token * p.top_k, expert_weights + token * p.top_k, lane);
 }

@@ -26,15 +26,16 @@ struct MoeSortParams {
 // of lower experts (its offset), then in token tiles with a prefix sum over the tile's threads to
 // rank its own assignments. Redundant reads of a small, cached array buy a single dispatch with
 // no cross-threadgroup communication.
-[[kernel]] void moe_sort_by_expert(constant MoeSortParams& p [[buffer(0)]],
-                                   device const uint* expert_ids [[buffer(1)]],
-                                   device uint* expert_offsets [[buffer(2)]],
-                                   device uint* row_index [[buffer(3)]],
-                                   device uint* slot_of [[buffer(4)]],
-                                   uint expert [[threadgroup_position_in_grid]],
-                                   uint thread_id [[thread_index_in_threadgroup]],
-                                   uint simdgroup [[simdgroup_index_in_threadgroup]],
-                                   uint lane [[thread_index_in_simdgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(MOE_SORT_THREADS)]]
+void moe_sort_by_expert(constant MoeSortParams& p [[buffer(0)]],
+                        device const uint* expert_ids [[buffer(1)]],
+                        device uint* expert_offsets [[buffer(2)]],
+                        device uint* row_index [[buffer(3)]],
+                        device uint* slot_of [[buffer(4)]],
+                        uint expert [[threadgroup_position_in_grid]],
+                        uint thread_id [[thread_index_in_threadgroup]],
+                        uint simdgroup [[simdgroup_index_in_threadgroup]],
+                        uint lane [[thread_index_in_simdgroup]]) {
   // Two sets of per-SIMD-group counts, alternating between tiles, so a SIMD-group that starts the
   // next tile early never overwrites counts a slower one is still reading.
   threadgroup uint tile_counts[2][MOE_SORT_SIMDGROUPS];

@@ -29,19 +29,20 @@ struct QGemmParams {
 };
 
 template <uint BITS>
-[[kernel]] void qgemm(constant QGemmParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
-                      device const uint* w0 [[buffer(2)]], device const bfloat* s0 [[buffer(3)]],
-                      device const bfloat* b0 [[buffer(4)]], device float* y0 [[buffer(5)]],
-                      device const uint* w1 [[buffer(6)]], device const bfloat* s1 [[buffer(7)]],
-                      device const bfloat* b1 [[buffer(8)]], device float* y1 [[buffer(9)]],
-                      device const uint* w2 [[buffer(10)]], device const bfloat* s2 [[buffer(11)]],
-                      device const bfloat* b2 [[buffer(12)]], device float* y2 [[buffer(13)]],
-                      device const uint* w3 [[buffer(14)]], device const bfloat* s3 [[buffer(15)]],
-                      device const bfloat* b3 [[buffer(16)]], device float* y3 [[buffer(17)]],
-                      uint2 tile_id [[threadgroup_position_in_grid]],
-                      uint thread_id [[thread_index_in_threadgroup]],
-                      uint simdgroup [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float tile[QGEMM_TILE_FLOATS];
+[[kernel, max_total_threads_per_threadgroup(QGEMM_THREADS)]]
+void qgemm(constant QGemmParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
+           device const uint* w0 [[buffer(2)]], device const bfloat* s0 [[buffer(3)]],
+           device const bfloat* b0 [[buffer(4)]], device float* y0 [[buffer(5)]],
+           device const uint* w1 [[buffer(6)]], device const bfloat* s1 [[buffer(7)]],
+           device const bfloat* b1 [[buffer(8)]], device float* y1 [[buffer(9)]],
+           device const uint* w2 [[buffer(10)]], device const bfloat* s2 [[buffer(11)]],
+           device const bfloat* b2 [[buffer(12)]], device float* y2 [[buffer(13)]],
+           device const uint* w3 [[buffer(14)]], device const bfloat* s3 [[buffer(15)]],
+           device const bfloat* b3 [[buffer(16)]], device float* y3 [[buffer(17)]],
+           uint2 tile_id [[threadgroup_position_in_grid]],
+           uint thread_id [[thread_index_in_threadgroup]],
+           uint simdgroup [[simdgroup_index_in_threadgroup]]) {
+  alignas(16) threadgroup float tile[QGEMM_TILE_FLOATS];  // staged as float4 (qgemm_store_stage)
 
   uint proj = 0;
   while (proj + 1 < p.projections && tile_id.y >= p.first_tile[proj + 1]) ++proj;
@@ -141,22 +142,23 @@ inline QGemmGroupedTile qgemm_find_tile(device const uint* expert_offsets, uint 
 }
 
 template <uint BITS, bool SWIGLU>
-[[kernel]] void qgemm_grouped(constant QGemmGroupedParams& p [[buffer(0)]],
-                              device const float* x [[buffer(1)]],
-                              device const uint* expert_offsets [[buffer(2)]],
-                              device const uint* row_index [[buffer(3)]],
-                              device const uint* w0 [[buffer(4)]],
-                              device const bfloat* s0 [[buffer(5)]],
-                              device const bfloat* b0 [[buffer(6)]],
-                              device const uint* w1 [[buffer(7)]],
-                              device const bfloat* s1 [[buffer(8)]],
-                              device const bfloat* b1 [[buffer(9)]],
-                              device float* out [[buffer(10)]],
-                              uint2 tile_id [[threadgroup_position_in_grid]],
-                              uint thread_id [[thread_index_in_threadgroup]],
-                              uint simdgroup [[simdgroup_index_in_threadgroup]],
-                              uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float tile[QGEMM_TILE_FLOATS];
+[[kernel, max_total_threads_per_threadgroup(QGEMM_THREADS)]]
+void qgemm_grouped(constant QGemmGroupedParams& p [[buffer(0)]],
+                   device const float* x [[buffer(1)]],
+                   device const uint* expert_offsets [[buffer(2)]],
+                   device const uint* row_index [[buffer(3)]],
+                   device const uint* w0 [[buffer(4)]],
+                   device const bfloat* s0 [[buffer(5)]],
+                   device const bfloat* b0 [[buffer(6)]],
+                   device const uint* w1 [[buffer(7)]],
+                   device const bfloat* s1 [[buffer(8)]],
+                   device const bfloat* b1 [[buffer(9)]],
+                   device float* out [[buffer(10)]],
+                   uint2 tile_id [[threadgroup_position_in_grid]],
+                   uint thread_id [[thread_index_in_threadgroup]],
+                   uint simdgroup [[simdgroup_index_in_threadgroup]],
+                   uint lane [[thread_index_in_simdgroup]]) {
+  alignas(16) threadgroup float tile[QGEMM_TILE_FLOATS];  // staged as float4 (qgemm_store_stage)
   threadgroup uint found[3];  // expert, first, count
 
   if (simdgroup == 0) {

@@ -668,11 +668,14 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
                               device const uint* prompt_tokens [[buffer(9)]],
                               uint2 group [[threadgroup_position_in_grid]],
                               uint thread_id [[thread_index_in_threadgroup]],
-                              uint threads [[threads_per_threadgroup]],
+                              uint2 threadgroup_size [[threads_per_threadgroup]],
                               uint simdgroup [[simdgroup_index_in_threadgroup]],
                               uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float float_scratch[SIMD_WIDTH];
   threadgroup uint uint_scratch[SIMD_WIDTH];
+  // 2D like the threadgroup's position (MSL: the position and size built-ins of one kernel have
+  // one dimension); threadgroups are (threads, 1).
+  const uint threads = threadgroup_size.x;
   const uint vocab = shape.vocab;
   const uint simdgroups = (threads + SIMD_WIDTH - 1) / SIMD_WIDTH;
   const uint slice = group.x;

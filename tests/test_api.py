@@ -85,6 +85,25 @@ def test_bad_arguments_raise_at_the_call(demo: Lily, kwargs: dict) -> None:
         demo.stream(PROMPT, **kwargs)  # not iterated: refused before anything runs
 
 
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "param", "words"),
+    [
+        (123, 4, "prompt", "must be a string, got int"),
+        (None, 4, "prompt", "must be a string, got NoneType"),
+        (b"bytes", 4, "prompt", "must be a string, got bytes"),
+        ("", 4, "prompt", "empty"),
+        (PROMPT, 64, "max_tokens", "+ max_tokens (64) exceeds the context of 64 tokens"),
+    ],
+)
+def test_a_bad_prompt_raises_a_request_error_naming_it_at_the_call(
+    demo: Lily, prompt: object, max_tokens: int, param: str, words: str
+) -> None:
+    for call in (demo.stream, demo.generate):
+        with pytest.raises(RequestError, match=re.escape(words)) as raised:
+            call(prompt, max_tokens)  # stream is not iterated: refused before anything runs
+        assert raised.value.param == param
+
+
 def test_repr_names_the_model_not_a_cache_path(demo: Lily) -> None:
     assert repr(demo) == "Lily(model='demo', device='sim')"
 

@@ -278,6 +278,21 @@ def test_prompt_plus_max_tokens_over_the_context_is_refused(demo_dir, tokenizer)
         llm.chat.completions.create(messages=[{"role": "user", "content": "word " * 40}])
 
 
+def test_max_tokens_the_context_cannot_hold_is_named_with_the_numbers(demo_dir, tokenizer):
+    llm, engine = scripted(demo_dir, tokenizer, "x")
+    engine.max_seq = 30
+    with pytest.raises(ContextLengthError) as beyond:
+        llm.chat.completions.create(messages=USER, max_tokens=500)
+    assert beyond.value.param == "max_tokens"
+    assert "max_tokens is 500" in str(beyond.value) and "holds 30" in str(beyond.value)
+    with pytest.raises(ContextLengthError) as no_room_left:
+        llm.chat.completions.create(messages=USER, max_tokens=29)
+    assert no_room_left.value.param == "max_tokens"
+    with pytest.raises(ContextLengthError) as prompt_too_long:
+        llm.chat.completions.create(messages=[{"role": "user", "content": "word " * 40}])
+    assert prompt_too_long.value.param == "messages"
+
+
 def test_run_bounds_requests_without_max_tokens_by_the_default_and_the_room(demo_dir, tokenizer):
     llm, engine = scripted(demo_dir, tokenizer, "x")
     engine.max_seq = 60
@@ -626,6 +641,26 @@ def test_a_seed_reproduces_a_sampled_answer(demo):
     other = demo.chat.completions.create(seed=8, **params).choices[0].message
     assert first == again
     assert first != other
+
+
+def test_logprobs_cover_the_answer_not_the_thinking(demo_dir, tokenizer):
+    llm, _ = scripted(demo_dir, tokenizer, "weighing it up\n</think>\n\nParis is the capital")
+    for stream in (False, True):
+        r = llm.chat.completions.create(messages=USER, logprobs=True, stream=stream)
+        if stream:
+            chunks = [c for c in r if c.choices]
+            reasoning = "".join(c.choices[0].delta.reasoning_content or "" for c in chunks)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            pieces = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+            entries = [entry for piece in pieces for entry in piece.content]
+        else:
+            reasoning = r.choices[0].message.reasoning_content
+            content = r.choices[0].message.content
+            entries = r.choices[0].logprobs.content
+        assert "weighing" in reasoning and content == "Paris is the capital"
+        text = "".join(e.token for e in entries)
+        assert "weighing" not in text and "think" not in text
+        assert text.strip().removesuffix("<|im_end|>").strip() == content
 
 
 def test_logprobs_agree_with_the_reference(demo):

@@ -317,3 +317,37 @@ def test_neither_directory_nor_repo_id(bad):
 
 def test_checkpoint_module_names_its_public_api():
     assert set(checkpoint_module.__all__) >= {"load_checkpoint", "resolve_model", "Checkpoint"}
+
+
+# --- the small files beside the weights ------------------------------------------------------
+
+
+def nested_json(depth: int) -> str:
+    return '{"a": ' + "[" * depth + "1" + "]" * depth + "}"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "error"),
+    [
+        ("tokenizer_config.json", nested_json(100_000), "nested too deeply"),
+        ("tokenizer_config.json", b'{"eos_token": "\xff"}', "not UTF-8 text"),
+        ("tokenizer_config.json", "[1, 2]", "not a JSON object"),
+        ("generation_config.json", nested_json(100_000), "nested too deeply"),
+        ("generation_config.json", b'{"temperature": "\xff"}', "not UTF-8 text"),
+        ("chat_template.jinja", b"{{ '\xff' }}", "not UTF-8 text"),
+        ("chat_template.jinja", "{% if x %}" * 20_000 + "{% endif %}" * 20_000, "too deeply"),
+        ("chat_template.jinja", "{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", "too deeply"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and len(v) < 40 else "",
+)
+def test_a_damaged_small_file_is_a_named_error_at_load(tmp_path, name, content, error):
+    import lily
+    from lily.checkpoint import resolve_model
+
+    model = Path(shutil.copytree(resolve_model("demo"), tmp_path / "demo"))
+    path = model / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=error) as raised:
+        lily.load(str(model), device="reference", max_seq=32)
+    # A named Lily error (CheckpointError, TokenizerError, ChatTemplateError), not Python's own.
+    assert type(raised.value).__module__.startswith("lily."), type(raised.value)

@@ -449,6 +449,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_lily_serve_on_a_port_in_use_says_so_in_one_line_before_loading(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # A model directory that does not exist: the port must be refused before any load.
+        started = time.monotonic()
+        done = run_lily("serve", "--model", str(tmp_path / "absent"), "--port", str(port))
+    assert done.returncode == 1, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line == f"lily serve: error: cannot listen on 127.0.0.1:{port}: the port is in use"
+    assert time.monotonic() - started < 30
+
+
 def test_lily_serve_answers_then_stops_on_ctrl_c() -> None:
     port = _free_port()
     process = subprocess.Popen(

@@ -10,14 +10,14 @@ little after the last use), hence the polling. LILY_DEVICE names the device (def
 from __future__ import annotations
 
 import gc
-import os
 import time
 import weakref
 
 import numpy as np
 import pytest
+from device_testing import open_test_device
 
-from lily.device import Graph, open_device
+from lily.device import Graph
 from lily.kernels.norm import record_rms_norm
 
 ROWS, DIM, EPS = 3, 200, 1e-6
@@ -26,7 +26,7 @@ BF16_ONE = 0x3F80
 
 @pytest.fixture(scope="module")
 def device():
-    return open_device(os.environ.get("LILY_DEVICE", "sim"))
+    return open_test_device()
 
 
 def released(ref: weakref.ref, timeout: float = 5.0) -> bool:

@@ -4,14 +4,12 @@ computes on the aligned copy."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+from device_testing import open_test_device
 from tiny_models import tiny_checkpoint
 
 from lily.checkpoint import load_checkpoint
-from lily.device import open_device
 from lily.device_weights import DeviceWeights
 from lily.engine import DeviceEngine
 
@@ -20,7 +18,7 @@ MAX_SEQ = 48
 
 @pytest.fixture(scope="module")
 def device():
-    return open_device(os.environ.get("LILY_DEVICE", "sim"))
+    return open_test_device()
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,12 @@ LILY_DEVICE names another (the macOS workflow sets metal)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+from device_testing import open_test_device
 from tiny_models import tiny_checkpoint
 
 from lily.checkpoint import load_checkpoint
-from lily.device import open_device
 from lily.engine import DeviceEngine, ReferenceEngine
 from lily.errors import ContextLengthError, GenerationCancelled
 
@@ -32,7 +30,7 @@ MAX_SEQ = PROMPT_LENGTH + DECODE_STEPS + 1
 
 
 def _device_engine(checkpoint) -> DeviceEngine:
-    device = open_device(os.environ.get("LILY_DEVICE", "sim"))
+    device = open_test_device()
     return DeviceEngine(checkpoint, device, MAX_SEQ, checkpoint.config.vocab_size)
 
 
@@ -153,7 +151,7 @@ class StopAfter:
 
 def test_should_stop_is_asked_before_every_prefill_chunk_and_every_token():
     checkpoint = load_checkpoint(tiny_checkpoint("small"))
-    device = open_device(os.environ.get("LILY_DEVICE", "sim"))
+    device = open_test_device()
     engine = DeviceEngine(checkpoint, device, MAX_SEQ, checkpoint.config.vocab_size, max_chunk=4)
     prompt = _prompt(engine.config.vocab_size, seed=7)
     chunks = -(-PROMPT_LENGTH // 4)

@@ -1,10 +1,21 @@
-"""Threadgroup sizes that launchers choose from what the compiled pipeline allows."""
+"""Threadgroup sizes: what launchers choose from what the compiled pipeline allows, and the
+exact counts kernels declare."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from lily.kernels import threads_within
+from lily.device import open_device
+from lily.kernels import (
+    attention,
+    gdn,
+    gdn_out_proj,
+    gemm,
+    moe,
+    moe_chunk,
+    quantized_gemm,
+    threads_within,
+)
 
 
 def pipeline(limit: int) -> SimpleNamespace:
@@ -22,3 +33,43 @@ def test_threads_are_whole_simdgroups_within_the_pipeline_limit(limit, preferred
 def test_a_pipeline_below_one_simdgroup_is_refused():
     with pytest.raises(ValueError, match="less than one SIMD-group"):
         threads_within(pipeline(16), 256)
+
+
+# Kernels that need an exact number of threads per threadgroup declare it with
+# [[max_total_threads_per_threadgroup(N)]] (so Apple's compiler keeps their registers within N
+# threads), and their launchers must use that N: both are listed here, by host name.
+EXACT_THREADS = {
+    "attention_prepare": attention.SIMD_WIDTH,
+    "attention_decode": attention.DECODE_THREADS,
+    "attention_decode_fused": attention.DECODE_THREADS,
+    "attention_combine": attention.COMBINE_DIMS,
+    "attention_chunk": attention.CHUNK_THREADS,
+    "gdn_step": gdn.STEP_THREADS_PER_THREADGROUP,
+    "gdn_chunk": gdn.CHUNK_THREADS_PER_THREADGROUP,
+    "gdn_out_proj_4": gdn_out_proj.THREADS_PER_THREADGROUP,
+    "gdn_out_proj_8": gdn_out_proj.THREADS_PER_THREADGROUP,
+    "gemm_nt_float": gemm.THREADS_PER_THREADGROUP,
+    "gemm_nt_bfloat": gemm.THREADS_PER_THREADGROUP,
+    "moe_route": moe.SIMD_WIDTH,
+    "moe_sort_by_expert": moe_chunk.SORT_THREADS,
+    **{
+        f"qgemm{kind}_{bits}": quantized_gemm.THREADS_PER_THREADGROUP
+        for kind in ("", "_grouped", "_grouped_swiglu")
+        for bits in (4, 8)
+    },
+}
+
+
+def test_exact_thread_counts_are_declared_by_the_kernels():
+    """Each kernel's declared maximum (the sim reads the attribute through its pre-pass) is the
+    count its launcher uses; every other engine kernel declares none and adapts to the
+    pipeline's limit (threads_within) or needs few threads."""
+    device = open_device("sim", workers=1)
+    engine_kernels = [
+        name for name in device.kernel_names() if not name.startswith(("test_", "broken_"))
+    ]
+    assert set(EXACT_THREADS) <= set(engine_kernels)
+    declared = {name: device.kernel(name).max_threads_per_threadgroup for name in engine_kernels}
+    assert {name: declared[name] for name in EXACT_THREADS} == EXACT_THREADS
+    undeclared = {name: limit for name, limit in declared.items() if name not in EXACT_THREADS}
+    assert undeclared == dict.fromkeys(undeclared, 1024)

@@ -8,15 +8,14 @@ state and the KV cache to every later logit), and every other sequence is untouc
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import numpy as np
 import pytest
+from device_testing import open_test_device
 from tiny_models import tiny_checkpoint
 
 from lily.checkpoint import load_checkpoint
-from lily.device import open_device
 from lily.engine import DeviceEngine, ReferenceEngine
 from lily.errors import NonFiniteLogitsError
 from lily.sampling import SamplingParams
@@ -42,7 +41,7 @@ def _poisoned_copy(tmp_path, token: int):
 
 
 def _device_engine(checkpoint) -> DeviceEngine:
-    device = open_device(os.environ.get("LILY_DEVICE", "sim"))
+    device = open_test_device()
     return DeviceEngine(checkpoint, device, MAX_SEQ, checkpoint.config.vocab_size)
 
 

@@ -5,14 +5,12 @@ at a snapshot; and chunks bounded by their estimated work."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+from device_testing import open_test_device
 from tiny_models import tiny_checkpoint
 
 from lily.checkpoint import load_checkpoint
-from lily.device import open_device
 from lily.engine import DeviceEngine, ReferenceEngine
 from lily.model_graph import pass_flops
 
@@ -26,7 +24,7 @@ def _prompt(vocab_size: int, length: int, seed: int) -> list[int]:
 
 
 def _device_engine(checkpoint, max_chunk: int, **kwargs) -> DeviceEngine:
-    device = open_device(os.environ.get("LILY_DEVICE", "sim"))
+    device = open_test_device()
     vocab = checkpoint.config.vocab_size
     return DeviceEngine(checkpoint, device, MAX_SEQ, vocab, max_chunk, **kwargs)
 

@@ -230,3 +230,33 @@ def test_a_device_that_does_not_execute_checks_and_retires_graphs():
     )
     with pytest.raises(KernelError, match="32 KiB"):
         dry.run(graph)
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["plain", "checked"])
+def test_declared_max_threads_per_threadgroup_is_the_limit(check):
+    """[[max_total_threads_per_threadgroup(N)]] is the kernel's limit, as a Metal pipeline
+    reports it, and a larger threadgroup is refused instead of run."""
+    dev = open_device("sim", check=check, workers=1)
+    assert dev.kernel("test_axpy").max_threads_per_threadgroup == 1024  # declares none
+    limits = {"test_max_threads": 64, "test_max_threads_32": 32, "test_max_threads_float": 32}
+    for name, limit in limits.items():
+        kernel = dev.kernel(name)
+        assert kernel.max_threads_per_threadgroup == limit, name
+        out = dev.alloc(4 * 2 * limit)
+        g = Graph()
+        g.dispatch(kernel, threadgroups=2, threads=limit, buffers={0: out})
+        dev.run(g)
+        expected = np.arange(1, 2 * limit + 1)
+        values = out.numpy().view(np.float32 if name.endswith("float") else np.uint32)
+        np.testing.assert_array_equal(values, expected)
+
+        g = Graph()
+        g.dispatch(kernel, threadgroups=1, threads=(limit, 2), buffers={0: out})
+        message = (
+            rf"kernel '{name}': {2 * limit} threads per threadgroup, more than its "
+            rf"\[\[max_total_threads_per_threadgroup\({limit}\)\]\] allows"
+        )
+        with pytest.raises(KernelError, match=message):
+            dev.run(g)
+    # The device stays usable after the refusal.
+    dev.run(axpy(dev, dev.alloc(64), dev.alloc(64), 1.0, 16, threadgroups=1))

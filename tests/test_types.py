@@ -118,3 +118,31 @@ def test_stream_chunks_validate_as_the_sdk_type():
     assert sdk[5].choices == [] and sdk[5].usage.total_tokens == 7
     for ours, theirs in zip(chunks, sdk, strict=True):
         assert theirs.model_dump(exclude_none=True) == ours.model_dump(exclude_none=True)
+
+
+def test_stream_deltas_carry_only_their_fields_as_openai_sends_them():
+    common = {"model": "m", "id": "chatcmpl-1", "created": 1_700_000_000}
+    first = ChatCompletionChunk([ChunkChoice(ChoiceDelta(role="assistant", content=""))], **common)
+    text = ChatCompletionChunk([ChunkChoice(ChoiceDelta(content="Hi"))], **common)
+    call = ChatCompletionChunk(
+        [
+            ChunkChoice(
+                ChoiceDelta(
+                    tool_calls=[ChoiceDeltaToolCall.from_delta(ToolCallDelta(0, arguments="{"))]
+                )
+            )
+        ],
+        **common,
+    )
+    last = ChatCompletionChunk([ChunkChoice(ChoiceDelta(), finish_reason="stop")], **common)
+    chunks = (first, text, call, last)
+    wire = [json.loads(chunk.model_dump_json())["choices"][0] for chunk in chunks]
+    assert [choice["delta"] for choice in wire] == [
+        {"role": "assistant", "content": ""},
+        {"content": "Hi"},
+        {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]},
+        {},
+    ]
+    # The choice keeps its explicit nulls, as OpenAI's do.
+    assert wire[1]["finish_reason"] is None and "logprobs" in wire[1]
+    assert wire[3]["finish_reason"] == "stop"

@@ -11,7 +11,12 @@ What a header cannot do, done on the source text:
   into references to per-threadgroup storage handed out by the runtime;
 - rewrite half literals (`1.5h` -> `half(1.5)`);
 - append one entry wrapper per host name that binds [[buffer(n)]], [[threadgroup(n)]] and the
-  built-in ids from the running lane, and register the wrappers with the runtime;
+  built-in ids from the running lane, and register the wrappers with the runtime, with the
+  kernel's `[[max_total_threads_per_threadgroup(N)]]` if it declares one (the sim then refuses
+  larger threadgroups, as a GPU pipeline would);
+- refuse what Apple's compiler refuses and C++ would accept in a kernel's signature: position and
+  size built-ins of different vector dimensions (or element types, where the MSL specification
+  pairs them);
 - let the same output compile as the checked build too (LILY_SIM_CHECKED: the kernel file's own
   functions get internal linkage, and the wrappers register in the checked table).
 
@@ -50,6 +55,31 @@ BUILTINS = {
 }
 
 
+# The position and size built-ins: the MSL specification requires all of one kernel's to have
+# the same number of components (scalar, 2 or 3), and each group below one data type.
+POSITION_AND_SIZE = (
+    "thread_position_in_grid",
+    "threads_per_grid",
+    "thread_position_in_threadgroup",
+    "threads_per_threadgroup",
+    "dispatch_threads_per_threadgroup",
+    "threadgroup_position_in_grid",
+    "threadgroups_per_grid",
+)
+SAME_DATA_TYPE = (
+    ("thread_position_in_grid", "threads_per_grid"),
+    (
+        "thread_position_in_threadgroup",
+        "threads_per_threadgroup",
+        "dispatch_threads_per_threadgroup",
+    ),
+    ("threadgroup_position_in_grid", "threadgroups_per_grid"),
+)
+BUILTIN_TYPE = re.compile(r"(?:const\s+)?(uint|ushort)([23]?)")
+# Apple GPUs run at most 1024 threads per threadgroup.
+MAX_THREADS_PER_THREADGROUP = 1024
+
+
 class PrepassError(Exception):
     pass
 
@@ -60,6 +90,8 @@ class KernelDef:
     is_template: bool
     bindings: list[str]  # per parameter, the C++ argument spec for lily_sim::arg::invoke
     host_name: str | None
+    # The constant holding its [[max_total_threads_per_threadgroup(N)]], qualified like `name`.
+    max_threads: str | None = None
 
 
 @dataclass
@@ -191,6 +223,9 @@ def line_of(text: str, pos: int) -> str:
 
 
 ATTRIBUTE = re.compile(r"\[\[(.*?)\]\]", re.S)
+# `[[kernel]]`, `[[kernel, max_total_threads_per_threadgroup(N)]]` or `kernel void`.
+KERNEL = re.compile(r"\[\[\s*kernel\s*(?:,[^\]]*)?\]\]|\bkernel\b(?=\s+void\b)")
+MAX_THREADS = re.compile(r"\bmax_total_threads_per_threadgroup\s*\(")
 HALF_LITERAL = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH]\b")
 # `[alignas(n)] threadgroup T name[dims]...;` (the runtime aligns threadgroup variables to 16).
 TG_DECL = re.compile(
@@ -212,6 +247,40 @@ def parameter_binding(param: str, where: str) -> str:
     if attr in BUILTINS:
         return f"::lily_sim::arg::Builtin<::lily_sim::arg::Id::{attr}>"
     raise PrepassError(f"{where}: the sim does not support the kernel attribute [[{attr}]]")
+
+
+def check_builtin_types(params: list[str], where: str) -> None:
+    """Apple's compiler rejects a kernel whose position and size built-ins mix vector
+    dimensions (e.g. `uint2 [[threadgroup_position_in_grid]]` with `uint
+    [[threads_per_threadgroup]]`); C++ would bind them all, so the pre-pass refuses them."""
+    types = {}
+    for param in params:
+        attrs = list(ATTRIBUTE.finditer(param))
+        if not attrs or attrs[-1].group(1).strip() not in POSITION_AND_SIZE:
+            continue
+        attr = attrs[-1].group(1).strip()
+        declaration = ATTRIBUTE.sub(" ", param).split()
+        type_text = " ".join(declaration[:-1])
+        m = BUILTIN_TYPE.fullmatch(type_text)
+        if not m:
+            raise PrepassError(
+                f"{where}: [[{attr}]] must be a uint or ushort scalar or vector, not {type_text!r}"
+            )
+        types[attr] = (m.group(1), int(m.group(2) or 1), type_text)
+    dimensions = {dims for _, dims, _ in types.values()}
+    if len(dimensions) > 1:
+        listed = ", ".join(f"{t[2]} [[{a}]]" for a, t in types.items())
+        raise PrepassError(
+            f"{where}: the position and size built-ins of a kernel must all have the same "
+            f"number of components (MSL): {listed}"
+        )
+    for group in SAME_DATA_TYPE:
+        declared = {a: types[a] for a in group if a in types}
+        if len({t[:2] for t in declared.values()}) > 1:
+            listed = ", ".join(f"{t[2]} [[{a}]]" for a, t in declared.items())
+            raise PrepassError(
+                f"{where}: these built-ins must have the same data type (MSL): {listed}"
+            )
 
 
 class Prepass:
@@ -275,10 +344,11 @@ class Prepass:
         self, start: int, head_end: int, end: int | None, namespaces: list[str]
     ) -> None:
         head = self.masked[start:head_end]
-        kernel_attr = re.search(r"\[\[\s*kernel\s*\]\]|\bkernel\b(?=\s+void\b)", head)
+        kernel_attr = KERNEL.search(head)
         if not kernel_attr:
             return
         where = line_of(self.text, start + kernel_attr.start())
+        max_threads = MAX_THREADS.search(head)
         host = re.search(
             r"\[\[\s*host_name\s*\(\s*\"([^\"]*)\"\s*\)\s*\]\]", self.text[start:head_end]
         )
@@ -287,6 +357,11 @@ class Prepass:
         if end is None:
             if not re.match(r"template\b(?!\s*<)", lead):
                 return  # a kernel prototype: nothing to register
+            if max_threads:
+                raise PrepassError(
+                    f"{where}: [[max_total_threads_per_threadgroup]] belongs on the kernel "
+                    "template's definition, not on an instantiation"
+                )
             self.instantiation(start, head_end, host_name, namespaces, where)
             return
         # A kernel definition: strip attributes from the head, rewrite the body.
@@ -299,11 +374,37 @@ class Prepass:
         name = re.search(r"([A-Za-z_]\w*)\s*$", head[:open_paren]).group(1)
         params = split_top_level(self.masked[start + open_paren + 1 : close_paren])
         bindings = [parameter_binding(p, where) for p in params]
+        check_builtin_types(params, where)
         qualified = "::".join(namespaces + [name])
-        self.kernels[qualified] = KernelDef(
-            qualified, lead.startswith("template"), bindings, host_name
-        )
+        kernel = KernelDef(qualified, lead.startswith("template"), bindings, host_name)
+        self.kernels[qualified] = kernel
+        if max_threads:
+            kernel.max_threads = self.max_threads_constant(
+                start + max_threads.end() - 1, name, namespaces, end, where
+            )
         self.threadgroup_variables(head_end + 1, end - 1, where)
+
+    def max_threads_constant(
+        self, open_paren: int, name: str, namespaces: list[str], end: int, where: str
+    ) -> str:
+        """Declares the kernel's [[max_total_threads_per_threadgroup(N)]] as a constant right
+        after its body, in its namespace, where N's names resolve as in the attribute (N may be
+        a named constant; it may not use the parameters of a kernel template)."""
+        close = matching(self.masked, open_paren, "(", ")")
+        expression = " ".join(self.text[open_paren + 1 : close].split())
+        if not expression:
+            raise PrepassError(f"{where}: [[max_total_threads_per_threadgroup]] without a count")
+        constant = f"lily_max_threads_{name}"
+        limit = MAX_THREADS_PER_THREADGROUP
+        # On the body's last line, so that the line numbers of everything after stay right.
+        self.edits.replace(
+            end,
+            end,
+            f" constexpr unsigned {constant} = ({expression});"
+            f" static_assert({constant} >= 1 && {constant} <= {limit},"
+            f' "{where}: max_total_threads_per_threadgroup must be 1 to {limit}");',
+        )
+        return "::".join(namespaces + [constant])
 
     def instantiation(
         self, start: int, end: int, host_name: str | None, namespaces: list[str], where: str
@@ -369,10 +470,11 @@ class Prepass:
                 "}\n"
             )
         out.append("const ::lily_sim::KernelInfo lily_kernels[] = {\n")
-        for i, (host, _, _) in enumerate(entries):
-            out.append(f'  {{"{host}", &lily_entry_{i}, "{self.source_name}"}},\n')
+        for i, (host, _, kernel) in enumerate(entries):
+            limit = kernel.max_threads or "0"
+            out.append(f'  {{"{host}", &lily_entry_{i}, "{self.source_name}", {limit}}},\n')
         if not entries:
-            out.append('  {"", nullptr, ""},\n')
+            out.append('  {"", nullptr, "", 0},\n')
         out.append(
             "};\n"
             "const bool lily_registered = (::lily_sim::register_kernels(lily_kernels, "

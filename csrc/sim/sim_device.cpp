@@ -74,9 +74,11 @@ class SimKernel : public Kernel {
  public:
   explicit SimKernel(const lily_sim::KernelInfo& info) : info_(info), name_(info.host_name) {}
   const std::string& name() const override { return name_; }
+  // As a Metal pipeline reports it for a kernel that declares its maximum: the declared count.
   uint32_t max_threads_per_threadgroup() const override {
-    return lily_sim::kMaxThreadsPerThreadgroup;
+    return declared_max() ? declared_max() : lily_sim::kMaxThreadsPerThreadgroup;
   }
+  uint32_t declared_max() const { return info_.max_total_threads_per_threadgroup; }
   const lily_sim::KernelInfo& info() const { return info_; }
 
  private:
@@ -98,6 +100,13 @@ lily_sim::PreparedDispatch prepare(const Dispatch& d) {
   p.threads = ids(d.threads_per_threadgroup);
   if (d.threads_per_threadgroup.count() > lily_sim::kMaxThreadsPerThreadgroup)
     throw KernelError(where + "more than 1024 threads per threadgroup");
+  // A GPU refuses (or, unchecked, misruns) a threadgroup larger than the pipeline allows, and a
+  // kernel's [[max_total_threads_per_threadgroup(N)]] makes that N.
+  if (kernel->declared_max() && d.threads_per_threadgroup.count() > kernel->declared_max())
+    throw KernelError(where + std::to_string(d.threads_per_threadgroup.count()) +
+                      " threads per threadgroup, more than its "
+                      "[[max_total_threads_per_threadgroup(" +
+                      std::to_string(kernel->declared_max()) + ")]] allows");
   for (unsigned i = 0; i < lily_sim::kMaxBufferBindings; ++i)
     p.buffers[i] = lily_sim::unbound_buffer(i);
   auto check_index = [&](uint32_t index, uint32_t limit) {

@@ -7,7 +7,6 @@ with lily.load("demo") as llm:
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 from collections.abc import Iterator, Sequence
@@ -16,9 +15,10 @@ from pathlib import Path
 from lily.chat import Chat
 from lily.chat_template import ChatTemplate
 from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
+from lily.checkpoint_files import read_json_file
 from lily.detokenize import IncrementalDecoder
 from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
-from lily.errors import CheckpointError, RequestError
+from lily.errors import CheckpointError, ContextLengthError, RequestError
 from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
 from lily.prefix_cache import CacheOptions
 from lily.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
@@ -104,8 +104,8 @@ def default_sampling(model_dir: Path) -> SamplingParams:
     path = model_dir / "generation_config.json"
     # A value a request could not ask for (a top_k of 2^32, a negative temperature) is the
     # checkpoint's fault: refused when the model is loaded, naming the file and the field.
+    config = read_json_file(path) if path.is_file() else {}
     try:
-        config = json.loads(path.read_text()) if path.is_file() else {}
         if not isinstance(config, dict):
             raise ValueError("it is not a JSON object")
         if config.get("do_sample") is False:
@@ -180,6 +180,10 @@ class Lily:
         split a UTF-8 character. Greedy unless `temperature` > 0; `seed` makes sampling
         reproducible; generation ends before the first of the `stop` strings (not yielded).
         Bad arguments raise `lily.errors.RequestError` here, before anything runs."""
+        if not isinstance(prompt, str):
+            raise RequestError(
+                f"prompt must be a string, got {type(prompt).__name__}", param="prompt"
+            )
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise RequestError(
                 f"max_tokens must be an integer >= 1, got {max_tokens!r}", param="max_tokens"
@@ -190,7 +194,17 @@ class Lily:
         sampling = SamplingParams(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
         )
-        return self._stream(self.tokenizer.encode(prompt), max_tokens, sampling, stops)
+        prompt_ids = self.tokenizer.encode(prompt)
+        if not prompt_ids:
+            raise RequestError("prompt is empty: give at least one character", param="prompt")
+        if len(prompt_ids) + max_tokens > self.max_seq:
+            raise ContextLengthError(
+                f"the prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context of {self.max_seq} tokens; load with a larger max_seq or ask for fewer "
+                "tokens",
+                param="max_tokens",
+            )
+        return self._stream(prompt_ids, max_tokens, sampling, stops)
 
     def _stream(
         self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stops: list[str]

@@ -427,7 +427,9 @@ class _TextPipeline:
         """One token of the answer; `forced` ones were appended by Lily (the think block's
         close when the reasoning budget runs out), not generated, and are not reasoning."""
         delta = _Delta()
-        if token.logprobs is not None:
+        # logprobs.content lines up with message.content, as OpenAI's does: the thinking's
+        # tokens (its closing tag included) are not the answer's.
+        if token.logprobs is not None and not self._reasoning.in_reasoning:
             delta.logprobs.append(self._logprob_entry(token))
         if token.id in self._tokenizer.stop_token_ids:
             self.hit_stop = True
@@ -516,7 +518,8 @@ class ChatCompletions:
         if room < 1 or (request.max_tokens is not None and request.max_tokens > room):
             raise ContextLengthError(
                 f"the prompt is {len(prompt.tokens)} tokens and {request.max_tokens or 1} more "
-                f"were asked for, but the context holds {llm.max_seq}"
+                f"were asked for, but the context holds {llm.max_seq}",
+                param="messages" if room < 1 or request.max_tokens is None else "max_tokens",
             )
         if request.max_tokens is not None:
             max_tokens = request.max_tokens
@@ -559,12 +562,19 @@ class ChatCompletions:
     def _prompt(self, request: ChatRequest) -> _Prompt:
         llm = self._llm
         inputs = self._template_inputs(request)
+        if request.max_tokens is not None and request.max_tokens >= llm.max_seq:
+            raise ContextLengthError(
+                f"max_tokens is {request.max_tokens}, but the context holds {llm.max_seq} "
+                "tokens, the prompt included: ask for fewer",
+                param="max_tokens",
+            )
         text = self._render(inputs, add_generation_prompt=True)
         # Refused by size before tokenizing: a huge message must not cost a tokenization.
         if llm.tokenizer.surely_longer_than(text, llm.max_seq - (request.max_tokens or 1)):
+            asked = f" beside max_tokens {request.max_tokens}" if request.max_tokens else ""
             raise ContextLengthError(
                 f"the prompt is {len(text.encode('utf-8', 'surrogatepass'))} bytes, more than "
-                f"the context of {llm.max_seq} tokens can hold"
+                f"the context of {llm.max_seq} tokens can hold{asked}"
             )
         # The conversation so far, without the generation prompt: the next turn's prompt
         # starts with it, so the engine snapshots its state there for reuse; and where the

@@ -28,7 +28,13 @@ import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
 
-from lily.errors import ChatTemplateError, ChatTemplateLimitError, ChatTemplateRefusedError
+from lily.checkpoint_files import read_json_file
+from lily.errors import (
+    ChatTemplateError,
+    ChatTemplateLimitError,
+    ChatTemplateRefusedError,
+    CheckpointError,
+)
 from lily.template_budget import BudgetedEnvironment, TemplateLimits, instrument, limited
 
 __all__ = [
@@ -161,6 +167,13 @@ class ChatTemplate:
         self.limits = limits or TemplateLimits()
         # bos_token, eos_token, ... are template variables in transformers.
         self._special_tokens = dict(special_tokens or {})
+        try:
+            self._compile(source)
+        except RecursionError:
+            # jinja2's parser and compiler recurse once per nesting level.
+            raise ChatTemplateError("the chat template is nested too deeply to compile") from None
+
+    def _compile(self, source: str) -> None:
         env = _environment()
         try:
             tree = env.parse(source)
@@ -206,13 +219,19 @@ class ChatTemplate:
         model_dir = Path(model_dir)
         path = model_dir / "chat_template.jinja"
         if path.is_file():
-            return cls(
-                path.read_text(encoding="utf-8"), special_tokens=special_tokens, limits=limits
-            )
+            try:
+                source = path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError:
+                raise ChatTemplateError(f"{path} is not UTF-8 text") from None
+            return cls(source, special_tokens=special_tokens, limits=limits)
         config_path = model_dir / "tokenizer_config.json"
         source: Any = None
         if config_path.is_file():
-            source = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+            try:
+                config = read_json_file(config_path)
+            except CheckpointError as e:
+                raise ChatTemplateError(str(e)) from None
+            source = config.get("chat_template") if isinstance(config, dict) else None
         if isinstance(source, list):
             named = {entry.get("name"): entry.get("template") for entry in source}
             source = named.get("default")

@@ -330,7 +330,7 @@ def _chat(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from lily.api_key import APIKeyError
     from lily.request_limits import RequestLimits
-    from lily.server import serve
+    from lily.server import PortInUseError, serve
 
     try:
         serve(
@@ -365,6 +365,9 @@ def _serve(args: argparse.Namespace) -> int:
     except APIKeyError as exc:
         print(f"lily serve: error: {exc}", file=sys.stderr)
         return 2
+    except PortInUseError as exc:
+        print(f"lily serve: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -37,6 +37,13 @@ KernelError = _native.KernelError
 Buffer = _native.Buffer
 Kernel = _native.Kernel
 
+
+class UnsupportedGPUError(RuntimeError):
+    """The Mac's GPU cannot run Lily's kernels (not Apple7 family with Metal 3, e.g. the
+    paravirtual GPU of a virtual machine). Any other failure to open the metal device is a plain
+    RuntimeError: only this one means "this machine cannot", not "something is broken"."""
+
+
 LANE_ORDERS = ("forward", "reverse", "random")
 # Metal's limit for setBytes parameter blocks.
 MAX_INLINE_BYTES = 4096
@@ -259,7 +266,8 @@ def open_device(
     check: bool | None = None,
     count_traffic: bool = False,
 ) -> Device:
-    """Open a device: ``sim`` (anywhere) or ``metal`` (macOS builds on Apple silicon).
+    """Open a device: ``sim`` (anywhere) or ``metal`` (macOS builds on Apple silicon; on a GPU
+    the kernels cannot run on it raises :class:`UnsupportedGPUError` with the reason).
 
     `lane_order`, `seed` and `workers` (OS threads, default one per core) configure the sim;
     ``execute=False`` makes it check and retire graphs without running kernels, to time the
@@ -308,6 +316,9 @@ def available() -> list[str]:
 def _open_metal() -> Device:
     if not hasattr(_native, "open_metal_device"):
         raise ValueError("the metal device exists only in macOS builds; this build has: sim")
+    info = _native.metal_device_info()
+    if not info["supported"]:
+        raise UnsupportedGPUError(f"the metal device cannot run here: {info['unsupported_reason']}")
     # A metallib built with the wheel is used when present; otherwise the .metal sources are
     # compiled at first use: shipped in the package, or metal/ of a source checkout.
     package = Path(__file__).resolve().parent

@@ -35,8 +35,8 @@ class UnsupportedParameterError(RequestError):
 class ContextLengthError(RequestError):
     """The prompt plus the requested completion does not fit in the context."""
 
-    def __init__(self, message: str):
-        super().__init__(message, param="messages", code="context_length_exceeded")
+    def __init__(self, message: str, *, param: str = "messages"):
+        super().__init__(message, param=param, code="context_length_exceeded")
 
 
 class ModelNotFoundError(RequestError):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -752,6 +753,27 @@ class _DrainingServer(uvicorn.Server):
         await stopping
 
 
+class PortInUseError(OSError):
+    """`lily serve` cannot listen where it was asked to."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises PortInUseError when nothing could listen on `host`:`port` now (bound as uvicorn
+    binds, with SO_REUSEADDR, so a port in TIME_WAIT counts as free)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise PortInUseError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            why = "the port is in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+            raise PortInUseError(f"cannot listen on {host}:{port}: {why}") from None
+
+
 def serve(
     model: str | None = None,
     *,
@@ -788,6 +810,7 @@ def serve(
     seconds to send a request's headers and `body_timeout` more for its body (408 after)."""
     from lily.api import load
 
+    check_port_free(host, port)  # before the load, which can take minutes
     api_key = resolve_api_key(api_key, api_key_file)
     allowed_hosts = [*allowed_hosts, *bound_host_names(host)]
     cors_origins = list(cors_origins)

@@ -19,6 +19,9 @@ from typing import Any
 
 import tokenizers
 
+from lily.checkpoint_files import read_json_file
+from lily.errors import CheckpointError
+
 
 class TokenizerError(ValueError):
     """The tokenizer files are missing, malformed, or not the byte-level BPE Lily expects."""
@@ -253,6 +256,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+        value = read_json_file(path)
+    except CheckpointError as e:  # not UTF-8, not JSON, nested too deeply, too large
+        raise TokenizerError(str(e)) from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path} is not a JSON object")
+    return value

@@ -25,9 +25,10 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 def _dump(value: Any, exclude_none: bool) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {}
+        omit_none = exclude_none or getattr(value, "omits_none", False)
         for f in dataclasses.fields(value):
             item = getattr(value, f.name)
-            if item is None and exclude_none:
+            if item is None and omit_none:
                 continue
             out[f.name] = _dump(item, exclude_none)
         return out
@@ -178,14 +179,22 @@ class ChatCompletion(OpenAIObject):
     system_fingerprint: str | None = None
 
 
+# A stream's deltas carry only what they say, as OpenAI sends them: `{"content": "Hi"}`, not
+# `{"role": null, "content": "Hi", "tool_calls": null, ...}`. Clients read them with
+# `delta.get("tool_calls", [])`, which an explicit null breaks. (Attribute access, and the
+# SDK's parsing, see None either way.)
+class _OmitsNone:
+    omits_none = True
+
+
 @dataclass
-class ChoiceDeltaToolCallFunction(OpenAIObject):
+class ChoiceDeltaToolCallFunction(_OmitsNone, OpenAIObject):
     name: str | None = None
     arguments: str | None = None
 
 
 @dataclass
-class ChoiceDeltaToolCall(OpenAIObject):
+class ChoiceDeltaToolCall(_OmitsNone, OpenAIObject):
     index: int
     id: str | None = None
     function: ChoiceDeltaToolCallFunction | None = None
@@ -203,7 +212,7 @@ class ChoiceDeltaToolCall(OpenAIObject):
 
 
 @dataclass
-class ChoiceDelta(OpenAIObject):
+class ChoiceDelta(_OmitsNone, OpenAIObject):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None

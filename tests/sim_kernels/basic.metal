@@ -24,8 +24,8 @@ kernel void test_builtins(device uint* out [[buffer(0)]],
                           uint sg [[simdgroup_index_in_threadgroup]],
                           ushort lane [[thread_index_in_simdgroup]],
                           uint sgs [[simdgroups_per_threadgroup]],
-                          uint2 ntg [[threadgroups_per_grid]],
-                          uint3 tptg [[threads_per_threadgroup]]) {
+                          uint3 ntg [[threadgroups_per_grid]],
+                          ushort3 tptg [[threads_per_threadgroup]]) {
   uint index = (gid.z * tpg.y + gid.y) * tpg.x + gid.x;
   device uint* o = out + index * 12;
   o[0] = tgid.x;
@@ -62,3 +62,22 @@ instantiate_scale("test_scale_bfloat", bfloat)
                                uint group [[threadgroup_position_in_grid]]) {
   ticket[i] = atomic_fetch_add_explicit(&next[group], 1u, memory_order_relaxed);
 }
+
+// Declared maxima of threads per threadgroup, in both spellings MSL allows: the sim reports them
+// as the kernel's limit and refuses larger threadgroups, as a GPU pipeline does.
+constant uint kTestMaxThreads = 64;
+[[kernel, max_total_threads_per_threadgroup(kTestMaxThreads)]] void test_max_threads(
+    device uint* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  out[i] = i + 1;
+}
+[[max_total_threads_per_threadgroup(2 * 16)]] kernel void test_max_threads_32(
+    device uint* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  out[i] = i + 1;
+}
+template <typename T>
+[[kernel, max_total_threads_per_threadgroup(kTestMaxThreads / 2)]] void test_max_threads_of(
+    device T* out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  out[i] = T(i + 1);
+}
+template [[host_name("test_max_threads_float")]] [[kernel]] decltype(test_max_threads_of<float>)
+    test_max_threads_of<float>;

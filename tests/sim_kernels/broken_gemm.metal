@@ -22,11 +22,12 @@ struct GemmParams {
 };
 
 template <typename T>
-[[kernel]] void broken_gemm_nt(constant GemmParams& p [[buffer(0)]], device const T* a [[buffer(1)]],
-                        device const T* b [[buffer(2)]], device float* c [[buffer(3)]],
-                        uint2 tile [[threadgroup_position_in_grid]],
-                        uint thread_id [[thread_index_in_threadgroup]],
-                        uint simdgroup [[simdgroup_index_in_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(GEMM_THREADS)]]
+void broken_gemm_nt(constant GemmParams& p [[buffer(0)]], device const T* a [[buffer(1)]],
+             device const T* b [[buffer(2)]], device float* c [[buffer(3)]],
+             uint2 tile [[threadgroup_position_in_grid]],
+             uint thread_id [[thread_index_in_threadgroup]],
+             uint simdgroup [[simdgroup_index_in_threadgroup]]) {
   threadgroup float a_tile[GEMM_TILE * GEMM_DEPTH];    // [row][depth]
   threadgroup float bt_tile[GEMM_DEPTH * GEMM_TILE];   // [depth][column]
   threadgroup float c_tile[GEMM_TILE * GEMM_TILE];

@@ -7,9 +7,9 @@ constant uint kSimdOps = 16;
 // out[op * n + i] for every SIMD-group function, x read per thread. n = threads in the grid.
 [[kernel]] void test_simd_ops(device const float* x [[buffer(0)]], device float* out [[buffer(1)]],
                               uint i [[thread_position_in_grid]],
-                              uint3 grid [[threads_per_grid]],
+                              uint grid [[threads_per_grid]],
                               ushort lane [[thread_index_in_simdgroup]]) {
-  const uint n = grid.x;
+  const uint n = grid;
   float v = x[i];
   float r[kSimdOps];
   r[0] = simd_sum(v);
@@ -223,8 +223,8 @@ constant uint kMathOps = 24;
 // out[op * n + i] for metal math functions on x (positive) and y (any sign).
 [[kernel]] void test_math(device const float* x [[buffer(0)]], device const float* y [[buffer(1)]],
                           device float* out [[buffer(2)]], device half* hout [[buffer(3)]],
-                          uint i [[thread_position_in_grid]], uint3 grid [[threads_per_grid]]) {
-  const uint n = grid.x;
+                          uint i [[thread_position_in_grid]], uint grid [[threads_per_grid]]) {
+  const uint n = grid;
   float a = x[i], b = y[i];
   float r[kMathOps] = {
       exp(b),
@@ -261,9 +261,9 @@ constant uint kMoreSimdOps = 12;
 // out[op * n + i]: integer reductions, rotations, products and quad-group functions.
 [[kernel]] void test_simd_more(device const int* x [[buffer(0)]], device int* out [[buffer(1)]],
                                uint i [[thread_position_in_grid]],
-                               uint3 grid [[threads_per_grid]],
+                               uint grid [[threads_per_grid]],
                                ushort lane [[thread_index_in_simdgroup]]) {
-  const uint n = grid.x;
+  const uint n = grid;
   int v = x[i];
   int r[kMoreSimdOps] = {
       simd_and(v),

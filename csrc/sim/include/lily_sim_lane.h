@@ -114,6 +114,8 @@ struct KernelInfo {
   const char* host_name;
   KernelEntry entry;
   const char* source_file;
+  // Its [[max_total_threads_per_threadgroup(N)]], or 0 when it declares none.
+  uint32_t max_total_threads_per_threadgroup;
 };
 // Called by static initialisers of the generated kernel translation units; `checked`: the build
 // with load/store hooks that the checking device modes run.
