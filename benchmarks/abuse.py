@@ -8,8 +8,13 @@ It starts `lily serve --model demo` itself (twice: each run ends by a signal) an
    senders, a slow reader, clients that disconnect mid-request (half a body sent), mid-prompt
    (a stream during its prefill), mid-stream and while queued, bodies declared or sent over
    the size limit, malformed JSON, invalid UTF-8, a lone surrogate, a message far over the
-   context, bytes that are not HTTP. Every answer must be the documented one: no 5xx but the
-   documented 503s (`queue_full`, JSON with Retry-After), and the server still running;
+   context, bytes that are not HTTP, a forced tool call whose parameter has a 60,000-value enum
+   (1 MB of grammar), too many messages, tool calls or tools, a client that sends nothing and
+   one whose body stalls. Every answer must be the documented one: no 5xx but the documented
+   503s (`queue_full`, JSON with Retry-After), and the server still running; the queue holds
+   every connection, so each case reaches the engine's checks (not only the 503 path), and
+   `/health`, polled throughout, answers within `--health-within` seconds (a grammar compiled
+   on the event loop once froze it for 25 s);
 3. the engine is idle within `--idle-within` seconds of the last client leaving;
 4. the server's resident memory grew by less than `--max-rss-growth-mib` over the abuse;
 5. the fixed-seed request is answered exactly as before;
@@ -19,7 +24,8 @@ It starts `lily serve --model demo` itself (twice: each run ends by a signal) an
    the same, then gets SIGINT under load with the same checks.
 
 Everything is bounded: the number of connections, each client's time, and `--time-limit` for
-the whole run. `--quick` is the reduced version the test suite runs (16 connections).
+the whole run. `--quick` is the reduced version the test suite runs (24 connections: every kind
+of client at least once).
 
     python benchmarks/abuse.py            # the full run (200 connections; the sim is slow)
     python benchmarks/abuse.py --quick    # about a minute
@@ -47,9 +53,11 @@ from typing import Any
 # cancelled request frees the engine soon; a small default completion bounds forgotten clients.
 MAX_SEQ = 256
 PREFILL_CHUNK = 16
-QUEUE_LIMIT = 8
 MAX_TOKENS_DEFAULT = 8
 SHUTDOWN_GRACE = 1.0
+# Short read timeouts, so that the silent and stalled clients are cut off within the run.
+HEADER_TIMEOUT = 2.0
+BODY_TIMEOUT = 4.0
 BODY_LIMIT = 8 * 1024 * 1024  # the server's default --max-body-bytes
 FIXED_SEED = {"temperature": 0.8, "seed": 4242, "max_tokens": 3}
 LONG_PROMPT = "Listen to all of this before you answer: " + "one two three four five six " * 10
@@ -241,8 +249,9 @@ class Server:
         command = [
             sys.executable, "-m", "lily.cli", "serve", "--model", "demo", "--device", args.device,
             "--port", str(self.port), "--max-seq", str(MAX_SEQ),
-            "--prefill-chunk", str(PREFILL_CHUNK), "--queue-limit", str(QUEUE_LIMIT),
+            "--prefill-chunk", str(PREFILL_CHUNK), "--queue-limit", str(args.connections),
             "--max-tokens-default", str(MAX_TOKENS_DEFAULT),
+            "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
             "--shutdown-grace", str(SHUTDOWN_GRACE), "--log-level", "warning",
         ]  # fmt: skip
         env = {name: value for name, value in os.environ.items() if name != "LILY_API_KEY"}
@@ -304,6 +313,39 @@ async def fixed_seed_answer(server: Server) -> str:
     return json.dumps([message.get("content"), message.get("reasoning_content")])
 
 
+def forced_enum_call(values: int) -> bytes:
+    """A forced call of a tool whose one string parameter has `values` allowed values."""
+    parameters = {
+        "type": "object",
+        "properties": {"pick": {"type": "string", "enum": [f"v{i}" for i in range(values)]}},
+        "required": ["pick"],
+    }
+    return chat_body(
+        "Pick one",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+        tool_choice={"type": "function", "function": {"name": "f"}},
+        max_tokens=4,
+    )
+
+
+def many_tool_calls(count: int) -> bytes:
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        for i in range(count)
+    ]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "user", "content": "b"},
+    ]
+    return json.dumps({"messages": messages, "max_tokens": 1}).encode()
+
+
+def many_tools(count: int) -> bytes:
+    tools = [{"type": "function", "function": {"name": f"t{i}"}} for i in range(count)]
+    return chat_body("a", tools=tools, max_tokens=1)
+
+
 def abuse_clients(port: int, connections: int) -> list[Awaitable[Answer]]:
     """`connections` clients, cycling through the kinds of abuse."""
     short = {"max_tokens": 2, "temperature": 0}
@@ -360,6 +402,18 @@ def abuse_clients(port: int, connections: int) -> list[Awaitable[Answer]]:
             chat_body(f"Read me slowly {i}", stream=True, max_tokens=4, temperature=0),
             read_delay=0.3,
         ),
+        lambda i: exchange(port, "huge enum", forced_enum_call(60_000)),
+        lambda i: exchange(
+            port,
+            "many messages",
+            json.dumps({"messages": [{"role": "user", "content": "a"}] * 5000}).encode(),
+        ),
+        lambda i: exchange(port, "many tool calls", many_tool_calls(2000)),
+        lambda i: exchange(port, "many tools", many_tools(200)),
+        lambda i: exchange(port, "silent client", b"", head=b""),
+        lambda i: exchange(
+            port, "stalled body", b'{"messages": ', head=_request_head(100), read_delay=0
+        ),
         lambda i: exchange(
             port,
             "sent oversized",
@@ -389,6 +443,22 @@ EXPECTED: dict[str, set[int | str]] = {
     "not HTTP": {400, "dropped"},
     "slow reader": {200},
     "sent oversized": {413, "dropped"},
+    "huge enum": {400},
+    "many messages": {400},
+    "many tool calls": {400},
+    "many tools": {400},
+    "silent client": {408, "dropped"},
+    "stalled body": {408},
+}
+# The error code of each kind's 4xx answer, where it is one.
+EXPECTED_CODES = {
+    "far over the context": "context_length_exceeded",
+    "huge enum": "unsupported_schema",
+    "many messages": "array_above_max_length",
+    "many tool calls": "array_above_max_length",
+    "many tools": "array_above_max_length",
+    "silent client": "request_timeout",
+    "stalled body": "request_timeout",
 }
 
 
@@ -407,8 +477,9 @@ def check_answer(answer: Answer, problems: list[str]) -> None:
         return
     if outcome not in EXPECTED[answer.kind]:
         problems.append(f"{answer.kind}: got {outcome}, expected one of {EXPECTED[answer.kind]}")
-    if answer.kind == "far over the context" and answer.error_code() != "context_length_exceeded":
-        problems.append(f"far over the context: {answer.body[:200]!r}")
+    code = EXPECTED_CODES.get(answer.kind)
+    if code is not None and answer.status is not None and answer.error_code() != code:
+        problems.append(f"{answer.kind}: not {code}: {answer.body[:200]!r}")
     if answer.kind == "no max_tokens" and answer.status == 200:
         produced = json.loads(answer.body)["usage"]["completion_tokens"]
         if produced > MAX_TOKENS_DEFAULT:
@@ -416,6 +487,15 @@ def check_answer(answer: Answer, problems: list[str]) -> None:
     streamed = answer.status == 200 and answer.content_type.startswith("text/event-stream")
     if streamed and answer.ended == "answered" and answer.events[-1:] != ["data: [DONE]"]:
         problems.append(f"{answer.kind}: a stream that did not end with [DONE]")
+
+
+async def poll_health(server: Server, latencies: list[float]) -> None:
+    """Asks /health every 0.1 s until cancelled, noting how long each answer took."""
+    while True:
+        started = time.monotonic()
+        if await server.health() is not None:
+            latencies.append(time.monotonic() - started)
+        await asyncio.sleep(0.1)
 
 
 async def wait_idle(server: Server, within: float) -> float:
@@ -438,9 +518,16 @@ async def wait_idle(server: Server, within: float) -> float:
 async def abuse(server: Server, args: argparse.Namespace) -> None:
     before = server.rss_mib()
     started = time.monotonic()
-    answers = await asyncio.gather(*abuse_clients(server.port, args.connections))
+    latencies: list[float] = []
+    polling = asyncio.ensure_future(poll_health(server, latencies))
+    try:
+        answers = await asyncio.gather(*abuse_clients(server.port, args.connections))
+    finally:
+        polling.cancel()
     last_client_left = time.monotonic()
     print(f"abuse: {len(answers)} connections in {last_client_left - started:.1f} s", flush=True)
+    slowest = max(latencies, default=0.0)
+    print(f"abuse: /health answered {len(latencies)} times, the slowest in {slowest:.2f} s")
     tally = Counter(
         (a.kind, a.status if a.status is not None and a.ended != "left" else a.ended)
         for a in answers
@@ -450,6 +537,11 @@ async def abuse(server: Server, args: argparse.Namespace) -> None:
     problems: list[str] = []
     for answer in answers:
         check_answer(answer, problems)
+    if slowest > args.health_within:
+        problems.append(f"/health took {slowest:.1f} s to answer (> {args.health_within})")
+    refused = sum(a.error_code() == "queue_full" for a in answers)
+    if refused:
+        problems.append(f"{refused} request(s) got queue_full: the queue should hold them all")
     if server.process.poll() is not None:
         problems.append(f"the server exited with {server.process.returncode}")
     if "Traceback" in server.stderr():
@@ -559,16 +651,19 @@ def main() -> int:
         "--idle-within", type=float, default=1.0, help="seconds after the last client leaves"
     )
     parser.add_argument("--max-rss-growth-mib", type=float, default=256.0)
+    parser.add_argument(
+        "--health-within", type=float, default=5.0, help="slowest /health answer under abuse"
+    )
     parser.add_argument("--time-limit", type=float, default=900.0, help="for the whole run")
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the test suite's reduced run: 16 connections, a 10 s idle bound (a loaded "
+        help="the test suite's reduced run: 24 connections, a 10 s idle bound (a loaded "
         "machine's sim pass can take seconds), a 300 s time limit",
     )
     args = parser.parse_args()
     if args.quick:
-        args.connections, args.idle_within, args.time_limit = 16, 10.0, 300.0
+        args.connections, args.idle_within, args.time_limit = 24, 10.0, 300.0
     try:
         asyncio.run(asyncio.wait_for(run(args), args.time_limit))
     except Failure as failure:

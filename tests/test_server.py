@@ -541,9 +541,9 @@ def test_bodies_are_parsed_off_the_event_loop(
     parsed_on: list[threading.Thread] = []
     parse = lily.server.parse_chat_request
 
-    def recording_parse(body: bytes) -> dict[str, Any]:
+    def recording_parse(body: bytes, **kwargs: Any) -> dict[str, Any]:
         parsed_on.append(threading.current_thread())
-        return parse(body)
+        return parse(body, **kwargs)
 
     monkeypatch.setattr(lily.server, "parse_chat_request", recording_parse)
     response = post(server, "[1]")  # refused by the parser: no generation needed

@@ -28,6 +28,7 @@ from lily.errors import (
     UnsupportedParameterError,
 )
 from lily.reasoning import ReasoningParser
+from lily.request_limits import UNBOUNDED, RequestLimits
 from lily.sampling import GeneratedToken, SamplingParams
 from lily.sampling_fields import ADJUSTMENT_FIELDS, adjustment_fields
 from lily.special_tokens import TemplateInputs, escape_special_tokens
@@ -168,10 +169,12 @@ def parse_request(
     served_model: str,
     default_sampling: SamplingParams,
     chat_template: ChatTemplate | None = None,
+    limits: RequestLimits = UNBOUNDED,
 ) -> ChatRequest:
     """Checks the keyword arguments of `create` and turns them into a ChatRequest. With the
     checkpoint's `chat_template`, message fields and template keywords are checked against what
-    it reads."""
+    it reads. `limits` bounds the request's size (`lily.request_limits`; the server's), checked
+    before anything whose cost grows with it."""
     params = dict(params)
     extra = params.pop("extra_body", None) or {}
     _require(isinstance(extra, Mapping), "extra_body must be an object", "extra_body")
@@ -179,6 +182,7 @@ def parse_request(
         if key in params and params[key] is not None:
             raise RequestError(f"{key} given both directly and in extra_body", param=key)
         params[key] = value
+    limits.check_shape(params)
 
     known = {
         "n",
@@ -267,7 +271,11 @@ def parse_request(
         )
         check_tool_schemas(tools)
     output = output_grammar(
-        params.get("response_format"), tool_choice, params.get("parallel_tool_calls"), tools
+        params.get("response_format"),
+        tool_choice,
+        params.get("parallel_tool_calls"),
+        tools,
+        max_bytes=limits.max_grammar_bytes,
     )
     if tool_choice == "none":
         tools = None

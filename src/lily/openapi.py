@@ -300,9 +300,12 @@ def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 description of the routes; the request schema is the one the server
     validates with."""
     errors = {
-        "400": _error_response("Malformed JSON or a request Lily will not run"),
+        "400": _error_response(
+            "Malformed JSON, a request over the server's bounds, or one Lily will not run"
+        ),
         "401": _error_response("Missing or wrong API key (only with --api-key)"),
         "404": _error_response("Unknown model"),
+        "408": _error_response("Headers or body not received within the server's timeouts"),
         "413": _error_response("Body over the size limit"),
         "415": _error_response("Content-Type is not application/json"),
         "422": _error_response("A field has the wrong type or is out of range"),
