@@ -279,14 +279,20 @@ class DiskPrefixCache:
         except OSError as error:  # a symbolic link (ELOOP), an unreadable file
             self._reject(path, f"cannot be opened ({error.strerror})")
             return None
-        with os.fdopen(fd, "rb", buffering=0) as f:
+        try:
             status = os.fstat(fd)
             if self._unusable.get(path.name) == _version(status):
                 return None
-            problem, entry = self._load(f, status, tokens, digest)
+            if not stat.S_ISREG(status.st_mode):  # a FIFO, a directory, a device
+                problem, entry = "is not a regular file", None
+            else:
+                with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+                    problem, entry = self._load(f, status, tokens, digest)
             if entry is not None:
                 _refresh(fd)
                 return entry
+        finally:
+            os.close(fd)
         self._reject(path, problem, status)
         return None
 
@@ -296,8 +302,6 @@ class DiskPrefixCache:
         """The entry in the open file `f` if it is this model's, for exactly `tokens`, intact
         and written with this key; else why not."""
         assert self.layout is not None
-        if not stat.S_ISREG(status.st_mode):
-            return "is not a regular file", None
         payload = self.layout.payload_bytes(len(tokens))
         if not _FIXED + payload <= status.st_size <= _FIXED + MAX_HEADER_BYTES + payload:
             return "does not have the size of this model's state of that prefix", None
