@@ -21,7 +21,13 @@ It starts `lily serve --model demo` itself (twice: each run ends by a signal) an
 6. SIGTERM while requests run and wait: each gets a complete answer, a stream ending with the
    `shutting_down` error event and `data: [DONE]`, or the JSON 503; the process exits 0
    without "terminate called" or a traceback; a second server answers the fixed-seed request
-   the same, then gets SIGINT under load with the same checks.
+   the same, then gets SIGINT under load with the same checks;
+7. the on-disk prefix cache (`--cache-dir`): a server saves conversations' prefixes and stops;
+   their files are broken (a FIFO, a link to a 1 GiB file, a damaged file, a forged header, a
+   state relabelled as another prompt's with a fresh unkeyed checksum, a directory under a
+   file's name, a stale temporary file); a new server answers every conversation exactly as the
+   first did, without a 5xx, a hang, a traceback or the memory of reading the 1 GiB; then its
+   directory is deleted: still answered, and the directory is made again.
 
 Everything is bounded: the number of connections, each client's time, and `--time-limit` for
 the whole run. `--quick` is the reduced version the test suite runs (24 connections: every kind
@@ -38,6 +44,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -243,7 +250,7 @@ def free_port() -> int:
 class Server:
     """`lily serve --model demo` in a child process, its stderr kept in a file."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed with the server)
         command = [
@@ -252,7 +259,7 @@ class Server:
             "--prefill-chunk", str(PREFILL_CHUNK), "--queue-limit", str(args.connections),
             "--max-tokens-default", str(MAX_TOKENS_DEFAULT),
             "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
-            "--shutdown-grace", str(SHUTDOWN_GRACE), "--log-level", "warning",
+            "--shutdown-grace", str(SHUTDOWN_GRACE), "--log-level", "warning", *extra,
         ]  # fmt: skip
         env = {name: value for name, value in os.environ.items() if name != "LILY_API_KEY"}
         self.process = subprocess.Popen(command, env=env, stderr=self.log)
@@ -619,7 +626,136 @@ async def signal_under_load(server: Server, sig: signal.Signals) -> None:
     print(f"{sig.name}: {Counter((a.kind, a.status, a.ended) for a in answers)}; exit 0")
 
 
+# --- the on-disk prefix cache ------------------------------------------------------------------
+
+CACHE_MIN_TOKENS = 16
+# Conversations of one message each, of equal length: each saves one prefix file.
+CACHE_CONVERSATIONS = [f"Cache case {i}: tell me about the number {i}." for i in range(1, 8)]
+CACHE_FAULTS = ["fifo", "link", "damaged", "deep header", "relabelled", "directory", "intact"]
+
+
+async def _cached_answer(server: Server, content: str, within: float = 120.0) -> str:
+    """The fixed-seed answer to one message; fails on anything but a 200 within `within` s."""
+    try:
+        answer = await asyncio.wait_for(
+            exchange(server.port, "cache", chat_body(content, **FIXED_SEED)), within
+        )
+    except TimeoutError:
+        raise Failure(f"cache: no answer to {content!r} within {within:.0f} s") from None
+    if answer.status != 200:
+        raise Failure(f"cache: {content!r} got {answer.status} {answer.body[:300]!r}")
+    return json.loads(answer.body)["choices"][0]["message"]["content"] or ""
+
+
+async def _new_prefix_file(directory: str, before: set[str]) -> str:
+    """The name of the file a background write adds to `directory` (waits for it)."""
+    deadline = time.monotonic() + 60
+    while True:
+        names = os.listdir(directory) if os.path.isdir(directory) else []
+        added = {n for n in names if n.endswith(".prefix")} - before
+        if added:
+            return max(added, key=lambda n: int(n.split("-")[0]))
+        if time.monotonic() > deadline:
+            raise Failure("cache: no prefix file was written within 60 s")
+        await asyncio.sleep(0.1)
+
+
+def _forge_prefix_file(path: str, tokens_from: str | None = None, deep_header: bool = False):
+    """Rewrites a prefix file as someone who can write the directory (but not read Lily's key)
+    could: its tokens replaced by `tokens_from`'s, or its header by a deeply nested one, then
+    sealed with a fresh unkeyed SHA-256."""
+    import hashlib
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    (length,) = struct.unpack_from("<Q", data, 40)
+    header, payload = data[48 : 48 + length], bytearray(data[48 + length :])
+    if deep_header:
+        header = b"[" * 100_000 + b"]" * 100_000
+    if tokens_from is not None:
+        with open(tokens_from, "rb") as f:
+            other = f.read()
+        (other_length,) = struct.unpack_from("<Q", other, 40)
+        count = json.loads(header)["tokens"]
+        payload[: 4 * count] = other[48 + other_length : 48 + other_length + 4 * count]
+    body = struct.pack("<Q", len(header)) + header + bytes(payload)
+    with open(tokens_from or path, "wb") as f:
+        f.write(data[:8] + hashlib.sha256(body).digest() + body)
+
+
+def _break_cache(directory: str, files: dict[str, str], scratch: str) -> None:
+    """Applies each fault of CACHE_FAULTS to the file of the conversation of the same index."""
+    path = {fault: os.path.join(directory, files[fault]) for fault in CACHE_FAULTS}
+    os.unlink(path["fifo"])
+    os.mkfifo(path["fifo"])
+    large = os.path.join(scratch, "large")
+    with open(large, "wb") as f:
+        f.truncate(1 << 30)  # sparse
+    os.unlink(path["link"])
+    os.symlink(large, path["link"])
+    with open(path["damaged"], "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    _forge_prefix_file(path["deep header"], deep_header=True)
+    # The "intact" conversation's state, planted as the "relabelled" one's.
+    _forge_prefix_file(path["intact"], tokens_from=path["relabelled"])
+    os.unlink(path["directory"])
+    os.mkdir(path["directory"])
+    with open(os.path.join(path["directory"], "inside"), "wb"):
+        pass
+    stale = os.path.join(directory, ".lily-deadwrite.prefix.tmp")
+    with open(stale, "wb") as f:
+        f.write(b"\0" * 4096)
+    os.utime(stale, (1, 1))
+
+
+async def cache_faults(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = os.path.join(scratch, "cache")
+        extra = ("--cache-dir", directory, "--cache-disk-min-tokens", str(CACHE_MIN_TOKENS))
+        first = Server(args, extra)
+        answers, files = {}, {}
+        try:
+            await first.start()
+            for fault, content in zip(CACHE_FAULTS, CACHE_CONVERSATIONS, strict=False):
+                before = set(os.listdir(directory))
+                answers[fault] = await _cached_answer(first, content)
+                files[fault] = await _new_prefix_file(directory, before)
+        finally:
+            first.kill()
+        if len({name.split("-")[0] for name in files.values()}) != 1:
+            raise Failure(f"cache: the conversations' prefixes differ in length: {files}")
+        _break_cache(directory, files, scratch)
+        second = Server(args, extra)
+        try:
+            await second.start()
+            before = second.rss_mib()
+            for fault, content in zip(CACHE_FAULTS, CACHE_CONVERSATIONS, strict=False):
+                if await _cached_answer(second, content) != answers[fault]:
+                    raise Failure(f"cache: the {fault} conversation was answered differently")
+            growth = second.rss_mib() - before
+            if growth > args.max_rss_growth_mib:
+                raise Failure(f"cache: resident memory grew by {growth:.0f} MiB")
+            print(f"cache: every broken file cost a recompute only (+{growth:.0f} MiB)")
+            if os.path.exists(os.path.join(directory, ".lily-deadwrite.prefix.tmp")):
+                raise Failure("cache: a stale temporary file was kept")
+            shutil.rmtree(directory)
+            await _cached_answer(second, "Cache case 0: and after the directory went?")
+            await _new_prefix_file(directory, set())
+            print("cache: a deleted directory cost a recompute and was made again")
+            if second.process.poll() is not None or "Traceback" in second.stderr():
+                raise Failure(f"cache: the server failed:\n{second.stderr()}")
+        finally:
+            second.kill()
+
+
 async def run(args: argparse.Namespace) -> None:
+    if args.cache_only:
+        await cache_faults(args)
+        return
     first = Server(args)
     try:
         await first.start()
@@ -641,6 +777,7 @@ async def run(args: argparse.Namespace) -> None:
         await signal_under_load(second, signal.SIGINT)
     finally:
         second.kill()
+    await cache_faults(args)
 
 
 def main() -> int:
@@ -660,6 +797,9 @@ def main() -> int:
         action="store_true",
         help="the test suite's reduced run: 24 connections, a 10 s idle bound (a loaded "
         "machine's sim pass can take seconds), a 300 s time limit",
+    )
+    parser.add_argument(
+        "--cache-only", action="store_true", help="only the on-disk prefix cache's cases (7)"
     )
     args = parser.parse_args()
     if args.quick:

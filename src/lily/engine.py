@@ -218,6 +218,8 @@ class DeviceEngine:
                 default_cache_memory(working), kv_bytes_per_token(self.config, 2)
             )
         self.prefix_cache = prefix_cache
+        recurrent = [b.numpy() for b in self._model.state.recurrent_buffers()]
+        prefix_cache.set_layout(self._rows.copy_out(0), recurrent)
         # Prompt tokens fed through the model by `generate`, over the engine's life.
         self.prompt_tokens_fed = 0
         self.lock = EngineLock()  # one thread at a time (engine_lock.py)
@@ -416,6 +418,7 @@ class ReferenceEngine:
                 default_cache_memory(0), kv_bytes_per_token(self.config, itemsize)
             )
         self.prefix_cache = prefix_cache
+        prefix_cache.set_layout(self._rows.copy_out(0), self._rows.recurrent())
         self.prompt_tokens_fed = 0
         self.lock = EngineLock()  # one thread at a time (engine_lock.py)
 
