@@ -790,6 +790,7 @@ class ChatCompletions:
             choices=built,
             model=self._llm.model_id,
             usage=self._usage(prompt, produced_total, reasoning_total),
+            system_fingerprint=self._llm.system_fingerprint,
         )
 
     def _chunks(
@@ -806,6 +807,7 @@ class ChatCompletions:
                 id=completion_id,
                 created=created,
                 usage=usage,
+                system_fingerprint=self._llm.system_fingerprint,
             )
 
         produced_total, reasoning_total = 0, 0

@@ -13,10 +13,10 @@ it only parses, checks and relays.
 
 Every failure a client can cause is an OpenAI error object,
 `{"error": {"message", "type", "param", "code"}}`, with the status the `openai` SDK expects:
-400 bad request (a request over the server's size bounds too, `lily.request_limits`), 401
-missing or wrong API key, 404 unknown model or route, 408 request headers or body not received in
-time, 413 body over the limit, 415 a POST that is not JSON, 422 well-formed JSON whose fields
-have the wrong type or range, 503 queue full or shutting down. Anything else is a 500 whose body
+400 bad request (a field of the wrong type or range, and a request over the server's size
+bounds, `lily.request_limits`, too), 401 missing or wrong API key, 404 unknown model or route,
+408 request headers or body not received in time, 413 body over the limit, 415 a POST that is
+not JSON, 503 queue full or shutting down. Anything else is a 500 whose body
 says nothing about the server's internals (the log has the traceback).
 
 Nothing whose cost grows with the request runs on the event loop: the body is parsed, checked
