@@ -369,6 +369,75 @@ def test_what_cannot_be_enforced_is_refused_by_name(llm, params, param, words):
     assert llm.engine.constraints == []  # refused before any generation
 
 
+def forced_tool(parameters: dict, name: str = "f") -> dict:
+    tool = {"type": "function", "function": {"name": name, "parameters": parameters}}
+    return {"tools": [tool], "tool_choice": "required"}
+
+
+def with_property(schema: dict, **outer) -> dict:
+    return {"type": "object", "properties": {"a": schema}, "required": ["a"], **outer}
+
+
+@pytest.mark.parametrize(
+    "params, param, words",
+    [
+        (forced_tool(with_property({"type": "string"}, required=5)),
+         "tools[0].function.parameters.required", "must be a list"),
+        (forced_tool(with_property({"type": "string"}, required=[[1]])),
+         "tools[0].function.parameters.required", "property names"),
+        (forced_tool(with_property({"enum": 5})),
+         "tools[0].function.parameters.properties.a.enum", "must be a list"),
+        (forced_tool(with_property({"type": "string", "minLength": -1})),
+         "tools[0].function.parameters.properties.a.minLength", "non-negative"),
+        (forced_tool(with_property({"type": "string", "minLength": 70000})),
+         "tools[0].function.parameters.properties.a.minLength", "above 1000"),
+        (forced_tool(with_property({"type": "string", "enum": ["x</parameter>y", "z"]})),
+         "tools[0].function.parameters.properties.a", "</parameter>"),
+        (forced_tool({"type": "object", "properties": {}}, name='f">\n</tool_call>'),
+         "tools[0].function.name", "1 to 64 letters"),
+        (forced_tool({"type": "object", "properties": {}}, name="x" * 65),
+         "tools[0].function.name", "1 to 64 letters"),
+        ({"response_format": {"type": "json_object", "schema": {"type": "object"}}},
+         "response_format.schema", "takes no 'schema'"),
+        ({"response_format": {"type": "text", "json_schema": {"name": "x"}}},
+         "response_format.json_schema", "takes no 'json_schema'"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("thinking", [{}, NO_THINKING], ids=["thinking", "no-thinking"])
+def test_schemas_the_engine_cannot_run_are_400s_naming_the_field(
+    llm, params, param, words, thinking
+):
+    with pytest.raises(RequestError) as info:
+        create(llm, **params, **thinking)
+    assert info.value.status == 400
+    assert info.value.param == param
+    assert words in info.value.message
+    assert len(info.value.message) < 600  # the first line of an engine error, never a grammar
+    assert llm.engine.constraints == []  # refused before any generation
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_no_finite_answer_satisfies_is_a_400_not_a_500(llm, stream):
+    """A required self-reference: the grammar engine gives up once the answer reaches it (its
+    budget for forced text runs out), which is the schema's fault: a 400 naming tools, with the
+    first line of the engine's message and the grammar's digest, not the grammar itself."""
+    endless = {"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"]}
+    tool = forced_tool({**with_property({"$ref": "#/$defs/n"}), "$defs": {"n": endless}})
+    with pytest.raises(UnsupportedSchemaError) as info:
+        result = create(llm, seed=0, stream=stream, **tool, **NO_THINKING)
+        if stream:
+            list(result)
+    assert (info.value.status, info.value.param) == (400, "tools")
+    assert "cannot be enforced" in info.value.message and "grammar " in info.value.message
+    assert len(info.value.message) < 600
+
+
+def test_a_huge_non_strict_max_length_is_left_unchecked_not_refused(llm):
+    tool = forced_tool(with_property({"type": "string", "maxLength": 5_000_000}))
+    call = create(llm, seed=0, **tool, **NO_THINKING).choices[0].message.tool_calls[0]
+    assert call.function.name == "f"
+
+
 def test_a_non_strict_schema_is_enforced_as_far_as_the_engine_goes(llm):
     schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 3, "uniqueItems": True}
     fmt = {"type": "json_schema", "json_schema": {"name": "ids", "schema": schema}}

@@ -525,6 +525,8 @@ class ChatCompletions:
             max_tokens = request.max_tokens
         else:
             max_tokens = min(room, default_max_tokens or room)
+        if request.output is not None:
+            request.output.check(llm.tokenizer, thinking=prompt.thinking)
         choices = self._choices(request, prompt, max_tokens, should_stop)
         if request.stream:
             return self._chunks(request, prompt, choices)

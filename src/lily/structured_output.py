@@ -27,10 +27,11 @@ JSON, each checked against the tool's parameter schema.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -73,6 +74,11 @@ CLOSING_TEXTS = (
 # (the model's own choices where no closing text fits may take longer than the plan's).
 CLOSING_LOOKAHEAD = 128
 CLOSING_SLACK = 4
+# Raw string values end at these tags (lily.tool_calls reads a value up to its `</parameter>`).
+_TOOL_CALL_TAGS = (PARAMETER_END, PARAMETER_START, FUNCTION_END, TOOL_CALL_END)
+# The longest minLength/maxLength a raw tool-call value is held to: a counted repetition longer
+# than a few thousand exhausts the grammar engine's budget when it loads against the vocabulary.
+RAW_LENGTH_LIMIT = 1000
 # String keywords a raw (unquoted) tool-call parameter value cannot be held to.
 _RAW_STRING_CONSTRAINTS = ("pattern", "format", "contentEncoding", "contentMediaType")
 
@@ -89,6 +95,46 @@ class OutputGrammar:
     """The grammar a request's answer must follow (checked, ready to start per generation)."""
 
     lark: str
+    param: str = "response_format"  # the request field it comes from, for errors
+    # Matchers loaded with a tokenizer, by (tokenizer, thinking): each generation starts from a
+    # copy, so the grammar is compiled against the vocabulary once per request.
+    _loaded: dict[tuple[int, bool], llguidance.LLMatcher] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def check(self, tokenizer: Tokenizer, *, thinking: bool) -> None:
+        """Loads the grammar against the vocabulary now, so that a grammar the engine cannot
+        run (over its internal budgets, or one no finite answer satisfies) is refused before
+        the request starts: UnsupportedSchemaError, a 400, not a failure mid-generation. The
+        answer's start is loaded too when the generation starts in the think block, whose free
+        text would otherwise hide the answer's forced text."""
+        self.matcher(tokenizer, thinking=False)
+        if thinking:
+            self.matcher(tokenizer, thinking=True)
+
+    def matcher(self, tokenizer: Tokenizer, *, thinking: bool) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of the answer."""
+        key = (id(tokenizer), thinking)
+        if key not in self._loaded:
+            matcher = llguidance.LLMatcher(
+                grammar_tokenizer(tokenizer), _with_start(self.lark, thinking=thinking), log_level=0
+            )
+            if not matcher.is_error():
+                matcher.compute_ff_tokens()  # text forced at the start: an endless one fails here
+            if matcher.is_error():
+                raise self.failure(matcher.get_error())
+            self._loaded[key] = matcher
+        return self._loaded[key].deep_copy()
+
+    def failure(self, error: str) -> UnsupportedSchemaError:
+        """The grammar engine's error as a 400 naming the field, with the first line of its
+        message only (it can quote the whole grammar) and a digest to find it in a log."""
+        digest = hashlib.sha256(self.lark.encode()).hexdigest()[:12]
+        return UnsupportedSchemaError(
+            f"the {self.param} cannot be enforced: {_first_line(error)[:300]} "
+            f"(grammar {digest}, {len(self.lark)} bytes)",
+            param=self.param,
+        )
 
     def constraint(
         self, tokenizer: Tokenizer, vocab_size: int, *, thinking: bool, max_tokens: int
@@ -133,7 +179,7 @@ def output_grammar(
     else:
         body = answer
     rules = _tool_rules(tools, budget) if may_call and tools else ""
-    grammar = OutputGrammar(f"answer: {body}\n{rules}")
+    grammar = OutputGrammar(f"answer: {body}\n{rules}", "tools" if may_call else "response_format")
     _check(grammar)
     return grammar
 
@@ -189,6 +235,15 @@ def _response_format(value: Any, budget: _GrammarBudget) -> str | None:
             param="response_format",
         )
     kind = value["type"]
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    stray = sorted(set(value) - allowed)
+    if stray:
+        raise RequestError(
+            f"response_format of type {kind!r} takes no {', '.join(map(repr, stray))}"
+            + (" (a schema goes in json_schema.schema, with type 'json_schema')" if
+               {"schema", "json_schema"} & set(stray) else ""),
+            param=f"response_format.{stray[0]}",
+        )
     if kind == "text":
         return None
     if kind == "json_object":
@@ -321,6 +376,14 @@ def _value_rule(
     if kinds == {"string"}:
         choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if choices is not None:
+            for choice in choices:
+                tag = next((t for t in _TOOL_CALL_TAGS if t in str(choice)), None)
+                if tag is not None:
+                    raise UnsupportedSchemaError(
+                        f"the value {choice!r} holds {tag!r}, which ends a parameter in the "
+                        "model's tool-call format: it cannot be written in a tool call",
+                        param=param,
+                    )
             rule = " | ".join(_lark_string(f"{c}{end}") for c in choices)
             budget.spend(rule, [(param, schema)])
             return rule
@@ -330,7 +393,17 @@ def _value_rule(
                 f"a string parameter with {unsupported[0]!r} cannot be enforced in a tool call",
                 param=param,
             )
-        return _raw_text_rule(schema.get("minLength", 0), schema.get("maxLength"), end)
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if low > RAW_LENGTH_LIMIT or (strict and high is not None and high > RAW_LENGTH_LIMIT):
+            keyword = "minLength" if low > RAW_LENGTH_LIMIT else "maxLength"
+            raise UnsupportedSchemaError(
+                f"a string parameter's {keyword} above {RAW_LENGTH_LIMIT} cannot be enforced in a "
+                "tool call",
+                param=f"{param}.{keyword}",
+            )
+        if high is not None and high > RAW_LENGTH_LIMIT:
+            high = None  # not strict: a keyword the engine cannot enforce is left unchecked
+        return _raw_text_rule(low, high, end)
     if "string" in kinds:
         if strict:
             raise UnsupportedSchemaError(
@@ -446,11 +519,8 @@ class GrammarConstraint:
         max_tokens: int,
     ) -> None:
         index = grammar_tokenizer(tokenizer)
-        self._matcher = llguidance.LLMatcher(
-            index, _with_start(grammar.lark, thinking=thinking), log_level=0
-        )
-        if self._matcher.is_error():
-            raise RuntimeError(f"a checked grammar failed to load: {self._matcher.get_error()}")
+        self._grammar = grammar
+        self._matcher = grammar.matcher(tokenizer, thinking=thinking)
         words = (vocab_size + 31) // 32
         # llguidance writes the tokenizer's ids; the logits' padding past them stays banned.
         self._mask = np.zeros(words, dtype=np.uint32)
@@ -557,6 +627,7 @@ class GrammarConstraint:
         if token in self._stop_ids and self._matcher.is_accepting():
             return
         if not self._matcher.consume_token(token):
-            raise RuntimeError(
-                f"token {token} is not allowed by the output grammar: {self._matcher.get_error()}"
-            )
+            if self._matcher.is_error():
+                # The engine gave up on the grammar (an internal budget): the schema's fault.
+                raise self._grammar.failure(self._matcher.get_error())
+            raise RuntimeError(f"token {token} is not allowed by the output grammar")
