@@ -225,6 +225,19 @@ def test_required_tool_calls_validate(llm, stream):
     assert 1 in counts and max(counts) > 1  # parallel calls are allowed by default
 
 
+def test_no_further_call_starts_in_the_last_stretch_of_max_tokens(llm):
+    """Parallel calls are allowed, but within CLOSING_LOOKAHEAD tokens of max_tokens a complete
+    answer ends there: a call started then might not finish (finish_reason "length", a call
+    missing its required arguments)."""
+    tools = [WEATHER, SEARCH]
+    for seed in range(12):
+        params = dict(tools=tools, tool_choice="required", seed=seed, **NO_THINKING)
+        completion = create(llm, max_tokens=60, **params)
+        message, finish = completion.choices[0].message, completion.choices[0].finish_reason
+        assert finish == "tool_calls", (seed, message)
+        assert len(_validated_calls(message, tools)) == 1
+
+
 def test_parallel_tool_calls_false_allows_one_call(llm):
     for seed in range(10):
         completion = create(

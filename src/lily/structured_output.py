@@ -556,8 +556,13 @@ class GrammarConstraint:
             self._plan = list(self._matcher.compute_ff_tokens())
         remaining = self._max_tokens - len(self.tokens)
         if not self._closing and remaining <= CLOSING_LOOKAHEAD:
-            needed = self._closing_length(remaining)
-            self._closing = needed is None or needed + CLOSING_SLACK >= remaining
+            if self._matcher.is_accepting():
+                # A complete answer is not extended in the last stretch: what could follow (a
+                # further parallel tool call) might not finish within max_tokens.
+                self._closing = True
+            else:
+                needed = self._closing_length(remaining)
+                self._closing = needed is None or needed + CLOSING_SLACK >= remaining
         chosen = self._closing_tokens() if self._closing else self._plan[:1]
         if chosen:
             self._mask[:] = 0
