@@ -445,6 +445,30 @@ def test_a_schema_no_finite_answer_satisfies_is_a_400_not_a_500(llm, stream):
     assert len(info.value.message) < 600
 
 
+def test_the_closing_stretch_ends_strings_held_to_a_format_or_pattern(llm):
+    """Random logits fill a string held to a format or a pattern until max_tokens draws near;
+    the stretch must then write what the format still needs before the closing quote (a quote
+    alone does not fit there), so the answer parses and validates."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "href": {"type": "string", "format": "uri"},
+            "mail": {"type": "string", "format": "email"},
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2,}$"},
+        },
+        "required": ["href", "mail", "code"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "links", "schema": schema}}
+    for seed in range(6):
+        completion = create(llm, response_format=fmt, seed=seed, max_tokens=160, **NO_THINKING)
+        answer = completion.choices[0].message.content
+        assert completion.choices[0].finish_reason == "stop", (seed, answer)
+        value = json.loads(answer)
+        checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+        checker.validate(value)
+
+
 def test_a_huge_non_strict_max_length_is_left_unchecked_not_refused(llm):
     tool = forced_tool(with_property({"type": "string", "maxLength": 5_000_000}))
     call = create(llm, seed=0, **tool, **NO_THINKING).choices[0].message.tool_calls[0]

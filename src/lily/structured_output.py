@@ -70,10 +70,23 @@ CLOSING_TEXTS = (
     "0",
     " 0",
 )
+# Inside a string held to a format or a pattern no closing text may fit yet: the stretch then
+# searches for single characters that lead to where one does, punctuation first (`:`, `@`,
+# `.` are what formats wait for), keeping FILLER_BEAM states (at most FILLER_BRANCHES children
+# of each) per step, for FILLER_DEPTH steps.
+FILLER_CHARACTERS = (
+    ":/@.-_+"
+    + "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    + "!#$%&'()*,;<=>?[]^`{|}~ "
+)
+FILLER_BEAM = 48
+FILLER_BRANCHES = 4  # children kept per state, so that the beam holds several directions
+FILLER_DEPTH = 24
 # How close to max_tokens the closing stretch is planned, and the spare tokens it starts with
 # (the model's own choices where no closing text fits may take longer than the plan's).
 CLOSING_LOOKAHEAD = 128
 CLOSING_SLACK = 4
+_PARAMETER_TAG = PARAMETER_START.encode()
 # Raw string values end at these tags (lily.tool_calls reads a value up to its `</parameter>`).
 _TOOL_CALL_TAGS = (PARAMETER_END, PARAMETER_START, FUNCTION_END, TOOL_CALL_END)
 # The longest minLength/maxLength a raw tool-call value is held to: a counted repetition longer
@@ -447,6 +460,16 @@ def _json_types(schema: Mapping[str, Any]) -> set[str]:
     return {"string", "other"}
 
 
+def _single_character_tokens(tokenizer: Tokenizer) -> list[int]:
+    """The ids of FILLER_CHARACTERS that are one token each, in that order."""
+    found = []
+    for character in FILLER_CHARACTERS:
+        ids = tokenizer.encode_as_text(character)
+        if len(ids) == 1:
+            found.append(ids[0])
+    return found
+
+
 def _lark_string(text: str) -> str:
     return json.dumps(text)
 
@@ -506,6 +529,33 @@ class _VocabularyView:
         return self._tokenizer.encode_as_text(text)
 
 
+@dataclass(frozen=True)
+class _JsonString:
+    """Whether the answer's text is inside a JSON string, followed byte by byte: inside one, a
+    `}` or `]` is just more text, and only a quote ends it. A tool call's parameter tag starts
+    afresh (a raw string value between tags has quotes of no meaning)."""
+
+    inside: bool = False
+    escaped: bool = False
+    tail: bytes = b""  # the last bytes, to find a tag split across tokens
+
+    def after(self, data: bytes) -> _JsonString:
+        recent = self.tail + data
+        inside, escaped = self.inside, self.escaped
+        tag = recent.rfind(_PARAMETER_TAG)
+        if tag >= 0:
+            inside, escaped = False, False
+            data = recent[tag + len(_PARAMETER_TAG) :]
+        for byte in data:
+            if inside and escaped:
+                escaped = False
+            elif inside and byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                inside = not inside
+        return _JsonString(inside, escaped, recent[-len(_PARAMETER_TAG) :])
+
+
 class GrammarConstraint:
     """A `TokenConstraint` (`lily.constraint`): the answer follows an `OutputGrammar`."""
 
@@ -537,6 +587,16 @@ class GrammarConstraint:
         self._max_tokens = max_tokens
         self._closing = False
         self._closing_ids = tuple(tuple(tokenizer.encode_as_text(t)) for t in CLOSING_TEXTS)
+        # The closing texts that end something: outside a JSON string all but the digits (which
+        # start a number), inside one only the quotes (the rest would be more of the string).
+        texts = list(zip(self._closing_ids, CLOSING_TEXTS, strict=True))
+        self._closers = {
+            False: tuple(ids for ids, text in texts if not text.strip().isdigit()),
+            True: tuple(ids for ids, text in texts if text.strip() == '"'),
+        }
+        self._token_bytes = tokenizer.token_bytes
+        self._string = _JsonString()
+        self._filler = _single_character_tokens(tokenizer)
         self._plan: list[int] = []  # the rest of the forced or closing text being written
 
     @property
@@ -583,18 +643,14 @@ class GrammarConstraint:
         out on a copy of the grammar state (None: more than `limit`). Where no closing text
         fits, the copy takes the lowest allowed token, as a stand-in for the model's choice."""
         matcher = self._matcher.deep_copy()
+        string = self._string
         plan = list(self._plan)
         scratch = np.zeros_like(self._grammar_view)
         for steps in range(limit + 1):
             if matcher.is_accepting():
                 return steps
             if not plan:
-                plan = list(matcher.compute_ff_tokens()) or list(
-                    next(
-                        (i for i in self._closing_ids if matcher.validate_tokens(i) == len(i)),
-                        (),
-                    )
-                )
+                plan = list(matcher.compute_ff_tokens()) or self._next_closing(matcher, string)
             if plan:
                 token = plan.pop(0)
             else:
@@ -603,6 +659,7 @@ class GrammarConstraint:
                 token = int(np.argmax(bits))
             if not matcher.consume_token(token):
                 return None
+            string = string.after(self._token_bytes(token))
         return None
 
     def _closing_tokens(self) -> list[int]:
@@ -612,11 +669,52 @@ class GrammarConstraint:
         if self._matcher.is_accepting():
             return self._stop_ids
         if not self._plan:
-            for ids in self._closing_ids:
-                if self._matcher.validate_tokens(ids) == len(ids):
-                    self._plan = list(ids)
-                    break
+            self._plan = self._next_closing(self._matcher, self._string)
         return self._plan[:1]
+
+    def _next_closing(self, matcher: llguidance.LLMatcher, string: _JsonString) -> list[int]:
+        """What to write next towards the end from `matcher`'s state: a closing text that ends
+        something, else characters that lead to where one fits, else a digit (to start a
+        number); [] when none of them fits."""
+        closers = self._closers[string.inside]
+        for ids in closers:
+            if matcher.validate_tokens(ids) == len(ids):
+                return list(ids)
+        toward = self._toward_closing(matcher, closers)
+        if toward or string.inside:
+            return toward
+        for ids in self._closing_ids:
+            if matcher.validate_tokens(ids) == len(ids):
+                return list(ids)
+        return []
+
+    def _toward_closing(
+        self, matcher: llguidance.LLMatcher, closers: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Single characters that lead from `matcher`'s state to one where a closing text fits
+        (inside a string held to a format or a pattern, where a quote does not fit yet: an
+        email's `@`, a URI's `:`, the digits a pattern still needs), found by a beam search
+        that tries punctuation first; [] when none is found within its bounds."""
+        beam: list[tuple[llguidance.LLMatcher, list[int]]] = [(matcher, [])]
+        for _ in range(FILLER_DEPTH):
+            children = []
+            for state, path in beam:
+                taken = 0
+                for token in self._filler:
+                    if len(children) == FILLER_BEAM or taken == FILLER_BRANCHES:
+                        break
+                    if state.validate_tokens([token]) != 1:
+                        continue
+                    taken += 1
+                    child = state.deep_copy()
+                    child.consume_token(token)
+                    if any(child.validate_tokens(ids) == len(ids) for ids in closers):
+                        return [*path, token]
+                    children.append((child, [*path, token]))
+            if not children:
+                return []
+            beam = children
+        return []
 
     def consume(self, token: int) -> None:
         self.tokens.append(token)
@@ -631,6 +729,7 @@ class GrammarConstraint:
             return
         if token in self._stop_ids and self._matcher.is_accepting():
             return
+        self._string = self._string.after(self._token_bytes(token))
         if not self._matcher.consume_token(token):
             if self._matcher.is_error():
                 # The engine gave up on the grammar (an internal budget): the schema's fault.
