@@ -769,7 +769,10 @@ class ChatCompletions:
                 reasoning.append(delta.reasoning)
                 content.append(delta.content)
                 logprobs.extend(delta.logprobs)
-            calls = [ChatCompletionMessageToolCall.from_call(c) for c in pipeline.tool_calls]
+            # A call cut short by max_tokens may break its schema (a required parameter never
+            # written): it is not returned as if it could be run. (A stream has sent its pieces.)
+            complete = [c for c in pipeline.tool_calls if c.complete]
+            calls = [ChatCompletionMessageToolCall.from_call(c) for c in complete]
             text = "".join(content)
             message = ChatCompletionMessage(
                 content=text if text or not calls else None,
