@@ -245,6 +245,8 @@ def test_serve_wires_the_key_and_the_bound_host(
     monkeypatch.setattr(
         "lily.server._DrainingServer.run", lambda server, *a, **k: apps.append(server.config.app)
     )
+    # Nothing listens: the host is a made-up name (the port check is tested in test_cli.py).
+    monkeypatch.setattr("lily.server.check_port_free", lambda host, port: None)
     monkeypatch.setenv("LILY_API_KEY", "from-env")
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
