@@ -469,6 +469,28 @@ def test_the_closing_stretch_ends_strings_held_to_a_format_or_pattern(llm):
         checker.validate(value)
 
 
+def test_listed_values_are_written_and_read_back_as_listed(llm):
+    """A parameter listing its values through anyOf/oneOf of consts is a choice among them
+    (5,000 of them too: one lexeme, not 5,000 grammar alternatives in a row, which the engine
+    refuses), written raw for strings and read back as the string, not as a quoted JSON text."""
+    codes = [f"v{i}" for i in range(5000)]
+    parameters = {
+        "type": "object",
+        "properties": {
+            "code": {"anyOf": [{"const": c} for c in codes]},
+            "level": {"oneOf": [{"const": 1}, {"const": 2.5}, {"enum": [True, None]}]},
+        },
+        "required": ["code", "level"],
+    }
+    llm.engine.max_seq = 200_000  # the template lists every value in the prompt
+    for seed in range(4):
+        completion = create(llm, seed=seed, max_tokens=64, **forced_tool(parameters), **NO_THINKING)
+        [call] = completion.choices[0].message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert arguments["code"] in codes
+        assert arguments["level"] in (1, 2.5, True, None)
+
+
 def test_a_huge_non_strict_max_length_is_left_unchecked_not_refused(llm):
     tool = forced_tool(with_property({"type": "string", "maxLength": 5_000_000}))
     call = create(llm, seed=0, **tool, **NO_THINKING).choices[0].message.tool_calls[0]

@@ -356,6 +356,10 @@ def _tool_rules(tools: Sequence[Mapping[str, Any]], budget: _GrammarBudget) -> s
             if isinstance(rule, _RawText):
                 # A lazy lexeme: the value ends at the first `</parameter>` line.
                 rules += [f"{value}[lazy]: RAW_{i}_{j}", f"RAW_{i}_{j}: {rule.lexeme}"]
+            elif isinstance(rule, _Choices):
+                # One lexeme: thousands of alternatives in a grammar row would exceed the
+                # engine's items per row; in the lexer they are one regular expression.
+                rules += [f"{value}: CHOICE_{i}_{j}", f"CHOICE_{i}_{j}: {rule.alternatives}"]
             else:
                 rules.append(f"{value}: {rule}")
             tag = f"{PARAMETER_START}{key}>\n"
@@ -372,6 +376,11 @@ class _RawText:
     lexeme: str
 
 
+@dataclass(frozen=True)
+class _Choices:
+    alternatives: str
+
+
 def _value_rule(
     schema: Any,
     definitions: Mapping[str, Any],
@@ -379,7 +388,7 @@ def _value_rule(
     param: str,
     parameters_param: str,
     budget: _GrammarBudget,
-) -> str | _RawText:
+) -> str | _RawText | _Choices:
     """One parameter's value and the `</parameter>` line after it, as `ToolCallParser` reads
     it back: raw text for a string, JSON for anything else."""
     end = f"\n{PARAMETER_END}\n"
@@ -387,7 +396,7 @@ def _value_rule(
         schema = {}
     kinds = _json_types(schema)
     if kinds == {"string"}:
-        choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+        choices = _listed_values(schema)
         if choices is not None:
             for choice in choices:
                 tag = next((t for t in _TOOL_CALL_TAGS if t in str(choice)), None)
@@ -399,7 +408,7 @@ def _value_rule(
                     )
             rule = " | ".join(_lark_string(f"{c}{end}") for c in choices)
             budget.spend(rule, [(param, schema)])
-            return rule
+            return _Choices(rule)
         unsupported = [k for k in _RAW_STRING_CONSTRAINTS if k in schema]
         if unsupported and strict:
             raise UnsupportedSchemaError(
@@ -443,21 +452,21 @@ def _raw_text_rule(min_length: int, max_length: int | None, end: str) -> _RawTex
 
 
 def _json_types(schema: Mapping[str, Any]) -> set[str]:
-    """The JSON types a value of `schema` may have (all of them when the schema does not say)."""
+    """The JSON types a value of `schema` may have, as `lily.tool_calls` reads a parameter back:
+    a schema that names no type (`{}`, a `$ref`, bare `properties`) is read as JSON, so its
+    value is written as JSON ("other")."""
     declared = schema.get("type")
     if isinstance(declared, str):
         return {declared}
     if isinstance(declared, list):
         return set(declared)
-    for key in ("enum", "const"):
-        values = schema.get(key, [])
-        values = [values] if key == "const" else values
-        if values:
-            return {"string" if isinstance(v, str) else "other" for v in values}
+    values = _listed_values(schema)
+    if values:
+        return {"string" if isinstance(v, str) else "other" for v in values}
     members = [*schema.get("anyOf", []), *schema.get("oneOf", [])]
     if members:
         return set().union(*(_json_types(m) for m in members if isinstance(m, Mapping)))
-    return {"string", "other"}
+    return {"other"}
 
 
 def _single_character_tokens(tokenizer: Tokenizer) -> list[int]:
@@ -468,6 +477,22 @@ def _single_character_tokens(tokenizer: Tokenizer) -> list[int]:
         if len(ids) == 1:
             found.append(ids[0])
     return found
+
+
+def _listed_values(schema: Mapping[str, Any]) -> list[Any] | None:
+    """The values `schema` allows when it lists them: its `enum`, its `const`, or those of the
+    `anyOf`/`oneOf` members when every member lists its own; None otherwise."""
+    if isinstance(schema.get("enum"), list):
+        return schema["enum"]
+    if "const" in schema:
+        return [schema["const"]]
+    members = [*schema.get("anyOf", []), *schema.get("oneOf", [])]
+    if not members or not all(isinstance(m, Mapping) for m in members):
+        return None
+    listed = [_listed_values(m) for m in members]
+    if any(values is None for values in listed):
+        return None
+    return [v for values in listed for v in values]  # type: ignore[union-attr]
 
 
 def _lark_string(text: str) -> str:

@@ -83,12 +83,22 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+_JSON_TYPE_OF = {bool: "boolean", type(None): "null", dict: "object", list: "array", str: "string"}
+
+
 def _schema_types(schema: Mapping[str, Any]) -> list[str]:
     declared = schema.get("type")
     if isinstance(declared, str):
         return [declared]
     if isinstance(declared, list):
         return [t for t in declared if isinstance(t, str)]
+    listed = schema["enum"] if isinstance(schema.get("enum"), list) else None
+    if "const" in schema:
+        listed = [schema["const"]]
+    if listed is not None:
+        # The types of the values a schema lists, as the output grammar reads them.
+        return sorted({_JSON_TYPE_OF.get(type(v), "string" if isinstance(v, str) else "number")
+                       for v in listed})  # fmt: skip
     types: list[str] = []
     for key in ("anyOf", "oneOf"):
         for member in schema.get(key, []):
