@@ -175,6 +175,23 @@ def _check_text_is_unicode(document: Any) -> None:
 def parse_chat_request(body: bytes) -> dict[str, Any]:
     """The request's fields, checked for JSON shape and types; null fields are dropped (they
     mean "the default" in the OpenAI API)."""
+    request = parse_json_body(body)
+    for name, schema in CHAT_REQUEST_SCHEMA["properties"].items():
+        if name not in request:
+            continue
+        value = request[name]
+        # JSON has one number type: 2.0 is as much an integer as 2 (JSON Schema agrees).
+        if "integer" in schema.get("type", ()) and isinstance(value, float) and value.is_integer():
+            value = request[name] = int(value)
+        validate(value, schema, name)
+    if "messages" not in request:
+        raise APIError(400, "messages is required", param="messages", code="missing_required")
+    return request
+
+
+def parse_json_body(body: bytes) -> dict[str, Any]:
+    """A request body's JSON object, its text checked to be valid Unicode; null fields are
+    dropped (they mean "the default")."""
     try:
         document = json.loads(body, parse_constant=_reject_constant)
     except RecursionError:
@@ -189,18 +206,7 @@ def parse_chat_request(body: bytes) -> dict[str, Any]:
             code="invalid_json",
         )
     _check_text_is_unicode(document)
-    request = {name: value for name, value in document.items() if value is not None}
-    for name, schema in CHAT_REQUEST_SCHEMA["properties"].items():
-        if name not in request:
-            continue
-        value = request[name]
-        # JSON has one number type: 2.0 is as much an integer as 2 (JSON Schema agrees).
-        if "integer" in schema.get("type", ()) and isinstance(value, float) and value.is_integer():
-            value = request[name] = int(value)
-        validate(value, schema, name)
-    if "messages" not in request:
-        raise APIError(400, "messages is required", param="messages", code="missing_required")
-    return request
+    return {name: value for name, value in document.items() if value is not None}
 
 
 # --- The engine worker ------------------------------------------------------------------------
@@ -432,12 +438,43 @@ class Server:
             return
         # Starlette decodes header values as Latin-1: encoding back gives the bytes sent.
         authorization = request.headers.get("authorization", "").encode("latin-1")
+        # The anthropic SDK sends the key as `x-api-key: KEY` instead.
+        x_api_key = request.headers.get("x-api-key")
+        if x_api_key is not None and not authorization:
+            authorization = b"Bearer " + x_api_key.encode("latin-1")
         if not bearer_key_matches(authorization, self.api_key):
             raise APIError(
                 401,
-                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                "missing or incorrect API key: send 'Authorization: Bearer <key>' "
+                "or 'x-api-key: <key>'",
                 code="invalid_api_key",
             )
+
+    async def run_job(self, request: Request, checked: ChatRequest) -> tuple[Job, Any]:
+        """Queues a checked request for the engine and waits for its first event (a
+        ChatCompletion, or a stream's first chunk): what the other APIs
+        (`lily.api_routes`) translate. Raises APIError when the queue is full or the server
+        is stopping, the request's own failure, or ClientGone."""
+        job = Job(checked, asyncio.get_running_loop())
+        request.state.generation = job  # its stats go into the request's log line
+        try:
+            self.worker.submit(job)
+        except ShuttingDownError:
+            raise _shutting_down() from None
+        except QueueFullError as exc:
+            raise APIError(
+                503,
+                str(exc),
+                error_type="server_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
+        first = await _first_event_or_disconnect(request, job, self.worker)
+        if isinstance(first, ShuttingDownError):
+            raise _shutting_down()
+        if isinstance(first, BaseException):
+            raise first
+        return job, first
 
     async def chat_completions(self, request: Request) -> Response:
         self._check_api_key(request)
@@ -605,6 +642,11 @@ def create_app(
         Route("/health", _guarded(server.health), methods=["GET"]),
         Route("/openapi.json", _guarded(server.openapi), methods=["GET"]),
     ]
+    # The other APIs (Anthropic Messages, OpenAI Responses, legacy completions), each
+    # translated onto the chat path's request model.
+    from lily.api_routes import api_routes
+
+    routes += api_routes(server)
     app = Starlette(
         routes=routes,
         lifespan=lifespan,

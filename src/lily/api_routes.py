@@ -1,0 +1,101 @@
+"""The HTTP side of Lily's other APIs: legacy completions (`lily.completions_api`), ...
+
+Each API only translates: its request becomes the chat path's `ChatRequest` (checked by
+`lily.chat.parse_request`, the one validation), the engine worker runs it as it runs a chat
+completion, and the ChatCompletion or the stream of chunks it produces is translated back into
+the API's own objects and events. Queueing, cancellation when the client leaves, the request
+log and the shutdown drain are the chat route's (`Server.run_job`); errors keep their status
+and take the API's own shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from lily import completions_api
+from lily.api_translation import API, Translation
+from lily.server import (
+    _DONE,
+    ClientGone,
+    ShuttingDownError,
+    _as_api_error,
+    _read_body,
+    _shutting_down,
+    parse_json_body,
+)
+
+if TYPE_CHECKING:
+    from lily.server import Job, Server
+
+
+def _error_response(api: API, exc: BaseException) -> Response:
+    error = _as_api_error(exc)
+    return JSONResponse(api.error_body(error), status_code=error.status, headers=error.headers)
+
+
+async def _checked_params(server: Server, request: Request) -> dict[str, Any]:
+    server._check_api_key(request)
+    body = await _read_body(request, server.max_body_bytes)
+    return await asyncio.to_thread(parse_json_body, body)
+
+
+def _generation_route(server: Server, api: API) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            params = await _checked_params(server, request)
+            translation = api.translate(params, server.llm)
+            job, first = await server.run_job(request, translation.request)
+            if not translation.request.stream:
+                return JSONResponse(translation.complete(first))
+            return StreamingResponse(
+                _stream(server, job, first, translation),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=499)  # nobody reads it; what nginx logs for this
+        except Exception as exc:
+            return _error_response(api, exc)
+
+    return endpoint
+
+
+async def _stream(
+    server: Server, job: Job, first: Any, translation: Translation
+) -> AsyncIterator[bytes]:
+    """The translated events; when the client leaves, Starlette cancels this generator and the
+    `finally` stops the generation."""
+    try:
+        event = first
+        while event is not _DONE:
+            if isinstance(event, ShuttingDownError):
+                for data in translation.failed(_shutting_down()):
+                    yield data
+                return
+            if isinstance(event, BaseException):
+                for data in translation.failed(_as_api_error(event)):
+                    yield data
+                return
+            for data in translation.events(event):
+                yield data
+            event = await job.next_event()
+        for data in translation.end():
+            yield data
+    finally:
+        server.worker.withdraw(job)
+
+
+def api_routes(server: Server) -> list[Route]:
+    return [
+        Route(
+            "/v1/completions",
+            _generation_route(server, completions_api.API),
+            methods=["POST"],
+        ),
+    ]
