@@ -10,13 +10,17 @@ The demo on the sim takes about 0.1 s per token, so answers are a few tokens lon
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
+from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from openai.types import Completion
+from pydantic import TypeAdapter
 from test_api import ROOT, python_blocks, run_python
 from test_server import RunningServer
 
@@ -24,7 +28,7 @@ import lily
 from lily.api import Lily
 from lily.server import create_app
 
-MAX_SEQ = 128
+MAX_SEQ = 384  # a prompt with tools is about 200 tokens
 MODEL = "demo"
 
 
@@ -186,6 +190,260 @@ def test_completion_of_another_model_is_a_404(server: RunningServer) -> None:
     r = post(server, "/v1/completions", {"model": "gpt-4", "prompt": "a"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert json.loads(r.text)["error"]["param"] == "model"
+
+
+# --- /v1/messages ------------------------------------------------------------------------------
+
+GREEDY = {"temperature": 0}  # the anthropic SDK sends sampling fields through extra_body
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+    },
+}
+STREAM_EVENT = TypeAdapter(RawMessageStreamEvent)
+
+
+def claude(server: RunningServer, **kwargs: Any) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=kwargs.pop("api_key", "none"), **kwargs)
+
+
+def raw_events(server: RunningServer, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(event name, data) of a streamed /v1/messages answer, each data validated as the SDK's
+    stream event type."""
+    events = []
+    with httpx.stream(
+        "POST", f"{server.url}/v1/messages", json={**body, "stream": True}, timeout=120
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                data = json.loads(line[len("data: ") :])
+                assert data["type"] == name
+                STREAM_EVENT.validate_python(data)
+                events.append((name, data))
+    return events
+
+
+def event_grammar(events: list[tuple[str, dict[str, Any]]]) -> str:
+    """The event names as one letter each: s(tart) b(lock start) d(elta) e(nd of block)
+    m(essage delta) x (message stop)."""
+    letters = {
+        "message_start": "s",
+        "content_block_start": "b",
+        "content_block_delta": "d",
+        "content_block_stop": "e",
+        "message_delta": "m",
+        "message_stop": "x",
+    }
+    return "".join(letters[name] for name, _ in events)
+
+
+def test_message_is_the_chat_answer(server: RunningServer, facade: Lily) -> None:
+    r = claude(server).messages.create(
+        model=MODEL,
+        max_tokens=5,
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Hi there"}],
+        metadata={"user_id": "user-1"},
+        extra_body=GREEDY,
+    )
+    Message.model_validate(r.model_dump())
+    chat = facade.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi there"},
+        ],
+        max_tokens=5,
+        **GREEDY,
+        **NO_THINKING,
+    )
+    assert [b.type for b in r.content] == ["text"]
+    assert r.content[0].text == chat.choices[0].message.content
+    assert r.stop_reason == "max_tokens" and r.stop_sequence is None and r.role == "assistant"
+    usage = r.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == chat.usage.prompt_tokens
+    assert usage.output_tokens == 5 and usage.cache_creation_input_tokens == 0
+
+
+def test_streamed_message_follows_anthropics_event_sequence(server: RunningServer) -> None:
+    body = {
+        "model": MODEL,
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Tell me a story"}]}],
+        **GREEDY,
+    }
+    whole = claude(server).messages.create(**{k: v for k, v in body.items() if k != "temperature"},
+                                           extra_body=GREEDY)  # fmt: skip
+    events = raw_events(server, body)
+    assert re.fullmatch(r"sbd+emx", event_grammar(events)), event_grammar(events)
+    text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
+    assert text == whole.content[0].text
+    delta = events[-2][1]
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == 5
+    assert delta["usage"]["input_tokens"] + delta["usage"]["cache_read_input_tokens"] == (
+        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    )
+    # The SDK's own stream helper assembles the same message.
+    with claude(server).messages.stream(
+        model=MODEL, max_tokens=5, messages=body["messages"], extra_body=GREEDY
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].text == whole.content[0].text and final.stop_reason == "max_tokens"
+
+
+def test_stop_sequence_is_named(server: RunningServer) -> None:
+    client = claude(server)
+    args = {"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": "Count"}]}
+    text = client.messages.create(**args, extra_body=GREEDY).content[0].text
+    stop = text[len(text) // 2 :][:2]
+    assert stop.strip(), text
+    r = client.messages.create(**args, stop_sequences=[stop], extra_body=GREEDY)
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence == stop
+    assert r.content[0].text == text[: text.index(stop)]
+
+
+def test_thinking_budget_is_the_reasoning_budget(server: RunningServer, facade: Lily) -> None:
+    r = claude(server).messages.create(
+        model=MODEL,
+        max_tokens=7,
+        messages=[{"role": "user", "content": "Why?"}],
+        thinking={"type": "enabled", "budget_tokens": 3},
+        extra_body=GREEDY,
+    )
+    Message.model_validate(r.model_dump())
+    chat = facade.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Why?"}], max_tokens=7,
+        reasoning_budget=3, **GREEDY,
+    )  # fmt: skip
+    message = chat.choices[0].message
+    assert [b.type for b in r.content] == ["thinking", "text"]
+    assert r.content[0].thinking == message.reasoning_content and r.content[0].signature == ""
+    assert r.content[1].text == message.content
+
+
+def test_forced_tool_call_then_its_result(server: RunningServer) -> None:
+    client = claude(server)
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    r = client.messages.create(
+        model=MODEL,
+        max_tokens=40,
+        messages=ask,
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        extra_body=GREEDY,
+    )
+    Message.model_validate(r.model_dump())
+    assert r.stop_reason == "tool_use"
+    [call] = r.content
+    assert call.type == "tool_use" and call.name == "get_weather"
+    assert set(call.input) == {"city"} and isinstance(call.input["city"], str)
+    # count_tokens measures the prompt the request was fed.
+    counted = client.messages.count_tokens(model=MODEL, messages=ask, tools=[WEATHER])
+    MessageTokensCount.model_validate(counted.model_dump())
+    assert counted.input_tokens == r.usage.input_tokens + r.usage.cache_read_input_tokens
+    # The call and its result go back as Anthropic blocks; the next turn answers.
+    turns = [
+        *ask,
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 21 C"},
+            {"type": "text", "text": "Thanks"},
+        ]},
+    ]  # fmt: skip
+    follow = client.messages.create(
+        model=MODEL, max_tokens=2, messages=turns, tools=[WEATHER], extra_body=GREEDY
+    )
+    assert follow.stop_reason == "max_tokens"
+    # The first turn's conversation (up to its generation prompt) is reused from the cache.
+    assert counted.input_tokens - 10 < follow.usage.cache_read_input_tokens < counted.input_tokens
+    counted_follow = client.messages.count_tokens(model=MODEL, messages=turns, tools=[WEATHER])
+    assert counted_follow.input_tokens == (
+        follow.usage.input_tokens + follow.usage.cache_read_input_tokens
+    )
+
+
+def test_streamed_forced_tool_call(server: RunningServer) -> None:
+    events = raw_events(
+        server,
+        {
+            "model": MODEL,
+            "max_tokens": 40,
+            "messages": [{"role": "user", "content": "Weather in Rome?"}],
+            "tools": [WEATHER],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            **GREEDY,
+        },
+    )
+    assert re.fullmatch(r"sbd+emx", event_grammar(events)), event_grammar(events)
+    block = events[1][1]["content_block"]
+    assert block["type"] == "tool_use" and block["name"] == "get_weather" and block["input"] == {}
+    partial = "".join(d["delta"]["partial_json"] for n, d in events if n == "content_block_delta")
+    assert set(json.loads(partial)) == {"city"}
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "kind", "words"),
+    [
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+         400, "invalid_request_error", "'image'"),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+         400, "invalid_request_error", "'document'"),
+        ({"mcp_servers": []}, 400, "invalid_request_error", "mcp_servers"),
+        ({"output_config": {"effort": "high"}},
+         400, "invalid_request_error", "output_config.effort"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+         400, "invalid_request_error", "tools[0].type"),
+        ({"thinking": {"type": "enabled"}}, 400, "invalid_request_error", "budget_tokens"),
+        ({"model": "claude-sonnet-4-5"}, 404, "not_found_error", "claude-sonnet-4-5"),
+        ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
+    ],
+)  # fmt: skip
+def test_message_errors_are_anthropic_shaped(
+    server: RunningServer, body: dict[str, Any], status: int, kind: str, words: str
+) -> None:
+    request = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    r = post(server, "/v1/messages", {**request, **body})
+    assert r.status_code == status, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind
+    assert words in r.json()["error"]["message"]
+    assert set(r.json()["error"]) == {"type", "message"}
+
+
+def test_message_errors_through_the_sdk(server: RunningServer) -> None:
+    client = claude(server, max_retries=0)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    with pytest.raises(anthropic.BadRequestError, match="image"):
+        client.messages.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [image]}]
+        )
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(
+            model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+        )
+
+
+def test_x_api_key_and_bearer_are_both_accepted(served_llm: Lily) -> None:
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    with RunningServer(create_app(served_llm, api_key="sesame")) as locked:
+        assert claude(locked, api_key="sesame").messages.count_tokens(**ask).input_tokens > 0
+        bearer = claude(locked, api_key=None, auth_token="sesame")
+        assert bearer.messages.count_tokens(**ask).input_tokens > 0
+        with pytest.raises(anthropic.AuthenticationError) as refused:
+            claude(locked, api_key="wrong", max_retries=0).messages.count_tokens(**ask)
+        assert refused.value.body["error"]["type"] == "authentication_error"
+        r = post(locked, "/v1/completions", {"prompt": "a", "max_tokens": 1}, **{"x-api-key": "no"})
+        assert r.status_code == 401
 
 
 # --- docs/server.md ----------------------------------------------------------------------------

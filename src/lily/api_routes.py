@@ -1,4 +1,5 @@
-"""The HTTP side of Lily's other APIs: legacy completions (`lily.completions_api`), ...
+"""The HTTP side of Lily's other APIs: legacy completions (`lily.completions_api`) and Anthropic
+Messages (`lily.anthropic_messages`).
 
 Each API only translates: its request becomes the chat path's `ChatRequest` (checked by
 `lily.chat.parse_request`, the one validation), the engine worker runs it as it runs a chat
@@ -18,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lily import completions_api
+from lily import anthropic_messages, completions_api
 from lily.api_translation import API, Translation
 from lily.server import (
     _DONE,
@@ -91,6 +92,24 @@ async def _stream(
         server.worker.withdraw(job)
 
 
+def _count_tokens_route(server: Server) -> Callable[[Request], Awaitable[Response]]:
+    api = anthropic_messages.API
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            params = await _checked_params(server, request)
+            checked = anthropic_messages.count_tokens_request(params, server.llm)
+            # Rendering and tokenizing touch no engine state: off the loop, not queued.
+            count = await asyncio.to_thread(
+                server.llm.chat.completions.count_prompt_tokens, checked
+            )
+            return JSONResponse({"input_tokens": count})
+        except Exception as exc:
+            return _error_response(api, exc)
+
+    return endpoint
+
+
 def api_routes(server: Server) -> list[Route]:
     return [
         Route(
@@ -98,4 +117,10 @@ def api_routes(server: Server) -> list[Route]:
             _generation_route(server, completions_api.API),
             methods=["POST"],
         ),
+        Route(
+            "/v1/messages",
+            _generation_route(server, anthropic_messages.API),
+            methods=["POST"],
+        ),
+        Route("/v1/messages/count_tokens", _count_tokens_route(server), methods=["POST"]),
     ]
