@@ -20,6 +20,7 @@ import openai
 import pytest
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from openai.types import Completion
+from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 from test_api import ROOT, python_blocks, run_python
 from test_server import RunningServer
@@ -444,6 +445,183 @@ def test_x_api_key_and_bearer_are_both_accepted(served_llm: Lily) -> None:
         assert refused.value.body["error"]["type"] == "authentication_error"
         r = post(locked, "/v1/completions", {"prompt": "a", "max_tokens": 1}, **{"x-api-key": "no"})
         assert r.status_code == 401
+
+
+# --- /v1/responses -----------------------------------------------------------------------------
+
+RESPONSE_EVENT = TypeAdapter(ResponseStreamEvent)
+WEATHER_FUNCTION = {
+    "type": "function",
+    "name": WEATHER["name"],
+    "description": WEATHER["description"],
+    "parameters": WEATHER["input_schema"],
+    "strict": True,
+}
+
+
+def validated_response(r: Any) -> Response:
+    """The SDK builds its objects without validating them: validate the dump (by alias: the
+    SDK's field for `schema` is `schema_`)."""
+    return Response.model_validate(r.model_dump(by_alias=True))
+
+
+def test_response_is_the_chat_answer(server: RunningServer, facade: Lily) -> None:
+    r = server.client().responses.create(
+        model=MODEL,
+        instructions="Be brief.",
+        input="Hi there",
+        max_output_tokens=5,
+        temperature=0,
+        reasoning={"effort": "none"},
+        store=False,
+    )
+    validated_response(r)
+    chat = facade.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Hi there"}],
+        max_tokens=5, reasoning_effort="none", **GREEDY,
+    )  # fmt: skip
+    assert r.output_text == chat.choices[0].message.content
+    assert [item.type for item in r.output] == ["message"]
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == 5
+    assert r.usage.total_tokens == r.usage.input_tokens + 5
+
+
+def test_reasoning_comes_back_as_a_reasoning_item(server: RunningServer, facade: Lily) -> None:
+    r = server.client().responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Why?"}]}],
+        max_output_tokens=7,
+        temperature=0,
+        reasoning={"effort": "low", "summary": "auto"},
+        extra_body={"reasoning_budget": 3},
+    )
+    validated_response(r)
+    chat = facade.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Why?"}], max_tokens=7,
+        reasoning_budget=3, **GREEDY,
+    )  # fmt: skip
+    message = chat.choices[0].message
+    reasoning, answer = r.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == message.reasoning_content
+    assert reasoning.summary[0].text == message.reasoning_content  # the thinking itself
+    assert answer.type == "message" and r.output_text == message.content
+    assert r.usage.output_tokens_details.reasoning_tokens == 3
+
+
+def test_streamed_response_events(server: RunningServer) -> None:
+    client = server.client()
+    args = {"model": MODEL, "input": "Tell me a story", "max_output_tokens": 5, "temperature": 0,
+            "reasoning": {"effort": "none"}}  # fmt: skip
+    whole = client.responses.create(**args)
+    events = list(client.responses.create(**args, stream=True))
+    for event in events:
+        RESPONSE_EVENT.validate_python(event.model_dump(by_alias=True))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 1 and kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * deltas,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == 5
+
+
+def test_forced_function_call_streamed_then_its_output(server: RunningServer) -> None:
+    client = server.client()
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    events = list(
+        client.responses.create(
+            model=MODEL,
+            input=ask,
+            tools=[WEATHER_FUNCTION],
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=40,
+            temperature=0,
+            reasoning={"effort": "none"},
+            stream=True,
+        )
+    )
+    for event in events:
+        RESPONSE_EVENT.validate_python(event.model_dump(by_alias=True))
+    final = validated_response(events[-1].response)
+    assert events[-1].type == "response.completed" and final.status == "completed"
+    [call] = final.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    streamed = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta"
+    )
+    assert streamed == call.arguments and set(json.loads(call.arguments)) == {"city"}
+    # The call and its output go back as items; the first exchange is reused from the cache.
+    follow = client.responses.create(
+        model=MODEL,
+        input=[
+            *ask,
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"},
+        ],
+        tools=[WEATHER_FUNCTION],
+        max_output_tokens=2,
+        temperature=0,
+        reasoning={"effort": "none"},
+    )  # fmt: skip
+    validated_response(follow)
+    assert follow.usage.input_tokens_details.cached_tokens > final.usage.input_tokens // 2
+
+
+def test_json_schema_text_format_is_enforced(server: RunningServer) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    r = server.client().responses.create(
+        model=MODEL,
+        input="Pick a number",
+        text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}},
+        max_output_tokens=20,
+        temperature=0,
+        reasoning={"effort": "none"},
+    )
+    validated_response(r)
+    assert r.status == "completed"
+    value = json.loads(r.output_text)
+    assert set(value) == {"n"} and 0 <= value["n"] <= 99
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"store": True}, 400, "store"),
+        ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         400, "input[0].content[0].type"),
+        ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
+        ({"background": True}, 400, "background"),
+        ({"model": "gpt-5"}, 404, "model"),
+        ({"max_output_tokens": 0}, 400, "max_tokens"),
+    ],
+)  # fmt: skip
+def test_response_requests_refused_by_name(
+    server: RunningServer, body: dict[str, Any], status: int, param: str
+) -> None:
+    r = post(server, "/v1/responses", {"model": MODEL, "input": "Hi", **body})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
 
 
 # --- docs/server.md ----------------------------------------------------------------------------

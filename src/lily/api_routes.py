@@ -1,5 +1,5 @@
-"""The HTTP side of Lily's other APIs: legacy completions (`lily.completions_api`) and Anthropic
-Messages (`lily.anthropic_messages`).
+"""The HTTP side of Lily's other APIs: legacy completions (`lily.completions_api`), Anthropic
+Messages (`lily.anthropic_messages`) and OpenAI Responses (`lily.responses_api`).
 
 Each API only translates: its request becomes the chat path's `ChatRequest` (checked by
 `lily.chat.parse_request`, the one validation), the engine worker runs it as it runs a chat
@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lily import anthropic_messages, completions_api
+from lily import anthropic_messages, completions_api, responses_api
 from lily.api_translation import API, Translation
 from lily.server import (
     _DONE,
@@ -123,4 +123,9 @@ def api_routes(server: Server) -> list[Route]:
             methods=["POST"],
         ),
         Route("/v1/messages/count_tokens", _count_tokens_route(server), methods=["POST"]),
+        Route(
+            "/v1/responses",
+            _generation_route(server, responses_api.API),
+            methods=["POST"],
+        ),
     ]
