@@ -8,18 +8,30 @@ It starts `lily serve --model demo` itself (twice: each run ends by a signal) an
    senders, a slow reader, clients that disconnect mid-request (half a body sent), mid-prompt
    (a stream during its prefill), mid-stream and while queued, bodies declared or sent over
    the size limit, malformed JSON, invalid UTF-8, a lone surrogate, a message far over the
-   context, bytes that are not HTTP. Every answer must be the documented one: no 5xx but the
-   documented 503s (`queue_full`, JSON with Retry-After), and the server still running;
+   context, bytes that are not HTTP, a forced tool call whose parameter has a 60,000-value enum
+   (1 MB of grammar), too many messages, tool calls or tools, a client that sends nothing and
+   one whose body stalls. Every answer must be the documented one: no 5xx but the documented
+   503s (`queue_full`, JSON with Retry-After), and the server still running; the queue holds
+   every connection, so each case reaches the engine's checks (not only the 503 path), and
+   `/health`, polled throughout, answers within `--health-within` seconds (a grammar compiled
+   on the event loop once froze it for 25 s);
 3. the engine is idle within `--idle-within` seconds of the last client leaving;
 4. the server's resident memory grew by less than `--max-rss-growth-mib` over the abuse;
 5. the fixed-seed request is answered exactly as before;
 6. SIGTERM while requests run and wait: each gets a complete answer, a stream ending with the
    `shutting_down` error event and `data: [DONE]`, or the JSON 503; the process exits 0
    without "terminate called" or a traceback; a second server answers the fixed-seed request
-   the same, then gets SIGINT under load with the same checks.
+   the same, then gets SIGINT under load with the same checks;
+7. the on-disk prefix cache (`--cache-dir`): a server saves conversations' prefixes and stops;
+   their files are broken (a FIFO, a link to a 1 GiB file, a damaged file, a forged header, a
+   state relabelled as another prompt's with a fresh unkeyed checksum, a directory under a
+   file's name, a stale temporary file); a new server answers every conversation exactly as the
+   first did, without a 5xx, a hang, a traceback or the memory of reading the 1 GiB; then its
+   directory is deleted: still answered, and the directory is made again.
 
 Everything is bounded: the number of connections, each client's time, and `--time-limit` for
-the whole run. `--quick` is the reduced version the test suite runs (16 connections).
+the whole run. `--quick` is the reduced version the test suite runs (24 connections: every kind
+of client at least once).
 
     python benchmarks/abuse.py            # the full run (200 connections; the sim is slow)
     python benchmarks/abuse.py --quick    # about a minute
@@ -32,6 +44,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,9 +60,11 @@ from typing import Any
 # cancelled request frees the engine soon; a small default completion bounds forgotten clients.
 MAX_SEQ = 256
 PREFILL_CHUNK = 16
-QUEUE_LIMIT = 8
 MAX_TOKENS_DEFAULT = 8
 SHUTDOWN_GRACE = 1.0
+# Short read timeouts, so that the silent and stalled clients are cut off within the run.
+HEADER_TIMEOUT = 2.0
+BODY_TIMEOUT = 4.0
 BODY_LIMIT = 8 * 1024 * 1024  # the server's default --max-body-bytes
 FIXED_SEED = {"temperature": 0.8, "seed": 4242, "max_tokens": 3}
 LONG_PROMPT = "Listen to all of this before you answer: " + "one two three four five six " * 10
@@ -235,15 +250,16 @@ def free_port() -> int:
 class Server:
     """`lily serve --model demo` in a child process, its stderr kept in a file."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, extra: tuple[str, ...] = ()):
         self.port = free_port()
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed with the server)
         command = [
             sys.executable, "-m", "lily.cli", "serve", "--model", "demo", "--device", args.device,
             "--port", str(self.port), "--max-seq", str(MAX_SEQ),
-            "--prefill-chunk", str(PREFILL_CHUNK), "--queue-limit", str(QUEUE_LIMIT),
+            "--prefill-chunk", str(PREFILL_CHUNK), "--queue-limit", str(args.connections),
             "--max-tokens-default", str(MAX_TOKENS_DEFAULT),
-            "--shutdown-grace", str(SHUTDOWN_GRACE), "--log-level", "warning",
+            "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
+            "--shutdown-grace", str(SHUTDOWN_GRACE), "--log-level", "warning", *extra,
         ]  # fmt: skip
         env = {name: value for name, value in os.environ.items() if name != "LILY_API_KEY"}
         self.process = subprocess.Popen(command, env=env, stderr=self.log)
@@ -304,6 +320,39 @@ async def fixed_seed_answer(server: Server) -> str:
     return json.dumps([message.get("content"), message.get("reasoning_content")])
 
 
+def forced_enum_call(values: int) -> bytes:
+    """A forced call of a tool whose one string parameter has `values` allowed values."""
+    parameters = {
+        "type": "object",
+        "properties": {"pick": {"type": "string", "enum": [f"v{i}" for i in range(values)]}},
+        "required": ["pick"],
+    }
+    return chat_body(
+        "Pick one",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+        tool_choice={"type": "function", "function": {"name": "f"}},
+        max_tokens=4,
+    )
+
+
+def many_tool_calls(count: int) -> bytes:
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        for i in range(count)
+    ]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "user", "content": "b"},
+    ]
+    return json.dumps({"messages": messages, "max_tokens": 1}).encode()
+
+
+def many_tools(count: int) -> bytes:
+    tools = [{"type": "function", "function": {"name": f"t{i}"}} for i in range(count)]
+    return chat_body("a", tools=tools, max_tokens=1)
+
+
 def abuse_clients(port: int, connections: int) -> list[Awaitable[Answer]]:
     """`connections` clients, cycling through the kinds of abuse."""
     short = {"max_tokens": 2, "temperature": 0}
@@ -360,6 +409,18 @@ def abuse_clients(port: int, connections: int) -> list[Awaitable[Answer]]:
             chat_body(f"Read me slowly {i}", stream=True, max_tokens=4, temperature=0),
             read_delay=0.3,
         ),
+        lambda i: exchange(port, "huge enum", forced_enum_call(60_000)),
+        lambda i: exchange(
+            port,
+            "many messages",
+            json.dumps({"messages": [{"role": "user", "content": "a"}] * 5000}).encode(),
+        ),
+        lambda i: exchange(port, "many tool calls", many_tool_calls(2000)),
+        lambda i: exchange(port, "many tools", many_tools(200)),
+        lambda i: exchange(port, "silent client", b"", head=b""),
+        lambda i: exchange(
+            port, "stalled body", b'{"messages": ', head=_request_head(100), read_delay=0
+        ),
         lambda i: exchange(
             port,
             "sent oversized",
@@ -389,6 +450,22 @@ EXPECTED: dict[str, set[int | str]] = {
     "not HTTP": {400, "dropped"},
     "slow reader": {200},
     "sent oversized": {413, "dropped"},
+    "huge enum": {400},
+    "many messages": {400},
+    "many tool calls": {400},
+    "many tools": {400},
+    "silent client": {408, "dropped"},
+    "stalled body": {408},
+}
+# The error code of each kind's 4xx answer, where it is one.
+EXPECTED_CODES = {
+    "far over the context": "context_length_exceeded",
+    "huge enum": "unsupported_schema",
+    "many messages": "array_above_max_length",
+    "many tool calls": "array_above_max_length",
+    "many tools": "array_above_max_length",
+    "silent client": "request_timeout",
+    "stalled body": "request_timeout",
 }
 
 
@@ -407,8 +484,9 @@ def check_answer(answer: Answer, problems: list[str]) -> None:
         return
     if outcome not in EXPECTED[answer.kind]:
         problems.append(f"{answer.kind}: got {outcome}, expected one of {EXPECTED[answer.kind]}")
-    if answer.kind == "far over the context" and answer.error_code() != "context_length_exceeded":
-        problems.append(f"far over the context: {answer.body[:200]!r}")
+    code = EXPECTED_CODES.get(answer.kind)
+    if code is not None and answer.status is not None and answer.error_code() != code:
+        problems.append(f"{answer.kind}: not {code}: {answer.body[:200]!r}")
     if answer.kind == "no max_tokens" and answer.status == 200:
         produced = json.loads(answer.body)["usage"]["completion_tokens"]
         if produced > MAX_TOKENS_DEFAULT:
@@ -416,6 +494,15 @@ def check_answer(answer: Answer, problems: list[str]) -> None:
     streamed = answer.status == 200 and answer.content_type.startswith("text/event-stream")
     if streamed and answer.ended == "answered" and answer.events[-1:] != ["data: [DONE]"]:
         problems.append(f"{answer.kind}: a stream that did not end with [DONE]")
+
+
+async def poll_health(server: Server, latencies: list[float]) -> None:
+    """Asks /health every 0.1 s until cancelled, noting how long each answer took."""
+    while True:
+        started = time.monotonic()
+        if await server.health() is not None:
+            latencies.append(time.monotonic() - started)
+        await asyncio.sleep(0.1)
 
 
 async def wait_idle(server: Server, within: float) -> float:
@@ -438,9 +525,16 @@ async def wait_idle(server: Server, within: float) -> float:
 async def abuse(server: Server, args: argparse.Namespace) -> None:
     before = server.rss_mib()
     started = time.monotonic()
-    answers = await asyncio.gather(*abuse_clients(server.port, args.connections))
+    latencies: list[float] = []
+    polling = asyncio.ensure_future(poll_health(server, latencies))
+    try:
+        answers = await asyncio.gather(*abuse_clients(server.port, args.connections))
+    finally:
+        polling.cancel()
     last_client_left = time.monotonic()
     print(f"abuse: {len(answers)} connections in {last_client_left - started:.1f} s", flush=True)
+    slowest = max(latencies, default=0.0)
+    print(f"abuse: /health answered {len(latencies)} times, the slowest in {slowest:.2f} s")
     tally = Counter(
         (a.kind, a.status if a.status is not None and a.ended != "left" else a.ended)
         for a in answers
@@ -450,6 +544,11 @@ async def abuse(server: Server, args: argparse.Namespace) -> None:
     problems: list[str] = []
     for answer in answers:
         check_answer(answer, problems)
+    if slowest > args.health_within:
+        problems.append(f"/health took {slowest:.1f} s to answer (> {args.health_within})")
+    refused = sum(a.error_code() == "queue_full" for a in answers)
+    if refused:
+        problems.append(f"{refused} request(s) got queue_full: the queue should hold them all")
     if server.process.poll() is not None:
         problems.append(f"the server exited with {server.process.returncode}")
     if "Traceback" in server.stderr():
@@ -527,7 +626,136 @@ async def signal_under_load(server: Server, sig: signal.Signals) -> None:
     print(f"{sig.name}: {Counter((a.kind, a.status, a.ended) for a in answers)}; exit 0")
 
 
+# --- the on-disk prefix cache ------------------------------------------------------------------
+
+CACHE_MIN_TOKENS = 16
+# Conversations of one message each, of equal length: each saves one prefix file.
+CACHE_CONVERSATIONS = [f"Cache case {i}: tell me about the number {i}." for i in range(1, 8)]
+CACHE_FAULTS = ["fifo", "link", "damaged", "deep header", "relabelled", "directory", "intact"]
+
+
+async def _cached_answer(server: Server, content: str, within: float = 120.0) -> str:
+    """The fixed-seed answer to one message; fails on anything but a 200 within `within` s."""
+    try:
+        answer = await asyncio.wait_for(
+            exchange(server.port, "cache", chat_body(content, **FIXED_SEED)), within
+        )
+    except TimeoutError:
+        raise Failure(f"cache: no answer to {content!r} within {within:.0f} s") from None
+    if answer.status != 200:
+        raise Failure(f"cache: {content!r} got {answer.status} {answer.body[:300]!r}")
+    return json.loads(answer.body)["choices"][0]["message"]["content"] or ""
+
+
+async def _new_prefix_file(directory: str, before: set[str]) -> str:
+    """The name of the file a background write adds to `directory` (waits for it)."""
+    deadline = time.monotonic() + 60
+    while True:
+        names = os.listdir(directory) if os.path.isdir(directory) else []
+        added = {n for n in names if n.endswith(".prefix")} - before
+        if added:
+            return max(added, key=lambda n: int(n.split("-")[0]))
+        if time.monotonic() > deadline:
+            raise Failure("cache: no prefix file was written within 60 s")
+        await asyncio.sleep(0.1)
+
+
+def _forge_prefix_file(path: str, tokens_from: str | None = None, deep_header: bool = False):
+    """Rewrites a prefix file as someone who can write the directory (but not read Lily's key)
+    could: its tokens replaced by `tokens_from`'s, or its header by a deeply nested one, then
+    sealed with a fresh unkeyed SHA-256."""
+    import hashlib
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    (length,) = struct.unpack_from("<Q", data, 40)
+    header, payload = data[48 : 48 + length], bytearray(data[48 + length :])
+    if deep_header:
+        header = b"[" * 100_000 + b"]" * 100_000
+    if tokens_from is not None:
+        with open(tokens_from, "rb") as f:
+            other = f.read()
+        (other_length,) = struct.unpack_from("<Q", other, 40)
+        count = json.loads(header)["tokens"]
+        payload[: 4 * count] = other[48 + other_length : 48 + other_length + 4 * count]
+    body = struct.pack("<Q", len(header)) + header + bytes(payload)
+    with open(tokens_from or path, "wb") as f:
+        f.write(data[:8] + hashlib.sha256(body).digest() + body)
+
+
+def _break_cache(directory: str, files: dict[str, str], scratch: str) -> None:
+    """Applies each fault of CACHE_FAULTS to the file of the conversation of the same index."""
+    path = {fault: os.path.join(directory, files[fault]) for fault in CACHE_FAULTS}
+    os.unlink(path["fifo"])
+    os.mkfifo(path["fifo"])
+    large = os.path.join(scratch, "large")
+    with open(large, "wb") as f:
+        f.truncate(1 << 30)  # sparse
+    os.unlink(path["link"])
+    os.symlink(large, path["link"])
+    with open(path["damaged"], "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    _forge_prefix_file(path["deep header"], deep_header=True)
+    # The "intact" conversation's state, planted as the "relabelled" one's.
+    _forge_prefix_file(path["intact"], tokens_from=path["relabelled"])
+    os.unlink(path["directory"])
+    os.mkdir(path["directory"])
+    with open(os.path.join(path["directory"], "inside"), "wb"):
+        pass
+    stale = os.path.join(directory, ".lily-deadwrite.prefix.tmp")
+    with open(stale, "wb") as f:
+        f.write(b"\0" * 4096)
+    os.utime(stale, (1, 1))
+
+
+async def cache_faults(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = os.path.join(scratch, "cache")
+        extra = ("--cache-dir", directory, "--cache-disk-min-tokens", str(CACHE_MIN_TOKENS))
+        first = Server(args, extra)
+        answers, files = {}, {}
+        try:
+            await first.start()
+            for fault, content in zip(CACHE_FAULTS, CACHE_CONVERSATIONS, strict=False):
+                before = set(os.listdir(directory))
+                answers[fault] = await _cached_answer(first, content)
+                files[fault] = await _new_prefix_file(directory, before)
+        finally:
+            first.kill()
+        if len({name.split("-")[0] for name in files.values()}) != 1:
+            raise Failure(f"cache: the conversations' prefixes differ in length: {files}")
+        _break_cache(directory, files, scratch)
+        second = Server(args, extra)
+        try:
+            await second.start()
+            before = second.rss_mib()
+            for fault, content in zip(CACHE_FAULTS, CACHE_CONVERSATIONS, strict=False):
+                if await _cached_answer(second, content) != answers[fault]:
+                    raise Failure(f"cache: the {fault} conversation was answered differently")
+            growth = second.rss_mib() - before
+            if growth > args.max_rss_growth_mib:
+                raise Failure(f"cache: resident memory grew by {growth:.0f} MiB")
+            print(f"cache: every broken file cost a recompute only (+{growth:.0f} MiB)")
+            if os.path.exists(os.path.join(directory, ".lily-deadwrite.prefix.tmp")):
+                raise Failure("cache: a stale temporary file was kept")
+            shutil.rmtree(directory)
+            await _cached_answer(second, "Cache case 0: and after the directory went?")
+            await _new_prefix_file(directory, set())
+            print("cache: a deleted directory cost a recompute and was made again")
+            if second.process.poll() is not None or "Traceback" in second.stderr():
+                raise Failure(f"cache: the server failed:\n{second.stderr()}")
+        finally:
+            second.kill()
+
+
 async def run(args: argparse.Namespace) -> None:
+    if args.cache_only:
+        await cache_faults(args)
+        return
     first = Server(args)
     try:
         await first.start()
@@ -549,6 +777,7 @@ async def run(args: argparse.Namespace) -> None:
         await signal_under_load(second, signal.SIGINT)
     finally:
         second.kill()
+    await cache_faults(args)
 
 
 def main() -> int:
@@ -559,16 +788,22 @@ def main() -> int:
         "--idle-within", type=float, default=1.0, help="seconds after the last client leaves"
     )
     parser.add_argument("--max-rss-growth-mib", type=float, default=256.0)
+    parser.add_argument(
+        "--health-within", type=float, default=5.0, help="slowest /health answer under abuse"
+    )
     parser.add_argument("--time-limit", type=float, default=900.0, help="for the whole run")
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="the test suite's reduced run: 16 connections, a 10 s idle bound (a loaded "
+        help="the test suite's reduced run: 24 connections, a 10 s idle bound (a loaded "
         "machine's sim pass can take seconds), a 300 s time limit",
+    )
+    parser.add_argument(
+        "--cache-only", action="store_true", help="only the on-disk prefix cache's cases (7)"
     )
     args = parser.parse_args()
     if args.quick:
-        args.connections, args.idle_within, args.time_limit = 16, 10.0, 300.0
+        args.connections, args.idle_within, args.time_limit = 24, 10.0, 300.0
     try:
         asyncio.run(asyncio.wait_for(run(args), args.time_limit))
     except Failure as failure:

@@ -1,6 +1,8 @@
 """Compiling kernel sources the way the sim build does, for tests that check the compile itself:
-the clang to use and the pre-pass that turns a .metal file into the C++ translation unit that
-CMakeLists.txt compiles."""
+the clang to use, the pre-pass that turns a .metal file into the C++ translation unit that
+CMakeLists.txt compiles (it also runs the sim's MSL check, csrc/sim/msl_check.py), and the whole
+compile of one file as the build runs it (syntax only: the flags that matter without code
+generation)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,17 @@ KERNEL_DIR = ROOT / "metal"
 SIM_DIR = ROOT / "csrc" / "sim"
 SIM_INCLUDE = SIM_DIR / "include"
 OLDEST_CLANG = 17  # the sim's half/bfloat flags need it (spec/devices.md)
+
+sys.path.insert(0, str(SIM_DIR))
+from msl_check import ClangError, clang_errors  # noqa: E402
+
+# The flags of CMakeLists.txt's kernel compile that change what compiles.
+KERNEL_FLAGS = [
+    "-std=gnu++20",  # CMake's C++20 (with its default extensions)
+    "-Wno-duplicate-decl-specifier",
+    "-Xclang=-ffloat16-excess-precision=none",
+    "-Xclang=-fbfloat16-excess-precision=none",
+]
 
 
 @functools.cache
@@ -39,10 +52,14 @@ def clang() -> str:
     )
 
 
-def prepass(source: Path, out_dir: Path) -> Path:
+def shown(path: Path) -> str:
+    """A path as the build passes it: relative to the repository root when inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def run_prepass(source: Path, translated: Path) -> subprocess.CompletedProcess[str]:
     """Pre-pass `source` as CMakeLists.txt does (from the repository root, on relative paths, so
-    diagnostics name `metal/x.metal:line`) and return the C++ file it wrote."""
-    translated = out_dir / (source.stem + ".cpp")
+    diagnostics name `metal/x.metal:line`), writing `translated`."""
     command = [
         sys.executable,
         str(SIM_DIR / "prepass.py"),
@@ -51,13 +68,44 @@ def prepass(source: Path, out_dir: Path) -> Path:
         "--include-dir",
         str(SIM_INCLUDE),
         "-I",
-        str(source.parent.relative_to(ROOT)),
+        shown(source.parent),
         "-I",
-        str(KERNEL_DIR.relative_to(ROOT)),
-        str(source.relative_to(ROOT)),
+        shown(KERNEL_DIR),
+        shown(source),
         str(translated),
     ]
-    result = subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
+    return subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
+
+
+def prepass(source: Path, out_dir: Path) -> Path:
+    """Pre-pass `source` and return the C++ file it wrote."""
+    translated = out_dir / (source.stem + ".cpp")
+    result = run_prepass(source, translated)
     if result.returncode != 0:
         pytest.fail(f"the sim pre-pass failed on {source.name}:\n{result.stderr}")
     return translated
+
+
+def sim_compile(source: Path, work_dir: Path) -> list[ClangError]:
+    """The errors of the sim's compile of `source` ([] when it compiles), from the step that
+    failed: the pre-pass with its MSL check, or the compile of its output."""
+    translated = work_dir / (source.stem + ".cpp")
+    result = run_prepass(source, translated)
+    if result.returncode != 0:
+        errors = clang_errors(result.stderr)
+        if not errors:
+            pytest.fail(f"the sim pre-pass failed on {source.name}:\n{result.stderr}")
+        assert not translated.exists(), "a failed pre-pass must leave no translation behind"
+        return errors
+    command = [clang(), "-fsyntax-only", *KERNEL_FLAGS, "-I", str(SIM_INCLUDE)]
+    result = subprocess.run(
+        [*command, "-x", "c++", str(translated)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
+    errors = clang_errors(result.stderr)
+    if result.returncode != 0 and not errors:
+        pytest.fail(f"clang failed on {source.name} without a diagnostic:\n{result.stderr}")
+    return errors

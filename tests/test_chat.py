@@ -9,13 +9,16 @@ a random-weight model happens to generate; the last tests run the real demo mode
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from collections.abc import Callable, Collection, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import lily
-from lily.api import Lily
+from lily.api import Lily, system_fingerprint
 from lily.chat import parse_request
 from lily.checkpoint import resolve_model
 from lily.engine import GREEDY
@@ -727,3 +730,17 @@ def test_a_generation_config_out_of_range_is_refused_at_load(tmp_path, generatio
     with pytest.raises(CheckpointError, match=match) as info:
         default_sampling(tmp_path)
     assert "generation_config.json" in str(info.value)
+
+
+def test_answers_carry_a_system_fingerprint_of_version_and_checkpoint(
+    demo_dir, tokenizer, tmp_path
+):
+    llm, _ = scripted(demo_dir, tokenizer, "x")
+    fingerprint = llm.chat.completions.create(messages=USER).system_fingerprint
+    assert re.fullmatch(r"fp_[0-9a-f]{12}", fingerprint)
+    chunks = list(llm.chat.completions.create(messages=USER, stream=True))
+    assert {c.system_fingerprint for c in chunks} == {fingerprint}
+    # Another chat template is another checkpoint to a client: the fingerprint changes.
+    other = Path(shutil.copytree(demo_dir, tmp_path / "other"))
+    (other / "chat_template.jinja").write_text((other / "chat_template.jinja").read_text() + "\n")
+    assert system_fingerprint(other) != fingerprint == system_fingerprint(demo_dir)

@@ -195,6 +195,31 @@ def test_serve_limits_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
         main(["serve", "--max-tokens-default", "0"])
 
 
+def test_serve_request_bounds_and_timeouts_reach_the_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lily.request_limits import RequestLimits
+    from lily.server import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
+
+    calls: list[dict] = []
+    monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append(k))
+    main(["serve"])
+    main(["serve", "--max-messages", "10", "--max-tools", "2", "--max-tool-calls", "3",
+          "--max-grammar-bytes", "64KiB", "--header-timeout", "2.5",
+          "--body-timeout", "7"])  # fmt: skip
+    defaults, chosen = calls
+    assert defaults["limits"] == RequestLimits()
+    assert (defaults["header_timeout"], defaults["body_timeout"]) == (
+        DEFAULT_HEADER_TIMEOUT,
+        DEFAULT_BODY_TIMEOUT,
+    )
+    assert chosen["limits"] == RequestLimits(10, 2, 3, 64 * 1024)
+    assert (chosen["header_timeout"], chosen["body_timeout"]) == (2.5, 7.0)
+    for flag, bad in (("--max-messages", "0"), ("--header-timeout", "0"), ("--body-timeout", "x")):
+        with pytest.raises(SystemExit):
+            main(["serve", flag, bad])
+
+
 def test_serve_cache_options_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
     from lily.prefix_cache import CacheOptions
 

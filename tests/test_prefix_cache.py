@@ -20,7 +20,7 @@ import pytest
 import lily
 from lily.api import Lily
 from lily.prefix_cache import PrefixCache
-from lily.prefix_disk import DiskPrefixCache
+from lily.prefix_disk import DiskPrefixCache, StateLayout
 
 MAX_SEQ = 512
 PARAMS: dict[str, Any] = {
@@ -245,14 +245,27 @@ def test_a_damaged_cache_file_is_detected_deleted_and_replaced(tmp_path, uncache
     assert _answer_in_new_process(tmp_path, messages)["cached"] == conversation
 
 
+# The state of the unit tests' DiskPrefixCache: KV rows of 2 heads of 4 values, 8 floats.
+LAYOUT = StateLayout.of([np.zeros((2, 0, 4), np.uint16)], [np.zeros(8, np.float32)])
+KEY = bytes(32)
+
+
+def _disk(directory: Path, identity: str = "m", **options: Any) -> DiskPrefixCache:
+    return DiskPrefixCache(directory, identity, layout=LAYOUT, key=KEY, **options)
+
+
+def _rows(tokens: int) -> list[np.ndarray]:
+    return [np.ones((2, tokens, 4), np.uint16)]
+
+
 def test_a_disk_entry_of_another_model_is_not_used(tmp_path):
     tokens = list(range(100))
-    rows = [np.ones((2, 100, 4), np.uint16)]
+    rows = _rows(100)
     state = [np.zeros(8, np.float32)]
-    DiskPrefixCache(tmp_path, "model-a", min_tokens=10).save(tokens, rows, state)
-    other = DiskPrefixCache(tmp_path, "model-b", min_tokens=10)
+    _disk(tmp_path, "model-a", min_tokens=10).save(tokens, rows, state)
+    other = _disk(tmp_path, "model-b", min_tokens=10)
     assert other.load_longest([*tokens, 1]) is None
-    same = DiskPrefixCache(tmp_path, "model-a", min_tokens=10)
+    same = _disk(tmp_path, "model-a", min_tokens=10)
     entry = same.load_longest([*tokens, 1])
     assert entry is not None and entry.tokens == tokens
     assert np.array_equal(entry.rows[0], rows[0]) and np.array_equal(entry.state[0], state[0])
@@ -260,7 +273,8 @@ def test_a_disk_entry_of_another_model_is_not_used(tmp_path):
 
 def test_the_disk_cache_stays_within_its_size_dropping_the_least_recently_used(tmp_path):
     rows = [np.zeros((1, 50, 64), np.uint16)]  # 6400 bytes per entry, plus a small header
-    disk = DiskPrefixCache(tmp_path, "m", max_bytes=20_000, min_tokens=1)
+    layout = StateLayout.of(rows, [])
+    disk = DiskPrefixCache(tmp_path, "m", max_bytes=20_000, min_tokens=1, layout=layout, key=KEY)
     prefixes = [[n] * 50 for n in range(3)]
     for tokens in prefixes[:2]:
         disk.save(tokens, rows, [])
@@ -300,14 +314,16 @@ def test_an_answer_does_not_wait_for_its_prefix_to_be_written(tmp_path, uncached
 
 def test_a_failed_background_write_is_logged_not_raised(tmp_path, caplog):
     directory = tmp_path / "cache"
-    disk = DiskPrefixCache(directory, "m", min_tokens=1)
-    directory.rmdir()  # every write now fails
-    disk.save_in_background([1, 2, 3], [np.zeros((1, 3, 4), np.uint16)], [])
+    disk = _disk(directory, min_tokens=1)
+    directory.rmdir()
+    directory.write_bytes(b"")  # a file where the directory was: every write now fails
+    state = [np.zeros(8, np.float32)]
+    disk.save_in_background([1, 2, 3], _rows(3), state)
     with caplog.at_level("WARNING", logger="lily.prefix_cache"):
         disk.flush()
     assert "could not write" in caplog.text
-    directory.mkdir()
-    disk.save_in_background([1, 2, 3], [np.zeros((1, 3, 4), np.uint16)], [])
+    directory.unlink()
+    disk.save_in_background([1, 2, 3], _rows(3), state)
     disk.flush()
     entry = disk.load_longest([1, 2, 3, 4])
     assert entry is not None and entry.tokens == [1, 2, 3]

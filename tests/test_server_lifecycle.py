@@ -330,3 +330,102 @@ def test_the_abuse_script_passes_in_its_reduced_form() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "abuse: all checks passed" in result.stdout
+
+
+def test_a_signal_during_a_long_prefill_pass_answers_the_running_request_in_json() -> None:
+    """One prefill pass (hundreds of tokens in one chunk) lasts longer than the shutdown waits
+    for connections before cancelling them (the grace plus a margin, cut to 1 s here): the
+    running request still gets the JSON 503 `shutting_down` when the grace ends, not uvicorn's
+    plain-text 500, and the process still waits for the engine's boundary and exits 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    env.pop("LILY_API_KEY", None)
+    launcher = (
+        "import sys, lily.server; lily.server.SHUTDOWN_MARGIN_SECONDS = 1.0; "
+        "from lily.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", launcher, "serve", "--model", "demo", "--device", "sim",
+         "--port", str(port), "--max-seq", "512", "--prefill-chunk", "512",
+         "--shutdown-grace", "0.5", "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    answer: dict[str, Any] = {}
+    try:
+        wait_for(lambda: _answers(f"{url}/health") or process.poll() is not None, "the server")
+        assert process.poll() is None, process.communicate()
+        # About 370 prompt tokens: one pass of several seconds on the sim.
+        body = {"messages": user("one two three four five six " * 45), "max_tokens": 4}
+
+        def running() -> None:
+            answer["response"] = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+        client = threading.Thread(target=running)
+        client.start()
+        wait_for(lambda: httpx.get(f"{url}/health").json()["busy"], "the request to run")
+        time.sleep(0.5)  # inside the pass
+        process.send_signal(signal.SIGINT)
+        client.join(120)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    response = answer["response"]
+    assert response.status_code == 503, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["code"] == "shutting_down"
+    assert process.returncode == 0, stderr
+    assert "terminate called" not in stderr and "Traceback" not in stderr, stderr
+
+
+# -- slow clients --------------------------------------------------------------------------------
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_slow_clients_are_cut_off_by_the_header_and_body_timeouts() -> None:
+    """A client that sends nothing, or only part of its headers, is disconnected after
+    --header-timeout (with a 408); one whose body does not come gets the JSON 408
+    `request_timeout` after --body-timeout; others are served as usual."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    env.pop("LILY_API_KEY", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lily.cli", "serve", "--model", "demo", "--device", "sim",
+         "--port", str(port), "--max-seq", "96", "--header-timeout", "1", "--body-timeout", "1",
+         "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: _answers(f"{url}/health") or process.poll() is not None, "the server")
+        assert process.poll() is None, process.communicate()
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        full_head = head + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        cases = {"silent": b"", "partial headers": head, "partial body": full_head + b'{"mes'}
+        for name, sent in cases.items():
+            started = time.monotonic()
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(sent)
+                answer = _read_all(sock)  # until the server closes the connection
+            elapsed = time.monotonic() - started
+            assert 0.8 < elapsed < 15, (name, elapsed)
+            assert answer.startswith(b"HTTP/1.1 408 "), (name, answer)
+            body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+            assert body["error"]["code"] == "request_timeout", (name, body)
+        assert _answers(f"{url}/health")
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.communicate(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()

@@ -20,6 +20,9 @@ What a header cannot do, done on the source text:
 - let the same output compile as the checked build too (LILY_SIM_CHECKED: the kernel file's own
   functions get internal linkage, and the wrappers register in the checked table).
 
+Then it runs the sim's MSL check (msl_check.py) on the result and writes nothing if the check
+finds what Apple's compiler would reject (address-space mismatches among them).
+
 Non-template kernels are registered under their function name; template kernels only through
 their `[[host_name]]` instantiations. Usage:
     prepass.py --clang CLANG --include-dir DIR [-I DIR ...] [--depfile F] input.metal output.cpp
@@ -35,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
+
+import msl_check  # next to this script
 
 BUILTINS = {
     "thread_position_in_grid",
@@ -500,6 +505,13 @@ def main() -> int:
         result = Prepass(text, args.input).run()
     except PrepassError as e:
         print(f"lily sim pre-pass: {args.input}: {e}", file=sys.stderr)
+        return 1
+    errors = msl_check.check(result, args.clang, args.include_dir)
+    if errors:
+        print(f"lily sim pre-pass: {args.input}: the MSL check fails:", file=sys.stderr)
+        print("\n".join(map(str, errors)), file=sys.stderr)
+        if os.path.exists(args.output):
+            os.remove(args.output)  # so that the build cannot go on with an old translation
         return 1
     with open(args.output + ".tmp", "w") as f:
         f.write(result)

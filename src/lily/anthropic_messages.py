@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from lily.api_translation import API as APIDescription
 from lily.api_translation import chat_request, refuse_unknown, sse
 from lily.errors import RequestError, UnsupportedParameterError
+from lily.request_limits import UNBOUNDED, RequestLimits
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -347,7 +348,9 @@ def _output_config(config: Any, chat: dict[str, Any]) -> None:
     }
 
 
-def translate(params: dict[str, Any], llm: Lily) -> MessagesTranslation:
+def translate(
+    params: dict[str, Any], llm: Lily, limits: RequestLimits = UNBOUNDED
+) -> MessagesTranslation:
     refuse_unknown(params, FIELDS)
     for name in ("model", "max_tokens"):
         if name not in params:
@@ -373,15 +376,17 @@ def translate(params: dict[str, Any], llm: Lily) -> MessagesTranslation:
         chat["stream_options"] = {"include_usage": True}  # message_delta's usage
     thinking = params.get("thinking")
     omit = isinstance(thinking, Mapping) and thinking.get("display") == "omitted"
-    return MessagesTranslation(chat_request(chat, llm), llm.model_id, omit_thinking=omit)
+    return MessagesTranslation(chat_request(chat, llm, limits), llm.model_id, omit_thinking=omit)
 
 
-def count_tokens_request(params: dict[str, Any], llm: Lily) -> ChatRequest:
+def count_tokens_request(
+    params: dict[str, Any], llm: Lily, limits: RequestLimits = UNBOUNDED
+) -> ChatRequest:
     """The chat request whose prompt `count_tokens` measures."""
     refuse_unknown(params, COUNT_FIELDS)
     if "model" not in params:
         raise RequestError("model is required", param="model", code="missing_required")
-    return chat_request(_chat_params(params), llm)
+    return chat_request(_chat_params(params), llm, limits)
 
 
 def _usage(usage: CompletionUsage | None) -> dict[str, int]:

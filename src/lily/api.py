@@ -7,11 +7,13 @@ with lily.load("demo") as llm:
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import lily
 from lily.chat import Chat
 from lily.chat_template import ChatTemplate
 from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
@@ -23,7 +25,6 @@ from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
 from lily.prefix_cache import CacheOptions
 from lily.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 from lily.sampling import SamplingParams
-from lily.serial_engine import SerialEngine
 from lily.stop import StopStringMatcher
 from lily.tokenizer import Tokenizer
 
@@ -120,6 +121,25 @@ def default_sampling(model_dir: Path) -> SamplingParams:
         raise CheckpointError(f"{path}: {e}") from None
 
 
+# The files whose content changes what the model answers, beside the weights (whose names and
+# sizes alone enter the fingerprint: hashing 19.5 GB at every load is not affordable).
+_FINGERPRINTED_FILES = ("config.json", "generation_config.json", "chat_template.jinja")
+
+
+def system_fingerprint(model_dir: Path) -> str:
+    """OpenAI's `system_fingerprint`: Lily's version and the checkpoint's identity (the content
+    of its config, generation config and chat template, and the names and sizes of its files),
+    so that a client can tell when the same request may be answered differently."""
+    digest = hashlib.sha256(f"lily {lily.__version__}".encode())
+    for path in sorted(model_dir.iterdir()):
+        if not path.is_file():
+            continue
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        if path.name in _FINGERPRINTED_FILES:
+            digest.update(path.read_bytes())
+    return f"fp_{digest.hexdigest()[:12]}"
+
+
 class Lily:
     """One loaded model on one device. A context manager: `close()` frees the device.
 
@@ -144,13 +164,13 @@ class Lily:
             model_dir, special_tokens=tokenizer.special_tokens
         )
         self.default_sampling = default_sampling(model_dir)
+        self.system_fingerprint = system_fingerprint(model_dir)
         # Control tokens written in a request's text are read as plain text (lily.special_tokens).
         self.escape_special_tokens = escape_special_tokens
         self.config = engine.config
         self.device = device
         self.chat = Chat(self)
-        # Shared between threads, one generation at a time (serial_engine.py).
-        self._engine: Engine | None = SerialEngine(engine)
+        self._engine: Engine | None = engine
         # Token counts of the last generation: (prompt tokens, generated tokens).
         self.last_token_counts = (0, 0)
 

@@ -40,17 +40,24 @@ def _error_response(api: API, exc: BaseException) -> Response:
     return JSONResponse(api.error_body(error), status_code=error.status, headers=error.headers)
 
 
-async def _checked_params(server: Server, request: Request) -> dict[str, Any]:
+async def _body(server: Server, request: Request) -> bytes:
     server._check_api_key(request)
-    body = await _read_body(request, server.max_body_bytes)
-    return await asyncio.to_thread(parse_json_body, body)
+    return await _read_body(request, server.max_body_bytes, server.body_timeout)
+
+
+def _parsed(server: Server, body: bytes) -> dict[str, Any]:
+    return parse_json_body(body, server.limits)
 
 
 def _generation_route(server: Server, api: API) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         try:
-            params = await _checked_params(server, request)
-            translation = api.translate(params, server.llm)
+            body = await _body(server, request)
+            # Off the event loop, as the chat route does it: parsing a large body and
+            # compiling its output grammar take a while.
+            translation = await asyncio.to_thread(
+                lambda: api.translate(_parsed(server, body), server.llm, server.limits)
+            )
             job, first = await server.run_job(request, translation.request)
             if not translation.request.stream:
                 return JSONResponse(translation.complete(first))
@@ -97,13 +104,15 @@ def _count_tokens_route(server: Server) -> Callable[[Request], Awaitable[Respons
 
     async def endpoint(request: Request) -> Response:
         try:
-            params = await _checked_params(server, request)
-            checked = anthropic_messages.count_tokens_request(params, server.llm)
-            # Rendering and tokenizing touch no engine state: off the loop, not queued.
-            count = await asyncio.to_thread(
-                server.llm.chat.completions.count_prompt_tokens, checked
-            )
-            return JSONResponse({"input_tokens": count})
+            body = await _body(server, request)
+
+            def count() -> int:
+                # Rendering and tokenizing touch no engine state: off the loop, not queued.
+                params = _parsed(server, body)
+                checked = anthropic_messages.count_tokens_request(params, server.llm, server.limits)
+                return server.llm.chat.completions.count_prompt_tokens(checked)
+
+            return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
         except Exception as exc:
             return _error_response(api, exc)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lily.errors import UnsupportedParameterError
+from lily.request_limits import UNBOUNDED, RequestLimits
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -44,8 +45,9 @@ class Translation(Protocol):
 class API:
     """What a route needs to know of an API."""
 
-    # The request's JSON object -> its translation (raises RequestError / APIError).
-    translate: Callable[[dict[str, Any], Lily], Translation]
+    # The request's JSON object, the model and the server's request bounds -> its translation
+    # (raises RequestError / APIError).
+    translate: Callable[[dict[str, Any], Lily, RequestLimits], Translation]
     # An error -> the API's error object.
     error_body: Callable[[APIError], dict[str, Any]]
 
@@ -64,8 +66,11 @@ def refuse_unknown(params: Mapping[str, Any], known: Iterable[str], prefix: str 
         raise UnsupportedParameterError([f"{prefix}{name}" for name in unknown])
 
 
-def chat_request(params: Mapping[str, Any], llm: Lily) -> ChatRequest:
-    """The chat path's one validation, on a request translated into chat-completions fields."""
+def chat_request(
+    params: Mapping[str, Any], llm: Lily, limits: RequestLimits = UNBOUNDED
+) -> ChatRequest:
+    """The chat path's one validation (its bounds and grammar compile included), on a request
+    translated into chat-completions fields."""
     from lily.chat import parse_request
 
     return parse_request(
@@ -73,6 +78,7 @@ def chat_request(params: Mapping[str, Any], llm: Lily) -> ChatRequest:
         served_model=llm.model_id,
         default_sampling=llm.default_sampling,
         chat_template=llm.chat_template,
+        limits=limits,
     )
 
 

@@ -28,6 +28,7 @@ from lily.errors import (
     UnsupportedParameterError,
 )
 from lily.reasoning import ReasoningParser
+from lily.request_limits import UNBOUNDED, RequestLimits
 from lily.sampling import GeneratedToken, SamplingParams
 from lily.sampling_fields import ADJUSTMENT_FIELDS, adjustment_fields
 from lily.special_tokens import TemplateInputs, escape_special_tokens
@@ -179,10 +180,12 @@ def parse_request(
     served_model: str,
     default_sampling: SamplingParams,
     chat_template: ChatTemplate | None = None,
+    limits: RequestLimits = UNBOUNDED,
 ) -> ChatRequest:
     """Checks the keyword arguments of `create` and turns them into a ChatRequest. With the
     checkpoint's `chat_template`, message fields and template keywords are checked against what
-    it reads."""
+    it reads. `limits` bounds the request's size (`lily.request_limits`; the server's), checked
+    before anything whose cost grows with it."""
     params = dict(params)
     extra = params.pop("extra_body", None) or {}
     _require(isinstance(extra, Mapping), "extra_body must be an object", "extra_body")
@@ -190,6 +193,7 @@ def parse_request(
         if key in params and params[key] is not None:
             raise RequestError(f"{key} given both directly and in extra_body", param=key)
         params[key] = value
+    limits.check_shape(params)
 
     known = {
         "n",
@@ -278,7 +282,11 @@ def parse_request(
         )
         check_tool_schemas(tools)
     output = output_grammar(
-        params.get("response_format"), tool_choice, params.get("parallel_tool_calls"), tools
+        params.get("response_format"),
+        tool_choice,
+        params.get("parallel_tool_calls"),
+        tools,
+        max_bytes=limits.max_grammar_bytes,
     )
     if tool_choice == "none":
         tools = None
@@ -827,6 +835,7 @@ class ChatCompletions:
             choices=built,
             model=self._llm.model_id,
             usage=self._usage(prompt, produced_total, reasoning_total),
+            system_fingerprint=self._llm.system_fingerprint,
         )
 
     def _chunks(
@@ -843,6 +852,7 @@ class ChatCompletions:
                 id=completion_id,
                 created=created,
                 usage=usage,
+                system_fingerprint=self._llm.system_fingerprint,
             )
 
         produced_total, reasoning_total = 0, 0

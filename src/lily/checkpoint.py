@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -173,6 +174,37 @@ def _content_digest(path: Path) -> str:
     hexdigest = digest.hexdigest()
     build_once(remembered.parent, lambda out: _write_text(out / "sha256", hexdigest))
     return hexdigest
+
+
+def shard_digest(path: Path) -> str:
+    """A SHA-256 naming a shard's content, for what is computed from the weights (the prefix
+    cache's files are keyed by it). A shard of an aligned copy is a hard link to its entry of
+    the aligned-shard store, named by the digest of the shard it was rewritten from: nothing is
+    read. Any other file is hashed once and remembered (`_content_digest`), or, when nothing
+    can be written to `$LILY_CACHE`, hashed again at every call."""
+    status = os.stat(path)
+    store = cache_root() / "aligned" / "shards"
+    try:
+        with os.scandir(store) as entries:
+            for entry in entries:
+                if not re.fullmatch("[0-9a-f]{64}", entry.name):
+                    continue  # a build under way
+                try:
+                    stored = os.stat(Path(entry.path) / ALIGNED_SHARD)
+                except OSError:
+                    continue
+                if (stored.st_dev, stored.st_ino) == (status.st_dev, status.st_ino):
+                    return entry.name
+    except OSError:
+        pass  # no store: nothing was ever aligned
+    try:
+        return _content_digest(path)
+    except OSError:
+        digest = hashlib.sha256()
+        with open_regular(path) as f:
+            while chunk := f.read(8 << 20):
+                digest.update(chunk)
+        return digest.hexdigest()
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -59,6 +59,16 @@ def _non_negative_int(text: str) -> int:
     return _whole_number(text, 0)
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = _positive_int(text)
     if value > 65535:
@@ -319,6 +329,7 @@ def _chat(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from lily.api_key import APIKeyError
+    from lily.request_limits import RequestLimits
     from lily.server import PortInUseError, serve
 
     try:
@@ -339,6 +350,14 @@ def _serve(args: argparse.Namespace) -> int:
             shutdown_grace=args.shutdown_grace,
             log_level=args.log_level,
             escape_special_tokens=args.escape_special_tokens,
+            limits=RequestLimits(
+                max_messages=args.max_messages,
+                max_tools=args.max_tools,
+                max_tool_calls=args.max_tool_calls,
+                max_grammar_bytes=args.max_grammar_bytes,
+            ),
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
             cache=CacheOptions(
                 args.cache_memory, args.cache_dir, args.cache_disk_size, args.cache_disk_min_tokens
             ),
@@ -573,7 +592,15 @@ def _doctor(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     from lily import __version__
+    from lily.request_limits import (
+        DEFAULT_MAX_GRAMMAR_BYTES,
+        DEFAULT_MAX_MESSAGES,
+        DEFAULT_MAX_TOOL_CALLS,
+        DEFAULT_MAX_TOOLS,
+    )
     from lily.server import (
+        DEFAULT_BODY_TIMEOUT,
+        DEFAULT_HEADER_TIMEOUT,
         DEFAULT_HOST,
         DEFAULT_MAX_TOKENS,
         DEFAULT_PORT,
@@ -693,6 +720,49 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on SIGINT/SIGTERM, how long the running request may go on before it is stopped "
         f"(default: {DEFAULT_SHUTDOWN_GRACE:g})",
+    )
+    serve.add_argument(
+        "--max-messages",
+        type=_positive_int,
+        default=DEFAULT_MAX_MESSAGES,
+        help="most messages in a request; more get 400 before anything is rendered",
+    )
+    serve.add_argument(
+        "--max-tools",
+        type=_positive_int,
+        default=DEFAULT_MAX_TOOLS,
+        help="most tools in a request (400 above)",
+    )
+    serve.add_argument(
+        "--max-tool-calls",
+        type=_positive_int,
+        default=DEFAULT_MAX_TOOL_CALLS,
+        help="most tool calls in a request's messages, all added up (400 above)",
+    )
+    serve.add_argument(
+        "--max-grammar-bytes",
+        type=_byte_size,
+        default=DEFAULT_MAX_GRAMMAR_BYTES,
+        metavar="BYTES",
+        help="largest output grammar (response_format, forced tool calls) compiled for a "
+        "request, JSON schemas included; larger ones get 400 unsupported_schema naming the "
+        "field (default: 256KiB)",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=_positive_float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        metavar="SECONDS",
+        help="a client that has not sent a request's headers within this time is disconnected "
+        f"(default: {DEFAULT_HEADER_TIMEOUT:g})",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=DEFAULT_BODY_TIMEOUT,
+        metavar="SECONDS",
+        help="a request body not received within this time after its headers gets 408 "
+        f"(default: {DEFAULT_BODY_TIMEOUT:g})",
     )
     serve.add_argument(
         "--escape-special-tokens",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from lily.api_translation import API as APIDescription
 from lily.api_translation import chat_request, openai_error_body, refuse_unknown, sse
 from lily.errors import RequestError
+from lily.request_limits import UNBOUNDED, RequestLimits
 from lily.types import ChoiceLogprobs
 
 if TYPE_CHECKING:
@@ -119,7 +120,9 @@ def _prompt(value: Any, vocab_size: int) -> str | tuple[int, ...]:
     raise RequestError("prompt must be a string or a non-empty list of token ids", param="prompt")
 
 
-def translate(params: dict[str, Any], llm: Lily) -> CompletionTranslation:
+def translate(
+    params: dict[str, Any], llm: Lily, limits: RequestLimits = UNBOUNDED
+) -> CompletionTranslation:
     refuse_unknown(params, FIELDS)
     if "prompt" not in params:
         raise RequestError("prompt is required", param="prompt", code="missing_required")
@@ -151,7 +154,7 @@ def translate(params: dict[str, Any], llm: Lily) -> CompletionTranslation:
         chat["logprobs"], chat["top_logprobs"] = True, logprobs
     # A stand-in message: the raw prompt replaces the rendered conversation.
     chat["messages"] = [{"role": "user", "content": ""}]
-    request = dataclasses.replace(chat_request(chat, llm), messages=[], raw_prompt=raw)
+    request = dataclasses.replace(chat_request(chat, llm, limits), messages=[], raw_prompt=raw)
     return CompletionTranslation(
         request, llm, echo=raw.text(llm.tokenizer) if echo else None, top_logprobs=logprobs
     )
@@ -165,6 +168,7 @@ class CompletionTranslation:
     ):
         self.request = request
         self._model = llm.model_id
+        self._fingerprint = llm.system_fingerprint
         self._echo = echo
         self._top = top_logprobs
         self._id = f"cmpl-{uuid.uuid4().hex}"
@@ -178,7 +182,7 @@ class CompletionTranslation:
             "created": created,
             "model": self._model,
             "choices": choices,
-            "system_fingerprint": None,
+            "system_fingerprint": self._fingerprint,
             **extra,
         }
 

@@ -31,6 +31,12 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from lily.constraint import TokenConstraint, allowed_flags, ban_mask, draw_mask
+from lily.engine_lock import (
+    EngineLock,
+    holds_engine,
+    holds_engine_while_generating,
+    shares_engine,
+)
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
 from lily.kernels.sampling import (
     NO_TOKEN,
@@ -212,8 +218,11 @@ class DeviceEngine:
                 default_cache_memory(working), kv_bytes_per_token(self.config, 2)
             )
         self.prefix_cache = prefix_cache
+        recurrent = [b.numpy() for b in self._model.state.recurrent_buffers()]
+        prefix_cache.set_layout(self._rows.copy_out(0), recurrent)
         # Prompt tokens fed through the model by `generate`, over the engine's life.
         self.prompt_tokens_fed = 0
+        self.lock = EngineLock()  # one thread at a time (engine_lock.py)
 
     def _start(
         self,
@@ -240,6 +249,7 @@ class DeviceEngine:
         buffers = self._model.state.recurrent_buffers()
         self.prefix_cache.add_snapshot(tokens, len(tokens), [b.numpy().copy() for b in buffers])
 
+    @shares_engine
     def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
         return self.prefix_cache.cached_length(prompt, cache_key)
 
@@ -280,6 +290,7 @@ class DeviceEngine:
             tokens = fits
         return start + tokens
 
+    @holds_engine_while_generating
     def generate(
         self,
         prompt: Sequence[int],
@@ -359,6 +370,7 @@ class DeviceEngine:
                 self.device.wait(pending)
             self.prefix_cache.end(self._rows)
 
+    @holds_engine
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), 1, self.max_seq)
@@ -368,6 +380,7 @@ class DeviceEngine:
             self.device.run(self._model.graph(tokens, predicts=predicts))
         return self._model.logits_view().copy()
 
+    @holds_engine
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
         tokens = [int(t) for t in tokens]
         _check_fits(len(tokens), 0, self.max_seq)
@@ -378,6 +391,7 @@ class DeviceEngine:
             logits[i] = self._model.logits_view()
         return logits
 
+    @shares_engine
     def close(self) -> None:
         self.prefix_cache.close()
         self._model = None  # type: ignore[assignment]
@@ -404,11 +418,15 @@ class ReferenceEngine:
                 default_cache_memory(0), kv_bytes_per_token(self.config, itemsize)
             )
         self.prefix_cache = prefix_cache
+        prefix_cache.set_layout(self._rows.copy_out(0), self._rows.recurrent())
         self.prompt_tokens_fed = 0
+        self.lock = EngineLock()  # one thread at a time (engine_lock.py)
 
+    @shares_engine
     def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
         return self.prefix_cache.cached_length(prompt, cache_key)
 
+    @holds_engine_while_generating
     def generate(
         self,
         prompt: Sequence[int],
@@ -471,6 +489,7 @@ class ReferenceEngine:
             _check_stop(should_stop)
             next_logits = self._model.decode(token, state)[: self.token_count]
 
+    @holds_engine
     def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
         _check_fits(len(tokens), 0, self.max_seq)
         logits, _ = self._model.prefill(tokens)
@@ -479,6 +498,7 @@ class ReferenceEngine:
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
         return self.teacher_forced_logits(prompt)[-1]
 
+    @shares_engine
     def close(self) -> None:
         self.prefix_cache.close()
         self._model = None  # type: ignore[assignment]

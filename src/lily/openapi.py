@@ -80,7 +80,7 @@ CHAT_REQUEST_SCHEMA: dict[str, Any] = {
     "required": ["messages"],
     "description": "Fields set to null take their default. Other fields are answered with "
     "400 unsupported_parameter, naming them.",
-    # Enforced by the facade (400, naming the fields) rather than by `validate` (422).
+    # Enforced by the facade (naming the fields as unsupported) rather than by `validate`.
     "additionalProperties": False,
     "properties": {
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
@@ -180,9 +180,9 @@ _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
 
 
 class SchemaError(RequestError):
-    """Well-formed JSON whose field has the wrong type or range (HTTP 422)."""
-
-    status = 422
+    """Well-formed JSON whose field has the wrong type or range: a 400 `invalid_request_error`
+    naming the field, as OpenAI answers it (clients and peers' test suites expect 400, not the
+    422 of FastAPI-style servers)."""
 
 
 def _schema_error(where: str, message: str) -> SchemaError:
@@ -191,7 +191,7 @@ def _schema_error(where: str, message: str) -> SchemaError:
 
 def validate(value: Any, schema: dict[str, Any], where: str) -> None:
     """Checks `value` against the JSON Schema subset used above (type, enum, minimum, maximum,
-    exclusiveMinimum, minItems, items, properties, required); raises a 422 naming the first
+    exclusiveMinimum, minItems, items, properties, required); raises a 400 naming the first
     offending field."""
     kinds = schema.get("type")
     if kinds is not None:
@@ -300,12 +300,15 @@ def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 description of the routes; the request schema is the one the server
     validates with."""
     errors = {
-        "400": _error_response("Malformed JSON or a request Lily will not run"),
+        "400": _error_response(
+            "Malformed JSON, a field of the wrong type or out of range, a request over the "
+            "server's bounds, or one Lily will not run"
+        ),
         "401": _error_response("Missing or wrong API key (only with --api-key)"),
         "404": _error_response("Unknown model"),
+        "408": _error_response("Headers or body not received within the server's timeouts"),
         "413": _error_response("Body over the size limit"),
         "415": _error_response("Content-Type is not application/json"),
-        "422": _error_response("A field has the wrong type or is out of range"),
         "503": _error_response("Queue full; retry after Retry-After seconds"),
     }
     json_object = {"type": "object"}

@@ -27,6 +27,7 @@ restart.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -35,10 +36,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from lily.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS, DiskPrefixCache
+from lily.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS, DiskPrefixCache, StateLayout
 
 if TYPE_CHECKING:
     from lily.checkpoint import Checkpoint
+
+logger = logging.getLogger("lily.prefix_cache")
 
 # Long prompts are also snapshotted at every multiple of this many tokens, so that a long shared
 # prefix (a coding agent's system prompt) is reusable when what follows it differs. On the real
@@ -85,12 +88,14 @@ class CacheOptions:
         memory = default_cache_memory(working) if self.cache_memory is None else self.cache_memory
         disk = None
         if self.cache_dir is not None:
-            disk = DiskPrefixCache(
-                self.cache_dir,
-                model_identity(checkpoint, engine_kind),
-                self.cache_disk_size,
-                self.cache_disk_min_tokens,
-            )
+            try:
+                identity = model_identity(checkpoint, engine_kind)
+            except Exception as error:  # a shard that cannot be read again: no disk cache
+                logger.warning("prefix cache: %s not used: %s", self.cache_dir, error)
+            else:
+                disk = DiskPrefixCache(
+                    self.cache_dir, identity, self.cache_disk_size, self.cache_disk_min_tokens
+                )
         return PrefixCache(memory, kv_bytes_per_token, disk=disk)
 
 
@@ -151,6 +156,12 @@ class PrefixCache:
         # Snapshots of the current generation still to be written to disk (positions).
         self._to_disk: list[int] = []
 
+    def set_layout(self, rows: Arrays, state: Arrays) -> None:
+        """Tells the cache what the engine's states look like (KV rows of any length, a
+        recurrent state): files on disk are used only if they have exactly this layout."""
+        if self.disk is not None:
+            self.disk.layout = StateLayout.of(rows, state)
+
     # -- accounting -----------------------------------------------------------------------------
 
     def sequence_bytes(self, sequence: CachedSequence) -> int:
@@ -187,7 +198,11 @@ class PrefixCache:
         found = self._best(prompt, key)
         length = 0 if found is None else found[1]
         if self.disk is not None and self.budget_bytes > 0:
-            entry = self.disk.load_longest(prompt, longer_than=length)
+            try:
+                entry = self.disk.load_longest(prompt, longer_than=length)
+            except Exception:  # a cache: whatever goes wrong there costs a recompute only
+                logger.exception("prefix cache: reading %s failed", self.disk.directory)
+                entry = None
             if entry is not None:
                 loaded = CachedSequence(
                     list(entry.tokens), {len(entry.tokens): entry.state}, rows=entry.rows
@@ -264,15 +279,21 @@ class PrefixCache:
             return
         for length in self._to_disk:
             if length in sequence.snapshots:
-                self.disk.save_in_background(
-                    sequence.tokens[:length], live.copy_out(length), sequence.snapshots[length]
-                )
+                try:
+                    self.disk.save_in_background(
+                        sequence.tokens[:length], live.copy_out(length), sequence.snapshots[length]
+                    )
+                except Exception:
+                    logger.exception("prefix cache: writing to %s failed", self.disk.directory)
         self._to_disk = []
 
     def close(self) -> None:
         """Waits for the disk writes still under way."""
         if self.disk is not None:
-            self.disk.flush()
+            try:
+                self.disk.flush()
+            except Exception:
+                logger.exception("prefix cache: writing to %s failed", self.disk.directory)
 
     # -- internals ------------------------------------------------------------------------------
 

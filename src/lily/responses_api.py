@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from lily.api_translation import API as APIDescription
 from lily.api_translation import chat_request, openai_error_body, refuse_unknown, sse
 from lily.errors import RequestError
+from lily.request_limits import UNBOUNDED, RequestLimits
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -270,7 +271,9 @@ def _reasoning(reasoning: Any, chat: dict[str, Any]) -> bool:
     return summary is not None
 
 
-def translate(params: dict[str, Any], llm: Lily) -> ResponsesTranslation:
+def translate(
+    params: dict[str, Any], llm: Lily, limits: RequestLimits = UNBOUNDED
+) -> ResponsesTranslation:
     refuse_unknown(params, FIELDS)
     if params.get("store") is True:
         raise RequestError(
@@ -305,7 +308,7 @@ def translate(params: dict[str, Any], llm: Lily) -> ResponsesTranslation:
     chat["stream"] = stream
     if stream is True:
         chat["stream_options"] = {"include_usage": True}  # the final response's usage
-    request = chat_request(chat, llm)
+    request = chat_request(chat, llm, limits)
     return ResponsesTranslation(request, params, llm.model_id, summary=summary)
 
 

@@ -13,10 +13,16 @@ it only parses, checks and relays.
 
 Every failure a client can cause is an OpenAI error object,
 `{"error": {"message", "type", "param", "code"}}`, with the status the `openai` SDK expects:
-400 bad request, 401 missing or wrong API key, 404 unknown model or route, 413 body over the limit,
-415 a POST that is not JSON, 422 well-formed JSON whose fields have the wrong type or range,
-503 queue full or shutting down. Anything else is a 500 whose body says nothing about the
-server's internals (the log has the traceback).
+400 bad request (a field of the wrong type or range, and a request over the server's size
+bounds, `lily.request_limits`, too), 401 missing or wrong API key, 404 unknown model or route,
+408 request headers or body not received in time, 413 body over the limit, 415 a POST that is
+not JSON, 503 queue full or shutting down. Anything else is a 500 whose body
+says nothing about the server's internals (the log has the traceback).
+
+Nothing whose cost grows with the request runs on the event loop: the body is parsed, checked
+and its output grammar compiled in a thread (llguidance releases the GIL while it compiles), so
+`/health` and the streams being served keep flowing; the grammar's size is bounded before it is
+compiled (`RequestLimits.max_grammar_bytes`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import h11
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -43,6 +50,7 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from lily.api_key import bearer_key_matches, resolve_api_key
 from lily.chat import ChatRequest, GenerationStats, parse_request
@@ -51,6 +59,7 @@ from lily.http_guard import GuardPolicy, HTTPGuard, bound_host_names
 from lily.model_graph import DEFAULT_MAX_CHUNK
 from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
 from lily.prefix_cache import CacheOptions
+from lily.request_limits import RequestLimits
 from lily.request_log import RequestLog
 
 if TYPE_CHECKING:
@@ -73,9 +82,15 @@ RETRY_AFTER_SECONDS = 1
 DEFAULT_MAX_TOKENS = 8192
 # On SIGINT/SIGTERM, how long the running request may go on before it is interrupted.
 DEFAULT_SHUTDOWN_GRACE = 5.0
-# After the grace: time for the engine to reach its next chunk or token boundary and for the
-# last answers to be written, before uvicorn cancels whatever is left.
+# After the grace: time for the last answers to be written, before uvicorn cancels whatever is
+# left (the running request is answered when the grace ends; the engine stops at its next chunk
+# or token boundary, however long its pass takes).
 SHUTDOWN_MARGIN_SECONDS = 10.0
+# The most seconds a client may take to send a request's headers (from the connection, or from
+# the first byte of a later request on a kept-alive connection), and then its body: a slow or
+# silent client must not hold a connection (and its memory) for ever.
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_BODY_TIMEOUT = 30.0
 
 
 # --- Errors ---------------------------------------------------------------------------------
@@ -172,10 +187,11 @@ def _check_text_is_unicode(document: Any) -> None:
             stack.extend(item)
 
 
-def parse_chat_request(body: bytes) -> dict[str, Any]:
+def parse_chat_request(body: bytes, limits: RequestLimits | None = None) -> dict[str, Any]:
     """The request's fields, checked for JSON shape and types; null fields are dropped (they
-    mean "the default" in the OpenAI API)."""
-    request = parse_json_body(body)
+    mean "the default" in the OpenAI API). With `limits`, too many messages, tools or tool
+    calls are refused before the fields are checked."""
+    request = parse_json_body(body, limits)
     for name, schema in CHAT_REQUEST_SCHEMA["properties"].items():
         if name not in request:
             continue
@@ -189,9 +205,10 @@ def parse_chat_request(body: bytes) -> dict[str, Any]:
     return request
 
 
-def parse_json_body(body: bytes) -> dict[str, Any]:
+def parse_json_body(body: bytes, limits: RequestLimits | None = None) -> dict[str, Any]:
     """A request body's JSON object, its text checked to be valid Unicode; null fields are
-    dropped (they mean "the default")."""
+    dropped (they mean "the default"). With `limits`, too many messages, tools or tool calls
+    are refused."""
     try:
         document = json.loads(body, parse_constant=_reject_constant)
     except RecursionError:
@@ -205,6 +222,8 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
             f"the body must be a JSON object, got {json_type_name(document)}",
             code="invalid_json",
         )
+    if limits is not None:
+        limits.check_shape(document)
     _check_text_is_unicode(document)
     return {name: value for name, value in document.items() if value is not None}
 
@@ -310,6 +329,13 @@ class EngineWorker:
             return
         self._thread.join(grace)
         self._interrupted = True
+        running = self._running
+        if running is not None:
+            # Answered now, with the JSON 503 (or a stream's error event): the engine may be
+            # inside a long prefill pass, longer than the server waits before cancelling the
+            # connections. The worker stops at its next boundary; what it still emits is
+            # read by nobody.
+            running.emit(ShuttingDownError())
         self._thread.join()
 
     def _serve(self) -> None:
@@ -355,19 +381,32 @@ class EngineWorker:
 # --- HTTP -------------------------------------------------------------------------------------
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout: float | None) -> bytes:
     too_large = APIError(
         413, f"the request body is larger than {limit} bytes", code="request_too_large"
     )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
+        raise APIError(
+            408,
+            f"the request body did not arrive within {timeout:g} s",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     return b"".join(chunks)
 
 
@@ -425,11 +464,15 @@ class Server:
         queue_limit: int,
         max_body_bytes: int,
         default_max_tokens: int | None,
+        limits: RequestLimits,
+        body_timeout: float | None,
     ):
         self.llm = llm
         self.model_id: str = llm.model_id
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.limits = limits
+        self.body_timeout = body_timeout
         self.worker = EngineWorker(llm, queue_limit, default_max_tokens=default_max_tokens)
         self.started = int(time.time())
 
@@ -478,18 +521,11 @@ class Server:
 
     async def chat_completions(self, request: Request) -> Response:
         self._check_api_key(request)
-        body = await _read_body(request, self.max_body_bytes)
-        # A body of megabytes takes tens of ms to parse: off the event loop, so that streams
-        # being served meanwhile do not stall.
-        params = await asyncio.to_thread(parse_chat_request, body)
-        # The facade's checks, run here so that a bad request is refused at once instead of
-        # after waiting its turn (the prompt is rendered, sized and tokenized on the worker).
-        checked = parse_request(
-            params,
-            served_model=self.model_id,
-            default_sampling=self.llm.default_sampling,
-            chat_template=self.llm.chat_template,
-        )
+        body = await _read_body(request, self.max_body_bytes, self.body_timeout)
+        # Off the event loop, so that /health and the streams being served meanwhile do not
+        # stall: parsing a body of megabytes takes tens of ms, compiling its output grammar up
+        # to the bound on its size (`RequestLimits`) a good part of a second.
+        checked = await asyncio.to_thread(self._checked_request, body)
         job = Job(checked, asyncio.get_running_loop())
         request.state.generation = job  # its stats go into the request's log line
         try:
@@ -515,6 +551,19 @@ class Server:
             self._event_stream(job, first),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    def _checked_request(self, body: bytes) -> ChatRequest:
+        """The body parsed, then the facade's checks (the output grammar compiled), run here so
+        that a bad request is refused at once instead of after waiting its turn (the prompt is
+        rendered, sized and tokenized on the worker)."""
+        params = parse_chat_request(body, limits=self.limits)
+        return parse_request(
+            params,
+            served_model=self.model_id,
+            default_sampling=self.llm.default_sampling,
+            chat_template=self.llm.chat_template,
+            limits=self.limits,
         )
 
     async def _event_stream(self, job: Job, first: Any) -> AsyncIterator[bytes]:
@@ -611,10 +660,15 @@ def create_app(
     allowed_hosts: Iterable[str] = (),
     cors_origins: Iterable[str] = (),
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    limits: RequestLimits | None = None,
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
 ) -> Starlette:
     """The ASGI app serving `llm`. The worker thread starts and stops with the app's lifespan;
     the caller keeps ownership of `llm` (and closes it). `default_max_tokens` bounds the
     completions of requests that set no `max_tokens` (None: the rest of the context).
+    `limits` bounds the requests' size (default: `RequestLimits()`), `body_timeout` the
+    seconds a body may take to arrive (408 after; None: no bound). The headers' timeout is the
+    HTTP server's (`serve` sets uvicorn's protocol, `http_protocol`).
 
     Requests must name localhost, an IP address or one of `allowed_hosts` in their Host header,
     and POST JSON; pages of `cors_origins` may call it from a browser (see `lily.http_guard`)."""
@@ -625,6 +679,8 @@ def create_app(
         queue_limit=queue_limit,
         max_body_bytes=max_body_bytes,
         default_max_tokens=default_max_tokens,
+        limits=RequestLimits() if limits is None else limits,
+        body_timeout=body_timeout,
     )
 
     @contextlib.asynccontextmanager
@@ -656,6 +712,73 @@ def create_app(
     )
     app.state.server = server
     return app
+
+
+_HEADER_TIMEOUT_BODY = json.dumps(
+    APIError(408, "the request headers did not arrive in time", code="request_timeout").body()
+).encode()
+
+
+class _HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection whose request headers take longer than
+    `header_timeout` seconds to arrive: from the connection, or from the first byte of the next
+    request on a kept-alive one (an idle kept-alive connection is uvicorn's own
+    `timeout_keep_alive`). uvicorn bounds neither, so a silent client held its socket for ever."""
+
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._awaiting_headers():
+            self._arm_header_timer()
+        super().data_received(data)
+        if not self._awaiting_headers():
+            self._disarm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def _awaiting_headers(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or not self._awaiting_headers():
+            return
+        if self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
+            # Nothing of a response went out on this request yet: say why before closing.
+            head = (
+                b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(_HEADER_TIMEOUT_BODY)
+            )
+            self.transport.write(head + _HEADER_TIMEOUT_BODY)
+        self.transport.close()
+
+
+def http_protocol(header_timeout: float | None) -> type[asyncio.Protocol]:
+    """The uvicorn HTTP protocol class (`uvicorn.Config(http=...)`) with this header timeout
+    (None: uvicorn's own, unbounded)."""
+    if header_timeout is None:
+        return H11Protocol
+    if not header_timeout > 0:
+        raise ValueError(f"header_timeout must be positive, got {header_timeout}")
+    return type(
+        "HeaderTimeoutProtocol", (_HeaderTimeoutProtocol,), {"header_timeout": header_timeout}
+    )
 
 
 class _DrainingServer(uvicorn.Server):
@@ -714,6 +837,9 @@ def serve(
     log_level: str = "info",
     escape_special_tokens: bool = False,
     cache: CacheOptions | None = None,
+    limits: RequestLimits | None = None,
+    header_timeout: float | None = DEFAULT_HEADER_TIMEOUT,
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
 ) -> None:
     """Loads the model and serves it until SIGINT (Ctrl-C) or SIGTERM. Either drains: no new
     connections, waiting requests get 503 `shutting_down`, the running one gets
@@ -722,7 +848,9 @@ def serve(
 
     The API key is `api_key`, else the content of `api_key_file`, else `$LILY_API_KEY`. The Host
     header may name `host` itself besides localhost, IP addresses and `allowed_hosts`.
-    `cache` sizes the prefix cache, in memory and on disk (`lily.load`'s cache arguments)."""
+    `cache` sizes the prefix cache, in memory and on disk (`lily.load`'s cache arguments).
+    `limits` bounds the requests' size (`lily.request_limits`); a client gets `header_timeout`
+    seconds to send a request's headers and `body_timeout` more for its body (408 after)."""
     from lily.api import load
 
     check_port_free(host, port)  # before the load, which can take minutes
@@ -730,6 +858,7 @@ def serve(
     allowed_hosts = [*allowed_hosts, *bound_host_names(host)]
     cors_origins = list(cors_origins)
     GuardPolicy(allowed_hosts=allowed_hosts, cors_origins=cors_origins)  # fails before the load
+    protocol = http_protocol(header_timeout)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", host)
@@ -750,6 +879,8 @@ def serve(
             allowed_hosts=allowed_hosts,
             cors_origins=cors_origins,
             default_max_tokens=default_max_tokens,
+            limits=limits,
+            body_timeout=body_timeout,
         )
         worker = app.state.server.worker
         config = uvicorn.Config(
@@ -758,6 +889,7 @@ def serve(
             port=port,
             log_level=log_level,
             access_log=False,  # the request log (lily.request_log) replaces uvicorn's
+            http=protocol,
             timeout_graceful_shutdown=shutdown_grace + SHUTDOWN_MARGIN_SECONDS,
         )
         logger.info("serving %s on %s at http://%s:%d/v1", llm.model_id, llm.device, host, port)

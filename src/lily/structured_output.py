@@ -105,14 +105,22 @@ def output_grammar(
     tool_choice: Any,
     parallel_tool_calls: Any,
     tools: Sequence[Mapping[str, Any]] | None,
+    *,
+    max_bytes: int | None = None,
 ) -> OutputGrammar | None:
     """The grammar that `response_format` and `tool_choice` ask for (`tools` already checked),
-    or None when the answer is free. Raises RequestError naming the offending parameter."""
+    or None when the answer is free. Raises RequestError naming the offending parameter.
+
+    With `max_bytes`, a grammar whose text (JSON Schemas inlined) would be longer is refused
+    (`UnsupportedSchemaError` naming the largest part of the field that crossed the bound)
+    before the grammar engine compiles any of it: compiling grows faster than linearly with
+    the grammar (a 100,000-value enum: 21 s)."""
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise RequestError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    budget = _GrammarBudget(max_bytes)
     parallel = parallel_tool_calls is not False
     calls = _forced_calls(tool_choice, tools, parallel)
-    answer = _response_format(response_format)
+    answer = _response_format(response_format, budget)
     may_call = bool(tools) and tool_choice != "none"
     if calls is not None:
         # A forced call is the whole answer; response_format shapes text answers only.
@@ -124,13 +132,54 @@ def output_grammar(
         body = f"{answer} | {_calls_rule(parallel)}"
     else:
         body = answer
-    rules = _tool_rules(tools) if may_call and tools else ""
+    rules = _tool_rules(tools, budget) if may_call and tools else ""
     grammar = OutputGrammar(f"answer: {body}\n{rules}")
     _check(grammar)
     return grammar
 
 
-def _response_format(value: Any) -> str | None:
+class _GrammarBudget:
+    """The bytes of grammar text a request may still add (`output_grammar`'s `max_bytes`)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def spend(self, text: str, parts: Sequence[tuple[str, Any]]) -> None:
+        """Counts `text`, the rule made of `parts` ((param, value) pairs): refused when the
+        grammar goes over the bound, naming the largest part."""
+        if self.limit is None:
+            return
+        self.used += len(text.encode("utf-8", "surrogatepass"))
+        if self.used <= self.limit:
+            return
+        param = max((_largest_part(p, v) for p, v in parts), key=lambda found: found[1])[0]
+        raise UnsupportedSchemaError(
+            f"the output grammar of this request would be over {self.limit} bytes, the most "
+            f"this server compiles; {param} is its largest part (fewer enum values, "
+            "alternatives or properties fit)",
+            param=param,
+        )
+
+
+def _largest_part(param: str, value: Any) -> tuple[str, int]:
+    """The path under `param` of the part of `value` that holds most of its JSON text (the
+    child holding at least half of it, descended while there is one), and that text's size."""
+    size = len(json.dumps(value))
+    while isinstance(value, Mapping | list) and size > 0:
+        children = value.items() if isinstance(value, Mapping) else enumerate(value)
+        sized = [(key, child, len(json.dumps(child))) for key, child in children]
+        if not sized:
+            break
+        key, child, child_size = max(sized, key=lambda item: item[2])
+        if child_size * 2 < size:
+            break
+        param = f"{param}[{key}]" if isinstance(key, int) else f"{param}.{key}"
+        value, size = child, child_size
+    return param, size
+
+
+def _response_format(value: Any, budget: _GrammarBudget) -> str | None:
     """The answer rule for `response_format` (None: free text)."""
     if value is None:
         return None
@@ -143,7 +192,7 @@ def _response_format(value: Any) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _json_rule({"type": "object"}, strict=True, param="response_format")
+        return _json_rule({"type": "object"}, strict=True, param="response_format", budget=budget)
     spec = value.get("json_schema")
     param = "response_format.json_schema"
     if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
@@ -154,15 +203,23 @@ def _response_format(value: Any) -> str | None:
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise RequestError("json_schema.strict must be a boolean", param=f"{param}.strict")
-    return _json_rule(schema, strict=bool(strict), param=f"{param}.schema")
+    return _json_rule(schema, strict=bool(strict), param=f"{param}.schema", budget=budget)
 
 
-def _json_rule(schema: Mapping[str, Any], *, strict: bool, param: str) -> str:
+def _json_rule(
+    schema: Mapping[str, Any],
+    *,
+    strict: bool,
+    param: str,
+    budget: _GrammarBudget,
+    parts: Sequence[tuple[str, Any]] | None = None,
+) -> str:
     """A `%json` rule for `schema`. Strict: every keyword is enforced or the request is refused;
-    otherwise keywords the engine does not implement are left unchecked."""
+    otherwise keywords the engine does not implement are left unchecked. `parts`: where the
+    schema's pieces come from in the request (default: all of it from `param`)."""
     options = {**JSON_OPTIONS, "lenient": not strict}
-    schema = {**schema, "x-guidance": options}
-    rule = f"%json {json.dumps(schema)}"
+    rule = f"%json {json.dumps({**schema, 'x-guidance': options})}"
+    budget.spend(rule, parts or [(param, schema)])
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(f"start: {rule}\n")
     if is_error:
         raise UnsupportedSchemaError(
@@ -206,7 +263,7 @@ def _calls_rule(parallel: bool, only: int | None = None) -> str:
     return f'{call} ("\\n" {call})*' if parallel else call
 
 
-def _tool_rules(tools: Sequence[Mapping[str, Any]]) -> str:
+def _tool_rules(tools: Sequence[Mapping[str, Any]], budget: _GrammarBudget) -> str:
     """Lark rules `call` (any tool) and `call_<i>` (tool i), in the chat template's format:
     <tool_call>\\n<function=NAME>\\n(<parameter=KEY>\\nVALUE\\n</parameter>\\n)*</function>\\n</tool_call>
     """
@@ -225,7 +282,9 @@ def _tool_rules(tools: Sequence[Mapping[str, Any]]) -> str:
         pieces = []
         for j, (key, schema) in enumerate(properties.items()):
             value = f"value_{i}_{j}"
-            rule = _value_rule(schema, definitions, strict, f"{param}.properties.{key}")
+            rule = _value_rule(
+                schema, definitions, strict, f"{param}.properties.{key}", param, budget
+            )
             if isinstance(rule, _RawText):
                 # A lazy lexeme: the value ends at the first `</parameter>` line.
                 rules += [f"{value}[lazy]: RAW_{i}_{j}", f"RAW_{i}_{j}: {rule.lexeme}"]
@@ -246,7 +305,12 @@ class _RawText:
 
 
 def _value_rule(
-    schema: Any, definitions: Mapping[str, Any], strict: bool, param: str
+    schema: Any,
+    definitions: Mapping[str, Any],
+    strict: bool,
+    param: str,
+    parameters_param: str,
+    budget: _GrammarBudget,
 ) -> str | _RawText:
     """One parameter's value and the `</parameter>` line after it, as `ToolCallParser` reads
     it back: raw text for a string, JSON for anything else."""
@@ -257,7 +321,9 @@ def _value_rule(
     if kinds == {"string"}:
         choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if choices is not None:
-            return " | ".join(_lark_string(f"{c}{end}") for c in choices)
+            rule = " | ".join(_lark_string(f"{c}{end}") for c in choices)
+            budget.spend(rule, [(param, schema)])
+            return rule
         unsupported = [k for k in _RAW_STRING_CONSTRAINTS if k in schema]
         if unsupported and strict:
             raise UnsupportedSchemaError(
@@ -273,7 +339,10 @@ def _value_rule(
                 param=param,
             )
         return _raw_text_rule(0, None, end)
-    rule = _json_rule({**schema, **definitions}, strict=strict, param=param)
+    parts = [(param, schema), *((f"{parameters_param}.{k}", v) for k, v in definitions.items())]
+    rule = _json_rule(
+        {**schema, **definitions}, strict=strict, param=param, budget=budget, parts=parts
+    )
     return f"{rule} {_lark_string(end)}"
 
 
