@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -622,6 +623,54 @@ def test_response_requests_refused_by_name(
     r = post(server, "/v1/responses", {"model": MODEL, "input": "Hi", **body})
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+# --- keep-alives during a long prompt ------------------------------------------------------------
+
+
+def test_a_silent_stream_gets_keep_alive_comments(
+    served_llm: Lily, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt that takes long to prefill (here: an engine that waits before its first token)
+    sends `: keep-alive` SSE comments meanwhile, on every API's stream, and the SDKs read the
+    streams as usual."""
+    engine = served_llm.engine
+    inner = engine.generate
+
+    def slow(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        tokens = inner(*args, **kwargs)
+        first = next(tokens, None)
+        time.sleep(0.6)  # the "prefill"
+        if first is not None:
+            yield first
+            yield from tokens
+
+    monkeypatch.setattr(engine, "generate", slow)
+    with RunningServer(create_app(served_llm, keepalive=0.1)) as s:
+        bodies = {
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
+            "/v1/completions": {"prompt": "Hi"},
+            "/v1/messages": {"messages": [{"role": "user", "content": "Hi"}]},
+            "/v1/responses": {"input": "Hi"},
+        }
+        for path, body in bodies.items():
+            request = {"model": MODEL, "stream": True, "max_tokens": 2, **body}
+            if path == "/v1/responses":
+                request["max_output_tokens"] = request.pop("max_tokens")
+            with httpx.stream("POST", f"{s.url}{path}", json=request, timeout=60) as r:
+                lines = [line for line in r.iter_lines() if line]
+            comments = [i for i, line in enumerate(lines) if line.startswith(":")]
+            assert comments and all(lines[i] == ": keep-alive" for i in comments), (path, lines)
+            # Sent while the prompt was being fed, before the answer's events.
+            assert comments[-1] < len(lines) - 2, (path, lines)
+        text = claude(s).messages.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
+            stream=True,
+        )  # fmt: skip
+        assert [e.type for e in text][-1] == "message_stop"
+        chunks = list(s.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                                    stream=True))  # fmt: skip
+        assert chunks[-1].choices[0].finish_reason == "length"
 
 
 # --- docs/server.md ----------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from starlette.routing import Route
 from lily import anthropic_messages, completions_api, responses_api
 from lily.api_translation import API, Translation
 from lily.server import (
-    _DONE,
+    KEEPALIVE,
+    KEEPALIVE_COMMENT,
     ClientGone,
     ShuttingDownError,
     _as_api_error,
@@ -80,19 +81,20 @@ async def _stream(
     """The translated events; when the client leaves, Starlette cancels this generator and the
     `finally` stops the generation."""
     try:
-        event = first
-        while event is not _DONE:
-            if isinstance(event, ShuttingDownError):
+        async for event in job.events_after(first, server.keepalive):
+            if event is KEEPALIVE:
+                yield KEEPALIVE_COMMENT
+            elif isinstance(event, ShuttingDownError):
                 for data in translation.failed(_shutting_down()):
                     yield data
                 return
-            if isinstance(event, BaseException):
+            elif isinstance(event, BaseException):
                 for data in translation.failed(_as_api_error(event)):
                     yield data
                 return
-            for data in translation.events(event):
-                yield data
-            event = await job.next_event()
+            else:
+                for data in translation.events(event):
+                    yield data
         for data in translation.end():
             yield data
     finally:

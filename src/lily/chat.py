@@ -94,6 +94,8 @@ class ChatRequest:
     # The grammar the answer follows (response_format, a forced tool call); None: free text.
     output: OutputGrammar | None = None
     n: int = 1  # choices (`lily.choices`)
+    # Told (prompt tokens fed, prompt length) while the prompt is fed (`Engine.generate`).
+    progress: Callable[[int, int], None] | None = None
     # A prompt fed as it is instead of the rendered messages (the legacy completions API, see
     # `lily.completions_api`): anything with `encode(tokenizer, *, escape) -> list[int]`.
     raw_prompt: RawPrompt | None = None
@@ -503,16 +505,21 @@ class ChatCompletions:
 
     def create(self, **params: Any) -> ChatCompletion | Iterator[ChatCompletionChunk]:
         """OpenAI's `chat.completions.create`. Returns a ChatCompletion, or with `stream=True`
-        an iterator of ChatCompletionChunk (closing it stops the generation)."""
+        an iterator of ChatCompletionChunk (closing it stops the generation). Lily's own
+        `progress=callback(fed, total)` is told how far the prompt has been fed (from time to
+        time while it is, the last call with fed == total), e.g. to show progress on a long
+        prompt."""
         llm = self._llm
-        return self.run(
-            parse_request(
-                params,
-                served_model=llm.model_id,
-                default_sampling=llm.default_sampling,
-                chat_template=llm.chat_template,
-            )
+        progress = params.pop("progress", None)
+        if progress is not None and not callable(progress):
+            raise RequestError("progress must be a callable(fed, total)", param="progress")
+        request = parse_request(
+            params,
+            served_model=llm.model_id,
+            default_sampling=llm.default_sampling,
+            chat_template=llm.chat_template,
         )
+        return self.run(dataclasses.replace(request, progress=progress))
 
     def run(
         self,
@@ -772,6 +779,7 @@ class ChatCompletions:
                 cache_key=request.prompt_cache_key,
                 constraint=constraint,
                 reply_so_far=len(fed) - len(prompt.tokens),
+                **({"progress": request.progress} if request.progress else {}),
             )
             try:
                 for token in tokens:
