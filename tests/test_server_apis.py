@@ -291,6 +291,12 @@ def test_streamed_message_follows_anthropics_event_sequence(server: RunningServe
     assert text == whole.content[0].text
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    # message_start already counts the prompt, as message_delta does.
+    start = events[0][1]["message"]["usage"]
+    assert start["output_tokens"] == 0
+    assert start["input_tokens"] + start["cache_read_input_tokens"] == (
+        whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    )
     assert delta["usage"]["output_tokens"] == 5
     assert delta["usage"]["input_tokens"] + delta["usage"]["cache_read_input_tokens"] == (
         whole.usage.input_tokens + whole.usage.cache_read_input_tokens

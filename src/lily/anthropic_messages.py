@@ -486,11 +486,12 @@ class MessagesTranslation:
         for choice in chunk.choices:
             delta = choice.delta
             if delta.role is not None:
+                # The prompt's counts are known before the answer starts.
                 start = self._message(
                     [],
                     stop_reason=None,
                     stop_sequence=None,
-                    usage={"input_tokens": 0, "output_tokens": 0},
+                    usage=_usage(chunk.prompt_usage),
                 )
                 yield sse({"type": "message_start", "message": start}, "message_start")
             if delta.reasoning_content:

@@ -867,9 +867,12 @@ class ChatCompletions:
         try:
             for index, events in enumerate(choices):
                 try:
-                    yield chunk(
+                    opening = chunk(
                         ChunkChoice(index=index, delta=ChoiceDelta(role="assistant", content=""))
                     )
+                    if index == 0:
+                        opening.prompt_usage = self._usage(prompt, 0, 0)
+                    yield opening
                     for delta, pipeline, produced in events:  # noqa: B007 (the last are used)
                         if delta.empty():
                             continue

@@ -250,3 +250,6 @@ class ChatCompletionChunk(OpenAIObject):
     usage: CompletionUsage | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     system_fingerprint: str | None = None
+    # On a stream's first chunk: the prompt's tokens and the cached ones, known before the
+    # answer starts (Anthropic's `message_start` reports them); never dumped.
+    prompt_usage: CompletionUsage | None = field(default=None, metadata=INTERNAL, repr=False)
