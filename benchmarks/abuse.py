@@ -27,7 +27,11 @@ It starts `lily serve --model demo` itself (twice: each run ends by a signal) an
    state relabelled as another prompt's with a fresh unkeyed checksum, a directory under a
    file's name, a stale temporary file); a new server answers every conversation exactly as the
    first did, without a 5xx, a hang, a traceback or the memory of reading the 1 GiB; then its
-   directory is deleted: still answered, and the directory is made again.
+   directory is deleted: still answered, and the directory is made again;
+8. one `Lily` object (the Python API, in this process) shared by threads, as a web app's worker
+   pool or `asyncio.to_thread` shares it: every thread's generation, streamed or not, and every
+   chat completion equal what the same call answers alone; a thread that starts a second
+   generation while its own stream is open gets `EngineBusyError`, and its stream goes on.
 
 Everything is bounded: the number of connections, each client's time, and `--time-limit` for
 the whole run. `--quick` is the reduced version the test suite runs (24 connections: every kind
@@ -752,10 +756,54 @@ async def cache_faults(args: argparse.Namespace) -> None:
             second.kill()
 
 
+def threads_sharing_one_model(args: argparse.Namespace) -> None:
+    """Step 8, run in a worker thread of its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import lily
+    from lily.errors import EngineBusyError
+
+    prompts = [f"Thread {i} says" for i in range(max(4, args.connections // 8))]
+
+    def chat(llm: Any, prompt: str) -> str:
+        reply = llm.chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], max_tokens=6, temperature=0
+        )
+        return reply.choices[0].message.content or reply.choices[0].message.reasoning_content
+
+    def streamed(llm: Any, prompt: str) -> str:
+        pieces = []
+        for piece in llm.stream(prompt, 6):
+            pieces.append(piece)
+            time.sleep(0.002)  # let the other threads in between tokens
+        return "".join(pieces)
+
+    with lily.load("demo", device=args.device, max_seq=MAX_SEQ) as llm:
+        alone = {p: (llm.generate(p, 6), chat(llm, p)) for p in prompts}
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda p: streamed(llm, p), prompts))
+            chats = list(pool.map(lambda p: chat(llm, p), prompts))
+        for prompt, text, answer in zip(prompts, texts, chats, strict=True):
+            if (text, answer) != alone[prompt]:
+                raise Failure(f"threads: {prompt!r} was answered differently while shared")
+        stream = llm.stream(prompts[0], 6)
+        first = next(stream)
+        try:
+            llm.generate(prompts[1], 2)
+        except EngineBusyError:
+            pass
+        else:
+            raise Failure("threads: a nested generation in the same thread was not refused")
+        if first + "".join(stream) != alone[prompts[0]][0]:
+            raise Failure("threads: the open stream was disturbed by the refused generation")
+    print(f"threads: {len(prompts)} threads on one model, each answered as alone", flush=True)
+
+
 async def run(args: argparse.Namespace) -> None:
     if args.cache_only:
         await cache_faults(args)
         return
+    await asyncio.to_thread(threads_sharing_one_model, args)
     first = Server(args)
     try:
         await first.start()

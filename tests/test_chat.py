@@ -542,6 +542,16 @@ def test_a_tool_call_with_a_huge_integer_is_answered_with_the_text(demo_dir, tok
     assert finish == ["tool_calls"]
 
 
+def test_a_call_cut_short_by_max_tokens_is_not_returned_as_runnable(demo_dir, tokenizer):
+    done = "<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n</function>"
+    cut = "\n</tool_call>\n<tool_call>\n<function=weather>\n<parameter=days>\n4"
+    llm, _ = scripted(demo_dir, tokenizer, done + cut, end=False)
+    r = llm.chat.completions.create(messages=USER, tools=[WEATHER_TOOL], **NO_THINKING)
+    assert r.choices[0].finish_reason == "length"
+    [call] = r.choices[0].message.tool_calls  # the complete first call only
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+
 def test_a_template_over_its_limits_fails_with_a_named_error(demo_dir, tokenizer):
     from lily.chat_template import ChatTemplate, ChatTemplateLimitError, TemplateLimits
 

@@ -215,9 +215,12 @@ def test_serve_request_bounds_and_timeouts_reach_the_server(
     )
     assert chosen["limits"] == RequestLimits(10, 2, 3, 64 * 1024)
     assert (chosen["header_timeout"], chosen["body_timeout"]) == (2.5, 7.0)
-    for flag, bad in (("--max-messages", "0"), ("--header-timeout", "0"), ("--body-timeout", "x")):
-        with pytest.raises(SystemExit):
+    refused = [("--max-messages", "0"), ("--header-timeout", "0"), ("--body-timeout", "x"),
+               ("--max-grammar-bytes", "0"), ("--max-grammar-bytes", "0.5")]  # fmt: skip
+    for flag, bad in refused:
+        with pytest.raises(SystemExit) as exit_:
             main(["serve", flag, bad])
+        assert exit_.value.code == 2  # argparse's refusal, not an error once the server starts
 
 
 def test_serve_cache_options_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:

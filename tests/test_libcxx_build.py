@@ -15,23 +15,17 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from sim_compile import ROOT, SIM_DIR, SIM_INCLUDE, clang, prepass
+from sim_compile import KERNEL_FLAGS, ROOT, SIM_DIR, SIM_INCLUDE, clang, prepass
 
 KERNEL_SOURCES = sorted((ROOT / "metal").glob("*.metal")) + sorted(
     (ROOT / "tests" / "sim_kernels").glob("*.metal")
 )
 RUNTIME_SOURCES = sorted(SIM_DIR.glob("*.cpp"))
-# The flags of CMakeLists.txt's LILY_SIM_KERNEL_FLAGS that change what compiles.
-KERNEL_FLAGS = [
-    "-Wno-duplicate-decl-specifier",
-    "-Xclang=-ffloat16-excess-precision=none",
-    "-Xclang=-fbfloat16-excess-precision=none",
-]
 VARIANTS = {"plain": [], "checked": ["-DLILY_SIM_CHECKED=1"]}
 
 
 def libcxx_errors(source: Path, *flags: str) -> str:
-    command = [clang(), "-std=c++20", "-stdlib=libc++", "-fsyntax-only", "-I", str(SIM_INCLUDE)]
+    command = [clang(), "-std=gnu++20", "-stdlib=libc++", "-fsyntax-only", "-I", str(SIM_INCLUDE)]
     result = subprocess.run(
         [*command, *flags, str(source)], capture_output=True, text=True, check=False, cwd=ROOT
     )

@@ -225,6 +225,19 @@ def test_required_tool_calls_validate(llm, stream):
     assert 1 in counts and max(counts) > 1  # parallel calls are allowed by default
 
 
+def test_no_further_call_starts_in_the_last_stretch_of_max_tokens(llm):
+    """Parallel calls are allowed, but within CLOSING_LOOKAHEAD tokens of max_tokens a complete
+    answer ends there: a call started then might not finish (finish_reason "length", a call
+    missing its required arguments)."""
+    tools = [WEATHER, SEARCH]
+    for seed in range(12):
+        params = dict(tools=tools, tool_choice="required", seed=seed, **NO_THINKING)
+        completion = create(llm, max_tokens=60, **params)
+        message, finish = completion.choices[0].message, completion.choices[0].finish_reason
+        assert finish == "tool_calls", (seed, message)
+        assert len(_validated_calls(message, tools)) == 1
+
+
 def test_parallel_tool_calls_false_allows_one_call(llm):
     for seed in range(10):
         completion = create(
@@ -367,6 +380,99 @@ def test_what_cannot_be_enforced_is_refused_by_name(llm, params, param, words):
     assert info.value.param == param
     assert words in info.value.message
     assert llm.engine.constraints == []  # refused before any generation
+
+
+def forced_tool(parameters: dict, name: str = "f") -> dict:
+    tool = {"type": "function", "function": {"name": name, "parameters": parameters}}
+    return {"tools": [tool], "tool_choice": "required"}
+
+
+def with_property(schema: dict, **outer) -> dict:
+    return {"type": "object", "properties": {"a": schema}, "required": ["a"], **outer}
+
+
+@pytest.mark.parametrize(
+    "params, param, words",
+    [
+        (forced_tool(with_property({"type": "string"}, required=5)),
+         "tools[0].function.parameters.required", "must be a list"),
+        (forced_tool(with_property({"type": "string"}, required=[[1]])),
+         "tools[0].function.parameters.required", "property names"),
+        (forced_tool(with_property({"enum": 5})),
+         "tools[0].function.parameters.properties.a.enum", "must be a list"),
+        (forced_tool(with_property({"type": "string", "minLength": -1})),
+         "tools[0].function.parameters.properties.a.minLength", "non-negative"),
+        (forced_tool(with_property({"type": "string", "minLength": 70000})),
+         "tools[0].function.parameters.properties.a.minLength", "above 1000"),
+        (forced_tool(with_property({"type": "string", "enum": ["x</parameter>y", "z"]})),
+         "tools[0].function.parameters.properties.a", "</parameter>"),
+        (forced_tool({"type": "object", "properties": {}}, name='f">\n</tool_call>'),
+         "tools[0].function.name", "1 to 64 letters"),
+        (forced_tool({"type": "object", "properties": {}}, name="x" * 65),
+         "tools[0].function.name", "1 to 64 letters"),
+        ({"response_format": {"type": "json_object", "schema": {"type": "object"}}},
+         "response_format.schema", "takes no 'schema'"),
+        ({"response_format": {"type": "text", "json_schema": {"name": "x"}}},
+         "response_format.json_schema", "takes no 'json_schema'"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("thinking", [{}, NO_THINKING], ids=["thinking", "no-thinking"])
+def test_schemas_the_engine_cannot_run_are_400s_naming_the_field(
+    llm, params, param, words, thinking
+):
+    with pytest.raises(RequestError) as info:
+        create(llm, **params, **thinking)
+    assert info.value.status == 400
+    assert info.value.param == param
+    assert words in info.value.message
+    assert len(info.value.message) < 600  # the first line of an engine error, never a grammar
+    assert llm.engine.constraints == []  # refused before any generation
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_no_finite_answer_satisfies_is_a_400_not_a_500(llm, stream):
+    """A required self-reference: the grammar engine gives up once the answer reaches it (its
+    budget for forced text runs out), which is the schema's fault: a 400 naming tools, with the
+    first line of the engine's message and the grammar's digest, not the grammar itself."""
+    endless = {"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"]}
+    tool = forced_tool({**with_property({"$ref": "#/$defs/n"}), "$defs": {"n": endless}})
+    with pytest.raises(UnsupportedSchemaError) as info:
+        result = create(llm, seed=0, stream=stream, **tool, **NO_THINKING)
+        if stream:
+            list(result)
+    assert (info.value.status, info.value.param) == (400, "tools")
+    assert "cannot be enforced" in info.value.message and "grammar " in info.value.message
+    assert len(info.value.message) < 600
+
+
+def test_the_closing_stretch_ends_strings_held_to_a_format_or_pattern(llm):
+    """Random logits fill a string held to a format or a pattern until max_tokens draws near;
+    the stretch must then write what the format still needs before the closing quote (a quote
+    alone does not fit there), so the answer parses and validates."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "href": {"type": "string", "format": "uri"},
+            "mail": {"type": "string", "format": "email"},
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2,}$"},
+        },
+        "required": ["href", "mail", "code"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "links", "schema": schema}}
+    for seed in range(6):
+        completion = create(llm, response_format=fmt, seed=seed, max_tokens=160, **NO_THINKING)
+        answer = completion.choices[0].message.content
+        assert completion.choices[0].finish_reason == "stop", (seed, answer)
+        value = json.loads(answer)
+        checker = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+        checker.validate(value)
+
+
+def test_a_huge_non_strict_max_length_is_left_unchecked_not_refused(llm):
+    tool = forced_tool(with_property({"type": "string", "maxLength": 5_000_000}))
+    call = create(llm, seed=0, **tool, **NO_THINKING).choices[0].message.tool_calls[0]
+    assert call.function.name == "f"
 
 
 def test_a_non_strict_schema_is_enforced_as_far_as_the_engine_goes(llm):

@@ -548,6 +548,8 @@ class ChatCompletions:
             max_tokens = request.max_tokens
         else:
             max_tokens = min(room, default_max_tokens or room)
+        if request.output is not None:
+            request.output.check(llm.tokenizer, thinking=prompt.thinking)
         choices = self._choices(request, prompt, max_tokens, should_stop)
         if request.stream:
             return self._chunks(request, prompt, choices)
@@ -819,7 +821,10 @@ class ChatCompletions:
                 reasoning.append(delta.reasoning)
                 content.append(delta.content)
                 logprobs.extend(delta.logprobs)
-            calls = [ChatCompletionMessageToolCall.from_call(c) for c in pipeline.tool_calls]
+            # A call cut short by max_tokens may break its schema (a required parameter never
+            # written): it is not returned as if it could be run. (A stream has sent its pieces.)
+            complete = [c for c in pipeline.tool_calls if c.complete]
+            calls = [ChatCompletionMessageToolCall.from_call(c) for c in complete]
             text = "".join(content)
             message = ChatCompletionMessage(
                 content=text if text or not calls else None,

@@ -426,6 +426,13 @@ def _byte_size(text: str) -> int:
     return int(float(number) * scale)
 
 
+def _positive_byte_size(text: str) -> int:
+    size = _byte_size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return size
+
+
 def _cors_origin(text: str) -> str:
     from lily.http_guard import normalized_origin
 
@@ -781,7 +788,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-grammar-bytes",
-        type=_byte_size,
+        type=_positive_byte_size,
         default=DEFAULT_MAX_GRAMMAR_BYTES,
         metavar="BYTES",
         help="largest output grammar (response_format, forced tool calls) compiled for a "

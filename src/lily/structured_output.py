@@ -27,10 +27,11 @@ JSON, each checked against the tool's parameter schema.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -69,10 +70,28 @@ CLOSING_TEXTS = (
     "0",
     " 0",
 )
+# Inside a string held to a format or a pattern no closing text may fit yet: the stretch then
+# searches for single characters that lead to where one does, punctuation first (`:`, `@`,
+# `.` are what formats wait for), keeping FILLER_BEAM states (at most FILLER_BRANCHES children
+# of each) per step, for FILLER_DEPTH steps.
+FILLER_CHARACTERS = (
+    ":/@.-_+"
+    + "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    + "!#$%&'()*,;<=>?[]^`{|}~ "
+)
+FILLER_BEAM = 48
+FILLER_BRANCHES = 4  # children kept per state, so that the beam holds several directions
+FILLER_DEPTH = 24
 # How close to max_tokens the closing stretch is planned, and the spare tokens it starts with
 # (the model's own choices where no closing text fits may take longer than the plan's).
 CLOSING_LOOKAHEAD = 128
 CLOSING_SLACK = 4
+_PARAMETER_TAG = PARAMETER_START.encode()
+# Raw string values end at these tags (lily.tool_calls reads a value up to its `</parameter>`).
+_TOOL_CALL_TAGS = (PARAMETER_END, PARAMETER_START, FUNCTION_END, TOOL_CALL_END)
+# The longest minLength/maxLength a raw tool-call value is held to: a counted repetition longer
+# than a few thousand exhausts the grammar engine's budget when it loads against the vocabulary.
+RAW_LENGTH_LIMIT = 1000
 # String keywords a raw (unquoted) tool-call parameter value cannot be held to.
 _RAW_STRING_CONSTRAINTS = ("pattern", "format", "contentEncoding", "contentMediaType")
 
@@ -89,6 +108,46 @@ class OutputGrammar:
     """The grammar a request's answer must follow (checked, ready to start per generation)."""
 
     lark: str
+    param: str = "response_format"  # the request field it comes from, for errors
+    # Matchers loaded with a tokenizer, by (tokenizer, thinking): each generation starts from a
+    # copy, so the grammar is compiled against the vocabulary once per request.
+    _loaded: dict[tuple[int, bool], llguidance.LLMatcher] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def check(self, tokenizer: Tokenizer, *, thinking: bool) -> None:
+        """Loads the grammar against the vocabulary now, so that a grammar the engine cannot
+        run (over its internal budgets, or one no finite answer satisfies) is refused before
+        the request starts: UnsupportedSchemaError, a 400, not a failure mid-generation. The
+        answer's start is loaded too when the generation starts in the think block, whose free
+        text would otherwise hide the answer's forced text."""
+        self.matcher(tokenizer, thinking=False)
+        if thinking:
+            self.matcher(tokenizer, thinking=True)
+
+    def matcher(self, tokenizer: Tokenizer, *, thinking: bool) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of the answer."""
+        key = (id(tokenizer), thinking)
+        if key not in self._loaded:
+            matcher = llguidance.LLMatcher(
+                grammar_tokenizer(tokenizer), _with_start(self.lark, thinking=thinking), log_level=0
+            )
+            if not matcher.is_error():
+                matcher.compute_ff_tokens()  # text forced at the start: an endless one fails here
+            if matcher.is_error():
+                raise self.failure(matcher.get_error())
+            self._loaded[key] = matcher
+        return self._loaded[key].deep_copy()
+
+    def failure(self, error: str) -> UnsupportedSchemaError:
+        """The grammar engine's error as a 400 naming the field, with the first line of its
+        message only (it can quote the whole grammar) and a digest to find it in a log."""
+        digest = hashlib.sha256(self.lark.encode()).hexdigest()[:12]
+        return UnsupportedSchemaError(
+            f"the {self.param} cannot be enforced: {_first_line(error)[:300]} "
+            f"(grammar {digest}, {len(self.lark)} bytes)",
+            param=self.param,
+        )
 
     def constraint(
         self, tokenizer: Tokenizer, vocab_size: int, *, thinking: bool, max_tokens: int
@@ -133,7 +192,7 @@ def output_grammar(
     else:
         body = answer
     rules = _tool_rules(tools, budget) if may_call and tools else ""
-    grammar = OutputGrammar(f"answer: {body}\n{rules}")
+    grammar = OutputGrammar(f"answer: {body}\n{rules}", "tools" if may_call else "response_format")
     _check(grammar)
     return grammar
 
@@ -189,6 +248,15 @@ def _response_format(value: Any, budget: _GrammarBudget) -> str | None:
             param="response_format",
         )
     kind = value["type"]
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    stray = sorted(set(value) - allowed)
+    if stray:
+        raise RequestError(
+            f"response_format of type {kind!r} takes no {', '.join(map(repr, stray))}"
+            + (" (a schema goes in json_schema.schema, with type 'json_schema')" if
+               {"schema", "json_schema"} & set(stray) else ""),
+            param=f"response_format.{stray[0]}",
+        )
     if kind == "text":
         return None
     if kind == "json_object":
@@ -321,6 +389,14 @@ def _value_rule(
     if kinds == {"string"}:
         choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
         if choices is not None:
+            for choice in choices:
+                tag = next((t for t in _TOOL_CALL_TAGS if t in str(choice)), None)
+                if tag is not None:
+                    raise UnsupportedSchemaError(
+                        f"the value {choice!r} holds {tag!r}, which ends a parameter in the "
+                        "model's tool-call format: it cannot be written in a tool call",
+                        param=param,
+                    )
             rule = " | ".join(_lark_string(f"{c}{end}") for c in choices)
             budget.spend(rule, [(param, schema)])
             return rule
@@ -330,7 +406,17 @@ def _value_rule(
                 f"a string parameter with {unsupported[0]!r} cannot be enforced in a tool call",
                 param=param,
             )
-        return _raw_text_rule(schema.get("minLength", 0), schema.get("maxLength"), end)
+        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        if low > RAW_LENGTH_LIMIT or (strict and high is not None and high > RAW_LENGTH_LIMIT):
+            keyword = "minLength" if low > RAW_LENGTH_LIMIT else "maxLength"
+            raise UnsupportedSchemaError(
+                f"a string parameter's {keyword} above {RAW_LENGTH_LIMIT} cannot be enforced in a "
+                "tool call",
+                param=f"{param}.{keyword}",
+            )
+        if high is not None and high > RAW_LENGTH_LIMIT:
+            high = None  # not strict: a keyword the engine cannot enforce is left unchecked
+        return _raw_text_rule(low, high, end)
     if "string" in kinds:
         if strict:
             raise UnsupportedSchemaError(
@@ -372,6 +458,16 @@ def _json_types(schema: Mapping[str, Any]) -> set[str]:
     if members:
         return set().union(*(_json_types(m) for m in members if isinstance(m, Mapping)))
     return {"string", "other"}
+
+
+def _single_character_tokens(tokenizer: Tokenizer) -> list[int]:
+    """The ids of FILLER_CHARACTERS that are one token each, in that order."""
+    found = []
+    for character in FILLER_CHARACTERS:
+        ids = tokenizer.encode_as_text(character)
+        if len(ids) == 1:
+            found.append(ids[0])
+    return found
 
 
 def _lark_string(text: str) -> str:
@@ -433,6 +529,33 @@ class _VocabularyView:
         return self._tokenizer.encode_as_text(text)
 
 
+@dataclass(frozen=True)
+class _JsonString:
+    """Whether the answer's text is inside a JSON string, followed byte by byte: inside one, a
+    `}` or `]` is just more text, and only a quote ends it. A tool call's parameter tag starts
+    afresh (a raw string value between tags has quotes of no meaning)."""
+
+    inside: bool = False
+    escaped: bool = False
+    tail: bytes = b""  # the last bytes, to find a tag split across tokens
+
+    def after(self, data: bytes) -> _JsonString:
+        recent = self.tail + data
+        inside, escaped = self.inside, self.escaped
+        tag = recent.rfind(_PARAMETER_TAG)
+        if tag >= 0:
+            inside, escaped = False, False
+            data = recent[tag + len(_PARAMETER_TAG) :]
+        for byte in data:
+            if inside and escaped:
+                escaped = False
+            elif inside and byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                inside = not inside
+        return _JsonString(inside, escaped, recent[-len(_PARAMETER_TAG) :])
+
+
 class GrammarConstraint:
     """A `TokenConstraint` (`lily.constraint`): the answer follows an `OutputGrammar`."""
 
@@ -446,11 +569,8 @@ class GrammarConstraint:
         max_tokens: int,
     ) -> None:
         index = grammar_tokenizer(tokenizer)
-        self._matcher = llguidance.LLMatcher(
-            index, _with_start(grammar.lark, thinking=thinking), log_level=0
-        )
-        if self._matcher.is_error():
-            raise RuntimeError(f"a checked grammar failed to load: {self._matcher.get_error()}")
+        self._grammar = grammar
+        self._matcher = grammar.matcher(tokenizer, thinking=thinking)
         words = (vocab_size + 31) // 32
         # llguidance writes the tokenizer's ids; the logits' padding past them stays banned.
         self._mask = np.zeros(words, dtype=np.uint32)
@@ -467,6 +587,16 @@ class GrammarConstraint:
         self._max_tokens = max_tokens
         self._closing = False
         self._closing_ids = tuple(tuple(tokenizer.encode_as_text(t)) for t in CLOSING_TEXTS)
+        # The closing texts that end something: outside a JSON string all but the digits (which
+        # start a number), inside one only the quotes (the rest would be more of the string).
+        texts = list(zip(self._closing_ids, CLOSING_TEXTS, strict=True))
+        self._closers = {
+            False: tuple(ids for ids, text in texts if not text.strip().isdigit()),
+            True: tuple(ids for ids, text in texts if text.strip() == '"'),
+        }
+        self._token_bytes = tokenizer.token_bytes
+        self._string = _JsonString()
+        self._filler = _single_character_tokens(tokenizer)
         self._plan: list[int] = []  # the rest of the forced or closing text being written
 
     @property
@@ -486,8 +616,13 @@ class GrammarConstraint:
             self._plan = list(self._matcher.compute_ff_tokens())
         remaining = self._max_tokens - len(self.tokens)
         if not self._closing and remaining <= CLOSING_LOOKAHEAD:
-            needed = self._closing_length(remaining)
-            self._closing = needed is None or needed + CLOSING_SLACK >= remaining
+            if self._matcher.is_accepting():
+                # A complete answer is not extended in the last stretch: what could follow (a
+                # further parallel tool call) might not finish within max_tokens.
+                self._closing = True
+            else:
+                needed = self._closing_length(remaining)
+                self._closing = needed is None or needed + CLOSING_SLACK >= remaining
         chosen = self._closing_tokens() if self._closing else self._plan[:1]
         if chosen:
             self._mask[:] = 0
@@ -508,18 +643,14 @@ class GrammarConstraint:
         out on a copy of the grammar state (None: more than `limit`). Where no closing text
         fits, the copy takes the lowest allowed token, as a stand-in for the model's choice."""
         matcher = self._matcher.deep_copy()
+        string = self._string
         plan = list(self._plan)
         scratch = np.zeros_like(self._grammar_view)
         for steps in range(limit + 1):
             if matcher.is_accepting():
                 return steps
             if not plan:
-                plan = list(matcher.compute_ff_tokens()) or list(
-                    next(
-                        (i for i in self._closing_ids if matcher.validate_tokens(i) == len(i)),
-                        (),
-                    )
-                )
+                plan = list(matcher.compute_ff_tokens()) or self._next_closing(matcher, string)
             if plan:
                 token = plan.pop(0)
             else:
@@ -528,6 +659,7 @@ class GrammarConstraint:
                 token = int(np.argmax(bits))
             if not matcher.consume_token(token):
                 return None
+            string = string.after(self._token_bytes(token))
         return None
 
     def _closing_tokens(self) -> list[int]:
@@ -537,11 +669,52 @@ class GrammarConstraint:
         if self._matcher.is_accepting():
             return self._stop_ids
         if not self._plan:
-            for ids in self._closing_ids:
-                if self._matcher.validate_tokens(ids) == len(ids):
-                    self._plan = list(ids)
-                    break
+            self._plan = self._next_closing(self._matcher, self._string)
         return self._plan[:1]
+
+    def _next_closing(self, matcher: llguidance.LLMatcher, string: _JsonString) -> list[int]:
+        """What to write next towards the end from `matcher`'s state: a closing text that ends
+        something, else characters that lead to where one fits, else a digit (to start a
+        number); [] when none of them fits."""
+        closers = self._closers[string.inside]
+        for ids in closers:
+            if matcher.validate_tokens(ids) == len(ids):
+                return list(ids)
+        toward = self._toward_closing(matcher, closers)
+        if toward or string.inside:
+            return toward
+        for ids in self._closing_ids:
+            if matcher.validate_tokens(ids) == len(ids):
+                return list(ids)
+        return []
+
+    def _toward_closing(
+        self, matcher: llguidance.LLMatcher, closers: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """Single characters that lead from `matcher`'s state to one where a closing text fits
+        (inside a string held to a format or a pattern, where a quote does not fit yet: an
+        email's `@`, a URI's `:`, the digits a pattern still needs), found by a beam search
+        that tries punctuation first; [] when none is found within its bounds."""
+        beam: list[tuple[llguidance.LLMatcher, list[int]]] = [(matcher, [])]
+        for _ in range(FILLER_DEPTH):
+            children = []
+            for state, path in beam:
+                taken = 0
+                for token in self._filler:
+                    if len(children) == FILLER_BEAM or taken == FILLER_BRANCHES:
+                        break
+                    if state.validate_tokens([token]) != 1:
+                        continue
+                    taken += 1
+                    child = state.deep_copy()
+                    child.consume_token(token)
+                    if any(child.validate_tokens(ids) == len(ids) for ids in closers):
+                        return [*path, token]
+                    children.append((child, [*path, token]))
+            if not children:
+                return []
+            beam = children
+        return []
 
     def consume(self, token: int) -> None:
         self.tokens.append(token)
@@ -556,7 +729,9 @@ class GrammarConstraint:
             return
         if token in self._stop_ids and self._matcher.is_accepting():
             return
+        self._string = self._string.after(self._token_bytes(token))
         if not self._matcher.consume_token(token):
-            raise RuntimeError(
-                f"token {token} is not allowed by the output grammar: {self._matcher.get_error()}"
-            )
+            if self._matcher.is_error():
+                # The engine gave up on the grammar (an internal budget): the schema's fault.
+                raise self._grammar.failure(self._matcher.get_error())
+            raise RuntimeError(f"token {token} is not allowed by the output grammar")

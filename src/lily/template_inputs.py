@@ -5,6 +5,7 @@ misspelled `enable_thinking` would leave thinking on) or failing deep inside it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -72,12 +73,33 @@ def check_tool_calls(calls: Any, param: str) -> None:
             raise RequestError(e.message, param=f"{where}.function.arguments") from None
 
 
+# OpenAI's rule for function names; it also keeps a name from holding the tool-call format's
+# own tags (a name such as `f">\n</tool_call>` would end the call it names).
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# Schema keywords whose value must have a given JSON shape, checked at every level.
+_SCHEMA_LISTS = ("required", "enum", "anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPPINGS = ("properties", "$defs", "definitions", "patternProperties")
+_SCHEMA_NUMBERS = (
+    "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+)  # fmt: skip
+_SCHEMA_DEPTH = 64
+
+
 def check_tool_schemas(tools: Sequence[Mapping[str, Any]]) -> None:
-    """Each tool's `parameters` is a JSON schema object whose `properties` map names to schema
-    objects (the tool-call parser types the model's values with them)."""
+    """Each tool's name is OpenAI's kind of name, and its `parameters` a JSON schema object
+    whose `properties` map names to schema objects (the tool-call parser types the model's
+    values with them), with well-shaped keywords throughout."""
     for i, tool in enumerate(tools):
+        name = tool["function"].get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise RequestError(
+                f"a function name must be 1 to 64 letters, digits, '_' or '-', got {name!r}",
+                param=f"tools[{i}].function.name",
+            )
         where = f"tools[{i}].function.parameters"
         parameters = tool["function"].get("parameters")
+        if isinstance(parameters, Mapping):
+            check_schema_shape(parameters, where)
         if parameters is None:
             continue
         if not isinstance(parameters, Mapping):
@@ -95,6 +117,45 @@ def check_tool_schemas(tools: Sequence[Mapping[str, Any]]) -> None:
                 raise RequestError(
                     "a parameter's schema must be an object", param=f"{where}.properties.{name}"
                 )
+
+
+def check_schema_shape(schema: Any, where: str, depth: int = 0) -> None:
+    """The keywords of a JSON schema have the shapes JSON Schema gives them (`required` a list
+    of strings, `enum` a list, `properties` an object of schemas, lengths non-negative
+    integers, ...), so that what reads them later fails on nothing. RequestError naming the
+    first that does not."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, Mapping):
+        raise RequestError("a JSON schema must be an object (or a boolean)", param=where)
+    if depth > _SCHEMA_DEPTH:
+        raise RequestError(f"a JSON schema nested over {_SCHEMA_DEPTH} levels", param=where)
+    for key in _SCHEMA_LISTS:
+        if key in schema and not isinstance(schema[key], list):
+            raise RequestError(f"{key} must be a list", param=f"{where}.{key}")
+    if "required" in schema and not all(isinstance(n, str) for n in schema["required"]):
+        raise RequestError("required must list property names", param=f"{where}.required")
+    for key in _SCHEMA_NUMBERS:
+        value = schema.get(key)
+        if key in schema and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise RequestError(f"{key} must be a non-negative integer", param=f"{where}.{key}")
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "type" in schema and not all(isinstance(k, str) for k in kinds):
+        raise RequestError("type must be a type name or a list of them", param=f"{where}.type")
+    for key in _SCHEMA_MAPPINGS:
+        if key not in schema:
+            continue
+        if not isinstance(schema[key], Mapping):
+            raise RequestError(f"{key} must be an object of schemas", param=f"{where}.{key}")
+        for name, sub in schema[key].items():
+            check_schema_shape(sub, f"{where}.{key}.{name}", depth + 1)
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        for j, sub in enumerate(schema.get(key, ())):
+            check_schema_shape(sub, f"{where}.{key}[{j}]", depth + 1)
+    for key in ("items", "not", "if", "then", "else", "additionalProperties", "contains"):
+        if key in schema:
+            check_schema_shape(schema[key], f"{where}.{key}", depth + 1)
 
 
 def check_template_kwargs(kwargs: Mapping[str, Any], template: ChatTemplate | None) -> None:

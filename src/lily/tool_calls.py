@@ -50,11 +50,14 @@ MAX_INTEGER_DIGITS = 4300
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One complete call; `arguments` is the JSON object text of OpenAI's `function.arguments`."""
+    """One call; `arguments` is the JSON object text of OpenAI's `function.arguments`. A call
+    the text ended before its closing tag (max_tokens) is not `complete`: its arguments are
+    what was written, which may lack required parameters."""
 
     id: str
     name: str
     arguments: str
+    complete: bool = True
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,7 @@ class ToolCallParser:
                 self._open_function(rest.strip(), deltas)
             elif self._state is _State.PARAMETER_VALUE:
                 self._add_parameter(rest, deltas)
-            self._close_function(deltas)
+            self._close_function(deltas, complete=False)
         self._state = _State.CONTENT
         return ToolParseDelta("".join(content), _merge(deltas))
 
@@ -365,11 +368,11 @@ class ToolCallParser:
         self._arguments += piece
         deltas.append(ToolCallDelta(len(self.calls), arguments=piece))
 
-    def _close_function(self, deltas: list[ToolCallDelta]) -> None:
+    def _close_function(self, deltas: list[ToolCallDelta], *, complete: bool = True) -> None:
         piece = "}" if self._arguments else "{}"
         self._arguments += piece
         deltas.append(ToolCallDelta(len(self.calls), arguments=piece))
-        self.calls.append(ToolCall(self._id, self._name, self._arguments))
+        self.calls.append(ToolCall(self._id, self._name, self._arguments, complete))
 
 
 def _value_end(text: str, json_typed: bool) -> tuple[int, str] | None:
