@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import platform
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import lily
@@ -195,11 +195,14 @@ class Lily:
         min_p: float = 0.0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Iterator[str]:
         """Raw completion of `prompt` (no chat template), yielded as text pieces that never
         split a UTF-8 character. Greedy unless `temperature` > 0; `seed` makes sampling
-        reproducible; generation ends before the first of the `stop` strings (not yielded).
-        Bad arguments raise `lily.errors.RequestError` here, before anything runs."""
+        reproducible; generation ends before the first of the `stop` strings (not yielded);
+        `progress(fed, total)` is told how far the prompt has been fed (the last call with
+        fed == total). Bad arguments raise `lily.errors.RequestError` here, before anything
+        runs."""
         if not isinstance(prompt, str):
             raise RequestError(
                 f"prompt must be a string, got {type(prompt).__name__}", param="prompt"
@@ -224,16 +227,25 @@ class Lily:
                 "tokens",
                 param="max_tokens",
             )
-        return self._stream(prompt_ids, max_tokens, sampling, stops)
+        return self._stream(prompt_ids, max_tokens, sampling, stops, progress)
 
     def _stream(
-        self, prompt_ids: list[int], max_tokens: int, sampling: SamplingParams, stops: list[str]
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stops: list[str],
+        progress: Callable[[int, int], None] | None = None,
     ) -> Iterator[str]:
         decoder = IncrementalDecoder(self.tokenizer)
         matcher = StopStringMatcher(stops)
         self.last_token_counts = (len(prompt_ids), 0)
         tokens = self.engine.generate(
-            prompt_ids, max_tokens, self.tokenizer.stop_token_ids, sampling
+            prompt_ids,
+            max_tokens,
+            self.tokenizer.stop_token_ids,
+            sampling,
+            **({"progress": progress} if progress else {}),
         )
         try:
             for token in tokens:
@@ -258,6 +270,7 @@ class Lily:
         min_p: float = 0.0,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> str:
         """Raw completion of `prompt` as one string; the parameters are `stream`'s."""
         pieces = self.stream(
@@ -269,6 +282,7 @@ class Lily:
             min_p=min_p,
             seed=seed,
             stop=stop,
+            progress=progress,
         )
         return "".join(pieces)
 

@@ -16,7 +16,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lily.chat_template import template_message
 from lily.choices import choice_count, choice_sampling
@@ -61,6 +61,7 @@ from lily.unused_fields import UNUSED_FIELDS, check_unused_fields
 if TYPE_CHECKING:
     from lily.api import Lily
     from lily.chat_template import ChatTemplate
+    from lily.tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Parameters that may also arrive through `extra_body`, as the openai SDK sends non-OpenAI ones.
@@ -93,6 +94,18 @@ class ChatRequest:
     # The grammar the answer follows (response_format, a forced tool call); None: free text.
     output: OutputGrammar | None = None
     n: int = 1  # choices (`lily.choices`)
+    # Told (prompt tokens fed, prompt length) while the prompt is fed (`Engine.generate`).
+    progress: Callable[[int, int], None] | None = None
+    # A prompt fed as it is instead of the rendered messages (the legacy completions API, see
+    # `lily.completions_api`): anything with `encode(tokenizer, *, escape) -> list[int]`.
+    raw_prompt: RawPrompt | None = None
+
+
+class RawPrompt(Protocol):
+    def encode(self, tokenizer: Tokenizer, *, escape: bool) -> list[int]:
+        """The prompt's token ids; with `escape`, control tokens written in its text are read
+        as plain text (`Lily.escape_special_tokens`)."""
+        ...
 
 
 def _require(condition: bool, message: str, param: str) -> None:
@@ -423,6 +436,11 @@ class _TextPipeline:
     def in_reasoning(self) -> bool:
         return self._reasoning.in_reasoning
 
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the answer, if one did."""
+        return self._stop.matched if self._stop.stopped else None
+
     def feed(self, token: GeneratedToken, *, forced: bool = False) -> _Delta:
         """One token of the answer; `forced` ones were appended by Lily (the think block's
         close when the reasoning budget runs out), not generated, and are not reasoning."""
@@ -487,16 +505,21 @@ class ChatCompletions:
 
     def create(self, **params: Any) -> ChatCompletion | Iterator[ChatCompletionChunk]:
         """OpenAI's `chat.completions.create`. Returns a ChatCompletion, or with `stream=True`
-        an iterator of ChatCompletionChunk (closing it stops the generation)."""
+        an iterator of ChatCompletionChunk (closing it stops the generation). Lily's own
+        `progress=callback(fed, total)` is told how far the prompt has been fed (from time to
+        time while it is, the last call with fed == total), e.g. to show progress on a long
+        prompt."""
         llm = self._llm
-        return self.run(
-            parse_request(
-                params,
-                served_model=llm.model_id,
-                default_sampling=llm.default_sampling,
-                chat_template=llm.chat_template,
-            )
+        progress = params.pop("progress", None)
+        if progress is not None and not callable(progress):
+            raise RequestError("progress must be a callable(fed, total)", param="progress")
+        request = parse_request(
+            params,
+            served_model=llm.model_id,
+            default_sampling=llm.default_sampling,
+            chat_template=llm.chat_template,
         )
+        return self.run(dataclasses.replace(request, progress=progress))
 
     def run(
         self,
@@ -563,13 +586,15 @@ class ChatCompletions:
 
     def _prompt(self, request: ChatRequest) -> _Prompt:
         llm = self._llm
-        inputs = self._template_inputs(request)
         if request.max_tokens is not None and request.max_tokens >= llm.max_seq:
             raise ContextLengthError(
                 f"max_tokens is {request.max_tokens}, but the context holds {llm.max_seq} "
                 "tokens, the prompt included: ask for fewer",
                 param="max_tokens",
             )
+        if request.raw_prompt is not None:
+            return self._raw_prompt(request, request.raw_prompt)
+        inputs = self._template_inputs(request)
         text = self._render(inputs, add_generation_prompt=True)
         # Refused by size before tokenizing: a huge message must not cost a tokenization.
         if llm.tokenizer.surely_longer_than(text, llm.max_seq - (request.max_tokens or 1)):
@@ -600,6 +625,32 @@ class ChatCompletions:
             snapshot_at=sorted({b for b in boundaries if b}),
             cached=llm.engine.cached_prefix_length(tokens, request.prompt_cache_key),
         )
+
+    def _raw_prompt(self, request: ChatRequest, raw: RawPrompt) -> _Prompt:
+        """A prompt fed as it is: no template, no think block, no message boundaries."""
+        llm = self._llm
+        tokens = raw.encode(llm.tokenizer, escape=llm.escape_special_tokens)
+        if not tokens:
+            raise RequestError("the prompt is empty", param="prompt")
+        return _Prompt(
+            tokens=tokens,
+            thinking=False,
+            snapshot_at=[],
+            cached=llm.engine.cached_prefix_length(tokens, request.prompt_cache_key),
+        )
+
+    def count_prompt_tokens(self, request: ChatRequest) -> int:
+        """The length of the prompt `run` would feed for `request`, without running it (no
+        engine state is touched; `count_tokens` of the Anthropic Messages API)."""
+        if request.raw_prompt is not None:
+            return len(
+                request.raw_prompt.encode(
+                    self._llm.tokenizer, escape=self._llm.escape_special_tokens
+                )
+            )
+        inputs = self._template_inputs(request)
+        text = self._render(inputs, add_generation_prompt=True)
+        return len(inputs.encode(text))
 
     def _before_last_content(self, inputs: TemplateInputs, conversation: str) -> str | None:
         """The rendered conversation up to the content of its last message: what it shares
@@ -730,6 +781,7 @@ class ChatCompletions:
                 cache_key=request.prompt_cache_key,
                 constraint=constraint,
                 reply_so_far=len(fed) - len(prompt.tokens),
+                **({"progress": request.progress} if request.progress else {}),
             )
             try:
                 for token in tokens:
@@ -784,6 +836,7 @@ class ChatCompletions:
                     message=message,
                     finish_reason=self._finish_reason(pipeline),
                     index=index,
+                    stop_sequence=pipeline.stop_sequence,
                     logprobs=ChoiceLogprobs(content=logprobs)
                     if request.sampling.top_logprobs is not None
                     else None,
@@ -819,9 +872,12 @@ class ChatCompletions:
         try:
             for index, events in enumerate(choices):
                 try:
-                    yield chunk(
+                    opening = chunk(
                         ChunkChoice(index=index, delta=ChoiceDelta(role="assistant", content=""))
                     )
+                    if index == 0:
+                        opening.prompt_usage = self._usage(prompt, 0, 0)
+                    yield opening
                     for delta, pipeline, produced in events:  # noqa: B007 (the last are used)
                         if delta.empty():
                             continue
@@ -843,6 +899,7 @@ class ChatCompletions:
                             index=index,
                             delta=ChoiceDelta(),
                             finish_reason=self._finish_reason(pipeline),
+                            stop_sequence=pipeline.stop_sequence,
                         )
                     )
                 finally:

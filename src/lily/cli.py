@@ -162,9 +162,17 @@ def _load(
 def _generate(args: argparse.Namespace) -> int:
     with _load(args) as llm:
         start = time.perf_counter()
-        print(args.prompt, end="", flush=True)
-        for piece in llm.stream(args.prompt, max_tokens=args.max_tokens):
+        # The prompt is echoed once it is fed: the progress line would overwrite it.
+        echoed = False
+        for piece in llm.stream(
+            args.prompt, max_tokens=args.max_tokens, progress=_prefill_progress()
+        ):
+            if not echoed:
+                print(args.prompt, end="", flush=True)
+                echoed = True
             print(piece, end="", flush=True)
+        if not echoed:
+            print(args.prompt, end="", flush=True)
         elapsed = time.perf_counter() - start
         prompt_tokens, generated = llm.last_token_counts
         print()
@@ -183,6 +191,35 @@ CHAT_HELP = (
 )
 # A line that is one word after a slash is a command, never a message ("/usr/bin is..." is one).
 CHAT_COMMAND = re.compile(r"/[A-Za-z]+")
+
+
+class PrefillProgress:
+    """A `progress` callback that shows `[prompt: fed/total tokens]` on one line of `out` once
+    feeding a prompt has taken `after` seconds (the simulator needs minutes for a few thousand
+    tokens), and erases it when the prompt is fed."""
+
+    def __init__(self, out: IO[str], *, after: float = 1.0):
+        self.out = out
+        self.after = after
+        self.started = time.perf_counter()
+        self.shown = False
+
+    def __call__(self, fed: int, total: int) -> None:
+        if fed >= total:
+            if self.shown:
+                self.out.write("\r\033[K")  # erase the line
+                self.out.flush()
+                self.shown = False
+            return
+        if time.perf_counter() - self.started >= self.after:
+            self.out.write(f"\r[prompt: {fed}/{total} tokens]")
+            self.out.flush()
+            self.shown = True
+
+
+def _prefill_progress() -> PrefillProgress | None:
+    """A progress line on stderr, when it is a terminal."""
+    return PrefillProgress(sys.stderr) if sys.stderr.isatty() else None
 
 
 class ChatSession:
@@ -235,6 +272,7 @@ class ChatSession:
             messages=self.history,
             stream=True,
             stream_options={"include_usage": True},
+            progress=_prefill_progress(),
             **self.request,
         )
         answer: list[str] = []
@@ -669,7 +707,9 @@ def _parser() -> argparse.ArgumentParser:
     serve = command(
         "serve",
         "serve the OpenAI chat-completions API (POST /v1/chat/completions, GET /v1/models, "
-        "GET /health, GET /openapi.json)",
+        "GET /health, GET /openapi.json), legacy completions with fill-in-the-middle "
+        "(POST /v1/completions), Anthropic Messages (POST /v1/messages) and OpenAI Responses "
+        "(POST /v1/responses)",
         _serve,
     )
     _add_model_arguments(serve, default_model=None)

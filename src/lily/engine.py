@@ -89,6 +89,7 @@ class Engine(Protocol):
         constraint: TokenConstraint | None = None,
         cache_key: str | None = None,
         reply_so_far: int = 0,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Iterator[GeneratedToken]:
         """Yields the tokens generated after `prompt`, stopping after a stop token; with
         `sampling.top_logprobs` set, each carries its logprob and that many alternatives.
@@ -102,7 +103,9 @@ class Engine(Protocol):
         the tokens raises NoAllowedTokenError. Log-probabilities ignore the mask. The last
         `reply_so_far` tokens of `prompt` are the reply so far, when a generation resumes after
         the caller appended to it: the frequency and presence penalties count them as
-        generated, so a reply's penalties do not restart."""
+        generated, so a reply's penalties do not restart. `progress`, if given, is told
+        (prompt tokens fed so far, prompt length) as the prompt is fed, the cached prefix
+        counting as fed; the last call has the two equal."""
         ...
 
     def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
@@ -302,6 +305,7 @@ class DeviceEngine:
         constraint: TokenConstraint | None = None,
         cache_key: str | None = None,
         reply_so_far: int = 0,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
@@ -346,6 +350,8 @@ class DeviceEngine:
                     return
                 end, predicts, ticket = in_flight.popleft()
                 self.device.wait(ticket)
+                if progress is not None and end <= len(prompt):
+                    progress(end, len(prompt))
                 if not predicts:
                     continue
                 token = int(history[end])
@@ -438,6 +444,7 @@ class ReferenceEngine:
         constraint: TokenConstraint | None = None,
         cache_key: str | None = None,
         reply_so_far: int = 0,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
@@ -456,8 +463,12 @@ class ReferenceEngine:
             self._model.prefill(prompt[start:position], state)
             self.prefix_cache.add_snapshot(prompt, position, self._rows.recurrent())
             start = position
+            if progress is not None:
+                progress(position, len(prompt))
             _check_stop(should_stop)
         logits, state = self._model.prefill(prompt[start:], state)
+        if progress is not None:
+            progress(len(prompt), len(prompt))
         self.prefix_cache.end(self._rows)
         next_logits = logits[-1, : self.token_count]
         for produced in range(max_new_tokens):

@@ -2,6 +2,8 @@
 
 Routes: `POST /v1/chat/completions` (JSON, or server-sent events ending in `data: [DONE]`),
 `GET /v1/models`, `GET /v1/models/{model}`, `GET /health`, and `GET /openapi.json` describing them.
+The legacy completions, Anthropic Messages and OpenAI Responses APIs are translations onto the
+same request model, served by `lily.api_routes` through `Server.run_job`.
 
 The engine runs one generation at a time and is not thread-safe, so one worker thread owns it and
 takes requests from a bounded first-in first-out queue: requests never interleave, a full queue
@@ -80,6 +82,9 @@ RETRY_AFTER_SECONDS = 1
 # none): room for a long reasoned answer, while a forgotten client cannot hold the engine for
 # a whole 32k context.
 DEFAULT_MAX_TOKENS = 8192
+# A stream that has sent nothing for this long (a long prompt being prefilled) gets an SSE
+# comment, `: keep-alive`, so that proxies and clients with idle timeouts keep the connection.
+DEFAULT_KEEPALIVE_SECONDS = 15.0
 # On SIGINT/SIGTERM, how long the running request may go on before it is interrupted.
 DEFAULT_SHUTDOWN_GRACE = 5.0
 # After the grace: time for the last answers to be written, before uvicorn cancels whatever is
@@ -191,6 +196,24 @@ def parse_chat_request(body: bytes, limits: RequestLimits | None = None) -> dict
     """The request's fields, checked for JSON shape and types; null fields are dropped (they
     mean "the default" in the OpenAI API). With `limits`, too many messages, tools or tool
     calls are refused before the fields are checked."""
+    request = parse_json_body(body, limits)
+    for name, schema in CHAT_REQUEST_SCHEMA["properties"].items():
+        if name not in request:
+            continue
+        value = request[name]
+        # JSON has one number type: 2.0 is as much an integer as 2 (JSON Schema agrees).
+        if "integer" in schema.get("type", ()) and isinstance(value, float) and value.is_integer():
+            value = request[name] = int(value)
+        validate(value, schema, name)
+    if "messages" not in request:
+        raise APIError(400, "messages is required", param="messages", code="missing_required")
+    return request
+
+
+def parse_json_body(body: bytes, limits: RequestLimits | None = None) -> dict[str, Any]:
+    """A request body's JSON object, its text checked to be valid Unicode; null fields are
+    dropped (they mean "the default"). With `limits`, too many messages, tools or tool calls
+    are refused."""
     try:
         document = json.loads(body, parse_constant=_reject_constant)
     except RecursionError:
@@ -207,23 +230,16 @@ def parse_chat_request(body: bytes, limits: RequestLimits | None = None) -> dict
     if limits is not None:
         limits.check_shape(document)
     _check_text_is_unicode(document)
-    request = {name: value for name, value in document.items() if value is not None}
-    for name, schema in CHAT_REQUEST_SCHEMA["properties"].items():
-        if name not in request:
-            continue
-        value = request[name]
-        # JSON has one number type: 2.0 is as much an integer as 2 (JSON Schema agrees).
-        if "integer" in schema.get("type", ()) and isinstance(value, float) and value.is_integer():
-            value = request[name] = int(value)
-        validate(value, schema, name)
-    if "messages" not in request:
-        raise APIError(400, "messages is required", param="messages", code="missing_required")
-    return request
+    return {name: value for name, value in document.items() if value is not None}
 
 
 # --- The engine worker ------------------------------------------------------------------------
 
 _DONE = object()
+# Stands for a keep-alive in a job's events (`Job.events_after`).
+KEEPALIVE = object()
+# What a stream sends for one: an SSE comment, which clients ignore.
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
 
 
 @dataclass
@@ -245,6 +261,30 @@ class Job:
 
     async def next_event(self) -> Any:
         return await self.events.get()
+
+    async def events_after(self, first: Any, keepalive: float | None) -> AsyncIterator[Any]:
+        """`first`, then the job's events up to `_DONE` (not included) or an exception; after
+        every `keepalive` seconds without an event, `KEEPALIVE` instead."""
+        yield first
+        if isinstance(first, BaseException):
+            return
+        pending = asyncio.ensure_future(self.next_event())
+        try:
+            while True:
+                # asyncio.wait, unlike wait_for, never cancels the get: no event is lost.
+                done, _ = await asyncio.wait({pending}, timeout=keepalive)
+                if not done:
+                    yield KEEPALIVE
+                    continue
+                event = pending.result()
+                if event is _DONE:
+                    return
+                yield event
+                if isinstance(event, BaseException):
+                    return
+                pending = asyncio.ensure_future(self.next_event())
+        finally:
+            pending.cancel()
 
 
 class QueueFullError(Exception):
@@ -459,6 +499,7 @@ class Server:
         default_max_tokens: int | None,
         limits: RequestLimits,
         body_timeout: float | None,
+        keepalive: float | None = DEFAULT_KEEPALIVE_SECONDS,
     ):
         self.llm = llm
         self.model_id: str = llm.model_id
@@ -466,6 +507,7 @@ class Server:
         self.max_body_bytes = max_body_bytes
         self.limits = limits
         self.body_timeout = body_timeout
+        self.keepalive = keepalive
         self.worker = EngineWorker(llm, queue_limit, default_max_tokens=default_max_tokens)
         self.started = int(time.time())
 
@@ -474,12 +516,43 @@ class Server:
             return
         # Starlette decodes header values as Latin-1: encoding back gives the bytes sent.
         authorization = request.headers.get("authorization", "").encode("latin-1")
+        # The anthropic SDK sends the key as `x-api-key: KEY` instead.
+        x_api_key = request.headers.get("x-api-key")
+        if x_api_key is not None and not authorization:
+            authorization = b"Bearer " + x_api_key.encode("latin-1")
         if not bearer_key_matches(authorization, self.api_key):
             raise APIError(
                 401,
-                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                "missing or incorrect API key: send 'Authorization: Bearer <key>' "
+                "or 'x-api-key: <key>'",
                 code="invalid_api_key",
             )
+
+    async def run_job(self, request: Request, checked: ChatRequest) -> tuple[Job, Any]:
+        """Queues a checked request for the engine and waits for its first event (a
+        ChatCompletion, or a stream's first chunk): what the other APIs
+        (`lily.api_routes`) translate. Raises APIError when the queue is full or the server
+        is stopping, the request's own failure, or ClientGone."""
+        job = Job(checked, asyncio.get_running_loop())
+        request.state.generation = job  # its stats go into the request's log line
+        try:
+            self.worker.submit(job)
+        except ShuttingDownError:
+            raise _shutting_down() from None
+        except QueueFullError as exc:
+            raise APIError(
+                503,
+                str(exc),
+                error_type="server_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
+        first = await _first_event_or_disconnect(request, job, self.worker)
+        if isinstance(first, ShuttingDownError):
+            raise _shutting_down()
+        if isinstance(first, BaseException):
+            raise first
+        return job, first
 
     async def chat_completions(self, request: Request) -> Response:
         self._check_api_key(request)
@@ -532,8 +605,10 @@ class Server:
         """SSE lines for the chunks; when the client disconnects Starlette cancels this
         generator, and the `finally` tells the worker to stop the generation."""
         try:
-            event = first
-            while event is not _DONE:
+            async for event in job.events_after(first, self.keepalive):
+                if event is KEEPALIVE:
+                    yield KEEPALIVE_COMMENT
+                    continue
                 if isinstance(event, ShuttingDownError):
                     # An orderly end the client can tell from a failure: the error, then the
                     # stream's usual last event.
@@ -544,7 +619,6 @@ class Server:
                     yield _sse(json.dumps(_as_api_error(event).body()))
                     return
                 yield _sse(event.model_dump_json())
-                event = await job.next_event()
             yield _sse("[DONE]")
         finally:
             self.worker.withdraw(job)
@@ -624,13 +698,15 @@ def create_app(
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
     limits: RequestLimits | None = None,
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+    keepalive: float | None = DEFAULT_KEEPALIVE_SECONDS,
 ) -> Starlette:
     """The ASGI app serving `llm`. The worker thread starts and stops with the app's lifespan;
     the caller keeps ownership of `llm` (and closes it). `default_max_tokens` bounds the
     completions of requests that set no `max_tokens` (None: the rest of the context).
     `limits` bounds the requests' size (default: `RequestLimits()`), `body_timeout` the
     seconds a body may take to arrive (408 after; None: no bound). The headers' timeout is the
-    HTTP server's (`serve` sets uvicorn's protocol, `http_protocol`).
+    HTTP server's (`serve` sets uvicorn's protocol, `http_protocol`). A stream silent for
+    `keepalive` seconds (a long prompt) gets a `: keep-alive` SSE comment (None: never).
 
     Requests must name localhost, an IP address or one of `allowed_hosts` in their Host header,
     and POST JSON; pages of `cors_origins` may call it from a browser (see `lily.http_guard`)."""
@@ -643,6 +719,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
         limits=RequestLimits() if limits is None else limits,
         body_timeout=body_timeout,
+        keepalive=keepalive,
     )
 
     @contextlib.asynccontextmanager
@@ -660,6 +737,11 @@ def create_app(
         Route("/health", _guarded(server.health), methods=["GET"]),
         Route("/openapi.json", _guarded(server.openapi), methods=["GET"]),
     ]
+    # The other APIs (Anthropic Messages, OpenAI Responses, legacy completions), each
+    # translated onto the chat path's request model.
+    from lily.api_routes import api_routes
+
+    routes += api_routes(server)
     app = Starlette(
         routes=routes,
         lifespan=lifespan,

@@ -22,11 +22,17 @@ from lily.tool_calls import ToolCall, ToolCallDelta
 FinishReason = Literal["stop", "length", "tool_calls"]
 
 
+# Marks a field that other APIs' translations read and no dump shows (`field(metadata=...)`).
+INTERNAL = {"internal": True}
+
+
 def _dump(value: Any, exclude_none: bool) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = {}
         omit_none = exclude_none or getattr(value, "omits_none", False)
         for f in dataclasses.fields(value):
+            if f.metadata.get("internal"):
+                continue  # for Lily's other APIs (`INTERNAL`), not part of OpenAI's shape
             item = getattr(value, f.name)
             if item is None and omit_none:
                 continue
@@ -164,6 +170,8 @@ class Choice(OpenAIObject):
     finish_reason: FinishReason
     index: int = 0
     logprobs: ChoiceLogprobs | None = None
+    # The stop string that ended the answer (Anthropic's `stop_sequence`); never dumped.
+    stop_sequence: str | None = field(default=None, metadata=INTERNAL, repr=False)
 
 
 @dataclass
@@ -226,6 +234,8 @@ class ChunkChoice(OpenAIObject):
     index: int = 0
     finish_reason: FinishReason | None = None
     logprobs: ChoiceLogprobs | None = None
+    # On the last chunk of a choice: the stop string that ended it; never dumped.
+    stop_sequence: str | None = field(default=None, metadata=INTERNAL, repr=False)
 
 
 @dataclass
@@ -240,3 +250,6 @@ class ChatCompletionChunk(OpenAIObject):
     usage: CompletionUsage | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     system_fingerprint: str | None = None
+    # On a stream's first chunk: the prompt's tokens and the cached ones, known before the
+    # answer starts (Anthropic's `message_start` reports them); never dumped.
+    prompt_usage: CompletionUsage | None = field(default=None, metadata=INTERNAL, repr=False)
