@@ -235,6 +235,27 @@ def generate_sim_sources(build: Path, all_units: list[Unit]) -> None:
     print(f"pre-passed {len(generated)} kernel files into C++")
 
 
+def msl_check_against_sdk(tools: Toolchain, sdk: Path, build: Path) -> bool:
+    """The pre-pass's MSL check (csrc/sim/msl_check.py, an address-space compile) again, with
+    Apple's headers: on a Mac it runs with them, but here the build ran it with Linux's."""
+    sys.path.insert(0, str(ROOT / "csrc" / "sim"))
+    import msl_check  # the project's own module, on the path only from here
+
+    target = ["-target", TARGET, "-isysroot", str(sdk)]
+    target += ["-nostdinc++", "-isystem", f"{sdk}/usr/include/c++/v1"]
+    msl_check.CHECK_FLAGS = [*msl_check.CHECK_FLAGS, *target]
+    failed = 0
+    sources = sorted((build / "sim_kernels").glob("*_metal.cpp"))
+    for source in sources:
+        errors = msl_check.check(source.read_text(), tools.clang, str(ROOT / "csrc/sim/include"))
+        if errors:
+            failed += 1
+            print(f"  error   {source.name}: " + "; ".join(map(str, errors[:3])))
+    print(f"\nthe pre-pass's MSL check with Apple's headers: {len(sources) - failed} of "
+          f"{len(sources)} kernel files pass")
+    return failed == 0
+
+
 def compile_unit(unit: Unit) -> Unit:
     result = run(unit.command, unit.directory)
     for line in result.stderr.splitlines():
@@ -431,6 +452,7 @@ def main() -> int:
         all_units = units(build)
         generate_sim_sources(build, all_units)
         compiled = compile_all(all_units, args.jobs)
+        compiled &= msl_check_against_sdk(tools, sdk, build)
         linked = link(tools, build) if compiled else False
     print("\nmacOS build check: " + ("PASSED" if compiled and linked else "FAILED"))
     return 0 if compiled and linked else 1
