@@ -491,6 +491,35 @@ def test_listed_values_are_written_and_read_back_as_listed(llm):
         assert arguments["level"] in (1, 2.5, True, None)
 
 
+def test_strict_schemas_use_every_keyword_the_engine_enforces(llm):
+    """oneOf, minProperties and maxProperties are enforced under strict; only what the grammar
+    engine cannot enforce (not, if/then/else, uniqueItems) is refused, by name."""
+    enforced = {
+        "type": "object",
+        "properties": {
+            "id": {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]},
+            "tags": {"type": "object", "additionalProperties": {"type": "boolean"},
+                     "minProperties": 1, "maxProperties": 2},
+        },
+        "required": ["id", "tags"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": enforced, "strict": True}}
+    for seed in range(4):
+        answer = create(llm, response_format=fmt, seed=seed, max_tokens=120, **NO_THINKING)
+        jsonschema.validate(json.loads(answer.choices[0].message.content), enforced)
+    for keyword, schema in [
+        ("not", {"type": "object", "not": {"required": ["a"]}}),
+        ("if", {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}),
+        ("uniqueItems", {"type": "array", "uniqueItems": True}),
+    ]:
+        refused = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        create(llm, response_format=refused, seed=0, max_tokens=20, **NO_THINKING)  # lenient
+        refused["json_schema"]["strict"] = True
+        with pytest.raises(UnsupportedSchemaError, match=keyword):
+            create(llm, response_format=refused, seed=0, max_tokens=20, **NO_THINKING)
+
+
 def test_a_huge_non_strict_max_length_is_left_unchecked_not_refused(llm):
     tool = forced_tool(with_property({"type": "string", "maxLength": 5_000_000}))
     call = create(llm, seed=0, **tool, **NO_THINKING).choices[0].message.tool_calls[0]
