@@ -561,25 +561,7 @@ class Server:
         # stall: parsing a body of megabytes takes tens of ms, compiling its output grammar up
         # to the bound on its size (`RequestLimits`) a good part of a second.
         checked = await asyncio.to_thread(self._checked_request, body)
-        job = Job(checked, asyncio.get_running_loop())
-        request.state.generation = job  # its stats go into the request's log line
-        try:
-            self.worker.submit(job)
-        except ShuttingDownError:
-            raise _shutting_down() from None
-        except QueueFullError as exc:
-            raise APIError(
-                503,
-                str(exc),
-                error_type="server_error",
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            ) from None
-        first = await _first_event_or_disconnect(request, job, self.worker)
-        if isinstance(first, ShuttingDownError):
-            raise _shutting_down()
-        if isinstance(first, BaseException):
-            raise first
+        job, first = await self.run_job(request, checked)
         if not checked.stream:
             return Response(first.model_dump_json(), media_type="application/json")
         return StreamingResponse(
