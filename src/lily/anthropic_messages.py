@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from lily.api_translation import API as APIDescription
 from lily.api_translation import chat_request, refuse_unknown, sse
-from lily.errors import RequestError, UnsupportedParameterError
+from lily.errors import RequestError, UnsupportedParameterError, require
 from lily.request_limits import UNBOUNDED, RequestLimits
 
 if TYPE_CHECKING:
@@ -80,11 +80,6 @@ def error_body(error: APIError) -> dict[str, Any]:
     }
 
 
-def _require(condition: bool, message: str, param: str) -> None:
-    if not condition:
-        raise RequestError(message, param=param)
-
-
 def _block_fields(block: Mapping[str, Any], known: Iterable[str], param: str) -> None:
     refuse_unknown(block, {"type", CACHE_CONTROL, *known}, prefix=f"{param}.")
 
@@ -93,14 +88,14 @@ def _text_of(blocks: Any, param: str) -> str:
     """A string, or a list of text blocks, as text (a system prompt, a tool result)."""
     if isinstance(blocks, str):
         return blocks
-    _require(isinstance(blocks, list), "must be a string or a list of text blocks", param)
+    require(isinstance(blocks, list), "must be a string or a list of text blocks", param)
     texts = []
     for i, block in enumerate(blocks):
         where = f"{param}[{i}]"
-        _require(isinstance(block, Mapping), "a content block must be an object", where)
+        require(isinstance(block, Mapping), "a content block must be an object", where)
         _refuse_non_text(block.get("type"), where)
         _block_fields(block, ("text", "citations"), where)
-        _require(isinstance(block.get("text"), str), "a text block needs 'text'", where)
+        require(isinstance(block.get("text"), str), "a text block needs 'text'", where)
         texts.append(block["text"])
     return "".join(texts)
 
@@ -112,7 +107,7 @@ def _refuse_non_text(kind: Any, param: str) -> None:
             param=f"{param}.type",
             code="unsupported_content",
         )
-    _require(kind == "text", f"unknown content block type {kind!r}", f"{param}.type")
+    require(kind == "text", f"unknown content block type {kind!r}", f"{param}.type")
 
 
 def _user_messages(content: Any, param: str) -> list[dict[str, Any]]:
@@ -120,24 +115,24 @@ def _user_messages(content: Any, param: str) -> list[dict[str, Any]]:
     right after the assistant's calls), then its text."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    _require(isinstance(content, list), "content must be a string or a list of blocks", param)
+    require(isinstance(content, list), "content must be a string or a list of blocks", param)
     results, texts = [], []
     for i, block in enumerate(content):
         where = f"{param}[{i}]"
-        _require(isinstance(block, Mapping), "a content block must be an object", where)
+        require(isinstance(block, Mapping), "a content block must be an object", where)
         if block.get("type") == "tool_result":
             _block_fields(block, ("tool_use_id", "content", "is_error"), where)
-            _require(isinstance(block.get("tool_use_id"), str), "needs 'tool_use_id'", where)
+            require(isinstance(block.get("tool_use_id"), str), "needs 'tool_use_id'", where)
             text = _text_of(block.get("content", ""), f"{where}.content")
             is_error = block.get("is_error", False)
-            _require(isinstance(is_error, bool), "is_error must be a boolean", f"{where}.is_error")
+            require(isinstance(is_error, bool), "is_error must be a boolean", f"{where}.is_error")
             if is_error:
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
         else:
             _refuse_non_text(block.get("type"), where)
             _block_fields(block, ("text", "citations"), where)
-            _require(isinstance(block.get("text"), str), "a text block needs 'text'", where)
+            require(isinstance(block.get("text"), str), "a text block needs 'text'", where)
             texts.append(block["text"])
     if texts or not results:
         results.append({"role": "user", "content": "".join(texts)})
@@ -147,17 +142,17 @@ def _user_messages(content: Any, param: str) -> list[dict[str, Any]]:
 def _assistant_message(content: Any, param: str) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    _require(isinstance(content, list), "content must be a string or a list of blocks", param)
+    require(isinstance(content, list), "content must be a string or a list of blocks", param)
     texts, reasoning, calls = [], [], []
     for i, block in enumerate(content):
         where = f"{param}[{i}]"
-        _require(isinstance(block, Mapping), "a content block must be an object", where)
+        require(isinstance(block, Mapping), "a content block must be an object", where)
         kind = block.get("type")
         if kind == "tool_use":
             _block_fields(block, ("id", "name", "input"), where)
-            _require(isinstance(block.get("id"), str), "a tool_use block needs 'id'", where)
-            _require(isinstance(block.get("name"), str), "a tool_use block needs 'name'", where)
-            _require(isinstance(block.get("input"), Mapping), "input must be an object", where)
+            require(isinstance(block.get("id"), str), "a tool_use block needs 'id'", where)
+            require(isinstance(block.get("name"), str), "a tool_use block needs 'name'", where)
+            require(isinstance(block.get("input"), Mapping), "input must be an object", where)
             arguments = json.dumps(block["input"], ensure_ascii=False)
             calls.append(
                 {
@@ -168,7 +163,7 @@ def _assistant_message(content: Any, param: str) -> dict[str, Any]:
             )
         elif kind == "thinking":
             _block_fields(block, ("thinking", "signature"), where)
-            _require(isinstance(block.get("thinking"), str), "needs 'thinking'", where)
+            require(isinstance(block.get("thinking"), str), "needs 'thinking'", where)
             reasoning.append(block["thinking"])
         elif kind == "redacted_thinking":
             raise RequestError(
@@ -179,7 +174,7 @@ def _assistant_message(content: Any, param: str) -> dict[str, Any]:
         else:
             _refuse_non_text(kind, where)
             _block_fields(block, ("text", "citations"), where)
-            _require(isinstance(block.get("text"), str), "a text block needs 'text'", where)
+            require(isinstance(block.get("text"), str), "a text block needs 'text'", where)
             texts.append(block["text"])
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if reasoning:
@@ -195,12 +190,12 @@ def _messages(params: Mapping[str, Any]) -> list[dict[str, Any]]:
     if system is not None:
         messages.append({"role": "system", "content": _text_of(system, "system")})
     turns = params.get("messages")
-    _require(
+    require(
         isinstance(turns, list) and len(turns) > 0, "messages must be a non-empty list", "messages"
     )
     for i, turn in enumerate(turns):
         param = f"messages[{i}]"
-        _require(isinstance(turn, Mapping), "a message must be an object", param)
+        require(isinstance(turn, Mapping), "a message must be an object", param)
         refuse_unknown(turn, ("role", "content"), prefix=f"{param}.")
         role = turn.get("role")
         content = turn.get("content")
@@ -214,11 +209,11 @@ def _messages(params: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    _require(isinstance(tools, list), "tools must be a list", "tools")
+    require(isinstance(tools, list), "tools must be a list", "tools")
     translated = []
     for i, tool in enumerate(tools):
         param = f"tools[{i}]"
-        _require(isinstance(tool, Mapping), "a tool must be an object", param)
+        require(isinstance(tool, Mapping), "a tool must be an object", param)
         kind = tool.get("type", "custom")
         if kind != "custom":
             raise RequestError(
@@ -230,8 +225,8 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         refuse_unknown(
             tool, ("type", "name", "description", "input_schema", CACHE_CONTROL), f"{param}."
         )
-        _require(isinstance(tool.get("name"), str), "a tool needs 'name'", f"{param}.name")
-        _require(
+        require(isinstance(tool.get("name"), str), "a tool needs 'name'", f"{param}.name")
+        require(
             isinstance(tool.get("input_schema"), Mapping),
             "a tool needs 'input_schema' (an object)",
             f"{param}.input_schema",
@@ -244,7 +239,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 
 
 def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
-    _require(
+    require(
         isinstance(choice, Mapping) and choice.get("type") in ("auto", "any", "tool", "none"),
         "tool_choice must be an object whose type is auto, any, tool or none",
         "tool_choice",
@@ -256,13 +251,13 @@ def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
         "tool_choice.",
     )
     if kind == "tool":
-        _require(isinstance(choice.get("name"), str), "needs 'name'", "tool_choice.name")
+        require(isinstance(choice.get("name"), str), "needs 'name'", "tool_choice.name")
         chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
     else:
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
     single = choice.get("disable_parallel_tool_use")
     if single is not None:
-        _require(
+        require(
             isinstance(single, bool), "must be a boolean", "tool_choice.disable_parallel_tool_use"
         )
         chat["parallel_tool_calls"] = not single
@@ -273,7 +268,7 @@ def _thinking(thinking: Any, chat: dict[str, Any]) -> None:
     if thinking is None:
         chat["chat_template_kwargs"] = {"enable_thinking": False}
         return
-    _require(
+    require(
         isinstance(thinking, Mapping)
         and thinking.get("type") in ("enabled", "disabled", "adaptive"),
         "thinking must be an object whose type is enabled, disabled or adaptive",
@@ -285,7 +280,7 @@ def _thinking(thinking: Any, chat: dict[str, Any]) -> None:
         ("type", *(("budget_tokens", "display") if kind != "disabled" else ())),
         "thinking.",
     )
-    _require(
+    require(
         thinking.get("display", "summarized") in ("summarized", "omitted"),
         "display must be summarized or omitted",
         "thinking.display",
@@ -293,7 +288,7 @@ def _thinking(thinking: Any, chat: dict[str, Any]) -> None:
     chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
     if kind == "enabled" or "budget_tokens" in thinking:
         budget = thinking.get("budget_tokens")
-        _require(
+        require(
             type(budget) is int and budget >= 0,
             "budget_tokens must be an integer >= 0",
             "thinking.budget_tokens",
@@ -302,10 +297,10 @@ def _thinking(thinking: Any, chat: dict[str, Any]) -> None:
 
 
 def _metadata(metadata: Any) -> None:
-    _require(isinstance(metadata, Mapping), "metadata must be an object", "metadata")
+    require(isinstance(metadata, Mapping), "metadata must be an object", "metadata")
     refuse_unknown(metadata, ("user_id",), "metadata.")
     user = metadata.get("user_id")
-    _require(user is None or isinstance(user, str), "must be a string", "metadata.user_id")
+    require(user is None or isinstance(user, str), "must be a string", "metadata.user_id")
 
 
 def _chat_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -326,18 +321,18 @@ def _chat_params(params: Mapping[str, Any]) -> dict[str, Any]:
 def _output_config(config: Any, chat: dict[str, Any]) -> None:
     """Structured output: `format` is the chat path's `response_format` json_schema (enforced
     by the same grammar)."""
-    _require(isinstance(config, Mapping), "output_config must be an object", "output_config")
+    require(isinstance(config, Mapping), "output_config must be an object", "output_config")
     refuse_unknown(config, ("format",), "output_config.")
     form = config.get("format")
     if form is None:
         return
-    _require(
+    require(
         isinstance(form, Mapping) and form.get("type") == "json_schema",
         "format must be an object whose type is json_schema",
         "output_config.format",
     )
     refuse_unknown(form, ("type", "schema"), "output_config.format.")
-    _require(
+    require(
         isinstance(form.get("schema"), Mapping),
         "format needs 'schema' (an object)",
         "output_config.format.schema",
@@ -359,7 +354,7 @@ def translate(
     chat["max_tokens"] = params["max_tokens"]
     if "stop_sequences" in params:
         stops = params["stop_sequences"]
-        _require(isinstance(stops, list), "stop_sequences must be a list", "stop_sequences")
+        require(isinstance(stops, list), "stop_sequences must be a list", "stop_sequences")
         if stops:
             chat["stop"] = stops
     for name in ("temperature", "top_p", "top_k"):

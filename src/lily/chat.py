@@ -26,6 +26,7 @@ from lily.errors import (
     ModelNotFoundError,
     RequestError,
     UnsupportedParameterError,
+    require,
 )
 from lily.reasoning import ReasoningParser
 from lily.request_limits import UNBOUNDED, RequestLimits
@@ -108,20 +109,15 @@ class RawPrompt(Protocol):
         ...
 
 
-def _require(condition: bool, message: str, param: str) -> None:
-    if not condition:
-        raise RequestError(message, param=param)
-
-
 def _text_content(content: Any, param: str) -> str | None:
     """A message's content as text: a string, None, or a list of text parts (other part types,
     such as images, are refused: this model runs text only)."""
     if content is None or isinstance(content, str):
         return content
-    _require(isinstance(content, list), "content must be a string or a list of parts", param)
+    require(isinstance(content, list), "content must be a string or a list of parts", param)
     texts = []
     for i, part in enumerate(content):
-        _require(isinstance(part, Mapping), "a content part must be an object", f"{param}[{i}]")
+        require(isinstance(part, Mapping), "a content part must be an object", f"{param}[{i}]")
         kind = part.get("type")
         if kind != "text":
             raise RequestError(
@@ -129,13 +125,13 @@ def _text_content(content: Any, param: str) -> str | None:
                 param=f"{param}[{i}].type",
                 code="unsupported_content",
             )
-        _require(isinstance(part.get("text"), str), "a text part needs 'text'", f"{param}[{i}]")
+        require(isinstance(part.get("text"), str), "a text part needs 'text'", f"{param}[{i}]")
         texts.append(part["text"])
     return "".join(texts)
 
 
 def _messages(messages: Any, template: ChatTemplate | None) -> list[dict[str, Any]]:
-    _require(
+    require(
         isinstance(messages, Sequence) and not isinstance(messages, str) and len(messages) > 0,
         "messages must be a non-empty list",
         "messages",
@@ -143,9 +139,9 @@ def _messages(messages: Any, template: ChatTemplate | None) -> list[dict[str, An
     checked = []
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
-        _require(isinstance(message, Mapping), "a message must be an object", param)
+        require(isinstance(message, Mapping), "a message must be an object", param)
         role = message.get("role")
-        _require(role in ROLES, f"role must be one of {', '.join(ROLES)}", f"{param}.role")
+        require(role in ROLES, f"role must be one of {', '.join(ROLES)}", f"{param}.role")
         check_message_fields(message, param, template)
         check_tool_calls(message.get("tool_calls"), f"{param}.tool_calls")
         content = _text_content(message.get("content"), f"{param}.content")
@@ -159,7 +155,7 @@ def _stop(stop: Any) -> list[str]:
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
-    _require(
+    require(
         isinstance(stops, list) and all(isinstance(s, str) and s for s in stops),
         "stop must be a non-empty string or a list of them",
         "stop",
@@ -170,7 +166,7 @@ def _stop(stop: Any) -> list[str]:
 def _optional_number(value: Any, name: str, default: float) -> float:
     if value is None:
         return default
-    _require(
+    require(
         isinstance(value, int | float) and not isinstance(value, bool), "must be a number", name
     )
     return float(value)
@@ -190,7 +186,7 @@ def parse_request(
     before anything whose cost grows with it."""
     params = dict(params)
     extra = params.pop("extra_body", None) or {}
-    _require(isinstance(extra, Mapping), "extra_body must be an object", "extra_body")
+    require(isinstance(extra, Mapping), "extra_body must be an object", "extra_body")
     for key, value in extra.items():
         if key in params and params[key] is not None:
             raise RequestError(f"{key} given both directly and in extra_body", param=key)
@@ -238,21 +234,21 @@ def parse_request(
         )
     limit = max_completion if max_completion is not None else max_tokens
     if limit is not None:
-        _require(
+        require(
             isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1,
             "must be an integer >= 1",
             "max_tokens" if max_completion is None else "max_completion_tokens",
         )
 
     stream = params.get("stream") or False
-    _require(isinstance(stream, bool), "stream must be a boolean", "stream")
+    require(isinstance(stream, bool), "stream must be a boolean", "stream")
     options = params.get("stream_options") or {}
-    _require(isinstance(options, Mapping), "stream_options must be an object", "stream_options")
+    require(isinstance(options, Mapping), "stream_options must be an object", "stream_options")
     unknown_options = sorted(set(options) - {"include_usage"})
     if unknown_options:
         raise UnsupportedParameterError([f"stream_options.{k}" for k in unknown_options])
     include_usage = options.get("include_usage", False)
-    _require(
+    require(
         isinstance(include_usage, bool),
         "include_usage must be a boolean",
         "stream_options.include_usage",
@@ -261,16 +257,16 @@ def parse_request(
         raise RequestError("stream_options needs stream=true", param="stream_options")
 
     logprobs = params.get("logprobs") or False
-    _require(isinstance(logprobs, bool), "logprobs must be a boolean", "logprobs")
+    require(isinstance(logprobs, bool), "logprobs must be a boolean", "logprobs")
     top = params.get("top_logprobs")
     if top is not None:
         # The range is SamplingParams' to check.
-        _require(logprobs, "top_logprobs needs logprobs=true", "top_logprobs")
+        require(logprobs, "top_logprobs needs logprobs=true", "top_logprobs")
 
     tools = params.get("tools")
     tool_choice = params.get("tool_choice")
     if tools is not None:
-        _require(
+        require(
             isinstance(tools, list)
             and all(
                 isinstance(t, Mapping)
@@ -294,7 +290,7 @@ def parse_request(
         tools = None
 
     template_kwargs = params.get("chat_template_kwargs") or {}
-    _require(
+    require(
         isinstance(template_kwargs, Mapping),
         "chat_template_kwargs must be an object",
         "chat_template_kwargs",
@@ -302,19 +298,19 @@ def parse_request(
     check_template_kwargs(template_kwargs, chat_template)
     template_kwargs = _apply_reasoning_effort(params.get("reasoning_effort"), template_kwargs)
     budget = params.get("reasoning_budget")
-    _require(
+    require(
         budget is None or (type(budget) is int and budget >= 0),
         "reasoning_budget must be an integer >= 0",
         "reasoning_budget",
     )
     top_k = params.get("top_k")
-    _require(
+    require(
         top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool)),
         "top_k must be an integer",
         "top_k",
     )
     seed = params.get("seed")
-    _require(seed is None or isinstance(seed, int), "seed must be an integer", "seed")
+    require(seed is None or isinstance(seed, int), "seed must be an integer", "seed")
     sampling = SamplingParams(
         temperature=_optional_number(
             params.get("temperature"), "temperature", default_sampling.temperature
@@ -327,7 +323,7 @@ def parse_request(
         **adjustment_fields(params),
     )
     prompt_cache_key = params.get("prompt_cache_key")
-    _require(
+    require(
         prompt_cache_key is None or isinstance(prompt_cache_key, str),
         "prompt_cache_key must be a string",
         "prompt_cache_key",
@@ -354,7 +350,7 @@ def _apply_reasoning_effort(effort: Any, template_kwargs: Mapping[str, Any]) -> 
     kwargs = dict(template_kwargs)
     if effort is None:
         return kwargs
-    _require(
+    require(
         effort in REASONING_EFFORTS,
         f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
         "reasoning_effort",

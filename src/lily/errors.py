@@ -19,6 +19,12 @@ class RequestError(ValueError):
         self.code = code
 
 
+def require(condition: bool, message: str, param: str) -> None:
+    """Raises RequestError(message, param=param) unless `condition` holds."""
+    if not condition:
+        raise RequestError(message, param=param)
+
+
 class UnsupportedParameterError(RequestError):
     """A parameter of the OpenAI API that Lily does not implement (never silently ignored)."""
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from lily.api_translation import API as APIDescription
 from lily.api_translation import chat_request, openai_error_body, refuse_unknown, sse
-from lily.errors import RequestError
+from lily.errors import RequestError, require
 from lily.request_limits import UNBOUNDED, RequestLimits
 
 if TYPE_CHECKING:
@@ -73,11 +73,6 @@ TEXT_PARTS = {"input_text": ("user", "system", "developer"), "output_text": ("as
 REFUSED_PARTS = ("input_image", "input_file", "input_audio")
 
 
-def _require(condition: bool, message: str, param: str) -> None:
-    if not condition:
-        raise RequestError(message, param=param)
-
-
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -85,11 +80,11 @@ def _new_id(prefix: str) -> str:
 def _content(content: Any, role: str, param: str) -> str:
     if isinstance(content, str):
         return content
-    _require(isinstance(content, list), "content must be a string or a list of parts", param)
+    require(isinstance(content, list), "content must be a string or a list of parts", param)
     texts = []
     for i, part in enumerate(content):
         where = f"{param}[{i}]"
-        _require(isinstance(part, Mapping), "a content part must be an object", where)
+        require(isinstance(part, Mapping), "a content part must be an object", where)
         kind = part.get("type")
         if kind in REFUSED_PARTS:
             raise RequestError(
@@ -97,14 +92,14 @@ def _content(content: Any, role: str, param: str) -> str:
                 param=f"{where}.type",
                 code="unsupported_content",
             )
-        _require(
+        require(
             role in TEXT_PARTS.get(kind, ()),
             f"a {role} message's parts must be of type "
             + " or ".join(k for k, roles in TEXT_PARTS.items() if role in roles),
             f"{where}.type",
         )
         refuse_unknown(part, ("type", "text", "annotations", "logprobs"), f"{where}.")
-        _require(isinstance(part.get("text"), str), "a text part needs 'text'", where)
+        require(isinstance(part.get("text"), str), "a text part needs 'text'", where)
         texts.append(part["text"])
     return "".join(texts)
 
@@ -128,12 +123,12 @@ class _Conversation:
         return last
 
     def add(self, item: Any, param: str) -> None:
-        _require(isinstance(item, Mapping), "an input item must be an object", param)
+        require(isinstance(item, Mapping), "an input item must be an object", param)
         kind = item.get("type", "message")
         if kind == "message":
             refuse_unknown(item, ("type", "role", "content", "id", "status", "phase"), f"{param}.")
             role = item.get("role")
-            _require(role in ROLES, f"role must be one of {', '.join(ROLES)}", f"{param}.role")
+            require(role in ROLES, f"role must be one of {', '.join(ROLES)}", f"{param}.role")
             text = _content(item.get("content"), role, f"{param}.content")
             if role == "assistant":
                 message = self._assistant()
@@ -145,7 +140,7 @@ class _Conversation:
                 item, ("type", "call_id", "name", "arguments", "id", "status"), f"{param}."
             )
             for name in ("call_id", "name", "arguments"):
-                _require(isinstance(item.get(name), str), f"needs '{name}'", f"{param}.{name}")
+                require(isinstance(item.get(name), str), f"needs '{name}'", f"{param}.{name}")
             call = {
                 "id": item["call_id"],
                 "type": "function",
@@ -154,7 +149,7 @@ class _Conversation:
             self._assistant().setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             refuse_unknown(item, ("type", "call_id", "output", "id", "status"), f"{param}.")
-            _require(isinstance(item.get("call_id"), str), "needs 'call_id'", f"{param}.call_id")
+            require(isinstance(item.get("call_id"), str), "needs 'call_id'", f"{param}.call_id")
             output = item.get("output")
             text = (
                 output if isinstance(output, str) else _content(output, "user", f"{param}.output")
@@ -165,15 +160,15 @@ class _Conversation:
                 item, ("type", "id", "summary", "content", "encrypted_content", "status"),
                 f"{param}.",
             )  # fmt: skip
-            _require(
+            require(
                 item.get("encrypted_content") is None,
                 "encrypted reasoning is not supported (Lily never encrypts)",
                 f"{param}.encrypted_content",
             )
             parts = item.get("content") or item.get("summary") or []
-            _require(isinstance(parts, list), "must be a list of text parts", f"{param}.content")
+            require(isinstance(parts, list), "must be a list of text parts", f"{param}.content")
             for j, part in enumerate(parts):
-                _require(
+                require(
                     isinstance(part, Mapping) and isinstance(part.get("text"), str),
                     "a reasoning part needs 'text'",
                     f"{param}.content[{j}]",
@@ -191,13 +186,13 @@ def _messages(params: Mapping[str, Any]) -> list[dict[str, Any]]:
     conversation = _Conversation()
     instructions = params.get("instructions")
     if instructions is not None:
-        _require(isinstance(instructions, str), "instructions must be a string", "instructions")
+        require(isinstance(instructions, str), "instructions must be a string", "instructions")
         conversation.messages.append({"role": "system", "content": instructions})
     items = params.get("input")
     if isinstance(items, str):
         conversation.messages.append({"role": "user", "content": items})
     else:
-        _require(
+        require(
             isinstance(items, list) and len(items) > 0,
             "input must be a string or a non-empty list of items",
             "input",
@@ -208,11 +203,11 @@ def _messages(params: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    _require(isinstance(tools, list), "tools must be a list", "tools")
+    require(isinstance(tools, list), "tools must be a list", "tools")
     translated = []
     for i, tool in enumerate(tools):
         param = f"tools[{i}]"
-        _require(isinstance(tool, Mapping), "a tool must be an object", param)
+        require(isinstance(tool, Mapping), "a tool must be an object", param)
         if tool.get("type") != "function":
             raise RequestError(
                 f"tools of type {tool.get('type')!r} are not supported; give function tools",
@@ -220,7 +215,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
                 code="unsupported_parameter",
             )
         refuse_unknown(tool, ("type", "name", "description", "parameters", "strict"), f"{param}.")
-        _require(isinstance(tool.get("name"), str), "a tool needs 'name'", f"{param}.name")
+        require(isinstance(tool.get("name"), str), "a tool needs 'name'", f"{param}.name")
         function = {
             k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool
         }
@@ -231,7 +226,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 def _tool_choice(choice: Any) -> Any:
     if isinstance(choice, str):
         return choice  # auto, none, required: the chat path checks it
-    _require(
+    require(
         isinstance(choice, Mapping) and choice.get("type") == "function",
         "tool_choice must be auto, none, required or {'type': 'function', 'name': ...}",
         "tool_choice",
@@ -241,12 +236,12 @@ def _tool_choice(choice: Any) -> Any:
 
 
 def _text_format(text: Any) -> dict[str, Any] | None:
-    _require(isinstance(text, Mapping), "text must be an object", "text")
+    require(isinstance(text, Mapping), "text must be an object", "text")
     refuse_unknown(text, ("format",), "text.")
     form = text.get("format")
     if form is None:
         return None
-    _require(isinstance(form, Mapping), "text.format must be an object", "text.format")
+    require(isinstance(form, Mapping), "text.format must be an object", "text.format")
     kind = form.get("type")
     if kind == "json_schema":
         refuse_unknown(form, ("type", "name", "schema", "strict", "description"), "text.format.")
@@ -258,12 +253,12 @@ def _text_format(text: Any) -> dict[str, Any] | None:
 
 def _reasoning(reasoning: Any, chat: dict[str, Any]) -> bool:
     """Sets the effort; returns whether a summary was asked for."""
-    _require(isinstance(reasoning, Mapping), "reasoning must be an object", "reasoning")
+    require(isinstance(reasoning, Mapping), "reasoning must be an object", "reasoning")
     refuse_unknown(reasoning, ("effort", "summary", "generate_summary"), "reasoning.")
     if reasoning.get("effort") is not None:
         chat["reasoning_effort"] = reasoning["effort"]
     summary = reasoning.get("summary", reasoning.get("generate_summary"))
-    _require(
+    require(
         summary in (None, "auto", "concise", "detailed"),
         "summary must be auto, concise or detailed",
         "reasoning.summary",
@@ -282,13 +277,13 @@ def translate(
             param="store",
             code="unsupported_parameter",
         )
-    _require(params.get("store") in (None, False), "store must be a boolean", "store")
-    _require(
+    require(params.get("store") in (None, False), "store must be a boolean", "store")
+    require(
         params.get("truncation") in (None, "disabled"),
         "truncation must be disabled (Lily never drops input)",
         "truncation",
     )
-    _require(params.get("include") in (None, []), "include is not supported", "include")
+    require(params.get("include") in (None, []), "include is not supported", "include")
     if "input" not in params:
         raise RequestError("input is required", param="input", code="missing_required")
     chat: dict[str, Any] = {name: params[name] for name in CHAT_FIELDS if name in params}
