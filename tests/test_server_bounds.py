@@ -23,15 +23,15 @@ import pytest
 from test_server import RunningServer, user
 
 import lily
-import lily.chat
+import lily.chat.completions
 from lily.api import Lily
-from lily.request_limits import (
+from lily.chat.request_limits import (
     DEFAULT_MAX_GRAMMAR_BYTES,
     DEFAULT_MAX_MESSAGES,
     DEFAULT_MAX_TOOL_CALLS,
     DEFAULT_MAX_TOOLS,
 )
-from lily.server import create_app
+from lily.server.app import create_app
 
 MAX_SEQ = 96
 GREEDY = {"temperature": 0}
@@ -167,13 +167,13 @@ def test_a_grammar_within_the_bound_is_compiled_off_the_event_loop(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     compiled_on: list[threading.Thread] = []
-    compile_grammar = lily.chat.output_grammar
+    compile_grammar = lily.chat.completions.output_grammar
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         compiled_on.append(threading.current_thread())
         return compile_grammar(*args, **kwargs)
 
-    monkeypatch.setattr(lily.chat, "output_grammar", recording)
+    monkeypatch.setattr(lily.chat.completions, "output_grammar", recording)
     response = chat(server, forced_enum_call(50))
     # The tool's description does not fit this small context: refused after the compile.
     assert response.json()["error"]["code"] == "context_length_exceeded", response.text[:500]
