@@ -205,7 +205,7 @@ def test_serve_request_bounds_and_timeouts_reach_the_server(
     monkeypatch.setattr("lily.server.app.serve", lambda *a, **k: calls.append(k))
     main(["serve"])
     main(["serve", "--max-messages", "10", "--max-tools", "2", "--max-tool-calls", "3",
-          "--max-grammar-bytes", "64KiB", "--header-timeout", "2.5",
+          "--max-grammar-bytes", "64KiB", "--max-json-values", "1000", "--header-timeout", "2.5",
           "--body-timeout", "7"])  # fmt: skip
     defaults, chosen = calls
     assert defaults["limits"] == RequestLimits()
@@ -213,10 +213,11 @@ def test_serve_request_bounds_and_timeouts_reach_the_server(
         DEFAULT_HEADER_TIMEOUT,
         DEFAULT_BODY_TIMEOUT,
     )
-    assert chosen["limits"] == RequestLimits(10, 2, 3, 64 * 1024)
+    assert chosen["limits"] == RequestLimits(10, 2, 3, 64 * 1024, 1000)
     assert (chosen["header_timeout"], chosen["body_timeout"]) == (2.5, 7.0)
     refused = [("--max-messages", "0"), ("--header-timeout", "0"), ("--body-timeout", "x"),
-               ("--max-grammar-bytes", "0"), ("--max-grammar-bytes", "0.5")]  # fmt: skip
+               ("--max-grammar-bytes", "0"), ("--max-grammar-bytes", "0.5"),
+               ("--max-json-values", "0")]  # fmt: skip
     for flag, bad in refused:
         with pytest.raises(SystemExit) as exit_:
             main(["serve", flag, bad])

@@ -27,6 +27,7 @@ import lily.chat.completions
 from lily.api import Lily
 from lily.chat.request_limits import (
     DEFAULT_MAX_GRAMMAR_BYTES,
+    DEFAULT_MAX_JSON_VALUES,
     DEFAULT_MAX_MESSAGES,
     DEFAULT_MAX_TOOL_CALLS,
     DEFAULT_MAX_TOOLS,
@@ -123,6 +124,26 @@ def test_a_request_over_the_shape_bounds_is_refused_before_the_engine(
     # Refused before its turn: the engine's worker never saw it (it renders the prompt).
     assert server.wait_idle()["completed"] == completed
 
+
+
+def test_a_request_over_the_value_bound_is_refused_before_the_engine(
+    server: RunningServer,
+) -> None:
+    # Within the other bounds (one message with one call), but its arguments hold 100,000
+    # keys: the renderer took more than its 10 s deadline over them, a 500 chat_template_limit.
+    arguments = json.dumps({f"k{i}": 0 for i in range(100_000)})
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [*user("a"), {"role": "assistant", "content": None, "tool_calls": [call]}]
+    messages.append({"role": "tool", "tool_call_id": "c", "content": "done"})
+    completed = server.wait_idle()["completed"]
+    started = time.monotonic()
+    response = chat(server, {"messages": messages, "max_tokens": 1})
+    assert response.status_code == 400, response.text[:500]
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("too_many_values", "messages")
+    assert str(DEFAULT_MAX_JSON_VALUES) in error["message"]
+    assert time.monotonic() - started < 10
+    assert server.wait_idle()["completed"] == completed
 
 GRAMMARS = {
     "forced call": (

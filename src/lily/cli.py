@@ -393,6 +393,7 @@ def _serve(args: argparse.Namespace) -> int:
                 max_tools=args.max_tools,
                 max_tool_calls=args.max_tool_calls,
                 max_grammar_bytes=args.max_grammar_bytes,
+                max_json_values=args.max_json_values,
             ),
             header_timeout=args.header_timeout,
             body_timeout=args.body_timeout,
@@ -600,6 +601,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     from lily.chat.request_limits import (
         DEFAULT_MAX_GRAMMAR_BYTES,
+        DEFAULT_MAX_JSON_VALUES,
         DEFAULT_MAX_MESSAGES,
         DEFAULT_MAX_TOOL_CALLS,
         DEFAULT_MAX_TOOLS,
@@ -756,6 +758,14 @@ def _parser() -> argparse.ArgumentParser:
         help="largest output grammar (response_format, forced tool calls) compiled for a "
         "request, JSON schemas included; larger ones get 400 unsupported_schema naming the "
         "field (default: 256KiB)",
+    )
+    serve.add_argument(
+        "--max-json-values",
+        type=_positive_int,
+        default=DEFAULT_MAX_JSON_VALUES,
+        help="most JSON values (objects, arrays, strings, numbers, ...) in a request body, all "
+        "added up; more get 400 too_many_values before anything is rendered "
+        f"(default: {DEFAULT_MAX_JSON_VALUES})",
     )
     serve.add_argument(
         "--header-timeout",
