@@ -174,6 +174,11 @@ class Speculation:
         counts.accepted += accepted
 
     @property
+    def has_sources(self) -> bool:
+        """Whether anything can draft: without, a generation decodes plainly (pipelined)."""
+        return bool(self.counts)
+
+    @property
     def accepted_prediction_tokens(self) -> int:
         counts = self.counts.get("prediction")
         return 0 if counts is None else counts.accepted
