@@ -63,6 +63,7 @@ from lily.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, 
 from lily.prefix_cache import CacheOptions
 from lily.request_limits import RequestLimits
 from lily.request_log import RequestLog
+from lily.speculative import DEFAULT_DRAFT_TOKENS
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -857,6 +858,8 @@ def serve(
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     log_level: str = "info",
     escape_special_tokens: bool = False,
+    speculative: str = "auto",
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     cache: CacheOptions | None = None,
     limits: RequestLimits | None = None,
     header_timeout: float | None = DEFAULT_HEADER_TIMEOUT,
@@ -869,7 +872,8 @@ def serve(
 
     The API key is `api_key`, else the content of `api_key_file`, else `$LILY_API_KEY`. The Host
     header may name `host` itself besides localhost, IP addresses and `allowed_hosts`.
-    `cache` sizes the prefix cache, in memory and on disk (`lily.load`'s cache arguments).
+    `cache` sizes the prefix cache, in memory and on disk (`lily.load`'s cache arguments);
+    `speculative` and `draft_tokens` are `lily.load`'s.
     `limits` bounds the requests' size (`lily.request_limits`); a client gets `header_timeout`
     seconds to send a request's headers and `body_timeout` more for its body (408 after)."""
     from lily.api import load
@@ -890,6 +894,8 @@ def serve(
         max_seq=max_seq,
         prefill_chunk=prefill_chunk,
         escape_special_tokens=escape_special_tokens,
+        speculative=speculative,
+        draft_tokens=draft_tokens,
         **vars(cache or CacheOptions()),
     ) as llm:
         app = create_app(
