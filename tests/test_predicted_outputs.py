@@ -11,10 +11,10 @@ import pytest
 from test_server import RunningServer
 
 import lily
-from lily.chat import parse_request
+from lily.chat.completions import parse_request
+from lily.engine.sampling import SamplingParams
 from lily.errors import RequestError, UnsupportedParameterError
-from lily.sampling import SamplingParams
-from lily.server import create_app
+from lily.server.app import create_app
 
 MAX_SEQ = 256
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}

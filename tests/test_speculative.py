@@ -19,11 +19,11 @@ from device_testing import open_test_device
 from test_kernel_sampling import P_VALUE_THRESHOLD, chi_square_p_value
 from tiny_models import tiny_checkpoint
 
-from lily.checkpoint import load_checkpoint
-from lily.engine import DeviceEngine
+from lily.checkpoint.loader import load_checkpoint
+from lily.engine.engine import DeviceEngine
+from lily.engine.sampling import SamplingParams
+from lily.engine.speculative import Speculation, accept_drafts, check_speculative, lookup
 from lily.kernels.step import POSITION
-from lily.sampling import SamplingParams
-from lily.speculative import Speculation, accept_drafts, check_speculative, lookup
 
 MAX_SEQ = 256
 ANSWER = 24
