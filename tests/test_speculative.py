@@ -22,7 +22,14 @@ from tiny_models import tiny_checkpoint
 from lily.checkpoint.loader import load_checkpoint
 from lily.engine.engine import DeviceEngine
 from lily.engine.sampling import SamplingParams
-from lily.engine.speculative import Speculation, accept_drafts, check_speculative, lookup
+from lily.engine.speculative import (
+    AUTO_IDLE_LOOKUPS,
+    NgramIndex,
+    Speculation,
+    accept_drafts,
+    check_speculative,
+    lookup,
+)
 from lily.kernels.step import POSITION
 
 MAX_SEQ = 256
@@ -107,6 +114,18 @@ def test_lookup_continues_the_latest_longest_match():
     assert lookup([5, 6], [5, 6], 2, 2, 4) == (0, [])
 
 
+def test_the_ngram_index_drafts_what_lookup_finds_as_the_context_grows():
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        context = rng.integers(0, 5, 60).tolist()  # a small alphabet: many repeats
+        index = NgramIndex(2, 4)
+        for length in range(1, len(context) + 1, 1 + trial % 3):
+            grown = context[:length]
+            assert index.draft(grown, 3) == lookup(grown, grown, 3, 2, 4)[1]
+    # A context that is not the one indexed so far (another conversation) starts it again.
+    assert index.draft([7, 8, 9, 7, 8], 2) == [9, 7]
+
+
 def test_speculation_prefers_the_prediction_and_counts_per_source():
     spec = Speculation(draft_tokens=3, ngram=True, prediction=[10, 11, 12, 13], anchor=[1, 2])
     assert spec.draft([7, 1, 2], 8) == [10, 11, 12]
@@ -126,10 +145,21 @@ def test_auto_stops_drafting_from_a_source_that_does_not_pay():
         assert spec.draft(context, 8) == [3, 1]
         spec.verified([3, 1], 0)
     assert spec.draft(context, 8) == []
+    assert spec.exhausted
     paying = Speculation(draft_tokens=2, ngram=True, auto=True)
     for _ in range(6):
         assert paying.draft(context, 8) == [3, 1]
         paying.verified([3, 1], 1)
+    assert not paying.exhausted
+    # Lookups that keep finding nothing end it too; a prediction is never dropped.
+    idle = Speculation(draft_tokens=2, ngram=True, auto=True)
+    unseen = [1, 2]
+    for token in range(100, 100 + AUTO_IDLE_LOOKUPS):
+        assert idle.draft(unseen, 8) == []
+        unseen.append(token)
+    assert idle.exhausted and idle.draft([1, 2, 1], 8) == []
+    assert not Speculation(ngram=True, auto=True, prediction=[5]).exhausted
+    assert not Speculation(ngram=True).exhausted
 
 
 @pytest.mark.parametrize(
@@ -208,6 +238,7 @@ class _Scripted:
         self.engine, self.prompt, self.answer, self.right, self.k = engine, prompt, answer, right, k
         self.calls: list[tuple[int, int, list[np.ndarray]]] = []
         self.outcomes: list[tuple[int, int]] = []
+        self.exhausted = False
 
     def draft(self, tokens, limit):
         model = self.engine._model
@@ -291,6 +322,25 @@ def test_prompt_lookup_and_a_prediction_give_plain_decoding(engine, plain):
     # The answer as the prediction: accepted whole (the first token is the prompt's own pass,
     # and a pass never drafts past the requested length).
     assert predicted.accepted_prediction_tokens >= ANSWER - 2 - ANSWER // 8
+
+
+def test_auto_decodes_pipelined_once_lookup_gave_up(engine, plain, monkeypatch):
+    prompt, answer, _, _ = plain
+    switched = []
+    decode = DeviceEngine._decode
+
+    def recording(self, position, count, *args):
+        switched.append((position, count))
+        return decode(self, position, count, *args)
+
+    monkeypatch.setattr(DeviceEngine, "_decode", recording)
+    drafter = Speculation(draft_tokens=4, ngram=True, auto=True)
+    drafter._idle_lookups = AUTO_IDLE_LOOKUPS - 3  # about to give up
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
+    _same_as_plain(tokens, plain)
+    assert drafter.exhausted and len(switched) == 1
+    position, count = switched[0]
+    assert position + 1 - len(prompt) + count == ANSWER  # the rest of the answer, pipelined
 
 
 def test_verify_passes_stay_within_the_chunk_length(checkpoint, plain):

@@ -374,7 +374,6 @@ class DeviceEngine:
         snapshots = self.prefix_cache.snapshot_positions(
             first, len(prompt), _positions(snapshot_at)
         )
-        history = self._model.history_view()
         # A constrained draw needs the constraint's state after each drafted token, which it
         # cannot give back: such a generation decodes plainly.
         speculating = drafter is not None and constraint is None and self.max_chunk > 1
@@ -410,21 +409,12 @@ class DeviceEngine:
                     progress(end, len(prompt))
                 if not predicts:
                     continue
-                token = int(history[end])
-                if token == NO_TOKEN:
-                    raise NonFiniteLogitsError(end)
+                drawn = self._drawn(end, sampling)
                 if constraint is not None:
-                    constraint.consume(token)
-                logprobs = None
-                if sampling.top_logprobs is not None:
-                    # Slots are keyed by the position of the token the pass consumed last.
-                    (_, logprob), alternatives = read_logprobs(
-                        state.logprob_ring, LOGPROB_RING_SLOTS, end - 1, sampling.top_logprobs
-                    )
-                    logprobs = TokenLogprobs(logprob, tuple(alternatives))
-                generated.append(token)
-                yield GeneratedToken(token, logprobs)
-                if token in stop_token_ids:
+                    constraint.consume(drawn.id)
+                generated.append(drawn.id)
+                yield drawn
+                if drawn.id in stop_token_ids:
                     return
             if speculating:
                 assert drafter is not None
@@ -436,6 +426,20 @@ class DeviceEngine:
             for _, _, pending in in_flight:
                 self.device.wait(pending)
             self.prefix_cache.end(self._rows)
+
+    def _drawn(self, end: int, sampling: SamplingParams) -> GeneratedToken:
+        """The token the device drew in the predicting pass that ends at position `end`."""
+        token = int(self._model.history_view()[end])
+        if token == NO_TOKEN:
+            raise NonFiniteLogitsError(end)
+        logprobs = None
+        if sampling.top_logprobs is not None:
+            # Slots are keyed by the position of the token the pass consumed last.
+            (_, logprob), alternatives = read_logprobs(
+                self._model.state.logprob_ring, LOGPROB_RING_SLOTS, end - 1, sampling.top_logprobs
+            )
+            logprobs = TokenLogprobs(logprob, tuple(alternatives))
+        return GeneratedToken(token, logprobs)
 
     def _speculate(
         self,
@@ -472,6 +476,11 @@ class DeviceEngine:
                 MAX_DRAFT_TOKENS,
                 model.max_chunk - waiting,
             )
+            if waiting == 1 and drafter.exhausted:
+                # Nothing will be drafted again: decode the rest pipelined.
+                count = request.max_new_tokens - len(generated)
+                yield from self._decode(last, count, request, should_stop)
+                return
             drafts = []
             if limit > 0 and rejections < 2:
                 drafts = [int(t) for t in drafter.draft(tokens, limit)][:limit]
@@ -481,19 +490,7 @@ class DeviceEngine:
             if not drafts:
                 device.run(model.graph(waiting, predicts=True))
                 fed, rejections = last + 1, 0
-                token = int(history[last + 1])
-                if token == NO_TOKEN:
-                    raise NonFiniteLogitsError(last + 1)
-                logprobs = None
-                if request.sampling.top_logprobs is not None:
-                    (_, logprob), alternatives = read_logprobs(
-                        model.state.logprob_ring,
-                        LOGPROB_RING_SLOTS,
-                        last,
-                        request.sampling.top_logprobs,
-                    )
-                    logprobs = TokenLogprobs(logprob, tuple(alternatives))
-                produced = [GeneratedToken(token, logprobs)]
+                produced = [self._drawn(last + 1, request.sampling)]
             else:
                 saved = [array.copy() for array in recurrent]
                 rows = len(drafts) + 1
@@ -522,6 +519,38 @@ class DeviceEngine:
                     return
                 if len(generated) == request.max_new_tokens:
                     return
+
+    def _decode(
+        self,
+        position: int,
+        count: int,
+        request: _Request,
+        should_stop: Callable[[], bool] | None,
+    ) -> Iterator[GeneratedToken]:
+        """`count` decode steps from `position` (whose token the history holds and the state
+        has not consumed), two in flight, as `generate` decodes without drafts."""
+        model, device = self._model, self.device
+        step = model.step_view()
+        step[POSITION], step[PROMPT_END] = position, position + 1
+        in_flight: deque[tuple[int, int]] = deque()  # (position after the step, ticket)
+        submitted = 0
+        try:
+            while True:
+                while submitted < count and len(in_flight) < PIPELINE_DEPTH:
+                    _check_stop(should_stop)
+                    submitted += 1
+                    in_flight.append((position + submitted, device.submit(model.decode)))
+                if not in_flight:
+                    return
+                end, ticket = in_flight.popleft()
+                device.wait(ticket)
+                drawn = self._drawn(end, request.sampling)
+                yield drawn
+                if drawn.id in request.stop_token_ids:
+                    return
+        finally:
+            for _, pending in in_flight:
+                device.wait(pending)
 
     def _count_for_penalties(self, sampling: SamplingParams, chosen: Sequence[int]) -> None:
         """Adds tokens the host chose to the counts the device's penalties read (the device's

@@ -46,6 +46,9 @@ LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 4
 # costs on a bandwidth-bound GPU plus its arithmetic, so one accepted token in two passes is
 # roughly where it stops paying (an estimate; no Mac has measured it).
 AUTO_PASSES, AUTO_MIN_ACCEPTED = 4, 0.5
+# ... and drops prompt lookup after this many lookups in a row found nothing: a generation that
+# drafts runs one pass at a time, and one that never drafts is better off pipelined.
+AUTO_IDLE_LOOKUPS = 32
 
 
 def check_speculative(mode: str, draft_tokens: int) -> None:
@@ -92,6 +95,38 @@ def lookup(
     return 0, []
 
 
+class NgramIndex:
+    """Prompt lookup over a growing context in constant time per token: for each n-gram
+    length, where the latest occurrence of each n-gram was followed. The same answer as
+    `lookup(context, context, ...)`, without scanning the context at every draft."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._after: dict[tuple[int, ...], int] = {}
+        self._indexed: list[int] = []
+
+    def _extend(self, context: Sequence[int]) -> None:
+        known = len(self._indexed)
+        if known > len(context) or (known and context[known - 1] != self._indexed[-1]):
+            self._after.clear()  # not the context indexed so far: start again
+            self._indexed, known = [], 0
+        self._indexed.extend(int(t) for t in context[known:])
+        tokens = self._indexed
+        # The n-gram ending just before position j is followed by token j: new for j >= known.
+        for j in range(max(known, 1), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, j) + 1):
+                self._after[tuple(tokens[j - n : j])] = j
+
+    def draft(self, context: Sequence[int], limit: int) -> list[int]:
+        self._extend(context)
+        tokens = self._indexed
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            start = self._after.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start : start + limit]
+        return []
+
+
 class Drafter(Protocol):
     def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` tokens guessed to follow `tokens` (the prompt and the output so far)."""
@@ -99,6 +134,11 @@ class Drafter(Protocol):
 
     def verified(self, drafted: Sequence[int], accepted: int) -> None:
         """The last drafts' outcome: the first `accepted` of `drafted` were accepted."""
+        ...
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether `draft` will return nothing for the rest of the generation."""
         ...
 
 
@@ -115,9 +155,10 @@ class SourceCounts:
 class Speculation:
     """The drafter of one generation: prompt lookup when `ngram`, the client's `prediction`
     (token ids) when given, at most `draft_tokens` per pass. Prediction drafts come first: they
-    are the client's knowledge of the answer. With `auto`, a source whose first AUTO_PASSES
-    passes accepted fewer than AUTO_MIN_ACCEPTED drafts on average stops drafting for the rest
-    of the generation (a prediction is never dropped: the client asked for it)."""
+    are the client's knowledge of the answer. With `auto`, prompt lookup stops for the rest of
+    the generation once its first AUTO_PASSES passes accepted fewer than AUTO_MIN_ACCEPTED
+    drafts on average, or AUTO_IDLE_LOOKUPS lookups in a row found nothing (a prediction is
+    never dropped: the client asked for it)."""
 
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     ngram: bool = False
@@ -132,6 +173,8 @@ class Speculation:
     # Where in anchor + prediction the output is expected to continue.
     _pointer: int = 0
     _drafted_from: int = 0
+    _index: NgramIndex = field(default_factory=lambda: NgramIndex(LOOKUP_MIN_N, LOOKUP_MAX_N))
+    _idle_lookups: int = 0  # prompt lookups in a row that found nothing
 
     def __post_init__(self) -> None:
         self._corpus = [*self.anchor, *self.prediction]
@@ -140,11 +183,20 @@ class Speculation:
         if self.ngram:
             self.counts["ngram"] = SourceCounts()
 
-    def _enabled(self, source: str) -> bool:
-        counts = self.counts[source]
-        if not self.auto or counts.passes < AUTO_PASSES:
+    def _lookup_enabled(self) -> bool:
+        if "ngram" not in self.counts:
+            return False
+        if not self.auto:
             return True
-        return counts.accepted >= AUTO_MIN_ACCEPTED * counts.passes
+        counts = self.counts["ngram"]
+        if self._idle_lookups >= AUTO_IDLE_LOOKUPS:
+            return False
+        return counts.passes < AUTO_PASSES or counts.accepted >= AUTO_MIN_ACCEPTED * counts.passes
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether nothing will be drafted for the rest of the generation."""
+        return not self.prediction and not self._lookup_enabled()
 
     def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
         limit = min(limit, self.draft_tokens)
@@ -156,8 +208,9 @@ class Speculation:
             if drafts:
                 self._last_source, self._drafted_from = "prediction", start
                 return drafts
-        if "ngram" in self.counts and self._enabled("ngram"):
-            _, drafts = lookup(tokens, tokens, limit, LOOKUP_MIN_N, LOOKUP_MAX_N)
+        if self._lookup_enabled():
+            drafts = self._index.draft(tokens, limit)
+            self._idle_lookups = 0 if drafts else self._idle_lookups + 1
             if drafts:
                 self._last_source = "ngram"
                 return drafts
