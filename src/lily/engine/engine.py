@@ -532,6 +532,7 @@ class DeviceEngine:
         model, device = self._model, self.device
         step = model.step_view()
         step[POSITION], step[PROMPT_END] = position, position + 1
+        step[TOKEN] = model.history_view()[position]
         in_flight: deque[tuple[int, int]] = deque()  # (position after the step, ticket)
         submitted = 0
         try:
