@@ -416,3 +416,15 @@ def test_the_verify_rows_are_the_plain_logits(engine, plain):
     rows = engine._model.verify_logits_view(5)
     reference = engine.teacher_forced_logits(prompt + answer[:5])[len(prompt) : len(prompt) + 5]
     assert np.abs(rows - reference).max() < 1e-2
+
+
+def test_verify_passes_of_impossible_shapes_are_refused(engine):
+    model = engine._model
+    with pytest.raises(ValueError, match="a verify pass takes 2 to 64 tokens"):
+        model.verify_graph(1, 1)
+    with pytest.raises(ValueError, match="a verify pass takes 2 to 64 tokens"):
+        model.verify_graph(65, 9)
+    with pytest.raises(ValueError, match="over 12 tokens predicts 1 to 9 rows, got 10"):
+        model.verify_graph(12, 10)
+    with pytest.raises(ValueError, match="over 3 tokens predicts 1 to 3 rows, got 4"):
+        model.verify_graph(3, 4)

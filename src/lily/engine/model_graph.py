@@ -280,8 +280,11 @@ class ModelGraph:
         advance, since the host decides what is accepted and points the step buffer there."""
         if not 2 <= tokens <= self.max_chunk:
             raise ValueError(f"a verify pass takes 2 to {self.max_chunk} tokens, got {tokens}")
-        if not 1 <= rows <= min(tokens, MAX_DRAFT_TOKENS + 1):
-            raise ValueError(f"a verify pass predicts 1 to {MAX_DRAFT_TOKENS + 1} rows, got {rows}")
+        most = min(tokens, MAX_DRAFT_TOKENS + 1)
+        if not 1 <= rows <= most:
+            raise ValueError(
+                f"a verify pass over {tokens} tokens predicts 1 to {most} rows, got {rows}"
+            )
         key = (tokens, False, rows)
         if key not in self._graphs:
             if self._verify_logits is None:
