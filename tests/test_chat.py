@@ -142,7 +142,7 @@ def stream_text(chunks) -> tuple[str, str, list]:
 @pytest.mark.parametrize(
     "params, named",
     [
-        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"modalities": ["text", "audio"]}, "modalities"),
     ],
 )

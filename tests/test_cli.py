@@ -496,3 +496,21 @@ def test_lily_serve_answers_then_stops_on_ctrl_c() -> None:
         if process.poll() is None:
             process.kill()
         process.communicate()
+
+
+def test_serve_speculative_settings_reach_the_server(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls: list[dict] = []
+    monkeypatch.setattr("lily.server.app.serve", lambda *a, **k: calls.append(k))
+    main(["serve"])
+    main(["serve", "--speculative", "ngram", "--draft-tokens", "8"])
+    defaults, chosen = calls
+    assert (defaults["speculative"], defaults["draft_tokens"]) == ("auto", 4)
+    assert (chosen["speculative"], chosen["draft_tokens"]) == ("ngram", 8)
+    with pytest.raises(SystemExit):
+        main(["serve", "--speculative", "mtp"])
+    assert "is not built yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--draft-tokens", "9"])
+    assert "invalid choice" in capsys.readouterr().err

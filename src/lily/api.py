@@ -25,6 +25,7 @@ from lily.engine.model_graph import DEFAULT_MAX_CHUNK, device_bytes
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 from lily.engine.sampling import SamplingParams
+from lily.engine.speculative import DEFAULT_DRAFT_TOKENS, Speculation, check_speculative
 from lily.errors import CheckpointError, ContextLengthError, RequestError
 from lily.version import __version__
 
@@ -156,7 +157,10 @@ class Lily:
         device: str,
         *,
         escape_special_tokens: bool = False,
+        speculative: str = "off",
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ):
+        check_speculative(speculative, draft_tokens)
         self.model_id = model_id
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -168,6 +172,9 @@ class Lily:
         # Control tokens written in a request's text are read as plain text
         # (lily.chat.special_tokens).
         self.escape_special_tokens = escape_special_tokens
+        # Speculative decoding (lily.engine.speculative): the mode, the most tokens a pass drafts.
+        self.speculative = speculative
+        self.draft_tokens = draft_tokens
         self.config = engine.config
         self.device = device
         self.chat = Chat(self)
@@ -184,6 +191,26 @@ class Lily:
     @property
     def max_seq(self) -> int:
         return self.engine.max_seq
+
+    def speculation(
+        self, prediction: Sequence[int] = (), anchor: Sequence[int] = ()
+    ) -> Speculation:
+        """The drafting of one generation under this model's `speculative` mode: prompt lookup
+        (unless "off"), and the `prediction`'s tokens, looked up behind `anchor`."""
+        return Speculation(
+            draft_tokens=self.draft_tokens,
+            ngram=self.speculative != "off",
+            prediction=prediction,
+            anchor=anchor,
+            auto=self.speculative == "auto",
+        )
+
+    def drafter(self, speculation: Speculation) -> Speculation | None:
+        """What the engine drafts from: nothing when speculative decoding is off (a
+        prediction then only has its tokens counted as rejected) or nothing can draft."""
+        if self.speculative == "off" or not speculation.has_sources:
+            return None
+        return speculation
 
     def stream(
         self,
@@ -247,6 +274,7 @@ class Lily:
             self.tokenizer.stop_token_ids,
             sampling,
             **({"progress": progress} if progress else {}),
+            **({"drafter": drafter} if (drafter := self.drafter(self.speculation())) else {}),
         )
         try:
             for token in tokens:
@@ -314,6 +342,8 @@ def load(
     cache_dir: str | Path | None = None,
     cache_disk_size: int = DEFAULT_DISK_BYTES,
     cache_disk_min_tokens: int = DEFAULT_MIN_TOKENS,
+    speculative: str = "auto",
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ) -> Lily:
     """Load a checkpoint and prepare it on a device.
 
@@ -331,10 +361,25 @@ def load(
     and the KV cache, at most 8 GiB; 0 turns reuse off). With `cache_dir`, the states of
     prefixes of at least `cache_disk_min_tokens` tokens are also written there, within
     `cache_disk_size` bytes, and reused by later processes.
+
+    Speculative decoding (docs/python-api.md) checks up to `draft_tokens` (1 to 8) guessed
+    tokens in one pass and keeps those the model would have produced, so the output is the
+    same: `speculative` is "auto" (prompt lookup, dropped for a request where it is accepted
+    too rarely to pay, and any request's `prediction`), "ngram" (prompt lookup always) or
+    "off". A request's `prediction` drafts in both modes but "off". The numpy reference engine
+    and a `prefill_chunk` of 1 cannot verify drafts: they take "auto" as "off".
     """
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+    check_speculative(speculative, draft_tokens)
     device = resolve_device(device)
+    if speculative == "ngram" and (device == "reference" or prefill_chunk < 2):
+        raise ValueError(
+            "speculative='ngram' needs a verify pass of several tokens, which the reference "
+            "engine and a prefill_chunk of 1 do not have: use speculative='off' or 'auto'"
+        )
+    if device == "reference" or prefill_chunk < 2:
+        speculative = "off"
     model_dir = resolve_model(model, revision)
     checkpoint = load_checkpoint(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, config_eos_ids=checkpoint.config.eos_token_ids)
@@ -360,5 +405,12 @@ def load(
     else:
         model_id = model
     return Lily(
-        model_id, model_dir, tokenizer, engine, device, escape_special_tokens=escape_special_tokens
+        model_id,
+        model_dir,
+        tokenizer,
+        engine,
+        device,
+        escape_special_tokens=escape_special_tokens,
+        speculative=speculative,
+        draft_tokens=draft_tokens,
     )

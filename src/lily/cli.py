@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from lily.api import DEFAULT_MAX_SEQ, DEVICES
-from lily.engine.model_graph import DEFAULT_MAX_CHUNK
+from lily.engine.model_graph import DEFAULT_MAX_CHUNK, MAX_DRAFT_TOKENS
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
+from lily.engine.speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, check_speculative
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -57,6 +58,14 @@ def _positive_int(text: str) -> int:
 
 def _non_negative_int(text: str) -> int:
     return _whole_number(text, 0)
+
+
+def _speculative_mode(text: str) -> str:
+    try:
+        check_speculative(text, DEFAULT_DRAFT_TOKENS)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _positive_float(text: str) -> float:
@@ -138,6 +147,25 @@ def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str 
     )
 
 
+def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative",
+        default="auto",
+        type=_speculative_mode,
+        metavar="{" + ",".join(SPECULATIVE_MODES) + "}",
+        help="speculative decoding, same output either way: auto (prompt lookup where it pays, "
+        "and requests' predictions), ngram (prompt lookup always), off",
+    )
+    parser.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=DEFAULT_DRAFT_TOKENS,
+        choices=range(1, MAX_DRAFT_TOKENS + 1),
+        metavar=f"1..{MAX_DRAFT_TOKENS}",
+        help="most drafted tokens one verify pass checks",
+    )
+
+
 def _load(
     args: argparse.Namespace, max_seq: int | None = None, cache_memory: int | None = None
 ) -> Lily:
@@ -150,6 +178,9 @@ def _load(
         max_seq=max_seq or args.max_seq,
         prefill_chunk=args.prefill_chunk,
         cache_memory=cache_memory,
+        # `bench` measures plain decode steps: it has no speculative options.
+        speculative=getattr(args, "speculative", "off"),
+        draft_tokens=getattr(args, "draft_tokens", DEFAULT_DRAFT_TOKENS),
     )
     if args.model == "demo":
         print(DEMO_NOTE, file=sys.stderr)
@@ -388,6 +419,8 @@ def _serve(args: argparse.Namespace) -> int:
             shutdown_grace=args.shutdown_grace,
             log_level=args.log_level,
             escape_special_tokens=args.escape_special_tokens,
+            speculative=args.speculative,
+            draft_tokens=args.draft_tokens,
             limits=RequestLimits(
                 max_messages=args.max_messages,
                 max_tools=args.max_tools,
@@ -639,6 +672,7 @@ def _parser() -> argparse.ArgumentParser:
         _chat,
     )
     _add_model_arguments(chat, default_model=None)
+    _add_speculative_arguments(chat)
     chat.add_argument("--system", default=None, help="a system message that starts the chat")
     chat.add_argument(
         "--max-tokens", type=_positive_int, default=1024, help="longest reply, in tokens"
@@ -665,6 +699,7 @@ def _parser() -> argparse.ArgumentParser:
 
     generate = command("generate", "complete a raw prompt (no chat template), greedily", _generate)
     _add_model_arguments(generate, default_model=None)
+    _add_speculative_arguments(generate)
     generate.add_argument("prompt", help="the text to continue")
     generate.add_argument("--max-tokens", type=_positive_int, default=32, help="tokens to generate")
 
@@ -677,6 +712,7 @@ def _parser() -> argparse.ArgumentParser:
         _serve,
     )
     _add_model_arguments(serve, default_model=None)
+    _add_speculative_arguments(serve)
     serve.add_argument(
         "--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)"
     )

@@ -51,6 +51,7 @@ from lily.chat.types import (
 )
 from lily.chat.unused_fields import UNUSED_FIELDS, check_unused_fields
 from lily.engine.sampling import GeneratedToken, SamplingParams
+from lily.engine.speculative import Speculation
 from lily.errors import (
     ContextLengthError,
     ModelNotFoundError,
@@ -73,6 +74,8 @@ EXTRA_BODY_PARAMETERS = ("top_k", "min_p", "chat_template_kwargs", "reasoning_bu
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 # What a think block ends with when the reasoning budget runs out (as the template renders it).
 THINK_CLOSE = "\n</think>\n\n"
+# What the answer follows: the end of the think block.
+THINK_END = "</think>\n\n"
 # Stands for a message's content when finding where it starts in the rendered conversation.
 CONTENT_MARKER = "\ue000lily-content\ue000"
 
@@ -101,6 +104,9 @@ class ChatRequest:
     # A prompt fed as it is instead of the rendered messages (the legacy completions API, see
     # `lily.server.completions_api`): anything with `encode(tokenizer, *, escape) -> list[int]`.
     raw_prompt: RawPrompt | None = None
+    # OpenAI's Predicted Outputs: text the answer is expected to repeat much of, drafted from
+    # (`lily.engine.speculative`); None: no prediction.
+    prediction: str | None = None
 
 
 class ChatModel(Protocol):
@@ -120,6 +126,12 @@ class ChatModel(Protocol):
 
     @property
     def max_seq(self) -> int: ...
+
+    def speculation(
+        self, prediction: Sequence[int] = (), anchor: Sequence[int] = ()
+    ) -> Speculation: ...
+
+    def drafter(self, speculation: Speculation) -> Speculation | None: ...
 
 
 class RawPrompt(Protocol):
@@ -183,6 +195,41 @@ def _stop(stop: Any) -> list[str]:
     return list(stops)
 
 
+def _prediction(value: Any) -> str | None:
+    """OpenAI's `prediction`: {"type": "content", "content": text or a list of text parts}."""
+    if value is None:
+        return None
+    require(isinstance(value, Mapping), "prediction must be an object", "prediction")
+    unknown = sorted(set(value) - {"type", "content"})
+    if unknown:
+        raise UnsupportedParameterError([f"prediction.{k}" for k in unknown])
+    require(
+        value.get("type") == "content",
+        f"prediction.type must be 'content', got {value.get('type')!r}",
+        "prediction.type",
+    )
+    content = value.get("content")
+    if isinstance(content, list):
+        require(
+            all(
+                isinstance(part, Mapping)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+                and set(part) <= {"type", "text"}
+                for part in content
+            ),
+            "prediction.content parts must be {'type': 'text', 'text': ...}",
+            "prediction.content",
+        )
+        content = "".join(part["text"] for part in content)
+    require(
+        isinstance(content, str),
+        "prediction.content must be a string or a list of text parts",
+        "prediction.content",
+    )
+    return content
+
+
 def _optional_number(value: Any, name: str, default: float) -> float:
     if value is None:
         return default
@@ -233,6 +280,7 @@ def parse_request(
         "response_format",
         "prompt_cache_key",
         "reasoning_effort",
+        "prediction",
         *EXTRA_BODY_PARAMETERS,
         *ADJUSTMENT_FIELDS,
         *UNUSED_FIELDS,
@@ -361,6 +409,7 @@ def parse_request(
         prompt_cache_key=prompt_cache_key,
         output=output,
         n=choice_count(params.get("n")),
+        prediction=_prediction(params.get("prediction")),
     )
 
 
@@ -431,7 +480,12 @@ class _Delta:
 class _TextPipeline:
     """Generated token ids in, answer pieces out (see the module docstring for the stages)."""
 
-    def __init__(self, llm: ChatModel, request: ChatRequest, thinking: bool) -> None:
+    def __init__(
+        self, llm: ChatModel, request: ChatRequest, thinking: bool, speculation: Speculation
+    ) -> None:
+        # The choice's drafting, kept across its generations (the reasoning budget restarts
+        # one), with the counts of the prediction's tokens it reports.
+        self.speculation = speculation
         self._tokenizer = llm.tokenizer
         self._decoder = IncrementalDecoder(llm.tokenizer)
         self._stop = StopStringMatcher(request.stop)
@@ -722,7 +776,13 @@ class ChatCompletions:
     ) -> Iterator[tuple[_Delta, _TextPipeline, int]]:
         """Yields (delta, pipeline, tokens generated so far); the last delta is the flush.
         Sets `last_stats` when the generation ends (or is closed)."""
-        pipeline = _TextPipeline(self._llm, request, prompt.thinking)
+        llm = self._llm
+        prediction = llm.tokenizer.encode(request.prediction) if request.prediction else []
+        # The prediction is the answer: after the think block (which a template without
+        # thinking writes closed in the prompt), so looked up behind the block's end.
+        anchor = llm.tokenizer.encode(THINK_END) if request.raw_prompt is None else []
+        speculation = llm.speculation(prediction, anchor)
+        pipeline = _TextPipeline(llm, request, prompt.thinking, speculation)
         tokens = self._tokens(request, prompt, max_tokens, pipeline, should_stop)
         started, first_token_s, produced = time.perf_counter(), None, 0
         try:
@@ -787,6 +847,7 @@ class ChatCompletions:
                         constraint.consume(token_id)  # the grammar starts after </think>
                     yield GeneratedToken(token_id), True
                 continue
+            drafter = self._llm.drafter(pipeline.speculation)
             tokens = self._llm.engine.generate(
                 fed,
                 room(),
@@ -798,6 +859,7 @@ class ChatCompletions:
                 constraint=constraint,
                 reply_so_far=len(fed) - len(prompt.tokens),
                 **({"progress": request.progress} if request.progress else {}),
+                **({"drafter": drafter} if drafter else {}),
             )
             try:
                 for token in tokens:
@@ -818,19 +880,33 @@ class ChatCompletions:
         return "tool_calls" if pipeline.tool_calls else "stop"
 
     @staticmethod
-    def _usage(prompt: _Prompt, produced: int, reasoning_tokens: int) -> CompletionUsage:
-        """The prompt counted once, the tokens of every choice added up."""
+    def _usage(
+        request: ChatRequest,
+        prompt: _Prompt,
+        produced: int,
+        reasoning_tokens: int,
+        predicted: list[Speculation],
+    ) -> CompletionUsage:
+        """The prompt counted once, the tokens of every choice added up; with a prediction,
+        its tokens each choice took and did not take (OpenAI's definitions)."""
+        prediction_tokens = None
+        if request.prediction is not None:
+            prediction_tokens = (
+                sum(s.accepted_prediction_tokens for s in predicted),
+                sum(s.rejected_prediction_tokens for s in predicted),
+            )
         return CompletionUsage.count(
             len(prompt.tokens),
             produced,
             cached_tokens=prompt.cached,
             reasoning_tokens=reasoning_tokens,
+            prediction_tokens=prediction_tokens,
         )
 
     def _completion(
         self, request: ChatRequest, prompt: _Prompt, choices: Iterator[Iterator]
     ) -> ChatCompletion:
-        built, produced_total, reasoning_total = [], 0, 0
+        built, produced_total, reasoning_total, predicted = [], 0, 0, []
         for index, events in enumerate(choices):
             reasoning, content, logprobs = [], [], []
             for delta, pipeline, produced in events:  # noqa: B007 (the last values are used)
@@ -860,10 +936,11 @@ class ChatCompletions:
             )
             produced_total += produced
             reasoning_total += pipeline.reasoning_tokens
+            predicted.append(pipeline.speculation)
         return ChatCompletion(
             choices=built,
             model=self._llm.model_id,
-            usage=self._usage(prompt, produced_total, reasoning_total),
+            usage=self._usage(request, prompt, produced_total, reasoning_total, predicted),
             system_fingerprint=self._llm.system_fingerprint,
         )
 
@@ -884,7 +961,7 @@ class ChatCompletions:
                 system_fingerprint=self._llm.system_fingerprint,
             )
 
-        produced_total, reasoning_total = 0, 0
+        produced_total, reasoning_total, predicted = 0, 0, []
         try:
             for index, events in enumerate(choices):
                 try:
@@ -892,7 +969,7 @@ class ChatCompletions:
                         ChunkChoice(index=index, delta=ChoiceDelta(role="assistant", content=""))
                     )
                     if index == 0:
-                        opening.prompt_usage = self._usage(prompt, 0, 0)
+                        opening.prompt_usage = self._usage(request, prompt, 0, 0, [])
                     yield opening
                     for delta, pipeline, produced in events:  # noqa: B007 (the last are used)
                         if delta.empty():
@@ -922,8 +999,10 @@ class ChatCompletions:
                     events.close()
                 produced_total += produced
                 reasoning_total += pipeline.reasoning_tokens
+                predicted.append(pipeline.speculation)
             if request.include_usage:
-                yield chunk(None, self._usage(prompt, produced_total, reasoning_total))
+                usage = self._usage(request, prompt, produced_total, reasoning_total, predicted)
+                yield chunk(None, usage)
         finally:
             choices.close()
 

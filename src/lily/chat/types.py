@@ -84,6 +84,11 @@ class PromptTokensDetails(OpenAIObject):
 @dataclass
 class CompletionTokensDetails(OpenAIObject):
     reasoning_tokens: int = 0
+    # Set when the request gave a `prediction` (OpenAI's Predicted Outputs): its tokens that
+    # the answer took, and those it did not.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
+    omits_none = True
 
 
 @dataclass
@@ -102,16 +107,23 @@ class CompletionUsage(OpenAIObject):
         *,
         cached_tokens: int = 0,
         reasoning_tokens: int | None = None,
+        prediction_tokens: tuple[int, int] | None = None,
     ) -> CompletionUsage:
-        """Usage with the total filled in; reasoning tokens are reported when counted."""
+        """Usage with the total filled in; reasoning tokens are reported when counted, and the
+        (accepted, rejected) tokens of a prediction when one was given."""
+        details = None
+        if reasoning_tokens is not None or prediction_tokens is not None:
+            details = CompletionTokensDetails(reasoning_tokens or 0)
+            if prediction_tokens is not None:
+                accepted, rejected = prediction_tokens
+                details.accepted_prediction_tokens = accepted
+                details.rejected_prediction_tokens = rejected
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
-            completion_tokens_details=(
-                None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens)
-            ),
+            completion_tokens_details=details,
         )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -40,6 +41,7 @@ from lily.engine.lock import (
 from lily.engine.model_graph import (
     DEFAULT_MAX_CHUNK,
     LOGPROB_RING_SLOTS,
+    MAX_DRAFT_TOKENS,
     ModelGraph,
     device_bytes,
     pass_flops,
@@ -54,6 +56,7 @@ from lily.engine.sampling import (
     sampling_distribution,
     top_logprobs,
 )
+from lily.engine.speculative import Drafter, accept_drafts
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
 from lily.kernels.sampling import (
     NO_TOKEN,
@@ -90,6 +93,7 @@ class Engine(Protocol):
         cache_key: str | None = None,
         reply_so_far: int = 0,
         progress: Callable[[int, int], None] | None = None,
+        drafter: Drafter | None = None,
     ) -> Iterator[GeneratedToken]:
         """Yields the tokens generated after `prompt`, stopping after a stop token; with
         `sampling.top_logprobs` set, each carries its logprob and that many alternatives.
@@ -105,7 +109,9 @@ class Engine(Protocol):
         the caller appended to it: the frequency and presence penalties count them as
         generated, so a reply's penalties do not restart. `progress`, if given, is told
         (prompt tokens fed so far, prompt length) as the prompt is fed, the cached prefix
-        counting as fed; the last call has the two equal."""
+        counting as fed; the last call has the two equal. `drafter`, if given, proposes tokens
+        that verify passes check several at a time (speculative decoding,
+        `lily.engine.speculative`); what is generated is the same with or without it."""
         ...
 
     def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
@@ -161,6 +167,48 @@ def _positions(snapshot_at: int | Collection[int] | None) -> list[int]:
     if snapshot_at is None:
         return []
     return [snapshot_at] if isinstance(snapshot_at, int) else list(snapshot_at)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What a speculating generation needs to choose tokens on the host the way the device's
+    sampler would: the same adjusted, masked, filtered distribution (`lily.sampling`, in
+    float64), and one generator per (seed, position) for its draws."""
+
+    prompt: list[int]
+    reply: list[int]  # the resumed reply's tokens, which the penalties count as generated
+    sampling: SamplingParams
+    bans: np.ndarray | None
+    stop_token_ids: Collection[int]
+    max_new_tokens: int
+
+    def accept(
+        self, logits: np.ndarray, drafts: Sequence[int], position: int, generated: Sequence[int]
+    ) -> list[int]:
+        """The tokens a verify pass yields; row i of `logits` predicts `position` + i."""
+        sampling, token_count = self.sampling, logits.shape[1]
+
+        def distribution(i: int) -> np.ndarray:
+            row = logits[i]
+            if np.isnan(row).any() or np.isposinf(row).any():
+                raise NonFiniteLogitsError(position + i)
+            ranked = row
+            if sampling.adjusts_logits:
+                so_far = [*self.reply, *generated, *drafts[:i]]
+                ranked = adjusted_logits(row, sampling, self.prompt, so_far)
+            if self.bans is not None:
+                ranked = np.where(allowed_flags(self.bans, token_count), ranked, -np.inf)
+            return sampling_distribution(ranked, sampling)
+
+        def rng(i: int) -> np.random.Generator:
+            return np.random.default_rng([sampling.seed, position + i])
+
+        return accept_drafts(drafts, distribution, None if sampling.greedy else rng)
+
+    def logprobs(self, row: np.ndarray, token: int) -> TokenLogprobs | None:
+        if self.sampling.top_logprobs is None:
+            return None
+        return top_logprobs(row, token, self.sampling.top_logprobs)
 
 
 class _DeviceRows:
@@ -306,6 +354,7 @@ class DeviceEngine:
         cache_key: str | None = None,
         reply_so_far: int = 0,
         progress: Callable[[int, int], None] | None = None,
+        drafter: Drafter | None = None,
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
@@ -315,7 +364,8 @@ class DeviceEngine:
         state = self._model.state
         token_count = self._model.token_count
         bans = _banned_tokens(sampling, token_count)
-        write_sampling_params(state.sampling_params, sampling.with_seed())
+        sampling = sampling.with_seed()
+        write_sampling_params(state.sampling_params, sampling)
         write_logit_adjustments(state.adjustments, sampling, prompt, token_count, reply)
         first = self._start(prompt, prompt_end=len(prompt), reuse=True, cache_key=cache_key)
         write_token_mask(state.token_mask, bans)
@@ -324,8 +374,13 @@ class DeviceEngine:
         snapshots = self.prefix_cache.snapshot_positions(
             first, len(prompt), _positions(snapshot_at)
         )
-        history = self._model.history_view()
-        passes = self._passes(first, len(prompt), max_new_tokens, snapshots)
+        # A constrained draw needs the constraint's state after each drafted token, which it
+        # cannot give back: such a generation decodes plainly.
+        speculating = drafter is not None and constraint is None and self.max_chunk > 1
+        # Speculating, the passes here stop at the prompt's (predicting the first token).
+        plain_tokens = 1 if speculating else max_new_tokens
+        passes = self._passes(first, len(prompt), plain_tokens, snapshots)
+        generated: list[int] = []
         # (position after the pass, whether it predicted a token, ticket)
         in_flight: deque[tuple[int, bool, int]] = deque()
         depth = PIPELINE_DEPTH if constraint is None else 1
@@ -347,34 +402,166 @@ class DeviceEngine:
                     in_flight.append((start + tokens, predicts, self.device.submit(graph)))
                     upcoming = next(passes, None)
                 if not in_flight:
-                    return
+                    break
                 end, predicts, ticket = in_flight.popleft()
                 self.device.wait(ticket)
                 if progress is not None and end <= len(prompt):
                     progress(end, len(prompt))
                 if not predicts:
                     continue
-                token = int(history[end])
-                if token == NO_TOKEN:
-                    raise NonFiniteLogitsError(end)
+                drawn = self._drawn(end, sampling)
                 if constraint is not None:
-                    constraint.consume(token)
-                logprobs = None
-                if sampling.top_logprobs is not None:
-                    # Slots are keyed by the position of the token the pass consumed last.
-                    (_, logprob), alternatives = read_logprobs(
-                        state.logprob_ring, LOGPROB_RING_SLOTS, end - 1, sampling.top_logprobs
-                    )
-                    logprobs = TokenLogprobs(logprob, tuple(alternatives))
-                yield GeneratedToken(token, logprobs)
-                if token in stop_token_ids:
+                    constraint.consume(drawn.id)
+                generated.append(drawn.id)
+                yield drawn
+                if drawn.id in stop_token_ids:
                     return
+            if speculating:
+                assert drafter is not None
+                request = _Request(prompt, reply, sampling, bans, stop_token_ids, max_new_tokens)
+                yield from self._speculate(request, generated, drafter, should_stop)
         finally:
             # A speculative step may still be running (after a stop token, or when the caller
             # closed the iterator); it only writes state the next generation replaces.
             for _, _, pending in in_flight:
                 self.device.wait(pending)
             self.prefix_cache.end(self._rows)
+
+    def _drawn(self, end: int, sampling: SamplingParams) -> GeneratedToken:
+        """The token the device drew in the predicting pass that ends at position `end`."""
+        token = int(self._model.history_view()[end])
+        if token == NO_TOKEN:
+            raise NonFiniteLogitsError(end)
+        logprobs = None
+        if sampling.top_logprobs is not None:
+            # Slots are keyed by the position of the token the pass consumed last.
+            (_, logprob), alternatives = read_logprobs(
+                self._model.state.logprob_ring, LOGPROB_RING_SLOTS, end - 1, sampling.top_logprobs
+            )
+            logprobs = TokenLogprobs(logprob, tuple(alternatives))
+        return GeneratedToken(token, logprobs)
+
+    def _speculate(
+        self,
+        request: _Request,
+        generated: list[int],
+        drafter: Drafter,
+        should_stop: Callable[[], bool] | None,
+    ) -> Iterator[GeneratedToken]:
+        """Decodes after the first generated token with verify passes wherever `drafter` has
+        drafts, one pass at a time (the next drafts depend on what this pass accepts).
+
+        The state (conv windows, GDN state) has consumed the tokens before position `fed`; the
+        tokens from `fed` to the newest are in the token history, waiting. A pass without
+        drafts feeds the waiting tokens and samples the next on the device, as the decode step
+        (or a prefill chunk) does. A verify pass feeds them and the drafts, and the host accepts
+        (`speculative.accept_drafts`); when it rejects a draft, the recurrent state is put back
+        as it was before the pass, the accepted tokens then wait for the next pass, and the KV
+        rows past them are simply rewritten by it (attention reads only positions before its
+        own). One rejected pass's tokens wait for the next verify pass; after a second
+        rejection in a row the next pass only catches up (drafting nothing), so that a run of
+        rejections does not grow every pass."""
+        model, device = self._model, self.device
+        history, step = model.history_view(), model.step_view()
+        recurrent = [b.numpy() for b in model.state.recurrent_buffers()]
+        tokens = [*request.prompt, *generated]
+        fed = len(tokens) - 1
+        rejections = 0  # verify passes since the state last consumed every token it was fed
+        while len(generated) < request.max_new_tokens:
+            _check_stop(should_stop)
+            last = len(tokens) - 1
+            waiting = last - fed + 1
+            limit = min(
+                request.max_new_tokens - len(generated) - 1,
+                MAX_DRAFT_TOKENS,
+                model.max_chunk - waiting,
+            )
+            if waiting == 1 and drafter.exhausted:
+                # Nothing will be drafted again: decode the rest pipelined.
+                count = request.max_new_tokens - len(generated)
+                yield from self._decode(last, count, request, should_stop)
+                return
+            drafts = []
+            if limit > 0 and rejections < 2:
+                drafts = [int(t) for t in drafter.draft(tokens, limit)][:limit]
+            history[last + 1 : last + 1 + len(drafts)] = drafts
+            # Everything the history holds counts as given: no advance overwrites it.
+            step[POSITION], step[PROMPT_END], step[TOKEN] = fed, last + 1 + len(drafts), tokens[fed]
+            if not drafts:
+                device.run(model.graph(waiting, predicts=True))
+                fed, rejections = last + 1, 0
+                produced = [self._drawn(last + 1, request.sampling)]
+            else:
+                saved = [array.copy() for array in recurrent]
+                rows = len(drafts) + 1
+                device.run(model.verify_graph(waiting + len(drafts), rows))
+                logits = model.verify_logits_view(rows)[:, : model.token_count]
+                chosen = request.accept(logits, drafts, last + 1, generated)
+                drafter.verified(drafts, len(chosen) - 1)
+                if len(chosen) == rows:
+                    fed, rejections = last + rows, 0
+                else:
+                    for array, copy in zip(recurrent, saved, strict=True):
+                        array[:] = copy
+                    rejections += 1
+                step[POSITION] = fed
+                history[last + 1 : last + 1 + len(chosen)] = chosen
+                self._count_for_penalties(request.sampling, chosen)
+                produced = [
+                    GeneratedToken(token, request.logprobs(logits[i], token))
+                    for i, token in enumerate(chosen)
+                ]
+            for token in produced:
+                tokens.append(token.id)
+                generated.append(token.id)
+                yield token
+                if token.id in request.stop_token_ids:
+                    return
+                if len(generated) == request.max_new_tokens:
+                    return
+
+    def _decode(
+        self,
+        position: int,
+        count: int,
+        request: _Request,
+        should_stop: Callable[[], bool] | None,
+    ) -> Iterator[GeneratedToken]:
+        """`count` decode steps from `position` (whose token the history holds and the state
+        has not consumed), two in flight, as `generate` decodes without drafts."""
+        model, device = self._model, self.device
+        step = model.step_view()
+        step[POSITION], step[PROMPT_END] = position, position + 1
+        step[TOKEN] = model.history_view()[position]
+        in_flight: deque[tuple[int, int]] = deque()  # (position after the step, ticket)
+        submitted = 0
+        try:
+            while True:
+                while submitted < count and len(in_flight) < PIPELINE_DEPTH:
+                    _check_stop(should_stop)
+                    submitted += 1
+                    in_flight.append((position + submitted, device.submit(model.decode)))
+                if not in_flight:
+                    return
+                end, ticket = in_flight.popleft()
+                device.wait(ticket)
+                drawn = self._drawn(end, request.sampling)
+                yield drawn
+                if drawn.id in request.stop_token_ids:
+                    return
+        finally:
+            for _, pending in in_flight:
+                device.wait(pending)
+
+    def _count_for_penalties(self, sampling: SamplingParams, chosen: Sequence[int]) -> None:
+        """Adds tokens the host chose to the counts the device's penalties read (the device's
+        own draws count themselves)."""
+        if not sampling.adjusts_logits:
+            return
+        token_count = self._model.token_count
+        counts = self._model.state.adjustments.counts.numpy()[: 4 * token_count].view(np.uint32)
+        for token in chosen:
+            counts[token] += 1
 
     @holds_engine
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
@@ -445,7 +632,10 @@ class ReferenceEngine:
         cache_key: str | None = None,
         reply_so_far: int = 0,
         progress: Callable[[int, int], None] | None = None,
+        drafter: Drafter | None = None,
     ) -> Iterator[GeneratedToken]:
+        # The reference decodes plainly whatever the drafter: drafting only changes how many
+        # tokens a device pass yields, never which.
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
         generated = _reply(prompt, reply_so_far)

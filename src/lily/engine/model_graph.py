@@ -77,6 +77,9 @@ EMBED_TOKENS = MODEL + "embed_tokens"
 # The most tokens one prefill chunk takes unless the caller says otherwise: each weight is read
 # once per chunk, so longer chunks amortise it better; the scratch grows with it.
 DEFAULT_MAX_CHUNK = 512
+# The most drafted tokens one verify pass checks; its logits rows are one more (the last
+# accepted token's prediction comes first).
+MAX_DRAFT_TOKENS = 8
 
 
 @dataclass
@@ -257,16 +260,37 @@ class ModelGraph:
         self.weights = DeviceWeights(checkpoint, device)
         self.state = self._allocate_state()
         self._scratch = _Scratch(self.config, device, max_chunk, capacity)
-        self._graphs: dict[tuple[int, bool], Graph] = {}
+        self._graphs: dict[tuple[int, bool, int], Graph] = {}
+        self._verify_logits: Buffer | None = None
         self.decode = self.graph(1, predicts=True)
 
     def graph(self, tokens: int, *, predicts: bool) -> Graph:
         """The pass over `tokens` tokens, recorded on first use."""
         if not 1 <= tokens <= self.max_chunk:
             raise ValueError(f"a pass takes 1 to {self.max_chunk} tokens, got {tokens}")
-        key = (tokens, predicts)
+        key = (tokens, predicts, 0)
         if key not in self._graphs:
             self._graphs[key] = _Recorder(self, tokens, predicts).record()
+        return self._graphs[key]
+
+    def verify_graph(self, tokens: int, rows: int) -> Graph:
+        """The verify pass of speculative decoding: the pass over `tokens` tokens (2 to
+        max_chunk) whose last `rows` (at most MAX_DRAFT_TOKENS + 1) go through the final norm
+        and the lm_head into `verify_logits_view`, and nothing else: no sampler, no step
+        advance, since the host decides what is accepted and points the step buffer there."""
+        if not 2 <= tokens <= self.max_chunk:
+            raise ValueError(f"a verify pass takes 2 to {self.max_chunk} tokens, got {tokens}")
+        most = min(tokens, MAX_DRAFT_TOKENS + 1)
+        if not 1 <= rows <= most:
+            raise ValueError(
+                f"a verify pass over {tokens} tokens predicts 1 to {most} rows, got {rows}"
+            )
+        key = (tokens, False, rows)
+        if key not in self._graphs:
+            if self._verify_logits is None:
+                nbytes = 4 * (MAX_DRAFT_TOKENS + 1) * self.config.vocab_size
+                self._verify_logits = self.device.alloc(nbytes)
+            self._graphs[key] = _Recorder(self, tokens, False, verify_rows=rows).record()
         return self._graphs[key]
 
     # -- buffers ----------------------------------------------------------------------------
@@ -302,14 +326,23 @@ class ModelGraph:
     def logits_view(self) -> np.ndarray:
         return self.state.logits.numpy().view(np.float32)
 
+    def verify_logits_view(self, rows: int) -> np.ndarray:
+        """The logits [rows, vocab] the last verify pass wrote."""
+        if self._verify_logits is None:
+            raise RuntimeError("no verify pass has been recorded")
+        vocab = self.config.vocab_size
+        return self._verify_logits.numpy()[: 4 * rows * vocab].view(np.float32).reshape(rows, -1)
+
 
 class _Recorder:
     """Records one pass over `tokens` tokens: the layer walk, shared by decode and prefill."""
 
-    def __init__(self, model: ModelGraph, tokens: int, predicts: bool) -> None:
+    def __init__(
+        self, model: ModelGraph, tokens: int, predicts: bool, verify_rows: int = 0
+    ) -> None:
         self.m, self.c, self.s, self.w = model, model.config, model._scratch, model.weights
         self.dev, self.state = model.device, model.state
-        self.tokens, self.predicts = tokens, predicts
+        self.tokens, self.predicts, self.verify_rows = tokens, predicts, verify_rows
         self.g = Graph()
 
     def hidden_row(self, buffer: Buffer, index: int) -> BufferRef:
@@ -400,11 +433,26 @@ class _Recorder:
             if i + 1 < c.num_hidden_layers:
                 self.add_norm(s.moe_out, f"{MODEL}layers.{i + 1}.input_layernorm.weight", rows=T)
                 g.barrier()
-            elif self.predicts:
-                self.add_norm(s.moe_out, MODEL + "norm.weight", rows=1, first=T - 1)
+            elif self.predicts or self.verify_rows:
+                rows = self.verify_rows or 1
+                self.add_norm(s.moe_out, MODEL + "norm.weight", rows=rows, first=T - rows)
                 g.barrier()
-        self.finish()
+        if self.verify_rows:
+            self.verify_head()
+        else:
+            self.finish()
         return g
+
+    def verify_head(self) -> None:
+        """The lm_head over the verified rows (the final norm is in `normed`), one GEMM."""
+        rows = self.verify_rows
+        first = self.hidden_row(self.s.normed, self.tokens - rows)
+        head = [(self.w.quantized(self.head_weight), self.m._verify_logits)]
+        record_qgemm(self.g, self.dev, first, head, rows)
+
+    @property
+    def head_weight(self) -> str:
+        return EMBED_TOKENS if self.c.tie_word_embeddings else LM_HEAD
 
     def add_norm(self, delta: Buffer, weight: str, rows: int, first: int = 0) -> None:
         s = self.s
@@ -424,7 +472,7 @@ class _Recorder:
     def finish(self) -> None:
         """The predicting token's lm_head and sample, and the step buffer's advance (by the
         sampler's last dispatch when the pass predicts)."""
-        c, g, dev, m, state, T = self.c, self.g, self.dev, self.m, self.state, self.tokens
+        g, dev, m, state, T = self.g, self.dev, self.m, self.state, self.tokens
         advance = dict(
             step=state.step, history=state.history, predicted=state.predicted, capacity=m.capacity
         )
@@ -435,8 +483,7 @@ class _Recorder:
             # The sampler keys its random numbers and log-probability slot on the position of
             # the token it consumes, the chunk's last.
             record_step_advance(g, dev, **advance, count=T - 1)
-        head_weight = EMBED_TOKENS if c.tie_word_embeddings else LM_HEAD
-        head = [(self.w.quantized(head_weight), state.logits)]
+        head = [(self.w.quantized(self.head_weight), state.logits)]
         if self.folds_norms:
             record_qgemv(
                 g, dev, self.s.residual, head, norm=self.folded_norm(MODEL + "norm.weight")

@@ -30,6 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from lily.chat.request_limits import RequestLimits
 from lily.engine.model_graph import DEFAULT_MAX_CHUNK
 from lily.engine.prefix_cache import CacheOptions
+from lily.engine.speculative import DEFAULT_DRAFT_TOKENS
 from lily.server.api_key import resolve_api_key
 from lily.server.api_routes import api_routes
 from lily.server.http_guard import GuardPolicy, HTTPGuard, bound_host_names
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from lily.api import Lily
 
 logger = logging.getLogger("lily.server")
+
 
 def _guarded(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable:
     """Turns every exception of an endpoint into an OpenAI error response."""
@@ -266,6 +268,8 @@ def serve(
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     log_level: str = "info",
     escape_special_tokens: bool = False,
+    speculative: str = "auto",
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     cache: CacheOptions | None = None,
     limits: RequestLimits | None = None,
     header_timeout: float | None = DEFAULT_HEADER_TIMEOUT,
@@ -278,7 +282,8 @@ def serve(
 
     The API key is `api_key`, else the content of `api_key_file`, else `$LILY_API_KEY`. The Host
     header may name `host` itself besides localhost, IP addresses and `allowed_hosts`.
-    `cache` sizes the prefix cache, in memory and on disk (`lily.load`'s cache arguments).
+    `cache` sizes the prefix cache, in memory and on disk (`lily.load`'s cache arguments);
+    `speculative` and `draft_tokens` are `lily.load`'s.
     `limits` bounds the requests' size (`lily.chat.request_limits`); a client gets `header_timeout`
     seconds to send a request's headers and `body_timeout` more for its body (408 after)."""
     from lily.api import load
@@ -299,6 +304,8 @@ def serve(
         max_seq=max_seq,
         prefill_chunk=prefill_chunk,
         escape_special_tokens=escape_special_tokens,
+        speculative=speculative,
+        draft_tokens=draft_tokens,
         **vars(cache or CacheOptions()),
     ) as llm:
         app = create_app(

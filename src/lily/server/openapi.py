@@ -128,6 +128,29 @@ CHAT_REQUEST_SCHEMA: dict[str, Any] = {
             "description": "enforced while generating (docs/structured-output.md)",
         },
         "prompt_cache_key": _nullable("string"),
+        "prediction": {
+            "type": ["object", "null"],
+            "required": ["type", "content"],
+            "properties": {
+                "type": {"type": "string", "enum": ["content"]},
+                "content": {
+                    "type": ["string", "array"],
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {
+                            "type": {"type": "string", "enum": ["text"]},
+                            "text": _STRING,
+                        },
+                        "additionalProperties": False,
+                    },
+                },
+            },
+            "additionalProperties": False,
+            "description": "OpenAI's Predicted Outputs: text the answer is expected to repeat; "
+            "drafted from and verified, so the answer is the same with or without it "
+            "(docs/server.md)",
+        },
         "chat_template_kwargs": _nullable("object"),
         "reasoning_effort": {
             "type": ["string", "null"],

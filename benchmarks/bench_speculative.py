@@ -1,0 +1,63 @@
+"""Speculative decoding on the sim: one chat request timed without drafts, with prompt lookup,
+and with a `prediction` equal to the answer, in one process on one loaded model.
+
+The sim runs the kernels on the CPU, so the times say how many passes and how much work a
+request took here, not how fast a Mac is: a verify pass of k + 1 tokens costs the sim about
+its arithmetic, while on a GPU a pass of a few tokens costs about what a decode step costs
+(reading the weights). Every arm is warmed up first (graphs are recorded on first use) and
+must give the same answer.
+
+Usage:
+    python benchmarks/bench_speculative.py [--model demo] [--tokens 48] [--draft-tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import lily
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--tokens", type=int, default=48, help="max_tokens of the request")
+    parser.add_argument("--draft-tokens", type=int, default=8)
+    args = parser.parse_args()
+    with lily.load(
+        args.model, device="sim", max_seq=512, speculative="ngram", draft_tokens=args.draft_tokens
+    ) as llm:
+        params = dict(messages=MESSAGES, max_tokens=args.tokens, temperature=0, **NO_THINKING)
+        answer = llm.chat.completions.create(**params).choices[0].message.content
+        prediction = {"type": "content", "content": answer}
+        arms = {
+            "no drafts": ("off", {}),
+            "prompt lookup": ("ngram", {}),
+            "prediction = answer": ("ngram", {"prediction": prediction}),
+        }
+        results = {}
+        for name, (mode, extra) in arms.items():
+            llm.speculative = mode
+            llm.chat.completions.create(**params, **extra)  # warm-up: records the graphs
+            start = time.perf_counter()
+            r = llm.chat.completions.create(**params, **extra)
+            results[name] = (time.perf_counter() - start, r)
+        reference = results["no drafts"][1].choices[0].message
+        print(f"model {args.model} on the sim, {args.tokens} tokens, k = {args.draft_tokens}")
+        for name, (seconds, r) in results.items():
+            details = r.usage.completion_tokens_details
+            accepted = details.accepted_prediction_tokens if details else None
+            same = "same answer" if r.choices[0].message == reference else "DIFFERENT ANSWER"
+            print(
+                f"  {name:22s} {seconds:7.2f} s  {r.usage.completion_tokens} tokens  "
+                f"cached prompt {r.usage.prompt_tokens_details.cached_tokens}  "
+                f"accepted prediction tokens {accepted}  {same}"
+            )
+
+
+if __name__ == "__main__":
+    main()

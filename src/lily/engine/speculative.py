@@ -1,0 +1,277 @@
+"""Speculative decoding's host side: where drafted tokens come from, and which of them the
+model's own predictions accept.
+
+A verify pass (`ModelGraph.verify_graph`) runs the model over the last accepted token and k
+drafted tokens at once and returns k + 1 rows of logits: row i is what the model predicts after
+the draft's first i tokens. `accept_drafts` walks those rows in order and keeps the drafted
+token of row i while the model's own choice at row i agrees, then adds the model's token of the
+first row that disagrees (or of the row after the last draft when all agree). Every token it
+returns is therefore one the model would have produced with the same logits, so drafting never
+changes what is generated, only how many tokens one pass yields:
+
+- greedy: the model's choice is the argmax, so the accepted drafts are the longest prefix
+  matching the model's greedy tokens;
+- sampling: the standard speculative rule for a deterministic draft (a draft that proposes
+  token x with probability 1): accept x with probability p(x) under the model's processed
+  distribution (adjustments, mask, temperature, filters); on rejection draw from p with x
+  removed and renormalised. A token is thus x with probability p(x) and y != x with
+  probability (1 - p(x)) p(y) / (1 - p(x)) = p(y): exactly the model's distribution. The
+  random numbers come from one generator per (seed, position), so a seed reproduces a run.
+
+Drafts come from a `Drafter`; `Speculation` is the one a generation uses: prompt lookup
+(`ngram`: the continuation of the longest recent n-gram of the prompt and output so far that
+occurred earlier), a client's prediction (OpenAI's Predicted Outputs), or both, with the
+counts a response reports and the "auto" policy that stops drafting when it does not pay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from lily.engine.model_graph import MAX_DRAFT_TOKENS
+
+# What `lily.load(speculative=...)` accepts; "mtp" (the checkpoint's own draft head) is named so
+# that asking for it says it is not built yet rather than "unknown mode".
+SPECULATIVE_MODES = ("auto", "ngram", "off")
+NOT_YET_BUILT = ("mtp",)
+DEFAULT_DRAFT_TOKENS = 4
+# Prompt lookup matches the last 2 to 4 tokens; a single token matches too often by chance.
+LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 4
+# "auto" judges a source after this many verify passes and drops it when they averaged fewer
+# accepted drafts than this: with the chunk kernels a verify pass costs about what a decode step
+# costs on a bandwidth-bound GPU plus its arithmetic, so one accepted token in two passes is
+# roughly where it stops paying (an estimate; no Mac has measured it).
+AUTO_PASSES, AUTO_MIN_ACCEPTED = 4, 0.5
+# ... and drops prompt lookup after this many lookups in a row found nothing: a generation that
+# drafts runs one pass at a time, and one that never drafts is better off pipelined.
+AUTO_IDLE_LOOKUPS = 32
+
+
+def check_speculative(mode: str, draft_tokens: int) -> None:
+    """Refuses a speculative mode or draft length `lily.load` cannot honour, by name."""
+    if mode in NOT_YET_BUILT:
+        raise ValueError(
+            f"speculative={mode!r} (the checkpoint's multi-token-prediction head) is not built "
+            f"yet; use one of {', '.join(SPECULATIVE_MODES)}"
+        )
+    if mode not in SPECULATIVE_MODES:
+        raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}; got {mode!r}")
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int):
+        raise ValueError(f"draft_tokens must be an integer, got {draft_tokens!r}")
+    if not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"draft_tokens must be 1 to {MAX_DRAFT_TOKENS}, got {draft_tokens}")
+
+
+def lookup(
+    context: Sequence[int],
+    corpus: Sequence[int],
+    limit: int,
+    min_n: int,
+    max_n: int,
+    prefer_from: int | None = None,
+) -> tuple[int, list[int]]:
+    """(where in `corpus` they start, up to `limit` tokens) that followed in `corpus` the
+    longest n-gram (n from `max_n` down to `min_n`) that `context` ends with; (0, []) when none
+    occurs. Among the occurrences, the first whose continuation starts at `prefer_from` or
+    later, else the latest. The corpus may be the context itself: its own ending, having no
+    continuation, is no occurrence."""
+    tokens = np.asarray(corpus, np.int64)
+    if limit < 1:
+        return 0, []
+    for n in range(min(max_n, len(context), len(tokens) - 1), min_n - 1, -1):
+        tail = np.asarray(context[-n:], np.int64)
+        windows = np.lib.stride_tricks.sliding_window_view(tokens, n)
+        starts = np.flatnonzero((windows == tail).all(axis=1)) + n
+        starts = starts[starts < len(tokens)]
+        if not starts.size:
+            continue
+        later = starts[starts >= prefer_from] if prefer_from is not None else starts[:0]
+        start = int(later[0] if later.size else starts[-1])
+        return start, [int(t) for t in tokens[start : start + limit]]
+    return 0, []
+
+
+class NgramIndex:
+    """Prompt lookup over a growing context in constant time per token: for each n-gram
+    length, where the latest occurrence of each n-gram was followed. The same answer as
+    `lookup(context, context, ...)`, without scanning the context at every draft."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._after: dict[tuple[int, ...], int] = {}
+        self._indexed: list[int] = []
+
+    def _extend(self, context: Sequence[int]) -> None:
+        known = len(self._indexed)
+        if known > len(context) or (known and context[known - 1] != self._indexed[-1]):
+            self._after.clear()  # not the context indexed so far: start again
+            self._indexed, known = [], 0
+        self._indexed.extend(int(t) for t in context[known:])
+        tokens = self._indexed
+        # The n-gram ending just before position j is followed by token j: new for j >= known.
+        for j in range(max(known, 1), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, j) + 1):
+                self._after[tuple(tokens[j - n : j])] = j
+
+    def draft(self, context: Sequence[int], limit: int) -> list[int]:
+        self._extend(context)
+        tokens = self._indexed
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            start = self._after.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start : start + limit]
+        return []
+
+
+class Drafter(Protocol):
+    def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens guessed to follow `tokens` (the prompt and the output so far)."""
+        ...
+
+    def verified(self, drafted: Sequence[int], accepted: int) -> None:
+        """The last drafts' outcome: the first `accepted` of `drafted` were accepted."""
+        ...
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether `draft` will return nothing for the rest of the generation."""
+        ...
+
+
+@dataclass
+class SourceCounts:
+    """One draft source's verified tokens over a generation."""
+
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class Speculation:
+    """The drafter of one generation: prompt lookup when `ngram`, the client's `prediction`
+    (token ids) when given, at most `draft_tokens` per pass. Prediction drafts come first: they
+    are the client's knowledge of the answer. With `auto`, prompt lookup stops for the rest of
+    the generation once its first AUTO_PASSES passes accepted fewer than AUTO_MIN_ACCEPTED
+    drafts on average, or AUTO_IDLE_LOOKUPS lookups in a row found nothing (a prediction is
+    never dropped: the client asked for it)."""
+
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    ngram: bool = False
+    prediction: Sequence[int] = ()
+    # The tokens that precede the prediction in the output (e.g. the end of the think block):
+    # looking the output's tail up in anchor + prediction finds where the prediction starts.
+    anchor: Sequence[int] = ()
+    auto: bool = False
+    counts: dict[str, SourceCounts] = field(default_factory=dict)
+    _last_source: str | None = None
+    _corpus: list[int] = field(default_factory=list)
+    # Where in anchor + prediction the output is expected to continue.
+    _pointer: int = 0
+    _drafted_from: int = 0
+    _index: NgramIndex = field(default_factory=lambda: NgramIndex(LOOKUP_MIN_N, LOOKUP_MAX_N))
+    _idle_lookups: int = 0  # prompt lookups in a row that found nothing
+
+    def __post_init__(self) -> None:
+        self._corpus = [*self.anchor, *self.prediction]
+        if self.prediction:
+            self.counts["prediction"] = SourceCounts()
+        if self.ngram:
+            self.counts["ngram"] = SourceCounts()
+
+    def _lookup_enabled(self) -> bool:
+        if "ngram" not in self.counts:
+            return False
+        if not self.auto:
+            return True
+        counts = self.counts["ngram"]
+        if self._idle_lookups >= AUTO_IDLE_LOOKUPS:
+            return False
+        return counts.passes < AUTO_PASSES or counts.accepted >= AUTO_MIN_ACCEPTED * counts.passes
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether nothing will be drafted for the rest of the generation."""
+        return not self.prediction and not self._lookup_enabled()
+
+    def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
+        limit = min(limit, self.draft_tokens)
+        self._last_source = None
+        if "prediction" in self.counts:
+            start, drafts = lookup(
+                tokens, self._corpus, limit, LOOKUP_MIN_N, LOOKUP_MAX_N, self._pointer
+            )
+            if drafts:
+                self._last_source, self._drafted_from = "prediction", start
+                return drafts
+        if self._lookup_enabled():
+            drafts = self._index.draft(tokens, limit)
+            self._idle_lookups = 0 if drafts else self._idle_lookups + 1
+            if drafts:
+                self._last_source = "ngram"
+                return drafts
+        return []
+
+    def verified(self, drafted: Sequence[int], accepted: int) -> None:
+        if self._last_source is None:
+            return
+        if self._last_source == "prediction":
+            self._pointer = self._drafted_from + accepted
+        counts = self.counts[self._last_source]
+        counts.passes += 1
+        counts.drafted += len(drafted)
+        counts.accepted += accepted
+
+    @property
+    def has_sources(self) -> bool:
+        """Whether anything can draft: without, a generation decodes plainly (pipelined)."""
+        return bool(self.counts)
+
+    @property
+    def accepted_prediction_tokens(self) -> int:
+        counts = self.counts.get("prediction")
+        return 0 if counts is None else counts.accepted
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        """OpenAI's count: the prediction's tokens that did not appear in the completion (here:
+        that no verify pass accepted)."""
+        return max(0, len(self.prediction) - self.accepted_prediction_tokens)
+
+
+def accept_drafts(
+    drafts: Sequence[int],
+    distribution: Callable[[int], np.ndarray],
+    rng: Callable[[int], np.random.Generator] | None,
+) -> list[int]:
+    """The tokens a verify pass yields: the accepted drafts, then the model's own token of the
+    first row not accepted (or of the row after the last draft). `distribution(i)` is the
+    model's processed distribution at row i (float64 summing to 1; one-hot when greedy);
+    `rng(i)` the generator of row i's draws, None when greedy (the argmax is then taken, so a
+    greedy result never depends on random numbers)."""
+    out: list[int] = []
+    for i in range(len(drafts) + 1):
+        p = distribution(i)
+        if rng is None:
+            token = int(np.argmax(p))
+            if i < len(drafts) and token == drafts[i]:
+                out.append(token)
+                continue
+            out.append(token)
+            return out
+        generator = rng(i)
+        if i < len(drafts):
+            draft = drafts[i]
+            if generator.random() < p[draft]:
+                out.append(draft)
+                continue
+            p = p.copy()
+            p[draft] = 0.0
+            p /= p.sum()
+        out.append(int(generator.choice(p.size, p=p)))
+        return out
+    raise AssertionError("unreachable: the last row always yields a token")

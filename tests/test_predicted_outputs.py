@@ -1,0 +1,243 @@
+"""Speculative decoding through the API: `lily.load(speculative=..., draft_tokens=...)`, OpenAI's
+Predicted Outputs (`prediction`) in `chat.completions.create` and over HTTP, and the features a
+request combines them with (stop strings, tool calls, json_schema, the reasoning budget,
+streaming), on the demo model on the sim. Each answer with drafts is compared with the answer
+of a model loaded with speculative="off"."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from test_server import RunningServer
+
+import lily
+from lily.chat.completions import parse_request
+from lily.engine.sampling import SamplingParams
+from lily.errors import RequestError, UnsupportedParameterError
+from lily.server.app import create_app
+
+MAX_SEQ = 256
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+# The demo's answer to it is text that tokenizes back into the same tokens (not every random
+# answer does: one starting inside a UTF-8 character does not), so a prediction can match it.
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    with lily.load("demo", device="sim", max_seq=MAX_SEQ, speculative="off") as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def drafting():
+    with lily.load(
+        "demo", device="sim", max_seq=MAX_SEQ, speculative="ngram", draft_tokens=6
+    ) as llm:
+        yield llm
+
+
+def _answer(llm, **params):
+    params = {"messages": USER, "max_tokens": 16, "temperature": 0, **NO_THINKING, **params}
+    return llm.chat.completions.create(**params)
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    return _answer(plain)
+
+
+def test_a_prediction_equal_to_the_answer_is_accepted_almost_whole(plain, drafting, expected):
+    content = expected.choices[0].message.content
+    r = _answer(drafting, prediction={"type": "content", "content": content})
+    assert r.choices[0].message == expected.choices[0].message
+    details = r.usage.completion_tokens_details
+    predicted = len(drafting.tokenizer.encode(content))
+    # Each verify pass yields one token besides its drafts (and the first token comes from
+    # the prompt's pass): 6 drafts a pass leave at most 12 of 16 tokens to accept.
+    assert details.accepted_prediction_tokens >= 10
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == predicted
+    # Without a prediction the details say nothing of one (as OpenAI's omit nothing, Lily's
+    # omit only what was not asked).
+    assert (
+        "accepted_prediction_tokens" not in expected.usage.model_dump()["completion_tokens_details"]
+    )
+
+
+def test_a_wrong_prediction_changes_nothing(drafting, expected):
+    r = _answer(drafting, prediction={"type": "content", "content": "Nothing like the answer."})
+    assert r.choices[0].message == expected.choices[0].message
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == 0
+    assert details.rejected_prediction_tokens > 0
+
+
+def test_a_half_right_prediction_as_text_parts_while_streaming(plain, drafting, expected):
+    content = expected.choices[0].message.content
+    half = len(content) // 2
+    parts = [
+        {"type": "text", "text": content[:half]},
+        {"type": "text", "text": "~~~" + content[half + 3 :]},
+    ]
+    chunks = list(
+        _answer(
+            drafting,
+            prediction={"type": "content", "content": parts},
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == content
+    details = chunks[-1].usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0
+    assert details.rejected_prediction_tokens > 0
+
+
+def test_stop_strings_with_a_prediction(plain, drafting, expected):
+    content = expected.choices[0].message.content
+    stop = content[len(content) // 2 : len(content) // 2 + 3]
+    want = _answer(plain, stop=stop)
+    got = _answer(drafting, stop=stop, prediction={"type": "content", "content": content})
+    assert got.choices[0].message == want.choices[0].message
+    assert got.choices[0].finish_reason == want.choices[0].finish_reason == "stop"
+
+
+def test_json_schema_and_tool_calls_decode_plainly_with_the_same_answer(plain, drafting):
+    schema = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "poem",
+            "schema": {"type": "object", "properties": {"title": {"type": "string"}}},
+        },
+    }
+    want = _answer(plain, response_format=schema, max_tokens=12)
+    content = want.choices[0].message.content
+    got = _answer(
+        drafting,
+        response_format=schema,
+        max_tokens=12,
+        prediction={"type": "content", "content": content},
+    )
+    assert got.choices[0].message == want.choices[0].message
+    # Under a grammar nothing is drafted: the prediction's tokens are all reported rejected.
+    assert got.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    want = _answer(plain, tools=[tool], tool_choice=forced, max_tokens=12)
+    got = _answer(
+        drafting,
+        tools=[tool],
+        tool_choice=forced,
+        max_tokens=12,
+        prediction={"type": "content", "content": '{"city": "Paris"}'},
+    )
+    assert got.choices[0].message == want.choices[0].message
+    free = _answer(drafting, tools=[tool], max_tokens=12)
+    assert free.choices[0].message == _answer(plain, tools=[tool], max_tokens=12).choices[0].message
+
+
+def test_the_prediction_follows_a_think_block_closed_by_the_reasoning_budget(plain, drafting):
+    params = dict(messages=USER, max_tokens=20, temperature=0, reasoning_budget=4)
+    want = plain.chat.completions.create(**params)
+    content = want.choices[0].message.content
+    assert content
+    got = drafting.chat.completions.create(
+        **params, prediction={"type": "content", "content": content}
+    )
+    assert got.choices[0].message == want.choices[0].message
+    assert got.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+def test_speculative_off_counts_the_prediction_as_rejected(plain, expected):
+    content = expected.choices[0].message.content
+    r = _answer(plain, prediction={"type": "content", "content": content})
+    assert r.choices[0].message == expected.choices[0].message
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == 0
+    assert details.rejected_prediction_tokens == len(plain.tokenizer.encode(content))
+
+
+def test_sampled_answers_with_a_prediction_are_reproducible(drafting, expected):
+    content = expected.choices[0].message.content
+    params = dict(temperature=0.7, seed=5, prediction={"type": "content", "content": content})
+    first = _answer(drafting, **params).choices[0].message
+    assert _answer(drafting, **params).choices[0].message == first
+
+
+@pytest.mark.parametrize(
+    ("prediction", "param"),
+    [
+        ("text", "prediction"),
+        ({"type": "text", "content": "x"}, "prediction.type"),
+        ({"type": "content"}, "prediction.content"),
+        ({"type": "content", "content": 3}, "prediction.content"),
+        ({"type": "content", "content": [{"type": "image_url"}]}, "prediction.content"),
+    ],
+)
+def test_a_malformed_prediction_is_refused_naming_the_field(prediction, param):
+    with pytest.raises(RequestError) as error:
+        parse_request(
+            {"messages": USER, "prediction": prediction},
+            served_model="demo",
+            default_sampling=SamplingParams(),
+        )
+    assert error.value.param == param
+
+
+def test_an_unknown_prediction_field_is_refused():
+    with pytest.raises(UnsupportedParameterError, match="prediction.extra"):
+        parse_request(
+            {"messages": USER, "prediction": {"type": "content", "content": "", "extra": 1}},
+            served_model="demo",
+            default_sampling=SamplingParams(),
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"speculative": "mtp"}, "not built yet"),
+        ({"speculative": "fast"}, "speculative must be one of"),
+        ({"draft_tokens": 12}, "draft_tokens must be 1 to 8"),
+        ({"speculative": "ngram", "device": "reference"}, "reference engine"),
+        ({"speculative": "ngram", "prefill_chunk": 1}, "prefill_chunk of 1"),
+    ],
+)
+def test_load_refuses_speculative_settings_it_cannot_honour(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        lily.load("demo", **{"device": "sim", **kwargs})
+
+
+def test_auto_is_off_where_drafts_cannot_be_verified():
+    with lily.load("demo", device="reference", max_seq=64) as llm:
+        assert llm.speculative == "off"
+
+
+def test_predicted_outputs_over_http(drafting, expected):
+    content = expected.choices[0].message.content
+    with RunningServer(create_app(drafting)) as server:
+        r = server.client().chat.completions.create(
+            model="demo",
+            messages=USER,
+            max_tokens=16,
+            temperature=0,
+            extra_body=NO_THINKING,
+            prediction={"type": "content", "content": content},
+        )
+        assert r.choices[0].message.content == content
+        details = r.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0
+        assert details.rejected_prediction_tokens is not None
+        bad = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            json={"messages": USER, "prediction": {"type": "content", "content": 7}},
+        )
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"].startswith("prediction")
