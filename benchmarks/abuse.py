@@ -5,18 +5,23 @@ It starts `lily serve --model demo` itself (twice: each run ends by a signal) an
 
 1. a fixed-seed request gets an answer, the reference for the end;
 2. many connections at once (200 by default): well-behaved requests (streaming or not), slow
-   senders, a slow reader, clients that disconnect mid-request (half a body sent), mid-prompt
-   (a stream during its prefill), mid-stream and while queued, bodies declared or sent over
-   the size limit, malformed JSON, invalid UTF-8, a lone surrogate, a message far over the
-   context, bytes that are not HTTP, a forced tool call whose parameter has a 60,000-value enum
-   (1 MB of grammar), too many messages, tool calls or tools, a client that sends nothing and
-   one whose body stalls. Every answer must be the documented one: no 5xx but the documented
-   503s (`queue_full`, JSON with Retry-After), and the server still running; the queue holds
-   every connection, so each case reaches the engine's checks (not only the 503 path), and
-   `/health`, polled throughout, answers within `--health-within` seconds (a grammar compiled
-   on the event loop once froze it for 25 s);
+   senders, a slow reader, clients that disconnect mid-request (half a body sent), mid-prompt (a
+   stream during its prefill), mid-stream and while queued, bodies declared or sent over the size
+   limit, malformed JSON, invalid UTF-8, a lone surrogate, a message far over the context, bytes
+   that are not HTTP, a forced tool call whose parameter has a 30,000-value enum (0.5 MB of
+   grammar, under the bound on JSON values), too many messages, tool calls or tools, a client that
+   sends nothing and one whose body stalls. Every answer must be the documented one: no 5xx but the
+   documented 503s (`queue_full`, JSON with Retry-After), and the server still running; the queue
+   holds every connection, so each case reaches the engine's checks (not only the 503 path), and
+   `/health`, polled throughout, answers within `--health-within` seconds (a grammar compiled on
+   the event loop once froze it for 25 s);
 3. the engine is idle within `--idle-within` seconds of the last client leaving;
-4. the server's resident memory grew by less than `--max-rss-growth-mib` over the abuse;
+4. memory does not grow without bound: the clients of step 2 come back a second time, with the same
+   checks, and the second round adds less than `--max-rss-leak-mib` to what the first left (at 200
+   connections, a leak of 320 KiB per request shows there); the first round, whose clients send
+   about 100 MiB of bodies at once, may leave up to `--max-rss-growth-mib` resident (glibc and
+   Python keep such a high-water mark for reuse; measured: 250-320 MiB at 200 connections, then +29
+   and +14 MiB for the next two rounds);
 5. the fixed-seed request is answered exactly as before;
 6. SIGTERM while requests run and wait: each gets a complete answer, a stream ending with the
    `shutting_down` error event and `data: [DONE]`, or the JSON 503; the process exits 0
@@ -253,6 +258,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# What answering the cache step's conversations may add to a server's resident memory: far
+# below the 1 GiB file behind one of the broken links, which a careless reader would load.
+CACHE_RSS_GROWTH_MIB = 256
+
+
 class Server:
     """`lily serve --model demo` in a child process, its stderr kept in a file."""
 
@@ -415,7 +425,7 @@ def abuse_clients(port: int, connections: int) -> list[Awaitable[Answer]]:
             chat_body(f"Read me slowly {i}", stream=True, max_tokens=4, temperature=0),
             read_delay=0.3,
         ),
-        lambda i: exchange(port, "huge enum", forced_enum_call(60_000)),
+        lambda i: exchange(port, "huge enum", forced_enum_call(30_000)),
         lambda i: exchange(
             port,
             "many messages",
@@ -530,6 +540,20 @@ async def wait_idle(server: Server, within: float) -> float:
 
 async def abuse(server: Server, args: argparse.Namespace) -> None:
     before = server.rss_mib()
+    await abuse_round(server, args)
+    growth = server.rss_mib() - before
+    print(f"abuse: resident memory grew by {growth:.0f} MiB (the high-water mark)")
+    if growth > args.max_rss_growth_mib:
+        raise Failure(f"resident memory grew by {growth:.0f} MiB (> {args.max_rss_growth_mib})")
+    after_first = server.rss_mib()
+    await abuse_round(server, args)
+    leak = server.rss_mib() - after_first
+    print(f"abuse: the second round added {leak:.0f} MiB")
+    if leak > args.max_rss_leak_mib:
+        raise Failure(f"the second round added {leak:.0f} MiB (> {args.max_rss_leak_mib})")
+
+
+async def abuse_round(server: Server, args: argparse.Namespace) -> None:
     started = time.monotonic()
     latencies: list[float] = []
     polling = asyncio.ensure_future(poll_health(server, latencies))
@@ -563,10 +587,6 @@ async def abuse(server: Server, args: argparse.Namespace) -> None:
         raise Failure("\n".join(problems))
     idle = await wait_idle(server, args.idle_within)
     print(f"abuse: the engine was idle {idle:.2f} s after the last client left")
-    growth = server.rss_mib() - before
-    print(f"abuse: resident memory grew by {growth:.0f} MiB")
-    if growth > args.max_rss_growth_mib:
-        raise Failure(f"resident memory grew by {growth:.0f} MiB (> {args.max_rss_growth_mib})")
 
 
 async def signal_under_load(server: Server, sig: signal.Signals) -> None:
@@ -743,7 +763,7 @@ async def cache_faults(args: argparse.Namespace) -> None:
                 if await _cached_answer(second, content) != answers[fault]:
                     raise Failure(f"cache: the {fault} conversation was answered differently")
             growth = second.rss_mib() - before
-            if growth > args.max_rss_growth_mib:
+            if growth > CACHE_RSS_GROWTH_MIB:
                 raise Failure(f"cache: resident memory grew by {growth:.0f} MiB")
             print(f"cache: every broken file cost a recompute only (+{growth:.0f} MiB)")
             if os.path.exists(os.path.join(directory, ".lily-deadwrite.prefix.tmp")):
@@ -837,7 +857,18 @@ def main() -> int:
     parser.add_argument(
         "--idle-within", type=float, default=1.0, help="seconds after the last client leaves"
     )
-    parser.add_argument("--max-rss-growth-mib", type=float, default=256.0)
+    parser.add_argument(
+        "--max-rss-growth-mib",
+        type=float,
+        default=512.0,
+        help="resident memory the first round may leave (its high-water mark)",
+    )
+    parser.add_argument(
+        "--max-rss-leak-mib",
+        type=float,
+        default=64.0,
+        help="resident memory the second round may add to what the first left",
+    )
     parser.add_argument(
         "--health-within", type=float, default=5.0, help="slowest /health answer under abuse"
     )
