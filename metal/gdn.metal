@@ -272,9 +272,15 @@ inline void prepare_sub_chunk(threadgroup GdnSubChunk& sc, device const float* q
         float4(k[0], k[1], k[2], k[3]);
     sc.v[t][lane] = v;
     if (lane == 0) {
-      const uint gate = (first + t) * num_value_heads + head;
-      sc.log_decay[t] = t < count ? gdn_log_decay(a[gate], a_log_head, dt_bias_head) : 0.0f;
-      sc.beta[t] = t < count ? sigmoid(b[gate]) : 0.0f;
+      float log_decay = 0.0f;
+      float beta = 0.0f;
+      if (t < count) {
+        const uint gate = (first + t) * num_value_heads + head;
+        log_decay = gdn_log_decay(a[gate], a_log_head, dt_bias_head);
+        beta = sigmoid(b[gate]);
+      }
+      sc.log_decay[t] = log_decay;
+      sc.beta[t] = beta;
     }
   }
 }
