@@ -201,7 +201,7 @@ static_assert(kValueDim % kStepRowsPerThreadgroup == 0, "a head splits into whol
 // row of S (a value dim) still evolves on its own given K, Q, g and beta, so a head's rows split
 // over kValueDim / kChunkRows threadgroups, each recomputing the key-side matrices (K K^T, Q K^T,
 // X) its rows need: 4x today's threadgroups for a few more products per token.
-// lily.kernel_checks.reference_gdn_chunkwise is this algorithm in float64.
+// lily.diagnostics.kernel_checks.reference_gdn_chunkwise is this algorithm in float64.
 
 // Tokens per sub-chunk. The key-side matrices cost O(kSubChunk) products per token and the
 // state-side ones a constant, so the smallest sub-chunk that keeps the matrix units fed wins;

@@ -4,8 +4,8 @@ numpy reference, and the chunk against the same tokens stepped one by one.
 The step and chunk kernels fuse the q/k L2 norms, the g/beta gates, the delta-rule update of the
 fp32 state and the readout S q; the gated RMSNorm is gdn_out_proj's after a step
 (test_kernel_gdn_out_proj.py) and gdn_gated_norm's after a chunk. The reference composes the
-same steps from lily.reference, token after token; the chunk's own algorithm has a float64
-reference too (lily.kernel_checks.reference_gdn_chunkwise), checked against it here.
+same steps from lily.engine.reference, token after token; the chunk's own algorithm has a float64
+reference too (lily.diagnostics.kernel_checks.reference_gdn_chunkwise), checked against it here.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, assert_within_ulps, sim_device
 
+from lily.checkpoint.quant import float32_to_bf16
 from lily.device import Graph
-from lily.kernel_checks import (
+from lily.diagnostics.kernel_checks import (
     GDN_CHUNK_OUT_TOLERANCE,
     GDN_CHUNK_READOUT_TOLERANCE,
     GDN_CHUNK_STATE_TOLERANCE,
@@ -32,7 +33,6 @@ from lily.kernels.gdn import (
     record_gdn_step,
     state_bytes,
 )
-from lily.quant import float32_to_bf16
 
 EPS = 1e-6
 # (key heads, value heads): the real model, and the tiny config.
@@ -289,7 +289,7 @@ class GdnChunkCase:
 
 
 def assert_chunk_close(state, expected_state, out=None, expected_out=None) -> None:
-    """Within the chunk's bounds (lily.kernel_checks, where they are explained)."""
+    """Within the chunk's bounds (lily.diagnostics.kernel_checks, where they are explained)."""
     np.testing.assert_allclose(state, expected_state, *GDN_CHUNK_STATE_TOLERANCE)
     if out is not None:
         np.testing.assert_allclose(out, expected_out, *GDN_CHUNK_OUT_TOLERANCE)

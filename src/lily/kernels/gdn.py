@@ -6,8 +6,9 @@ One dispatch takes the conv output (q | k | v), a and b of one layer, updates th
 gated RMSNorm, which needs a whole head while both split a head's rows over threadgroups: after
 a step `gdn_out_proj` applies it as it reads the readout, after a chunk `gdn_gated_norm` does, in
 place. The step runs the recurrence token by token; the chunk runs its chunkwise form
-(`lily.kernel_checks.reference_gdn_chunkwise`): sub-chunks of 16 tokens whose products are
-simdgroup-matrix multiplies, the state carried from one sub-chunk to the next on chip.
+(`lily.diagnostics.kernel_checks.reference_gdn_chunkwise`): sub-chunks of 16 tokens whose
+products are simdgroup-matrix multiplies, the state carried from one sub-chunk to the next on
+chip.
 """
 
 from __future__ import annotations
