@@ -5,14 +5,14 @@
 //   g     =  exp(-exp(A_log) * softplus(a + dt_bias)),  beta = sigmoid(b)
 //   S'    =  g * S;  delta = beta * (v - S' k);  S = S' + delta k^T;  o = S q
 //   out   =  rmsnorm(o) * norm_weight * silu(z)
-// Every row of S (one value dim) evolves independently given q, k, g and beta, so each
-// simdgroup owns whole rows: the two dot products are simd reductions, taken for all of a
-// simdgroup's rows at once. Only the final RMSNorm needs the whole head. The chunk kernel does it
-// through threadgroup memory; the step kernel leaves it to its consumer, the out_proj GEMV
-// (gdn_out_proj.metal), and so can split a head's rows over several threadgroups. Both kernels
-// run each token through the same inline functions below, in the same order, so a chunk equals
-// its tokens decoded one by one (state, and readout before the norm), bit for bit where the
-// compiler keeps that order.
+// Every row of S (one value dim) evolves independently given q, k, g and beta, so both kernels
+// split a head's rows over several threadgroups. The step kernel (one token) runs the recurrence
+// as written: each SIMD-group owns whole rows and the two dot products are simd reductions. The
+// chunk kernel runs the chunkwise form of the same recurrence (the section below) with 8x8
+// simdgroup-matrix products. Neither applies the gated RMSNorm, which needs a whole head: the
+// step leaves it to its consumer, the out_proj GEMV (gdn_out_proj.metal), the chunk to
+// gdn_gated_norm. The chunk equals its tokens decoded one by one within fp32 rounding, not bit
+// for bit: it sums in another order.
 #include "common.h"
 
 // Both head dims are 128 in every Qwen3.5/3.6 model; each lane holds 4 adjacent key dims
@@ -56,11 +56,16 @@ struct GdnGates {
   float beta;
 };
 
-inline GdnGates gdn_gates(float a, float b, float a_log, bfloat dt_bias) {
+// log g = -exp(A_log) * softplus(a + dt_bias).
+inline float gdn_log_decay(float a, float a_log, bfloat dt_bias) {
   // softplus(x) = max(x, 0) + log(1 + exp(-|x|)) never overflows.
   const float gate_in = a + float(dt_bias);
   const float softplus = max(gate_in, 0.0f) + log(1.0f + exp(-abs(gate_in)));
-  return GdnGates{exp(-exp(a_log) * softplus), sigmoid(b)};
+  return -exp(a_log) * softplus;
+}
+
+inline GdnGates gdn_gates(float a, float b, float a_log, bfloat dt_bias) {
+  return GdnGates{exp(gdn_log_decay(a, a_log, dt_bias)), sigmoid(b)};
 }
 
 // This simdgroup's state rows through one token, in place on this lane's 4 entries of each;
@@ -182,30 +187,138 @@ static_assert(kValueDim % kStepRowsPerThreadgroup == 0, "a head splits into whol
   }
 }
 
-// The chunk kernel runs 32 simdgroups of 4 state rows each (rows simd_index + 32 r): a head's
-// whole state in registers at 16 floats per thread.
-constexpr constant uint kChunkSimdgroups = kValueDim / kRowsPerSimdgroup;
+// ---- the chunk: chunkwise-parallel over sub-chunks of kSubChunk tokens -------------------------
+//
+// The recurrence unrolled over a sub-chunk of n tokens (the WY form of the delta rule): with S
+// the state before it, Gamma_t the sum of log g over the sub-chunk's tokens up to t, and K, Q, V
+// the sub-chunk's normalised keys, queries and values as rows,
+//   U = X (V - diag(e^Gamma) K S^T),   X = (I + M)^-1 diag(beta),
+//       M[i][j] = beta_i e^(Gamma_i - Gamma_j) k_i.k_j   (j < i),
+//   O = diag(e^Gamma) Q S^T + P U,     P[i][j] = e^(Gamma_i - Gamma_j) q_i.k_j   (j <= i),
+//   S <- e^Gamma_last S + U^T diag(e^(Gamma_last - Gamma)) K.
+// Every product is an 8x8 simdgroup-matrix multiply with fp32 operands and accumulators; only
+// the triangular solve for X (n steps) and the sub-chunk-to-sub-chunk state are serial. Each
+// row of S (a value dim) still evolves on its own given K, Q, g and beta, so a head's rows split
+// over kValueDim / kChunkRows threadgroups, each recomputing the key-side matrices (K K^T, Q K^T,
+// X) its rows need: 4 threadgroups per head where a serial scan has one, for about 20% more
+// products than a head's state-side ones alone.
+// lily.diagnostics.kernel_checks.reference_gdn_chunkwise is this algorithm in float64.
 
-// Writes this simdgroup's rows' readouts into a head's readout in threadgroup memory.
-inline void store_readout(float4 o, threadgroup float* readout, StateRows rows, uint lane) {
-  if (lane == 0) {
-    for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
-      readout[rows.first + rows.stride * r] = o[r];
+// Tokens per sub-chunk. The key-side matrices cost O(kSubChunk) products per token, the
+// state-side ones a constant, and each sub-chunk 4 barriers: 16 tokens keep both small, with q
+// and k of the whole sub-chunk in fp32 in threadgroup memory (24.7 KiB in all).
+constexpr constant uint kSubChunk = 16;
+constexpr constant uint kTile = 8;
+constexpr constant uint kTokenTiles = kSubChunk / kTile;
+constexpr constant uint kKeyTiles = kKeyDim / kTile;
+// State rows per threadgroup: 4 SIMD-groups, each owning one 8-row tile column of the state.
+constexpr constant uint kChunkRows = 32;
+constexpr constant uint kChunkSimdgroups = kChunkRows / kTile;
+// Each SIMD-group prepares (normalises, gates) this many of a sub-chunk's tokens.
+constexpr constant uint kPreparedPerSimdgroup = kSubChunk / kChunkSimdgroups;
+static_assert(kValueDim % kChunkRows == 0, "a head's rows split into whole threadgroups");
+static_assert(kChunkRows == SIMD_WIDTH, "a lane loads one value dim of each token");
+// Key-side tiles: the lower triangles (diagonal tiles included) of K K^T and Q K^T.
+constexpr constant uint kLowerTiles = kTokenTiles * (kTokenTiles + 1) / 2;
+// Per-token diagonal scalings, one 8x8 diagonal tile per token tile: -e^Gamma (for V - ...),
+// e^Gamma (for the readout) and e^(Gamma_last - Gamma) (for the state update).
+enum GdnScaling : uint { kMinusDecay = 0, kDecay = 1, kDecayToEnd = 2, kScalings = 3 };
+
+struct GdnSubChunk {
+  alignas(16) float q[kSubChunk][kKeyDim];  // normalised and scaled; zero past the last token
+  alignas(16) float k[kSubChunk][kKeyDim];  // normalised; zero past the last token
+  float v[kSubChunk][kChunkRows];           // this threadgroup's value dims
+  float gram[kSubChunk][kSubChunk];         // K K^T, lower triangle
+  float qk[kSubChunk][kSubChunk];           // Q K^T, then P
+  float solve[kSubChunk][kSubChunk];        // X
+  float scaling[kScalings][kTokenTiles][kTile][kTile];
+  float readout[kSubChunk][kChunkRows];     // O, staged for the copy of its valid rows
+  float log_decay[kSubChunk];               // zero past the last token: g = 1 leaves S alone
+  float beta[kSubChunk];                    // zero past the last token: no update
+  float gamma[kSubChunk];
+};
+
+// Tile (row, col) of a [rows, stride] matrix in threadgroup memory, optionally transposed.
+inline void load_tile(thread simdgroup_float8x8& tile, threadgroup const float* matrix,
+                      uint stride, uint row, uint col, bool transpose = false) {
+  simdgroup_load(tile, matrix + row * kTile * stride + col * kTile, stride, ulong2(0, 0),
+                 transpose);
+}
+
+// Step 1: SIMD-group s normalises q and k of its kPreparedPerSimdgroup tokens, loads their
+// values of this threadgroup's rows and computes their gates; tokens past `count` are zeros.
+inline void prepare_sub_chunk(threadgroup GdnSubChunk& sc, device const float* qkv,
+                              device const float* a, device const float* b, uint first,
+                              uint count, uint conv_dim, uint key_total, uint key_head, uint head,
+                              uint value_row, uint num_value_heads, float a_log_head,
+                              bfloat dt_bias_head, uint simd_index, uint lane) {
+  for (uint i = 0; i < kPreparedPerSimdgroup; ++i) {
+    const uint t = simd_index * kPreparedPerSimdgroup + i;
+    float q[kKeyPerLane];
+    float k[kKeyPerLane];
+    for (uint j = 0; j < kKeyPerLane; ++j) {
+      q[j] = 0.0f;
+      k[j] = 0.0f;
+    }
+    float v = 0.0f;
+    if (t < count) {
+      device const float* row = qkv + ulong(first + t) * conv_dim;
+      load_qk(row + key_head * kKeyDim, row + key_total + key_head * kKeyDim, lane, q, k);
+      v = row[2 * key_total + head * kValueDim + value_row + lane];
+    }
+    normalize_qk(q, k);  // zeros stay zeros
+    *reinterpret_cast<threadgroup float4*>(&sc.q[t][kKeyPerLane * lane]) =
+        float4(q[0], q[1], q[2], q[3]);
+    *reinterpret_cast<threadgroup float4*>(&sc.k[t][kKeyPerLane * lane]) =
+        float4(k[0], k[1], k[2], k[3]);
+    sc.v[t][lane] = v;
+    if (lane == 0) {
+      float log_decay = 0.0f;
+      float beta = 0.0f;
+      if (t < count) {
+        const uint gate = (first + t) * num_value_heads + head;
+        log_decay = gdn_log_decay(a[gate], a_log_head, dt_bias_head);
+        beta = sigmoid(b[gate]);
+      }
+      sc.log_decay[t] = log_decay;
+      sc.beta[t] = beta;
     }
   }
 }
 
-// out = rmsnorm(readout) * norm_weight * silu(z) over one head, by one simdgroup; readout must be
-// complete (after a barrier).
-inline void gdn_gated_rms_norm(threadgroup const float* readout, device const bfloat* norm_weight,
-                               device const float* z, float eps, device float* out, uint lane) {
-  float o_sq = 0.0f;
-  for (uint i = lane; i < kValueDim; i += SIMD_WIDTH) {
-    o_sq += readout[i] * readout[i];
+// Step 2's key side: tile `job` of the lower triangles of K K^T (jobs 0..kLowerTiles-1) and
+// Q K^T (the rest), into gram and qk.
+inline void key_products(threadgroup GdnSubChunk& sc, uint job) {
+  const bool is_gram = job < kLowerTiles;
+  uint tile = is_gram ? job : job - kLowerTiles;
+  uint row = 0;
+  while (tile > row) {
+    tile -= row + 1;
+    ++row;
   }
-  const float inv_rms = rsqrt(simd_sum(o_sq) / float(kValueDim) + eps);
-  for (uint i = lane; i < kValueDim; i += SIMD_WIDTH) {
-    out[i] = readout[i] * inv_rms * float(norm_weight[i]) * silu(z[i]);
+  const uint col = tile;
+  simdgroup_float8x8 sum = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  for (uint kb = 0; kb < kKeyTiles; ++kb) {
+    simdgroup_float8x8 left, right;
+    load_tile(left, is_gram ? &sc.k[0][0] : &sc.q[0][0], kKeyDim, row, kb);
+    load_tile(right, &sc.k[0][0], kKeyDim, col, kb, true);
+    simdgroup_multiply_accumulate(sum, left, right, sum);
+  }
+  threadgroup float* out = is_gram ? &sc.gram[0][0] : &sc.qk[0][0];
+  simdgroup_store(sum, out + row * kTile * kSubChunk + col * kTile, kSubChunk);
+}
+
+// Step 3: column `col` of X = (I + M)^-1 diag(beta) by forward substitution, one lane per
+// column: X[i][col] = beta_i ([i == col] - sum_{m < i} e^(Gamma_i - Gamma_m) (k_i.k_m) X[m][col]).
+inline void solve_column(threadgroup GdnSubChunk& sc, uint col) {
+  float x[kSubChunk];
+  for (uint i = 0; i < kSubChunk; ++i) {
+    float remembered = 0.0f;
+    for (uint m = col; m < i; ++m) {
+      remembered += exp(sc.gamma[i] - sc.gamma[m]) * sc.gram[i][m] * x[m];
+    }
+    x[i] = i < col ? 0.0f : sc.beta[i] * ((i == col ? 1.0f : 0.0f) - remembered);
+    sc.solve[i][col] = x[i];
   }
 }
 
@@ -213,116 +326,195 @@ struct GdnChunkParams {
   uint num_key_heads;
   uint num_value_heads;
   uint tokens;
-  float norm_eps;  // of the gated RMSNorm
 };
 
-// The chunk kernel takes its tokens in blocks. Per block: each of the first `count` simdgroups
-// prepares one token (q/k norms and gates, into threadgroup memory); after a barrier every
-// simdgroup scans the block's tokens through its state rows, writing readouts; after a second
-// barrier each of the first `count` simdgroups normalises one token's readout into the output,
-// while the next block is prepared. Per token a lane thus pays for the two row reductions only,
-// and the per-token work every lane would repeat is done once.
-constexpr constant uint kBlockTokens = 16;
-static_assert(kBlockTokens <= kChunkSimdgroups, "one simdgroup prepares each token of a block");
-
-// A block's prepared tokens: L2-normalised q and k (q also scaled), each lane's dims as one
-// float4, and the gates.
-struct GdnBlock {
-  float4 q[kBlockTokens][SIMD_WIDTH];
-  float4 k[kBlockTokens][SIMD_WIDTH];
-  GdnGates gates[kBlockTokens];
-};
-
-// Simdgroup `simd_index` < count prepares token first + simd_index of the chunk.
-inline void prepare_block_token(threadgroup GdnBlock& block, device const float* qkv,
-                                device const float* a, device const float* b, uint first,
-                                uint count, uint conv_dim, uint key_head, uint head,
-                                uint num_value_heads, uint key_total, float a_log_head,
-                                bfloat dt_bias_head, uint simd_index, uint lane) {
-  if (simd_index >= count) return;
-  const uint token = first + simd_index;
-  device const float* row = qkv + ulong(token) * conv_dim;
-  float q[kKeyPerLane];
-  float k[kKeyPerLane];
-  load_qk(row + key_head * kKeyDim, row + key_total + key_head * kKeyDim, lane, q, k);
-  normalize_qk(q, k);
-  block.q[simd_index][lane] = float4(q[0], q[1], q[2], q[3]);
-  block.k[simd_index][lane] = float4(k[0], k[1], k[2], k[3]);
-  if (lane == 0) {
-    block.gates[simd_index] = gdn_gates(a[token * num_value_heads + head],
-                                        b[token * num_value_heads + head], a_log_head,
-                                        dt_bias_head);
-  }
-}
-
-// One threadgroup of exactly kChunkSimdgroups * 32 threads per value head scans the chunk's
-// tokens in order, with the head's state in registers: read from device memory before the first
-// token and written back after the last.
+// kValueDim / kChunkRows threadgroups of exactly kChunkSimdgroups * 32 threads per value head,
+// each owning kChunkRows rows of the head's state, held transposed in its SIMD-groups' matrix
+// registers (SIMD-group s: rows 8s..8s+7 of its part, one 8x8 tile per 8 key dims) from the
+// first sub-chunk to the last. Writes the readout S q of every token; the gated RMSNorm, which
+// needs a whole head, is gdn_gated_norm's.
 [[kernel, max_total_threads_per_threadgroup(kChunkSimdgroups * SIMD_WIDTH)]] void gdn_chunk(
     constant GdnChunkParams& params [[buffer(0)]],
     device const float* qkv [[buffer(1)]],  // conv output [tokens, q Hk*Dk | k Hk*Dk | v Hv*Dv]
-    device const float* z [[buffer(2)]],    // [tokens, Hv*Dv]
-    device const float* a [[buffer(3)]],    // [tokens, Hv]
-    device const float* b [[buffer(4)]],    // [tokens, Hv]
-    device const float* a_log [[buffer(5)]],         // [Hv]
-    device const bfloat* dt_bias [[buffer(6)]],      // [Hv]
-    device const bfloat* norm_weight [[buffer(7)]],  // [Dv], a plain gain
-    device float* state [[buffer(8)]],               // [Hv, Dv, Dk], updated in place
-    device float* out [[buffer(9)]],                 // [tokens, Hv*Dv]
-    uint head [[threadgroup_position_in_grid]],
+    device const float* a [[buffer(2)]],    // [tokens, Hv]
+    device const float* b [[buffer(3)]],    // [tokens, Hv]
+    device const float* a_log [[buffer(4)]],     // [Hv]
+    device const bfloat* dt_bias [[buffer(5)]],  // [Hv]
+    device float* state [[buffer(6)]],           // [Hv, Dv, Dk], updated in place
+    device float* readout [[buffer(7)]],         // [tokens, Hv*Dv]
+    uint threadgroup_id [[threadgroup_position_in_grid]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup GdnBlock block;
-  threadgroup float readout[kBlockTokens * kValueDim];
+  threadgroup GdnSubChunk sc;
 
+  constexpr uint parts = kValueDim / kChunkRows;
+  const uint head = threadgroup_id / parts;
+  const uint value_row = (threadgroup_id % parts) * kChunkRows;  // the part's first row
+  const uint tile_row = simd_index * kTile;                       // this SIMD-group's, in the part
   const uint num_value_heads = params.num_value_heads;
   const uint key_head = head / (num_value_heads / params.num_key_heads);
   const uint key_total = params.num_key_heads * kKeyDim;
   const uint value_total = num_value_heads * kValueDim;
   const uint conv_dim = 2 * key_total + value_total;
-  const uint tokens = params.tokens;
   const float a_log_head = a_log[head];
   const bfloat dt_bias_head = dt_bias[head];
-  device float* head_state = state + head * kValueDim * kKeyDim;
 
-  const StateRows rows{simd_index, kChunkSimdgroups};
-  float s[kRowsPerSimdgroup][kKeyPerLane];
-  load_state_rows(head_state, rows, lane, s);
-
-  uint count = min(tokens, kBlockTokens);
-  prepare_block_token(block, qkv, a, b, 0, count, conv_dim, key_head, head, num_value_heads,
-                      key_total, a_log_head, dt_bias_head, simd_index, lane);
-  for (uint first = 0; first < tokens; first += kBlockTokens) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // the block is prepared
-    float4 v = load_rows_v(qkv, first, conv_dim, key_total, head, rows);
-    for (uint t = 0; t < count; ++t) {
-      const float4 current_v = v;
-      if (t + 1 < count) v = load_rows_v(qkv, first + t + 1, conv_dim, key_total, head, rows);
-      float q[kKeyPerLane];
-      float k[kKeyPerLane];
-      for (uint j = 0; j < kKeyPerLane; ++j) {
-        q[j] = block.q[t][lane][j];
-        k[j] = block.k[t][lane][j];
-      }
-      store_readout(gdn_update_rows(s, q, k, block.gates[t], current_v),
-                    readout + t * kValueDim, rows, lane);
-    }
-    // The readouts are complete, and every simdgroup is done with the block's q, k and gates.
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    if (simd_index < count) {
-      const uint offset = (first + simd_index) * value_total + head * kValueDim;
-      gdn_gated_rms_norm(readout + simd_index * kValueDim, norm_weight, z + offset,
-                         params.norm_eps, out + offset, lane);
-    }
-    const uint next = first + kBlockTokens;
-    const uint next_count = next < tokens ? min(tokens - next, kBlockTokens) : 0;
-    prepare_block_token(block, qkv, a, b, next, next_count, conv_dim, key_head, head,
-                        num_value_heads, key_total, a_log_head, dt_bias_head, simd_index, lane);
-    // The next block's scan overwrites readouts still being normalised.
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    count = next_count;
+  // S^T of this SIMD-group's 8 rows: tile kb is key dims 8kb.. by the 8 rows.
+  device float* rows_state = state + (head * kValueDim + value_row + tile_row) * kKeyDim;
+  simdgroup_float8x8 state_t[kKeyTiles];
+  for (uint kb = 0; kb < kKeyTiles; ++kb) {
+    simdgroup_load(state_t[kb], rows_state + kb * kTile, kKeyDim, ulong2(0, 0), true);
   }
 
-  store_state_rows(s, rows, lane, head_state);
+  for (uint first = 0; first < params.tokens; first += kSubChunk) {
+    const uint count = min(params.tokens - first, kSubChunk);
+    prepare_sub_chunk(sc, qkv, a, b, first, count, conv_dim, key_total, key_head, head,
+                      value_row, num_value_heads, a_log_head, dt_bias_head, simd_index, lane);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Step 2: the key-side tiles, spread over the SIMD-groups; Gamma; and each SIMD-group's
+    // K S^T and Q S^T for its rows.
+    for (uint job = simd_index; job < 2 * kLowerTiles; job += kChunkSimdgroups) {
+      key_products(sc, job);
+    }
+    if (simd_index == 0 && lane < kSubChunk) {
+      float gamma = 0.0f;
+      for (uint t = 0; t <= lane; ++t) gamma += sc.log_decay[t];
+      sc.gamma[lane] = gamma;
+    }
+    simdgroup_float8x8 ks[kTokenTiles], qs[kTokenTiles];
+    for (uint tb = 0; tb < kTokenTiles; ++tb) {
+      ks[tb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      qs[tb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+    for (uint kb = 0; kb < kKeyTiles; ++kb) {
+      for (uint tb = 0; tb < kTokenTiles; ++tb) {
+        simdgroup_float8x8 k_tile, q_tile;
+        load_tile(k_tile, &sc.k[0][0], kKeyDim, tb, kb);
+        load_tile(q_tile, &sc.q[0][0], kKeyDim, tb, kb);
+        simdgroup_multiply_accumulate(ks[tb], k_tile, state_t[kb], ks[tb]);
+        simdgroup_multiply_accumulate(qs[tb], q_tile, state_t[kb], qs[tb]);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Step 3: X (SIMD-group 0), the decay and causal mask of P (1), the diagonal scalings (2).
+    if (simd_index == 0) {
+      if (lane < kSubChunk) solve_column(sc, lane);
+    } else if (simd_index == 1) {
+      for (uint e = lane; e < kSubChunk * kSubChunk; e += SIMD_WIDTH) {
+        const uint i = e / kSubChunk, j = e % kSubChunk;
+        if (j <= i) {
+          sc.qk[i][j] *= exp(sc.gamma[i] - sc.gamma[j]);
+        } else {
+          sc.qk[i][j] = 0.0f;
+        }
+      }
+    } else if (simd_index == 2) {
+      const float gamma_last = sc.gamma[kSubChunk - 1];
+      for (uint e = lane; e < kScalings * kSubChunk * kTile; e += SIMD_WIDTH) {
+        const uint kind = e / (kSubChunk * kTile), t = e / kTile % kSubChunk, c = e % kTile;
+        const float gamma = sc.gamma[t];
+        const float scale = kind == kMinusDecay ? -exp(gamma)
+                            : kind == kDecay    ? exp(gamma)
+                                                : exp(gamma_last - gamma);
+        sc.scaling[kind][t / kTile][t % kTile][c] = c == t % kTile ? scale : 0.0f;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // Step 4, per SIMD-group on its 8 rows: R = V - diag(e^Gamma) K S^T, U = X R, the readout O,
+    // then the state.
+    simdgroup_float8x8 residual[kTokenTiles], u[kTokenTiles];
+    for (uint tb = 0; tb < kTokenTiles; ++tb) {
+      simdgroup_float8x8 v_tile, minus_decay;
+      load_tile(v_tile, &sc.v[0][0], kChunkRows, tb, simd_index);
+      load_tile(minus_decay, &sc.scaling[kMinusDecay][tb][0][0], kTile, 0, 0);
+      simdgroup_multiply_accumulate(residual[tb], minus_decay, ks[tb], v_tile);
+    }
+    for (uint tb = 0; tb < kTokenTiles; ++tb) {
+      u[tb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (uint from = 0; from <= tb; ++from) {
+        simdgroup_float8x8 x_tile;
+        load_tile(x_tile, &sc.solve[0][0], kSubChunk, tb, from);
+        simdgroup_multiply_accumulate(u[tb], x_tile, residual[from], u[tb]);
+      }
+    }
+    for (uint tb = 0; tb < kTokenTiles; ++tb) {
+      simdgroup_float8x8 decay, o;
+      load_tile(decay, &sc.scaling[kDecay][tb][0][0], kTile, 0, 0);
+      simdgroup_multiply(o, decay, qs[tb]);
+      for (uint from = 0; from <= tb; ++from) {
+        simdgroup_float8x8 p_tile;
+        load_tile(p_tile, &sc.qk[0][0], kSubChunk, tb, from);
+        simdgroup_multiply_accumulate(o, p_tile, u[from], o);
+      }
+      simdgroup_store(o, &sc.readout[tb * kTile][tile_row], kChunkRows);
+    }
+    const simdgroup_float8x8 decay_all(exp(sc.gamma[kSubChunk - 1]));
+    simdgroup_float8x8 u_to_end[kTokenTiles];
+    for (uint tb = 0; tb < kTokenTiles; ++tb) {
+      simdgroup_float8x8 to_end;
+      load_tile(to_end, &sc.scaling[kDecayToEnd][tb][0][0], kTile, 0, 0);
+      simdgroup_multiply(u_to_end[tb], to_end, u[tb]);
+    }
+    // In place: a product reads its operands before it writes (and the sim then computes the
+    // SIMD-group's queue once, not once per tile).
+    for (uint kb = 0; kb < kKeyTiles; ++kb) {
+      simdgroup_multiply(state_t[kb], state_t[kb], decay_all);
+      for (uint tb = 0; tb < kTokenTiles; ++tb) {
+        simdgroup_float8x8 k_t;
+        load_tile(k_t, &sc.k[0][0], kKeyDim, tb, kb, true);
+        simdgroup_multiply_accumulate(state_t[kb], k_t, u_to_end[tb], state_t[kb]);
+      }
+    }
+    // The readout rows of real tokens, this SIMD-group's 8 columns of them.
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint e = lane; e < kSubChunk * kTile; e += SIMD_WIDTH) {
+      const uint t = e / kTile, c = tile_row + e % kTile;
+      if (t < count) {
+        readout[ulong(first + t) * value_total + head * kValueDim + value_row + c] =
+            sc.readout[t][c];
+      }
+    }
+    // The next sub-chunk overwrites q, k, v and the key-side matrices.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  for (uint kb = 0; kb < kKeyTiles; ++kb) {
+    simdgroup_store(state_t[kb], rows_state + kb * kTile, kKeyDim, ulong2(0, 0), true);
+  }
+}
+
+// ---- the chunk's gated RMSNorm ------------------------------------------------------------------
+
+struct GdnGatedNormParams {
+  uint rows;  // tokens * Hv
+  float eps;
+};
+
+constexpr constant uint kNormSimdgroups = 8;
+constexpr constant uint kValuePerLane = kValueDim / SIMD_WIDTH;
+
+// x = rmsnorm(x) * norm_weight * silu(z) over each 128-wide head row of the chunk's readout, in
+// place: one SIMD-group per row, kNormSimdgroups rows per threadgroup.
+[[kernel, max_total_threads_per_threadgroup(kNormSimdgroups * SIMD_WIDTH)]] void gdn_gated_norm(
+    constant GdnGatedNormParams& params [[buffer(0)]],
+    device float* x [[buffer(1)]],                   // [rows, Dv]: readout in, output out
+    device const float* z [[buffer(2)]],             // [rows, Dv]
+    device const bfloat* norm_weight [[buffer(3)]],  // [Dv], a plain gain
+    uint threadgroup_id [[threadgroup_position_in_grid]],
+    uint simd_index [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const uint row = threadgroup_id * kNormSimdgroups + simd_index;
+  if (row >= params.rows) return;
+  device float* head = x + ulong(row) * kValueDim + kValuePerLane * lane;
+  device const float* gate = z + ulong(row) * kValueDim + kValuePerLane * lane;
+  const float4 o = *reinterpret_cast<device const float4*>(head);
+  float o_sq = 0.0f;
+  for (uint j = 0; j < kValuePerLane; ++j) o_sq += o[j] * o[j];
+  const float inv_rms = rsqrt(simd_sum(o_sq) / float(kValueDim) + params.eps);
+  for (uint j = 0; j < kValuePerLane; ++j) {
+    head[j] = o[j] * inv_rms * float(norm_weight[kValuePerLane * lane + j]) * silu(gate[j]);
+  }
 }

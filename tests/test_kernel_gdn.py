@@ -1,9 +1,11 @@
-"""gdn_step and gdn_chunk (metal/gdn.metal) on the sim against the float64 numpy reference,
-and the chunk against the same tokens stepped one by one.
+"""gdn_step, gdn_chunk and gdn_gated_norm (metal/gdn.metal) on the sim against the float64
+numpy reference, and the chunk against the same tokens stepped one by one.
 
-The kernels fuse the q/k L2 norms, the g/beta gates, the delta-rule update of the fp32 state and
-the readout; the chunk kernel also the gated RMSNorm, which at T = 1 is gdn_out_proj's
-(test_kernel_gdn_out_proj.py). The reference composes the same steps from lily.engine.reference.
+The step and chunk kernels fuse the q/k L2 norms, the g/beta gates, the delta-rule update of the
+fp32 state and the readout S q; the gated RMSNorm is gdn_out_proj's after a step
+(test_kernel_gdn_out_proj.py) and gdn_gated_norm's after a chunk. The reference composes the
+same steps from lily.engine.reference, token after token; the chunk's own algorithm has a float64
+reference too (lily.diagnostics.kernel_checks.reference_gdn_chunkwise), checked against it here.
 """
 
 from __future__ import annotations
@@ -15,14 +17,19 @@ from kernel_testing import LANE_ORDERS, assert_within_ulps, sim_device
 from lily.checkpoint.quant import float32_to_bf16
 from lily.device import Graph
 from lily.diagnostics.kernel_checks import (
+    GDN_CHUNK_OUT_TOLERANCE,
+    GDN_CHUNK_READOUT_TOLERANCE,
+    GDN_CHUNK_STATE_TOLERANCE,
     reference_gated_norm,
+    reference_gdn_chunkwise,
     reference_gdn_readout,
-    reference_gdn_token,
 )
 from lily.kernels.gdn import (
+    CHUNK_SUB_CHUNK,
     KEY_HEAD_DIM,
     VALUE_HEAD_DIM,
     record_gdn_chunk,
+    record_gdn_gated_norm,
     record_gdn_step,
     state_bytes,
 )
@@ -86,32 +93,14 @@ class GdnCase:
         return readout.reshape(-1), new_state
 
 
-def expected_token(case, state, qkv, z, a, b) -> tuple[np.ndarray, np.ndarray]:
-    """(out [Hv*Dv], new state) of one token in float64, composed from lily.engine.reference; `case`
-    gives the head counts and the per-layer weights."""
-    return reference_gdn_token(
-        state,
-        qkv,
-        z,
-        a,
-        b,
-        a_log=case.a_log,
-        dt_bias=case.dt_bias,
-        norm_weight=case.norm_weight,
-        num_key_heads=case.num_key_heads,
-        num_value_heads=case.num_value_heads,
-        eps=EPS,
-    )
-
-
-# fp32 sums of 128 products, against float64: relative errors stay around 1e-6; the bounds leave
-# a margin of ~10x over what the sim shows and catch any formula error (those are >= 1e-2).
+# The step's state: fp32 sums of 128 products, against float64: relative errors stay around
+# 1e-6; the bound leaves a margin of ~10x over what the sim shows and catches any formula error
+# (those are >= 1e-2).
 STATE_ATOL = 1e-5
-OUT_RTOL, OUT_ATOL = 1e-4, 2e-5
 # The readout S q, before the norm (|S q| < 0.1 at these input scales): an fp32 dot product of
 # 128 terms of the updated state, with errors around 1.5e-8 on the sim.
 READOUT_RTOL, READOUT_ATOL = 1e-5, 2e-7
-# The chunk's gated RMSNorm of a readout, against float64 of that same fp32 readout: the sum of
+# gdn_gated_norm of a readout, against float64 of that same fp32 readout: the sum of
 # 128 squares (at most 127 roundings) halved by the square root, the rsqrt (2), three products
 # (3) and silu (7, see kernel_checks.gdn_out_proj_ulps).
 NORM_ULPS = 127 / 2 + 2 + 3 + 7
@@ -171,9 +160,17 @@ def test_rejects_a_misaligned_readout(device) -> None:
 
 
 class GdnChunkCase:
-    """One layer's weights, a non-zero initial state and the inputs of `tokens` tokens."""
+    """One layer's weights, an initial state (random, or zero as in a fresh sequence) and the
+    inputs of `tokens` tokens."""
 
-    def __init__(self, num_key_heads: int, num_value_heads: int, tokens: int, seed: int) -> None:
+    def __init__(
+        self,
+        num_key_heads: int,
+        num_value_heads: int,
+        tokens: int,
+        seed: int,
+        zero_state: bool = False,
+    ) -> None:
         rng = np.random.default_rng(seed)
         self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
         self.tokens = tokens
@@ -185,6 +182,8 @@ class GdnChunkCase:
         self.norm_weight = float32_to_bf16(1 + rng.normal(0, 0.1, VALUE_HEAD_DIM).astype(f32))
         shape = (num_value_heads, VALUE_HEAD_DIM, KEY_HEAD_DIM)
         self.initial_state = rng.normal(0, 0.3, shape).astype(f32)
+        if zero_state:
+            self.initial_state[:] = 0
         self.qkv = rng.normal(0, 1, (tokens, conv_dim)).astype(f32)
         self.z = rng.normal(0, 1.5, (tokens, value_total)).astype(f32)
         self.a = rng.normal(0, 1, (tokens, num_value_heads)).astype(f32)
@@ -200,19 +199,35 @@ class GdnChunkCase:
         buffers["state"], buffers["out"] = device.wrap(state), device.wrap(out)
         return buffers, out, state
 
-    def run_chunk(self, device) -> tuple[np.ndarray, np.ndarray]:
-        """(out [tokens, Hv*Dv], state after the chunk) from one gdn_chunk dispatch."""
-        buffers, out, state = self.bind(device)
-        graph = Graph()
+    def record_chunk(self, graph: Graph, device, buffers: dict) -> None:
         record_gdn_chunk(
             graph,
             device,
             num_key_heads=self.num_key_heads,
             num_value_heads=self.num_value_heads,
             tokens=self.tokens,
-            norm_eps=EPS,
-            **buffers,
+            readout=buffers["out"],
+            **{name: buffers[name] for name in ("qkv", "a", "b", "a_log", "dt_bias", "state")},
         )
+
+    def run_chunk(self, device, *, norm: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(out [tokens, Hv*Dv], state after the chunk) from one gdn_chunk dispatch, then, as in
+        prefill, gdn_gated_norm over its readouts (`norm`) or not."""
+        buffers, out, state = self.bind(device)
+        graph = Graph()
+        self.record_chunk(graph, device, buffers)
+        if norm:
+            graph.barrier()
+            record_gdn_gated_norm(
+                graph,
+                device,
+                x=buffers["out"],
+                z=buffers["z"],
+                norm_weight=buffers["norm_weight"],
+                tokens=self.tokens,
+                num_value_heads=self.num_value_heads,
+                norm_eps=EPS,
+            )
         device.run(graph)
         return out, state
 
@@ -239,38 +254,112 @@ class GdnChunkCase:
         device.run(graph)
         return readout, state
 
-    def expected(self) -> tuple[np.ndarray, np.ndarray]:
-        """(out, final state) in float64, token after token."""
+    def expected(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(readouts, outs, final state) in float64, token after token."""
         state = self.initial_state.astype(np.float64)
-        outputs = []
+        readouts, outputs = [], []
         for t in range(self.tokens):
-            out, state = expected_token(self, state, self.qkv[t], self.z[t], self.a[t], self.b[t])
-            outputs.append(out)
-        return np.stack(outputs), state
+            readout, state = reference_gdn_readout(
+                state,
+                self.qkv[t],
+                self.a[t],
+                self.b[t],
+                a_log=self.a_log,
+                dt_bias=self.dt_bias,
+                num_key_heads=self.num_key_heads,
+                num_value_heads=self.num_value_heads,
+            )
+            readouts.append(readout.reshape(-1))
+            outputs.append(reference_gated_norm(readouts[-1], self.z[t], self.norm_weight, EPS))
+        return np.stack(readouts), np.stack(outputs), state
+
+    def expected_chunkwise(self) -> tuple[np.ndarray, np.ndarray]:
+        """(readouts, final state) in float64 by the chunkwise algorithm."""
+        return reference_gdn_chunkwise(
+            self.initial_state,
+            self.qkv,
+            self.a,
+            self.b,
+            a_log=self.a_log,
+            dt_bias=self.dt_bias,
+            num_key_heads=self.num_key_heads,
+            num_value_heads=self.num_value_heads,
+            sub_chunk=CHUNK_SUB_CHUNK,
+        )
 
 
-# Chunk lengths: one token, a few, and long enough for rounding to accumulate in the state.
-CHUNK_TOKENS = [1, 2, 3, 7, 64, 300, 1024]
+def assert_chunk_close(state, expected_state, out=None, expected_out=None) -> None:
+    """Within the chunk's bounds (lily.diagnostics.kernel_checks, where they are explained)."""
+    np.testing.assert_allclose(state, expected_state, *GDN_CHUNK_STATE_TOLERANCE)
+    if out is not None:
+        np.testing.assert_allclose(out, expected_out, *GDN_CHUNK_OUT_TOLERANCE)
 
 
+# Chunk lengths: one token, a partial sub-chunk, exactly 4 sub-chunks and one token more, and
+# long enough for rounding to accumulate in the state.
+CHUNK_TOKENS = [1, 7, 64, 65, 300]
+
+
+@pytest.mark.parametrize("zero_state", [False, True], ids=["with-state", "from-zero"])
 @pytest.mark.parametrize("tokens", CHUNK_TOKENS)
-def test_chunk_matches_reference(device, tokens: int) -> None:
-    case = GdnChunkCase(2, 4, tokens, seed=tokens)
+def test_chunk_matches_reference(device, tokens: int, zero_state: bool) -> None:
+    case = GdnChunkCase(2, 4, tokens, seed=tokens, zero_state=zero_state)
     out, state = case.run_chunk(device)
 
-    expected_out, expected_state = case.expected()
-    np.testing.assert_allclose(state, expected_state, rtol=1e-5, atol=STATE_ATOL)
-    np.testing.assert_allclose(out, expected_out, rtol=OUT_RTOL, atol=OUT_ATOL)
+    _, expected_out, expected_state = case.expected()
+    assert_chunk_close(state, expected_state, out, expected_out)
+
+
+@pytest.mark.slow
+def test_chunk_of_4097_tokens_matches_reference(device) -> None:
+    """A chunk as long as the longest prefill chunks: 256 sub-chunks and one token, the state
+    carried through all of them."""
+    case = GdnChunkCase(2, 4, 4097, seed=4097)
+    out, state = case.run_chunk(device)
+
+    _, expected_out, expected_state = case.expected()
+    assert_chunk_close(state, expected_state, out, expected_out)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 17, 65])
+def test_chunk_readouts_match_the_chunkwise_reference(device, tokens: int) -> None:
+    """The readouts before the norm, against the float64 chunkwise algorithm, which itself
+    equals the recurrence (test_chunkwise_reference_equals_the_recurrence)."""
+    case = GdnChunkCase(1, 4, tokens, seed=200 + tokens)
+    readout, state = case.run_chunk(device, norm=False)
+
+    expected_readout, expected_state = case.expected_chunkwise()
+    assert_chunk_close(state, expected_state)
+    np.testing.assert_allclose(readout, expected_readout, *GDN_CHUNK_READOUT_TOLERANCE)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 16, 17, 65])
+def test_chunkwise_reference_equals_the_recurrence(tokens: int) -> None:
+    case = GdnChunkCase(2, 4, tokens, seed=300 + tokens)
+    readout, _, state = case.expected()
+    chunk_readout, chunk_state = case.expected_chunkwise()
+    np.testing.assert_allclose(chunk_readout, readout, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(chunk_state, state, rtol=1e-12, atol=1e-14)
 
 
 def test_chunk_at_model_size(device) -> None:
-    case = GdnChunkCase(16, 32, 5, seed=5)
+    case = GdnChunkCase(16, 32, 19, seed=5)
     assert case.initial_state.nbytes == state_bytes(32)
     out, state = case.run_chunk(device)
 
-    expected_out, expected_state = case.expected()
-    np.testing.assert_allclose(state, expected_state, rtol=1e-5, atol=STATE_ATOL)
-    np.testing.assert_allclose(out, expected_out, rtol=OUT_RTOL, atol=OUT_ATOL)
+    _, expected_out, expected_state = case.expected()
+    assert_chunk_close(state, expected_state, out, expected_out)
+
+
+def test_chunk_spreads_heads_over_4x_the_threadgroups(device) -> None:
+    """At the real model's 32 heads the chunk runs 4 threadgroups per head (the serial scan it
+    replaced ran one)."""
+    case = GdnChunkCase(16, 32, 3, seed=0)
+    buffers, _, _ = case.bind(device)
+    graph = Graph()
+    case.record_chunk(graph, device, buffers)
+    (dispatch,) = graph.dispatches
+    assert np.prod(dispatch.threadgroups) >= 4 * 32
 
 
 @pytest.mark.parametrize(
@@ -279,22 +368,51 @@ def test_chunk_at_model_size(device) -> None:
 def test_chunk_equals_the_same_tokens_stepped(
     device, num_key_heads: int, num_value_heads: int, tokens: int
 ) -> None:
-    """The chunk runs each token through the step kernel's arithmetic in the same order, so
-    prefill then decode equals decode alone bit for bit (on the sim, which keeps fp32 rounding
-    as written): the same state left behind, and outputs that are the gated RMSNorm of the
-    step's readouts up to the norm's own rounding."""
+    """Prefill then decode equals decode alone within the chunk's bound: the state a chunk
+    leaves equals the state `tokens` decode steps leave, and its outputs are the gated RMSNorm
+    of the steps' readouts (the steps' own error is within the bounds at these lengths)."""
     case = GdnChunkCase(num_key_heads, num_value_heads, tokens, seed=100 + tokens)
     chunk_out, chunk_state = case.run_chunk(device)
     step_readout, step_state = case.run_steps(device)
 
-    np.testing.assert_array_equal(chunk_state, step_state)
+    normed = np.stack(
+        [
+            reference_gated_norm(step_readout[t], case.z[t], case.norm_weight, EPS)
+            for t in range(tokens)
+        ]
+    )
+    assert_chunk_close(chunk_state, step_state, chunk_out, normed)
+
+
+@pytest.mark.parametrize(("tokens", "num_value_heads"), [(1, 4), (3, 4), (5, 32)])
+def test_gated_norm_matches_reference(device, tokens: int, num_value_heads: int) -> None:
+    """gdn_gated_norm alone, in place, over rows that fill the last threadgroup partly."""
+    rng = np.random.default_rng(tokens)
+    shape = (tokens, num_value_heads * VALUE_HEAD_DIM)
+    readout = rng.normal(0, 0.05, shape).astype(np.float32)
+    z = rng.normal(0, 1.5, shape).astype(np.float32)
+    norm_weight = float32_to_bf16(1 + rng.normal(0, 0.1, VALUE_HEAD_DIM).astype(np.float32))
+    x = readout.copy()
+    graph = Graph()
+    record_gdn_gated_norm(
+        graph,
+        device,
+        x=device.wrap(x),
+        z=device.wrap(z),
+        norm_weight=device.wrap(norm_weight),
+        tokens=tokens,
+        num_value_heads=num_value_heads,
+        norm_eps=EPS,
+    )
+    device.run(graph)
     for t in range(tokens):
-        normed = reference_gated_norm(step_readout[t], case.z[t], case.norm_weight, EPS)
-        assert_within_ulps(chunk_out[t], normed, np.abs(normed), NORM_ULPS)
+        expected = reference_gated_norm(readout[t], z[t], norm_weight, EPS)
+        assert_within_ulps(x[t], expected, np.abs(expected), NORM_ULPS)
 
 
 def test_chunk_rejects_an_empty_chunk(device) -> None:
     case = GdnChunkCase(2, 4, 1, seed=0)
     buffers, _, _ = case.bind(device)
+    case.tokens = 0
     with pytest.raises(ValueError, match="at least one token"):
-        record_gdn_chunk(Graph(), device, num_key_heads=2, num_value_heads=4, tokens=0, **buffers)
+        case.record_chunk(Graph(), device, buffers)

@@ -46,6 +46,7 @@ EXACT_THREADS = {
     "attention_chunk": attention.CHUNK_THREADS,
     "gdn_step": gdn.STEP_THREADS_PER_THREADGROUP,
     "gdn_chunk": gdn.CHUNK_THREADS_PER_THREADGROUP,
+    "gdn_gated_norm": gdn.NORM_THREADS_PER_THREADGROUP,
     "gdn_out_proj_4": gdn_out_proj.THREADS_PER_THREADGROUP,
     "gdn_out_proj_8": gdn_out_proj.THREADS_PER_THREADGROUP,
     "gemm_nt_float": gemm.THREADS_PER_THREADGROUP,

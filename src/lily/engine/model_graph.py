@@ -45,7 +45,12 @@ from lily.engine.device_weights import DeviceWeights
 from lily.kernels import BufferRef, attention, offset_by
 from lily.kernels.conv1d import FoldedConvStep, record_conv1d_chunk, window_bytes
 from lily.kernels.embedding import EmbeddedInput, record_embedding
-from lily.kernels.gdn import record_gdn_chunk, record_gdn_step, state_bytes
+from lily.kernels.gdn import (
+    record_gdn_chunk,
+    record_gdn_gated_norm,
+    record_gdn_step,
+    state_bytes,
+)
 from lily.kernels.gdn_out_proj import record_gdn_out_proj
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
 from lily.kernels.moe_chunk import MoeChunkScratch, moe_chunk_scratch_bytes, record_moe_chunk
@@ -565,17 +570,18 @@ class _Recorder:
             )
         else:
             record_gdn_chunk(
+                g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, **weights
+            )
+            g.barrier()
+            record_gdn_gated_norm(
                 g,
                 dev,
-                qkv=s.qkv,
+                x=s.gdn_out,
                 z=s.z,
-                a=s.a,
-                b=s.b,
                 norm_weight=norm_weight,
-                out=s.gdn_out,
-                norm_eps=c.rms_norm_eps,
                 tokens=T,
-                **weights,
+                num_value_heads=c.linear_num_value_heads,
+                norm_eps=c.rms_norm_eps,
             )
             g.barrier()
             self.project_into_residual(s.gdn_out, out_proj)

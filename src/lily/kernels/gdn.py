@@ -2,11 +2,13 @@
 (`metal/gdn.metal`).
 
 One dispatch takes the conv output (q | k | v), a and b of one layer, updates the fp32 state
-[Hv, Dv, Dk] in place and writes the readout [Hv * Dv] per token. The chunk kernel also applies
-the gated RMSNorm (with z) and writes what out_proj consumes; the step kernel leaves the norm to
-`gdn_out_proj`, which lets it split each head's rows over several threadgroups. The chunk kernel
-scans its tokens in order with the state held on chip, doing per token the same arithmetic as
-the step kernel.
+[Hv, Dv, Dk] in place and writes the readout S q [Hv * Dv] per token. Neither kernel applies the
+gated RMSNorm, which needs a whole head while both split a head's rows over threadgroups: after
+a step `gdn_out_proj` applies it as it reads the readout, after a chunk `gdn_gated_norm` does, in
+place. The step runs the recurrence token by token; the chunk runs its chunkwise form
+(`lily.diagnostics.kernel_checks.reference_gdn_chunkwise`): sub-chunks of 16 tokens whose
+products are simdgroup-matrix multiplies, the state carried from one sub-chunk to the next on
+chip.
 """
 
 from __future__ import annotations
@@ -24,10 +26,17 @@ VALUE_HEAD_DIM = 128
 # A simdgroup owns 4 state rows (their dot products reduced as one float4). The step kernel
 # needs exactly 4 simdgroups per threadgroup, 16 rows, so a head's 128 rows are 8 threadgroups:
 # 256 at the real model's 32 heads, enough to keep every GPU core streaming state. The chunk
-# kernel needs exactly 32 simdgroups: it holds a head's whole state in their registers.
+# kernel needs exactly 4 simdgroups of 8 rows (one 8x8 tile column of the state each): 4
+# threadgroups per head, 128 at the real model's 32 heads.
 STEP_THREADS_PER_THREADGROUP = 128
 STEP_ROWS_PER_THREADGROUP = 16
-CHUNK_THREADS_PER_THREADGROUP = 1024
+CHUNK_THREADS_PER_THREADGROUP = 128
+CHUNK_ROWS_PER_THREADGROUP = 32
+# Tokens per sub-chunk of the chunkwise algorithm (kSubChunk in the kernel).
+CHUNK_SUB_CHUNK = 16
+# gdn_gated_norm: one simdgroup per (token, head) row, 8 rows per threadgroup.
+NORM_ROWS_PER_THREADGROUP = 8
+NORM_THREADS_PER_THREADGROUP = 256
 
 
 def state_bytes(num_value_heads: int) -> int:
@@ -78,46 +87,70 @@ def record_gdn_chunk(
     device: Device,
     *,
     qkv: BufferRef,
-    z: BufferRef,
     a: BufferRef,
     b: BufferRef,
     a_log: BufferRef,
     dt_bias: BufferRef,
-    norm_weight: BufferRef,
     state: BufferRef,
-    out: BufferRef,
+    readout: BufferRef,
     num_key_heads: int,
     num_value_heads: int,
     tokens: int,
     key_head_dim: int = KEY_HEAD_DIM,
     value_head_dim: int = VALUE_HEAD_DIM,
-    norm_eps: float = 1e-6,
 ) -> None:
-    """`tokens` Gated DeltaNet steps in order, in one dispatch, as `tokens` record_gdn_step
-    dispatches would compute them.
+    """`tokens` Gated DeltaNet steps in one dispatch, up to each token's readout S q (the gated
+    RMSNorm is `record_gdn_gated_norm`'s); equal to `tokens` record_gdn_step dispatches within
+    fp32 rounding.
 
-    qkv: fp32 conv output [tokens, q Hk*128 | k Hk*128 | v Hv*128]; z fp32 [tokens, Hv*128];
-    a, b fp32 [tokens, Hv]; a_log fp32 [Hv]; dt_bias bf16 [Hv]; norm_weight bf16 [128];
-    state fp32 [Hv, 128, 128], read at the start and left after the last token;
-    out fp32 [tokens, Hv*128].
+    qkv: fp32 conv output [tokens, q Hk*128 | k Hk*128 | v Hv*128]; a, b fp32 [tokens, Hv];
+    a_log fp32 [Hv]; dt_bias bf16 [Hv]; state fp32 [Hv, 128, 128], read at the start and left
+    after the last token; readout fp32 [tokens, Hv*128].
     """
     _check_heads(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
     if tokens <= 0:
         raise ValueError(f"a chunk needs at least one token, not {tokens}")
-    # q, k and state rows are read 16 bytes at a time.
+    # q, k are read 16 bytes at a time; the state goes through simdgroup matrix loads.
     for ref, what in ((qkv, "GDN qkv"), (state, "GDN state")):
         require_aligned(ref, 16, what)
     graph.dispatch(
         device.kernel("gdn_chunk"),
-        threadgroups=(num_value_heads, 1, 1),
+        threadgroups=(num_value_heads * VALUE_HEAD_DIM // CHUNK_ROWS_PER_THREADGROUP, 1, 1),
         threads=(CHUNK_THREADS_PER_THREADGROUP, 1, 1),
         buffers={
             index: binding(ref)
-            for index, ref in enumerate(
-                (qkv, z, a, b, a_log, dt_bias, norm_weight, state, out), start=1
-            )
+            for index, ref in enumerate((qkv, a, b, a_log, dt_bias, state, readout), start=1)
         },
-        bytes={0: pack_params("IIIf", num_key_heads, num_value_heads, tokens, norm_eps)},
+        bytes={0: pack_params("III", num_key_heads, num_value_heads, tokens)},
+    )
+
+
+def record_gdn_gated_norm(
+    graph: Graph,
+    device: Device,
+    *,
+    x: BufferRef,
+    z: BufferRef,
+    norm_weight: BufferRef,
+    tokens: int,
+    num_value_heads: int,
+    norm_eps: float = 1e-6,
+) -> None:
+    """x = rmsnorm(x) * norm_weight * silu(z) per 128-wide head, in place: a chunk's readouts
+    [tokens, Hv*128] become what out_proj consumes.
+
+    x, z fp32 [tokens, Hv*128]; norm_weight bf16 [128], a plain gain.
+    """
+    if tokens <= 0:
+        raise ValueError(f"a chunk needs at least one token, not {tokens}")
+    require_aligned(x, 16, "GDN readout")
+    rows = tokens * num_value_heads
+    graph.dispatch(
+        device.kernel("gdn_gated_norm"),
+        threadgroups=(-(-rows // NORM_ROWS_PER_THREADGROUP), 1, 1),
+        threads=(NORM_THREADS_PER_THREADGROUP, 1, 1),
+        buffers={index: binding(ref) for index, ref in enumerate((x, z, norm_weight), start=1)},
+        bytes={0: pack_params("If", rows, norm_eps)},
     )
 
 
