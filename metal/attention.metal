@@ -339,17 +339,24 @@ inline void load_edge_tile(device const bfloat* k_head, device const bfloat* v_h
 inline void attend_tile(thread const simdgroup_float8x8* q, thread simdgroup_float8x8* acc,
                         thread float& running_max, thread float& lane_sum,
                         thread const DecodeTile& t, uint tile, uint end, uint col) {
-  simdgroup_float8x8 scores = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  // Four partial sums over the head dim, one per 64 dims, so that the products form four
+  // dependent chains of 8 rather than one of 32.
+  simdgroup_float8x8 partial_scores[4];
   for (uint g = 0; g < 4; ++g) {
+    partial_scores[g] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (uint i = 0; i < 8; ++i) {
       const uint shift = 16 * (1 - i % 2);
       simdgroup_float8x8 k_frag;
       k_frag.thread_elements()[0] = as_type<float>((t.key[2 * g][i / 2] << shift) & 0xFFFF0000u);
       k_frag.thread_elements()[1] =
           as_type<float>((t.key[2 * g + 1][i / 2] << shift) & 0xFFFF0000u);
-      simdgroup_multiply_accumulate(scores, q[8 * g + i], k_frag, scores);
+      simdgroup_multiply_accumulate(partial_scores[g], q[8 * g + i], k_frag, partial_scores[g]);
     }
   }
+  simdgroup_float8x8 scores;
+  scores.thread_elements() =
+      (partial_scores[0].thread_elements() + partial_scores[1].thread_elements()) +
+      (partial_scores[2].thread_elements() + partial_scores[3].thread_elements());
 
   float tile_max = running_max;
   for (uint e = 0; e < 2; ++e) {
