@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from lily.checkpoint import load_checkpoint, resolve_model
-from lily.config import FULL_ATTENTION
+from lily.checkpoint.config import FULL_ATTENTION
+from lily.checkpoint.loader import load_checkpoint, resolve_model
+from lily.checkpoint.validate import expected_layout
 from lily.device import open_device
+from lily.engine.model_graph import ModelGraph
 from lily.kernels.attention import cache_bytes
 from lily.kernels.gdn import state_bytes
-from lily.model_graph import ModelGraph
-from lily.validate import expected_layout
 
 EMBEDDING = "language_model.model.embed_tokens"
 SPEC_MINIMUM_GB = 1.80

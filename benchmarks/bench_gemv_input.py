@@ -25,10 +25,11 @@ import argparse
 import numpy as np
 from bench_sim import random_quantized, time_graph
 
+from lily.checkpoint.quant import float32_to_bf16
 from lily.device import available, open_device
 from lily.kernels.norm import FoldedNorm
-from lily.kernels.quantized import QuantWeight, record_qgemv, wrap_quant_weight
-from lily.quant import float32_to_bf16
+from lily.kernels.quant_weight import QuantWeight, wrap_quant_weight
+from lily.kernels.quantized import record_qgemv
 
 HIDDEN = 2048
 # One decode dispatch's projections of the hidden state, with their output rows (the real model).

@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from lily.checkpoint import load_checkpoint
+from lily.checkpoint.loader import load_checkpoint
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

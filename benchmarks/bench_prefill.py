@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 
-from lily.checkpoint import load_checkpoint, resolve_model
-from lily.config import FULL_ATTENTION
+from lily.checkpoint.config import FULL_ATTENTION
+from lily.checkpoint.loader import load_checkpoint, resolve_model
+from lily.checkpoint.validate import expected_layout
 from lily.device import open_device
-from lily.engine import DeviceEngine
-from lily.model_graph import ModelGraph, pass_flops
-from lily.validate import expected_layout
+from lily.engine.engine import DeviceEngine
+from lily.engine.model_graph import ModelGraph, pass_flops
 
 EMBEDDING = "language_model.model.embed_tokens"
 LM_HEAD = "language_model.lm_head"

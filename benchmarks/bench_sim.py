@@ -14,11 +14,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lily.checkpoint.quant import float32_to_bf16
 from lily.device import Graph, open_device
 from lily.kernels.embedding import record_embedding
 from lily.kernels.norm import record_rms_norm, threads_for
-from lily.kernels.quantized import record_qgemv, wrap_quant_weight
-from lily.quant import float32_to_bf16
+from lily.kernels.quant_weight import wrap_quant_weight
+from lily.kernels.quantized import record_qgemv
 
 
 def random_quantized(rng: np.random.Generator, rows: int, in_dim: int, bits: int):

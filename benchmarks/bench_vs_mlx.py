@@ -43,7 +43,7 @@ def mlx_arm(model_dir: Path, context: int) -> dict:
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    from lily.checkpoint import load_checkpoint
+    from lily.checkpoint.loader import load_checkpoint
 
     vocab = load_checkpoint(model_dir).config.vocab_size
     model, _ = load(str(model_dir))
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(mlx_arm(args.mlx_arm, context)), flush=True)
         return 0
 
-    from lily.checkpoint import resolve_model
+    from lily.checkpoint.loader import resolve_model
 
     model_dir = resolve_model(args.model, args.revision)
     contexts = args.context or (DEMO_CONTEXTS if args.model == "demo" else CONTRACT_CONTEXTS)

@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 
-from lily.checkpoint import load_checkpoint
+from lily.checkpoint.loader import load_checkpoint
 from lily.device import open_device
-from lily.engine import DeviceEngine
-from lily.reference import ReferenceModel
+from lily.engine.engine import DeviceEngine
+from lily.engine.reference import ReferenceModel
 
 # The engine may be this many times further from float64 than the float32 reference is.
 NOISE_FACTOR = 2.0

@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/make_synthetic_checkpoint.py OUT_DIR [--seed N] [--shard-gb 5]
 
-Exactly the real tensor names, shapes and dtypes (taken from lily.validate's expected layout of
+Exactly the real tensor names, shapes and dtypes (taken from lily.checkpoint.validate's expected
+layout of
 the real config) and a config.json with the real values and mlx-lm's per-path quantization
 overrides: about 19.5 GB in ~5 GB shards with model.safetensors.index.json. Weights are random
 (not a model): uniform 4/8-bit codes with scales and biases that centre each dequantized
@@ -24,9 +25,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from lily.config import parse_config
-from lily.safetensors_mmap import DATA_ALIGNMENT, INDEX_FILE, NUMPY_DTYPES
-from lily.validate import GATE_SUFFIXES, GROUP_SIZE, REAL_MODEL, ExpectedTensor, expected_tensors
+from lily.checkpoint.config import parse_config
+from lily.checkpoint.safetensors_mmap import DATA_ALIGNMENT, INDEX_FILE, NUMPY_DTYPES
+from lily.checkpoint.validate import (
+    GATE_SUFFIXES,
+    GROUP_SIZE,
+    REAL_MODEL,
+    ExpectedTensor,
+    expected_tensors,
+)
 
 CHUNK_ELEMENTS = 16 << 20
 ZERO_CENTRED_NORMS = (

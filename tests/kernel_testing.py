@@ -1,6 +1,6 @@
 """Shared helpers of the kernel tests: sim devices per lane order, running one recorded dispatch,
 random MLX-quantized weights and the quantized GEMV reference (shared with `lily doctor`, in
-lily.kernel_checks), float64 references, and tolerances stated in ulps.
+lily.diagnostics.kernel_checks), float64 references, and tolerances stated in ulps.
 
 Every kernel test runs under the three lane orders of the sim (forward, reverse, seeded random),
 which also interleave SIMD-groups differently: a missing barrier or a read of another lane's
@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from lily.checkpoint.quant import float32_to_bf16
 from lily.device import CHECK_ENV, Graph, open_device
-from lily.kernel_checks import random_quantized, reference_qgemv  # noqa: F401 - shared with doctor
-from lily.quant import float32_to_bf16
+from lily.diagnostics.kernel_checks import random_quantized, reference_qgemv  # noqa: F401 - shared with doctor
 
 LANE_ORDERS = ("forward", "reverse", "random")
 FLOAT32_EPS = float(np.finfo(np.float32).eps)

@@ -1,4 +1,5 @@
-"""The aligned copy of an unaligned checkpoint (`lily.checkpoint.aligned_checkpoint`): keyed on
+"""The aligned copy of an unaligned checkpoint (`lily.checkpoint.loader.aligned_checkpoint`): keyed
+on
 the content of every file it serves, so an edit to any of them is served (even one that keeps
 the modification time), without rewriting shards whose content did not change; and built aside,
 so an interrupted or killed copy leaves no partial files behind."""
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 from tiny_models import tiny_checkpoint
 
-import lily.checkpoint as checkpoint_module
-from lily.checkpoint import load_checkpoint, resolve_model
+import lily.checkpoint.loader as checkpoint_module
+from lily.checkpoint.loader import load_checkpoint, resolve_model
 
 SHARD = "model.safetensors"
 
@@ -104,7 +105,7 @@ KILLED = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    import lily.checkpoint as checkpoint_module
+    import lily.checkpoint.loader as checkpoint_module
 
     def stuck(source, destination, progress=None):
         Path(destination).write_bytes(b"partial")

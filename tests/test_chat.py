@@ -19,9 +19,11 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 import lily
 from lily.api import Lily, system_fingerprint
-from lily.chat import parse_request
-from lily.checkpoint import resolve_model
-from lily.engine import GREEDY
+from lily.chat.completions import parse_request
+from lily.chat.tokenizer import Tokenizer
+from lily.checkpoint.loader import resolve_model
+from lily.engine.engine import GREEDY
+from lily.engine.sampling import GeneratedToken, SamplingParams, TokenLogprobs
 from lily.errors import (
     ContextLengthError,
     GenerationCancelled,
@@ -29,8 +31,6 @@ from lily.errors import (
     RequestError,
     UnsupportedParameterError,
 )
-from lily.sampling import GeneratedToken, SamplingParams, TokenLogprobs
-from lily.tokenizer import Tokenizer
 
 USER = [{"role": "user", "content": "Hi"}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -110,7 +110,7 @@ def tokenizer(demo_dir):
 
 def scripted(demo_dir, tokenizer, text: str, *, end: bool = True) -> tuple[Lily, ScriptedEngine]:
     """A Lily on the demo tokenizer whose engine 'generates' `text` (then <|im_end|>)."""
-    from lily.config import load_config
+    from lily.checkpoint.config import load_config
 
     ids = tokenizer.encode(text) + ([tokenizer.token_to_id("<|im_end|>")] if end else [])
     engine = ScriptedEngine(load_config(demo_dir), ids)
@@ -119,7 +119,7 @@ def scripted(demo_dir, tokenizer, text: str, *, end: bool = True) -> tuple[Lily,
 
 def single_byte_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """`text` as one token per UTF-8 byte (the first 256 ranks are the single bytes)."""
-    from lily.tokenizer import bytes_to_token_string
+    from lily.chat.tokenizer import bytes_to_token_string
 
     return [tokenizer.token_to_id(bytes_to_token_string(bytes([b]))) for b in text.encode()]
 
@@ -258,7 +258,7 @@ def test_fields_the_template_or_openai_know_are_accepted(demo_dir, tokenizer):
     with pytest.raises(RequestError, match="part"):  # the demo template reads no `part`
         llm.chat.completions.create(messages=[{"role": "user", "content": "x", "part": "y"}])
     with_custom = "{% for m in messages %}{{ m.content }}{{ m.part }}{% endfor %}"
-    from lily.chat_template import ChatTemplate
+    from lily.chat.chat_template import ChatTemplate
 
     llm.chat_template = ChatTemplate(with_custom)
     llm.chat.completions.create(messages=[{"role": "user", "content": "x", "part": "y"}])
@@ -553,7 +553,7 @@ def test_a_call_cut_short_by_max_tokens_is_not_returned_as_runnable(demo_dir, to
 
 
 def test_a_template_over_its_limits_fails_with_a_named_error(demo_dir, tokenizer):
-    from lily.chat_template import ChatTemplate, ChatTemplateLimitError, TemplateLimits
+    from lily.chat.chat_template import ChatTemplate, ChatTemplateLimitError, TemplateLimits
 
     llm, engine = scripted(demo_dir, tokenizer, "x")
     loops = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"

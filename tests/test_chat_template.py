@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import transformers  # installed with mlx-lm; the reference renderer
 
-from lily.chat_template import ChatTemplate, ChatTemplateError, TemplateLimits
+from lily.chat.chat_template import ChatTemplate, ChatTemplateError, TemplateLimits
 from lily.errors import ChatTemplateLimitError, ChatTemplateRefusedError, RequestError
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "chat_template_qwen.jinja"

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from tiny_models import tiny_checkpoint
 
-from lily import checkpoint as checkpoint_module
-from lily.checkpoint import (
+from lily.checkpoint import loader as checkpoint_module
+from lily.checkpoint.loader import (
     DEFAULT_REPO,
     DEFAULT_REVISION,
     CheckpointError,
@@ -22,7 +22,7 @@ from lily.checkpoint import (
     resolve_model,
     write_aligned_checkpoint,
 )
-from lily.safetensors_mmap import Shard
+from lily.checkpoint.safetensors_mmap import Shard
 
 SHARD = "model.safetensors"
 
@@ -241,9 +241,9 @@ def test_free_disk_bytes_looks_at_the_nearest_existing_directory(tmp_path):
 
 
 def test_demo_comes_from_lily_demo(monkeypatch, tmp_path):
-    fake = types.ModuleType("lily.demo")
+    fake = types.ModuleType("lily.checkpoint.demo")
     fake.demo_checkpoint_dir = lambda: tmp_path
-    monkeypatch.setitem(sys.modules, "lily.demo", fake)
+    monkeypatch.setitem(sys.modules, "lily.checkpoint.demo", fake)
     assert resolve_model("demo") == tmp_path
 
 
@@ -259,7 +259,7 @@ def recorded_downloads(monkeypatch, tmp_path):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr("lily.hub.hub_reachable", lambda: True)  # CI has no network
+    monkeypatch.setattr("lily.checkpoint.hub.hub_reachable", lambda: True)  # CI has no network
     return calls
 
 
@@ -293,7 +293,7 @@ def test_offline_and_not_cached(monkeypatch, tmp_path):
 
 
 def test_unreachable_hub_uses_the_cache_only(recorded_downloads, monkeypatch):
-    monkeypatch.setattr("lily.hub.hub_reachable", lambda: False)
+    monkeypatch.setattr("lily.checkpoint.hub.hub_reachable", lambda: False)
     resolve_model("someone/some-model")
     [(_, kwargs)] = recorded_downloads
     assert kwargs["local_files_only"] is True
@@ -302,7 +302,7 @@ def test_unreachable_hub_uses_the_cache_only(recorded_downloads, monkeypatch):
 def test_unreachable_hub_and_not_cached_says_how_to_download(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setattr("lily.hub.hub_reachable", lambda: False)
+    monkeypatch.setattr("lily.checkpoint.hub.hub_reachable", lambda: False)
     with pytest.raises(CheckpointError, match="cannot be reached") as raised:
         resolve_model("someone/not-cached", revision="v2")
     assert "hf download someone/not-cached --revision v2" in str(raised.value)
@@ -342,7 +342,7 @@ def nested_json(depth: int) -> str:
 )
 def test_a_damaged_small_file_is_a_named_error_at_load(tmp_path, name, content, error):
     import lily
-    from lily.checkpoint import resolve_model
+    from lily.checkpoint.loader import resolve_model
 
     model = Path(shutil.copytree(resolve_model("demo"), tmp_path / "demo"))
     path = model / name

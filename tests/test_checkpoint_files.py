@@ -1,4 +1,4 @@
-"""What a checkpoint directory can make the loader open (lily.checkpoint_files): names stay in
+"""What a checkpoint directory can make the loader open (lily.checkpoint.files): names stay in
 the directory, links lead into it (or are the Hugging Face cache's own blob links) unless the
 user allows more, only regular files are opened and never waited on; then a fuzz over
 malformed configs, indexes and shard headers, each of which must be a named CheckpointError."""
@@ -21,10 +21,10 @@ import pytest
 from safetensors.numpy import save_file
 from tiny_models import tiny_checkpoint
 
-from lily.checkpoint import load_checkpoint
-from lily.checkpoint_files import EXTERNAL_LINKS_ENV
+from lily.checkpoint.files import EXTERNAL_LINKS_ENV
+from lily.checkpoint.loader import load_checkpoint
+from lily.checkpoint.safetensors_mmap import INDEX_FILE, open_safetensors_dir
 from lily.errors import CheckpointError
-from lily.safetensors_mmap import INDEX_FILE, open_safetensors_dir
 
 SECRET = b"root:x:0:0:root:/root:/bin/bash\n"
 
@@ -171,7 +171,7 @@ def test_a_link_loop_is_refused(tmp_path):
 LOAD = textwrap.dedent(
     """
     import sys
-    from lily.checkpoint import load_checkpoint
+    from lily.checkpoint.loader import load_checkpoint
     from lily.errors import CheckpointError
     try:
         load_checkpoint(sys.argv[1])

@@ -10,8 +10,8 @@ import pytest
 
 import lily
 from lily.api import Lily
-from lily.choices import choice_sampling
-from lily.sampling import SamplingParams
+from lily.chat.choices import choice_sampling
+from lily.engine.sampling import SamplingParams
 
 MAX_SEQ = 96
 MESSAGES = [{"role": "user", "content": "Name three colours."}]

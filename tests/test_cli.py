@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 import lily
-import lily.engine
+import lily.engine.engine
 from lily.api import Lily
-from lily.checkpoint import DEFAULT_REPO, DEFAULT_REVISION
+from lily.checkpoint.loader import DEFAULT_REPO, DEFAULT_REVISION
 from lily.cli import BENCH_DECODE_STEPS, ChatSession, main, synthetic_prompt
 
 GREEDY = {"temperature": 0, "max_tokens": 3}
@@ -166,7 +166,7 @@ def test_default_model_with_hf_hub_offline_says_how_to_get_it(tmp_path: Path) ->
 
 def test_serve_arguments_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[tuple, dict]] = []
-    monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr("lily.server.app.serve", lambda *a, **k: calls.append((a, k)))
     monkeypatch.delenv("LILY_API_KEY", raising=False)
     main(["serve", "--model", "demo", "--device", "sim", "--port", "9123", "--queue-limit", "3"])
     main(["serve", "--host", "0.0.0.0", "--api-key", "k", "--max-seq", "64"])
@@ -178,10 +178,10 @@ def test_serve_arguments_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_serve_limits_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lily.server import DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
+    from lily.server.routes import DEFAULT_MAX_TOKENS, DEFAULT_SHUTDOWN_GRACE
 
     calls: list[dict] = []
-    monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr("lily.server.app.serve", lambda *a, **k: calls.append(k))
     main(["serve"])
     main(
         ["serve", "--max-tokens-default", "100", "--shutdown-grace", "2.5", "--prefill-chunk", "8"]
@@ -198,14 +198,14 @@ def test_serve_limits_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_serve_request_bounds_and_timeouts_reach_the_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from lily.request_limits import RequestLimits
-    from lily.server import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
+    from lily.chat.request_limits import RequestLimits
+    from lily.server.routes import DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT
 
     calls: list[dict] = []
-    monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr("lily.server.app.serve", lambda *a, **k: calls.append(k))
     main(["serve"])
     main(["serve", "--max-messages", "10", "--max-tools", "2", "--max-tool-calls", "3",
-          "--max-grammar-bytes", "64KiB", "--header-timeout", "2.5",
+          "--max-grammar-bytes", "64KiB", "--max-json-values", "1000", "--header-timeout", "2.5",
           "--body-timeout", "7"])  # fmt: skip
     defaults, chosen = calls
     assert defaults["limits"] == RequestLimits()
@@ -213,10 +213,11 @@ def test_serve_request_bounds_and_timeouts_reach_the_server(
         DEFAULT_HEADER_TIMEOUT,
         DEFAULT_BODY_TIMEOUT,
     )
-    assert chosen["limits"] == RequestLimits(10, 2, 3, 64 * 1024)
+    assert chosen["limits"] == RequestLimits(10, 2, 3, 64 * 1024, 1000)
     assert (chosen["header_timeout"], chosen["body_timeout"]) == (2.5, 7.0)
     refused = [("--max-messages", "0"), ("--header-timeout", "0"), ("--body-timeout", "x"),
-               ("--max-grammar-bytes", "0"), ("--max-grammar-bytes", "0.5")]  # fmt: skip
+               ("--max-grammar-bytes", "0"), ("--max-grammar-bytes", "0.5"),
+               ("--max-json-values", "0")]  # fmt: skip
     for flag, bad in refused:
         with pytest.raises(SystemExit) as exit_:
             main(["serve", flag, bad])
@@ -224,10 +225,10 @@ def test_serve_request_bounds_and_timeouts_reach_the_server(
 
 
 def test_serve_cache_options_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lily.prefix_cache import CacheOptions
+    from lily.engine.prefix_cache import CacheOptions
 
     calls: list[dict] = []
-    monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr("lily.server.app.serve", lambda *a, **k: calls.append(k))
     main(["serve"])
     main(["serve", "--cache-memory", "4GiB", "--cache-dir", "prefixes", "--cache-disk-size",
           "500MB", "--cache-disk-min-tokens", "256"])  # fmt: skip
@@ -282,7 +283,7 @@ def test_bench_prefills_in_the_chunks_asked_for(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     chunks: list[int] = []
-    original = lily.engine.DeviceEngine._passes
+    original = lily.engine.engine.DeviceEngine._passes
 
     def recording(self: Any, *args: Any) -> Iterator[tuple[int, int, bool]]:
         for start, tokens, predicts in original(self, *args):
@@ -290,7 +291,7 @@ def test_bench_prefills_in_the_chunks_asked_for(
                 chunks.append(tokens)
             yield start, tokens, predicts
 
-    monkeypatch.setattr(lily.engine.DeviceEngine, "_passes", recording)
+    monkeypatch.setattr(lily.engine.engine.DeviceEngine, "_passes", recording)
     argv = ["bench", "--model", "demo", "--device", "sim", "--context", "20", "--json"]
     assert main([*argv, "--prefill-chunk", "8"]) == 0
     assert json.loads(capsys.readouterr().out)["context"] == 20

@@ -11,7 +11,7 @@ import time
 import pytest
 from tiny_models import tiny_checkpoint
 
-from lily.config import ConfigError, load_config, parse_config
+from lily.checkpoint.config import ConfigError, load_config, parse_config
 from lily.errors import CheckpointError
 
 

@@ -1,4 +1,5 @@
-"""The constraint hook (`lily.constraint`) through both engines on the demo model: every drawn
+"""The constraint hook (`lily.engine.constraint`) through both engines on the demo model: every
+drawn
 token is one the constraint allowed, the device and the reference agree under greedy decoding,
 an empty mask is an error, and only a constrained generation gives up the two-pass pipeline."""
 
@@ -11,9 +12,14 @@ import pytest
 
 import lily
 from lily.api import Lily
-from lily.constraint import NoAllowedTokenError, allowed_flags, checked_mask, mask_from_tokens
-from lily.engine import PIPELINE_DEPTH
-from lily.sampling import SamplingParams
+from lily.engine.constraint import (
+    NoAllowedTokenError,
+    allowed_flags,
+    checked_mask,
+    mask_from_tokens,
+)
+from lily.engine.engine import PIPELINE_DEPTH
+from lily.engine.sampling import SamplingParams
 
 MAX_SEQ = 64
 STEPS = 12

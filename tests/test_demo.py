@@ -12,10 +12,10 @@ import pytest
 import tokenizers
 from tiny_models import tiny_checkpoint
 
-from lily.checkpoint import load_checkpoint
-from lily.demo import TOKENIZER_FILES, demo_checkpoint_dir
-from lily.reference import ReferenceModel
-from lily.safetensors_mmap import open_safetensors_dir
+from lily.checkpoint.demo import TOKENIZER_FILES, demo_checkpoint_dir
+from lily.checkpoint.loader import load_checkpoint
+from lily.checkpoint.safetensors_mmap import open_safetensors_dir
+from lily.engine.reference import ReferenceModel
 
 
 def build_demo(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

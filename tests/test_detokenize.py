@@ -8,8 +8,8 @@ from importlib import resources
 
 import pytest
 
-from lily.detokenize import IncrementalDecoder
-from lily.tokenizer import Tokenizer
+from lily.chat.detokenize import IncrementalDecoder
+from lily.chat.tokenizer import Tokenizer
 
 TEXTS = [
     "plain ascii text",

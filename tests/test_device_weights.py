@@ -9,9 +9,9 @@ import pytest
 from device_testing import open_test_device
 from tiny_models import tiny_checkpoint
 
-from lily.checkpoint import load_checkpoint
-from lily.device_weights import DeviceWeights
-from lily.engine import DeviceEngine
+from lily.checkpoint.loader import load_checkpoint
+from lily.engine.device_weights import DeviceWeights
+from lily.engine.engine import DeviceEngine
 
 MAX_SEQ = 48
 

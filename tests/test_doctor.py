@@ -8,9 +8,17 @@ import io
 import numpy as np
 import pytest
 
-from lily import cli, doctor
+from lily import cli
 from lily.device import Graph, open_device
-from lily.kernel_checks import CHECKS, Comparison, KernelCheck, Trial, compare, compare_ulps
+from lily.diagnostics import doctor
+from lily.diagnostics.kernel_checks import (
+    CHECKS,
+    Comparison,
+    KernelCheck,
+    Trial,
+    compare,
+    compare_ulps,
+)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 from device_testing import open_test_device
 from tiny_models import tiny_checkpoint
 
-from lily.checkpoint import load_checkpoint
-from lily.engine import DeviceEngine, ReferenceEngine
+from lily.checkpoint.loader import load_checkpoint
+from lily.engine.engine import DeviceEngine, ReferenceEngine
 from lily.errors import ContextLengthError, GenerationCancelled
 
 PROMPT_LENGTH = 31

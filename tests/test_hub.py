@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lily import hub
+from lily.checkpoint import hub
 
 
 class _AnswersEverything(http.server.BaseHTTPRequestHandler):

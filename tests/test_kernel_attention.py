@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, sim_device
 
-from lily import reference
+from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
 from lily.device import Graph
+from lily.engine import reference
 from lily.kernels.attention import (
     HEAD_DIM,
     cache_bytes,
@@ -26,7 +27,6 @@ from lily.kernels.attention import (
     record_attention_decode,
     record_attention_prepare,
 )
-from lily.quant import bf16_to_float32, float32_to_bf16
 
 EPS = 1e-6
 THETA = 1e7

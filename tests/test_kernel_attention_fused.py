@@ -28,8 +28,8 @@ from test_kernel_attention import (
     _rope_tolerance,
 )
 
-from lily import reference
 from lily.device import Graph
+from lily.engine import reference
 from lily.kernels.attention import (
     HEAD_DIM,
     decode_splits,

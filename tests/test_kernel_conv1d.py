@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, assert_within_ulps, sim_device
 
-from lily import reference
+from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
 from lily.device import Graph
+from lily.engine import reference
 from lily.kernels.conv1d import (
     KERNEL_TAPS,
     record_conv1d_chunk,
     record_conv1d_step,
     window_bytes,
 )
-from lily.quant import bf16_to_float32, float32_to_bf16
 
 # conv_dim of the real model (2 * 2048 + 4096), of the tiny config (2 * 256 + 512), and a count
 # that leaves the last threadgroup partly idle.

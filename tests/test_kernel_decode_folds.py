@@ -28,13 +28,14 @@ from kernel_testing import (
 from test_kernel_moe import REAL, TINY, bind, check_down, check_gate_up, uint32s
 from test_kernel_quantized import ulps_for
 
-from lily import reference
+from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
 from lily.device import Graph
+from lily.engine import reference
 from lily.kernels.conv1d import KERNEL_TAPS, FoldedConvStep, record_conv1d_step
 from lily.kernels.moe import MoeScratch, record_moe, record_moe_down, record_moe_gate_up
 from lily.kernels.norm import FoldedNorm
-from lily.kernels.quantized import record_qgemv, wrap_quant_weight
-from lily.quant import bf16_to_float32, float32_to_bf16
+from lily.kernels.quant_weight import wrap_quant_weight
+from lily.kernels.quantized import record_qgemv
 
 EPS = 1e-6
 

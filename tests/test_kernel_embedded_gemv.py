@@ -29,12 +29,13 @@ from test_kernel_decode_folds import EPS, inv_rms_ulps, normed_reference
 from test_kernel_embedding import expected_rows
 from test_kernel_quantized import ulps_for
 
+from lily.checkpoint.quant import float32_to_bf16
 from lily.device import Graph
 from lily.kernels.conv1d import KERNEL_TAPS, FoldedConvStep
 from lily.kernels.embedding import EmbeddedInput, record_embedding
 from lily.kernels.norm import FoldedNorm
-from lily.kernels.quantized import record_qgemv, wrap_quant_weight
-from lily.quant import float32_to_bf16
+from lily.kernels.quant_weight import wrap_quant_weight
+from lily.kernels.quantized import record_qgemv
 
 VOCAB = 300
 # The history the step reads its token from: the token sits at POSITION, among others.

@@ -20,9 +20,9 @@ from kernel_testing import (
     sim_device,
 )
 
+from lily.checkpoint.quant import bf16_to_float32, unpack_codes
 from lily.kernels.embedding import record_embedding
-from lily.kernels.quantized import wrap_quant_weight
-from lily.quant import bf16_to_float32, unpack_codes
+from lily.kernels.quant_weight import wrap_quant_weight
 
 
 @functools.cache

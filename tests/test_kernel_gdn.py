@@ -3,7 +3,7 @@ and the chunk against the same tokens stepped one by one.
 
 The kernels fuse the q/k L2 norms, the g/beta gates, the delta-rule update of the fp32 state and
 the readout; the chunk kernel also the gated RMSNorm, which at T = 1 is gdn_out_proj's
-(test_kernel_gdn_out_proj.py). The reference composes the same steps from lily.reference.
+(test_kernel_gdn_out_proj.py). The reference composes the same steps from lily.engine.reference.
 """
 
 from __future__ import annotations
@@ -12,8 +12,13 @@ import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, assert_within_ulps, sim_device
 
+from lily.checkpoint.quant import float32_to_bf16
 from lily.device import Graph
-from lily.kernel_checks import reference_gated_norm, reference_gdn_readout, reference_gdn_token
+from lily.diagnostics.kernel_checks import (
+    reference_gated_norm,
+    reference_gdn_readout,
+    reference_gdn_token,
+)
 from lily.kernels.gdn import (
     KEY_HEAD_DIM,
     VALUE_HEAD_DIM,
@@ -21,7 +26,6 @@ from lily.kernels.gdn import (
     record_gdn_step,
     state_bytes,
 )
-from lily.quant import float32_to_bf16
 
 EPS = 1e-6
 # (key heads, value heads): the real model, and the tiny config.
@@ -83,7 +87,7 @@ class GdnCase:
 
 
 def expected_token(case, state, qkv, z, a, b) -> tuple[np.ndarray, np.ndarray]:
-    """(out [Hv*Dv], new state) of one token in float64, composed from lily.reference; `case`
+    """(out [Hv*Dv], new state) of one token in float64, composed from lily.engine.reference; `case`
     gives the head counts and the per-layer weights."""
     return reference_gdn_token(
         state,

@@ -21,13 +21,13 @@ from kernel_testing import (
 )
 from test_kernel_gdn import READOUT_ATOL, READOUT_RTOL, GdnCase
 
+from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
 from lily.device import Graph
-from lily.kernel_checks import gdn_out_proj_ulps, reference_gated_norm
+from lily.diagnostics.kernel_checks import gdn_out_proj_ulps, reference_gated_norm
 from lily.kernels.gdn import VALUE_HEAD_DIM
 from lily.kernels.gdn_out_proj import record_gdn_out_proj
 from lily.kernels.norm import FoldedNorm
-from lily.kernels.quantized import wrap_quant_weight
-from lily.quant import bf16_to_float32, float32_to_bf16
+from lily.kernels.quant_weight import wrap_quant_weight
 
 EPS = 1e-6
 

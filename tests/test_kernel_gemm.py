@@ -18,8 +18,8 @@ from kernel_testing import (
     sim_device,
 )
 
+from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
 from lily.kernels.gemm import record_gemm_nt
-from lily.quant import bf16_to_float32, float32_to_bf16
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)

@@ -35,11 +35,12 @@ from kernel_testing import (
     sim_device,
 )
 
+from lily.checkpoint.quant import bf16_to_float32, unpack_codes
 from lily.device import Graph
 from lily.kernels.moe import MoeWeights, record_moe_down, record_moe_gate_up
 from lily.kernels.norm import FoldedNorm
-from lily.kernels.quantized import record_qgemv, wrap_quant_weight
-from lily.quant import bf16_to_float32, unpack_codes
+from lily.kernels.quant_weight import wrap_quant_weight
+from lily.kernels.quantized import record_qgemv
 
 F32 = np.float32
 LANES = 32

@@ -21,7 +21,9 @@ from kernel_testing import (
 )
 from test_kernel_quantized import ulps_for
 
-from lily.kernels.quantized import record_qgemv, wrap_quant_weight
+from lily.engine.sampling import SamplingParams
+from lily.kernels.quant_weight import wrap_quant_weight
+from lily.kernels.quantized import record_qgemv
 from lily.kernels.sampling import (
     SAMPLING_PARAMS_BYTES,
     LogitAdjustments,
@@ -31,7 +33,6 @@ from lily.kernels.sampling import (
     token_mask_bytes,
     write_sampling_params,
 )
-from lily.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 

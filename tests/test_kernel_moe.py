@@ -33,8 +33,8 @@ from kernel_testing import (
 )
 from test_kernel_quantized import ulps_for
 
-from lily import reference
 from lily.device import Graph
+from lily.engine import reference
 from lily.kernels.moe import (
     InKernelRouting,
     MoeScratch,
@@ -44,7 +44,7 @@ from lily.kernels.moe import (
     record_moe_gate_up,
     record_moe_route,
 )
-from lily.kernels.quantized import wrap_quant_weight
+from lily.kernels.quant_weight import wrap_quant_weight
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,10 @@ from kernel_testing import (
 from test_kernel_moe import TINY, Dims, layer, uint32s
 from test_kernel_quantized import ulps_for
 
-from lily import reference
+from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16, unpack_codes
 from lily.device import Graph
-from lily.kernel_checks import reference_combine, reference_sort
+from lily.diagnostics.kernel_checks import reference_combine, reference_sort
+from lily.engine import reference
 from lily.kernels import offset_by
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe, record_moe_route
 from lily.kernels.moe_chunk import (
@@ -40,8 +41,7 @@ from lily.kernels.moe_chunk import (
     record_moe_combine,
     record_moe_sort,
 )
-from lily.kernels.quantized import wrap_quant_weight
-from lily.quant import bf16_to_float32, float32_to_bf16, unpack_codes
+from lily.kernels.quant_weight import wrap_quant_weight
 
 # -- the counting sort ----------------------------------------------------------------------------
 

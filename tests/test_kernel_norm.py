@@ -21,9 +21,9 @@ from kernel_testing import (
     sim_device,
 )
 
-from lily import reference
+from lily.checkpoint.quant import bf16_to_float32
+from lily.engine import reference
 from lily.kernels.norm import record_add_rms_norm, record_rms_norm, threads_for
-from lily.quant import bf16_to_float32
 
 EPS = 1e-6
 

@@ -22,10 +22,11 @@ from kernel_testing import (
     sim_device,
 )
 
+from lily.checkpoint.quant import bf16_to_float32
 from lily.device import Graph
 from lily.kernels.norm import FoldedNorm
-from lily.kernels.quantized import QuantWeight, record_qgemv, wrap_quant_weight
-from lily.quant import bf16_to_float32
+from lily.kernels.quant_weight import QuantWeight, wrap_quant_weight
+from lily.kernels.quantized import record_qgemv
 
 
 def ulps_for(in_dim: int, bits: int) -> float:

@@ -23,8 +23,8 @@ from kernel_testing import (
 )
 
 from lily.device import Graph
-from lily.kernel_checks import qgemm_ulps, reference_qgemm, swiglu_bound
-from lily.kernels.quantized import wrap_quant_weight
+from lily.diagnostics.kernel_checks import qgemm_ulps, reference_qgemm, swiglu_bound
+from lily.kernels.quant_weight import wrap_quant_weight
 from lily.kernels.quantized_gemm import record_qgemm, record_qgemm_grouped
 
 

@@ -29,8 +29,9 @@ import numpy as np
 import pytest
 from kernel_testing import FLOAT32_EPS, LANE_ORDERS, assert_within, run, sim_device
 
-from lily.constraint import mask_from_tokens
 from lily.device import Graph, open_device
+from lily.engine.constraint import mask_from_tokens
+from lily.engine.sampling import SamplingParams, adjusted_logits
 from lily.kernels.sampling import (
     GATHER_CAPACITY,
     LOGPROB_ENTRIES,
@@ -47,7 +48,6 @@ from lily.kernels.sampling import (
     write_sampling_params,
     write_token_mask,
 )
-from lily.sampling import SamplingParams, adjusted_logits
 
 P_VALUE_THRESHOLD = 1e-3
 REAL_VOCAB = 248320

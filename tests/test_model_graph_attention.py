@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from tiny_models import tiny_checkpoint
 
-from lily.checkpoint import load_checkpoint
+from lily.checkpoint.loader import load_checkpoint
 from lily.device import open_device
+from lily.engine.model_graph import ModelGraph
 from lily.kernels.attention import HEAD_DIM
-from lily.model_graph import ModelGraph
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from tiny_models import tiny_checkpoint
 
-from lily.checkpoint import Checkpoint, load_checkpoint
-from lily.config import FULL_ATTENTION
+from lily.checkpoint.config import FULL_ATTENTION
+from lily.checkpoint.loader import Checkpoint, load_checkpoint
 from lily.device import open_device
-from lily.engine import DeviceEngine
-from lily.model_graph import MODEL, ModelGraph
-from lily.reference import ReferenceModel
+from lily.engine.engine import DeviceEngine
+from lily.engine.model_graph import MODEL, ModelGraph
+from lily.engine.reference import ReferenceModel
 
 # Against the reference with a bf16 KV cache like the engine's (without it, the cache's rounding
 # alone moves this model's logits by about 1e-2, test_engine's whole tolerance); the engine is

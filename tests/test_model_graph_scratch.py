@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 from tiny_models import tiny_checkpoint
 
-from lily.checkpoint import load_checkpoint
+from lily.checkpoint.loader import load_checkpoint
 from lily.device import open_device
-from lily.model_graph import ModelGraph
+from lily.engine.model_graph import ModelGraph
 
 CHUNK_ONLY = ("normed", "mixer_out", "moe_out", "qkv_projected", "queries")
 

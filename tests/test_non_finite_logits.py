@@ -15,10 +15,10 @@ import pytest
 from device_testing import open_test_device
 from tiny_models import tiny_checkpoint
 
-from lily.checkpoint import load_checkpoint
-from lily.engine import DeviceEngine, ReferenceEngine
+from lily.checkpoint.loader import load_checkpoint
+from lily.engine.engine import DeviceEngine, ReferenceEngine
+from lily.engine.sampling import SamplingParams
 from lily.errors import NonFiniteLogitsError
-from lily.sampling import SamplingParams
 
 MAX_SEQ = 48
 EMBED_SCALES = "language_model.model.embed_tokens.scales"

@@ -12,8 +12,8 @@ import pytest
 
 import lily
 from lily.api import Lily
+from lily.engine.sampling import SamplingParams
 from lily.errors import RequestError
-from lily.sampling import SamplingParams
 
 MAX_SEQ = 64
 STEPS = 16

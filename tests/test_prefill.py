@@ -10,9 +10,9 @@ import pytest
 from device_testing import open_test_device
 from tiny_models import tiny_checkpoint
 
-from lily.checkpoint import load_checkpoint
-from lily.engine import DeviceEngine, ReferenceEngine
-from lily.model_graph import pass_flops
+from lily.checkpoint.loader import load_checkpoint
+from lily.engine.engine import DeviceEngine, ReferenceEngine
+from lily.engine.model_graph import pass_flops
 
 MAX_SEQ = 1600
 CONTINUATION = 6

@@ -1,4 +1,5 @@
-"""The prefix cache (lily.prefix_cache, lily.prefix_disk) through the chat API on the demo model:
+"""The prefix cache (lily.engine.prefix_cache, lily.engine.prefix_disk) through the chat API on the
+demo model:
 several conversations at once, branches, the memory budget, and states on disk across
 processes. Every answer is compared with an engine that reuses nothing (`cache_memory=0`: each
 prompt is fed in full from a zero state, as a fresh engine does)."""
@@ -19,8 +20,8 @@ import pytest
 
 import lily
 from lily.api import Lily
-from lily.prefix_cache import PrefixCache
-from lily.prefix_disk import DiskPrefixCache, StateLayout
+from lily.engine.prefix_cache import PrefixCache
+from lily.engine.prefix_disk import DiskPrefixCache, StateLayout
 
 MAX_SEQ = 512
 PARAMS: dict[str, Any] = {
@@ -319,7 +320,7 @@ def test_a_failed_background_write_is_logged_not_raised(tmp_path, caplog):
     directory.write_bytes(b"")  # a file where the directory was: every write now fails
     state = [np.zeros(8, np.float32)]
     disk.save_in_background([1, 2, 3], _rows(3), state)
-    with caplog.at_level("WARNING", logger="lily.prefix_cache"):
+    with caplog.at_level("WARNING", logger="lily.engine.prefix_cache"):
         disk.flush()
     assert "could not write" in caplog.text
     directory.unlink()
@@ -408,8 +409,8 @@ def test_switching_sequences_copies_the_rows_out_and_back_in():
 
 
 def test_the_reference_engine_keeps_several_sequences_as_the_device_does():
-    from lily.checkpoint import load_checkpoint
-    from lily.engine import ReferenceEngine
+    from lily.checkpoint.loader import load_checkpoint
+    from lily.engine.engine import ReferenceEngine
 
     with lily.load("demo", device="reference", max_seq=MAX_SEQ) as llm:
         checkpoint = load_checkpoint(llm.model_dir)

@@ -1,4 +1,4 @@
-"""Faults in the on-disk prefix cache (lily.prefix_disk, `cache_dir`): whatever is in the
+"""Faults in the on-disk prefix cache (lily.engine.prefix_disk, `cache_dir`): whatever is in the
 directory, or not, costs at most a recompute: never an error, a hang, memory or a wrong answer.
 
 The chat tests answer a short conversation on the demo model from a copy of a directory holding
@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 
 import lily
-from lily import prefix_disk
 from lily.api import Lily
-from lily.checkpoint import load_checkpoint, resolve_model
-from lily.prefix_disk import DiskPrefixCache, model_identity
+from lily.checkpoint.loader import load_checkpoint, resolve_model
+from lily.engine import prefix_disk
+from lily.engine.prefix_disk import DiskPrefixCache, model_identity
 
 MIN_TOKENS = 16
 PARAMS: dict[str, Any] = {
@@ -391,7 +391,7 @@ def test_a_checkpoint_differing_between_the_sampled_bytes_has_another_identity(
 def test_an_aligned_copys_shard_is_identified_by_its_store_entry_without_reading_it(
     tmp_path, monkeypatch
 ):
-    from lily import checkpoint
+    from lily.checkpoint import loader as checkpoint
 
     monkeypatch.setenv("LILY_CACHE", str(tmp_path / "cache"))
     digest = "ab" * 32

@@ -1,6 +1,7 @@
 """The Metal memory preflight: its arithmetic and advice, in Python and in the device header.
 
-`lily.preflight` and `csrc/metal/metal_device.h` (compiled here as plain C++, as bindings.cpp
+`lily.diagnostics.preflight` and `csrc/metal/metal_device.h` (compiled here as plain C++, as
+bindings.cpp
 does on a Mac) must give the same message for every case; the expectations below are worked
 out by hand from the policy (4 GiB or an eighth of RAM left to macOS, 1 GiB of headroom).
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lily.preflight import GIB, MIB, WiredPlan, preflight_message, system_reserve
+from lily.diagnostics.preflight import GIB, MIB, WiredPlan, preflight_message, system_reserve
 
 REPO = Path(__file__).resolve().parent.parent
 WIRED_MARGIN = 1024 * MIB

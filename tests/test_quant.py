@@ -1,4 +1,4 @@
-"""lily.quant against MLX's own quantize / dequantize and bf16 conversion."""
+"""lily.checkpoint.quant against MLX's own quantize / dequantize and bf16 conversion."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lily.quant import (
+from lily.checkpoint.quant import (
     bf16_to_float32,
     dequantize,
     float32_to_bf16,

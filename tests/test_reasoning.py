@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from lily.reasoning import ReasoningDelta, ReasoningParser
+from lily.chat.reasoning import ReasoningDelta, ReasoningParser
 
 
 def parse_whole(text: str, thinking: bool = True) -> tuple[str, str]:

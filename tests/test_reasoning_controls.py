@@ -16,9 +16,9 @@ from starlette.testclient import TestClient
 
 import lily
 from lily.api import Lily
-from lily.chat import THINK_CLOSE
+from lily.chat.completions import THINK_CLOSE
 from lily.errors import RequestError
-from lily.server import create_app
+from lily.server.app import create_app
 
 USER = [{"role": "user", "content": "Why is the sky blue?"}]
 GREEDY = {"temperature": 0}

@@ -13,9 +13,9 @@ import pytest
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 from tiny_models import tiny_checkpoint
 
-from lily import reference as ref
-from lily.checkpoint import load_checkpoint
-from lily.reference import ReferenceModel
+from lily.checkpoint.loader import load_checkpoint
+from lily.engine import reference as ref
+from lily.engine.reference import ReferenceModel
 
 TOLERANCE = 1e-3  # issue 2's acceptance bound on logits
 

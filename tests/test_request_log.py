@@ -13,9 +13,9 @@ from starlette.testclient import TestClient
 
 import lily
 from lily.api import Lily
-from lily.chat import GenerationStats
-from lily.request_log import describe
-from lily.server import create_app
+from lily.chat.completions import GenerationStats
+from lily.server.app import create_app
+from lily.server.request_log import describe
 
 USER = [{"role": "user", "content": "Hi"}]
 

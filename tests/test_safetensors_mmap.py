@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from lily.safetensors_mmap import (
+from lily.checkpoint.safetensors_mmap import (
     INDEX_FILE,
     CheckpointError,
     Shard,
@@ -272,7 +272,7 @@ def test_tensor_in_two_shards(tmp_path):
 RSS_PROBE = textwrap.dedent(
     """
     import os, sys
-    from lily.safetensors_mmap import Shard
+    from lily.checkpoint.safetensors_mmap import Shard
 
     def rss():
         with open("/proc/self/statm") as f:

@@ -27,11 +27,11 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import checks
 
 import lily
-import lily.server
+import lily.server.routes
 from lily.api import Lily
 from lily.errors import RequestError
-from lily.openapi import CHAT_REQUEST_EXAMPLES, openapi_document
-from lily.server import create_app
+from lily.server.app import create_app
+from lily.server.openapi import CHAT_REQUEST_EXAMPLES, openapi_document
 
 MAX_SEQ = 96
 MODEL = "demo"
@@ -511,7 +511,7 @@ def test_the_python_api_and_http_agree(server: RunningServer, facade: Lily, case
 def test_a_template_over_its_limits_is_a_named_server_error(
     server: RunningServer, served_llm: Lily
 ) -> None:
-    from lily.chat_template import ChatTemplate, TemplateLimits
+    from lily.chat.chat_template import ChatTemplate, TemplateLimits
 
     looping = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
     original = served_llm.chat_template
@@ -539,13 +539,13 @@ def test_bodies_are_parsed_off_the_event_loop(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     parsed_on: list[threading.Thread] = []
-    parse = lily.server.parse_chat_request
+    parse = lily.server.routes.parse_chat_request
 
     def recording_parse(body: bytes, **kwargs: Any) -> dict[str, Any]:
         parsed_on.append(threading.current_thread())
         return parse(body, **kwargs)
 
-    monkeypatch.setattr(lily.server, "parse_chat_request", recording_parse)
+    monkeypatch.setattr(lily.server.routes, "parse_chat_request", recording_parse)
     response = post(server, "[1]")  # refused by the parser: no generation needed
     assert response.status_code == 400
     # uvicorn runs the event loop on the server's thread; the parse ran elsewhere.

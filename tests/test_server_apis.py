@@ -28,7 +28,7 @@ from test_server import RunningServer
 
 import lily
 from lily.api import Lily
-from lily.server import create_app
+from lily.server.app import create_app
 
 MAX_SEQ = 384  # a prompt with tools is about 200 tokens
 MODEL = "demo"

@@ -23,15 +23,16 @@ import pytest
 from test_server import RunningServer, user
 
 import lily
-import lily.chat
+import lily.chat.completions
 from lily.api import Lily
-from lily.request_limits import (
+from lily.chat.request_limits import (
     DEFAULT_MAX_GRAMMAR_BYTES,
+    DEFAULT_MAX_JSON_VALUES,
     DEFAULT_MAX_MESSAGES,
     DEFAULT_MAX_TOOL_CALLS,
     DEFAULT_MAX_TOOLS,
 )
-from lily.server import create_app
+from lily.server.app import create_app
 
 MAX_SEQ = 96
 GREEDY = {"temperature": 0}
@@ -124,6 +125,26 @@ def test_a_request_over_the_shape_bounds_is_refused_before_the_engine(
     assert server.wait_idle()["completed"] == completed
 
 
+
+def test_a_request_over_the_value_bound_is_refused_before_the_engine(
+    server: RunningServer,
+) -> None:
+    # Within the other bounds (one message with one call), but its arguments hold 100,000
+    # keys: the renderer took more than its 10 s deadline over them, a 500 chat_template_limit.
+    arguments = json.dumps({f"k{i}": 0 for i in range(100_000)})
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [*user("a"), {"role": "assistant", "content": None, "tool_calls": [call]}]
+    messages.append({"role": "tool", "tool_call_id": "c", "content": "done"})
+    completed = server.wait_idle()["completed"]
+    started = time.monotonic()
+    response = chat(server, {"messages": messages, "max_tokens": 1})
+    assert response.status_code == 400, response.text[:500]
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("too_many_values", "messages")
+    assert str(DEFAULT_MAX_JSON_VALUES) in error["message"]
+    assert time.monotonic() - started < 10
+    assert server.wait_idle()["completed"] == completed
+
 GRAMMARS = {
     "forced call": (
         forced_enum_call(20_000),
@@ -167,13 +188,13 @@ def test_a_grammar_within_the_bound_is_compiled_off_the_event_loop(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     compiled_on: list[threading.Thread] = []
-    compile_grammar = lily.chat.output_grammar
+    compile_grammar = lily.chat.completions.output_grammar
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         compiled_on.append(threading.current_thread())
         return compile_grammar(*args, **kwargs)
 
-    monkeypatch.setattr(lily.chat, "output_grammar", recording)
+    monkeypatch.setattr(lily.chat.completions, "output_grammar", recording)
     response = chat(server, forced_enum_call(50))
     # The tool's description does not fit this small context: refused after the compile.
     assert response.json()["error"]["code"] == "context_length_exceeded", response.text[:500]

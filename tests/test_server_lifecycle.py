@@ -29,7 +29,7 @@ from test_server import CountingEngine, RunningServer, user
 
 import lily
 from lily.api import Lily
-from lily.server import create_app
+from lily.server.app import create_app
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 8
@@ -342,7 +342,7 @@ def test_a_signal_during_a_long_prefill_pass_answers_the_running_request_in_json
     env = dict(os.environ)
     env.pop("LILY_API_KEY", None)
     launcher = (
-        "import sys, lily.server; lily.server.SHUTDOWN_MARGIN_SECONDS = 1.0; "
+        "import sys, lily.server.routes; lily.server.routes.SHUTDOWN_MARGIN_SECONDS = 1.0; "
         "from lily.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     process = subprocess.Popen(

@@ -20,10 +20,10 @@ from test_server import RunningServer
 
 import lily
 from lily.api import Lily
-from lily.api_key import APIKeyError, resolve_api_key
 from lily.cli import main
-from lily.http_guard import GuardPolicy, HTTPGuard
-from lily.server import create_app, serve
+from lily.server.api_key import APIKeyError, resolve_api_key
+from lily.server.app import create_app, serve
+from lily.server.http_guard import GuardPolicy, HTTPGuard
 
 MAX_SEQ = 48
 CHAT = "/v1/chat/completions"
@@ -243,10 +243,11 @@ def test_serve_wires_the_key_and_the_bound_host(
     bound to is a name the Host header may carry."""
     apps: list[Any] = []
     monkeypatch.setattr(
-        "lily.server._DrainingServer.run", lambda server, *a, **k: apps.append(server.config.app)
+        "lily.server.app._DrainingServer.run",
+        lambda server, *a, **k: apps.append(server.config.app),
     )
     # Nothing listens: the host is a made-up name (the port check is tested in test_cli.py).
-    monkeypatch.setattr("lily.server.check_port_free", lambda host, port: None)
+    monkeypatch.setattr("lily.server.app.check_port_free", lambda host, port: None)
     monkeypatch.setenv("LILY_API_KEY", "from-env")
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
@@ -282,7 +283,7 @@ def test_cli_serve_flags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr("lily.server.serve", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr("lily.server.app.serve", lambda *a, **k: calls.append(k))
     key_file = tmp_path / "key"
     main(["serve", "--api-key-file", str(key_file), "--allowed-host", "mybox.lan", "--allowed-host",
           "other.lan:9000", "--cors-origin", "HTTP://LocalHost:3000/"])  # fmt: skip

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 from importlib import resources
 
-from lily.detokenize import IncrementalDecoder
-from lily.stop import StopStringMatcher, partial_marker_length
-from lily.tokenizer import Tokenizer
+from lily.chat.detokenize import IncrementalDecoder
+from lily.chat.stop import StopStringMatcher, partial_marker_length
+from lily.chat.tokenizer import Tokenizer
 
 
 def reference_cut(text: str, stops: list[str]) -> str:

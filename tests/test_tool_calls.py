@@ -9,11 +9,11 @@ from importlib import resources
 
 import pytest
 
-from lily.detokenize import IncrementalDecoder
-from lily.reasoning import ReasoningParser
-from lily.stop import StopStringMatcher
-from lily.tokenizer import Tokenizer
-from lily.tool_calls import ToolCallParser, convert_parameter, parse_tool_calls
+from lily.chat.detokenize import IncrementalDecoder
+from lily.chat.reasoning import ReasoningParser
+from lily.chat.stop import StopStringMatcher
+from lily.chat.tokenizer import Tokenizer
+from lily.chat.tool_calls import ToolCallParser, convert_parameter, parse_tool_calls
 
 TOOLS = [
     {

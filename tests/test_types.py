@@ -8,8 +8,8 @@ import pytest
 from openai.types.chat import ChatCompletion as SDKChatCompletion
 from openai.types.chat import ChatCompletionChunk as SDKChatCompletionChunk
 
-from lily.tool_calls import ToolCall, ToolCallDelta
-from lily.types import (
+from lily.chat.tool_calls import ToolCall, ToolCallDelta
+from lily.chat.types import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionMessage,

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from tiny_models import tiny_checkpoint
 
-from lily.checkpoint import load_checkpoint
-from lily.config import parse_config
-from lily.safetensors_mmap import NUMPY_DTYPES, Shard, TensorInfo
-from lily.validate import ValidationError, claims_real_model, expected_layout, validate
+from lily.checkpoint.config import parse_config
+from lily.checkpoint.loader import load_checkpoint
+from lily.checkpoint.safetensors_mmap import NUMPY_DTYPES, Shard, TensorInfo
+from lily.checkpoint.validate import ValidationError, claims_real_model, expected_layout, validate
 
 SHARD = "model.safetensors"
 P = "language_model.model."
 
-# model.md section 1, typed from the spec (not from lily.validate).
+# model.md section 1, typed from the spec (not from lily.checkpoint.validate).
 REAL_TEXT_CONFIG = {
     "hidden_size": 2048,
     "num_hidden_layers": 40,

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lily.cache import build_once
-from lily.checkpoint import write_aligned_checkpoint
+from lily.checkpoint.cache import build_once
+from lily.checkpoint.loader import write_aligned_checkpoint
 
 # Bump when the generator changes in a way its parameters do not capture.
 GENERATOR_VERSION = 2
@@ -154,7 +154,7 @@ def _key(spec: TinySpec) -> str:
 
 
 def _cached(key: str, build: Callable[[Path], None]) -> Path:
-    """cache_root()/key, built first if absent (see lily.cache.build_once)."""
+    """cache_root()/key, built first if absent (see lily.checkpoint.cache.build_once)."""
     return build_once(cache_root() / key, build)
 
 

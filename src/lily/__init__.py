@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 # Light (no numpy, no native module), and callers catch its classes before anything is loaded.
 from lily import errors
+from lily.version import __version__
 
 if TYPE_CHECKING:
     from lily.api import Lily, load
 
-__version__ = "0.1.0"
 __all__ = ["Lily", "errors", "load", "__version__"]
 
 

@@ -13,20 +13,20 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-import lily
-from lily.chat import Chat
-from lily.chat_template import ChatTemplate
-from lily.checkpoint import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
-from lily.checkpoint_files import read_json_file
-from lily.detokenize import IncrementalDecoder
-from lily.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
+from lily.chat.chat_template import ChatTemplate
+from lily.chat.completions import Chat
+from lily.chat.detokenize import IncrementalDecoder
+from lily.chat.stop import StopStringMatcher
+from lily.chat.tokenizer import Tokenizer
+from lily.checkpoint.files import read_json_file
+from lily.checkpoint.loader import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
+from lily.engine.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
+from lily.engine.model_graph import DEFAULT_MAX_CHUNK, device_bytes
+from lily.engine.prefix_cache import CacheOptions
+from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
+from lily.engine.sampling import SamplingParams
 from lily.errors import CheckpointError, ContextLengthError, RequestError
-from lily.model_graph import DEFAULT_MAX_CHUNK, device_bytes
-from lily.prefix_cache import CacheOptions
-from lily.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
-from lily.sampling import SamplingParams
-from lily.stop import StopStringMatcher
-from lily.tokenizer import Tokenizer
+from lily.version import __version__
 
 DEVICES = ("auto", "sim", "metal", "reference")
 # Context length when the caller does not choose one: long enough for real conversations, and
@@ -130,7 +130,7 @@ def system_fingerprint(model_dir: Path) -> str:
     """OpenAI's `system_fingerprint`: Lily's version and the checkpoint's identity (the content
     of its config, generation config and chat template, and the names and sizes of its files),
     so that a client can tell when the same request may be answered differently."""
-    digest = hashlib.sha256(f"lily {lily.__version__}".encode())
+    digest = hashlib.sha256(f"lily {__version__}".encode())
     for path in sorted(model_dir.iterdir()):
         if not path.is_file():
             continue
@@ -165,7 +165,8 @@ class Lily:
         )
         self.default_sampling = default_sampling(model_dir)
         self.system_fingerprint = system_fingerprint(model_dir)
-        # Control tokens written in a request's text are read as plain text (lily.special_tokens).
+        # Control tokens written in a request's text are read as plain text
+        # (lily.chat.special_tokens).
         self.escape_special_tokens = escape_special_tokens
         self.config = engine.config
         self.device = device

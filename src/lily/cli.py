@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from lily.api import DEFAULT_MAX_SEQ, DEVICES
-from lily.model_graph import DEFAULT_MAX_CHUNK
-from lily.prefix_cache import CacheOptions
-from lily.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
+from lily.engine.model_graph import DEFAULT_MAX_CHUNK
+from lily.engine.prefix_cache import CacheOptions
+from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 
 if TYPE_CHECKING:
     from lily.api import Lily
@@ -366,9 +366,9 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from lily.api_key import APIKeyError
-    from lily.request_limits import RequestLimits
-    from lily.server import PortInUseError, serve
+    from lily.chat.request_limits import RequestLimits
+    from lily.server.api_key import APIKeyError
+    from lily.server.app import PortInUseError, serve
 
     try:
         serve(
@@ -393,6 +393,7 @@ def _serve(args: argparse.Namespace) -> int:
                 max_tools=args.max_tools,
                 max_tool_calls=args.max_tool_calls,
                 max_grammar_bytes=args.max_grammar_bytes,
+                max_json_values=args.max_json_values,
             ),
             header_timeout=args.header_timeout,
             body_timeout=args.body_timeout,
@@ -434,7 +435,7 @@ def _positive_byte_size(text: str) -> int:
 
 
 def _cors_origin(text: str) -> str:
-    from lily.http_guard import normalized_origin
+    from lily.server.http_guard import normalized_origin
 
     try:
         return normalized_origin(text)
@@ -443,7 +444,7 @@ def _cors_origin(text: str) -> str:
 
 
 def _allowed_host(text: str) -> str:
-    from lily.http_guard import ANY_HOST, host_name
+    from lily.server.http_guard import ANY_HOST, host_name
 
     name = text if text == ANY_HOST else host_name(text)
     if name is None:
@@ -545,13 +546,6 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _gpu_lines() -> list[str]:
     from lily import _native
     from lily.api import resolve_device
@@ -573,51 +567,20 @@ def _gpu_lines() -> list[str]:
     return lines
 
 
-def _cached_default_checkpoint() -> str:
-    """Whether the pinned revision of the default repo is in the Hugging Face cache (looked up
-    on disk only: `info` never downloads)."""
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import repo_folder_name
-
-    from lily.checkpoint import DEFAULT_REPO, DEFAULT_REVISION
-
-    label = f"{DEFAULT_REPO}@{DEFAULT_REVISION[:10]}"
-    path = (
-        Path(constants.HF_HUB_CACHE)
-        / repo_folder_name(repo_id=DEFAULT_REPO, repo_type="model")
-        / "snapshots"
-        / DEFAULT_REVISION
-    )
-    index = path / "model.safetensors.index.json"
-    if not index.is_file():
-        return f"{label}: not downloaded (the first `lily.load()` fetches it)"
-    shards = set(json.loads(index.read_text())["weight_map"].values())
-    missing = sum(not (path / name).is_file() for name in shards)
-    if missing:
-        return f"{label}: partly downloaded at {path} ({missing} of {len(shards)} shards missing)"
-    size = sum((path / name).stat().st_size for name in shards)
-    return f"{label}: cached at {path} ({_gib(size)})"
-
-
-def _cached_demo() -> str:
-    root = Path(os.environ.get("LILY_CACHE") or Path.home() / ".cache" / "lily")
-    demos = sorted(root.glob("demo-*"))
-    if not demos:
-        return "demo: not generated yet (made on first use, a few seconds)"
-    return f"demo: generated at {demos[-1]}"
-
-
 def _info(args: argparse.Namespace) -> int:
-    from lily import __version__
+    from lily.checkpoint.demo import demo_status
+    from lily.checkpoint.loader import default_checkpoint_status
+    from lily.diagnostics.preflight import physical_memory
+    from lily.version import __version__
 
-    memory = _physical_memory()
+    memory = physical_memory()
     lines = [
         f"lily:            {__version__}",
         f"python:          {platform.python_version()} on {platform.system()} {platform.machine()}",
         f"memory:          {_gib(memory) if memory else 'unknown'}",
         *_gpu_lines(),
-        f"checkpoint:      {_cached_default_checkpoint()}",
-        f"                 {_cached_demo()}",
+        f"checkpoint:      {default_checkpoint_status()}",
+        f"                 {demo_status()}",
     ]
     print("\n".join(lines))
     return 0
@@ -627,7 +590,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from lily import doctor
+    from lily.diagnostics import doctor
 
     return doctor.main(args.device, timing_runs=args.runs)
 
@@ -636,14 +599,14 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from lily import __version__
-    from lily.request_limits import (
+    from lily.chat.request_limits import (
         DEFAULT_MAX_GRAMMAR_BYTES,
+        DEFAULT_MAX_JSON_VALUES,
         DEFAULT_MAX_MESSAGES,
         DEFAULT_MAX_TOOL_CALLS,
         DEFAULT_MAX_TOOLS,
     )
-    from lily.server import (
+    from lily.server.routes import (
         DEFAULT_BODY_TIMEOUT,
         DEFAULT_HEADER_TIMEOUT,
         DEFAULT_HOST,
@@ -652,6 +615,7 @@ def _parser() -> argparse.ArgumentParser:
         DEFAULT_QUEUE_LIMIT,
         DEFAULT_SHUTDOWN_GRACE,
     )
+    from lily.version import __version__
 
     parser = _Parser(
         prog="lily",
@@ -794,6 +758,14 @@ def _parser() -> argparse.ArgumentParser:
         help="largest output grammar (response_format, forced tool calls) compiled for a "
         "request, JSON schemas included; larger ones get 400 unsupported_schema naming the "
         "field (default: 256KiB)",
+    )
+    serve.add_argument(
+        "--max-json-values",
+        type=_positive_int,
+        default=DEFAULT_MAX_JSON_VALUES,
+        help="most JSON values (objects, arrays, strings, numbers, ...) in a request body, all "
+        "added up; more get 400 too_many_values before anything is rendered "
+        f"(default: {DEFAULT_MAX_JSON_VALUES})",
     )
     serve.add_argument(
         "--header-timeout",

@@ -10,7 +10,7 @@ from lily.kernels import BufferRef, binding, ceil_div, pack_params, threads_with
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
-    from lily.kernels.quantized import QuantWeight
+    from lily.kernels.quant_weight import QuantWeight
 
 THREADS_PER_THREADGROUP = 64
 

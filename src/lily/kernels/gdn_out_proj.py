@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from lily.kernels import BufferRef, binding, pack_params, require_aligned
 from lily.kernels.gdn import VALUE_HEAD_DIM
 from lily.kernels.norm import FoldedNorm
-from lily.kernels.quantized import QuantWeight
+from lily.kernels.quant_weight import QuantWeight
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph

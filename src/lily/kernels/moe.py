@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 from lily.kernels import BufferRef, binding, ceil_div, offset_by, pack_params
 from lily.kernels.norm import FoldedNorm
+from lily.kernels.quant_weight import QuantWeight
 from lily.kernels.quantized import (
     ROWS_PER_SIMDGROUP,
     SIMD_WIDTH,
-    QuantWeight,
     gemv_simdgroups,
     record_qgemv,
     require_vector_aligned,

@@ -4,7 +4,6 @@ one input, computed in one dispatch."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,63 +19,17 @@ from lily.kernels import (
 from lily.kernels.conv1d import FoldedConvStep
 from lily.kernels.embedding import EmbeddedInput
 from lily.kernels.norm import FoldedNorm
+from lily.kernels.quant_weight import QuantWeight
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
 
-GROUP_SIZE = 64
 MAX_PROJECTIONS = 4
 # Must match QGEMV_ROWS_PER_SIMDGROUP (quantized_gemv.metal) and MOE_ROWS_PER_SIMDGROUP (moe.metal).
 ROWS_PER_SIMDGROUP = 4
 SIMD_WIDTH = 32
 # Dispatches of fewer SIMD-groups than this run one SIMD-group per threadgroup, larger ones two.
 FEW_SIMDGROUPS = 2048
-
-
-@dataclass(frozen=True)
-class QuantWeight:
-    """An MLX-quantized projection where it lies in memory.
-
-    `weight` holds uint32 codes [experts?, rows, in_dim * bits / 32]; `scales` and `biases` hold
-    bf16 [experts?, rows, in_dim / 64]. `experts` > 1 for stacked expert tensors.
-    """
-
-    weight: BufferRef
-    scales: BufferRef
-    biases: BufferRef
-    rows: int
-    in_dim: int
-    bits: int
-    experts: int = 1
-
-    def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"unsupported bit width {self.bits}")
-        if self.in_dim % GROUP_SIZE:
-            raise ValueError(f"input dimension {self.in_dim} is not a multiple of {GROUP_SIZE}")
-        # Codes are read 16 bytes at a time; every row is a multiple of 32 bytes long.
-        require_aligned(self.weight, 16, "quantized weight")
-        require_aligned(self.scales, 2, "quantization scales")
-        require_aligned(self.biases, 2, "quantization biases")
-
-
-def wrap_quant_weight(
-    device: Device, weight: np.ndarray, scales: np.ndarray, biases: np.ndarray
-) -> QuantWeight:
-    """Binds numpy arrays of an MLX-quantized triple (scales/biases as raw bf16 uint16) in place.
-    A leading axis on all three is a stack of experts."""
-    in_dim = scales.shape[-1] * GROUP_SIZE
-    bits = weight.shape[-1] * 32 // in_dim
-    experts = weight.shape[0] if weight.ndim == 3 else 1
-    return QuantWeight(
-        weight=device.wrap(np.ascontiguousarray(weight, dtype=np.uint32)),
-        scales=device.wrap(np.ascontiguousarray(scales, dtype=np.uint16)),
-        biases=device.wrap(np.ascontiguousarray(biases, dtype=np.uint16)),
-        rows=weight.shape[-2],
-        in_dim=in_dim,
-        bits=bits,
-        experts=experts,
-    )
 
 
 def gemv_simdgroups(simdgroups: int) -> int:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lily.kernels import BufferRef, binding, ceil_div, pack_params, require_aligned
-from lily.kernels.quantized import QuantWeight
+from lily.kernels.quant_weight import QuantWeight
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph

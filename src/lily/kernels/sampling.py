@@ -23,7 +23,7 @@ every quantity in fp32:
    25 nats below the most likely one can never be drawn (its true probability is < 1e-11).
 
 0. When the request adjusts the logits (`SamplingParams.adjusts_logits`), each logit l is first
-   replaced as `lily.sampling.adjusted_logits` defines it, in fp32: ``l + bias``; then, for a
+   replaced as `lily.engine.sampling.adjusted_logits` defines it, in fp32: ``l + bias``; then, for a
    token the prompt or the completion so far holds, divided by the repetition penalty when
    positive, else multiplied by it; then less ``frequency * count + (count > 0) * presence``.
    The bias is a dense fp32 vector, the counts a uint32 vector that the decode step's draw
@@ -31,7 +31,8 @@ every quantity in fp32:
    the prompt's tokens a bitmask (`write_logit_adjustments` writes all three per request). A
    bias of -100 bans the token: the host clears it from the token mask.
 
-A token mask (`write_token_mask`; the hook is `lily.constraint.TokenConstraint`) applies before
+A token mask (`write_token_mask`; the hook is `lily.engine.constraint.TokenConstraint`) applies
+before
 step 1 when the host switched it on for the draw: a disallowed token counts as a -inf logit, so
 it is never the greedy choice, the filters see only the allowed tokens, and it is never drawn.
 
@@ -78,9 +79,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lily.constraint import mask_from_tokens, mask_words
+from lily.engine.constraint import mask_from_tokens, mask_words
+from lily.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, token_counts
 from lily.kernels import BufferRef, binding, ceil_div, pack_params, threads_within
-from lily.sampling import MAX_TOP_LOGPROBS, SamplingParams, token_counts
 
 if TYPE_CHECKING:
     from lily.device import Buffer, Device, Graph
@@ -120,7 +121,7 @@ def token_mask_bytes(vocab: int) -> int:
 
 
 def write_token_mask(buffer: BufferRef, mask: np.ndarray | None) -> None:
-    """Store the allowed tokens of the next draw (a bitmask as `lily.constraint` defines it,
+    """Store the allowed tokens of the next draw (a bitmask as `lily.engine.constraint` defines it,
     its bits past the vocabulary clear), or None for no mask. Write it only while no
     submitted pass that samples is still running."""
     target, offset = binding(buffer)
@@ -168,7 +169,7 @@ def write_sampling_params(buffer: BufferRef, params: SamplingParams) -> None:
 @dataclass(frozen=True)
 class LogitAdjustments:
     """The per-token buffers the adjustments read: `bias` fp32 [vocab], `counts` uint32 [vocab]
-    (the completion's tokens so far), `prompt_tokens` a bitmask (`lily.constraint`) of the
+    (the completion's tokens so far), `prompt_tokens` a bitmask (`lily.engine.constraint`) of the
     prompt's tokens."""
 
     bias: Buffer

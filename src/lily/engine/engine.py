@@ -1,0 +1,563 @@
+"""Engines turn token ids into next-token predictions. Two implement one small interface:
+
+- `DeviceEngine` replays recorded graphs of the model on a device (sim or metal): prefill chunks,
+  then one decode step per token, one native call each, keeping up to two passes in flight: pass
+  N+1 is queued before pass N's token is read, which works because the graphs themselves
+  advance the step buffer. A generation under a `TokenConstraint` keeps one pass in flight,
+  since the mask of draw N+1 depends on token N.
+- `ReferenceEngine` runs the numpy reference model: the oracle, and a device-free fallback that a
+  user must ask for by name (`device="reference"`).
+
+**Batched prefill.** A prompt is fed in chunks of up to `max_chunk` tokens, each one pass of the
+model graph (`model_graph.py`) at T tokens and one submitted command buffer; only the chunk
+holding the last prompt token runs the lm_head and the sampler, and decode steps (T = 1) follow it
+in the same pipeline. Chunks are cut at a requested snapshot position, so the snapshot is the
+state after exactly that prefix.
+
+**Prefix reuse.** The Gated DeltaNet state cannot be trimmed back like a KV cache, so an engine
+keeps snapshots of the recurrent state (conv windows and GDN state) at the positions the caller
+marks with `snapshot_at` (the chat facade marks message boundaries) and at regular positions of
+long prompts. A later prompt that starts with a snapshot's tokens restores it, with the KV rows
+before it, and only feeds the rest. Which snapshots and rows are kept, for how many sequences,
+within what memory, is `prefix_cache.PrefixCache`'s policy.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from lily.engine.constraint import TokenConstraint, allowed_flags, ban_mask, draw_mask
+from lily.engine.lock import (
+    EngineLock,
+    holds_engine,
+    holds_engine_while_generating,
+    shares_engine,
+)
+from lily.engine.model_graph import (
+    DEFAULT_MAX_CHUNK,
+    LOGPROB_RING_SLOTS,
+    ModelGraph,
+    device_bytes,
+    pass_flops,
+)
+from lily.engine.prefix_cache import Arrays, PrefixCache, PrefixMatch, default_cache_memory
+from lily.engine.reference import ReferenceModel, ReferenceState
+from lily.engine.sampling import (
+    GeneratedToken,
+    SamplingParams,
+    TokenLogprobs,
+    adjusted_logits,
+    sampling_distribution,
+    top_logprobs,
+)
+from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
+from lily.kernels.sampling import (
+    NO_TOKEN,
+    read_logprobs,
+    write_logit_adjustments,
+    write_sampling_params,
+    write_token_mask,
+)
+from lily.kernels.step import POSITION, PROMPT_END, TOKEN
+
+GREEDY = SamplingParams(temperature=0.0)
+
+if TYPE_CHECKING:
+    from lily.checkpoint.config import ModelConfig
+    from lily.checkpoint.loader import Checkpoint
+    from lily.device import Device
+
+PIPELINE_DEPTH = 2
+
+
+class Engine(Protocol):
+    config: ModelConfig
+    max_seq: int
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Collection[int] = (),
+        sampling: SamplingParams = GREEDY,
+        snapshot_at: int | Collection[int] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        constraint: TokenConstraint | None = None,
+        cache_key: str | None = None,
+        reply_so_far: int = 0,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Iterator[GeneratedToken]:
+        """Yields the tokens generated after `prompt`, stopping after a stop token; with
+        `sampling.top_logprobs` set, each carries its logprob and that many alternatives.
+        Closing the iterator stops the generation. The longest cached prefix that `prompt`
+        starts with is reused (preferring the sequence last used with `cache_key` among equal
+        ones); `snapshot_at` asks for new snapshots after the first that many tokens.
+        `should_stop` is asked before every prefill chunk and every token (also while the
+        caller is not reading); once it returns True the generation raises
+        GenerationCancelled. `constraint`, if given, is asked for the allowed tokens before
+        every draw and told every drawn token (before it is yielded); a mask allowing none of
+        the tokens raises NoAllowedTokenError. Log-probabilities ignore the mask. The last
+        `reply_so_far` tokens of `prompt` are the reply so far, when a generation resumes after
+        the caller appended to it: the frequency and presence penalties count them as
+        generated, so a reply's penalties do not restart. `progress`, if given, is told
+        (prompt tokens fed so far, prompt length) as the prompt is fed, the cached prefix
+        counting as fed; the last call has the two equal."""
+        ...
+
+    def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
+        """How many leading tokens of `prompt` the prefix cache would spare `generate` feeding."""
+        ...
+
+    def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Logits [len(tokens), vocab] of a fresh sequence fed `tokens`: row i predicts i + 1."""
+        ...
+
+    def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
+        """Logits [vocab] predicting the token after `prompt` in a fresh sequence, computed the
+        way `generate` computes its first token (batched prefill on a device)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
+    if prompt_length == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if prompt_length + max_new_tokens > max_seq:
+        raise ContextLengthError(
+            f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"context of {max_seq} tokens; load with a larger max_seq or ask for fewer tokens"
+        )
+
+
+def _reply(prompt: list[int], reply_so_far: int) -> list[int]:
+    """The last `reply_so_far` tokens of `prompt`: a resumed reply's tokens so far."""
+    if not 0 <= reply_so_far <= len(prompt):
+        raise ValueError(
+            f"reply_so_far must be 0 to {len(prompt)} (the prompt), got {reply_so_far}"
+        )
+    return prompt[len(prompt) - reply_so_far :]
+
+
+def _check_stop(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise GenerationCancelled("the generation was cancelled")
+
+
+def _banned_tokens(sampling: SamplingParams, token_count: int) -> np.ndarray | None:
+    """The mask without the tokens `sampling` bans, refusing a logit_bias for an id the
+    tokenizer cannot produce."""
+    sampling.check_token_ids(token_count)
+    return ban_mask(sampling.banned_tokens(), token_count)
+
+
+def _positions(snapshot_at: int | Collection[int] | None) -> list[int]:
+    if snapshot_at is None:
+        return []
+    return [snapshot_at] if isinstance(snapshot_at, int) else list(snapshot_at)
+
+
+class _DeviceRows:
+    """The device's KV cache arrays ([num_kv_heads, capacity, head_dim] bf16 bits each) through
+    their host-visible views (the sim's and Metal's buffers are shared memory)."""
+
+    def __init__(self, model: ModelGraph) -> None:
+        c = model.config
+        shape = (c.num_key_value_heads, model.capacity, c.head_dim)
+        state = model.state
+        self._arrays = [
+            buffer.numpy().view(np.uint16).reshape(shape)
+            for layer in sorted(state.k_cache)
+            for buffer in (state.k_cache[layer], state.v_cache[layer])
+        ]
+
+    def copy_out(self, tokens: int) -> Arrays:
+        return [a[:, :tokens].copy() for a in self._arrays]
+
+    def copy_in(self, rows: Arrays, tokens: int) -> None:
+        for array, saved in zip(self._arrays, rows, strict=True):
+            array[:, :tokens] = saved[:, :tokens]
+
+
+def kv_bytes_per_token(config: ModelConfig, itemsize: int) -> int:
+    """One position's keys and values over every attention layer."""
+    heads = config.num_key_value_heads * config.head_dim
+    return 2 * len(config.full_attention_layers) * heads * itemsize
+
+
+class DeviceEngine:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        device: Device,
+        max_seq: int,
+        token_count: int,
+        max_chunk: int = DEFAULT_MAX_CHUNK,
+        chunk_flops: float | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        """`token_count`: how many ids the tokenizer can produce; only those are generated.
+        `max_chunk`: the most prompt tokens one prefill pass (one command buffer) takes;
+        `chunk_flops`, if given, also bounds a pass's estimated work (`pass_flops`), which
+        grows with the context, so that no command buffer runs long enough to trip the GPU
+        watchdog. `prefix_cache`: which prefixes are kept for reuse (default: in memory, with
+        `default_cache_memory`'s budget)."""
+        self.config = checkpoint.config
+        self.device = device
+        self.max_seq = max_seq
+        self.max_chunk = max_chunk
+        self.chunk_flops = chunk_flops
+        self._model = ModelGraph(checkpoint, device, max_seq, token_count, max_chunk)
+        self._rows = _DeviceRows(self._model)
+        if prefix_cache is None:
+            working = device_bytes(checkpoint, max_seq, max_chunk)
+            prefix_cache = PrefixCache(
+                default_cache_memory(working), kv_bytes_per_token(self.config, 2)
+            )
+        self.prefix_cache = prefix_cache
+        recurrent = [b.numpy() for b in self._model.state.recurrent_buffers()]
+        prefix_cache.set_layout(self._rows.copy_out(0), recurrent)
+        # Prompt tokens fed through the model by `generate`, over the engine's life.
+        self.prompt_tokens_fed = 0
+        self.lock = EngineLock()  # one thread at a time (lock.py)
+
+    def _start(
+        self,
+        tokens: Sequence[int],
+        prompt_end: int,
+        reuse: bool = False,
+        cache_key: str | None = None,
+    ) -> int:
+        """Sets the recurrent state (a cached prefix's when `reuse` finds one, else zero) and
+        points the step buffer at the first token to feed; returns that token's position."""
+        match = self.prefix_cache.begin(tokens, self._rows, cache_key, reuse)
+        start, saved = (0, None) if match is None else (match.length, match.state)
+        for i, buffer in enumerate(self._model.state.recurrent_buffers()):
+            buffer.numpy()[:] = 0 if saved is None else saved[i]
+        history = self._model.history_view()
+        history[: len(tokens)] = tokens
+        step = self._model.step_view()
+        step[POSITION], step[PROMPT_END], step[TOKEN] = start, prompt_end, tokens[start]
+        write_token_mask(self._model.state.token_mask, None)
+        return start
+
+    def _take_snapshot(self, tokens: Sequence[int]) -> None:
+        """Saves the recurrent state; call with no pass in flight."""
+        buffers = self._model.state.recurrent_buffers()
+        self.prefix_cache.add_snapshot(tokens, len(tokens), [b.numpy().copy() for b in buffers])
+
+    @shares_engine
+    def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
+        return self.prefix_cache.cached_length(prompt, cache_key)
+
+    def _passes(
+        self,
+        first: int,
+        prompt_length: int,
+        max_new_tokens: int,
+        snapshot_at: int | Collection[int] | None,
+    ) -> Iterator[tuple[int, int, bool]]:
+        """(start, tokens, predicts) of each pass of a generation, in order: prefill chunks
+        over positions [first, prompt_length) of at most `max_chunk` tokens, cut at the
+        `snapshot_at` positions, the last predicting the first new token; then one decode step
+        per further token."""
+        cuts = [first, *sorted(_positions(snapshot_at)), prompt_length]
+        for low, high in zip(cuts, cuts[1:], strict=False):
+            start = low
+            while start < high:
+                end = self._chunk_end(start, high)
+                yield start, end - start, end == prompt_length
+                start = end
+        for position in range(prompt_length, prompt_length + max_new_tokens - 1):
+            yield position, 1, True
+
+    def _chunk_end(self, start: int, high: int) -> int:
+        """Where the chunk starting at `start` ends: at most `max_chunk` tokens and `high`, and
+        the most tokens whose estimated work fits `chunk_flops` (one token at least)."""
+        tokens = min(self.max_chunk, high - start)
+        budget = self.chunk_flops
+        if budget is not None and pass_flops(self.config, start, tokens) > budget:
+            fits, over = 1, tokens  # pass_flops grows with tokens: bisect
+            while over - fits > 1:
+                middle = (fits + over) // 2
+                if pass_flops(self.config, start, middle) <= budget:
+                    fits = middle
+                else:
+                    over = middle
+            tokens = fits
+        return start + tokens
+
+    @holds_engine_while_generating
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Collection[int] = (),
+        sampling: SamplingParams = GREEDY,
+        snapshot_at: int | Collection[int] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        constraint: TokenConstraint | None = None,
+        cache_key: str | None = None,
+        reply_so_far: int = 0,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Iterator[GeneratedToken]:
+        prompt = [int(t) for t in prompt]
+        _check_fits(len(prompt), max_new_tokens, self.max_seq)
+        reply = _reply(prompt, reply_so_far)
+        if max_new_tokens == 0:
+            return
+        state = self._model.state
+        token_count = self._model.token_count
+        bans = _banned_tokens(sampling, token_count)
+        write_sampling_params(state.sampling_params, sampling.with_seed())
+        write_logit_adjustments(state.adjustments, sampling, prompt, token_count, reply)
+        first = self._start(prompt, prompt_end=len(prompt), reuse=True, cache_key=cache_key)
+        write_token_mask(state.token_mask, bans)
+        self.prompt_tokens_fed += len(prompt) - first
+        # Only positions inside what this call feeds: the others are saved already.
+        snapshots = self.prefix_cache.snapshot_positions(
+            first, len(prompt), _positions(snapshot_at)
+        )
+        history = self._model.history_view()
+        passes = self._passes(first, len(prompt), max_new_tokens, snapshots)
+        # (position after the pass, whether it predicted a token, ticket)
+        in_flight: deque[tuple[int, bool, int]] = deque()
+        depth = PIPELINE_DEPTH if constraint is None else 1
+        upcoming = next(passes, None)
+        try:
+            while True:
+                while upcoming is not None and len(in_flight) < depth:
+                    _check_stop(should_stop)
+                    start, tokens, predicts = upcoming
+                    if snapshots and start == snapshots[0]:
+                        # The state after consuming tokens [0, start): drain, then save.
+                        for _, _, pending in in_flight:
+                            self.device.wait(pending)
+                        self._take_snapshot(prompt[: snapshots.pop(0)])
+                    if predicts and constraint is not None:
+                        mask = draw_mask(constraint, bans, token_count, start + tokens)
+                        write_token_mask(state.token_mask, mask)
+                    graph = self._model.graph(tokens, predicts=predicts)
+                    in_flight.append((start + tokens, predicts, self.device.submit(graph)))
+                    upcoming = next(passes, None)
+                if not in_flight:
+                    return
+                end, predicts, ticket = in_flight.popleft()
+                self.device.wait(ticket)
+                if progress is not None and end <= len(prompt):
+                    progress(end, len(prompt))
+                if not predicts:
+                    continue
+                token = int(history[end])
+                if token == NO_TOKEN:
+                    raise NonFiniteLogitsError(end)
+                if constraint is not None:
+                    constraint.consume(token)
+                logprobs = None
+                if sampling.top_logprobs is not None:
+                    # Slots are keyed by the position of the token the pass consumed last.
+                    (_, logprob), alternatives = read_logprobs(
+                        state.logprob_ring, LOGPROB_RING_SLOTS, end - 1, sampling.top_logprobs
+                    )
+                    logprobs = TokenLogprobs(logprob, tuple(alternatives))
+                yield GeneratedToken(token, logprobs)
+                if token in stop_token_ids:
+                    return
+        finally:
+            # A speculative step may still be running (after a stop token, or when the caller
+            # closed the iterator); it only writes state the next generation replaces.
+            for _, _, pending in in_flight:
+                self.device.wait(pending)
+            self.prefix_cache.end(self._rows)
+
+    @holds_engine
+    def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
+        prompt = [int(t) for t in prompt]
+        _check_fits(len(prompt), 1, self.max_seq)
+        write_sampling_params(self._model.state.sampling_params, GREEDY.with_seed())
+        self._start(prompt, prompt_end=len(prompt))
+        for _, tokens, predicts in self._passes(0, len(prompt), 1, None):
+            self.device.run(self._model.graph(tokens, predicts=predicts))
+        return self._model.logits_view().copy()
+
+    @holds_engine
+    def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        tokens = [int(t) for t in tokens]
+        _check_fits(len(tokens), 0, self.max_seq)
+        self._start(tokens, prompt_end=len(tokens))
+        logits = np.empty((len(tokens), self.config.vocab_size), np.float32)
+        for i in range(len(tokens)):
+            self.device.run(self._model.decode)
+            logits[i] = self._model.logits_view()
+        return logits
+
+    @shares_engine
+    def close(self) -> None:
+        self.prefix_cache.close()
+        self._model = None  # type: ignore[assignment]
+
+
+class ReferenceEngine:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        max_seq: int,
+        token_count: int,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        """`token_count`: how many ids the tokenizer can produce; only those are generated.
+        `prefix_cache`: as DeviceEngine's (the rows it keeps are the reference's float32)."""
+        self.config = checkpoint.config
+        self.max_seq = max_seq
+        self.token_count = token_count
+        self._model = ReferenceModel(checkpoint.config, checkpoint.tensors)
+        self._rows = _ReferenceRows(self._model)
+        if prefix_cache is None:
+            itemsize = self._model.dtype.itemsize
+            prefix_cache = PrefixCache(
+                default_cache_memory(0), kv_bytes_per_token(self.config, itemsize)
+            )
+        self.prefix_cache = prefix_cache
+        prefix_cache.set_layout(self._rows.copy_out(0), self._rows.recurrent())
+        self.prompt_tokens_fed = 0
+        self.lock = EngineLock()  # one thread at a time (lock.py)
+
+    @shares_engine
+    def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
+        return self.prefix_cache.cached_length(prompt, cache_key)
+
+    @holds_engine_while_generating
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Collection[int] = (),
+        sampling: SamplingParams = GREEDY,
+        snapshot_at: int | Collection[int] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        constraint: TokenConstraint | None = None,
+        cache_key: str | None = None,
+        reply_so_far: int = 0,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Iterator[GeneratedToken]:
+        prompt = [int(t) for t in prompt]
+        _check_fits(len(prompt), max_new_tokens, self.max_seq)
+        generated = _reply(prompt, reply_so_far)
+        if max_new_tokens == 0:
+            return
+        _check_stop(should_stop)
+        sampling = sampling.with_seed()
+        bans = _banned_tokens(sampling, self.token_count)
+        state = self._rows.start(self.prefix_cache.begin(prompt, self._rows, cache_key))
+        start = state.position
+        self.prompt_tokens_fed += len(prompt) - start
+        for position in self.prefix_cache.snapshot_positions(
+            start, len(prompt), _positions(snapshot_at)
+        ):
+            self._model.prefill(prompt[start:position], state)
+            self.prefix_cache.add_snapshot(prompt, position, self._rows.recurrent())
+            start = position
+            if progress is not None:
+                progress(position, len(prompt))
+            _check_stop(should_stop)
+        logits, state = self._model.prefill(prompt[start:], state)
+        if progress is not None:
+            progress(len(prompt), len(prompt))
+        self.prefix_cache.end(self._rows)
+        next_logits = logits[-1, : self.token_count]
+        for produced in range(max_new_tokens):
+            position = len(prompt) + produced
+            if np.isnan(next_logits).any() or np.isposinf(next_logits).any():
+                raise NonFiniteLogitsError(position)
+            ranked = next_logits
+            if sampling.adjusts_logits:
+                ranked = adjusted_logits(next_logits, sampling, prompt, generated)
+            mask = draw_mask(constraint, bans, self.token_count, position)
+            if mask is not None:
+                ranked = np.where(allowed_flags(mask, self.token_count), ranked, -np.inf)
+            if sampling.greedy:
+                token = int(np.argmax(ranked))
+            else:
+                # One generator per (seed, position): a seed reproduces a run, step by step.
+                rng = np.random.default_rng([sampling.seed, position])
+                p = sampling_distribution(ranked, sampling)
+                token = int(rng.choice(p.size, p=p))
+            if constraint is not None:
+                constraint.consume(token)
+            generated.append(token)
+            logprobs = None
+            if sampling.top_logprobs is not None:
+                logprobs = top_logprobs(next_logits, token, sampling.top_logprobs)
+            yield GeneratedToken(token, logprobs)
+            if token in stop_token_ids or produced + 1 == max_new_tokens:
+                return
+            _check_stop(should_stop)
+            next_logits = self._model.decode(token, state)[: self.token_count]
+
+    @holds_engine
+    def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
+        _check_fits(len(tokens), 0, self.max_seq)
+        logits, _ = self._model.prefill(tokens)
+        return logits.astype(np.float32)
+
+    def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
+        return self.teacher_forced_logits(prompt)[-1]
+
+    @shares_engine
+    def close(self) -> None:
+        self.prefix_cache.close()
+        self._model = None  # type: ignore[assignment]
+
+
+class _ReferenceRows:
+    """The reference model's state as an engine's KV cache: the live state's keys and values
+    ([num_kv_heads, tokens, head_dim] per attention layer, in the model's dtype)."""
+
+    def __init__(self, model: ReferenceModel) -> None:
+        self._model = model
+        self.live = model.new_state()
+
+    def copy_out(self, tokens: int) -> Arrays:
+        live = self.live
+        return [
+            cache[layer][:, :tokens].copy()
+            for layer in sorted(live.keys)
+            for cache in (live.keys, live.values)
+        ]
+
+    def copy_in(self, rows: Arrays, tokens: int) -> None:
+        live = self.live
+        for i, layer in enumerate(sorted(live.keys)):
+            live.keys[layer] = rows[2 * i][:, :tokens].copy()
+            live.values[layer] = rows[2 * i + 1][:, :tokens].copy()
+
+    def start(self, match: PrefixMatch | None) -> ReferenceState:
+        """The live state, made the one after the match's prefix (a fresh state without)."""
+        if match is None:
+            self.live = self._model.new_state()
+            return self.live
+        live, tokens = self.live, match.length
+        for layer in live.keys:
+            live.keys[layer] = live.keys[layer][:, :tokens]
+            live.values[layer] = live.values[layer][:, :tokens]
+        layers = [*sorted(live.conv_windows), *sorted(live.recurrent)]
+        windows = len(live.conv_windows)
+        for i, layer in enumerate(layers):
+            target = live.conv_windows if i < windows else live.recurrent
+            target[layer] = match.state[i].copy()
+        live.position = tokens
+        return live
+
+    def recurrent(self) -> Arrays:
+        """A copy of the live recurrent state (conv windows, then GDN states)."""
+        live = self.live
+        return [
+            *(live.conv_windows[layer].copy() for layer in sorted(live.conv_windows)),
+            *(live.recurrent[layer].copy() for layer in sorted(live.recurrent)),
+        ]

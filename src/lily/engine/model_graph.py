@@ -1,0 +1,644 @@
+"""The model as recorded graphs of dispatches: one builder for every token count.
+
+A decode step and a prefill chunk are the same 40-layer walk at T = 1 and T > 1 tokens; this
+module records both from one place, choosing kernels by T (GEMV for one token, GEMM for a
+chunk; the step kernels of the Gated DeltaNet and attention, or their chunk forms; the
+one-token MoE, or the grouped chunk MoE). A graph for a given T is recorded once, kept, and
+replayed at any position: every kernel that needs the position reads it from the step buffer.
+
+A pass over T tokens starting at `position` (the step buffer's first field) reads their ids from
+the token history, runs the layers, and then:
+- when it `predicts` (the decode step, and the chunk holding the prompt's last token): only the
+  last token goes through the final norm, `lm_head` and the sampler, and the step buffer advances
+  to the predicted token, which is appended to the history;
+- otherwise (an earlier prompt chunk) it skips them and advances by T.
+The host therefore only submits; it never writes between passes, and a chunk leaves the conv
+windows, GDN state, KV cache and step buffer exactly as the decode step expects them.
+
+The decode step (T = 1) has no norm dispatches: every residual add and RMSNorm is folded into its
+neighbours. The layer's output projections (and the MoE down kernel) add their result to the
+residual in place, and the projections that consume a norm read the residual and apply the norm
+themselves (`FoldedNorm`); that removes two dependent levels per layer. Likewise the GDN's conv
+step runs in the epilogue of its input projection (`FoldedConvStep`), the MoE routing inside the
+expert gate/up kernel, and attention's prepare (q/k norms, RoPE, KV append) inside the
+split-context decode kernel. Nor has the decode step an embedding dispatch: layer 0's first GEMV
+(GDN or attention) reads the token's embedding row from the quantized table itself and writes it
+to the residual (`EmbeddedInput`, `_Recorder.decode_layer_input`). A chunk keeps those
+dispatches: its GEMMs read the normed activations many times over, and its kernels already
+amortise their levels over T tokens.
+
+Activations stay fp32 between kernels (decode is bound by reading weights, so this costs nothing
+and keeps the engine close to the reference); the KV cache is bf16 and the GDN state fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lily.checkpoint.config import FULL_ATTENTION, ModelConfig
+from lily.device import Graph
+from lily.engine.device_weights import DeviceWeights
+from lily.kernels import BufferRef, attention, offset_by
+from lily.kernels.conv1d import FoldedConvStep, record_conv1d_chunk, window_bytes
+from lily.kernels.embedding import EmbeddedInput, record_embedding
+from lily.kernels.gdn import record_gdn_chunk, record_gdn_step, state_bytes
+from lily.kernels.gdn_out_proj import record_gdn_out_proj
+from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
+from lily.kernels.moe_chunk import MoeChunkScratch, moe_chunk_scratch_bytes, record_moe_chunk
+from lily.kernels.norm import FoldedNorm, record_add_rms_norm, record_rms_norm
+from lily.kernels.quant_weight import QuantWeight
+from lily.kernels.quantized import record_qgemv
+from lily.kernels.quantized_gemm import record_qgemm
+from lily.kernels.sampling import (
+    SAMPLING_PARAMS_BYTES,
+    LogitAdjustments,
+    StepBookkeeping,
+    logprob_ring_bytes,
+    record_sample,
+    sample_partials_bytes,
+    token_mask_bytes,
+)
+from lily.kernels.step import STEP_FIELDS, record_step_advance
+
+if TYPE_CHECKING:
+    from lily.checkpoint.loader import Checkpoint
+    from lily.device import Buffer, Device
+
+MODEL = "language_model.model."
+# Log-probability slots the sampler cycles through; the engine reads a step's slot after waiting
+# for it with at most one more step in flight, so anything above 2 is margin.
+LOGPROB_RING_SLOTS = 8
+LM_HEAD = "language_model.lm_head"
+EMBED_TOKENS = MODEL + "embed_tokens"
+# The most tokens one prefill chunk takes unless the caller says otherwise: each weight is read
+# once per chunk, so longer chunks amortise it better; the scratch grows with it.
+DEFAULT_MAX_CHUNK = 512
+
+
+@dataclass
+class SequenceState:
+    """Device buffers a pass reads and writes, besides the weights: the sequence's state."""
+
+    step: Buffer  # uint32 [position, prompt_end, token]
+    history: Buffer  # uint32 [capacity]: prompt then generated ids
+    logits: Buffer  # fp32 [vocab]: the last predicting pass's
+    predicted: Buffer  # uint32 [1]: the token the last predicting pass sampled
+    sampling_params: Buffer  # the sampler's settings, written by the host between generations
+    logprob_ring: Buffer  # per-step log-probabilities, LOGPROB_RING_SLOTS slots
+    token_mask: Buffer  # the allowed tokens of the next draw, written by the host before it
+    adjustments: LogitAdjustments  # logit bias and penalty inputs, written per generation
+    conv_windows: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [K-1, C]
+    recurrent: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [Hv, Dv, Dk]
+    k_cache: dict[int, Buffer] = field(default_factory=dict)  # attention layer -> bf16 cache
+    v_cache: dict[int, Buffer] = field(default_factory=dict)
+
+    def recurrent_buffers(self) -> list[Buffer]:
+        """Everything that must start from zero for a new sequence (the KV cache needs no
+        clearing: attention reads only positions already written)."""
+        return [*self.conv_windows.values(), *self.recurrent.values()]
+
+
+# Activations only a chunk passes between its dispatches: the decode step folds the norms and
+# residual adds, the GDN's conv and attention's prepare into the kernels around them.
+_CHUNK_ONLY_ACTIVATIONS = ("normed", "mixer_out", "moe_out", "qkv_projected", "queries")
+
+
+def _activation_widths(c: ModelConfig, max_chunk: int) -> dict[str, int]:
+    """fp32 elements per token of each activation passed between the dispatches of passes of
+    up to `max_chunk` tokens."""
+    q_heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    widths = {
+        "residual": c.hidden_size,
+        "normed": c.hidden_size,
+        "mixer_out": c.hidden_size,
+        "moe_out": c.hidden_size,
+        # Gated DeltaNet
+        "qkv_projected": c.linear_conv_dim,
+        "qkv": c.linear_conv_dim,
+        "z": c.linear_value_dim,
+        "a": c.linear_num_value_heads,
+        "b": c.linear_num_value_heads,
+        "gdn_out": c.linear_value_dim,
+        # Gated attention
+        "q": q_heads * 2 * c.head_dim,
+        "k": kv_heads * c.head_dim,
+        "v": kv_heads * c.head_dim,
+        "queries": q_heads * c.head_dim,
+        "attn_out": q_heads * c.head_dim,
+    }
+    if max_chunk == 1:
+        for name in _CHUNK_ONLY_ACTIVATIONS:
+            del widths[name]
+    return widths
+
+
+def _moe_shape(c: ModelConfig) -> tuple[int, int, int, int]:
+    return (
+        c.num_experts,
+        c.num_experts_per_tok,
+        c.moe_intermediate_size,
+        c.shared_expert_intermediate_size,
+    )
+
+
+class _Scratch:
+    """Activations passed between the dispatches of one pass, reused by every layer and sized
+    for the longest chunk: [max_chunk, width] fp32 each (widths in `_activation_widths`). The
+    chunk-only ones are None when max_chunk is 1."""
+
+    residual: Buffer
+    normed: Buffer | None
+    mixer_out: Buffer | None
+    moe_out: Buffer | None
+    qkv_projected: Buffer | None
+    qkv: Buffer
+    z: Buffer
+    a: Buffer
+    b: Buffer
+    gdn_out: Buffer
+    q: Buffer
+    k: Buffer
+    v: Buffer
+    queries: Buffer | None
+    attn_out: Buffer
+    decode_splits: int
+
+    def __init__(self, c: ModelConfig, device: Device, max_chunk: int, capacity: int) -> None:
+        for name in _CHUNK_ONLY_ACTIVATIONS:
+            setattr(self, name, None)
+        for name, width in _activation_widths(c, max_chunk).items():
+            setattr(self, name, device.alloc(4 * width * max_chunk))
+        q_heads = c.num_attention_heads
+        # The decode attention's grid covers the capacity; its partials are sized for that grid.
+        self.decode_splits = splits = attention.decode_splits(capacity)
+        self.partial_out = device.alloc(attention.partial_out_bytes(q_heads, splits))
+        self.partial_stats = device.alloc(attention.partial_stats_bytes(q_heads, splits))
+        self.moe = MoeScratch.allocate(device, *_moe_shape(c))
+        # Sized for the whole vocabulary, at least what the sampler's token count needs.
+        self.sample_partials = device.alloc(sample_partials_bytes(c.vocab_size))
+        self.moe_chunk = (
+            MoeChunkScratch.allocate(device, *_moe_shape(c), c.hidden_size, max_chunk)
+            if max_chunk > 1
+            else None
+        )
+
+
+def scratch_bytes(c: ModelConfig, max_chunk: int) -> int:
+    """What the per-pass scratch of a ModelGraph allocates for chunks of up to `max_chunk`."""
+    activations = 4 * max_chunk * sum(_activation_widths(c, max_chunk).values())
+    chunk_moe = moe_chunk_scratch_bytes(*_moe_shape(c), c.hidden_size, max_chunk)
+    sampler = 4 * c.vocab_size + sample_partials_bytes(c.vocab_size)
+    return activations + (chunk_moe if max_chunk > 1 else 0) + sampler
+
+
+def device_bytes(checkpoint: Checkpoint, capacity: int, max_chunk: int = DEFAULT_MAX_CHUNK) -> int:
+    """What a ModelGraph keeps on the device: the wrapped shards, the KV cache for `capacity`
+    tokens, the recurrent state, and (bounded above) the per-pass scratch."""
+    c = checkpoint.config
+    weights = sum(shard.size for shard in checkpoint.shards.values())
+    kv = 2 * len(c.full_attention_layers) * attention.cache_bytes(c.num_key_value_heads, capacity)
+    gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
+    recurrent = state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim)
+    splits = attention.decode_splits(capacity)
+    partials = attention.partial_out_bytes(c.num_attention_heads, splits)
+    partials += attention.partial_stats_bytes(c.num_attention_heads, splits)
+    small = partials + 4 * capacity + (1 << 20)
+    return weights + kv + gdn_layers * recurrent + scratch_bytes(c, max_chunk) + small
+
+
+def pass_flops(c: ModelConfig, start: int, tokens: int) -> float:
+    """Multiply-adds x 2 of a pass over positions [start, start + tokens): every projection
+    and the chosen experts per token, plus attention over each token's context (which makes a
+    chunk late in a long prompt cost more than an early one). The lm_head is left out: a pass
+    runs it for one token at most."""
+    d = c.hidden_size
+    gdn = d * (2 * c.linear_key_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads)
+    gdn += c.linear_value_dim * d
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attention_projections = d * (2 * q + 2 * kv) + q * d
+    experts = c.num_experts_per_tok * 3 * d * c.moe_intermediate_size
+    moe = d * (c.num_experts + 1) + experts + 3 * d * c.shared_expert_intermediate_size
+    attention_layers = len(c.full_attention_layers)
+    per_token = (
+        (c.num_hidden_layers - attention_layers) * gdn
+        + attention_layers * attention_projections
+        + c.num_hidden_layers * moe
+    )
+    # Scores and weighted values: 2 * q-width multiply-adds per context position.
+    contexts = tokens * start + tokens * (tokens + 1) // 2
+    return 2.0 * (tokens * per_token + attention_layers * 2 * q * contexts)
+
+
+class ModelGraph:
+    """The sequence state, the scratch, and the recorded pass graphs over them."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        device: Device,
+        capacity: int,
+        token_count: int,
+        max_chunk: int = DEFAULT_MAX_CHUNK,
+    ) -> None:
+        """`token_count`: ids the tokenizer can produce. The lm_head has padding rows past it
+        (248320 vs 248077 on the real model) that must never be chosen. `max_chunk`: the most
+        tokens one pass may take (1 records only the decode step)."""
+        if max_chunk < 1:
+            raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+        self.config = checkpoint.config
+        self.device = device
+        self.capacity = capacity
+        self.token_count = token_count
+        self.max_chunk = max_chunk
+        self.weights = DeviceWeights(checkpoint, device)
+        self.state = self._allocate_state()
+        self._scratch = _Scratch(self.config, device, max_chunk, capacity)
+        self._graphs: dict[tuple[int, bool], Graph] = {}
+        self.decode = self.graph(1, predicts=True)
+
+    def graph(self, tokens: int, *, predicts: bool) -> Graph:
+        """The pass over `tokens` tokens, recorded on first use."""
+        if not 1 <= tokens <= self.max_chunk:
+            raise ValueError(f"a pass takes 1 to {self.max_chunk} tokens, got {tokens}")
+        key = (tokens, predicts)
+        if key not in self._graphs:
+            self._graphs[key] = _Recorder(self, tokens, predicts).record()
+        return self._graphs[key]
+
+    # -- buffers ----------------------------------------------------------------------------
+
+    def _allocate_state(self) -> SequenceState:
+        c, dev = self.config, self.device
+        state = SequenceState(
+            step=dev.alloc(4 * STEP_FIELDS),
+            history=dev.alloc(4 * self.capacity),
+            logits=dev.alloc(4 * c.vocab_size),
+            predicted=dev.alloc(4),
+            sampling_params=dev.alloc(SAMPLING_PARAMS_BYTES),
+            logprob_ring=dev.alloc(logprob_ring_bytes(LOGPROB_RING_SLOTS)),
+            token_mask=dev.alloc(token_mask_bytes(self.token_count)),
+            adjustments=LogitAdjustments.allocate(dev, self.token_count),
+        )
+        for i, kind in enumerate(c.layer_types):
+            if kind == FULL_ATTENTION:
+                nbytes = attention.cache_bytes(c.num_key_value_heads, self.capacity)
+                state.k_cache[i] = dev.alloc(nbytes)
+                state.v_cache[i] = dev.alloc(nbytes)
+            else:
+                state.conv_windows[i] = dev.alloc(window_bytes(c.linear_conv_dim))
+                state.recurrent[i] = dev.alloc(state_bytes(c.linear_num_value_heads))
+        return state
+
+    def step_view(self) -> np.ndarray:
+        return self.state.step.numpy().view(np.uint32)
+
+    def history_view(self) -> np.ndarray:
+        return self.state.history.numpy().view(np.uint32)
+
+    def logits_view(self) -> np.ndarray:
+        return self.state.logits.numpy().view(np.float32)
+
+
+class _Recorder:
+    """Records one pass over `tokens` tokens: the layer walk, shared by decode and prefill."""
+
+    def __init__(self, model: ModelGraph, tokens: int, predicts: bool) -> None:
+        self.m, self.c, self.s, self.w = model, model.config, model._scratch, model.weights
+        self.dev, self.state = model.device, model.state
+        self.tokens, self.predicts = tokens, predicts
+        self.g = Graph()
+
+    def hidden_row(self, buffer: Buffer, index: int) -> BufferRef:
+        """Row `index` of a [tokens, hidden_size] activation."""
+        return offset_by(buffer, 4 * self.c.hidden_size * index)
+
+    @property
+    def folds_norms(self) -> bool:
+        """Whether residual adds and RMSNorms are folded into the GEMVs (the decode step)."""
+        return self.tokens == 1
+
+    def folded_norm(self, weight: str) -> FoldedNorm:
+        return FoldedNorm(self.w.tensor(weight), self.c.rms_norm_eps)
+
+    def decode_layer_input(self, layer: int) -> BufferRef | EmbeddedInput:
+        """What the first GEMV of `layer` reads at T = 1 (its input norm folded in): the
+        residual, or for layer 0 the embedding row of the step's token, which that GEMV reads
+        from the table and writes to the residual itself, so the decode step has no embedding
+        dispatch (nor its barrier)."""
+        if layer > 0:
+            return self.s.residual
+        return EmbeddedInput(
+            tokens=self.state.history,
+            position=(self.state.step, 0),
+            table=self.w.quantized(EMBED_TOKENS),
+            residual=self.s.residual,
+        )
+
+    def project_normed(
+        self, layer: int, norm_weight: str, projections: Sequence[tuple[QuantWeight, BufferRef]]
+    ) -> None:
+        """Projections of layer `layer`'s normed input: norm_weight's RMSNorm folded into the
+        GEMV at T = 1 (see decode_layer_input); at T > 1 the preceding add_norm (or rms_norm,
+        after the embedding) left it in `normed`."""
+        if self.folds_norms:
+            x = self.decode_layer_input(layer)
+            norm = self.folded_norm(norm_weight)
+            record_qgemv(self.g, self.dev, x, projections, norm=norm)
+        else:
+            record_qgemm(self.g, self.dev, self.s.normed, projections, self.tokens)
+
+    def project_into_residual(self, x: BufferRef, weight: QuantWeight) -> None:
+        """The mixer's output projection: added to the residual in place at T = 1, written to
+        `mixer_out` for the following add_norm at T > 1."""
+        if self.folds_norms:
+            record_qgemv(self.g, self.dev, x, [(weight, self.s.residual)], accumulate=True)
+        else:
+            record_qgemm(self.g, self.dev, x, [(weight, self.s.mixer_out)], self.tokens)
+
+    def record(self) -> Graph:
+        c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
+        # At T = 1 layer 0's first GEMV reads the embedding itself (decode_layer_input).
+        if not self.folds_norms:
+            position = (self.state.step, 0)
+            embed_tokens = w.quantized(EMBED_TOKENS)
+            record_embedding(g, dev, self.state.history, position, embed_tokens, s.residual, T)
+            g.barrier()
+            record_rms_norm(
+                g,
+                dev,
+                s.residual,
+                w.tensor(MODEL + "layers.0.input_layernorm.weight"),
+                s.normed,
+                rows=T,
+                dim=c.hidden_size,
+                eps=c.rms_norm_eps,
+            )
+            g.barrier()
+        for i, kind in enumerate(c.layer_types):
+            layer = f"{MODEL}layers.{i}."
+            input_norm = layer + "input_layernorm.weight"
+            if kind == FULL_ATTENTION:
+                self.attention(i, layer + "self_attn.", input_norm)
+            else:
+                self.gated_deltanet(i, layer + "linear_attn.", input_norm)
+            g.barrier()
+            post_norm = layer + "post_attention_layernorm.weight"
+            if not self.folds_norms:
+                # h = x + mixer(x); normed = post_attention_layernorm(h)
+                self.add_norm(s.mixer_out, post_norm, rows=T)
+                g.barrier()
+            self.moe(layer + "mlp.", post_norm)
+            g.barrier()
+            if self.folds_norms:
+                continue
+            # x = h + moe(h); normed = the next layer's input norm, or the final norm, which
+            # only the predicting token needs.
+            if i + 1 < c.num_hidden_layers:
+                self.add_norm(s.moe_out, f"{MODEL}layers.{i + 1}.input_layernorm.weight", rows=T)
+                g.barrier()
+            elif self.predicts:
+                self.add_norm(s.moe_out, MODEL + "norm.weight", rows=1, first=T - 1)
+                g.barrier()
+        self.finish()
+        return g
+
+    def add_norm(self, delta: Buffer, weight: str, rows: int, first: int = 0) -> None:
+        s = self.s
+        record_add_rms_norm(
+            self.g,
+            self.dev,
+            self.hidden_row(s.residual, first),
+            self.hidden_row(delta, first),
+            self.w.tensor(weight),
+            self.hidden_row(s.residual, first),
+            self.hidden_row(s.normed, first),
+            rows=rows,
+            dim=self.c.hidden_size,
+            eps=self.c.rms_norm_eps,
+        )
+
+    def finish(self) -> None:
+        """The predicting token's lm_head and sample, and the step buffer's advance (by the
+        sampler's last dispatch when the pass predicts)."""
+        c, g, dev, m, state, T = self.c, self.g, self.dev, self.m, self.state, self.tokens
+        advance = dict(
+            step=state.step, history=state.history, predicted=state.predicted, capacity=m.capacity
+        )
+        if not self.predicts:
+            record_step_advance(g, dev, **advance, count=T)
+            return
+        if T > 1:
+            # The sampler keys its random numbers and log-probability slot on the position of
+            # the token it consumes, the chunk's last.
+            record_step_advance(g, dev, **advance, count=T - 1)
+        head_weight = EMBED_TOKENS if c.tie_word_embeddings else LM_HEAD
+        head = [(self.w.quantized(head_weight), state.logits)]
+        if self.folds_norms:
+            record_qgemv(
+                g, dev, self.s.residual, head, norm=self.folded_norm(MODEL + "norm.weight")
+            )
+        else:
+            record_qgemv(g, dev, self.hidden_row(self.s.normed, T - 1), head)
+        g.barrier()
+        record_sample(
+            g,
+            dev,
+            logits=state.logits,
+            vocab=m.token_count,
+            params=state.sampling_params,
+            position=(state.step, 0),
+            predicted=state.predicted,
+            logprob_ring=state.logprob_ring,
+            ring_slots=LOGPROB_RING_SLOTS,
+            token_mask=state.token_mask,
+            adjustments=state.adjustments,
+            partials=self.s.sample_partials,
+            bookkeeping=StepBookkeeping(state.history, m.capacity),
+        )
+
+    def gated_deltanet(self, i: int, prefix: str, input_norm: str) -> None:
+        c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
+        qkv_weight = w.quantized(prefix + "in_proj_qkv")
+        gates = [
+            (w.quantized(prefix + "in_proj_z"), s.z),
+            (w.quantized(prefix + "in_proj_a"), s.a),
+            (w.quantized(prefix + "in_proj_b"), s.b),
+        ]
+        conv_weight, window = w.tensor(prefix + "conv1d.weight"), self.state.conv_windows[i]
+        if T == 1:
+            # The conv step is folded into the projection, which writes the conv's output.
+            record_qgemv(
+                g,
+                dev,
+                self.decode_layer_input(i),
+                [(qkv_weight, s.qkv), *gates],
+                norm=self.folded_norm(input_norm),
+                conv=FoldedConvStep(conv_weight, window),
+            )
+        else:
+            self.project_normed(i, input_norm, [(qkv_weight, s.qkv_projected), *gates])
+            g.barrier()
+            record_conv1d_chunk(
+                g,
+                dev,
+                x=s.qkv_projected,
+                weight=conv_weight,
+                window=window,
+                out=s.qkv,
+                channels=c.linear_conv_dim,
+                tokens=T,
+            )
+        g.barrier()
+        weights = dict(
+            a_log=w.tensor(prefix + "A_log"),
+            dt_bias=w.tensor(prefix + "dt_bias"),
+            state=self.state.recurrent[i],
+            num_key_heads=c.linear_num_key_heads,
+            num_value_heads=c.linear_num_value_heads,
+            key_head_dim=c.linear_key_head_dim,
+            value_head_dim=c.linear_value_head_dim,
+        )
+        norm_weight, out_proj = w.tensor(prefix + "norm.weight"), w.quantized(prefix + "out_proj")
+        if T == 1:
+            # The step writes the readout; out_proj applies the gated RMSNorm as it reads it.
+            record_gdn_step(g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, **weights)
+            g.barrier()
+            record_gdn_out_proj(
+                g,
+                dev,
+                readout=s.gdn_out,
+                z=s.z,
+                norm=FoldedNorm(norm_weight, c.rms_norm_eps),
+                weight=out_proj,
+                residual=s.residual,
+            )
+        else:
+            record_gdn_chunk(
+                g,
+                dev,
+                qkv=s.qkv,
+                z=s.z,
+                a=s.a,
+                b=s.b,
+                norm_weight=norm_weight,
+                out=s.gdn_out,
+                norm_eps=c.rms_norm_eps,
+                tokens=T,
+                **weights,
+            )
+            g.barrier()
+            self.project_into_residual(s.gdn_out, out_proj)
+
+    def attention(self, i: int, prefix: str, input_norm: str) -> None:
+        c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
+        heads = dict(num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads)
+        self.project_normed(
+            i,
+            input_norm,
+            [
+                (w.quantized(prefix + "q_proj"), s.q),
+                (w.quantized(prefix + "k_proj"), s.k),
+                (w.quantized(prefix + "v_proj"), s.v),
+            ],
+        )
+        g.barrier()
+        caches = dict(k_cache=self.state.k_cache[i], v_cache=self.state.v_cache[i])
+        prepare = dict(
+            q_proj=s.q,
+            k_proj=s.k,
+            v_proj=s.v,
+            q_norm=w.tensor(prefix + "q_norm.weight"),
+            k_norm=w.tensor(prefix + "k_norm.weight"),
+            step=self.state.step,
+            capacity=self.m.capacity,
+            rotary_dim=c.rotary_dim,
+            rope_theta=c.rope_theta,
+            norm_eps=c.rms_norm_eps,
+            head_dim=c.head_dim,
+            **caches,
+            **heads,
+        )
+        if T == 1:
+            # The grid covers the capacity; the kernels take the context from the step buffer.
+            partials = dict(
+                partial_out=s.partial_out,
+                partial_stats=s.partial_stats,
+                num_splits=s.decode_splits,
+            )
+            attention.record_attention_decode_fused(g, dev, **prepare, **partials)
+            g.barrier()
+            attention.record_attention_combine(
+                g,
+                dev,
+                **partials,
+                q_proj=s.q,
+                step=self.state.step,
+                out=s.attn_out,
+                num_q_heads=c.num_attention_heads,
+            )
+        else:
+            attention.record_attention_prepare(g, dev, **prepare, queries=s.queries, tokens=T)
+            g.barrier()
+            attention.record_attention_chunk(
+                g,
+                dev,
+                queries=s.queries,
+                q_proj=s.q,
+                step=self.state.step,
+                out=s.attn_out,
+                capacity=self.m.capacity,
+                head_dim=c.head_dim,
+                tokens=T,
+                **caches,
+                **heads,
+            )
+        g.barrier()
+        self.project_into_residual(s.attn_out, w.quantized(prefix + "o_proj"))
+
+    def moe(self, prefix: str, norm_weight: str) -> None:
+        """The MoE block of the post-attention-normed residual: at T = 1 with the norm and the
+        residual add folded in (out is the residual itself)."""
+        c, g, dev, s, T = self.c, self.g, self.dev, self.s, self.tokens
+        weights = self.moe_weights(prefix)
+        if T == 1:
+            record_moe(
+                g,
+                dev,
+                s.residual,
+                weights,
+                c.num_experts_per_tok,
+                s.moe,
+                s.residual,
+                normalize=c.norm_topk_prob,
+                norm=self.folded_norm(norm_weight),
+                accumulate=True,
+            )
+        else:
+            record_moe_chunk(
+                g,
+                dev,
+                s.normed,
+                weights,
+                c.num_experts_per_tok,
+                s.moe_chunk,
+                s.moe_out,
+                tokens=T,
+                normalize=c.norm_topk_prob,
+            )
+
+    def moe_weights(self, prefix: str) -> MoeWeights:
+        w = self.w
+        return MoeWeights(
+            router=w.quantized(prefix + "gate"),
+            shared_expert_gate=w.quantized(prefix + "shared_expert_gate"),
+            expert_gate=w.quantized(prefix + "switch_mlp.gate_proj"),
+            expert_up=w.quantized(prefix + "switch_mlp.up_proj"),
+            expert_down=w.quantized(prefix + "switch_mlp.down_proj"),
+            shared_gate=w.quantized(prefix + "shared_expert.gate_proj"),
+            shared_up=w.quantized(prefix + "shared_expert.up_proj"),
+            shared_down=w.quantized(prefix + "shared_expert.down_proj"),
+        )

@@ -1,0 +1,368 @@
+"""The numpy reference model: the forward pass of spec/model.md section 2, written to be read.
+
+This is the oracle every kernel and the engine are checked against, so it favours literal math
+over speed: one token at a time through the Gated DeltaNet recurrence, full softmax attention over
+the KV cache, and each routed expert computed separately. Weights are the MLX-format tensors of a
+checkpoint (full names, bf16 as raw uint16 bits) and are dequantized layer by layer on use, so the
+model never holds a dequantized copy of the whole checkpoint.
+
+The module-level functions are the per-operation math; kernel tests use them directly. They
+compute in the dtype of their inputs (float32, or float64 for tighter checks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lily.checkpoint.config import FULL_ATTENTION, ModelConfig
+from lily.checkpoint.quant import bf16_to_float32, dequantize, round_to_bf16
+
+# ---------------------------------------------------------------------------------------------
+# Per-operation math
+# ---------------------------------------------------------------------------------------------
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-x))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    # log(1 + e^x) without overflow for large x.
+    return np.logaddexp(x, 0)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """`x / sqrt(mean(x^2) + eps) * weight` over the last axis (weight as stored: MLX files
+    already hold 1+w for the zero-centred norms)."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def gated_rms_norm(x: np.ndarray, weight: np.ndarray, z: np.ndarray, eps: float) -> np.ndarray:
+    """The Gated DeltaNet output norm: a plain gain, then a SiLU gate."""
+    return rms_norm(x, weight, eps) * silu(z)
+
+
+def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def causal_conv1d_step(
+    window: np.ndarray, x: np.ndarray, weight: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """One time step of the depthwise causal convolution, then SiLU.
+
+    window [K-1, C]: the previous K-1 pre-convolution rows (zeros at the start); x [C]: this
+    step's row; weight [C, K] (tap K-1 multiplies the current row). Returns (y [C], new window).
+    """
+    rows = np.concatenate([window, x[None, :]], axis=0)  # [K, C], oldest first
+    y = np.sum(weight.T * rows, axis=0)
+    return silu(y), rows[1:]
+
+
+def gdn_gates(
+    a: np.ndarray, b: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per value head: decay `g = exp(-exp(A_log) * softplus(a + dt_bias))`, `beta = sigmoid(b)`."""
+    g = np.exp(-np.exp(A_log) * softplus(a + dt_bias))
+    return g, sigmoid(b)
+
+
+def gated_delta_step(
+    state: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    g: np.ndarray,
+    beta: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One step of the gated delta rule for all value heads.
+
+    state [Hv, Dv, Dk]; q, k [Hk, Dk] (l2-normalised, q also scaled by Dk^-0.5); v [Hv, Dv];
+    g, beta [Hv]. Value head h reads key head h // (Hv // Hk). Returns (o [Hv, Dv], new state).
+    """
+    n_value_heads, n_key_heads = v.shape[0], k.shape[0]
+    key_head = np.arange(n_value_heads) // (n_value_heads // n_key_heads)
+    q, k = q[key_head], k[key_head]
+    decayed = g[:, None, None] * state
+    remembered = np.einsum("hvk,hk->hv", decayed, k)
+    delta = beta[:, None] * (v - remembered)
+    new_state = decayed + delta[:, :, None] * k[:, None, :]
+    return np.einsum("hvk,hk->hv", new_state, q), new_state
+
+
+def apply_rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) -> np.ndarray:
+    """Rotate-half (NeoX) RoPE on the first `rotary_dim` dims of x [..., T, D]; the rest pass.
+
+    Dim i of the first half pairs with dim i + rotary_dim/2, at frequency theta^(-2i/rotary_dim).
+    """
+    half = rotary_dim // 2
+    inv_freq = theta ** (-np.arange(half, dtype=x.dtype) * 2 / rotary_dim)
+    angles = np.asarray(positions, dtype=x.dtype)[:, None] * inv_freq[None, :]  # [T, half]
+    cos, sin = np.cos(angles), np.sin(angles)
+    first, second = x[..., :half], x[..., half:rotary_dim]
+    rotated = np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return np.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
+
+
+def attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, q_positions: np.ndarray
+) -> np.ndarray:
+    """Causal softmax attention with grouped KV heads.
+
+    q [Hq, Tq, D]; k, v [Hkv, Tk, D] where key j sits at position j; query i attends to keys at
+    positions <= q_positions[i]. Query head h reads KV head h // (Hq // Hkv). Returns [Hq, Tq, D].
+    """
+    n_q_heads, n_kv_heads = q.shape[0], k.shape[0]
+    kv_head = np.arange(n_q_heads) // (n_q_heads // n_kv_heads)
+    k, v = k[kv_head], v[kv_head]
+    scores = np.einsum("hqd,hkd->hqk", q, k) * scale
+    visible = np.arange(k.shape[1])[None, :] <= np.asarray(q_positions)[:, None]
+    scores = np.where(visible[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return np.einsum("hqk,hkd->hqd", probs, v)
+
+
+def moe_route(
+    router_logits: np.ndarray, top_k: int, normalize: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over all experts, keep the top_k (ties to the lowest expert id), optionally
+    renormalise their weights to sum to 1. router_logits [..., E] -> (ids, weights) [..., top_k].
+    """
+    shifted = np.exp(router_logits - router_logits.max(axis=-1, keepdims=True))
+    probs = shifted / shifted.sum(axis=-1, keepdims=True)
+    expert_ids = np.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
+    weights = np.take_along_axis(probs, expert_ids, axis=-1)
+    if normalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return expert_ids, weights
+
+
+def swiglu_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """One expert (routed or shared): `down(silu(gate x) * up x)`; weights [out, in]."""
+    return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+
+MODEL_PREFIX = "language_model.model."
+
+
+@dataclass
+class ReferenceState:
+    """Everything a decode step carries forward, per layer index.
+
+    GDN layers keep the last K-1 pre-convolution rows [K-1, conv_dim] and the recurrent state
+    [Hv, Dv, Dk]; attention layers keep rotated keys and values [Hkv, T, head_dim].
+    """
+
+    position: int = 0
+    conv_windows: dict[int, np.ndarray] = field(default_factory=dict)
+    recurrent: dict[int, np.ndarray] = field(default_factory=dict)
+    keys: dict[int, np.ndarray] = field(default_factory=dict)
+    values: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+class ReferenceModel:
+    """Forward pass over MLX-format tensors; `dtype` is float32 (default) or float64."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: Mapping[str, np.ndarray],
+        dtype: np.dtype | type = np.float32,
+        bf16_kv_cache: bool = False,
+    ) -> None:
+        """`bf16_kv_cache` rounds cached keys and values to bf16, as the engine's cache stores
+        them: comparing with and without it separates kernel errors from the cache's precision."""
+        self.config = config
+        self.tensors = tensors
+        self.dtype = np.dtype(dtype)
+        self.bf16_kv_cache = bf16_kv_cache
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def new_state(self) -> ReferenceState:
+        c = self.config
+        state = ReferenceState()
+        for i, kind in enumerate(c.layer_types):
+            if kind == FULL_ATTENTION:
+                empty = np.zeros((c.num_key_value_heads, 0, c.head_dim), self.dtype)
+                state.keys[i], state.values[i] = empty, empty
+            else:
+                state.conv_windows[i] = np.zeros(
+                    (c.linear_conv_kernel_dim - 1, c.linear_conv_dim), self.dtype
+                )
+                state.recurrent[i] = np.zeros(
+                    (c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim),
+                    self.dtype,
+                )
+        return state
+
+    def prefill(
+        self, tokens: Sequence[int], state: ReferenceState | None = None
+    ) -> tuple[np.ndarray, ReferenceState]:
+        """Run `tokens` after whatever `state` holds (a fresh state if None).
+
+        Returns logits [len(tokens), vocab] and the updated state (mutated in place).
+        """
+        if state is None:
+            state = self.new_state()
+        tokens = np.asarray(tokens, dtype=np.int64)
+        c = self.config
+        x = self._embed(tokens)
+        for i, kind in enumerate(c.layer_types):
+            layer = f"{MODEL_PREFIX}layers.{i}."
+            mixer_in = rms_norm(x, self._float(layer + "input_layernorm.weight"), c.rms_norm_eps)
+            if kind == FULL_ATTENTION:
+                x = x + self._attention(layer + "self_attn.", i, mixer_in, state)
+            else:
+                x = x + self._gated_deltanet(layer + "linear_attn.", i, mixer_in, state)
+            moe_in = rms_norm(
+                x, self._float(layer + "post_attention_layernorm.weight"), c.rms_norm_eps
+            )
+            x = x + self._moe(layer + "mlp.", moe_in)
+        state.position += len(tokens)
+        x = rms_norm(x, self._float(MODEL_PREFIX + "norm.weight"), c.rms_norm_eps)
+        head = MODEL_PREFIX + "embed_tokens" if c.tie_word_embeddings else "language_model.lm_head"
+        return self._linear(head, x), state
+
+    def decode(self, token: int, state: ReferenceState) -> np.ndarray:
+        """One token after `state`; returns logits [vocab] and advances `state`."""
+        logits, _ = self.prefill([token], state)
+        return logits[0]
+
+    def generate_greedy(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Collection[int] = (),
+    ) -> list[int]:
+        """Greedy decoding (argmax, ties to the lowest id); stops after a stop token."""
+        logits, state = self.prefill(prompt)
+        generated: list[int] = []
+        next_logits = logits[-1]
+        while len(generated) < max_new_tokens:
+            token = int(np.argmax(next_logits))
+            generated.append(token)
+            if token in stop_token_ids:
+                break
+            next_logits = self.decode(token, state)
+        return generated
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def _float(self, name: str) -> np.ndarray:
+        """An unquantized tensor in the compute dtype (bf16 arrives as uint16 bits)."""
+        t = self.tensors[name]
+        return (bf16_to_float32(t) if t.dtype == np.uint16 else t).astype(self.dtype)
+
+    def _dequantized(self, base: str, index: slice | int | np.ndarray = slice(None)) -> np.ndarray:
+        """Dequantize `base` (optionally only rows/experts `index` of its leading axis)."""
+        spec = self.config.quant_for(base)
+        return dequantize(
+            self.tensors[base + ".weight"][index],
+            self.tensors[base + ".scales"][index],
+            self.tensors[base + ".biases"][index],
+            spec.bits,
+            spec.group_size,
+            self.dtype,
+        )
+
+    def _linear(self, base: str, x: np.ndarray) -> np.ndarray:
+        return x @ self._dequantized(base).T
+
+    def _embed(self, tokens: np.ndarray) -> np.ndarray:
+        return self._dequantized(MODEL_PREFIX + "embed_tokens", tokens)
+
+    # -- mixers -------------------------------------------------------------------------------
+
+    def _gated_deltanet(
+        self, prefix: str, layer: int, x: np.ndarray, state: ReferenceState
+    ) -> np.ndarray:
+        c = self.config
+        n_tokens = x.shape[0]
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        qkv = self._linear(prefix + "in_proj_qkv", x)
+        z = self._linear(prefix + "in_proj_z", x).reshape(n_tokens, hv, dv)
+        b = self._linear(prefix + "in_proj_b", x)
+        a = self._linear(prefix + "in_proj_a", x)
+        conv_weight = self._float(prefix + "conv1d.weight")[:, :, 0]  # MLX stores [C, K, 1]
+        A_log, dt_bias = self._float(prefix + "A_log"), self._float(prefix + "dt_bias")
+        norm_weight = self._float(prefix + "norm.weight")
+
+        outputs = []
+        for t in range(n_tokens):
+            mixed, state.conv_windows[layer] = causal_conv1d_step(
+                state.conv_windows[layer], qkv[t], conv_weight
+            )
+            q, k, v = np.split(mixed, [c.linear_key_dim, 2 * c.linear_key_dim])
+            q = l2_normalize(q.reshape(hk, dk)) * dk**-0.5
+            k = l2_normalize(k.reshape(hk, dk))
+            g, beta = gdn_gates(a[t], b[t], A_log, dt_bias)
+            o, state.recurrent[layer] = gated_delta_step(
+                state.recurrent[layer], q, k, v.reshape(hv, dv), g, beta
+            )
+            outputs.append(gated_rms_norm(o, norm_weight, z[t], c.rms_norm_eps).reshape(-1))
+        return self._linear(prefix + "out_proj", np.stack(outputs))
+
+    def _attention(
+        self, prefix: str, layer: int, x: np.ndarray, state: ReferenceState
+    ) -> np.ndarray:
+        c = self.config
+        n_tokens, d = x.shape[0], c.head_dim
+        positions = state.position + np.arange(n_tokens)
+        q_and_gate = self._linear(prefix + "q_proj", x).reshape(n_tokens, -1, 2 * d)
+        q, gate = q_and_gate[..., :d], q_and_gate[..., d:].reshape(n_tokens, -1)
+        k = self._linear(prefix + "k_proj", x).reshape(n_tokens, -1, d)
+        v = self._linear(prefix + "v_proj", x).reshape(n_tokens, -1, d)
+        q = rms_norm(q, self._float(prefix + "q_norm.weight"), c.rms_norm_eps)
+        k = rms_norm(k, self._float(prefix + "k_norm.weight"), c.rms_norm_eps)
+        # [T, H, D] -> [H, T, D]; the cache holds keys already rotated.
+        q = apply_rope(q.transpose(1, 0, 2), positions, c.rotary_dim, c.rope_theta)
+        k = apply_rope(k.transpose(1, 0, 2), positions, c.rotary_dim, c.rope_theta)
+        v = v.transpose(1, 0, 2)
+        if self.bf16_kv_cache:
+            k, v = round_to_bf16(k).astype(self.dtype), round_to_bf16(v).astype(self.dtype)
+        state.keys[layer] = np.concatenate([state.keys[layer], k], axis=1)
+        state.values[layer] = np.concatenate([state.values[layer], v], axis=1)
+        out = attention(q, state.keys[layer], state.values[layer], d**-0.5, positions)
+        out = out.transpose(1, 0, 2).reshape(n_tokens, -1)
+        return self._linear(prefix + "o_proj", out * sigmoid(gate))
+
+    # -- mixture of experts -------------------------------------------------------------------
+
+    def _moe(self, prefix: str, x: np.ndarray) -> np.ndarray:
+        c = self.config
+        expert_ids, weights = moe_route(
+            self._linear(prefix + "gate", x), c.num_experts_per_tok, c.norm_topk_prob
+        )
+        experts = prefix + "switch_mlp."
+        out = np.zeros_like(x)
+        for e in np.unique(expert_ids):
+            token_rows, slot = np.nonzero(expert_ids == e)
+            y = swiglu_mlp(
+                x[token_rows],
+                self._dequantized(experts + "gate_proj", e),
+                self._dequantized(experts + "up_proj", e),
+                self._dequantized(experts + "down_proj", e),
+            )
+            out[token_rows] += weights[token_rows, slot][:, None] * y
+        shared = prefix + "shared_expert."
+        shared_y = swiglu_mlp(
+            x,
+            self._dequantized(shared + "gate_proj"),
+            self._dequantized(shared + "up_proj"),
+            self._dequantized(shared + "down_proj"),
+        )
+        return out + sigmoid(self._linear(prefix + "shared_expert_gate", x)) * shared_y
