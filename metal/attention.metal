@@ -223,8 +223,8 @@ inline float row_sum(float value) {
 //
 // The fragments' columns do not map to consecutive dims: a dot product may sum its dims in any
 // order, so each operand's dims are permuted to whatever makes a lane's share of a row one
-// 16-byte run (key_dims and value_dims below); the queries take the keys' permutation and the
-// output is stored back in dim order.
+// 16-byte run (the permutations below, at load_tile); the queries take the keys' permutation and
+// the output is stored back in dim order.
 //
 // At the end the simdgroups' (max, sum, O) merge in threadgroup memory into the split's partial
 // per query head, which attention_combine merges across splits.
@@ -263,8 +263,8 @@ struct AttentionDecodeParams {
   float scale;
 };
 
-// 8 bf16 (two per word, the even dim in the low half) widened to float: a bf16 is the top half
-// of the float it widens to, so the shifts are exact.
+// One of a word's two bf16 (the even dim in the low half) widened to float: a bf16 is the top
+// half of the float it widens to, so the shifts are exact.
 inline float bf16_low(uint word) { return as_type<float>(word << 16); }
 inline float bf16_high(uint word) { return as_type<float>(word & 0xFFFF0000u); }
 
