@@ -188,40 +188,71 @@ inline void prepare_head(device const float* src, device const bfloat* gain, uin
   store_bf16_row(v, lane, v_cache + row);
 }
 
+// ---- shared by decode and chunk: simdgroup_matrix fragments ------------------------------------
+
+constexpr constant uint kHeadFragments = kHeadDim / 8;
+
+// Apple's simdgroup_matrix layout (which the sim reproduces): lane l holds row fragment_row(l),
+// columns fragment_col(l) and fragment_col(l) + 1. The softmax and the epilogues work on a lane's
+// own elements, so they need to know which row and columns those are; the four lanes of a row
+// differ in lane bits 0 and 3.
+inline uint fragment_row(uint lane) { return ((lane / 4) & 4) + (lane / 2) % 4; }
+inline uint fragment_col(uint lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; }
+
+inline float row_max(float value) {
+  value = max(value, simd_shuffle_xor(value, 1));
+  return max(value, simd_shuffle_xor(value, 8));
+}
+
+inline float row_sum(float value) {
+  value += simd_shuffle_xor(value, 1);
+  return value + simd_shuffle_xor(value, 8);
+}
+
 // ---- decode: one token's queries over the cached context ----------------------------------------
 //
-// A threadgroup takes one split of one kv head: kDecodeSimdgroups simdgroups walk the split's
-// positions interleaved (simdgroup g takes begin + g, begin + g + 8, ...), each lane loading its 16
-// bytes of the key and of the value row once for all the query heads of the kv head, whose
-// online-softmax states (scaled queries, running max and sum, weighted values) the simdgroup
-// keeps in registers. The simdgroups' states are then merged in threadgroup memory into the
-// split's partial per query head.
-constexpr constant uint kDecodeSimdgroups = 8;
+// A threadgroup takes one split of one kv head. The group's query heads are the 8 rows of
+// simdgroup_matrix fragments (rows past the group hold zero queries and are never stored), so a
+// score S = Q K^T of 8 heads by 8 positions costs 32 fragment products and every (head, position)
+// score and softmax term is computed once. Its kDecodeSimdgroups simdgroups take the split's
+// tiles of kTile positions in turn; per tile each lane issues all its loads first, 8 16-byte
+// loads of K (its 4 x 8 dims of 2 positions) and 8 of V (its 8 x 8 dims of 1 position), so the
+// tile's 8 KB are in flight together. Then S, an online softmax on S in registers (each lane
+// holds 2 of a row's 8 scores; a row's max and sum take 2 shuffles), and O = O * rescale + P V
+// (32 products), O holding the 8 heads' fp32 accumulators across the head dim.
+//
+// The fragments' columns do not map to consecutive dims: a dot product may sum its dims in any
+// order, so each operand's dims are permuted to whatever makes a lane's share of a row one
+// 16-byte run (the permutations below, at load_tile); the queries take the keys' permutation and
+// the output is stored back in dim order.
+//
+// At the end the simdgroups' (max, sum, O) merge in threadgroup memory into the split's partial
+// per query head, which attention_combine merges across splits.
+constexpr constant uint kDecodeSimdgroups = 4;
 constexpr constant uint kDecodeThreads = kDecodeSimdgroups * SIMD_WIDTH;
-// The fused kernel prepares one query head per simdgroup; the real model has 8 (16 q, 2 kv).
-constexpr constant uint kMaxGroup = kDecodeSimdgroups;
-// The merge gives each thread of the threadgroup one head dim.
-static_assert(kDecodeThreads == kHeadDim, "one merging thread per head dim");
-// Positions per split while the grid has splits to spare: enough work per threadgroup to hide
-// its prologue (the fused kernel's norms and RoPE) and keep the partials a few percent of the KV
-// bytes, few enough that a long context spreads over the GPU's cores.
+// The rows of a fragment: the most query heads per kv head (the real model has 8: 16 q, 2 kv).
+constexpr constant uint kMaxGroup = 8;
+// Positions per tile: the columns of a score fragment.
+constexpr constant uint kTile = 8;
+// One tile for each simdgroup: splits are whole rounds, so every split starts a round.
+constexpr constant uint kRound = kTile * kDecodeSimdgroups;
+// Positions per split while the grid has splits to spare: each split writes 8 KB of partials
+// per kv head (the group's 8 rows of 256 floats) and the combine reads them back, a few percent
+// of the 256 KB of K and V such a split reads.
 constexpr constant uint kSplitPositions = 256;
-// Splits a context of up to kMinSplits * kSplitPositions positions is spread over: the real
-// model's 2 kv heads make them 40 threadgroups, a core each on the largest GPUs, so a context of
-// a few thousand positions (megabytes of KV per layer) does not run on a few cores. Splits
-// shorter than kMinSplitPositions would cost more in partials than they read.
-constexpr constant uint kMinSplits = 20;
-constexpr constant uint kMinSplitPositions = 16;
+// Splits a context of up to kMinSplits * kSplitPositions positions is spread over, in whole
+// rounds: on the real model's 2 kv heads 64 threadgroups of 4 simdgroups, 6 simdgroups per core
+// of a 40-core GPU, so that a context of a few thousand positions does not run on a few cores.
+constexpr constant uint kMinSplits = 32;
 
-// Positions per split at `context` tokens over a grid of `num_splits` (>= kMinSplits) splits:
-// the context spread over kMinSplits splits of kMinSplitPositions to kSplitPositions positions,
-// then kSplitPositions per split until the grid's splits run out, then evenly more. Splits at
-// or past the context are empty. The decode kernels and the combine derive it alike from the
-// step buffer.
+// Positions per split at `context` tokens over a grid of `num_splits` splits: the context spread
+// over kMinSplits splits of one round to kSplitPositions positions, then kSplitPositions per
+// split until the grid's splits run out, then evenly more; always whole rounds. Splits at or past
+// the context are empty. The decode kernels and the combine derive it alike from the step buffer.
 inline uint split_length(uint context, uint num_splits) {
-  const uint spread =
-      clamp((context + kMinSplits - 1) / kMinSplits, kMinSplitPositions, kSplitPositions);
-  return max(spread, (context + num_splits - 1) / num_splits);
+  const uint spread = clamp((context + kMinSplits - 1) / kMinSplits, kRound, kSplitPositions);
+  const uint length = max(spread, (context + num_splits - 1) / num_splits);
+  return (length + kRound - 1) / kRound * kRound;
 }
 
 struct AttentionDecodeParams {
@@ -232,100 +263,239 @@ struct AttentionDecodeParams {
   float scale;
 };
 
-// A simdgroup's online softmax for every query head of the group, over the positions it took.
-struct GroupState {
-  float q[kMaxGroup][kPerLane];  // scaled query, this lane's dims
-  float acc[kMaxGroup][kPerLane];  // sum of exp(score - running_max) * v
-  float running_max[kMaxGroup];
-  float running_sum[kMaxGroup];  // sum of exp(score - running_max)
+// One of a word's two bf16 (the even dim in the low half) widened to float: a bf16 is the top
+// half of the float it widens to, so the shifts are exact.
+inline float bf16_low(uint word) { return as_type<float>(word << 16); }
+inline float bf16_high(uint word) { return as_type<float>(word & 0xFFFF0000u); }
+
+// The bf16 bits of this lane's 8 dims, as the cache holds them, packed as a 16-byte row share.
+inline uint4 pack_bf16(thread const float* x) {
+  uint4 words;
+  for (uint i = 0; i < 4; ++i) {
+    words[i] = uint(as_type<ushort>(bfloat(x[2 * i]))) |
+               (uint(as_type<ushort>(bfloat(x[2 * i + 1]))) << 16);
+  }
+  return words;
+}
+
+// A tile as one lane loads it: K of positions tile + col and tile + col + 1 (col =
+// fragment_col), dims 64 g + 8 row to 64 g + 8 row + 7 for g = 0..3 (row = fragment_row), in
+// key[2 g] and key[2 g + 1]; V of position tile + row, dims 32 g + 4 col to 32 g + 4 col + 7 for
+// g = 0..7, in value[g].
+struct DecodeTile {
+  uint4 key[8];
+  uint4 value[8];
 };
 
-inline void start_group(thread GroupState& s) {
-  for (uint h = 0; h < kMaxGroup; ++h) {
-    // Finite start value: fast math does not promise IEEE infinities.
-    s.running_max[h] = -1.0e30f;
-    s.running_sum[h] = 0.0f;
-    for (uint j = 0; j < kPerLane; ++j) {
-      s.acc[h][j] = 0.0f;
+// The permutations: score fragment f = 8 g + i pairs query dim and key dim 64 g + 8 c + i in
+// column c of the queries (row c of K^T), so lane (r, c) holds of K^T dim 64 g + 8 r + i of
+// positions c and c + 1, half i % 2 of word i / 2 of key[2 g] and key[2 g + 1], and of the
+// queries dims 64 g + 8 c + i and 64 g + 8 c + 8 + i. Output fragment f = 4 g + i holds in
+// columns c and c + 1 (c even) dims 32 g + 4 c + 2 i and the next, which for lane (r, c) are
+// word i of value[g].
+inline void load_tile(device const bfloat* k_head, device const bfloat* v_head, uint tile,
+                      uint row, uint col, thread DecodeTile& t) {
+  device const uint4* k0 =
+      reinterpret_cast<device const uint4*>(k_head + ulong(tile + col) * kHeadDim);
+  device const uint4* k1 = k0 + kHeadDim / 8;
+  device const uint4* v =
+      reinterpret_cast<device const uint4*>(v_head + ulong(tile + row) * kHeadDim);
+  for (uint g = 0; g < 4; ++g) {
+    t.key[2 * g] = k0[8 * g + row];
+    t.key[2 * g + 1] = k1[8 * g + row];
+  }
+  for (uint g = 0; g < 8; ++g) {
+    t.value[g] = v[4 * g + col / 2];
+  }
+}
+
+// One word of a position's row in the tile that holds the context's end: from the cache below
+// cached_end, from the staged current row (the fused kernel's; none when cached_end == end)
+// below end, zeros past it, so that masked positions add 0 * 0, never 0 * NaN.
+inline uint4 edge_word(device const bfloat* head, threadgroup const uint4* staged, uint position,
+                       uint cached_end, uint end, uint word) {
+  if (position < cached_end) {
+    return reinterpret_cast<device const uint4*>(head + ulong(position) * kHeadDim)[word];
+  }
+  return position < end ? staged[word] : uint4(0);
+}
+
+inline void load_edge_tile(device const bfloat* k_head, device const bfloat* v_head,
+                           threadgroup const uint4* staged_k, threadgroup const uint4* staged_v,
+                           uint tile, uint cached_end, uint end, uint row, uint col,
+                           thread DecodeTile& t) {
+  for (uint g = 0; g < 4; ++g) {
+    for (uint e = 0; e < 2; ++e) {
+      t.key[2 * g + e] = edge_word(k_head, staged_k, tile + col + e, cached_end, end, 8 * g + row);
+    }
+  }
+  for (uint g = 0; g < 8; ++g) {
+    t.value[g] = edge_word(v_head, staged_v, tile + row, cached_end, end, 4 * g + col / 2);
+  }
+}
+
+// One tile for the group's rows: S = Q K^T, the online softmax of each row over the tile's
+// positions below `end`, O = O * rescale + P V.
+inline void attend_tile(thread const simdgroup_float8x8* q, thread simdgroup_float8x8* acc,
+                        thread float& running_max, thread float& lane_sum,
+                        thread const DecodeTile& t, uint tile, uint end, uint col) {
+  // Four partial sums over the head dim, one per 64 dims, so that the products form four
+  // dependent chains of 8 rather than one of 32.
+  simdgroup_float8x8 partial_scores[4];
+  for (uint g = 0; g < 4; ++g) {
+    partial_scores[g] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (uint i = 0; i < 8; ++i) {
+      const uint shift = 16 * (1 - i % 2);
+      simdgroup_float8x8 k_frag;
+      k_frag.thread_elements()[0] = as_type<float>((t.key[2 * g][i / 2] << shift) & 0xFFFF0000u);
+      k_frag.thread_elements()[1] =
+          as_type<float>((t.key[2 * g + 1][i / 2] << shift) & 0xFFFF0000u);
+      simdgroup_multiply_accumulate(partial_scores[g], q[8 * g + i], k_frag, partial_scores[g]);
+    }
+  }
+  simdgroup_float8x8 scores;
+  scores.thread_elements() =
+      (partial_scores[0].thread_elements() + partial_scores[1].thread_elements()) +
+      (partial_scores[2].thread_elements() + partial_scores[3].thread_elements());
+
+  float tile_max = running_max;
+  for (uint e = 0; e < 2; ++e) {
+    const bool visible = tile + col + e < end;
+    tile_max = visible ? max(tile_max, scores.thread_elements()[e]) : tile_max;
+  }
+  const float new_max = row_max(tile_max);
+  const float rescale = exp(running_max - new_max);
+  running_max = new_max;
+  lane_sum *= rescale;
+  for (uint e = 0; e < 2; ++e) {
+    const bool visible = tile + col + e < end;
+    const float p = visible ? exp(scores.thread_elements()[e] - new_max) : 0.0f;
+    scores.thread_elements()[e] = p;
+    lane_sum += p;
+  }
+
+  for (uint g = 0; g < 8; ++g) {
+    for (uint i = 0; i < 4; ++i) {
+      simdgroup_float8x8 v_frag;
+      v_frag.thread_elements()[0] = bf16_low(t.value[g][i]);
+      v_frag.thread_elements()[1] = bf16_high(t.value[g][i]);
+      acc[4 * g + i].thread_elements() *= rescale;
+      simdgroup_multiply_accumulate(acc[4 * g + i], scores, v_frag, acc[4 * g + i]);
     }
   }
 }
 
-// One position for the group's `group` query heads: this lane's 8 dims of its key and value.
-// The head loop has a constant trip count so that the state stays in registers.
-inline void attend_row(thread GroupState& s, uint group, thread const float* k,
-                       thread const float* v) {
-  for (uint h = 0; h < kMaxGroup; ++h) {
-    if (h < group) {
-      float dot = 0.0f;
-      for (uint j = 0; j < kPerLane; ++j) {
-        dot += s.q[h][j] * k[j];
+// The split [begin, end) of one kv head, its positions below cached_end in the cache and (with
+// kStagedCurrent) the one at cached_end in staged_kv (K then V, bf16 as the cache would hold
+// them), into its partial per query head of the group: its max m, its sum of exp(score - m) and
+// sum exp(score - m) * v. The group's scaled queries are in `exchange` (kMaxGroup rows of
+// kHeadDim floats, rows past the group unwritten), which this then uses for the merge; `stats`
+// holds 2 * kMaxGroup * kDecodeSimdgroups floats. Called by the whole threadgroup.
+template <bool kStagedCurrent>
+inline void attend_split(uint group, uint first_head, uint split, uint num_splits, uint begin,
+                         uint end, uint cached_end, device const bfloat* k_head,
+                         device const bfloat* v_head, threadgroup const uint4* staged_kv,
+                         threadgroup float* exchange, threadgroup float* stats, uint simd_index,
+                         uint lane, device float* partial_out, device float* partial_stats) {
+  const uint row = fragment_row(lane);
+  const uint col = fragment_col(lane);
+  const bool row_in_group = row < group;
+
+  simdgroup_float8x8 q[kHeadFragments];
+  simdgroup_float8x8 acc[kHeadFragments];
+  for (uint g = 0; g < 4; ++g) {
+    // Dims 64 g + 8 col to 64 g + 8 col + 15 of this lane's row: key_dim of columns col and
+    // col + 1 in the fragments 8 g to 8 g + 7.
+    float x[16];
+    for (uint j = 0; j < 4; ++j) {
+      const float4 part =
+          row_in_group
+              ? reinterpret_cast<threadgroup const float4*>(exchange + row * kHeadDim +
+                                                            64 * g + 8 * col)[j]
+              : float4(0.0f);
+      for (uint k = 0; k < 4; ++k) {
+        x[4 * j + k] = part[k];
       }
-      const float score = simd_sum(dot);
-      const float new_max = max(s.running_max[h], score);
-      const float rescale = exp(s.running_max[h] - new_max);
-      const float weight = exp(score - new_max);
-      s.running_sum[h] = s.running_sum[h] * rescale + weight;
-      for (uint j = 0; j < kPerLane; ++j) {
-        s.acc[h][j] = s.acc[h][j] * rescale + weight * v[j];
-      }
-      s.running_max[h] = new_max;
+    }
+    for (uint i = 0; i < 8; ++i) {
+      q[8 * g + i].thread_elements()[0] = x[i];
+      q[8 * g + i].thread_elements()[1] = x[8 + i];
     }
   }
-}
-
-// Cached positions first, first + kDecodeSimdgroups, ... below end of one kv head's rows.
-inline void attend_cached_rows(thread GroupState& s, uint group, device const bfloat* k_head,
-                               device const bfloat* v_head, uint first, uint end, uint lane) {
-  for (uint t = first; t < end; t += kDecodeSimdgroups) {
-    float k[kPerLane];
-    float v[kPerLane];
-    load_bf16_row(k_head + ulong(t) * kHeadDim, lane, k);
-    load_bf16_row(v_head + ulong(t) * kHeadDim, lane, v);
-    attend_row(s, group, k, v);
+  for (uint f = 0; f < kHeadFragments; ++f) {
+    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
-}
+  // Finite start value: fast math does not promise IEEE infinities.
+  float running_max = -1.0e30f;
+  float lane_sum = 0.0f;
 
-// Merges the simdgroups' states into the split's partial of each query head of the group and
-// stores it: its max m, its sum of exp(score - m), and sum exp(score - m) * v. A simdgroup that
-// took no position (max -1e30, sum 0) adds nothing. Called by the whole threadgroup once it no
-// longer reads `exchange` (kDecodeSimdgroups * kHeadDim floats); `stats` holds
-// 2 * kMaxGroup * kDecodeSimdgroups floats.
-inline void store_split_partials(thread const GroupState& s, uint group, uint first_head,
-                                 uint split, uint num_splits, threadgroup float* exchange,
-                                 threadgroup float* stats, uint simd_index, uint lane,
-                                 device float* partial_out, device float* partial_stats) {
-  const uint dim = simd_index * SIMD_WIDTH + lane;
-  if (lane == 0) {
-    for (uint h = 0; h < kMaxGroup; ++h) {
-      stats[2 * (h * kDecodeSimdgroups + simd_index)] = s.running_max[h];
-      stats[2 * (h * kDecodeSimdgroups + simd_index) + 1] = s.running_sum[h];
+  for (uint tile = begin + kTile * simd_index; tile < end; tile += kRound) {
+    DecodeTile t;
+    if (tile + kTile <= cached_end) {
+      load_tile(k_head, v_head, tile, row, col, t);
+    } else if (kStagedCurrent) {
+      load_edge_tile(k_head, v_head, staged_kv, staged_kv + kHeadDim / 8, tile, cached_end, end,
+                     row, col, t);
+    } else {
+      load_edge_tile(k_head, v_head, nullptr, nullptr, tile, cached_end, end, row, col, t);
     }
+    attend_tile(q, acc, running_max, lane_sum, t, tile, end, col);
   }
-  for (uint h = 0; h < kMaxGroup; ++h) {
-    if (h < group) {
-      // Every thread is done with the previous head's rows (or the caller's use of exchange).
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      store_threadgroup_row(s.acc[h], lane, exchange + simd_index * kHeadDim);
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      threadgroup const float* head_stats = stats + 2 * h * kDecodeSimdgroups;
-      float split_max = -1.0e30f;
-      for (uint g = 0; g < kDecodeSimdgroups; ++g) {
-        split_max = max(split_max, head_stats[2 * g]);
+
+  // Merge: a simdgroup that took no tile (max -1e30, sum 0, O 0) adds nothing. Every simdgroup
+  // has read its queries from `exchange` before the first barrier.
+  const float row_total = row_sum(lane_sum);
+  if (col == 0) {
+    stats[2 * (row * kDecodeSimdgroups + simd_index)] = running_max;
+    stats[2 * (row * kDecodeSimdgroups + simd_index) + 1] = row_total;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup const float* row_stats = stats + 2 * row * kDecodeSimdgroups;
+  float split_max = -1.0e30f;
+  for (uint g = 0; g < kDecodeSimdgroups; ++g) {
+    split_max = max(split_max, row_stats[2 * g]);
+  }
+  float split_sum = 0.0f;
+  for (uint g = 0; g < kDecodeSimdgroups; ++g) {
+    split_sum += exp(row_stats[2 * g] - split_max) * row_stats[2 * g + 1];
+  }
+  const float weight = exp(running_max - split_max);
+
+  // The simdgroups add their weighted O into `exchange` one after the other, the last first;
+  // simdgroup 0 adds its own and stores the split's partial. This lane's dims of its row:
+  // 32 g + 4 col to 32 g + 4 col + 7, from the output fragments 4 g to 4 g + 3.
+  threadgroup float* exchange_row = exchange + row * kHeadDim + 4 * col;
+  for (uint writer = kDecodeSimdgroups - 1; writer > 0; --writer) {
+    if (simd_index == writer) {
+      for (uint g = 0; g < 8; ++g) {
+        threadgroup float4* at = reinterpret_cast<threadgroup float4*>(exchange_row + 32 * g);
+        for (uint h = 0; h < 2; ++h) {
+          const float2 a = acc[4 * g + 2 * h].thread_elements() * weight;
+          const float2 b = acc[4 * g + 2 * h + 1].thread_elements() * weight;
+          const float4 mine = float4(a[0], a[1], b[0], b[1]);
+          at[h] = writer == kDecodeSimdgroups - 1 ? mine : at[h] + mine;
+        }
       }
-      float sum = 0.0f;
-      float weighted = 0.0f;
-      for (uint g = 0; g < kDecodeSimdgroups; ++g) {
-        const float w = exp(head_stats[2 * g] - split_max);
-        sum += w * head_stats[2 * g + 1];
-        weighted += w * exchange[g * kHeadDim + dim];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (simd_index == 0 && row_in_group) {
+    const uint slot = (first_head + row) * num_splits + split;
+    device float* out_row = partial_out + ulong(slot) * kHeadDim + 4 * col;
+    for (uint g = 0; g < 8; ++g) {
+      threadgroup const float4* from =
+          reinterpret_cast<threadgroup const float4*>(exchange_row + 32 * g);
+      device float4* to = reinterpret_cast<device float4*>(out_row + 32 * g);
+      for (uint h = 0; h < 2; ++h) {
+        const float2 a = acc[4 * g + 2 * h].thread_elements() * weight;
+        const float2 b = acc[4 * g + 2 * h + 1].thread_elements() * weight;
+        const float4 mine = float4(a[0], a[1], b[0], b[1]);
+        to[h] = from[h] + mine;
       }
-      const uint slot = (first_head + h) * num_splits + split;
-      partial_out[ulong(slot) * kHeadDim + dim] = weighted;
-      if (dim == 0) {
-        partial_stats[2 * slot] = split_max;
-        partial_stats[2 * slot + 1] = sum;
-      }
+    }
+    if (col == 0) {
+      partial_stats[2 * slot] = split_max;
+      partial_stats[2 * slot + 1] = split_sum;
     }
   }
 }
@@ -344,8 +514,8 @@ inline void store_split_partials(thread const GroupState& s, uint group, uint fi
     uint2 group_id [[threadgroup_position_in_grid]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  // Read and written as float4 (store_threadgroup_row): float's own alignment is not enough.
-  alignas(16) threadgroup float exchange[kDecodeSimdgroups * kHeadDim];
+  // The group's scaled queries, then the merge's rows; read and written as float4.
+  alignas(16) threadgroup float exchange[kMaxGroup * kHeadDim];
   threadgroup float stats[2 * kMaxGroup * kDecodeSimdgroups];
   const uint split = group_id.x;
   const uint kv_head = group_id.y;
@@ -359,21 +529,19 @@ inline void store_split_partials(thread const GroupState& s, uint group, uint fi
   const uint end = min(begin + length, context);
 
   const uint first_head = kv_head * group;
-  GroupState s;
-  start_group(s);
-  for (uint h = 0; h < kMaxGroup; ++h) {
-    if (h < group) {
-      load_float_row(queries + (first_head + h) * kHeadDim, lane, s.q[h]);
-      for (uint j = 0; j < kPerLane; ++j) {
-        s.q[h][j] *= params.scale;
-      }
+  for (uint h = simd_index; h < group; h += kDecodeSimdgroups) {
+    float q[kPerLane];
+    load_float_row(queries + (first_head + h) * kHeadDim, lane, q);
+    for (uint j = 0; j < kPerLane; ++j) {
+      q[j] *= params.scale;
     }
+    store_threadgroup_row(q, lane, exchange + h * kHeadDim);
   }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   const ulong head_base = ulong(kv_head) * params.cache_capacity * kHeadDim;
-  attend_cached_rows(s, group, k_cache + head_base, v_cache + head_base, begin + simd_index, end,
-                     lane);
-  store_split_partials(s, group, first_head, split, params.num_splits, exchange, stats,
-                       simd_index, lane, partial_out, partial_stats);
+  attend_split<false>(group, first_head, split, params.num_splits, begin, end, end,
+                      k_cache + head_base, v_cache + head_base, nullptr, exchange, stats,
+                      simd_index, lane, partial_out, partial_stats);
 }
 
 struct AttentionDecodeFusedParams {
@@ -388,13 +556,14 @@ struct AttentionDecodeFusedParams {
 };
 
 // attention_prepare and attention_decode in one dispatch, for the decode step: grid, threads and
-// splits as attention_decode. Simdgroup h norms and rotates query head h of the group from
-// q_proj into threadgroup memory, where every simdgroup takes the group's queries from. The
-// current position is the context's last: in the split holding it, the simdgroup whose turn it
-// is norms and rotates the current key from k_proj and rounds it and the value from v_proj to
-// bf16 as the cache holds them, attends them from registers (exactly as if read from the cache)
-// and appends them to the cache for later steps. No other threadgroup reads that row, so the
-// append needs no barrier before attention, and attention no level after the prepare.
+// splits as attention_decode. Simdgroup s norms and rotates query heads s, s + 4, ... of the group
+// from q_proj into threadgroup memory, where every simdgroup takes the group's queries from. The
+// current position is the context's last: in the split holding it, the last simdgroup norms and
+// rotates the current key from k_proj, rounds it and the value from v_proj to bf16 as the cache
+// holds them, stages them in threadgroup memory, where the tile holding the position reads them
+// (exactly as if read from the cache), and appends them to the cache for later steps. No other
+// threadgroup reads that row, so the append needs no barrier before attention, and attention no
+// level after the prepare.
 [[kernel, max_total_threads_per_threadgroup(kDecodeThreads)]] void attention_decode_fused(
     constant AttentionDecodeFusedParams& params [[buffer(0)]],
     device const float* q_proj [[buffer(1)]],   // [Hq, 2, head_dim]: query | gate per head
@@ -410,12 +579,13 @@ struct AttentionDecodeFusedParams {
     uint2 group_id [[threadgroup_position_in_grid]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  // The group's scaled queries, then the merge's rows.
-  // Read and written as float4 (store_threadgroup_row): float's own alignment is not enough.
-  alignas(16) threadgroup float exchange[kDecodeSimdgroups * kHeadDim];
+  // The group's scaled queries, then the merge's rows; read and written as float4.
+  alignas(16) threadgroup float exchange[kMaxGroup * kHeadDim];
   threadgroup float stats[2 * kMaxGroup * kDecodeSimdgroups];
   threadgroup float rope_cos[kHeadDim / 2];
   threadgroup float rope_sin[kHeadDim / 2];
+  // The current key, then its value: bf16 bits, one 16-byte word per lane of a row.
+  threadgroup uint4 staged_kv[2 * kHeadDim / 8];
   const uint split = group_id.x;
   const uint kv_head = group_id.y;
   const uint group = params.num_q_heads / params.num_kv_heads;
@@ -433,38 +603,24 @@ struct AttentionDecodeFusedParams {
                   kDecodeThreads, rope_cos, rope_sin);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const uint first_head = kv_head * group;
-  if (simd_index < group) {
+  for (uint h = simd_index; h < group; h += kDecodeSimdgroups) {
     float q[kPerLane];
-    prepare_head(q_proj + (first_head + simd_index) * 2 * kHeadDim, q_norm, params.rotary_dim,
+    prepare_head(q_proj + (first_head + h) * 2 * kHeadDim, q_norm, params.rotary_dim,
                  params.norm_eps, rope_cos, rope_sin, lane, q);
     for (uint j = 0; j < kPerLane; ++j) {
       q[j] *= params.scale;
     }
-    store_threadgroup_row(q, lane, exchange + simd_index * kHeadDim);
+    store_threadgroup_row(q, lane, exchange + h * kHeadDim);
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  GroupState s;
-  start_group(s);
-  for (uint h = 0; h < kMaxGroup; ++h) {
-    if (h < group) {
-      load_threadgroup_row(exchange + h * kHeadDim, lane, s.q[h]);
-    }
-  }
-
   const ulong head_base = ulong(kv_head) * params.cache_capacity * kHeadDim;
-  attend_cached_rows(s, group, k_cache + head_base, v_cache + head_base, begin + simd_index,
-                     holds_current ? position : end, lane);
-  if (holds_current && simd_index == (position - begin) % kDecodeSimdgroups) {
+  if (holds_current && simd_index == kDecodeSimdgroups - 1) {
     float k[kPerLane];
     float v[kPerLane];
     prepare_head(k_proj + kv_head * kHeadDim, k_norm, params.rotary_dim, params.norm_eps,
                  rope_cos, rope_sin, lane, k);
     load_float_row(v_proj + kv_head * kHeadDim, lane, v);
-    for (uint j = 0; j < kPerLane; ++j) {
-      k[j] = float(bfloat(k[j]));
-      v[j] = float(bfloat(v[j]));
-    }
-    attend_row(s, group, k, v);
+    staged_kv[lane] = pack_bf16(k);
+    staged_kv[kHeadDim / 8 + lane] = pack_bf16(v);
     // A step queued past the capacity must not write past the end of the cache.
     if (position < params.cache_capacity) {
       const ulong row = head_base + ulong(position) * kHeadDim;
@@ -472,10 +628,11 @@ struct AttentionDecodeFusedParams {
       store_bf16_row(v, lane, v_cache + row);
     }
   }
-  store_split_partials(s, group, first_head, split, params.num_splits, exchange, stats,
-                       simd_index, lane, partial_out, partial_stats);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  attend_split<true>(group, first_head, split, params.num_splits, begin, end,
+                     holds_current ? position : end, k_cache + head_base, v_cache + head_base,
+                     staged_kv, exchange, stats, simd_index, lane, partial_out, partial_stats);
 }
-
 struct AttentionCombineParams {
   uint num_q_heads;
   uint num_splits;  // the decode grid's
@@ -542,27 +699,9 @@ constexpr constant uint kChunkSimdgroups = 4;
 constexpr constant uint kChunkThreads = kChunkSimdgroups * SIMD_WIDTH;
 constexpr constant uint kChunkRows = 8 * kChunkSimdgroups;
 constexpr constant uint kChunkKeys = 16;
-constexpr constant uint kHeadFragments = kHeadDim / 8;
 // Staged rows are padded so that the 8 rows a fragment reads start in different banks.
 constexpr constant uint kKeysStride = kChunkKeys + 8;
 constexpr constant uint kValuesStride = kHeadDim + 8;
-
-// Apple's simdgroup_matrix layout (which the sim reproduces): lane l holds row fragment_row(l),
-// columns fragment_col(l) and fragment_col(l) + 1. The softmax and the epilogue work on a lane's
-// own elements, so they need to know which row and columns those are; the four lanes of a row
-// differ in lane bits 0 and 3.
-inline uint fragment_row(uint lane) { return ((lane / 4) & 4) + (lane / 2) % 4; }
-inline uint fragment_col(uint lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; }
-
-inline float row_max(float value) {
-  value = max(value, simd_shuffle_xor(value, 1));
-  return max(value, simd_shuffle_xor(value, 8));
-}
-
-inline float row_sum(float value) {
-  value += simd_shuffle_xor(value, 1);
-  return value + simd_shuffle_xor(value, 8);
-}
 
 struct AttentionChunkParams {
   uint num_q_heads;

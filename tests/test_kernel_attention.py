@@ -176,7 +176,9 @@ def test_prepare_at_a_far_position(device) -> None:
 class DecodeCase:
     """Random queries, a random bf16 cache of `context` tokens and a q_proj whose query halves
     are NaN (combine must read only the gate halves). By default spare capacity past the context,
-    so that a wrong head stride reads the sentinel rows, and the engine's splits for it."""
+    and the engine's splits for it; the rows past the context are NaN, so that reading one (a
+    wrong head stride, a masked position of the last tile) poisons the output even with zero
+    weight."""
 
     def __init__(
         self,
@@ -193,8 +195,8 @@ class DecodeCase:
         self.heads, self.context, self.num_splits = heads, context, num_splits
         rng = np.random.default_rng(seed)
         shape = (num_kv, self.capacity, HEAD_DIM)
-        self.k_cache = np.full(shape, SENTINEL, dtype=np.uint16)
-        self.v_cache = np.full(shape, SENTINEL, dtype=np.uint16)
+        self.k_cache = np.full(shape, BF16_NAN, dtype=np.uint16)
+        self.v_cache = np.full(shape, BF16_NAN, dtype=np.uint16)
         filled = (num_kv, context, HEAD_DIM)
         self.k_cache[:, :context] = _bf16(rng.standard_normal(filled, dtype=np.float32))
         self.v_cache[:, :context] = _bf16(rng.standard_normal(filled, dtype=np.float32))
@@ -253,19 +255,22 @@ class DecodeCase:
 # fp32 online softmax against float64: outputs are of order 0.1 for short contexts and shrink
 # like 1/sqrt(context) for long random ones; absolute errors stay near 1e-6 and below, a formula
 # error (a missed key, a wrong rescale, a wrong head) is orders of magnitude larger. The order of
-# the sums follows the split layout (splits of 16 to 256 positions, 8 simdgroups taking every
-# 8th position, merged per split and then across splits), which the bound does not depend on.
+# the sums follows the split layout (splits of 32 to 256 positions, 4 simdgroups taking tiles of
+# 8 positions in turn, merged per split and then across splits), which the bound does not depend
+# on.
 DECODE_RTOL, DECODE_ATOL = 1e-4, 1e-5
 
 
 @pytest.mark.parametrize(
     ("heads", "context"),
-    [(heads, n) for heads in (REAL, TINY) for n in (1, 7, 255, 256, 300, 4096)]
+    [(heads, n) for heads in (REAL, TINY) for n in (1, 7, 31, 32, 33, 255, 256, 257, 4097)]
     + [(GROUP_OF_3, 300)],
 )
 def test_decode_matches_reference(device, heads: tuple[int, int], context: int) -> None:
-    """One position (seven simdgroups with nothing to do), fewer positions than simdgroups,
-    one split exactly and just short of it, a ragged second split, sixteen full splits."""
+    """Over the grid of 32 splits: one position (three simdgroups with nothing to do), a tile
+    ending mid-way, one split of 32 just short, exactly and one past (a second split of one
+    position), eight splits of 32 just short, exactly and one past, and 26 splits of 160, the
+    last ragged."""
     case = DecodeCase(heads, context, seed=context)
     case.run(device)
     np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
@@ -273,10 +278,10 @@ def test_decode_matches_reference(device, heads: tuple[int, int], context: int) 
 
 @pytest.mark.parametrize("context", [5120, 5117])
 def test_decode_at_the_capacity(device, context: int) -> None:
-    """The cache full to its last row: every split of the grid in use (20 of 256 positions),
+    """The cache full to its last row: every split of the grid in use (32 of 160 positions),
     the last one full or ragged."""
     case = DecodeCase(REAL, context, seed=context + 1, capacity=5120)
-    assert case.num_splits == 20
+    assert case.num_splits == 32
     case.run(device)
     np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
 
@@ -301,7 +306,7 @@ def test_decode_at_65536_tokens(device, long_case: tuple[DecodeCase, np.ndarray]
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
 def test_split_count_does_not_change_the_result(device, num_splits: int) -> None:
     """A context longer than 256 positions per split, over grids smaller than the engine's:
-    1000 positions in one split, in three of 334, in seven of 143."""
+    1000 positions in one split, in three of 352, in seven of 160 (whole rounds of 32)."""
     case = DecodeCase(TINY, 1000, num_splits=num_splits, seed=5)
     case.run(device)
     np.testing.assert_allclose(case.out, case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL)
@@ -309,15 +314,16 @@ def test_split_count_does_not_change_the_result(device, num_splits: int) -> None
 
 @pytest.mark.parametrize(
     ("context", "capacity", "active"),
-    [(1, 4096, 1), (17, 4096, 2), (40, 4096, 3), (300, 4096, 19), (6000, 8192, 24)],
+    [(1, 4096, 1), (33, 4096, 2), (300, 4096, 10), (1025, 4096, 17), (6000, 16384, 32)],
 )
 def test_splits_past_the_context_are_neither_written_nor_read(
     device, context: int, capacity: int, active: int
 ) -> None:
-    """Over a grid of 20 splits (capacity 4096) a context of n positions is spread in splits of
-    clamp(ceil(n / 20), 16, 256) positions, over 32 (capacity 8192) in splits of 256. The
-    splits past the context keep what they held, here a finite partial that would dominate the
-    result if the combine merged it (max 100, sum 1, values 1e6)."""
+    """Over a grid of 32 splits (capacity 4096) a context of n positions is spread in splits of
+    clamp(ceil(n / 32), 32, 256) positions rounded up to a multiple of 32, over 64 (capacity
+    16384) alike: 6000 positions in 32 splits of 192. The splits past the context keep what they
+    held, here a finite partial that would dominate the result if the combine merged it (max
+    100, sum 1, values 1e6)."""
     case = DecodeCase(TINY, context, seed=context, capacity=capacity)
     num_q = TINY[0]
     stats = case.partial_stats.reshape(num_q, case.num_splits, 2)
@@ -333,11 +339,11 @@ def test_splits_past_the_context_are_neither_written_nor_read(
 
 
 def test_decode_splits_follow_the_capacity() -> None:
-    """One split per 256 positions of the cache, at least 20 (a short context still spreads
-    over 40 threadgroups of the real model's 2 kv heads), at most 128 (the kernels lengthen
+    """One split per 256 positions of the cache, at least 32 (a short context still spreads
+    over 64 threadgroups of the real model's 2 kv heads), at most 128 (the kernels lengthen
     them past that)."""
-    capacities = (1, 256, 4096, 5120, 5121, 32768, 32769, 262144)
-    assert [decode_splits(n) for n in capacities] == [20, 20, 20, 20, 21, 128, 128, 128]
+    capacities = (1, 256, 4096, 8192, 8193, 32768, 32769, 262144)
+    assert [decode_splits(n) for n in capacities] == [32, 32, 32, 32, 33, 128, 128, 128]
 
 
 # --------------------------------------------------------------------------------------------

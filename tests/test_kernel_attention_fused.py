@@ -149,14 +149,16 @@ class FusedCase:
 @pytest.mark.parametrize(
     ("position", "capacity", "splits"),
     [
-        (0, 3, None),  # one position, attended from registers
+        (0, 3, None),  # one position, attended from the staged row
         (1, 4, None),
-        (9, 12, None),  # the current position in the second simdgroup's turn
-        (255, 258, None),  # the last position of a split (20 splits of 16 or less)
-        (256, 259, None),  # the first of the next
+        (9, 12, None),  # the current position in the second simdgroup's tile
+        (31, 34, None),  # the last position of a split (splits of 32)
+        (32, 35, None),  # the first of the next, alone in it
+        (255, 258, None),  # the last position of the eighth split
+        (256, 259, None),  # the first of the ninth
         (300, 303, None),  # a ragged last split
-        (5200, 5203, None),  # splits of 256 positions, the current one ragged
-        (600, 603, 2),  # past 256 positions per split: two splits of 301
+        (5200, 5203, None),  # 28 splits of 192 positions, the current one ragged
+        (600, 603, 2),  # past 256 positions per split: two splits of 320
         (40, 43, 1),
         (299, 300, None),  # the cache's last row
     ],
@@ -223,8 +225,8 @@ def test_a_step_past_the_capacity_writes_nothing(device):
     partial_out, partial_stats, k_cache, v_cache = case.run_fused(device)
     np.testing.assert_array_equal(k_cache, case.k_cache)
     np.testing.assert_array_equal(v_cache, case.v_cache)
-    # Splits of 16 positions: the first two of the grid's 20 hold all 17, and are finite.
+    # Splits of 32 positions: the first of the grid's 32 holds all 17, and is finite.
     num_q = REAL[0]
-    written_out = partial_out.reshape(num_q, case.splits, -1)[:, :2]
-    written_stats = partial_stats.reshape(num_q, case.splits, 2)[:, :2]
+    written_out = partial_out.reshape(num_q, case.splits, -1)[:, :1]
+    written_stats = partial_stats.reshape(num_q, case.splits, 2)[:, :1]
     assert np.all(np.isfinite(written_out)) and np.all(np.isfinite(written_stats))

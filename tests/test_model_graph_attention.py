@@ -1,5 +1,5 @@
 """The decode step's attention as the model graph records it: the split grid and its partial
-buffers follow the capacity the graph was built for (one split per 256 positions, at least 20,
+buffers follow the capacity the graph was built for (one split per 256 positions, at least 32,
 at most 128),
 and a step with the cache full to its last row runs within those buffers on the checking sim."""
 
@@ -19,7 +19,7 @@ def checkpoint():
     return load_checkpoint(tiny_checkpoint("small"))
 
 
-@pytest.mark.parametrize(("capacity", "splits"), [(100, 20), (8000, 32), (40000, 128)])
+@pytest.mark.parametrize(("capacity", "splits"), [(100, 32), (8000, 32), (40000, 128)])
 def test_the_split_grid_follows_the_capacity(checkpoint, capacity: int, splits: int) -> None:
     c = checkpoint.config
     model = ModelGraph(
@@ -35,7 +35,7 @@ def test_the_split_grid_follows_the_capacity(checkpoint, capacity: int, splits: 
 
 
 def test_a_step_at_the_last_row_stays_inside_the_partials(checkpoint) -> None:
-    """Position 999 of a 1000-row cache reaches all 20 splits of the grid (of 50 positions):
+    """Position 999 of a 1000-row cache reaches all 32 splits of the grid (of 32 positions):
     every partial slot is written and read back, which the checking sim fails if the buffers
     were sized for fewer."""
     c = checkpoint.config

@@ -111,6 +111,28 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: flo
     return np.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
 
 
+def quantize_int8(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 codes of x along its last axis, one scale per `group` values: scale =
+    max |x| / 127 of the group, code = x / scale rounded to nearest (ties to even), so the
+    group's largest magnitude maps to +-127 and every value is within scale / 2 of code * scale;
+    an all-zero group gets scale 0 and codes 0. Returns int8 codes [..., D] and scales
+    [..., D / group] in x's dtype."""
+    if x.shape[-1] % group:
+        raise ValueError(f"{x.shape[-1]} values do not split into groups of {group}")
+    grouped = x.reshape(*x.shape[:-1], -1, group)
+    scales = np.abs(grouped).max(axis=-1) / 127
+    safe = np.where(scales > 0, scales, 1)
+    codes = np.rint(grouped / safe[..., None]).astype(np.int8)
+    return codes.reshape(x.shape), scales
+
+
+def dequantize_int8(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The values quantize_int8's codes and scales stand for, in the scales' dtype."""
+    group = codes.shape[-1] // scales.shape[-1]
+    grouped = codes.reshape(*codes.shape[:-1], -1, group).astype(scales.dtype)
+    return (grouped * scales[..., None]).reshape(codes.shape)
+
+
 def attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, q_positions: np.ndarray
 ) -> np.ndarray:
@@ -181,13 +203,19 @@ class ReferenceModel:
         tensors: Mapping[str, np.ndarray],
         dtype: np.dtype | type = np.float32,
         bf16_kv_cache: bool = False,
+        kv_int8_group: int | None = None,
     ) -> None:
         """`bf16_kv_cache` rounds cached keys and values to bf16, as the engine's cache stores
-        them: comparing with and without it separates kernel errors from the cache's precision."""
+        them: comparing with and without it separates kernel errors from the cache's precision.
+        `kv_int8_group` instead rounds them through int8 codes with one scale per that many dims
+        (quantize_int8), as an int8 cache would hold them."""
+        if bf16_kv_cache and kv_int8_group is not None:
+            raise ValueError("the KV cache is rounded to bf16 or through int8, not both")
         self.config = config
         self.tensors = tensors
         self.dtype = np.dtype(dtype)
         self.bf16_kv_cache = bf16_kv_cache
+        self.kv_int8_group = kv_int8_group
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -334,6 +362,9 @@ class ReferenceModel:
         v = v.transpose(1, 0, 2)
         if self.bf16_kv_cache:
             k, v = round_to_bf16(k).astype(self.dtype), round_to_bf16(v).astype(self.dtype)
+        elif self.kv_int8_group is not None:
+            k = dequantize_int8(*quantize_int8(k, self.kv_int8_group))
+            v = dequantize_int8(*quantize_int8(v, self.kv_int8_group))
         state.keys[layer] = np.concatenate([state.keys[layer], k], axis=1)
         state.values[layer] = np.concatenate([state.values[layer], v], axis=1)
         out = attention(q, state.keys[layer], state.values[layer], d**-0.5, positions)

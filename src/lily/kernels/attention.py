@@ -35,21 +35,22 @@ if TYPE_CHECKING:
 # Every head is covered by one simdgroup holding 8 dims per lane.
 HEAD_DIM = 256
 SIMD_WIDTH = 32
-# Must match kDecodeThreads, kMaxGroup, kSplitPositions, kMinSplits, kMinSplitPositions and
-# kCombineDims in attention.metal: the decode kernels' threads, the most query heads per kv head
-# they keep, the positions per split while the grid has splits to spare, the splits a short
-# context is still spread over (40 threadgroups on the real model's 2 kv heads) and their
-# shortest length, and the dims per combine threadgroup.
-DECODE_THREADS = 256
+# Must match kDecodeThreads, kMaxGroup, kSplitPositions, kMinSplits, kRound and kCombineDims in
+# attention.metal: the decode kernels' threads (4 simdgroups), the most query heads per kv head
+# (the rows of their fragments), the positions per split while the grid has splits to spare,
+# the splits a short context is still spread over (64 threadgroups on the real model's 2 kv
+# heads), the unit of split lengths (a tile of 8 positions for each simdgroup), and the dims per
+# combine threadgroup.
+DECODE_THREADS = 128
 MAX_GROUP = 8
 SPLIT_POSITIONS = 256
-MIN_SPLITS = 20
-MIN_SPLIT_POSITIONS = 16
+MIN_SPLITS = 32
+SPLIT_ROUND = 32
 COMBINE_DIMS = 64
 # The most splits a decode grid gets: 128 splits of the real model's 2 kv heads are 256
-# threadgroups, six or more per core on a 40-core GPU; more would add threadgroups that cannot
-# run at once anyway while growing the partials the combine reads back (16 heads x 1 KB per
-# split). Past 128 * 256 = 32768 positions the splits lengthen instead.
+# threadgroups of 4 simdgroups, 25 simdgroups per core on a 40-core GPU; more would add
+# threadgroups that cannot run at once anyway while growing the partials the combine reads back
+# (16 heads x 1 KB per split). Past 128 * 256 = 32768 positions the splits lengthen instead.
 MAX_SPLITS = 128
 # Must match kChunkRows and kChunkThreads in attention.metal: (token, query head) rows per
 # threadgroup of the chunk kernel, and its threads.
@@ -62,6 +63,15 @@ def decode_splits(capacity: int) -> int:
     at least MIN_SPLITS, at most MAX_SPLITS. The kernels lengthen the splits when the context
     outgrows them."""
     return min(MAX_SPLITS, max(MIN_SPLITS, ceil_div(capacity, SPLIT_POSITIONS)))
+
+
+def split_length(context: int, num_splits: int) -> int:
+    """Positions per split at `context` tokens over a grid of `num_splits` splits, as the decode
+    kernels and the combine compute it (attention.metal's split_length): the context spread over
+    MIN_SPLITS splits of SPLIT_ROUND to SPLIT_POSITIONS positions, then SPLIT_POSITIONS per
+    split until the grid runs out, then evenly more; always whole rounds."""
+    spread = min(SPLIT_POSITIONS, max(SPLIT_ROUND, ceil_div(context, MIN_SPLITS)))
+    return ceil_div(max(spread, ceil_div(context, num_splits)), SPLIT_ROUND) * SPLIT_ROUND
 
 
 def cache_bytes(num_kv_heads: int, capacity: int) -> int:
