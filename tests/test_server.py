@@ -562,10 +562,10 @@ def test_errors_through_the_openai_client(server: RunningServer) -> None:
             model=MODEL,
             messages=user("a"),
             modalities=["text", "audio"],
-            prediction={"type": "content", "content": "a"},
+            audio={"voice": "alloy", "format": "wav"},
         )
     assert unsupported.value.body["code"] == "unsupported_parameter"
-    assert "modalities, prediction" in unsupported.value.message
+    assert "audio, modalities" in unsupported.value.message
     with pytest.raises(openai.BadRequestError) as several_choices:
         client.chat.completions.create(model=MODEL, messages=user("a"), n=9)
     assert several_choices.value.body["param"] == "n"

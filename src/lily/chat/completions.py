@@ -780,7 +780,9 @@ class ChatCompletions:
         prediction = llm.tokenizer.encode(request.prediction) if request.prediction else []
         # The prediction is the answer: after the think block (which a template without
         # thinking writes closed in the prompt), so looked up behind the block's end.
-        anchor = llm.tokenizer.encode(THINK_END) if request.raw_prompt is None else []
+        # Only a prediction needs it: a request without one tokenizes nothing but its prompt.
+        anchored = prediction and request.raw_prompt is None
+        anchor = llm.tokenizer.encode(THINK_END) if anchored else []
         speculation = llm.speculation(prediction, anchor)
         pipeline = _TextPipeline(llm, request, prompt.thinking, speculation)
         tokens = self._tokens(request, prompt, max_tokens, pipeline, should_stop)
