@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import lily
+import lily.cli
 import lily.engine.engine
 from lily.api import Lily
 from lily.checkpoint.loader import DEFAULT_REPO, DEFAULT_REVISION
@@ -64,7 +65,8 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
         ("serve", ["--host", "--port", "--api-key", "--queue-limit", "--max-seq", "--model",
                    "--device", "--cache-memory", "--cache-dir"]),
         ("chat", ["--system", "--max-tokens", "--temperature", "--seed", "--no-thinking"]),
-        ("bench", ["--context", "--json", "--model", "--device"]),
+        ("bench", ["--context", "--json", "--model", "--device", "--speculative",
+                   "--draft-tokens"]),
         ("generate", ["--max-tokens", "--model"]),
     ],
 )  # fmt: skip
@@ -120,6 +122,12 @@ def _without_network(home: Path) -> dict[str, str]:
         (["chat", "--temperature", "5"], 2, "--temperature: must be between 0 and 2"),
         (["chat", "--reasoning-budget", "-1"], 2, "--reasoning-budget: must be at least 0"),
         (["bench", "--context", "0"], 2, "--context: must be at least 1"),
+        (["bench", "--speculative", "mtp"], 2, "--speculative: speculative='mtp' (the "
+         "checkpoint's multi-token-prediction head) is not built yet; use one of auto, ngram"),
+        (["bench", "--speculative", "eagle"], 2, "speculative must be one of auto, ngram, off"),
+        (["bench", "--draft-tokens", "0"], 2, "--draft-tokens: invalid choice: 0"),
+        (["bench", "--draft-tokens", "9"], 2, "--draft-tokens: invalid choice: 9"),
+        (["bench", "--draft-tokens", "two"], 2, "--draft-tokens: invalid int value: 'two'"),
         (["serve", "--port", "70000"], 2, "--port: must be a TCP port"),
         (["generate", "hi", "--model", "demo", "--max-seq", "10000000"], 1,
          "max_seq must be between 1 and"),
@@ -277,6 +285,115 @@ def test_bench_measures_one_prefill_and_64_decode_steps(
     assert arm["decode_steps"] == BENCH_DECODE_STEPS == 64
     assert arm["prefill_tok_s"] == pytest.approx(3 / arm["prefill_s"])
     assert arm["decode_tok_s"] == pytest.approx(64 / arm["decode_s"])
+
+
+def test_bench_without_speculative_options_keeps_the_contract_keys(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "--model", "demo", "--device", "sim", "--context", "3"]
+    assert main([*argv, "--json"]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)) == sorted(
+        ["device", "context", "prefill_s", "prefill_tok_s", "decode_steps", "decode_s",
+         "decode_tok_s"]
+    )  # fmt: skip
+
+
+def _recording_generations(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The token ids of every `DeviceEngine.generate` from now on, one list per call."""
+    runs: list[list[int]] = []
+    original = lily.engine.engine.DeviceEngine.generate
+
+    def recording(self: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        runs.append([])
+        for token in original(self, *args, **kwargs):
+            runs[-1].append(token.id)
+            yield token
+
+    monkeypatch.setattr(lily.engine.engine.DeviceEngine, "generate", recording)
+    return runs
+
+
+def test_bench_speculative_ngram_says_so_on_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--model", "demo", "--device", "sim", "--context", "3"]
+    assert main([*argv, "--speculative", "ngram", "--draft-tokens", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "decode" in lines[0] and "(64 steps in" in lines[0]
+    # The demo's random output rarely repeats a 2-gram, so prompt lookup may draft nothing;
+    # whatever it drafted, the line states the mode and counts that add up.
+    found = re.fullmatch(
+        r"  speculative ngram \(draft tokens 3\): [0-9.]+ delivered tok/s, (\d+) of (\d+) "
+        r"drafted tokens accepted \((n/a|[0-9.]+%)\), (n/a|[0-9.]+) tokens per verify pass "
+        r"\((\d+) passes\)",
+        lines[1],
+    )
+    assert found, lines[1]
+    accepted, drafted, passes = int(found[1]), int(found[2]), int(found[5])
+    assert accepted <= drafted <= 3 * passes
+    assert (found[3] == "n/a") == (drafted == 0)
+
+
+def test_bench_speculative_counts_add_up_and_leave_the_tokens_unchanged(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "--model", "demo", "--device", "sim", "--context", "3", "--json"]
+    runs = _recording_generations(monkeypatch)
+    assert main([*argv, "--speculative", "off"]) == 0
+    plain_arm = json.loads(capsys.readouterr().out)
+    assert "speculative" not in plain_arm
+    plain = runs[-1]  # the measured run (the one before it is the warm-up)
+    assert len(plain) == BENCH_DECODE_STEPS + 1
+
+    # The synthetic prompt and the demo's output give prompt lookup little to find, so the
+    # drafter also gets the plain answer as a prediction with every fifth token wrong: verify
+    # passes then both accept and reject, through the same `Lily.speculation` the bench uses.
+    prompt = synthetic_prompt(3, 4096)
+    wrong = [(t + 1) % 4096 if i % 5 == 4 else t for i, t in enumerate(plain)]
+    original = Lily.speculation
+
+    def with_prediction(self: Lily, prediction: Any = (), anchor: Any = ()) -> Any:
+        return original(self, prediction=wrong, anchor=prompt)
+
+    monkeypatch.setattr(Lily, "speculation", with_prediction)
+    runs.clear()
+    assert main([*argv, "--speculative", "ngram", "--draft-tokens", "4"]) == 0
+    arm = json.loads(capsys.readouterr().out)
+    drafted = runs[-1]
+    assert arm["speculative"] == "ngram" and arm["draft_tokens"] == 4
+    assert arm["decode_steps"] == BENCH_DECODE_STEPS and len(drafted) == BENCH_DECODE_STEPS + 1
+    assert arm["decode_tok_s"] == pytest.approx(BENCH_DECODE_STEPS / arm["decode_s"])
+    assert 0 < arm["accepted"] < arm["drafted"] <= 4 * arm["verify_passes"]
+    assert arm["acceptance_rate"] == pytest.approx(arm["accepted"] / arm["drafted"])
+    assert arm["tokens_per_verify_pass"] == pytest.approx(
+        (arm["accepted"] + arm["verify_passes"]) / arm["verify_passes"]
+    )
+    # Equal to plain decoding up to its first near-tie (tests/test_speculative.py: verify
+    # passes agree with decode steps to rounding, not bit for bit).
+    with lily.load("demo", device="sim", max_seq=128) as llm:
+        logits = llm.engine.teacher_forced_logits(prompt + plain[:-1])[len(prompt) - 1 :]
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    near = np.flatnonzero(top2[:, 1] - top2[:, 0] <= 1e-2)
+    decided = int(near[0]) if near.size else len(plain)
+    assert decided >= len(plain) // 2, "the demo's answer is undecided too early to test"
+    assert drafted[:decided] == plain[:decided]
+
+
+def test_bench_passes_the_speculative_options_to_each_arm_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[list[str]] = []
+
+    def run(argv: list[str], check: bool) -> subprocess.CompletedProcess:
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(lily.cli.subprocess, "run", run)
+    argv = ["bench", "--model", "demo", "--context", "3", "4", "--speculative", "auto"]
+    assert main([*argv, "--draft-tokens", "2"]) == 0
+    assert len(calls) == 2
+    for call in calls:
+        options = call[call.index("bench") :]
+        at = options.index("--speculative")
+        assert options[at : at + 4] == ["--speculative", "auto", "--draft-tokens", "2"]
 
 
 def test_bench_prefills_in_the_chunks_asked_for(

@@ -25,6 +25,7 @@ from lily.engine.sampling import SamplingParams
 from lily.engine.speculative import (
     AUTO_IDLE_LOOKUPS,
     NgramIndex,
+    SourceCounts,
     Speculation,
     accept_drafts,
     check_speculative,
@@ -136,6 +137,9 @@ def test_speculation_prefers_the_prediction_and_counts_per_source():
     assert spec.accepted_prediction_tokens == 2
     assert spec.rejected_prediction_tokens == 2
     assert spec.counts["ngram"].passes == 1 and spec.counts["ngram"].drafted == 3
+    # The sum over both sources, as `lily bench` reports it.
+    assert spec.total == SourceCounts(passes=2, drafted=6, accepted=2)
+    assert Speculation(ngram=True).total == SourceCounts()
 
 
 def test_auto_stops_drafting_from_a_source_that_does_not_pay():

@@ -147,13 +147,16 @@ def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str 
     )
 
 
-def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_speculative_arguments(
+    parser: argparse.ArgumentParser, default: str = "auto", help: str | None = None
+) -> None:
     parser.add_argument(
         "--speculative",
-        default="auto",
+        default=default,
         type=_speculative_mode,
         metavar="{" + ",".join(SPECULATIVE_MODES) + "}",
-        help="speculative decoding, same output either way: auto (prompt lookup where it pays, "
+        help=help
+        or "speculative decoding, same output either way: auto (prompt lookup where it pays, "
         "and requests' predictions), ngram (prompt lookup always), off",
     )
     parser.add_argument(
@@ -178,7 +181,6 @@ def _load(
         max_seq=max_seq or args.max_seq,
         prefill_chunk=args.prefill_chunk,
         cache_memory=cache_memory,
-        # `bench` measures plain decode steps: it has no speculative options.
         speculative=getattr(args, "speculative", "off"),
         draft_tokens=getattr(args, "draft_tokens", DEFAULT_DRAFT_TOKENS),
     )
@@ -495,19 +497,26 @@ def synthetic_prompt(length: int, vocab_size: int) -> list[int]:
 
 def measure(
     llm: Lily, context: int, progress: Callable[[str], None] = lambda stage: None
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """One arm: an exact-shape warm-up, then one measured prefill (until the first token is
     delivered, with the next step already submitted) and exactly 64 measured greedy decode
     steps. No stop tokens: every step counts. `progress` hears of each stage as it starts
-    (outside the measured spans)."""
+    (outside the measured spans). Under `llm.speculative` other than "off" the decode drafts
+    as `Lily` generations do (the same `Lily.speculation`/`Lily.drafter`), still delivering
+    exactly 64 tokens, and the arm adds the drafting's counts."""
     prompt = synthetic_prompt(context, llm.config.vocab_size)
     steps = BENCH_DECODE_STEPS + 1  # the prefill's token, then the measured decode steps
     progress(f"warm-up: prefill {context} tokens, {BENCH_DECODE_STEPS} decode steps")
-    for _ in llm.engine.generate(prompt, steps):
+    # The warm-up drafts too, so that the verify passes' shapes are warm as well; each run gets
+    # a fresh speculation, so the counts are the measured run's alone.
+    drafter = llm.drafter(llm.speculation())
+    for _ in llm.engine.generate(prompt, steps, drafter=drafter):
         pass
     progress(f"measuring: prefill {context} tokens, {BENCH_DECODE_STEPS} decode steps")
+    speculation = llm.speculation()
+    drafter = llm.drafter(speculation)
     start = time.perf_counter()
-    tokens = llm.engine.generate(prompt, steps)
+    tokens = llm.engine.generate(prompt, steps, drafter=drafter)
     next(tokens)
     first_token = time.perf_counter()
     decoded = sum(1 for _ in tokens)
@@ -515,7 +524,7 @@ def measure(
     if decoded != BENCH_DECODE_STEPS:
         raise RuntimeError(f"decoded {decoded} steps instead of {BENCH_DECODE_STEPS}")
     prefill_s, decode_s = first_token - start, end - first_token
-    return {
+    arm: dict[str, Any] = {
         "context": context,
         "prefill_s": prefill_s,
         "prefill_tok_s": context / prefill_s,
@@ -523,15 +532,41 @@ def measure(
         "decode_s": decode_s,
         "decode_tok_s": decoded / decode_s,
     }
+    if llm.speculative == "off":
+        return arm  # the contract's keys alone, as before speculative decoding existed
+    total = speculation.total
+    # A verify pass yields its accepted drafts plus one token of the model's.
+    return {
+        **arm,
+        "speculative": llm.speculative,
+        "draft_tokens": llm.draft_tokens,
+        "verify_passes": total.passes,
+        "drafted": total.drafted,
+        "accepted": total.accepted,
+        "acceptance_rate": total.accepted / total.drafted if total.drafted else None,
+        "tokens_per_verify_pass": (
+            (total.accepted + total.passes) / total.passes if total.passes else None
+        ),
+    }
 
 
-def _print_arm(arm: dict[str, float], device: str) -> None:
-    print(
+def _print_arm(arm: dict[str, Any], device: str) -> None:
+    line = (
         f"{device} context {arm['context']}: prefill {arm['prefill_tok_s']:.1f} tok/s "
         f"({arm['prefill_s']:.3f} s), decode {arm['decode_tok_s']:.1f} tok/s "
-        f"({arm['decode_steps']} steps in {arm['decode_s']:.3f} s)",
-        flush=True,
+        f"({arm['decode_steps']} steps in {arm['decode_s']:.3f} s)"
     )
+    if "speculative" in arm:
+        rate, per_pass = arm["acceptance_rate"], arm["tokens_per_verify_pass"]
+        line += (
+            f"\n  speculative {arm['speculative']} (draft tokens {arm['draft_tokens']}): "
+            f"{arm['decode_tok_s']:.1f} delivered tok/s, {arm['accepted']} of "
+            f"{arm['drafted']} drafted tokens accepted"
+            f" ({'n/a' if rate is None else f'{rate:.1%}'}), "
+            f"{'n/a' if per_pass is None else f'{per_pass:.2f}'} tokens per verify pass "
+            f"({arm['verify_passes']} passes)"
+        )
+    print(line, flush=True)
 
 
 def _model_arguments_of(args: argparse.Namespace) -> list[str]:
@@ -548,6 +583,7 @@ def _bench(args: argparse.Namespace) -> int:
         # The contract wants a fresh process per arm: nothing warm carries over between arms.
         for context in args.context:
             argv = ["bench", "--context", str(context), *_model_arguments_of(args)]
+            argv += ["--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens)]
             if args.json:
                 argv.append("--json")
             done = subprocess.run([sys.executable, "-m", "lily.cli", *argv], check=False)
@@ -879,6 +915,13 @@ def _parser() -> argparse.ArgumentParser:
         help=BENCH_CONTEXTS_HELP,
     )
     bench.add_argument("--json", action="store_true", help="one JSON object per arm")
+    # Off by default: the contract's measurement is plain decode steps.
+    _add_speculative_arguments(
+        bench,
+        default="off",
+        help="draft during the measured decode (prompt lookup: ngram always, auto where it "
+        "pays) and report the acceptance; off (default) is the contract's plain decode",
+    )
 
     command("info", "show the device, GPU family, memory and which checkpoints are cached", _info)
     doctor = command(

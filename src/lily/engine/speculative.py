@@ -227,6 +227,16 @@ class Speculation:
         counts.accepted += accepted
 
     @property
+    def total(self) -> SourceCounts:
+        """All sources' counts summed: what `lily bench` reports (it drafts from one source,
+        but a generation with a prediction and prompt lookup has two)."""
+        return SourceCounts(
+            passes=sum(c.passes for c in self.counts.values()),
+            drafted=sum(c.drafted for c in self.counts.values()),
+            accepted=sum(c.accepted for c in self.counts.values()),
+        )
+
+    @property
     def has_sources(self) -> bool:
         """Whether anything can draft: without, a generation decodes plainly (pipelined)."""
         return bool(self.counts)
