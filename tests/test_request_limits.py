@@ -1,4 +1,4 @@
-"""`RequestLimits.check_shape`: the bound on a body's JSON values, counted as documented (every
+"""`RequestLimits.check_values`: the bound on a body's JSON values, counted as documented (every
 object, array, string, number, boolean and null, the body's own object included; keys are not
 values), with the error naming the field that holds most of them."""
 
@@ -14,9 +14,9 @@ ONE_MESSAGE = {"messages": [{"role": "user", "content": "a"}]}
 
 
 def test_a_body_of_exactly_the_bound_passes_and_one_value_more_is_refused() -> None:
-    RequestLimits(max_json_values=5).check_shape(ONE_MESSAGE)
+    RequestLimits(max_json_values=5).check_values(ONE_MESSAGE)
     with pytest.raises(TooManyValuesError) as refused:
-        RequestLimits(max_json_values=4).check_shape(ONE_MESSAGE)
+        RequestLimits(max_json_values=4).check_values(ONE_MESSAGE)
     assert isinstance(refused.value, RequestError)
     assert (refused.value.status, refused.value.code) == (400, "too_many_values")
     assert "more than 4 JSON values" in refused.value.message
@@ -30,7 +30,7 @@ def test_the_error_names_the_field_holding_most_values() -> None:
         "max_tokens": 3,
     }
     with pytest.raises(TooManyValuesError) as refused:
-        RequestLimits(max_json_values=500).check_shape(body)
+        RequestLimits(max_json_values=500).check_values(body)
     assert refused.value.param == "tools"
 
 
@@ -40,15 +40,15 @@ def test_deep_nesting_is_counted_without_recursion() -> None:
         deep = [deep]
     body = {"messages": deep}
     with pytest.raises(TooManyValuesError):
-        RequestLimits(max_json_values=50_000).check_shape(body)
-    RequestLimits(max_json_values=100_002).check_shape(body)
+        RequestLimits(max_json_values=50_000).check_values(body)
+    RequestLimits(max_json_values=100_002).check_values(body)
 
 
 def test_no_bound_counts_nothing() -> None:
     huge = {"metadata": {str(i): i for i in range(10**5)}}
     with pytest.raises(TooManyValuesError):
-        RequestLimits().check_shape(huge)
-    RequestLimits(max_json_values=None).check_shape(huge)
+        RequestLimits().check_values(huge)
+    RequestLimits(max_json_values=None).check_values(huge)
 
 
 def test_tool_call_arguments_count_as_the_values_their_json_text_holds() -> None:
@@ -57,8 +57,8 @@ def test_tool_call_arguments_count_as_the_values_their_json_text_holds() -> None
     # "function", function, "f", and the arguments' 2).
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     body = {"messages": [{"role": "assistant", "tool_calls": [call]}]}
-    RequestLimits(max_json_values=12).check_shape(body)
+    RequestLimits(max_json_values=12).check_values(body)
     with pytest.raises(TooManyValuesError):
-        RequestLimits(max_json_values=11).check_shape(body)
+        RequestLimits(max_json_values=11).check_values(body)
     broken = {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{"}}]}]}
-    RequestLimits(max_json_values=8).check_shape(broken)  # left to the request's validation
+    RequestLimits(max_json_values=8).check_values(broken)  # left to the request's validation

@@ -77,8 +77,8 @@ class RequestLimits:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
     def check_shape(self, request: Mapping[str, Any]) -> None:
-        """Refuses a request with too many messages, tools, tool calls or JSON values (400).
-        Fields of the wrong type are left to the request's validation."""
+        """Refuses a request with too many messages, tools or tool calls (400). Fields of the
+        wrong type are left to the request's validation."""
         messages = request.get("messages")
         if _is_list(messages):
             _check_length("messages", len(messages), self.max_messages, "messages")
@@ -91,8 +91,12 @@ class RequestLimits:
         tools = request.get("tools")
         if _is_list(tools):
             _check_length("tools", len(tools), self.max_tools, "tools")
+
+    def check_values(self, body: Mapping[str, Any]) -> None:
+        """Refuses a request body holding more JSON values than `max_json_values` (400). Counted
+        once, on the body as it arrived: a translated request holds the same values again."""
         if self.max_json_values is not None:
-            _check_value_count(request, self.max_json_values)
+            _check_value_count(body, self.max_json_values)
 
 
 UNBOUNDED = RequestLimits(None, None, None, None, None)

@@ -197,8 +197,8 @@ def parse_chat_request(body: bytes, limits: RequestLimits | None = None) -> dict
 
 def parse_json_body(body: bytes, limits: RequestLimits | None = None) -> dict[str, Any]:
     """A request body's JSON object, its text checked to be valid Unicode; null fields are
-    dropped (they mean "the default"). With `limits`, too many messages, tools or tool calls
-    are refused."""
+    dropped (they mean "the default"). With `limits`, too many messages, tools, tool calls or
+    JSON values are refused."""
     try:
         document = json.loads(body, parse_constant=_reject_constant)
     except RecursionError:
@@ -214,6 +214,7 @@ def parse_json_body(body: bytes, limits: RequestLimits | None = None) -> dict[st
         )
     if limits is not None:
         limits.check_shape(document)
+        limits.check_values(document)
     _check_text_is_unicode(document)
     return {name: value for name, value in document.items() if value is not None}
 
