@@ -639,7 +639,7 @@ def _gpu_lines() -> list[str]:
 def _info(args: argparse.Namespace) -> int:
     from lily.checkpoint.demo import demo_status
     from lily.checkpoint.loader import default_checkpoint_status
-    from lily.diagnostics.preflight import physical_memory
+    from lily.device import physical_memory
     from lily.version import __version__
 
     memory = physical_memory()

@@ -297,6 +297,14 @@ def metal_info() -> dict | None:
     return _native.metal_device_info() if hasattr(_native, "metal_device_info") else None
 
 
+def physical_memory() -> int | None:
+    """This machine's RAM in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def check_memory(kind: str, nbytes: int) -> None:
     """Refuse, before anything is allocated, a run that needs more GPU memory than Metal
     recommends on this Mac (with the `iogpu.wired_limit_mb` advice). The sim uses host memory

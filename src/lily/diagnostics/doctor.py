@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lily.device import Device, metal_info, open_device
+from lily.device import Device, metal_info, open_device, physical_memory
 from lily.diagnostics.kernel_checks import CHECKS, Comparison, KernelCheck
-from lily.diagnostics.preflight import GIB, physical_memory
+from lily.diagnostics.preflight import GIB
 
 # Apple's published unified-memory bandwidth of each chip, GB/s (the largest configuration's
 # where variants differ, e.g. the binned M3 Max and M4 Max have less). Longest name first.

@@ -10,7 +10,6 @@ much would leave macOS and other apps too little RAM, that it does not fit on th
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 MIB = 2**20
@@ -83,11 +82,3 @@ def preflight_message(needed: int, recommended: int, physical: int) -> str:
         f"apps {_gib(left)} of the {_gib(physical)} of RAM; "
         "`sudo sysctl iogpu.wired_limit_mb=0` restores the default."
     )
-
-
-def physical_memory() -> int | None:
-    """This machine's RAM in bytes, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None

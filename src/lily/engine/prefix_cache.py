@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from lily.device import physical_memory
 from lily.engine.prefix_disk import (
     DEFAULT_DISK_BYTES,
     DEFAULT_MIN_TOKENS,
@@ -67,10 +67,7 @@ Arrays = list[np.ndarray]
 def default_cache_memory(device_bytes: int) -> int:
     """The memory budget when none is given: half of what this machine's memory leaves after
     `device_bytes` (weights and working KV cache), capped at DEFAULT_MEMORY_CAP."""
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        physical = 0  # unknown: keep nothing rather than guess
+    physical = physical_memory() or 0  # unknown: keep nothing rather than guess
     return max(0, min(DEFAULT_MEMORY_CAP, (physical - device_bytes) // 2))
 
 
