@@ -99,6 +99,8 @@ NB_MODULE(_native, m) {
           "kernel"_a, "threadgroups"_a, "threads"_a, "buffers"_a, "bytes"_a,
           "threadgroup_memory"_a, "lengths"_a = std::vector<std::pair<uint32_t, size_t>>{})
       .def("barrier", &lily::Graph::barrier)
+      .def("end_command_buffer", &lily::Graph::end_command_buffer)
+      .def_prop_ro("command_buffer_count", &lily::Graph::command_buffer_count)
       .def_prop_ro("dispatch_count", &lily::Graph::dispatch_count)
       .def_prop_ro("barrier_count", &lily::Graph::barrier_count);
 

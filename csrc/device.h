@@ -99,7 +99,9 @@ struct Dispatch {
 };
 
 // Dispatches in recording order, cut into levels by barriers: the dispatches of one level may run
-// concurrently; a level sees every write of the levels before it.
+// concurrently; a level sees every write of the levels before it. A command-buffer boundary is a
+// barrier after which the metal device starts a new command buffer: macOS's GPU watchdog limits
+// how long one command buffer may run, so a long pass is split (the sim treats it as a barrier).
 class Graph {
  public:
   void dispatch(Dispatch d) {
@@ -109,7 +111,24 @@ class Graph {
   void barrier() {
     if (!levels_.empty() && !levels_.back().empty()) levels_.emplace_back();
   }
+  void end_command_buffer() {
+    barrier();
+    if (!levels_.empty() && levels_.back().empty() &&
+        (buffer_starts_.empty() || buffer_starts_.back() != levels_.size() - 1)) {
+      buffer_starts_.push_back(levels_.size() - 1);
+    }
+  }
   const std::vector<std::vector<Dispatch>>& levels() const { return levels_; }
+  // Whether the level starts a new command buffer (level 0 always starts the first one).
+  bool starts_command_buffer(size_t level) const {
+    return std::find(buffer_starts_.begin(), buffer_starts_.end(), level) !=
+           buffer_starts_.end();
+  }
+  size_t command_buffer_count() const {
+    size_t n = levels_.empty() ? 0 : 1;
+    for (size_t start : buffer_starts_) n += start > 0 && !levels_[start].empty();
+    return n;
+  }
   size_t dispatch_count() const {
     size_t n = 0;
     for (const auto& l : levels_) n += l.size();
@@ -123,6 +142,7 @@ class Graph {
 
  private:
   std::vector<std::vector<Dispatch>> levels_;
+  std::vector<size_t> buffer_starts_;  // levels after a command-buffer boundary
 };
 
 // What one dispatch read and wrote of each buffer binding: distinct bytes (the sim's counting and

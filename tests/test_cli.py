@@ -86,7 +86,8 @@ def test_every_option_shows_its_default(capsys: pytest.CaptureFixture[str]) -> N
             main([command, "--help"])
         out = " ".join(capsys.readouterr().out.split())  # unwrapped
         for shown in {
-            "chat": ["(default: 1024)", "(default: auto)", "(default: 512)", "(default: 32768",
+            "chat": ["(default: 1024)", "(default: auto)", "(default: 32768",
+                     "(default: the longest of 4096, 2048, 1024, 512 that the memory allows)",
                      "(default: no limit)", "(default: random)"],
             "generate": ["(default: 32)"],
             "serve": ["(default: 8000)", "(default: 64)", "(default: info)"],

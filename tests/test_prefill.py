@@ -1,7 +1,7 @@
 """Batched prefill on the device engine against the numpy reference model, on the tiny random
 checkpoints: the last position's logits and the greedy continuation after prompts of 1, 63, 300
 and 1,500 tokens cut into chunks unevenly; prefill then decode against decode alone; chunks cut
-at a snapshot; and chunks bounded by their estimated work."""
+at a snapshot; and chunks bounded by their costliest layer's estimated work."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tiny_models import tiny_checkpoint
 
 from lily.checkpoint.loader import load_checkpoint
 from lily.engine.engine import DeviceEngine, ReferenceEngine
-from lily.engine.model_graph import pass_flops
+from lily.engine.model_graph import layer_flops
 
 MAX_SEQ = 1600
 CONTINUATION = 6
@@ -124,15 +124,15 @@ def test_chunks_are_cut_at_a_snapshot(checkpoint):
     assert _greedy(_device_engine(checkpoint, 32), second, 8) == reused
 
 
-def test_chunks_are_bounded_by_their_estimated_work(checkpoint):
+def test_chunks_are_bounded_by_their_costliest_layer(checkpoint):
     c = checkpoint.config
-    budget = pass_flops(c, 0, 100)
-    engine = _device_engine(checkpoint, 512, chunk_flops=budget)
+    budget = max(layer_flops(c, 0, 100))
+    engine = _device_engine(checkpoint, 512, command_buffer_flops=budget)
     passes = [p for p in engine._passes(0, 1500, 1, None)]
     assert sum(t for _, t, _ in passes) == 1500
-    assert all(pass_flops(c, s, t) <= budget for s, t, _ in passes if t > 1)
+    assert all(max(layer_flops(c, s, t)) <= budget for s, t, _ in passes if t > 1)
     # Attention makes later chunks of a long prompt costlier, so they are shorter.
     assert passes[0][1] > passes[-2][1]
     prompt = _prompt(c.vocab_size, 120, seed=14)
-    bounded = _device_engine(checkpoint, 512, chunk_flops=pass_flops(c, 0, 40))
+    bounded = _device_engine(checkpoint, 512, command_buffer_flops=max(layer_flops(c, 0, 40)))
     assert _greedy(bounded, prompt, 4) == _greedy(_device_engine(checkpoint, 512), prompt, 4)

@@ -411,7 +411,9 @@ class MetalDevice final : public Device {
 
   ~MetalDevice() override {
     @autoreleasepool {
-      for (const InFlight& job : in_flight_) [job.commands waitUntilCompleted];
+      for (const InFlight& job : in_flight_) {
+        for (id<MTLCommandBuffer> commands : job.commands) [commands waitUntilCompleted];
+      }
     }
   }
 
@@ -495,8 +497,11 @@ class MetalDevice final : public Device {
     return names;
   }
 
-  // One command buffer per graph, one concurrent compute encoder in it: the dispatches of a
-  // level may overlap on the GPU, and a buffer barrier separates consecutive levels.
+  // A command buffer per stretch of the graph between its command-buffer boundaries (one for
+  // most graphs), one concurrent compute encoder in each: the dispatches of a level may overlap
+  // on the GPU, and a buffer barrier separates consecutive levels. Command buffers of one queue
+  // run in commit order, so a boundary orders the levels around it as a barrier does. Nothing
+  // is committed unless the whole graph encoded.
   uint64_t submit(const Graph& graph) override {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!fault_.empty()) {
@@ -510,17 +515,27 @@ class MetalDevice final : public Device {
       id<MTLComputeCommandEncoder> encoder =
           [commands computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
       for (size_t level = 0; level < graph.levels().size() && problem.empty(); ++level) {
-        if (level > 0) [encoder memoryBarrierWithScope:MTLBarrierScopeBuffers];
-        for (const Dispatch& dispatch : graph.levels()[level]) {
+        const auto& dispatches = graph.levels()[level];
+        if (level > 0 && graph.starts_command_buffer(level) && !dispatches.empty()) {
+          [encoder endEncoding];
+          job.commands.push_back(commands);
+          commands = [queue_ commandBuffer];
+          encoder = [commands computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
+        } else if (level > 0) {
+          [encoder memoryBarrierWithScope:MTLBarrierScopeBuffers];
+        }
+        for (const Dispatch& dispatch : dispatches) {
           problem = encode(encoder, dispatch, job);
           if (!problem.empty()) break;
         }
       }
       [encoder endEncoding];
+      job.commands.push_back(commands);
       if (problem.empty()) {
         residency_->before_submit();
-        [commands commit];
-        job.commands = commands;
+        for (id<MTLCommandBuffer> part : job.commands) [part commit];
+      } else {
+        job.commands.clear();
       }
     }
     if (!problem.empty()) throw std::invalid_argument(problem);
@@ -543,14 +558,20 @@ class MetalDevice final : public Device {
       in_flight_.pop_front();
       const InFlight& job = finished.back();
       @autoreleasepool {
-        [job.commands waitUntilCompleted];
-        if (job.commands.status == MTLCommandBufferStatusError) {
-          if (failure.empty()) {
-            failure = command_buffer_failure(job.commands.error) + describe_kernels(job);
+        double gpu_seconds = 0;
+        bool failed = false;
+        for (id<MTLCommandBuffer> commands : job.commands) {
+          [commands waitUntilCompleted];
+          if (commands.status == MTLCommandBufferStatusError) {
+            failed = true;
+            if (failure.empty()) {
+              failure = command_buffer_failure(commands.error) + describe_kernels(job);
+            }
+          } else {
+            gpu_seconds += commands.GPUEndTime - commands.GPUStartTime;
           }
-        } else {
-          last_gpu_seconds_ = job.commands.GPUEndTime - job.commands.GPUStartTime;
         }
+        if (!failed) last_gpu_seconds_ = gpu_seconds;
       }
     }
     if (!failure.empty()) {
@@ -562,13 +583,13 @@ class MetalDevice final : public Device {
   double last_gpu_seconds() const { return last_gpu_seconds_; }
 
  private:
-  // A submitted graph: its command buffer, plus the buffers and kernels it uses, held until it
-  // has been waited for. Declared after them, the command buffer is released first.
+  // A submitted graph: its command buffers, plus the buffers and kernels it uses, held until it
+  // has been waited for. Declared after them, the command buffers are released first.
   struct InFlight {
     uint64_t ticket = 0;
     std::vector<std::shared_ptr<Buffer>> buffers;
     std::vector<std::shared_ptr<Kernel>> kernels;
-    id<MTLCommandBuffer> commands = nil;
+    std::vector<id<MTLCommandBuffer>> commands;
   };
 
   void check_length(size_t bytes) const {

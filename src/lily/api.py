@@ -21,7 +21,7 @@ from lily.chat.tokenizer import Tokenizer
 from lily.checkpoint.files import read_json_file
 from lily.checkpoint.loader import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
 from lily.engine.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
-from lily.engine.model_graph import DEFAULT_MAX_CHUNK, device_bytes
+from lily.engine.model_graph import COMMAND_BUFFER_FLOPS, PREFILL_CHUNKS, device_bytes
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 from lily.engine.sampling import SamplingParams
@@ -64,13 +64,6 @@ def resolve_device(device: str) -> str:
     return "sim"
 
 
-# Each prefill chunk is one Metal command buffer, and one that runs for seconds can trip macOS's
-# GPU watchdog on a Mac driving a display (`ImpactingInteractivity`). A chunk's estimated work
-# is bounded to about a second on the slowest supported GPU (an 8-core M1: 2.6 TFLOPS fp32 peak,
-# taken as 2e12 for our kernels). An estimate, not a measurement: no Mac has run it yet.
-METAL_CHUNK_FLOPS = 2.0e12
-
-
 def _make_engine(
     checkpoint: Checkpoint,
     device: str,
@@ -87,7 +80,8 @@ def _make_engine(
 
     working = device_bytes(checkpoint, max_seq, prefill_chunk)
     check_memory(device, working)
-    chunk_flops = METAL_CHUNK_FLOPS if device == "metal" else None
+    # The sim has no watchdog: its chunks are cut by length only.
+    command_buffer_flops = COMMAND_BUFFER_FLOPS if device == "metal" else None
     prefix_cache = cache.build(checkpoint, "device-bf16", kv_bytes_per_token(config, 2), working)
     return DeviceEngine(
         checkpoint,
@@ -95,9 +89,25 @@ def _make_engine(
         max_seq,
         token_count,
         prefill_chunk,
-        chunk_flops,
+        command_buffer_flops,
         prefix_cache,
     )
+
+
+def default_prefill_chunk(checkpoint: Checkpoint, device: str, max_seq: int) -> int:
+    """The longest of PREFILL_CHUNKS whose scratch, beside the weights and the KV cache of
+    `max_seq` tokens, the device's memory takes (the memory preflight decides; the sim has no
+    limit), and no longer than the context. When none fits, the shortest: loading then fails
+    with the preflight's advice."""
+    from lily.device import check_memory
+
+    for chunk in PREFILL_CHUNKS:
+        try:
+            check_memory(device, device_bytes(checkpoint, max_seq, chunk))
+        except MemoryError:
+            continue
+        return max(min(chunk, max_seq), 1)
+    return min(PREFILL_CHUNKS[-1], max_seq)
 
 
 def default_sampling(model_dir: Path) -> SamplingParams:
@@ -336,7 +346,7 @@ def load(
     revision: str | None = None,
     device: str = "auto",
     max_seq: int | None = None,
-    prefill_chunk: int = DEFAULT_MAX_CHUNK,
+    prefill_chunk: int | None = None,
     escape_special_tokens: bool = False,
     cache_memory: int | None = None,
     cache_dir: str | Path | None = None,
@@ -350,11 +360,13 @@ def load(
     `model`: None (the default Hugging Face repo, pinned revision), a repo id, a local directory,
     or "demo" (a tiny model with random weights). `device`: "auto" (metal on Apple silicon, else
     sim), "sim", "metal" or "reference" (the numpy model). `max_seq`: the context length.
-    `prefill_chunk`: the most prompt tokens processed in one pass (longer chunks read each
-    weight fewer times; the scratch grows with it; on metal a chunk is also bounded by its
-    estimated time). `escape_special_tokens`: read control tokens such as `<|im_end|>` written
-    in a chat request's text as plain text, so that users cannot forge turns (off by default,
-    as in transformers; see docs/python-api.md).
+    `prefill_chunk`: the most prompt tokens processed in one pass (default: the longest of
+    4096, 2048, 1024 and 512 that the memory allows; longer chunks read each weight fewer
+    times; the scratch grows with it; on metal a chunk late in a long prompt is also kept short
+    enough that each layer's command buffer stays within its time estimate).
+    `escape_special_tokens`: read control tokens such as `<|im_end|>` written in a chat
+    request's text as plain text, so that users cannot forge turns (off by default, as in
+    transformers; see docs/python-api.md).
 
     The prefix cache (docs/architecture.md) keeps the states of recent conversations in at
     most `cache_memory` bytes of host memory (default: half the memory left after the weights
@@ -369,20 +381,14 @@ def load(
     "off". A request's `prediction` drafts in both modes but "off". The numpy reference engine
     and a `prefill_chunk` of 1 cannot verify drafts: they take "auto" as "off".
     """
-    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
+    if prefill_chunk is not None and (
+        isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
+    ):
+        raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
     check_speculative(speculative, draft_tokens)
     device = resolve_device(device)
-    if speculative == "ngram" and (device == "reference" or prefill_chunk < 2):
-        raise ValueError(
-            "speculative='ngram' needs a verify pass of several tokens, which the reference "
-            "engine and a prefill_chunk of 1 do not have: use speculative='off' or 'auto'"
-        )
-    if device == "reference" or prefill_chunk < 2:
-        speculative = "off"
     model_dir = resolve_model(model, revision)
     checkpoint = load_checkpoint(model_dir)
-    tokenizer = Tokenizer.from_dir(model_dir, config_eos_ids=checkpoint.config.eos_token_ids)
     if max_seq is None:
         max_seq = min(DEFAULT_MAX_SEQ, checkpoint.config.max_position_embeddings)
     if not 1 <= max_seq <= checkpoint.config.max_position_embeddings:
@@ -390,6 +396,16 @@ def load(
             f"max_seq must be between 1 and {checkpoint.config.max_position_embeddings}, "
             f"got {max_seq}"
         )
+    if prefill_chunk is None:
+        prefill_chunk = default_prefill_chunk(checkpoint, device, max_seq)
+    if speculative == "ngram" and (device == "reference" or prefill_chunk < 2):
+        raise ValueError(
+            "speculative='ngram' needs a verify pass of several tokens, which the reference "
+            "engine and a prefill_chunk of 1 do not have: use speculative='off' or 'auto'"
+        )
+    if device == "reference" or prefill_chunk < 2:
+        speculative = "off"
+    tokenizer = Tokenizer.from_dir(model_dir, config_eos_ids=checkpoint.config.eos_token_ids)
     if tokenizer.vocab_size > checkpoint.config.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} ids but the model only "

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from lily.api import DEFAULT_MAX_SEQ, DEVICES
-from lily.engine.model_graph import DEFAULT_MAX_CHUNK, MAX_DRAFT_TOKENS
+from lily.engine.model_graph import MAX_DRAFT_TOKENS, PREFILL_CHUNKS
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 from lily.engine.speculative import DEFAULT_DRAFT_TOKENS, SPECULATIVE_MODES, check_speculative
@@ -142,8 +142,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser, *, default_model: str 
     parser.add_argument(
         "--prefill-chunk",
         type=_positive_int,
-        default=DEFAULT_MAX_CHUNK,
-        help="most prompt tokens per prefill pass",
+        default=None,
+        help="most prompt tokens per prefill pass (default: the longest of "
+        f"{', '.join(map(str, PREFILL_CHUNKS))} that the memory allows)",
     )
 
 
@@ -570,7 +571,9 @@ def _print_arm(arm: dict[str, Any], device: str) -> None:
 
 
 def _model_arguments_of(args: argparse.Namespace) -> list[str]:
-    argv = ["--device", args.device, "--prefill-chunk", str(args.prefill_chunk)]
+    argv = ["--device", args.device]
+    if args.prefill_chunk is not None:
+        argv += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.model is not None:
         argv += ["--model", args.model]
     if args.revision is not None:

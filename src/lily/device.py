@@ -161,6 +161,15 @@ class Graph:
         """Every later dispatch sees every write of the earlier ones."""
         self._graph.barrier()
 
+    def end_command_buffer(self) -> None:
+        """A barrier after which the metal device starts a new command buffer, so that no one
+        command buffer of a long pass runs long enough to trip macOS's GPU watchdog."""
+        self._graph.end_command_buffer()
+
+    @property
+    def command_buffer_count(self) -> int:
+        return self._graph.command_buffer_count
+
     @property
     def dispatch_count(self) -> int:
         return self._graph.dispatch_count

@@ -44,7 +44,7 @@ from lily.engine.model_graph import (
     MAX_DRAFT_TOKENS,
     ModelGraph,
     device_bytes,
-    pass_flops,
+    layer_flops,
 )
 from lily.engine.prefix_cache import Arrays, PrefixCache, PrefixMatch, default_cache_memory
 from lily.engine.reference import ReferenceModel, ReferenceState
@@ -247,20 +247,21 @@ class DeviceEngine:
         max_seq: int,
         token_count: int,
         max_chunk: int = DEFAULT_MAX_CHUNK,
-        chunk_flops: float | None = None,
+        command_buffer_flops: float | None = None,
         prefix_cache: PrefixCache | None = None,
     ) -> None:
         """`token_count`: how many ids the tokenizer can produce; only those are generated.
-        `max_chunk`: the most prompt tokens one prefill pass (one command buffer) takes;
-        `chunk_flops`, if given, also bounds a pass's estimated work (`pass_flops`), which
-        grows with the context, so that no command buffer runs long enough to trip the GPU
-        watchdog. `prefix_cache`: which prefixes are kept for reuse (default: in memory, with
-        `default_cache_memory`'s budget)."""
+        `max_chunk`: the most prompt tokens one prefill pass takes. A pass is split into
+        command buffers by layers (`ModelGraph`); `command_buffer_flops`, if given, also
+        keeps a chunk short enough that each layer's estimated work (`layer_flops`, which
+        grows with the context) fits it, so that no command buffer runs long enough to trip
+        the GPU watchdog. `prefix_cache`: which prefixes are kept for reuse (default: in
+        memory, with `default_cache_memory`'s budget)."""
         self.config = checkpoint.config
         self.device = device
         self.max_seq = max_seq
         self.max_chunk = max_chunk
-        self.chunk_flops = chunk_flops
+        self.command_buffer_flops = command_buffer_flops
         self._model = ModelGraph(checkpoint, device, max_seq, token_count, max_chunk)
         self._rows = _DeviceRows(self._model)
         if prefix_cache is None:
@@ -327,14 +328,19 @@ class DeviceEngine:
 
     def _chunk_end(self, start: int, high: int) -> int:
         """Where the chunk starting at `start` ends: at most `max_chunk` tokens and `high`, and
-        the most tokens whose estimated work fits `chunk_flops` (one token at least)."""
+        the most tokens whose costliest layer fits `command_buffer_flops` (one token at
+        least)."""
         tokens = min(self.max_chunk, high - start)
-        budget = self.chunk_flops
-        if budget is not None and pass_flops(self.config, start, tokens) > budget:
-            fits, over = 1, tokens  # pass_flops grows with tokens: bisect
+        budget = self.command_buffer_flops
+
+        def costliest_layer(n: int) -> float:
+            return max(layer_flops(self.config, start, n))
+
+        if budget is not None and costliest_layer(tokens) > budget:
+            fits, over = 1, tokens  # layer_flops grows with tokens: bisect
             while over - fits > 1:
                 middle = (fits + over) // 2
-                if pass_flops(self.config, start, middle) <= budget:
+                if costliest_layer(middle) <= budget:
                     fits = middle
                 else:
                     over = middle

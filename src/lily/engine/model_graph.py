@@ -79,9 +79,16 @@ MODEL = "language_model.model."
 LOGPROB_RING_SLOTS = 8
 LM_HEAD = "language_model.lm_head"
 EMBED_TOKENS = MODEL + "embed_tokens"
-# The most tokens one prefill chunk takes unless the caller says otherwise: each weight is read
-# once per chunk, so longer chunks amortise it better; the scratch grows with it.
-DEFAULT_MAX_CHUNK = 512
+# Prefill chunk lengths, longest first: each weight is read once per chunk, so longer chunks
+# amortise it better and fill the experts' tiles; the scratch grows with the chunk (1.1 GiB at
+# 4,096 tokens for the real model), so `lily.load` takes the longest the memory allows.
+PREFILL_CHUNKS = (4096, 2048, 1024, 512)
+DEFAULT_MAX_CHUNK = PREFILL_CHUNKS[0]
+# macOS's GPU watchdog can end a command buffer that runs for seconds on a Mac driving a display
+# (`ImpactingInteractivity`). A pass is split into command buffers of at most this much estimated
+# work, a second or less on the slowest supported GPU (an 8-core M1: 2.6 TFLOPS fp32 peak, taken
+# as 2e12 for our kernels). An estimate, not a measurement: no Mac has run it yet.
+COMMAND_BUFFER_FLOPS = 2.0e12
 # The most drafted tokens one verify pass checks; its logits rows are one more (the last
 # accepted token's prediction comes first).
 MAX_DRAFT_TOKENS = 8
@@ -218,11 +225,11 @@ def device_bytes(checkpoint: Checkpoint, capacity: int, max_chunk: int = DEFAULT
     return weights + kv + gdn_layers * recurrent + scratch_bytes(c, max_chunk) + small
 
 
-def pass_flops(c: ModelConfig, start: int, tokens: int) -> float:
-    """Multiply-adds x 2 of a pass over positions [start, start + tokens): every projection
-    and the chosen experts per token, plus attention over each token's context (which makes a
-    chunk late in a long prompt cost more than an early one). The lm_head is left out: a pass
-    runs it for one token at most."""
+def layer_flops(c: ModelConfig, start: int, tokens: int) -> list[float]:
+    """Multiply-adds x 2 of each layer (mixer and MoE) in a pass over positions
+    [start, start + tokens): every projection and the chosen experts per token, plus, in an
+    attention layer, attention over each token's context (which makes a chunk late in a long
+    prompt cost more than an early one)."""
     d = c.hidden_size
     gdn = d * (2 * c.linear_key_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads)
     gdn += c.linear_value_dim * d
@@ -230,15 +237,34 @@ def pass_flops(c: ModelConfig, start: int, tokens: int) -> float:
     attention_projections = d * (2 * q + 2 * kv) + q * d
     experts = c.num_experts_per_tok * 3 * d * c.moe_intermediate_size
     moe = d * (c.num_experts + 1) + experts + 3 * d * c.shared_expert_intermediate_size
-    attention_layers = len(c.full_attention_layers)
-    per_token = (
-        (c.num_hidden_layers - attention_layers) * gdn
-        + attention_layers * attention_projections
-        + c.num_hidden_layers * moe
-    )
     # Scores and weighted values: 2 * q-width multiply-adds per context position.
     contexts = tokens * start + tokens * (tokens + 1) // 2
-    return 2.0 * (tokens * per_token + attention_layers * 2 * q * contexts)
+    attention = tokens * (attention_projections + moe) + 2 * q * contexts
+    linear = tokens * (gdn + moe)
+    return [
+        2.0 * (attention if kind == FULL_ATTENTION else linear) for kind in c.layer_types
+    ]
+
+
+def command_buffer_starts(c: ModelConfig, capacity: int, tokens: int) -> set[int]:
+    """The layers that start a new command buffer in a pass over `tokens` tokens: layers are
+    grouped, in order, so that no group's estimated work exceeds COMMAND_BUFFER_FLOPS at the
+    longest context the pass can see (a graph is recorded once and replayed at any position).
+    A decode step and a short chunk stay one command buffer; a layer over budget gets one of
+    its own, and the engine keeps a chunk short enough that every layer fits (`DeviceEngine`)."""
+    starts, pending = set(), 0.0
+    for i, flops in enumerate(layer_flops(c, max(capacity - tokens, 0), tokens)):
+        if i > 0 and pending + flops > COMMAND_BUFFER_FLOPS:
+            starts.add(i)
+            pending = 0.0
+        pending += flops
+    return starts
+
+
+def pass_flops(c: ModelConfig, start: int, tokens: int) -> float:
+    """Multiply-adds x 2 of a pass over positions [start, start + tokens) (`layer_flops`
+    summed). The lm_head is left out: a pass runs it for a few tokens at most."""
+    return sum(layer_flops(c, start, tokens))
 
 
 class ModelGraph:
@@ -416,7 +442,10 @@ class _Recorder:
                 eps=c.rms_norm_eps,
             )
             g.barrier()
+        starts_command_buffer = command_buffer_starts(c, self.m.capacity, T)
         for i, kind in enumerate(c.layer_types):
+            if i in starts_command_buffer:
+                g.end_command_buffer()
             layer = f"{MODEL}layers.{i}."
             input_norm = layer + "input_layernorm.weight"
             if kind == FULL_ATTENTION:

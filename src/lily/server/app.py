@@ -28,7 +28,6 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from lily.chat.request_limits import RequestLimits
-from lily.engine.model_graph import DEFAULT_MAX_CHUNK
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.speculative import DEFAULT_DRAFT_TOKENS
 from lily.server.api_key import resolve_api_key
@@ -261,7 +260,7 @@ def serve(
     device: str = "auto",
     revision: str | None = None,
     max_seq: int | None = None,
-    prefill_chunk: int = DEFAULT_MAX_CHUNK,
+    prefill_chunk: int | None = None,
     queue_limit: int = DEFAULT_QUEUE_LIMIT,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,

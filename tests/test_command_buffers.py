@@ -1,0 +1,133 @@
+"""Long passes are split into several command buffers by estimated work, so that none runs long
+enough for macOS's GPU watchdog: the graph's boundaries (a barrier the metal device turns into a
+new command buffer), how the layer walk is grouped at the real model's dims, that a split graph
+computes what an unsplit one does, and the default prefill chunk the memory allows."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from device_testing import open_test_device
+from tiny_models import tiny_checkpoint
+
+from lily import api
+from lily.checkpoint.config import FULL_ATTENTION, LINEAR_ATTENTION
+from lily.checkpoint.loader import load_checkpoint
+from lily.device import Graph
+from lily.engine import model_graph
+from lily.engine.engine import DeviceEngine
+from lily.engine.model_graph import (
+    COMMAND_BUFFER_FLOPS,
+    PREFILL_CHUNKS,
+    command_buffer_starts,
+    device_bytes,
+    layer_flops,
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint(tiny_checkpoint("small"))
+
+
+def real_dims(config):
+    """The tiny config with the real model's sizes (model.md), for the work estimates."""
+    layers = tuple(FULL_ATTENTION if (i + 1) % 4 == 0 else LINEAR_ATTENTION for i in range(40))
+    return replace(
+        config,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        layer_types=layers,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+    )
+
+
+def test_a_command_buffer_boundary_is_a_barrier_between_dispatches():
+    kernel = open_test_device().kernel("rms_norm_float")
+    graph = Graph()
+    assert graph.command_buffer_count == 0
+    graph.end_command_buffer()  # nothing before it: no boundary
+    for _ in range(2):
+        graph.dispatch(kernel, threadgroups=1, threads=32)
+    assert graph.command_buffer_count == 1
+    graph.end_command_buffer()
+    graph.end_command_buffer()  # twice in a row is one boundary
+    graph.barrier()
+    graph.dispatch(kernel, threadgroups=1, threads=32)
+    assert (graph.command_buffer_count, graph.barrier_count) == (2, 1)
+    graph.end_command_buffer()  # a trailing boundary starts nothing
+    assert graph.command_buffer_count == 2
+
+
+def test_the_real_models_passes_are_grouped_within_the_budget(checkpoint):
+    c = real_dims(checkpoint.config)
+    capacity = 32768
+    # A decode step and a verify pass are one command buffer even at the longest context.
+    assert command_buffer_starts(c, 262144, 1) == set()
+    assert command_buffer_starts(c, 262144, 9) == set()
+    for tokens in (512, 2048, 4096):
+        starts = command_buffer_starts(c, capacity, tokens)
+        flops = layer_flops(c, capacity - tokens, tokens)
+        bounds = [0, *sorted(starts), len(flops)]
+        groups = [sum(flops[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        # Every group fits, or is a single layer over budget on its own.
+        assert all(
+            g <= COMMAND_BUFFER_FLOPS or b - a == 1
+            for g, a, b in zip(groups, bounds, bounds[1:], strict=False)
+        )
+        # Greedy grouping: a group and the next layer together would not have fit.
+        assert all(
+            groups[k] + flops[bounds[k + 1]] > COMMAND_BUFFER_FLOPS for k in range(len(groups) - 1)
+        )
+    # 4,096 tokens at 32k context are about 40 TFLOP: at least 20 command buffers.
+    assert len(command_buffer_starts(c, capacity, 4096)) + 1 >= 20
+
+
+def test_a_split_pass_computes_what_one_command_buffer_does(checkpoint, monkeypatch):
+    c = checkpoint.config
+    prompt = np.random.default_rng(3).integers(0, c.vocab_size, 300).tolist()
+
+    def run() -> tuple[list[int], np.ndarray, int]:
+        engine = DeviceEngine(checkpoint, open_test_device(), 512, c.vocab_size, 512)
+        tokens = [t.id for t in engine.generate(prompt, 3)]
+        graph = engine._model.graph(300, predicts=True)
+        return tokens, engine._model.logits_view().copy(), graph.command_buffer_count
+
+    whole_tokens, whole_logits, whole_buffers = run()
+    # A budget of about three layers of this chunk splits its walk into several buffers.
+    monkeypatch.setattr(model_graph, "COMMAND_BUFFER_FLOPS", 3 * max(layer_flops(c, 212, 300)))
+    split_tokens, split_logits, split_buffers = run()
+    assert whole_buffers == 1
+    assert split_buffers >= c.num_hidden_layers // 3
+    assert split_tokens == whole_tokens
+    np.testing.assert_array_equal(split_logits, whole_logits)
+
+
+def test_the_default_chunk_is_the_longest_the_memory_allows(checkpoint, monkeypatch):
+    limit = device_bytes(checkpoint, 8192, 1024)
+
+    def check_memory(device: str, nbytes: int) -> None:
+        if nbytes > limit:
+            raise MemoryError(f"{nbytes} bytes")
+
+    monkeypatch.setattr("lily.device.check_memory", check_memory)
+    assert api.default_prefill_chunk(checkpoint, "metal", 8192) == 1024
+    # Never longer than the context.
+    assert api.default_prefill_chunk(checkpoint, "metal", 700) == 700
+    # Nothing fits: the shortest, for the preflight to refuse with its advice.
+    limit = 0
+    assert api.default_prefill_chunk(checkpoint, "metal", 8192) == PREFILL_CHUNKS[-1]
+    monkeypatch.undo()
+    assert api.default_prefill_chunk(checkpoint, "sim", 8192) == PREFILL_CHUNKS[0]
