@@ -6,6 +6,13 @@
 //   moe_down            sum_k w_k down_e(h_k) + sigmoid(shared gate) down_s(h_s), one pass.
 // Expert weights are the stacked checkpoint tensors [experts, rows, ...], indexed on the device by
 // the routed ids, so nothing returns to the host between the router and the output.
+//
+// The same kernels run a verify pass's few tokens (grid z = token): each token's buffers follow
+// the previous token's (x and out [tokens, hidden], ids and weights [tokens, top_k], router
+// logits [tokens, experts] then the shared-expert gate logits [tokens], h [tokens, top_k *
+// expert_rows + shared_rows]). Such a pass is bound by reading the weights, as decode is, and the
+// tokens' experts barely overlap, so reading the weights per (token, expert) costs about what the
+// union would, with none of a GEMM tile's padding.
 #include "common.h"
 #include "quantized.h"
 
@@ -104,7 +111,8 @@ struct MoeGateUpParams {
 // h[slot * expert_rows + r] = silu(gate_e x)[r] * (up_e x)[r] for slot < top_k (expert e =
 // expert_ids[slot]); slot top_k is the shared expert, at h[top_k * expert_rows + r].
 // Grid: x over rows (4 per SIMD-group), y over a run of slots from first_slot: all top_k + 1, or
-// (the decode step) the shared expert alone, beside the router, and the routed ones after it.
+// (the decode step) the shared expert alone, beside the router, and the routed ones after it;
+// z over tokens.
 //
 // The decode step folds its neighbours in. NORMED kernels take the un-normed residual as x and
 // apply the post-attention RMSNorm themselves (see qgemv_rows_gained). ROUTES kernels take the
@@ -124,9 +132,15 @@ template <uint BITS, bool NORMED, bool ROUTES>
     device const bfloat* shared_up_s [[buffer(13)]], device const bfloat* shared_up_b [[buffer(14)]],
     device float* h [[buffer(15)]], device const bfloat* gain [[buffer(16)]],
     device const float* router_logits [[buffer(17)]], device float* expert_weights [[buffer(18)]],
-    uint2 threadgroup_id [[threadgroup_position_in_grid]],
+    uint3 threadgroup_id [[threadgroup_position_in_grid]],
     uint simdgroup [[simdgroup_index_in_threadgroup]],
     uint simdgroups [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+  const uint token = threadgroup_id.z;
+  x += ulong(token) * p.in_dim;
+  expert_ids += token * p.top_k;
+  router_logits += ulong(token) * p.experts;
+  expert_weights += token * p.top_k;
+  h += ulong(token) * (p.top_k * p.expert_rows + p.shared_rows);
   const uint slot = p.first_slot + threadgroup_id.y;
   const bool shared = slot == p.top_k;
   const uint rows = shared ? p.shared_rows : p.expert_rows;
@@ -197,7 +211,8 @@ struct MoeDownParams {
 // out = sum_slot w[slot] down_{e(slot)} h_slot + sigmoid(shared_gate_logit) down_s h_shared.
 // The k routed inputs are one contiguous vector of top_k * expert_in values, walked in chunks by
 // all 32 lanes (a chunk never straddles two experts since expert_in is a multiple of 64), so a
-// short expert input does not leave most lanes idle. Grid: x over rows, 4 per SIMD-group.
+// short expert input does not leave most lanes idle. Grid: x over rows, 4 per SIMD-group; y over
+// tokens.
 template <uint BITS>
 [[kernel]] void moe_down(constant MoeDownParams& p [[buffer(0)]], device const float* h [[buffer(1)]],
                          device const uint* expert_ids [[buffer(2)]],
@@ -210,11 +225,17 @@ template <uint BITS>
                          device const bfloat* shared_s [[buffer(9)]],
                          device const bfloat* shared_b [[buffer(10)]],
                          device float* out [[buffer(11)]],
-                         uint threadgroup_id [[threadgroup_position_in_grid]],
+                         uint2 threadgroup_id [[threadgroup_position_in_grid]],
                          uint simdgroup [[simdgroup_index_in_threadgroup]],
                          uint simdgroups [[simdgroups_per_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]]) {
-  const uint row0 = threadgroup_id * (simdgroups * MOE_ROWS_PER_SIMDGROUP) +
+  const uint token = threadgroup_id.y;
+  h += ulong(token) * (p.top_k * p.expert_in + p.shared_in);
+  expert_ids += token * p.top_k;
+  expert_weights += token * p.top_k;
+  shared_gate_logit += token;
+  out += ulong(token) * p.out_rows;
+  const uint row0 = threadgroup_id.x * (simdgroups * MOE_ROWS_PER_SIMDGROUP) +
                     simdgroup * MOE_ROWS_PER_SIMDGROUP;
   if (row0 >= p.out_rows) return;  // the whole SIMD-group leaves together
   const uint count = min(MOE_ROWS_PER_SIMDGROUP, p.out_rows - row0);

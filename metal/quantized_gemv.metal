@@ -14,6 +14,13 @@
 // (the GDN's in_proj_qkv) leave through the causal conv1d step (conv_step_channel), so the conv
 // is no dispatch of its own either.
 //
+// Verify passes (speculative decoding: the last accepted token and up to 8 drafts) run the same
+// projections over a few tokens. Decode-sized work is bound by reading the weights, so
+// `qgemv_tokens` reads each weight once for all of them: x is [tokens, in_dim], each projection's
+// y is [tokens, rows], and a SIMD-group keeps its rows' codes of a chunk in registers while it
+// walks the tokens. The token loop has a compile-time trip count (QGEMV_MAX_TOKENS) so that
+// acc[] stays in registers; tokens past p.tokens are skipped, uniformly for the SIMD-group.
+//
 // The decode step's very first GEMV (layer 0's in_proj_qkv|z|a|b, or q|k|v) also folds the
 // embedding lookup: `qgemv_embedded_*` reads x as the embedding row of the token at the step's
 // position, dequantized by each lane from the quantized table (EmbeddedRow, embedding.h), and
@@ -25,6 +32,7 @@
 
 constexpr constant uint QGEMV_MAX_PROJECTIONS = 4;
 constexpr constant uint QGEMV_ROWS_PER_SIMDGROUP = 4;
+constexpr constant uint QGEMV_MAX_TOKENS = 9;
 
 struct QGemvParams {
   uint in_dim;
@@ -35,6 +43,7 @@ struct QGemvParams {
   uint accumulate;  // y += W x instead of y = W x
   uint conv;        // projection 0's outputs go through the conv1d step (conv weight, window)
   uint embed_rows;  // the embedding table's rows (embedded kernels only)
+  uint tokens;      // x's rows (qgemv_tokens only; 1 elsewhere)
 };
 
 // The rows one SIMD-group of a dispatch computes: [row0, row0 + count) of projection `proj`,
@@ -128,6 +137,80 @@ template <uint BITS, typename T, bool NORMED>
   qgemv_store<NORMED>(p, t, acc, inv_rms, conv_weight, conv_window, lane);
 }
 
+// sum over one chunk of (scale * code + bias) * x for one row whose 16 bytes of codes are loaded:
+// qdot_chunk's arithmetic, in its order, on codes already in registers.
+template <uint BITS>
+inline float qdot_loaded(uint4 codes, float scale, float bias, thread const float* xs,
+                         float xsum) {
+  constexpr uint per_word = 32 / BITS;
+  constexpr uint mask = (1u << BITS) - 1u;
+  float dot = 0.0f;
+  for (uint w = 0; w < 4; ++w) {
+    const uint packed = codes[w];
+    for (uint j = 0; j < per_word; ++j) {
+      dot += float((packed >> (j * BITS)) & mask) * xs[w * per_word + j];
+    }
+  }
+  return scale * dot + bias * xsum;
+}
+
+template <uint BITS>
+[[kernel]] void qgemv_tokens(
+    constant QGemvParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
+    device const uint* w0 [[buffer(2)]], device const bfloat* s0 [[buffer(3)]],
+    device const bfloat* b0 [[buffer(4)]], device float* y0 [[buffer(5)]],
+    device const uint* w1 [[buffer(6)]], device const bfloat* s1 [[buffer(7)]],
+    device const bfloat* b1 [[buffer(8)]], device float* y1 [[buffer(9)]],
+    device const uint* w2 [[buffer(10)]], device const bfloat* s2 [[buffer(11)]],
+    device const bfloat* b2 [[buffer(12)]], device float* y2 [[buffer(13)]],
+    device const uint* w3 [[buffer(14)]], device const bfloat* s3 [[buffer(15)]],
+    device const bfloat* b3 [[buffer(16)]], device float* y3 [[buffer(17)]],
+    uint threadgroup_id [[threadgroup_position_in_grid]],
+    uint simdgroup [[simdgroup_index_in_threadgroup]],
+    uint simdgroups [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+  const QGemvTarget t = qgemv_target(p, QuantMatrix{w0, s0, b0}, y0, QuantMatrix{w1, s1, b1}, y1,
+                                     QuantMatrix{w2, s2, b2}, y2, QuantMatrix{w3, s3, b3}, y3,
+                                     threadgroup_id, simdgroup, simdgroups);
+  if (t.count == 0) return;  // the whole SIMD-group leaves together
+
+  constexpr uint R = QGEMV_ROWS_PER_SIMDGROUP;
+  constexpr uint chunk = quant_chunk(BITS);
+  const uint words_per_row = p.in_dim * BITS / 32;
+  const uint groups_per_row = p.in_dim / QUANT_GROUP_SIZE;
+  float acc[R][QGEMV_MAX_TOKENS];
+  for (uint r = 0; r < R; ++r) {
+    for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) acc[r][n] = 0.0f;
+  }
+  for (uint k = lane * chunk; k < p.in_dim; k += SIMD_WIDTH * chunk) {
+    uint4 codes[R];
+    float scales[R], biases[R];
+    for (uint r = 0; r < R; ++r) {
+      const ulong row = clamped_row(t.row0, t.count, r);
+      codes[r] = *reinterpret_cast<device const uint4*>(t.m.weight + row * words_per_row +
+                                                        k * BITS / 32);
+      const ulong group = row * groups_per_row + k / QUANT_GROUP_SIZE;
+      scales[r] = float(t.m.scales[group]);
+      biases[r] = float(t.m.biases[group]);
+    }
+    for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) {
+      if (n >= p.tokens) break;
+      float xs[chunk];
+      const float xsum = load_chunk<BITS>(x + ulong(n) * p.in_dim, k, xs);
+      for (uint r = 0; r < R; ++r) {
+        acc[r][n] += qdot_loaded<BITS>(codes[r], scales[r], biases[r], xs, xsum);
+      }
+    }
+  }
+  const uint rows = p.rows[t.proj];
+  for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) {
+    if (n >= p.tokens) break;
+    for (uint r = 0; r < R; ++r) {
+      const float total = simd_sum(acc[r][n]);
+      if (lane == 0 && r < t.count) t.y[ulong(n) * rows + t.row0 + r] = total;
+    }
+  }
+}
+
 // The decode step's first GEMV: x is the embedding row of token tokens[position[0]] (clamped to
 // the table, as embedding.metal does), with the layer's input norm folded in as qgemv_normed.
 // The SIMD-group computing projection 0's first rows also writes the row to `residual`, each
@@ -176,6 +259,8 @@ template [[host_name("qgemv_8_float")]] [[kernel]] decltype(qgemv<8, float, fals
     qgemv<8, float, false>;
 template [[host_name("qgemv_8_bfloat")]] [[kernel]] decltype(qgemv<8, bfloat, false>)
     qgemv<8, bfloat, false>;
+template [[host_name("qgemv_tokens_4")]] [[kernel]] decltype(qgemv_tokens<4>) qgemv_tokens<4>;
+template [[host_name("qgemv_tokens_8")]] [[kernel]] decltype(qgemv_tokens<8>) qgemv_tokens<8>;
 // The residual stream is fp32, so only fp32 inputs are ever normed on the fly.
 template [[host_name("qgemv_normed_4_float")]] [[kernel]] decltype(qgemv<4, float, true>)
     qgemv<4, float, true>;

@@ -352,6 +352,57 @@ def test_moe_block(lane_order, dims):
     check_down(dims, hidden, ids, weights_out, logits[dims.experts], as_float32(out, dims.hidden))
 
 
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize(("dims", "tokens"), [(TINY, 9), (REAL, 3)], ids=["tiny-9", "real-3"])
+def test_moe_block_of_a_few_tokens_is_each_tokens_block(lane_order, dims, tokens):
+    """A verify pass's tokens through the same kernels, token by token: every token's routing,
+    hidden activations and output are, bit for bit, those of the block run on it alone (whose
+    agreement with the float64 model test_moe_block checks)."""
+    device = sim_device(lane_order)
+    x = np.random.default_rng(5).normal(0, 1, (tokens, dims.hidden)).astype(np.float32)
+    shape = (dims.experts, dims.top_k, dims.expert_rows, dims.shared_rows)
+    scratch = MoeScratch.allocate(device, *shape, tokens=tokens)
+    out = float_buffer(device, tokens * dims.hidden)
+    weights = bind(device, dims)
+    run(
+        device,
+        lambda g: record_moe(
+            g, device, device.wrap(x), weights, dims.top_k, scratch, out, tokens=tokens
+        ),
+    )
+    hidden_width = dims.top_k * dims.expert_rows + dims.shared_rows
+    all_ids = uint32s(scratch.expert_ids, tokens * dims.top_k).reshape(tokens, dims.top_k)
+    all_hidden = as_float32(scratch.hidden, tokens * hidden_width).reshape(tokens, -1)
+    all_out = as_float32(out, tokens * dims.hidden).reshape(tokens, dims.hidden)
+    for n in range(tokens):
+        alone = MoeScratch.allocate(device, *shape)
+        one = float_buffer(device, dims.hidden)
+        row = device.wrap(x[n].copy())
+        run(
+            device,
+            lambda g, row=row, alone=alone, one=one: record_moe(
+                g, device, row, weights, dims.top_k, alone, one
+            ),
+        )
+        np.testing.assert_array_equal(all_ids[n], uint32s(alone.expert_ids, dims.top_k))
+        np.testing.assert_array_equal(all_hidden[n], as_float32(alone.hidden, hidden_width))
+        np.testing.assert_array_equal(all_out[n], as_float32(one, dims.hidden))
+    # The tokens did not all choose the same experts: the per-token indexing was exercised.
+    assert len({tuple(ids) for ids in all_ids}) > 1
+
+
+def test_moe_block_refuses_more_tokens_than_its_scratch():
+    device = sim_device("forward")
+    d = TINY
+    scratch = MoeScratch.allocate(device, d.experts, d.top_k, d.expert_rows, d.shared_rows)
+    x = device.wrap(np.zeros((2, d.hidden), np.float32))
+    with pytest.raises(ValueError, match="holds 1 to 1 tokens"):
+        record_moe(
+            Graph(), device, x, bind(device, d), d.top_k, scratch,
+            float_buffer(device, 2 * d.hidden), tokens=2,
+        )  # fmt: skip
+
+
 # -- grid shapes ----------------------------------------------------------------------------------
 
 

@@ -56,6 +56,7 @@ from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
 from lily.kernels.moe_chunk import MoeChunkScratch, moe_chunk_scratch_bytes, record_moe_chunk
 from lily.kernels.norm import FoldedNorm, record_add_rms_norm, record_rms_norm
 from lily.kernels.quant_weight import QuantWeight
+from lily.kernels.quantized import MAX_TOKENS as GEMV_MAX_TOKENS
 from lily.kernels.quantized import record_qgemv
 from lily.kernels.quantized_gemm import record_qgemm
 from lily.kernels.sampling import (
@@ -192,7 +193,9 @@ class _Scratch:
         self.decode_splits = splits = attention.decode_splits(capacity)
         self.partial_out = device.alloc(attention.partial_out_bytes(q_heads, splits))
         self.partial_stats = device.alloc(attention.partial_stats_bytes(q_heads, splits))
-        self.moe = MoeScratch.allocate(device, *_moe_shape(c))
+        # A verify pass's few tokens run the decode step's MoE kernels, token by token.
+        few_tokens = min(max_chunk, GEMV_MAX_TOKENS)
+        self.moe = MoeScratch.allocate(device, *_moe_shape(c), tokens=few_tokens)
         # Sized for the whole vocabulary, at least what the sampler's token count needs.
         self.sample_partials = device.alloc(sample_partials_bytes(c.vocab_size))
         self.moe_chunk = (
@@ -413,7 +416,18 @@ class _Recorder:
             norm = self.folded_norm(norm_weight)
             record_qgemv(self.g, self.dev, x, projections, norm=norm)
         else:
-            record_qgemm(self.g, self.dev, self.s.normed, projections, self.tokens)
+            self.project(self.s.normed, projections, self.tokens)
+
+    def project(
+        self, x: BufferRef, projections: Sequence[tuple[QuantWeight, BufferRef]], tokens: int
+    ) -> None:
+        """Projections of `tokens` rows of x: a GEMV that reads each weight once for all of them
+        up to a verify pass's size (bound by reading the weights, as decode is), the GEMM's
+        tiles beyond."""
+        if tokens <= GEMV_MAX_TOKENS:
+            record_qgemv(self.g, self.dev, x, projections, tokens=tokens)
+        else:
+            record_qgemm(self.g, self.dev, x, projections, tokens)
 
     def project_into_residual(self, x: BufferRef, weight: QuantWeight) -> None:
         """The mixer's output projection: added to the residual in place at T = 1, written to
@@ -421,7 +435,7 @@ class _Recorder:
         if self.folds_norms:
             record_qgemv(self.g, self.dev, x, [(weight, self.s.residual)], accumulate=True)
         else:
-            record_qgemm(self.g, self.dev, x, [(weight, self.s.mixer_out)], self.tokens)
+            self.project(x, [(weight, self.s.mixer_out)], self.tokens)
 
     def record(self) -> Graph:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
@@ -482,7 +496,7 @@ class _Recorder:
         rows = self.verify_rows
         first = self.hidden_row(self.s.normed, self.tokens - rows)
         head = [(self.w.quantized(self.head_weight), self.m._verify_logits)]
-        record_qgemm(self.g, self.dev, first, head, rows)
+        self.project(first, head, rows)
 
     @property
     def head_weight(self) -> str:
@@ -683,7 +697,9 @@ class _Recorder:
 
     def moe(self, prefix: str, norm_weight: str) -> None:
         """The MoE block of the post-attention-normed residual: at T = 1 with the norm and the
-        residual add folded in (out is the residual itself)."""
+        residual add folded in (out is the residual itself); up to a verify pass's size with the
+        same GEMV-shaped kernels, token by token (bound by reading the experts' weights, where
+        the grouped GEMM's tiles would be nearly empty); beyond, the grouped GEMM."""
         c, g, dev, s, T = self.c, self.g, self.dev, self.s, self.tokens
         weights = self.moe_weights(prefix)
         if T == 1:
@@ -698,6 +714,18 @@ class _Recorder:
                 normalize=c.norm_topk_prob,
                 norm=self.folded_norm(norm_weight),
                 accumulate=True,
+            )
+        elif T <= GEMV_MAX_TOKENS:
+            record_moe(
+                g,
+                dev,
+                s.normed,
+                weights,
+                c.num_experts_per_tok,
+                s.moe,
+                s.moe_out,
+                normalize=c.norm_topk_prob,
+                tokens=T,
             )
         else:
             record_moe_chunk(

@@ -57,22 +57,30 @@ class MoeWeights:
 
 @dataclass(frozen=True)
 class MoeScratch:
-    """Device buffers the block passes between its dispatches (all fp32 except ids)."""
+    """Device buffers the block passes between its dispatches (all fp32 except ids), for up to
+    `tokens` tokens (the decode step's one, or a verify pass's few)."""
 
-    logits: BufferRef  # [experts + 1]: router logits, then the shared-expert gate logit
-    expert_ids: BufferRef  # uint32 [top_k]
-    expert_weights: BufferRef  # [top_k]
-    hidden: BufferRef  # [top_k * expert_rows + shared_rows]
+    logits: BufferRef  # [tokens, experts] router logits, then [tokens] shared-expert gate logits
+    expert_ids: BufferRef  # uint32 [tokens, top_k]
+    expert_weights: BufferRef  # [tokens, top_k]
+    hidden: BufferRef  # [tokens, top_k * expert_rows + shared_rows]
+    tokens: int = 1
 
     @staticmethod
     def allocate(
-        device: Device, experts: int, top_k: int, expert_rows: int, shared_rows: int
+        device: Device,
+        experts: int,
+        top_k: int,
+        expert_rows: int,
+        shared_rows: int,
+        tokens: int = 1,
     ) -> MoeScratch:
         return MoeScratch(
-            logits=device.alloc(4 * (experts + 1)),
-            expert_ids=device.alloc(4 * top_k),
-            expert_weights=device.alloc(4 * top_k),
-            hidden=device.alloc(4 * (top_k * expert_rows + shared_rows)),
+            logits=device.alloc(4 * tokens * (experts + 1)),
+            expert_ids=device.alloc(4 * tokens * top_k),
+            expert_weights=device.alloc(4 * tokens * top_k),
+            hidden=device.alloc(4 * tokens * (top_k * expert_rows + shared_rows)),
+            tokens=tokens,
         )
 
 
@@ -122,11 +130,13 @@ def record_moe_gate_up(
     norm: FoldedNorm | None = None,
     routing: InKernelRouting | None = None,
     slots: range | None = None,
+    tokens: int = 1,
 ) -> None:
     """hidden = [silu(gate_e x) * up_e x for each chosen e] + [the same for the shared expert];
     with `norm`, of rms_norm(x) instead of x. The chosen experts are read from `expert_ids`, or
     with `routing` chosen in the kernel and written there. `slots` limits the dispatch to a run
-    of them (slot top_k is the shared expert); by default it takes all top_k + 1."""
+    of them (slot top_k is the shared expert); by default it takes all top_k + 1. With `tokens`,
+    each token's buffers follow the previous token's (MoeScratch's layout)."""
     require_vector_aligned(x, "float32", norm)
     expert_rows, shared_rows = w.expert_gate.rows, w.shared_gate.rows
     slots = range(top_k + 1) if slots is None else slots
@@ -175,7 +185,7 @@ def record_moe_gate_up(
     )
     graph.dispatch(
         device.kernel(f"{variant}_{w.expert_gate.bits}"),
-        threadgroups=(ceil_div(row_simdgroups, simdgroups), len(slots), 1),
+        threadgroups=(ceil_div(row_simdgroups, simdgroups), len(slots), tokens),
         threads=(simdgroups * SIMD_WIDTH, 1, 1),
         buffers=buffers,
         bytes={0: params},
@@ -193,16 +203,18 @@ def record_moe_down(
     w: MoeWeights,
     out: BufferRef,
     accumulate: bool = False,
+    tokens: int = 1,
 ) -> None:
     """out = sum_k weight_k down_{e_k}(hidden_k) + sigmoid(shared gate) down_s(hidden_shared);
-    with `accumulate`, out += the same."""
+    with `accumulate`, out += the same. With `tokens`, each token's buffers follow the previous
+    token's (MoeScratch's layout; out [tokens, rows])."""
     require_vector_aligned(hidden, "float32")
     rows = w.expert_down.rows
     row_simdgroups = ceil_div(rows, ROWS_PER_SIMDGROUP)
     simdgroups = gemv_simdgroups(row_simdgroups)
     graph.dispatch(
         device.kernel(f"moe_down_{w.expert_down.bits}"),
-        threadgroups=(ceil_div(row_simdgroups, simdgroups), 1, 1),
+        threadgroups=(ceil_div(row_simdgroups, simdgroups), tokens, 1),
         threads=(simdgroups * SIMD_WIDTH, 1, 1),
         buffers={
             1: binding(hidden),
@@ -236,23 +248,34 @@ def record_moe(
     normalize: bool = True,
     norm: FoldedNorm | None = None,
     accumulate: bool = False,
+    tokens: int = 1,
 ) -> None:
     """The whole block, out = MoE(x), with barriers between its levels (the caller places the
     one before, x ready, and after, out ready); MoE(rms_norm(x)) with `norm`, and out += with
-    `accumulate`."""
+    `accumulate`. With `tokens` (at most the scratch's), x and out are [tokens, hidden]: a
+    verify pass's few tokens, each expert's weights read per token that chose it (no norm can
+    be folded in then)."""
+    if not 1 <= tokens <= scratch.tokens:
+        raise ValueError(f"the scratch holds 1 to {scratch.tokens} tokens, got {tokens}")
     experts = w.router.rows
+    shared_gate_logits = offset_by(scratch.logits, 4 * tokens * experts)
     record_qgemv(
         graph,
         device,
         x,
-        [
-            (w.router, scratch.logits),
-            (w.shared_expert_gate, offset_by(scratch.logits, 4 * experts)),
-        ],
+        [(w.router, scratch.logits), (w.shared_expert_gate, shared_gate_logits)],
         norm=norm,
+        tokens=tokens,
     )
     # The shared expert needs no routing, so it runs beside the router.
-    gate_up = dict(x=x, expert_ids=scratch.expert_ids, top_k=top_k, w=w, hidden=scratch.hidden)
+    gate_up = dict(
+        x=x,
+        expert_ids=scratch.expert_ids,
+        top_k=top_k,
+        w=w,
+        hidden=scratch.hidden,
+        tokens=tokens,
+    )
     record_moe_gate_up(graph, device, **gate_up, norm=norm, slots=range(top_k, top_k + 1))
     graph.barrier()
     routing = InKernelRouting(scratch.logits, experts, scratch.expert_weights, normalize)
@@ -264,9 +287,10 @@ def record_moe(
         scratch.hidden,
         scratch.expert_ids,
         scratch.expert_weights,
-        offset_by(scratch.logits, 4 * experts),
+        shared_gate_logits,
         top_k,
         w,
         out,
         accumulate,
+        tokens,
     )

@@ -1,5 +1,5 @@
 """Launching the quantized GEMV (`metal/quantized_gemv.metal`): up to four projections that share
-one input, computed in one dispatch."""
+one input, computed in one dispatch, for one token or a verify pass's few."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from lily.device import Device, Graph
 
 MAX_PROJECTIONS = 4
+# Must match QGEMV_MAX_TOKENS: the most tokens one qgemv_tokens dispatch takes (a verify pass's
+# last accepted token and its 8 drafts).
+MAX_TOKENS = 9
 # Must match QGEMV_ROWS_PER_SIMDGROUP (quantized_gemv.metal) and MOE_ROWS_PER_SIMDGROUP (moe.metal).
 ROWS_PER_SIMDGROUP = 4
 SIMD_WIDTH = 32
@@ -64,8 +67,13 @@ def record_qgemv(
     norm: FoldedNorm | None = None,
     accumulate: bool = False,
     conv: FoldedConvStep | None = None,
+    tokens: int = 1,
 ) -> None:
     """y_i = W_i x (fp32 out) for each `(W_i, y_i)`; all W_i share x's length and bit width.
+
+    With `tokens` > 1 (at most MAX_TOKENS), x is fp32 [tokens, in_dim] and each y_i
+    [tokens, W_i.rows]: each weight is read once for all the tokens (no norm, accumulation or
+    conv then; the passes over several tokens do those in their own dispatches).
 
     With `norm`, x (fp32) is normed on the fly: y_i = W_i rms_norm(x). With `accumulate`, the
     result is added to what y_i holds (y_i += W_i x): a residual add folded into the GEMV. With
@@ -78,6 +86,15 @@ def record_qgemv(
     for weight, _ in projections:
         if (weight.in_dim, weight.bits) != (first.in_dim, first.bits):
             raise ValueError("projections sharing one dispatch need the same input and bits")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"a GEMV takes 1 to {MAX_TOKENS} tokens, got {tokens}")
+    if tokens > 1 and (
+        norm is not None or accumulate or conv is not None or isinstance(x, EmbeddedInput)
+    ):
+        raise ValueError("a GEMV over several tokens takes a plain fp32 x: no norm, "
+                         "accumulation, conv or embedded input")
+    if tokens > 1 and element_type(x_dtype) != "float":
+        raise ValueError("a GEMV over several tokens reads an fp32 x")
     rows = [w.rows for w, _ in projections]
     simdgroups = gemv_simdgroups(sum(ceil_div(r, ROWS_PER_SIMDGROUP) for r in rows))
     rows_per_threadgroup = simdgroups * ROWS_PER_SIMDGROUP
@@ -101,7 +118,7 @@ def record_qgemv(
         x = embedded.residual  # bound at x's slot, written with the row
     require_vector_aligned(x, x_dtype, norm)
     params = pack_params(
-        "II4I4IfIII",
+        "II4I4IfIIII",
         first.in_dim,
         len(projections),
         *(rows + padding),
@@ -110,14 +127,14 @@ def record_qgemv(
         int(accumulate),
         int(conv is not None),
         embedded.table.rows if embedded is not None else 0,
+        tokens,
     )
     # Slots a call does not use are bound to x, unread, so every declared buffer is bound.
-    buffers = {
-        1: binding(x),
-        18: binding(norm.gain if norm is not None else x),
-        19: binding(conv.weight if conv is not None else x),
-        20: binding(conv.window if conv is not None else x),
-    }
+    buffers = {1: binding(x)}
+    if tokens == 1:
+        buffers[18] = binding(norm.gain if norm is not None else x)
+        buffers[19] = binding(conv.weight if conv is not None else x)
+        buffers[20] = binding(conv.window if conv is not None else x)
     for i, (weight, out) in enumerate(slots):
         buffers[2 + 4 * i] = binding(weight.weight)
         buffers[3 + 4 * i] = binding(weight.scales)
@@ -130,6 +147,8 @@ def record_qgemv(
         buffers[24] = binding(embedded.table.scales)
         buffers[25] = binding(embedded.table.biases)
         kernel = device.kernel(f"qgemv_embedded_{first.bits}_{embedded.table.bits}")
+    elif tokens > 1:
+        kernel = device.kernel(f"qgemv_tokens_{first.bits}")
     else:
         variant = "qgemv_normed" if norm is not None else "qgemv"
         kernel = device.kernel(f"{variant}_{first.bits}_{element_type(x_dtype)}")

@@ -1,0 +1,72 @@
+"""A verify pass of speculative decoding at the real model's dims: the weight bytes it reads and
+the matrix FLOPs it executes, with the GEMM tiles a prefill chunk uses (how verify passes ran
+before `qgemv_tokens` and the MoE's few-token path) and with the GEMV-shaped kernels they run
+now, and a time estimate on Apple GPUs from the figures and efficiencies `prefill_model.py`
+assumes (a model, not a measurement; attention and the norms are left out, small beside these
+at short context).
+
+The experts: each of the k + 1 tokens chooses 8 of 256 per layer; the expected number of
+distinct experts is 256 (1 - (1 - 8/256)^(k+1)). A GEMV reads each chosen expert once per token
+that chose it (almost the same bytes: the tokens' experts barely overlap); the grouped GEMM
+reads it once but fills a 32-row tile per expert with one or two tokens.
+
+    python benchmarks/verify_pass_model.py
+"""
+
+from __future__ import annotations
+
+from make_synthetic_checkpoint import real_config
+from prefill_model import FP32_TILES, GPUS, MEMORY_EFFICIENCY
+
+from lily.checkpoint.config import FULL_ATTENTION, parse_config
+from lily.kernels.quantized_gemm import TOKENS_PER_TILE
+
+BYTES_PER_WEIGHT = 4.5 / 8  # 4-bit codes, a bf16 scale and bias per 64
+ROUTER_BYTES_PER_WEIGHT = 8.5 / 8  # the 8-bit router and shared-expert gate
+# The GEMV-shaped kernels unpack each code once per token: about 4 ALU operations per weight per
+# token (shift, mask, convert, FMA), so many tokens can make them ALU-bound.
+GEMV_OPS_PER_WEIGHT_TOKEN = 4
+
+
+def main() -> None:
+    c = parse_config(real_config())
+    d, layers = c.hidden_size, c.num_hidden_layers
+    attention_layers = sum(1 for kind in c.layer_types if kind == FULL_ATTENTION)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    gdn = d * (2 * c.linear_key_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads)
+    gdn += c.linear_value_dim * d
+    dense = (layers - attention_layers) * gdn + attention_layers * (d * (2 * q + 2 * kv) + q * d)
+    dense += layers * 3 * d * c.shared_expert_intermediate_size
+    router = layers * d * (c.num_experts + 1)
+    head = d * c.vocab_size
+    expert = 3 * d * c.moe_intermediate_size
+    print("verify pass at the real dims: weights read and matrix work executed (a model)")
+    print(f"{'drafts':>6} {'tokens':>6} {'GB read':>8} {'GEMM tiles GFLOP':>17} "
+          f"{'GEMV GFLOP':>11}   estimated ms, GEMM tiles -> GEMVs")  # fmt: skip
+    for drafts in (0, 1, 2, 4, 8):
+        tokens = drafts + 1
+        distinct = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens)
+        gb = (
+            (dense + head) * BYTES_PER_WEIGHT
+            + router * ROUTER_BYTES_PER_WEIGHT
+            + layers * distinct * expert * BYTES_PER_WEIGHT
+        )
+        tile_rows = TOKENS_PER_TILE if tokens > 1 else 1
+        tiles = 2.0 * tile_rows * (dense + router + head + layers * distinct * expert)
+        useful = 2.0 * tokens * (dense + router + head + layers * c.num_experts_per_tok * expert)
+        gemv_ops = GEMV_OPS_PER_WEIGHT_TOKEN / 2 * useful
+        times = []
+        for gpu in GPUS:
+            bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY
+            rate = gpu.fp32_rate * FP32_TILES.efficiency
+            before = max(gb / bandwidth, tiles / rate)
+            after = max(gb / bandwidth, gemv_ops / gpu.fp32_rate)
+            times.append(f"{gpu.name.split(' (')[0]} {before * 1e3:6.1f} -> {after * 1e3:5.1f}")
+        print(
+            f"{drafts:>6} {tokens:>6} {gb / 1e9:8.2f} {tiles / 1e9:17.0f} {useful / 1e9:11.1f}   "
+            + ", ".join(times)
+        )
+
+
+if __name__ == "__main__":
+    main()
