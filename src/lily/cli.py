@@ -651,6 +651,7 @@ def _info(args: argparse.Namespace) -> int:
     from lily.checkpoint.demo import demo_status
     from lily.checkpoint.loader import default_checkpoint_status
     from lily.device import physical_memory
+    from lily.diagnostics.preflight import kv_cache_summary
     from lily.version import __version__
 
     memory = physical_memory()
@@ -661,6 +662,7 @@ def _info(args: argparse.Namespace) -> int:
         *_gpu_lines(),
         f"checkpoint:      {default_checkpoint_status()}",
         f"                 {demo_status()}",
+        f"kv cache:        {kv_cache_summary()} (--kv-cache)",
     ]
     print("\n".join(lines))
     return 0
