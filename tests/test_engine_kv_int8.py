@@ -23,6 +23,7 @@ from lily.engine.model_graph import kv_cache_bytes_per_token
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.reference import ReferenceModel
 from lily.engine.sampling import SamplingParams
+from lily.engine.speculative import Speculation
 
 MARGIN = 1e-2
 TOLERANCE = 1e-2
@@ -95,6 +96,31 @@ def test_greedy_answers_match_the_bf16_cache_where_decided(name: str, length: in
     horizon = undecided[0] if undecided else steps
     assert horizon > 0, f"the first token is a near-tie ({margins[0]:.1e}); pick another seed"
     assert [t.id for t in answers["int8"][:horizon]] == [t.id for t in answers["bf16"][:horizon]]
+
+
+def test_the_verify_pass_reads_the_int8_cache():
+    """Speculative decoding's verify passes (the chunk kernels over the drafts, and a rejected
+    pass's rows rewritten by the next) with an int8 cache: a prediction that is right, and one
+    wrong at every third token, give plain int8 decoding's greedy answer up to its first
+    near-tie. The small checkpoint (the kernels are the prefill's, checked on both)."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    vocab = checkpoint.config.vocab_size
+    prompt = _prompt(vocab, 23, seed=11)
+    steps = 12
+    engine = _engine(checkpoint, "int8", 64, max_chunk=64)
+    plain = [t.id for t in engine.generate(prompt, steps)]
+    logits = engine.teacher_forced_logits(prompt + plain[:-1])[len(prompt) - 1 :]
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    near = np.flatnonzero(top2[:, 1] - top2[:, 0] <= MARGIN)
+    decided = int(near[0]) if near.size else steps
+    assert decided >= steps // 2, "the plain answer is undecided too early to test"
+    wrong = [(t + 1) % vocab if i % 3 == 2 else t for i, t in enumerate(plain)]
+    for prediction in (plain, wrong):
+        drafter = Speculation(draft_tokens=4, prediction=prediction, anchor=prompt[-2:])
+        tokens = [t.id for t in engine.generate(prompt, steps, drafter=drafter)]
+        assert tokens[:decided] == plain[:decided]
+        assert drafter.accepted_prediction_tokens > 0
+    engine.close()
 
 
 def test_the_prefix_cache_restores_int8_rows(checkpoint, tmp_path):
