@@ -100,12 +100,12 @@ def preflight_message(needed: int, recommended: int, physical: int) -> str:
             f"It does not fit even with a raised limit: of this Mac's {_gib(physical)} of RAM, "
             f"at most {_gib(plan.safe_limit_mib * MIB)} can be wired safely (macOS and other "
             f"apps need {_gib(system_reserve(physical))}). Ask for less memory, for example a "
-            "shorter maximum sequence length (max_seq)."
+            "shorter maximum sequence length (max_seq) or an int8 KV cache (kv_cache='int8')."
         )
     left = physical - plan.wired_limit_mib * MIB
     return message + (
-        "Ask for less memory (for example a shorter maximum sequence length, max_seq), or let "
-        "the GPU wire more until the next reboot with:\n"
+        "Ask for less memory (for example a shorter maximum sequence length, max_seq, or an int8 "
+        "KV cache, kv_cache='int8'), or let the GPU wire more until the next reboot with:\n"
         f"  sudo sysctl iogpu.wired_limit_mb={plan.wired_limit_mib}\n"
         f"That is the need plus {WIRED_MARGIN_MIB} MiB of headroom, and leaves macOS and other "
         f"apps {_gib(left)} of the {_gib(physical)} of RAM; "
