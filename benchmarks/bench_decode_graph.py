@@ -13,20 +13,29 @@ bytes moved) and an ESTIMATE of the time per token on Apple GPUs from a stated m
 Usage:
     python benchmarks/make_synthetic_checkpoint.py SYNTH_DIR   # once, ~19.5 GB
     python benchmarks/bench_decode_graph.py SYNTH_DIR [--steps 200] [--context 256] [--traffic]
+        [--kv-cache bf16|int8]
     python benchmarks/bench_decode_graph.py demo
+    python benchmarks/bench_decode_graph.py --real-config [--kv-cache int8]
+
+It also prints the KV cache's bytes per context token in the chosen format (`--kv-cache`), and
+the bytes one decoded token reads at contexts of 4k, 32k and 128k: the weights and GDN state
+above plus the KV rows of the whole context. `--real-config` prints only those, for the real
+model's config.json (make_synthetic_checkpoint.py's) and its expected tensors, without a
+checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from types import SimpleNamespace
 
 from lily.checkpoint.config import FULL_ATTENTION
 from lily.checkpoint.loader import load_checkpoint, resolve_model
 from lily.checkpoint.validate import expected_layout
 from lily.device import open_device
-from lily.engine.model_graph import ModelGraph
-from lily.kernels.attention import cache_bytes
+from lily.engine.model_graph import ModelGraph, kv_cache_bytes_per_token
+from lily.kernels.attention import KV_CACHE_TYPES
 from lily.kernels.gdn import state_bytes
 
 EMBEDDING = "language_model.model.embed_tokens"
@@ -55,8 +64,8 @@ def weight_bytes_per_token(checkpoint) -> dict[str, int]:
     return totals
 
 
-def kv_bytes_per_context_token(config) -> int:
-    return len(config.full_attention_layers) * 2 * cache_bytes(config.num_key_value_heads, 1)
+# The contexts the KV report prints the bytes per decoded token at.
+KV_REPORT_CONTEXTS = (4096, 32768, 131072)
 
 
 # Assumed, not measured: peak memory bandwidth (GB/s) and GPU cores of each chip, the fraction
@@ -121,12 +130,46 @@ def print_kernel_table(graph, traffic) -> None:
         )
 
 
-def measured_bytes_per_token(checkpoint, max_seq: int) -> tuple[dict[str, int], float]:
+def print_kv_report(config, kv_cache: str, weights: int) -> None:
+    """The KV cache's bytes per context token, and per decoded token at KV_REPORT_CONTEXTS
+    (`weights`: the weights and state a token reads besides)."""
+    kv_per_token = kv_cache_bytes_per_token(config, kv_cache)
+    print(f"KV cache ({kv_cache})     {kv_per_token:,} B per context token")
+    for context in KV_REPORT_CONTEXTS:
+        at = kv_per_token * context
+        print(
+            f"  at {context // 1024:>3}k context     {(weights + at) / 1e9:.4f} GB per token "
+            f"({at / 1e9:.4f} GB of it KV)"
+        )
+
+
+def real_config_report(kv_cache: str) -> None:
+    """print_kv_report for the real model, its weights per token counted from the expected
+    tensors (the small ones at their full size) instead of a checkpoint's files."""
+    from make_synthetic_checkpoint import nbytes, real_config
+
+    from lily.checkpoint.config import parse_config
+    from lily.checkpoint.validate import expected_tensors
+
+    config = parse_config(real_config())
+    sizes = {
+        name: SimpleNamespace(nbytes=nbytes(t)) for name, t in expected_tensors(config).items()
+    }
+    weights = sum(weight_bytes_per_token(SimpleNamespace(config=config, locations=sizes)).values())
+    print(f"real model's config: {weights / 1e9:.4f} GB of weights and GDN state per token")
+    print_kv_report(config, kv_cache, weights)
+
+
+def measured_bytes_per_token(
+    checkpoint, max_seq: int, kv_cache: str
+) -> tuple[dict[str, int], float]:
     """Runs the first decode step (position 0) on the counting sim: the distinct bytes every
     dispatch read plus those it wrote, summed over the step by what the buffer holds, and the
     seconds the step took; then prints the per-kernel table and the estimate."""
     device = open_device("sim", count_traffic=True)
-    decode = ModelGraph(checkpoint, device, max_seq, checkpoint.config.vocab_size, max_chunk=1)
+    decode = ModelGraph(
+        checkpoint, device, max_seq, checkpoint.config.vocab_size, max_chunk=1, kv_cache=kv_cache
+    )
     state = decode.state
     kinds = {}
     for buffer in state.recurrent.values():
@@ -154,26 +197,40 @@ def measured_bytes_per_token(checkpoint, max_seq: int) -> tuple[dict[str, int], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="checkpoint directory, repo id or 'demo'")
+    parser.add_argument("model", nargs="?", help="checkpoint directory, repo id or 'demo'")
     parser.add_argument("--steps", type=int, default=200, help="steps timed in no-execute mode")
     parser.add_argument("--context", type=int, default=256, help="context for the KV bytes")
     parser.add_argument("--max-seq", type=int, default=4096)
     parser.add_argument(
         "--traffic", action="store_true", help="run one step counting the bytes it moves"
     )
+    parser.add_argument("--kv-cache", choices=KV_CACHE_TYPES, default="bf16")
+    parser.add_argument(
+        "--real-config",
+        action="store_true",
+        help="the KV arithmetic of the real model's config alone, without a checkpoint",
+    )
     args = parser.parse_args()
+    if args.real_config:
+        real_config_report(args.kv_cache)
+        return
+    if args.model is None:
+        parser.error("a checkpoint (or --real-config) is needed")
 
     checkpoint = load_checkpoint(resolve_model(args.model))
     config = checkpoint.config
     device = open_device("sim", execute=False)
     start = time.perf_counter()
-    decode = ModelGraph(checkpoint, device, args.max_seq, config.vocab_size, max_chunk=1)
+    decode = ModelGraph(
+        checkpoint, device, args.max_seq, config.vocab_size, max_chunk=1, kv_cache=args.kv_cache
+    )
     recorded = time.perf_counter() - start
     graph = decode.decode
 
     totals = weight_bytes_per_token(checkpoint)
     weights = sum(totals.values())
-    kv = kv_bytes_per_context_token(config) * args.context
+    kv_per_token = kv_cache_bytes_per_token(config, args.kv_cache)
+    kv = kv_per_token * args.context
     print(f"checkpoint          {checkpoint.path} ({checkpoint.level})")
     print(f"graph recorded in   {recorded * 1e3:.1f} ms")
     print(f"dispatches / token  {graph.dispatch_count}")
@@ -183,6 +240,7 @@ def main() -> None:
     print(f"bytes / token       {weights / 1e9:.4f} GB + KV {kv / 1e6:.2f} MB at {args.context}")
     if checkpoint.level == "strict":
         print(f"spec minimum        {SPEC_MINIMUM_GB:.2f} GB (spec/model.md section 4)")
+    print_kv_report(config, args.kv_cache, weights)
 
     in_flight = []
     start = time.perf_counter()
@@ -196,7 +254,7 @@ def main() -> None:
     print(f"host time / step    {per_step * 1e6:.1f} us (submit + wait, kernels not executed)")
 
     if args.traffic:
-        measured, seconds = measured_bytes_per_token(checkpoint, args.max_seq)
+        measured, seconds = measured_bytes_per_token(checkpoint, args.max_seq, args.kv_cache)
         print(f"measured, one step at position 0 on the counting sim ({seconds:.0f} s):")
         for kind, nbytes in sorted(measured.items(), key=lambda item: -item[1]):
             print(f"  {kind:<24} {nbytes / 1e9:8.4f} GB")

@@ -7,12 +7,14 @@ goes through the decode step (teacher-forced) and every position is compared.
 The engine keeps its KV cache in bf16, the reference in float32, and 40 layers of random
 weights amplify any rounding. So the reference runs three times: as is; with its cache rounded to
 bf16 like the engine's; and that again in float64, the yardstick. The engine agrees when its
-distance to the float64 reference is of the order of the float32 reference's own.
+distance to the float64 reference is of the order of the float32 reference's own. With
+`--kv-cache int8` the engine keeps an int8 cache and the second and third references round
+theirs through int8 groups of 32 (`kv_int8_group=32`) instead of bf16.
 
 Usage:
     python benchmarks/make_synthetic_checkpoint.py SYNTH_DIR   # once, ~19.5 GB
     python benchmarks/full_size_check.py SYNTH_DIR [--tokens 4]
-    python benchmarks/full_size_check.py SYNTH_DIR --prefill --tokens 64
+    python benchmarks/full_size_check.py SYNTH_DIR --prefill --tokens 64 [--kv-cache int8]
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def main() -> None:
     parser.add_argument("directory")
     parser.add_argument("--tokens", type=int, default=4, help="tokens fed")
     parser.add_argument("--prefill", action="store_true", help="feed them as one prefill chunk")
+    parser.add_argument("--kv-cache", choices=("bf16", "int8"), default="bf16")
     args = parser.parse_args()
+    rounded = {"bf16_kv_cache": True} if args.kv_cache == "bf16" else {"kv_int8_group": 32}
 
     checkpoint = load_checkpoint(args.directory, level="strict")
     config = checkpoint.config
@@ -46,12 +50,17 @@ def main() -> None:
     start = time.perf_counter()
     expected, _ = ReferenceModel(config, checkpoint.tensors).prefill(tokens)
     reference_seconds = time.perf_counter() - start
-    bf16_cache, _ = ReferenceModel(config, checkpoint.tensors, bf16_kv_cache=True).prefill(tokens)
-    exact, _ = ReferenceModel(config, checkpoint.tensors, np.float64, bf16_kv_cache=True).prefill(
-        tokens
-    )
+    bf16_cache, _ = ReferenceModel(config, checkpoint.tensors, **rounded).prefill(tokens)
+    exact, _ = ReferenceModel(config, checkpoint.tensors, np.float64, **rounded).prefill(tokens)
 
-    sim = DeviceEngine(checkpoint, open_device("sim"), max_seq, config.vocab_size, len(tokens))
+    sim = DeviceEngine(
+        checkpoint,
+        open_device("sim"),
+        max_seq,
+        config.vocab_size,
+        len(tokens),
+        kv_cache=args.kv_cache,
+    )
     start = time.perf_counter()
     if args.prefill:
         actual = sim.prompt_logits(tokens)[None]
@@ -66,8 +75,8 @@ def main() -> None:
     print(f"logit scale       {np.abs(expected).max():.3f} (max |logit|)")
     for name, reference in (
         ("float32, fp32 KV", expected),
-        ("float32, bf16 KV", bf16_cache),
-        ("float64, bf16 KV", exact),
+        (f"float32, {args.kv_cache} KV", bf16_cache),
+        (f"float64, {args.kv_cache} KV", exact),
     ):
         difference = np.abs(actual - reference).max(-1)
         same_argmax = (actual.argmax(-1) == reference.argmax(-1)).tolist()

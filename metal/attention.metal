@@ -2,7 +2,7 @@
 // first two as one, attention_decode_fused):
 //
 //   attention_prepare  per-head RMSNorm of q and k, partial rotate-half RoPE, and the append of
-//                      the rotated key and the value to the bf16 KV cache at the position
+//                      the rotated key and the value to the KV cache at the position
 //   attention_decode   softmax(q K^T * scale) V over the whole context with GQA, the context
 //                      split into ranges of positions ("splits", split_length below) that run
 //                      as separate threadgroups; each split leaves an unnormalised partial per
@@ -19,6 +19,18 @@
 // position + T. The query/gate split needs no copy: q_proj's output holds per head
 // [query(head_dim) | gate(head_dim)], prepare reads the query half and combine (or the chunk
 // epilogue) the gate half.
+//
+// The KV cache holds rows of one of two formats, a template parameter of every kernel that
+// touches it (host names without a suffix are bf16, `_int8` the int8 cache):
+//
+//   bf16  256 bf16 values, 512 bytes;
+//   int8  256 int8 codes, then 8 fp16 scales, one per group of 32 dims: 272 bytes. A group's
+//         scale is its max |x| / 127 rounded to fp16 and its codes x / scale rounded to nearest
+//         (ties to even), so a value is code * scale within half a step (docs/benchmarks.md,
+//         "An int8 KV cache", chose the groups and the scales' type).
+//
+// A cache array is [num_kv_heads, capacity] rows; 272 is a multiple of 16, so every row of
+// either format starts 16-byte aligned.
 #include "common.h"
 
 // Every Qwen3.5/3.6 attention layer has 256-dim heads; a simdgroup covers one row (a head of one
@@ -26,16 +38,6 @@
 // lane reads its share of a bf16 cache row in one 16-byte load and of an fp32 row in two.
 constexpr constant uint kHeadDim = 256;
 constexpr constant uint kPerLane = kHeadDim / SIMD_WIDTH;
-
-// This lane's 8 dims of a bf16 row, widened. A bf16 is the top half of the float it widens to,
-// so the shifts are exact; word i holds dims 2i (low half) and 2i + 1.
-inline void load_bf16_row(device const bfloat* row, uint lane, thread float* x) {
-  const uint4 words = reinterpret_cast<device const uint4*>(row)[lane];
-  for (uint i = 0; i < 4; ++i) {
-    x[2 * i] = as_type<float>(words[i] << 16);
-    x[2 * i + 1] = as_type<float>(words[i] & 0xFFFF0000u);
-  }
-}
 
 // This lane's 8 dims of an fp32 row (16-byte aligned: rows start at multiples of 256 floats).
 inline void load_float_row(device const float* row, uint lane, thread float* x) {
@@ -69,9 +71,97 @@ inline void load_threadgroup_row(threadgroup const float* row, uint lane, thread
   }
 }
 
-inline void store_bf16_row(thread const float* x, uint lane, device bfloat* row) {
+// ---- the KV cache's row formats ---------------------------------------------------------------
+
+constexpr constant uint kBf16RowBytes = 2 * kHeadDim;
+// Dims per scale of the int8 format, and the scales of a row.
+constexpr constant uint kInt8Group = 32;
+constexpr constant uint kInt8Groups = kHeadDim / kInt8Group;
+constexpr constant uint kInt8RowBytes = kHeadDim + 2 * kInt8Groups;
+
+template <bool kInt8>
+constexpr uint kv_row_bytes() {
+  return kInt8 ? kInt8RowBytes : kBf16RowBytes;
+}
+
+// One of a word's two bf16 (the even dim in the low half) widened to float: a bf16 is the top
+// half of the float it widens to, so the shifts are exact.
+inline float bf16_low(uint word) { return as_type<float>(word << 16); }
+inline float bf16_high(uint word) { return as_type<float>(word & 0xFFFF0000u); }
+
+// The bf16 bits of this lane's 8 dims, packed as a 16-byte row share.
+inline uint4 pack_bf16(thread const float* x) {
+  uint4 words;
+  for (uint i = 0; i < 4; ++i) {
+    words[i] = uint(as_type<ushort>(bfloat(x[2 * i]))) |
+               (uint(as_type<ushort>(bfloat(x[2 * i + 1]))) << 16);
+  }
+  return words;
+}
+
+// This lane's share of a row (its dims 8 lane to 8 lane + 7) in a cache format: bf16, the 8
+// values in `bits`, 16 bytes at byte 16 lane; int8, the 8 codes in bits.xy, 8 bytes at byte
+// 8 lane, and the scale of its group, which lane 4 j stores for group j.
+struct KvShare {
+  uint4 bits;
+  half scale;
+};
+
+// Encodes this lane's dims; for int8 the 4 lanes of a group (lanes 4 j to 4 j + 3) take its
+// max together, so every lane of the simdgroup must call it.
+template <bool kInt8>
+inline KvShare encode_share(thread const float* x, uint lane) {
+  KvShare share;
+  share.scale = half(0.0f);
+  if (!kInt8) {
+    share.bits = pack_bf16(x);
+    return share;
+  }
+  float group_max = 0.0f;
   for (uint j = 0; j < kPerLane; ++j) {
-    row[kPerLane * lane + j] = bfloat(x[j]);
+    group_max = max(group_max, abs(x[j]));
+  }
+  group_max = max(group_max, simd_shuffle_xor(group_max, 1));
+  group_max = max(group_max, simd_shuffle_xor(group_max, 2));
+  share.scale = half(group_max / 127.0f);
+  // An all-zero group (or one below fp16's range) has scale 0: its values decode to 0 whatever
+  // the codes, which the divisor keeps finite.
+  const float step = float(share.scale);
+  const float divisor = step > 0.0f ? step : 1.0f;
+  uint words[2];
+  for (uint w = 0; w < 2; ++w) {
+    words[w] = 0;
+    for (uint b = 0; b < 4; ++b) {
+      // The fp16 rounding of the scale can put the group's max just past 127 steps.
+      const float code = clamp(rint(x[4 * w + b] / divisor), -127.0f, 127.0f);
+      words[w] |= (uint(int(code)) & 0xFFu) << (8 * b);
+    }
+  }
+  share.bits = uint4(words[0], words[1], 0u, 0u);
+  return share;
+}
+
+template <bool kInt8>
+inline void store_share(KvShare share, uint lane, device uchar* row) {
+  if (kInt8) {
+    reinterpret_cast<device uint2*>(row)[lane] = share.bits.xy;
+    if (lane % 4 == 0) {
+      reinterpret_cast<device half*>(row + kHeadDim)[lane / 4] = share.scale;
+    }
+  } else {
+    reinterpret_cast<device uint4*>(row)[lane] = share.bits;
+  }
+}
+
+template <bool kInt8>
+inline void stage_share(KvShare share, uint lane, threadgroup uchar* row) {
+  if (kInt8) {
+    reinterpret_cast<threadgroup uint2*>(row)[lane] = share.bits.xy;
+    if (lane % 4 == 0) {
+      reinterpret_cast<threadgroup half*>(row + kHeadDim)[lane / 4] = share.scale;
+    }
+  } else {
+    reinterpret_cast<threadgroup uint4*>(row)[lane] = share.bits;
   }
 }
 
@@ -142,6 +232,7 @@ inline void prepare_head(device const float* src, device const bfloat* gain, uin
 // One simdgroup per head of one token: grid (num_q_heads + num_kv_heads, tokens); threadgroups
 // x < num_q_heads are query heads, the next num_kv_heads are key/value heads, and y is the token
 // of the chunk. Threads per threadgroup: 32.
+template <bool kInt8>
 [[kernel, max_total_threads_per_threadgroup(SIMD_WIDTH)]] void attention_prepare(
     constant AttentionPrepareParams& params [[buffer(0)]],
     device const float* q_proj [[buffer(1)]],  // [T, Hq, 2, head_dim]: query | gate per head
@@ -151,8 +242,8 @@ inline void prepare_head(device const float* src, device const bfloat* gain, uin
     device const bfloat* k_norm [[buffer(5)]],  // [head_dim], stored gain
     device const uint* step [[buffer(6)]],      // [position, ...]
     device float* queries [[buffer(7)]],        // [T, Hq, head_dim]: normed, rotated
-    device bfloat* k_cache [[buffer(8)]],       // [Hkv, cache_capacity, head_dim]
-    device bfloat* v_cache [[buffer(9)]],       // [Hkv, cache_capacity, head_dim]
+    device uchar* k_cache [[buffer(8)]],        // [Hkv, cache_capacity] rows
+    device uchar* v_cache [[buffer(9)]],        // [Hkv, cache_capacity] rows
     uint2 group_id [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float rope_cos[kHeadDim / 2];
@@ -181,12 +272,17 @@ inline void prepare_head(device const float* src, device const bfloat* gain, uin
   if (position >= params.cache_capacity) {
     return;
   }
-  const ulong row = (ulong(kv_head) * params.cache_capacity + position) * kHeadDim;
+  const ulong row = (ulong(kv_head) * params.cache_capacity + position) * kv_row_bytes<kInt8>();
   float v[kPerLane];
   load_float_row(v_proj + kv_row, lane, v);
-  store_bf16_row(x, lane, k_cache + row);
-  store_bf16_row(v, lane, v_cache + row);
+  store_share<kInt8>(encode_share<kInt8>(x, lane), lane, k_cache + row);
+  store_share<kInt8>(encode_share<kInt8>(v, lane), lane, v_cache + row);
 }
+
+template [[host_name("attention_prepare")]] [[kernel]] decltype(attention_prepare<false>)
+    attention_prepare<false>;
+template [[host_name("attention_prepare_int8")]] [[kernel]] decltype(attention_prepare<true>)
+    attention_prepare<true>;
 
 // ---- shared by decode and chunk: simdgroup_matrix fragments ------------------------------------
 
@@ -217,14 +313,16 @@ inline float row_sum(float value) {
 // score and softmax term is computed once. Its kDecodeSimdgroups simdgroups take the split's
 // tiles of kTile positions in turn; per tile each lane issues all its loads first, 8 16-byte
 // loads of K (its 4 x 8 dims of 2 positions) and 8 of V (its 8 x 8 dims of 1 position), so the
-// tile's 8 KB are in flight together. Then S, an online softmax on S in registers (each lane
+// tile's 8 KB are in flight together (int8: 4 16-byte loads of K codes, 4 of V codes and 3
+// small loads of scales, 4 KB). Then S, an online softmax on S in registers (each lane
 // holds 2 of a row's 8 scores; a row's max and sum take 2 shuffles), and O = O * rescale + P V
-// (32 products), O holding the 8 heads' fp32 accumulators across the head dim.
+// (32 products), O holding the 8 heads' fp32 accumulators across the head dim. An int8 cache is
+// dequantized as its fragments are filled, code * scale in fp32.
 //
 // The fragments' columns do not map to consecutive dims: a dot product may sum its dims in any
-// order, so each operand's dims are permuted to whatever makes a lane's share of a row one
-// 16-byte run (the permutations below, at load_tile); the queries take the keys' permutation and
-// the output is stored back in dim order.
+// order, so each operand's dims are permuted to whatever makes a lane's share of a row few
+// 16-byte runs, per cache format (the permutations below, at load_tile); the queries take the
+// keys' permutation and the output is stored back in dim order.
 //
 // At the end the simdgroups' (max, sum, O) merge in threadgroup memory into the split's partial
 // per query head, which attention_combine merges across splits.
@@ -263,93 +361,132 @@ struct AttentionDecodeParams {
   float scale;
 };
 
-// One of a word's two bf16 (the even dim in the low half) widened to float: a bf16 is the top
-// half of the float it widens to, so the shifts are exact.
-inline float bf16_low(uint word) { return as_type<float>(word << 16); }
-inline float bf16_high(uint word) { return as_type<float>(word & 0xFFFF0000u); }
-
-// The bf16 bits of this lane's 8 dims, as the cache holds them, packed as a 16-byte row share.
-inline uint4 pack_bf16(thread const float* x) {
-  uint4 words;
-  for (uint i = 0; i < 4; ++i) {
-    words[i] = uint(as_type<ushort>(bfloat(x[2 * i]))) |
-               (uint(as_type<ushort>(bfloat(x[2 * i + 1]))) << 16);
-  }
-  return words;
-}
-
-// A tile as one lane loads it: K of positions tile + col and tile + col + 1 (col =
-// fragment_col), dims 64 g + 8 row to 64 g + 8 row + 7 for g = 0..3 (row = fragment_row), in
-// key[2 g] and key[2 g + 1]; V of position tile + row, dims 32 g + 4 col to 32 g + 4 col + 7 for
-// g = 0..7, in value[g].
+// A tile as one lane (row = fragment_row, col = fragment_col) loads it.
+//
+// bf16: K of positions tile + col and tile + col + 1, dims 64 g + 8 row to 64 g + 8 row + 7 for
+// g = 0..3, in key[2 g] and key[2 g + 1]; V of position tile + row, dims 32 g + 4 col to
+// 32 g + 4 col + 7 for g = 0..7, in value[g].
+//
+// int8: K codes of position tile + col + e, dims 32 row to 32 row + 31 (one scale group), in
+// key[2 e] and key[2 e + 1], their scale in key_scale[e]; V codes of position tile + row, dims
+// 64 (col / 2) to 64 (col / 2) + 63, in value[0..3], the scales of their two groups in
+// value_scale.
 struct DecodeTile {
   uint4 key[8];
   uint4 value[8];
+  float key_scale[2];
+  float value_scale[2];
 };
 
-// The permutations: score fragment f = 8 g + i pairs query dim and key dim 64 g + 8 c + i in
-// column c of the queries (row c of K^T), so lane (r, c) holds of K^T dim 64 g + 8 r + i of
+// The permutations. bf16: score fragment f = 8 g + i pairs query dim and key dim 64 g + 8 c + i
+// in column c of the queries (row c of K^T), so lane (r, c) holds of K^T dim 64 g + 8 r + i of
 // positions c and c + 1, half i % 2 of word i / 2 of key[2 g] and key[2 g + 1], and of the
 // queries dims 64 g + 8 c + i and 64 g + 8 c + 8 + i. Output fragment f = 4 g + i holds in
 // columns c and c + 1 (c even) dims 32 g + 4 c + 2 i and the next, which for lane (r, c) are
 // word i of value[g].
-inline void load_tile(device const bfloat* k_head, device const bfloat* v_head, uint tile,
-                      uint row, uint col, thread DecodeTile& t) {
-  device const uint4* k0 =
-      reinterpret_cast<device const uint4*>(k_head + ulong(tile + col) * kHeadDim);
-  device const uint4* k1 = k0 + kHeadDim / 8;
-  device const uint4* v =
-      reinterpret_cast<device const uint4*>(v_head + ulong(tile + row) * kHeadDim);
-  for (uint g = 0; g < 4; ++g) {
-    t.key[2 * g] = k0[8 * g + row];
-    t.key[2 * g + 1] = k1[8 * g + row];
-  }
-  for (uint g = 0; g < 8; ++g) {
-    t.value[g] = v[4 * g + col / 2];
-  }
+//
+// int8: score fragment f = 8 g + i pairs dims 32 c + 8 g + i in column c, so lane (r, c) holds
+// of K^T dim 32 r + 8 g + i, byte 8 g + i of its 32 per position, and of the queries dims
+// 32 c + 8 g + i and 32 c + 32 + 8 g + i. Output fragment f holds in columns c and c + 1 dims
+// 64 (c / 2) + 2 f and the next, bytes 2 f and 2 f + 1 of the lane's 64, in group
+// 2 (c / 2) + f / 16.
+template <bool kInt8>
+inline uint query_dim(uint g, uint i, uint col, uint e) {
+  return kInt8 ? 32 * (col + e) + 8 * g + i : 64 * g + 8 * (col + e) + i;
 }
 
-// One word of a position's row in the tile that holds the context's end: from the cache below
-// cached_end, from the staged current row (the fused kernel's; none when cached_end == end)
-// below end, zeros past it, so that masked positions add 0 * 0, never 0 * NaN.
-inline uint4 edge_word(device const bfloat* head, threadgroup const uint4* staged, uint position,
-                       uint cached_end, uint end, uint word) {
-  if (position < cached_end) {
-    return reinterpret_cast<device const uint4*>(head + ulong(position) * kHeadDim)[word];
-  }
-  return position < end ? staged[word] : uint4(0);
+// The first of the 4 consecutive output dims that output fragments 2 j and 2 j + 1 hold in this
+// lane's columns.
+template <bool kInt8>
+inline uint output_dims(uint j, uint col) {
+  return kInt8 ? 64 * (col / 2) + 4 * j : 32 * (j / 2) + 4 * col + 4 * (j % 2);
 }
 
-inline void load_edge_tile(device const bfloat* k_head, device const bfloat* v_head,
-                           threadgroup const uint4* staged_k, threadgroup const uint4* staged_v,
-                           uint tile, uint cached_end, uint end, uint row, uint col,
-                           thread DecodeTile& t) {
+// Where a tile's rows come from: the kv head's rows in the cache below cached_end, the staged
+// current row (the fused kernel's, in the cache's format; none when cached_end == end) below
+// end, zeros from end on, so that masked positions add 0 * 0, never 0 * NaN.
+struct KvRows {
+  device const uchar* cache;
+  threadgroup const uchar* staged;
+  uint cached_end;
+  uint end;
+};
+
+template <typename T, bool kInt8, bool kEdge>
+inline T load_kv(KvRows rows, uint position, uint byte) {
+  if (!kEdge || position < rows.cached_end) {
+    return *reinterpret_cast<device const T*>(rows.cache +
+                                              ulong(position) * kv_row_bytes<kInt8>() + byte);
+  }
+  return position < rows.end ? *reinterpret_cast<threadgroup const T*>(rows.staged + byte) : T();
+}
+
+template <bool kInt8, bool kEdge>
+inline void load_tile(KvRows k, KvRows v, uint tile, uint row, uint col, thread DecodeTile& t) {
+  if (kInt8) {
+    for (uint e = 0; e < 2; ++e) {
+      for (uint j = 0; j < 2; ++j) {
+        t.key[2 * e + j] = load_kv<uint4, true, kEdge>(k, tile + col + e, 32 * row + 16 * j);
+      }
+      t.key_scale[e] = float(load_kv<half, true, kEdge>(k, tile + col + e, kHeadDim + 2 * row));
+    }
+    for (uint j = 0; j < 4; ++j) {
+      t.value[j] = load_kv<uint4, true, kEdge>(v, tile + row, 64 * (col / 2) + 16 * j);
+    }
+    const half2 scales = load_kv<half2, true, kEdge>(v, tile + row, kHeadDim + 4 * (col / 2));
+    t.value_scale[0] = float(scales[0]);
+    t.value_scale[1] = float(scales[1]);
+    return;
+  }
   for (uint g = 0; g < 4; ++g) {
     for (uint e = 0; e < 2; ++e) {
-      t.key[2 * g + e] = edge_word(k_head, staged_k, tile + col + e, cached_end, end, 8 * g + row);
+      t.key[2 * g + e] = load_kv<uint4, false, kEdge>(k, tile + col + e, 16 * (8 * g + row));
     }
   }
   for (uint g = 0; g < 8; ++g) {
-    t.value[g] = edge_word(v_head, staged_v, tile + row, cached_end, end, 4 * g + col / 2);
+    t.value[g] = load_kv<uint4, false, kEdge>(v, tile + row, 16 * (4 * g + col / 2));
   }
+}
+
+// This lane's element of K^T in score fragment 8 g + i, for its position tile + col + e.
+template <bool kInt8>
+inline float key_element(thread const DecodeTile& t, uint g, uint i, uint e) {
+  if (kInt8) {
+    const uint byte = 8 * g + i;
+    const char4 codes = as_type<char4>(t.key[2 * e + byte / 16][(byte % 16) / 4]);
+    return float(codes[byte % 4]) * t.key_scale[e];
+  }
+  const uint shift = 16 * (1 - i % 2);
+  return as_type<float>((t.key[2 * g + e][i / 2] << shift) & 0xFFFF0000u);
+}
+
+// This lane's two elements of V in output fragment f.
+template <bool kInt8>
+inline float2 value_pair(thread const DecodeTile& t, uint f) {
+  if (kInt8) {
+    const char4 codes = as_type<char4>(t.value[f / 8][(f % 8) / 2]);
+    const uint first = 2 * (f % 2);
+    return float2(float(codes[first]), float(codes[first + 1])) * t.value_scale[f / 16];
+  }
+  const uint word = t.value[f / 4][f % 4];
+  return float2(bf16_low(word), bf16_high(word));
 }
 
 // One tile for the group's rows: S = Q K^T, the online softmax of each row over the tile's
 // positions below `end`, O = O * rescale + P V.
+template <bool kInt8>
 inline void attend_tile(thread const simdgroup_float8x8* q, thread simdgroup_float8x8* acc,
                         thread float& running_max, thread float& lane_sum,
                         thread const DecodeTile& t, uint tile, uint end, uint col) {
-  // Four partial sums over the head dim, one per 64 dims, so that the products form four
-  // dependent chains of 8 rather than one of 32.
+  // Four partial sums over the head dim, one per g, so that the products form four dependent
+  // chains of 8 rather than one of 32.
   simdgroup_float8x8 partial_scores[4];
   for (uint g = 0; g < 4; ++g) {
     partial_scores[g] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     for (uint i = 0; i < 8; ++i) {
-      const uint shift = 16 * (1 - i % 2);
       simdgroup_float8x8 k_frag;
-      k_frag.thread_elements()[0] = as_type<float>((t.key[2 * g][i / 2] << shift) & 0xFFFF0000u);
-      k_frag.thread_elements()[1] =
-          as_type<float>((t.key[2 * g + 1][i / 2] << shift) & 0xFFFF0000u);
+      k_frag.thread_elements()[0] = key_element<kInt8>(t, g, i, 0);
+      k_frag.thread_elements()[1] = key_element<kInt8>(t, g, i, 1);
       simdgroup_multiply_accumulate(partial_scores[g], q[8 * g + i], k_frag, partial_scores[g]);
     }
   }
@@ -374,27 +511,25 @@ inline void attend_tile(thread const simdgroup_float8x8* q, thread simdgroup_flo
     lane_sum += p;
   }
 
-  for (uint g = 0; g < 8; ++g) {
-    for (uint i = 0; i < 4; ++i) {
-      simdgroup_float8x8 v_frag;
-      v_frag.thread_elements()[0] = bf16_low(t.value[g][i]);
-      v_frag.thread_elements()[1] = bf16_high(t.value[g][i]);
-      acc[4 * g + i].thread_elements() *= rescale;
-      simdgroup_multiply_accumulate(acc[4 * g + i], scores, v_frag, acc[4 * g + i]);
-    }
+  for (uint f = 0; f < kHeadFragments; ++f) {
+    simdgroup_float8x8 v_frag;
+    v_frag.thread_elements() = value_pair<kInt8>(t, f);
+    acc[f].thread_elements() *= rescale;
+    simdgroup_multiply_accumulate(acc[f], scores, v_frag, acc[f]);
   }
 }
 
-// The split [begin, end) of one kv head, its positions below cached_end in the cache and (with
-// kStagedCurrent) the one at cached_end in staged_kv (K then V, bf16 as the cache would hold
-// them), into its partial per query head of the group: its max m, its sum of exp(score - m) and
-// sum exp(score - m) * v. The group's scaled queries are in `exchange` (kMaxGroup rows of
-// kHeadDim floats, rows past the group unwritten), which this then uses for the merge; `stats`
-// holds 2 * kMaxGroup * kDecodeSimdgroups floats. Called by the whole threadgroup.
-template <bool kStagedCurrent>
+// The split [begin, end) of one kv head, its positions below cached_end in the cache and (the
+// fused kernel's, when cached_end < end) the one at cached_end in `staged` (K then V, in the
+// cache's format), into its partial per query head of the group: its max m, its sum of
+// exp(score - m) and sum exp(score - m) * v. The group's scaled queries are in `exchange`
+// (kMaxGroup rows of kHeadDim floats, rows past the group unwritten), which this then uses for
+// the merge; `stats` holds 2 * kMaxGroup * kDecodeSimdgroups floats. Called by the whole
+// threadgroup.
+template <bool kInt8>
 inline void attend_split(uint group, uint first_head, uint split, uint num_splits, uint begin,
-                         uint end, uint cached_end, device const bfloat* k_head,
-                         device const bfloat* v_head, threadgroup const uint4* staged_kv,
+                         uint end, uint cached_end, device const uchar* k_head,
+                         device const uchar* v_head, threadgroup const uchar* staged,
                          threadgroup float* exchange, threadgroup float* stats, uint simd_index,
                          uint lane, device float* partial_out, device float* partial_stats) {
   const uint row = fragment_row(lane);
@@ -403,23 +538,20 @@ inline void attend_split(uint group, uint first_head, uint split, uint num_split
 
   simdgroup_float8x8 q[kHeadFragments];
   simdgroup_float8x8 acc[kHeadFragments];
+  // This lane's query dims are 16-dim runs (bf16: 64 g + 8 col, g = 0..3) or one 64-dim run
+  // (int8: 32 col): read them as float4s, 4 runs of 4 per g.
+  threadgroup const float* query_row = exchange + row * kHeadDim;
   for (uint g = 0; g < 4; ++g) {
-    // Dims 64 g + 8 col to 64 g + 8 col + 15 of this lane's row: key_dim of columns col and
-    // col + 1 in the fragments 8 g to 8 g + 7.
-    float x[16];
-    for (uint j = 0; j < 4; ++j) {
-      const float4 part =
-          row_in_group
-              ? reinterpret_cast<threadgroup const float4*>(exchange + row * kHeadDim +
-                                                            64 * g + 8 * col)[j]
-              : float4(0.0f);
-      for (uint k = 0; k < 4; ++k) {
-        x[4 * j + k] = part[k];
+    for (uint e = 0; e < 2; ++e) {
+      // Dims query_dim(g, 0, col, e) to query_dim(g, 7, col, e): 8 consecutive dims.
+      threadgroup const float4* run =
+          reinterpret_cast<threadgroup const float4*>(query_row + query_dim<kInt8>(g, 0, col, e));
+      for (uint half_run = 0; half_run < 2; ++half_run) {
+        const float4 part = row_in_group ? run[half_run] : float4(0.0f);
+        for (uint k = 0; k < 4; ++k) {
+          q[8 * g + 4 * half_run + k].thread_elements()[e] = part[k];
+        }
       }
-    }
-    for (uint i = 0; i < 8; ++i) {
-      q[8 * g + i].thread_elements()[0] = x[i];
-      q[8 * g + i].thread_elements()[1] = x[8 + i];
     }
   }
   for (uint f = 0; f < kHeadFragments; ++f) {
@@ -429,17 +561,18 @@ inline void attend_split(uint group, uint first_head, uint split, uint num_split
   float running_max = -1.0e30f;
   float lane_sum = 0.0f;
 
+  const bool has_staged = cached_end < end;
+  const KvRows k_rows{k_head, staged, cached_end, end};
+  const KvRows v_rows{v_head, has_staged ? staged + kv_row_bytes<kInt8>() : staged, cached_end,
+                      end};
   for (uint tile = begin + kTile * simd_index; tile < end; tile += kRound) {
     DecodeTile t;
     if (tile + kTile <= cached_end) {
-      load_tile(k_head, v_head, tile, row, col, t);
-    } else if (kStagedCurrent) {
-      load_edge_tile(k_head, v_head, staged_kv, staged_kv + kHeadDim / 8, tile, cached_end, end,
-                     row, col, t);
+      load_tile<kInt8, false>(k_rows, v_rows, tile, row, col, t);
     } else {
-      load_edge_tile(k_head, v_head, nullptr, nullptr, tile, cached_end, end, row, col, t);
+      load_tile<kInt8, true>(k_rows, v_rows, tile, row, col, t);
     }
-    attend_tile(q, acc, running_max, lane_sum, t, tile, end, col);
+    attend_tile<kInt8>(q, acc, running_max, lane_sum, t, tile, end, col);
   }
 
   // Merge: a simdgroup that took no tile (max -1e30, sum 0, O 0) adds nothing. Every simdgroup
@@ -462,36 +595,32 @@ inline void attend_split(uint group, uint first_head, uint split, uint num_split
   const float weight = exp(running_max - split_max);
 
   // The simdgroups add their weighted O into `exchange` one after the other, the last first;
-  // simdgroup 0 adds its own and stores the split's partial. This lane's dims of its row:
-  // 32 g + 4 col to 32 g + 4 col + 7, from the output fragments 4 g to 4 g + 3.
-  threadgroup float* exchange_row = exchange + row * kHeadDim + 4 * col;
+  // simdgroup 0 adds its own and stores the split's partial. Output fragments 2 j and 2 j + 1
+  // hold 4 consecutive dims of this lane's row, from output_dims(j, col).
+  threadgroup float* exchange_row = exchange + row * kHeadDim;
   for (uint writer = kDecodeSimdgroups - 1; writer > 0; --writer) {
     if (simd_index == writer) {
-      for (uint g = 0; g < 8; ++g) {
-        threadgroup float4* at = reinterpret_cast<threadgroup float4*>(exchange_row + 32 * g);
-        for (uint h = 0; h < 2; ++h) {
-          const float2 a = acc[4 * g + 2 * h].thread_elements() * weight;
-          const float2 b = acc[4 * g + 2 * h + 1].thread_elements() * weight;
-          const float4 mine = float4(a[0], a[1], b[0], b[1]);
-          at[h] = writer == kDecodeSimdgroups - 1 ? mine : at[h] + mine;
-        }
+      for (uint j = 0; j < kHeadFragments / 2; ++j) {
+        threadgroup float4* at =
+            reinterpret_cast<threadgroup float4*>(exchange_row + output_dims<kInt8>(j, col));
+        const float2 a = acc[2 * j].thread_elements() * weight;
+        const float2 b = acc[2 * j + 1].thread_elements() * weight;
+        const float4 mine = float4(a[0], a[1], b[0], b[1]);
+        *at = writer == kDecodeSimdgroups - 1 ? mine : *at + mine;
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   if (simd_index == 0 && row_in_group) {
     const uint slot = (first_head + row) * num_splits + split;
-    device float* out_row = partial_out + ulong(slot) * kHeadDim + 4 * col;
-    for (uint g = 0; g < 8; ++g) {
-      threadgroup const float4* from =
-          reinterpret_cast<threadgroup const float4*>(exchange_row + 32 * g);
-      device float4* to = reinterpret_cast<device float4*>(out_row + 32 * g);
-      for (uint h = 0; h < 2; ++h) {
-        const float2 a = acc[4 * g + 2 * h].thread_elements() * weight;
-        const float2 b = acc[4 * g + 2 * h + 1].thread_elements() * weight;
-        const float4 mine = float4(a[0], a[1], b[0], b[1]);
-        to[h] = from[h] + mine;
-      }
+    device float* out_row = partial_out + ulong(slot) * kHeadDim;
+    for (uint j = 0; j < kHeadFragments / 2; ++j) {
+      const uint dim = output_dims<kInt8>(j, col);
+      const float2 a = acc[2 * j].thread_elements() * weight;
+      const float2 b = acc[2 * j + 1].thread_elements() * weight;
+      const float4 mine = float4(a[0], a[1], b[0], b[1]);
+      *reinterpret_cast<device float4*>(out_row + dim) =
+          *reinterpret_cast<threadgroup const float4*>(exchange_row + dim) + mine;
     }
     if (col == 0) {
       partial_stats[2 * slot] = split_max;
@@ -503,11 +632,12 @@ inline void attend_split(uint group, uint first_head, uint split, uint num_split
 // Grid (num_splits, num_kv_heads), kDecodeThreads threads. Split s covers positions
 // [s * length, (s + 1) * length) of the context, length = split_length(context, num_splits);
 // splits past the context exit at once and leave their partials as they were.
+template <bool kInt8>
 [[kernel, max_total_threads_per_threadgroup(kDecodeThreads)]] void attention_decode(
     constant AttentionDecodeParams& params [[buffer(0)]],
     device const float* queries [[buffer(1)]],  // [Hq, head_dim]
-    device const bfloat* k_cache [[buffer(2)]],
-    device const bfloat* v_cache [[buffer(3)]],
+    device const uchar* k_cache [[buffer(2)]],  // [Hkv, cache_capacity] rows
+    device const uchar* v_cache [[buffer(3)]],
     device const uint* step [[buffer(4)]],
     device float* partial_out [[buffer(5)]],    // [Hq, num_splits, head_dim]
     device float* partial_stats [[buffer(6)]],  // [Hq, num_splits, 2]: max, sum
@@ -538,11 +668,16 @@ inline void attend_split(uint group, uint first_head, uint split, uint num_split
     store_threadgroup_row(q, lane, exchange + h * kHeadDim);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const ulong head_base = ulong(kv_head) * params.cache_capacity * kHeadDim;
-  attend_split<false>(group, first_head, split, params.num_splits, begin, end, end,
+  const ulong head_base = ulong(kv_head) * params.cache_capacity * kv_row_bytes<kInt8>();
+  attend_split<kInt8>(group, first_head, split, params.num_splits, begin, end, end,
                       k_cache + head_base, v_cache + head_base, nullptr, exchange, stats,
                       simd_index, lane, partial_out, partial_stats);
 }
+
+template [[host_name("attention_decode")]] [[kernel]] decltype(attention_decode<false>)
+    attention_decode<false>;
+template [[host_name("attention_decode_int8")]] [[kernel]] decltype(attention_decode<true>)
+    attention_decode<true>;
 
 struct AttentionDecodeFusedParams {
   uint num_q_heads;
@@ -559,11 +694,12 @@ struct AttentionDecodeFusedParams {
 // splits as attention_decode. Simdgroup s norms and rotates query heads s, s + 4, ... of the group
 // from q_proj into threadgroup memory, where every simdgroup takes the group's queries from. The
 // current position is the context's last: in the split holding it, the last simdgroup norms and
-// rotates the current key from k_proj, rounds it and the value from v_proj to bf16 as the cache
-// holds them, stages them in threadgroup memory, where the tile holding the position reads them
+// rotates the current key from k_proj, encodes it and the value from v_proj in the cache's
+// format, stages them in threadgroup memory, where the tile holding the position reads them
 // (exactly as if read from the cache), and appends them to the cache for later steps. No other
 // threadgroup reads that row, so the append needs no barrier before attention, and attention no
 // level after the prepare.
+template <bool kInt8>
 [[kernel, max_total_threads_per_threadgroup(kDecodeThreads)]] void attention_decode_fused(
     constant AttentionDecodeFusedParams& params [[buffer(0)]],
     device const float* q_proj [[buffer(1)]],   // [Hq, 2, head_dim]: query | gate per head
@@ -572,8 +708,8 @@ struct AttentionDecodeFusedParams {
     device const bfloat* q_norm [[buffer(4)]],  // [head_dim], stored gain
     device const bfloat* k_norm [[buffer(5)]],  // [head_dim], stored gain
     device const uint* step [[buffer(6)]],      // [position, ...]
-    device bfloat* k_cache [[buffer(7)]],       // [Hkv, cache_capacity, head_dim]
-    device bfloat* v_cache [[buffer(8)]],
+    device uchar* k_cache [[buffer(7)]],        // [Hkv, cache_capacity] rows
+    device uchar* v_cache [[buffer(8)]],
     device float* partial_out [[buffer(9)]],    // [Hq, num_splits, head_dim]
     device float* partial_stats [[buffer(10)]],  // [Hq, num_splits, 2]: max, sum
     uint2 group_id [[threadgroup_position_in_grid]],
@@ -584,8 +720,8 @@ struct AttentionDecodeFusedParams {
   threadgroup float stats[2 * kMaxGroup * kDecodeSimdgroups];
   threadgroup float rope_cos[kHeadDim / 2];
   threadgroup float rope_sin[kHeadDim / 2];
-  // The current key, then its value: bf16 bits, one 16-byte word per lane of a row.
-  threadgroup uint4 staged_kv[2 * kHeadDim / 8];
+  // The current key's row, then its value's, in the cache's format (room for two bf16 rows).
+  alignas(16) threadgroup uchar staged_kv[2 * kBf16RowBytes];
   const uint split = group_id.x;
   const uint kv_head = group_id.y;
   const uint group = params.num_q_heads / params.num_kv_heads;
@@ -612,27 +748,35 @@ struct AttentionDecodeFusedParams {
     }
     store_threadgroup_row(q, lane, exchange + h * kHeadDim);
   }
-  const ulong head_base = ulong(kv_head) * params.cache_capacity * kHeadDim;
+  const ulong head_base = ulong(kv_head) * params.cache_capacity * kv_row_bytes<kInt8>();
   if (holds_current && simd_index == kDecodeSimdgroups - 1) {
     float k[kPerLane];
     float v[kPerLane];
     prepare_head(k_proj + kv_head * kHeadDim, k_norm, params.rotary_dim, params.norm_eps,
                  rope_cos, rope_sin, lane, k);
     load_float_row(v_proj + kv_head * kHeadDim, lane, v);
-    staged_kv[lane] = pack_bf16(k);
-    staged_kv[kHeadDim / 8 + lane] = pack_bf16(v);
+    const KvShare k_share = encode_share<kInt8>(k, lane);
+    const KvShare v_share = encode_share<kInt8>(v, lane);
+    stage_share<kInt8>(k_share, lane, staged_kv);
+    stage_share<kInt8>(v_share, lane, staged_kv + kv_row_bytes<kInt8>());
     // A step queued past the capacity must not write past the end of the cache.
     if (position < params.cache_capacity) {
-      const ulong row = head_base + ulong(position) * kHeadDim;
-      store_bf16_row(k, lane, k_cache + row);
-      store_bf16_row(v, lane, v_cache + row);
+      const ulong row = head_base + ulong(position) * kv_row_bytes<kInt8>();
+      store_share<kInt8>(k_share, lane, k_cache + row);
+      store_share<kInt8>(v_share, lane, v_cache + row);
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  attend_split<true>(group, first_head, split, params.num_splits, begin, end,
-                     holds_current ? position : end, k_cache + head_base, v_cache + head_base,
-                     staged_kv, exchange, stats, simd_index, lane, partial_out, partial_stats);
+  attend_split<kInt8>(group, first_head, split, params.num_splits, begin, end,
+                      holds_current ? position : end, k_cache + head_base, v_cache + head_base,
+                      staged_kv, exchange, stats, simd_index, lane, partial_out, partial_stats);
 }
+
+template [[host_name("attention_decode_fused")]] [[kernel]]
+    decltype(attention_decode_fused<false>) attention_decode_fused<false>;
+template [[host_name("attention_decode_fused_int8")]] [[kernel]]
+    decltype(attention_decode_fused<true>) attention_decode_fused<true>;
+
 struct AttentionCombineParams {
   uint num_q_heads;
   uint num_splits;  // the decode grid's
@@ -694,7 +838,10 @@ constexpr constant uint kCombineDims = 64;
 //
 // The tiles stay bf16 in threadgroup memory (20.25 KiB with the padding) and each lane widens
 // its own two elements into float fragments: a float tile for simdgroup_load would take twice
-// the space, and float fragments keep every product and sum of Q K^T and P V in fp32.
+// the space, and float fragments keep every product and sum of Q K^T and P V in fp32. An int8
+// cache's tiles hold its codes, which bf16 represents exactly, beside each key's scales (1 KiB
+// more), and a fragment element is code * scale in fp32: dequantizing into the bf16 tile would
+// round the product.
 constexpr constant uint kChunkSimdgroups = 4;
 constexpr constant uint kChunkThreads = kChunkSimdgroups * SIMD_WIDTH;
 constexpr constant uint kChunkRows = 8 * kChunkSimdgroups;
@@ -702,6 +849,16 @@ constexpr constant uint kChunkKeys = 16;
 // Staged rows are padded so that the 8 rows a fragment reads start in different banks.
 constexpr constant uint kKeysStride = kChunkKeys + 8;
 constexpr constant uint kValuesStride = kHeadDim + 8;
+
+// Dim `dim` of a cache row as a chunk tile stages it: the bf16 value, or the int8 code (exact in
+// bf16; its scale is staged beside the tile).
+template <bool kInt8>
+inline bfloat cache_element(device const uchar* row, uint dim) {
+  if (kInt8) {
+    return bfloat(float(*reinterpret_cast<device const char*>(row + dim)));
+  }
+  return reinterpret_cast<device const bfloat*>(row)[dim];
+}
 
 struct AttentionChunkParams {
   uint num_q_heads;
@@ -712,13 +869,14 @@ struct AttentionChunkParams {
 };
 
 // Grid (ceil(tokens * group_size / 32), num_kv_heads), 128 threads per threadgroup.
+template <bool kInt8>
 [[kernel, max_total_threads_per_threadgroup(kChunkThreads)]] void attention_chunk(
     constant AttentionChunkParams& params [[buffer(0)]],
     device const float* queries [[buffer(1)]],  // [T, Hq, head_dim]: normed, rotated
     device const float* q_proj [[buffer(2)]],   // [T, Hq, 2, head_dim]: the gate halves are read
-    device const bfloat* k_cache [[buffer(3)]],  // [Hkv, cache_capacity, head_dim]
-    device const bfloat* v_cache [[buffer(4)]],  // [Hkv, cache_capacity, head_dim]
-    device const uint* step [[buffer(5)]],       // [position, ...]
+    device const uchar* k_cache [[buffer(3)]],  // [Hkv, cache_capacity] rows
+    device const uchar* v_cache [[buffer(4)]],  // [Hkv, cache_capacity] rows
+    device const uint* step [[buffer(5)]],      // [position, ...]
     device float* out [[buffer(6)]],             // [T, Hq, head_dim]: attention * sigmoid(gate)
     uint2 group_id [[threadgroup_position_in_grid]],
     uint thread_id [[thread_index_in_threadgroup]],
@@ -726,6 +884,9 @@ struct AttentionChunkParams {
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup bfloat keys_t[kHeadDim * kKeysStride];      // [dim][key]
   threadgroup bfloat values[kChunkKeys * kValuesStride];  // [key][dim]
+  // int8: the staged keys' scales, [key][group]; unused for bf16.
+  threadgroup float key_scales[kChunkKeys * kInt8Groups];
+  threadgroup float value_scales[kChunkKeys * kInt8Groups];
 
   const uint kv_head = group_id.y;
   const uint group_size = params.num_q_heads / params.num_kv_heads;
@@ -759,16 +920,29 @@ struct AttentionChunkParams {
   // row, so the first tile replaces it.
   float running_max = -1.0e30f;
   float lane_sum = 0.0f;  // this lane's share of its row's softmax denominator
-  const ulong head_base = ulong(kv_head) * params.cache_capacity * kHeadDim;
+  const ulong head_base = ulong(kv_head) * params.cache_capacity;
   for (uint key0 = 0; key0 < context; key0 += kChunkKeys) {
     // Zeros past the context: P is 0 there, and 0 * (whatever the cache holds) must stay 0.
     for (uint e = thread_id; e < kChunkKeys * kHeadDim; e += kChunkThreads) {
       const uint key = e / kHeadDim;
       const uint dim = e % kHeadDim;
       const bool inside = key0 + key < context;
-      const ulong at = head_base + ulong(key0 + key) * kHeadDim + dim;
-      keys_t[dim * kKeysStride + key] = inside ? k_cache[at] : bfloat(0.0f);
-      values[key * kValuesStride + dim] = inside ? v_cache[at] : bfloat(0.0f);
+      const ulong row = (head_base + key0 + key) * kv_row_bytes<kInt8>();
+      keys_t[dim * kKeysStride + key] =
+          inside ? cache_element<kInt8>(k_cache + row, dim) : bfloat(0.0f);
+      values[key * kValuesStride + dim] =
+          inside ? cache_element<kInt8>(v_cache + row, dim) : bfloat(0.0f);
+    }
+    if (kInt8) {
+      for (uint e = thread_id; e < kChunkKeys * kInt8Groups; e += kChunkThreads) {
+        const uint key = e / kInt8Groups;
+        const bool inside = key0 + key < context;
+        const ulong at =
+            (head_base + key0 + key) * kInt8RowBytes + kHeadDim + 2 * (e % kInt8Groups);
+        key_scales[e] = inside ? float(*reinterpret_cast<device const half*>(k_cache + at)) : 0.0f;
+        value_scales[e] =
+            inside ? float(*reinterpret_cast<device const half*>(v_cache + at)) : 0.0f;
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -779,8 +953,12 @@ struct AttentionChunkParams {
         threadgroup const bfloat* src =
             keys_t + (8 * f + frag_row) * kKeysStride + 8 * c + frag_col;
         simdgroup_float8x8 k_frag;
-        k_frag.thread_elements()[0] = float(src[0]);
-        k_frag.thread_elements()[1] = float(src[1]);
+        for (uint i = 0; i < 2; ++i) {
+          // Dims 8 f to 8 f + 7 lie in group f / 4.
+          k_frag.thread_elements()[i] =
+              kInt8 ? float(src[i]) * key_scales[(8 * c + frag_col + i) * kInt8Groups + f / 4]
+                    : float(src[i]);
+        }
         simdgroup_multiply_accumulate(scores[c], q[f], k_frag, scores[c]);
       }
     }
@@ -810,9 +988,11 @@ struct AttentionChunkParams {
       for (uint c = 0; c < kChunkKeys / 8; ++c) {
         threadgroup const bfloat* src =
             values + (8 * c + frag_row) * kValuesStride + 8 * f + frag_col;
+        const float scale = kInt8 ? value_scales[(8 * c + frag_row) * kInt8Groups + f / 4] : 1.0f;
         simdgroup_float8x8 v_frag;
-        v_frag.thread_elements()[0] = float(src[0]);
-        v_frag.thread_elements()[1] = float(src[1]);
+        for (uint i = 0; i < 2; ++i) {
+          v_frag.thread_elements()[i] = kInt8 ? float(src[i]) * scale : float(src[i]);
+        }
         simdgroup_multiply_accumulate(acc[f], scores[c], v_frag, acc[f]);
       }
     }
@@ -832,3 +1012,8 @@ struct AttentionChunkParams {
     }
   }
 }
+
+template [[host_name("attention_chunk")]] [[kernel]] decltype(attention_chunk<false>)
+    attention_chunk<false>;
+template [[host_name("attention_chunk_int8")]] [[kernel]] decltype(attention_chunk<true>)
+    attention_chunk<true>;

@@ -123,6 +123,13 @@ def test_the_python_api_page_examples_run_as_written() -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_a_kv_cache_format_is_checked_before_loading() -> None:
+    with pytest.raises(ValueError, match="kv_cache must be 'bf16' or 'int8', not 'int4'"):
+        lily.load("no/such-dir/", kv_cache="int4")
+    with pytest.raises(ValueError, match="reference engine keeps its KV cache in float32"):
+        lily.load("no/such-dir/", device="reference", kv_cache="int8")
+
+
 @pytest.mark.skipif(sys.platform == "darwin", reason="a Mac build may have a metal device")
 def test_metal_where_there_is_none_is_a_clear_error_before_loading() -> None:
     with pytest.raises(ValueError, match="metal device is not available here.*'sim'"):

@@ -130,6 +130,9 @@ def _without_network(home: Path) -> dict[str, str]:
         (["bench", "--draft-tokens", "9"], 2, "--draft-tokens: invalid choice: 9"),
         (["bench", "--draft-tokens", "two"], 2, "--draft-tokens: invalid int value: 'two'"),
         (["serve", "--port", "70000"], 2, "--port: must be a TCP port"),
+        (["serve", "--kv-cache", "fp8"], 2, "--kv-cache: invalid choice: 'fp8'"),
+        (["generate", "hi", "--model", "demo", "--device", "reference", "--kv-cache", "int8"], 1,
+         "the reference engine keeps its KV cache in float32"),
         (["generate", "hi", "--model", "demo", "--max-seq", "10000000"], 1,
          "max_seq must be between 1 and"),
         (["generate", "hi", "--model", "no/such-dir/"], 1, "neither an existing directory"),
@@ -438,6 +441,9 @@ def test_info_reports_device_memory_and_checkpoints(
     assert "memory:" in out and "GiB" in out
     assert f"{DEFAULT_REPO}@{DEFAULT_REVISION[:10]}: not downloaded" in out
     assert "demo: not generated yet" in out
+    # The real model's KV cache per context token: 10 layers x K,V x 2 heads x a row of 512 B
+    # (bf16) or 272 B (int8: 256 codes and 8 fp16 scales).
+    assert "kv cache:        bf16 20,480 B per token" in out and "int8 10,880 B per token" in out
 
     (tmp_path / "lily" / "demo-0123").mkdir(parents=True)
     assert "demo: generated at" in info_output(capsys)

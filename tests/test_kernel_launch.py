@@ -40,10 +40,14 @@ def test_a_pipeline_below_one_simdgroup_is_refused():
 # threads), and their launchers must use that N: both are listed here, by host name.
 EXACT_THREADS = {
     "attention_prepare": attention.SIMD_WIDTH,
+    "attention_prepare_int8": attention.SIMD_WIDTH,
     "attention_decode": attention.DECODE_THREADS,
+    "attention_decode_int8": attention.DECODE_THREADS,
     "attention_decode_fused": attention.DECODE_THREADS,
+    "attention_decode_fused_int8": attention.DECODE_THREADS,
     "attention_combine": attention.COMBINE_DIMS,
     "attention_chunk": attention.CHUNK_THREADS,
+    "attention_chunk_int8": attention.CHUNK_THREADS,
     "gdn_step": gdn.STEP_THREADS_PER_THREADGROUP,
     "gdn_chunk": gdn.CHUNK_THREADS_PER_THREADGROUP,
     "gdn_gated_norm": gdn.NORM_THREADS_PER_THREADGROUP,

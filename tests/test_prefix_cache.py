@@ -247,7 +247,7 @@ def test_a_damaged_cache_file_is_detected_deleted_and_replaced(tmp_path, uncache
 
 
 # The state of the unit tests' DiskPrefixCache: KV rows of 2 heads of 4 values, 8 floats.
-LAYOUT = StateLayout.of([np.zeros((2, 0, 4), np.uint16)], [np.zeros(8, np.float32)])
+LAYOUT = StateLayout.of("bf16", [np.zeros((2, 0, 4), np.uint16)], [np.zeros(8, np.float32)])
 KEY = bytes(32)
 
 
@@ -274,7 +274,7 @@ def test_a_disk_entry_of_another_model_is_not_used(tmp_path):
 
 def test_the_disk_cache_stays_within_its_size_dropping_the_least_recently_used(tmp_path):
     rows = [np.zeros((1, 50, 64), np.uint16)]  # 6400 bytes per entry, plus a small header
-    layout = StateLayout.of(rows, [])
+    layout = StateLayout.of("bf16", rows, [])
     disk = DiskPrefixCache(tmp_path, "m", max_bytes=20_000, min_tokens=1, layout=layout, key=KEY)
     prefixes = [[n] * 50 for n in range(3)]
     for tokens in prefixes[:2]:

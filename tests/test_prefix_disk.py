@@ -252,7 +252,7 @@ STATE = [np.zeros(8, np.float32)]
 def _disk(directory: Path, **options: Any) -> DiskPrefixCache:
     disk = DiskPrefixCache(directory, "m", min_tokens=1, **options)
     if hasattr(prefix_disk, "StateLayout"):
-        disk.layout = prefix_disk.StateLayout.of(ROWS, STATE)  # as the engine tells it
+        disk.layout = prefix_disk.StateLayout.of("bf16", ROWS, STATE)  # as the engine tells it
     return disk
 
 

@@ -68,3 +68,14 @@ def test_an_int8_cache_moves_the_logits_a_little() -> None:
     for group in (256, 32):
         per_position = np.abs(logits(kv_int8_group=group) - exact).max(axis=1)
         assert 1e-4 < np.median(per_position) < 2e-2, (group, per_position)
+
+
+def test_fp16_scales_are_rounded_before_the_codes_are_taken() -> None:
+    """The engine's int8 cache stores fp16 scales: fp16(0.01) = 0.0100021, against which -0.635
+    is -63.49 steps (-63), where the exact scale 0.01 gives -63.5, a tie rounded to even (-64)."""
+    x = np.array([1.27, -0.635, 0.3, 0.0])
+    exact_codes, _ = quantize_int8(x, 4)
+    codes, scales = quantize_int8(x, 4, fp16_scales=True)
+    assert exact_codes.tolist() == [127, -64, 30, 0]
+    assert codes.tolist() == [127, -63, 30, 0]
+    assert scales.dtype == x.dtype and scales[0] == np.float16(0.01)

@@ -86,11 +86,12 @@ inline std::string memory_preflight_message(uint64_t bytes_needed, uint64_t reco
     return message + "It does not fit even with a raised limit: of this Mac's " + gib(physical) +
            " of RAM, at most " + gib(safe_limit_mib * kMiB) + " can be wired safely (macOS and " +
            "other apps need " + gib(reserve) + "). Ask for less memory, for example a shorter " +
-           "maximum sequence length (max_seq).";
+           "maximum sequence length (max_seq) or an int8 KV cache (kv_cache='int8').";
   }
   return message + "Ask for less memory (for example a shorter maximum sequence length, " +
-         "max_seq), or let the GPU wire more until the next reboot with:\n  sudo sysctl " +
-         "iogpu.wired_limit_mb=" + std::to_string(wired_mib) + "\nThat is the need plus " +
+         "max_seq, or an int8 KV cache, kv_cache='int8'), or let the GPU wire more until the " +
+         "next reboot with:\n  sudo sysctl iogpu.wired_limit_mb=" + std::to_string(wired_mib) +
+         "\nThat is the need plus " +
          std::to_string(kWiredMarginMiB) + " MiB of headroom, and leaves macOS and other apps " +
          gib(physical - wired_mib * kMiB) + " of the " + gib(physical) + " of RAM; " +
          "`sudo sysctl iogpu.wired_limit_mb=0` restores the default.";

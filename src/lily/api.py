@@ -21,12 +21,18 @@ from lily.chat.tokenizer import Tokenizer
 from lily.checkpoint.files import read_json_file
 from lily.checkpoint.loader import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
 from lily.engine.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
-from lily.engine.model_graph import COMMAND_BUFFER_FLOPS, PREFILL_CHUNKS, device_bytes
+from lily.engine.model_graph import (
+    COMMAND_BUFFER_FLOPS,
+    PREFILL_CHUNKS,
+    device_bytes,
+    kv_cache_bytes_per_token,
+)
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 from lily.engine.sampling import SamplingParams
 from lily.engine.speculative import DEFAULT_DRAFT_TOKENS, Speculation, check_speculative
 from lily.errors import CheckpointError, ContextLengthError, RequestError
+from lily.kernels.attention import check_kv_cache
 from lily.version import __version__
 
 DEVICES = ("auto", "sim", "metal", "reference")
@@ -71,6 +77,7 @@ def _make_engine(
     token_count: int,
     prefill_chunk: int,
     cache: CacheOptions,
+    kv_cache: str = "bf16",
 ) -> Engine:
     config = checkpoint.config
     if device == "reference":
@@ -78,11 +85,13 @@ def _make_engine(
         return ReferenceEngine(checkpoint, max_seq, token_count, prefix_cache)
     from lily.device import check_memory, open_device
 
-    working = device_bytes(checkpoint, max_seq, prefill_chunk)
+    working = device_bytes(checkpoint, max_seq, prefill_chunk, kv_cache)
     check_memory(device, working)
     # The sim has no watchdog: its chunks are cut by length only.
     command_buffer_flops = COMMAND_BUFFER_FLOPS if device == "metal" else None
-    prefix_cache = cache.build(checkpoint, "device-bf16", kv_bytes_per_token(config, 2), working)
+    prefix_cache = cache.build(
+        checkpoint, f"device-{kv_cache}", kv_cache_bytes_per_token(config, kv_cache), working
+    )
     return DeviceEngine(
         checkpoint,
         open_device(device),
@@ -91,10 +100,13 @@ def _make_engine(
         prefill_chunk,
         command_buffer_flops,
         prefix_cache,
+        kv_cache,
     )
 
 
-def default_prefill_chunk(checkpoint: Checkpoint, device: str, max_seq: int) -> int:
+def default_prefill_chunk(
+    checkpoint: Checkpoint, device: str, max_seq: int, kv_cache: str = "bf16"
+) -> int:
     """The longest of PREFILL_CHUNKS whose scratch, beside the weights and the KV cache of
     `max_seq` tokens, the device's memory takes (the memory preflight decides; the sim has no
     limit), and no longer than the context. When none fits, the shortest: loading then fails
@@ -103,7 +115,7 @@ def default_prefill_chunk(checkpoint: Checkpoint, device: str, max_seq: int) -> 
 
     for chunk in PREFILL_CHUNKS:
         try:
-            check_memory(device, device_bytes(checkpoint, max_seq, chunk))
+            check_memory(device, device_bytes(checkpoint, max_seq, chunk, kv_cache))
         except MemoryError:
             continue
         return max(min(chunk, max_seq), 1)
@@ -354,6 +366,7 @@ def load(
     cache_disk_min_tokens: int = DEFAULT_MIN_TOKENS,
     speculative: str = "auto",
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    kv_cache: str = "bf16",
 ) -> Lily:
     """Load a checkpoint and prepare it on a device.
 
@@ -380,13 +393,21 @@ def load(
     too rarely to pay, and any request's `prediction`), "ngram" (prompt lookup always) or
     "off". A request's `prediction` drafts in both modes but "off". The numpy reference engine
     and a `prefill_chunk` of 1 cannot verify drafts: they take "auto" as "off".
+
+    `kv_cache`: the KV cache's format, "bf16" (the default) or "int8" (symmetric int8 codes
+    with an fp16 scale per 32 dims: 53% of the bytes, so longer contexts fit and long-context
+    decode reads less; docs/python-api.md says what it costs in accuracy). The numpy reference
+    engine keeps its cache in float32 and takes only "bf16" (its default).
     """
     if prefill_chunk is not None and (
         isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
     ):
         raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
     check_speculative(speculative, draft_tokens)
+    check_kv_cache(kv_cache)
     device = resolve_device(device)
+    if device == "reference" and kv_cache != "bf16":
+        raise ValueError("the reference engine keeps its KV cache in float32: kv_cache='bf16'")
     model_dir = resolve_model(model, revision)
     checkpoint = load_checkpoint(model_dir)
     if max_seq is None:
@@ -397,7 +418,7 @@ def load(
             f"got {max_seq}"
         )
     if prefill_chunk is None:
-        prefill_chunk = default_prefill_chunk(checkpoint, device, max_seq)
+        prefill_chunk = default_prefill_chunk(checkpoint, device, max_seq, kv_cache)
     if speculative == "ngram" and (device == "reference" or prefill_chunk < 2):
         raise ValueError(
             "speculative='ngram' needs a verify pass of several tokens, which the reference "
@@ -412,7 +433,9 @@ def load(
             f"{checkpoint.config.vocab_size}: they do not belong together"
         )
     cache = CacheOptions(cache_memory, cache_dir, cache_disk_size, cache_disk_min_tokens)
-    engine = _make_engine(checkpoint, device, max_seq, tokenizer.vocab_size, prefill_chunk, cache)
+    engine = _make_engine(
+        checkpoint, device, max_seq, tokenizer.vocab_size, prefill_chunk, cache, kv_cache
+    )
     # The name clients pass as `model`: the repo id, "demo", or the directory's name.
     if model is None:
         model_id = DEFAULT_REPO

@@ -56,6 +56,35 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
+# spec/model.md section 1: layer i is full attention iff (i + 1) % 4 == 0.
+REAL_ATTENTION_INTERVAL = 4
+
+
+def real_kv_bytes_per_token(kv_cache: str) -> int:
+    """The real model's KV cache per context token in the format `kv_cache` (what the memory
+    preflight's estimate grows by per token of max_seq)."""
+    from lily.checkpoint.validate import REAL_MODEL
+    from lily.kernels.attention import cache_bytes
+
+    layers = int(REAL_MODEL["num_hidden_layers"]) // REAL_ATTENTION_INTERVAL
+    return 2 * layers * cache_bytes(int(REAL_MODEL["num_key_value_heads"]), 1, kv_cache)
+
+
+def kv_cache_summary() -> str:
+    """One line for `lily info`: the real model's KV cache per context token and at the
+    model's longest context, in each format."""
+    from lily.checkpoint.validate import REAL_MODEL
+    from lily.kernels.attention import KV_CACHE_TYPES
+
+    longest = int(REAL_MODEL["max_position_embeddings"])
+    parts = [
+        f"{kv_cache} {real_kv_bytes_per_token(kv_cache):,} B per token "
+        f"({_gib(longest * real_kv_bytes_per_token(kv_cache))} at {longest:,})"
+        for kv_cache in KV_CACHE_TYPES
+    ]
+    return "; ".join(parts)
+
+
 def preflight_message(needed: int, recommended: int, physical: int) -> str:
     """Empty when `needed` bytes fit in Metal's `recommended` working set; otherwise the advice
     (the same text as the metal device's own check)."""
@@ -71,12 +100,12 @@ def preflight_message(needed: int, recommended: int, physical: int) -> str:
             f"It does not fit even with a raised limit: of this Mac's {_gib(physical)} of RAM, "
             f"at most {_gib(plan.safe_limit_mib * MIB)} can be wired safely (macOS and other "
             f"apps need {_gib(system_reserve(physical))}). Ask for less memory, for example a "
-            "shorter maximum sequence length (max_seq)."
+            "shorter maximum sequence length (max_seq) or an int8 KV cache (kv_cache='int8')."
         )
     left = physical - plan.wired_limit_mib * MIB
     return message + (
-        "Ask for less memory (for example a shorter maximum sequence length, max_seq), or let "
-        "the GPU wire more until the next reboot with:\n"
+        "Ask for less memory (for example a shorter maximum sequence length, max_seq, or an int8 "
+        "KV cache, kv_cache='int8'), or let the GPU wire more until the next reboot with:\n"
         f"  sudo sysctl iogpu.wired_limit_mb={plan.wired_limit_mib}\n"
         f"That is the need plus {WIRED_MARGIN_MIB} MiB of headroom, and leaves macOS and other "
         f"apps {_gib(left)} of the {_gib(physical)} of RAM; "

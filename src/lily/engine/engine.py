@@ -44,6 +44,7 @@ from lily.engine.model_graph import (
     MAX_DRAFT_TOKENS,
     ModelGraph,
     device_bytes,
+    kv_cache_bytes_per_token,
     layer_flops,
 )
 from lily.engine.prefix_cache import Arrays, PrefixCache, PrefixMatch, default_cache_memory
@@ -58,6 +59,7 @@ from lily.engine.sampling import (
 )
 from lily.engine.speculative import Drafter, accept_drafts
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
+from lily.kernels.attention import row_bytes
 from lily.kernels.sampling import (
     NO_TOKEN,
     read_logprobs,
@@ -212,15 +214,18 @@ class _Request:
 
 
 class _DeviceRows:
-    """The device's KV cache arrays ([num_kv_heads, capacity, head_dim] bf16 bits each) through
-    their host-visible views (the sim's and Metal's buffers are shared memory)."""
+    """The device's KV cache arrays through their host-visible views (the sim's and Metal's
+    buffers are shared memory): [num_kv_heads, capacity, head_dim] bf16 bits each, or
+    [num_kv_heads, capacity, 272] bytes of int8 rows (codes and scales)."""
 
     def __init__(self, model: ModelGraph) -> None:
         c = model.config
-        shape = (c.num_key_value_heads, model.capacity, c.head_dim)
+        dtype = np.uint16 if model.kv_cache == "bf16" else np.uint8
+        width = row_bytes(model.kv_cache) // np.dtype(dtype).itemsize
+        shape = (c.num_key_value_heads, model.capacity, width)
         state = model.state
         self._arrays = [
-            buffer.numpy().view(np.uint16).reshape(shape)
+            buffer.numpy().view(dtype).reshape(shape)
             for layer in sorted(state.k_cache)
             for buffer in (state.k_cache[layer], state.v_cache[layer])
         ]
@@ -249,6 +254,7 @@ class DeviceEngine:
         max_chunk: int = DEFAULT_MAX_CHUNK,
         command_buffer_flops: float | None = None,
         prefix_cache: PrefixCache | None = None,
+        kv_cache: str = "bf16",
     ) -> None:
         """`token_count`: how many ids the tokenizer can produce; only those are generated.
         `max_chunk`: the most prompt tokens one prefill pass takes. A pass is split into
@@ -256,22 +262,23 @@ class DeviceEngine:
         keeps a chunk short enough that each layer's estimated work (`layer_flops`, which
         grows with the context) fits it, so that no command buffer runs long enough to trip
         the GPU watchdog. `prefix_cache`: which prefixes are kept for reuse (default: in
-        memory, with `default_cache_memory`'s budget)."""
+        memory, with `default_cache_memory`'s budget). `kv_cache`: the KV cache's format,
+        "bf16" or "int8" (kernels/attention.py)."""
         self.config = checkpoint.config
         self.device = device
         self.max_seq = max_seq
         self.max_chunk = max_chunk
         self.command_buffer_flops = command_buffer_flops
-        self._model = ModelGraph(checkpoint, device, max_seq, token_count, max_chunk)
+        self._model = ModelGraph(checkpoint, device, max_seq, token_count, max_chunk, kv_cache)
         self._rows = _DeviceRows(self._model)
         if prefix_cache is None:
-            working = device_bytes(checkpoint, max_seq, max_chunk)
+            working = device_bytes(checkpoint, max_seq, max_chunk, kv_cache)
             prefix_cache = PrefixCache(
-                default_cache_memory(working), kv_bytes_per_token(self.config, 2)
+                default_cache_memory(working), kv_cache_bytes_per_token(self.config, kv_cache)
             )
         self.prefix_cache = prefix_cache
         recurrent = [b.numpy() for b in self._model.state.recurrent_buffers()]
-        prefix_cache.set_layout(self._rows.copy_out(0), recurrent)
+        prefix_cache.set_layout(kv_cache, self._rows.copy_out(0), recurrent)
         # Prompt tokens fed through the model by `generate`, over the engine's life.
         self.prompt_tokens_fed = 0
         self.lock = EngineLock()  # one thread at a time (lock.py)
@@ -617,7 +624,9 @@ class ReferenceEngine:
                 default_cache_memory(0), kv_bytes_per_token(self.config, itemsize)
             )
         self.prefix_cache = prefix_cache
-        prefix_cache.set_layout(self._rows.copy_out(0), self._rows.recurrent())
+        prefix_cache.set_layout(
+            self._model.dtype.name, self._rows.copy_out(0), self._rows.recurrent()
+        )
         self.prompt_tokens_fed = 0
         self.lock = EngineLock()  # one thread at a time (lock.py)
 

@@ -28,7 +28,8 @@ dispatches: its GEMMs read the normed activations many times over, and its kerne
 amortise their levels over T tokens.
 
 Activations stay fp32 between kernels (decode is bound by reading weights, so this costs nothing
-and keeps the engine close to the reference); the KV cache is bf16 and the GDN state fp32.
+and keeps the engine close to the reference); the KV cache is bf16 or int8 (`kv_cache`, the
+formats of kernels/attention.py) and the GDN state fp32.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class SequenceState:
     adjustments: LogitAdjustments  # logit bias and penalty inputs, written per generation
     conv_windows: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [K-1, C]
     recurrent: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [Hv, Dv, Dk]
-    k_cache: dict[int, Buffer] = field(default_factory=dict)  # attention layer -> bf16 cache
+    k_cache: dict[int, Buffer] = field(default_factory=dict)  # attention layer -> KV rows
     v_cache: dict[int, Buffer] = field(default_factory=dict)
 
     def recurrent_buffers(self) -> list[Buffer]:
@@ -213,12 +214,25 @@ def scratch_bytes(c: ModelConfig, max_chunk: int) -> int:
     return activations + (chunk_moe if max_chunk > 1 else 0) + sampler
 
 
-def device_bytes(checkpoint: Checkpoint, capacity: int, max_chunk: int = DEFAULT_MAX_CHUNK) -> int:
+def kv_cache_bytes_per_token(c: ModelConfig, kv_cache: str) -> int:
+    """One position's keys and values over every attention layer, in the format `kv_cache`."""
+    return (
+        2 * len(c.full_attention_layers) * attention.cache_bytes(c.num_key_value_heads, 1, kv_cache)
+    )
+
+
+def device_bytes(
+    checkpoint: Checkpoint,
+    capacity: int,
+    max_chunk: int = DEFAULT_MAX_CHUNK,
+    kv_cache: str = "bf16",
+) -> int:
     """What a ModelGraph keeps on the device: the wrapped shards, the KV cache for `capacity`
-    tokens, the recurrent state, and (bounded above) the per-pass scratch."""
+    tokens in the format `kv_cache`, the recurrent state, and (bounded above) the per-pass
+    scratch."""
     c = checkpoint.config
     weights = sum(shard.size for shard in checkpoint.shards.values())
-    kv = 2 * len(c.full_attention_layers) * attention.cache_bytes(c.num_key_value_heads, capacity)
+    kv = capacity * kv_cache_bytes_per_token(c, kv_cache)
     gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
     recurrent = state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim)
     splits = attention.decode_splits(capacity)
@@ -280,12 +294,16 @@ class ModelGraph:
         capacity: int,
         token_count: int,
         max_chunk: int = DEFAULT_MAX_CHUNK,
+        kv_cache: str = "bf16",
     ) -> None:
         """`token_count`: ids the tokenizer can produce. The lm_head has padding rows past it
         (248320 vs 248077 on the real model) that must never be chosen. `max_chunk`: the most
-        tokens one pass may take (1 records only the decode step)."""
+        tokens one pass may take (1 records only the decode step). `kv_cache`: the KV cache's
+        format, "bf16" or "int8"."""
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+        attention.check_kv_cache(kv_cache)
+        self.kv_cache = kv_cache
         self.config = checkpoint.config
         self.device = device
         self.capacity = capacity
@@ -343,7 +361,7 @@ class ModelGraph:
         )
         for i, kind in enumerate(c.layer_types):
             if kind == FULL_ATTENTION:
-                nbytes = attention.cache_bytes(c.num_key_value_heads, self.capacity)
+                nbytes = attention.cache_bytes(c.num_key_value_heads, self.capacity, self.kv_cache)
                 state.k_cache[i] = dev.alloc(nbytes)
                 state.v_cache[i] = dev.alloc(nbytes)
             else:
@@ -642,7 +660,9 @@ class _Recorder:
             ],
         )
         g.barrier()
-        caches = dict(k_cache=self.state.k_cache[i], v_cache=self.state.v_cache[i])
+        caches = dict(
+            k_cache=self.state.k_cache[i], v_cache=self.state.v_cache[i], kv_cache=self.m.kv_cache
+        )
         prepare = dict(
             q_proj=s.q,
             k_proj=s.k,

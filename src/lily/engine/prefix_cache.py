@@ -158,11 +158,12 @@ class PrefixCache:
         # Snapshots of the current generation still to be written to disk (positions).
         self._to_disk: list[int] = []
 
-    def set_layout(self, rows: Arrays, state: Arrays) -> None:
-        """Tells the cache what the engine's states look like (KV rows of any length, a
-        recurrent state): files on disk are used only if they have exactly this layout."""
+    def set_layout(self, kv_cache: str, rows: Arrays, state: Arrays) -> None:
+        """Tells the cache what the engine's states look like (the KV cache's format, KV rows
+        of any length, a recurrent state): files on disk are used only if they have exactly
+        this layout."""
         if self.disk is not None:
-            self.disk.layout = StateLayout.of(rows, state)
+            self.disk.layout = StateLayout.of(kv_cache, rows, state)
 
     # -- accounting -----------------------------------------------------------------------------
 

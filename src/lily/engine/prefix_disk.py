@@ -11,8 +11,10 @@ whose name matches. A file holds
 
     MAGIC | HMAC-SHA256 of everything after it | header length (u64) | JSON header | payload
 
-where the header names the model identity, the full digest of the prefix, the token count and
-each array's dtype and shape, and the payload is the token ids followed by the KV rows [0, n)
+where the header names the model identity, the full digest of the prefix, the token count, the
+KV cache's format (an int8 cache's rows are never read into a bf16 one, nor the reverse: the
+format is also part of the identity, so such a file is not even looked at) and each array's
+dtype and shape, and the payload is the token ids followed by the KV rows [0, n)
 and the recurrent state. The MAC's key is this installation's (`default_key`: a random key in
 `$LILY_CACHE`, readable by its owner only), so that whoever can write the cache directory but
 not read the key cannot make Lily use a file they wrote. A file is opened without following
@@ -98,16 +100,21 @@ def model_identity(checkpoint: Checkpoint, engine_kind: str) -> str:
 
 @dataclass(frozen=True)
 class StateLayout:
-    """What an engine's saved state is made of: each KV rows array's dtype and shape without
-    its token axis (axis 1), and each recurrent-state array's dtype and shape."""
+    """What an engine's saved state is made of: the KV cache's format ("bf16", "int8", or the
+    reference engine's float dtype), each KV rows array's dtype and shape without its token
+    axis (axis 1), and each recurrent-state array's dtype and shape."""
 
+    kv_cache: str
     rows: tuple[Spec, ...]
     state: tuple[Spec, ...]
 
     @classmethod
-    def of(cls, rows: Sequence[np.ndarray], state: Sequence[np.ndarray]) -> StateLayout:
+    def of(
+        cls, kv_cache: str, rows: Sequence[np.ndarray], state: Sequence[np.ndarray]
+    ) -> StateLayout:
         """The layout of these arrays (rows of any number of tokens)."""
         return cls(
+            kv_cache,
             tuple((a.dtype.str, (a.shape[0], *a.shape[2:])) for a in rows),
             tuple((a.dtype.str, tuple(a.shape)) for a in state),
         )
@@ -343,6 +350,7 @@ class DiskPrefixCache:
             "identity": self.identity,
             "prefix": digest,
             "tokens": len(tokens),
+            "kv_cache": self.layout.kv_cache,
             "rows": len(self.layout.rows),
             "arrays": [[dtype, list(shape)] for dtype, shape in self.layout.arrays(len(tokens))],
         }

@@ -111,18 +111,24 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: flo
     return np.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
 
 
-def quantize_int8(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+def quantize_int8(
+    x: np.ndarray, group: int, fp16_scales: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 codes of x along its last axis, one scale per `group` values: scale =
     max |x| / 127 of the group, code = x / scale rounded to nearest (ties to even), so the
     group's largest magnitude maps to +-127 and every value is within scale / 2 of code * scale;
-    an all-zero group gets scale 0 and codes 0. Returns int8 codes [..., D] and scales
+    an all-zero group gets scale 0 and codes 0. With `fp16_scales` the scales are first rounded
+    to fp16, as the engine's int8 cache stores them, and the codes taken against those (clipped
+    to +-127, which the rounding can pass). Returns int8 codes [..., D] and scales
     [..., D / group] in x's dtype."""
     if x.shape[-1] % group:
         raise ValueError(f"{x.shape[-1]} values do not split into groups of {group}")
     grouped = x.reshape(*x.shape[:-1], -1, group)
     scales = np.abs(grouped).max(axis=-1) / 127
+    if fp16_scales:
+        scales = scales.astype(np.float16).astype(x.dtype)
     safe = np.where(scales > 0, scales, 1)
-    codes = np.rint(grouped / safe[..., None]).astype(np.int8)
+    codes = np.clip(np.rint(grouped / safe[..., None]), -127, 127).astype(np.int8)
     return codes.reshape(x.shape), scales
 
 
@@ -204,11 +210,13 @@ class ReferenceModel:
         dtype: np.dtype | type = np.float32,
         bf16_kv_cache: bool = False,
         kv_int8_group: int | None = None,
+        kv_int8_fp16_scales: bool = False,
     ) -> None:
         """`bf16_kv_cache` rounds cached keys and values to bf16, as the engine's cache stores
         them: comparing with and without it separates kernel errors from the cache's precision.
         `kv_int8_group` instead rounds them through int8 codes with one scale per that many dims
-        (quantize_int8), as an int8 cache would hold them."""
+        (quantize_int8), as an int8 cache would hold them; `kv_int8_fp16_scales` also rounds
+        the scales to fp16, as the engine's int8 cache (`kv_cache="int8"`, groups of 32) does."""
         if bf16_kv_cache and kv_int8_group is not None:
             raise ValueError("the KV cache is rounded to bf16 or through int8, not both")
         self.config = config
@@ -216,6 +224,7 @@ class ReferenceModel:
         self.dtype = np.dtype(dtype)
         self.bf16_kv_cache = bf16_kv_cache
         self.kv_int8_group = kv_int8_group
+        self.kv_int8_fp16_scales = kv_int8_fp16_scales
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -363,8 +372,9 @@ class ReferenceModel:
         if self.bf16_kv_cache:
             k, v = round_to_bf16(k).astype(self.dtype), round_to_bf16(v).astype(self.dtype)
         elif self.kv_int8_group is not None:
-            k = dequantize_int8(*quantize_int8(k, self.kv_int8_group))
-            v = dequantize_int8(*quantize_int8(v, self.kv_int8_group))
+            fp16 = self.kv_int8_fp16_scales
+            k = dequantize_int8(*quantize_int8(k, self.kv_int8_group, fp16))
+            v = dequantize_int8(*quantize_int8(v, self.kv_int8_group, fp16))
         state.keys[layer] = np.concatenate([state.keys[layer], k], axis=1)
         state.values[layer] = np.concatenate([state.values[layer], v], axis=1)
         out = attention(q, state.keys[layer], state.values[layer], d**-0.5, positions)

@@ -3,7 +3,7 @@
 For one decoded token, three dispatches, each needing a barrier before the next:
 
 1. `record_attention_prepare`: q/k RMSNorm, partial RoPE, and the append of the rotated key and
-   the value to the bf16 cache at the position held in the step buffer;
+   the value to the cache at the position held in the step buffer;
 2. `record_attention_decode`: attention over the whole context, split into ranges of positions
    (attention.metal's `split_length`) that run as separate threadgroups and leave partial
    results in a scratch buffer; the grid has `decode_splits(capacity)` splits, and the kernel
@@ -19,8 +19,11 @@ For a chunk of T prompt tokens, two: `record_attention_prepare` with `tokens=T` 
 position + t), then `record_attention_chunk`, causal attention of the T queries over the cache
 with the output gate applied; no scratch.
 
-The KV cache of a layer is two bf16 arrays [num_kv_heads, capacity, 256]; the step buffer is
-uint32 [position, ...] and the context after the append is position + T tokens.
+The KV cache of a layer is two arrays (K and V) of [num_kv_heads, capacity] rows in one of two
+formats (`KV_CACHE_TYPES`, attention.metal): "bf16", 256 bf16 values (512 bytes), or "int8", 256
+int8 codes then 8 fp16 scales, one per group of 32 dims (272 bytes). Every launcher that touches
+the cache takes `kv_cache` and records the kernel of that format. The step buffer is uint32
+[position, ...] and the context after the append is position + T tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ if TYPE_CHECKING:
 # Every head is covered by one simdgroup holding 8 dims per lane.
 HEAD_DIM = 256
 SIMD_WIDTH = 32
+# The cache formats, and the dims per fp16 scale of the int8 one (kInt8Group in attention.metal).
+KV_CACHE_TYPES = ("bf16", "int8")
+INT8_GROUP = 32
 # Must match kDecodeThreads, kMaxGroup, kSplitPositions, kMinSplits, kRound and kCombineDims in
 # attention.metal: the decode kernels' threads (4 simdgroups), the most query heads per kv head
 # (the rows of their fragments), the positions per split while the grid has splits to spare,
@@ -74,9 +80,29 @@ def split_length(context: int, num_splits: int) -> int:
     return ceil_div(max(spread, ceil_div(context, num_splits)), SPLIT_ROUND) * SPLIT_ROUND
 
 
-def cache_bytes(num_kv_heads: int, capacity: int) -> int:
+def check_kv_cache(kv_cache: str) -> None:
+    """Refuses a cache format the kernels do not have."""
+    if kv_cache not in KV_CACHE_TYPES:
+        choices = " or ".join(repr(t) for t in KV_CACHE_TYPES)
+        raise ValueError(f"kv_cache must be {choices}, not {kv_cache!r}")
+
+
+def row_bytes(kv_cache: str) -> int:
+    """Bytes of one cached row (a kv head at one position) in the format `kv_cache`."""
+    check_kv_cache(kv_cache)
+    if kv_cache == "int8":
+        return HEAD_DIM + 2 * (HEAD_DIM // INT8_GROUP)
+    return 2 * HEAD_DIM
+
+
+def cache_bytes(num_kv_heads: int, capacity: int, kv_cache: str = "bf16") -> int:
     """Size of one of a layer's two cache arrays (K or V)."""
-    return num_kv_heads * capacity * HEAD_DIM * 2
+    return num_kv_heads * capacity * row_bytes(kv_cache)
+
+
+def _kernel_name(name: str, kv_cache: str) -> str:
+    check_kv_cache(kv_cache)
+    return name if kv_cache == "bf16" else f"{name}_{kv_cache}"
 
 
 def partial_out_bytes(num_q_heads: int, num_splits: int) -> int:
@@ -132,21 +158,22 @@ def record_attention_prepare(
     rope_theta: float,
     norm_eps: float = 1e-6,
     tokens: int = 1,
+    kv_cache: str = "bf16",
     head_dim: int = HEAD_DIM,
 ) -> None:
     """Normalise and rotate q and k of `tokens` tokens, write the queries, and append k and v to
     the cache; token t is at position step[0] + t.
 
     q_proj fp32 [T, Hq, 2, 256] (query | gate per head); k_proj, v_proj fp32 [T, Hkv, 256];
-    q_norm, k_norm bf16 [256] (stored gains); queries fp32 [T, Hq, 256]; caches bf16
-    [Hkv, capacity, 256]. Positions past the capacity are not written.
+    q_norm, k_norm bf16 [256] (stored gains); queries fp32 [T, Hq, 256]; caches [Hkv, capacity]
+    rows of the format `kv_cache`. Positions past the capacity are not written.
     """
     _check_heads(num_q_heads, num_kv_heads, head_dim)
     _check_tokens(tokens)
     if rotary_dim <= 0 or rotary_dim % (2 * SIMD_WIDTH) or rotary_dim > HEAD_DIM:
         raise ValueError(f"rotary_dim {rotary_dim} must be a positive multiple of 64 up to 256")
     graph.dispatch(
-        device.kernel("attention_prepare"),
+        device.kernel(_kernel_name("attention_prepare", kv_cache)),
         threadgroups=(num_q_heads + num_kv_heads, tokens, 1),
         threads=(SIMD_WIDTH, 1, 1),
         buffers={
@@ -182,6 +209,7 @@ def record_attention_decode(
     num_kv_heads: int,
     capacity: int,
     num_splits: int,
+    kv_cache: str = "bf16",
     head_dim: int = HEAD_DIM,
 ) -> None:
     """Per-split softmax partials of every query head over the cached context (scale 1/16):
@@ -190,7 +218,7 @@ def record_attention_decode(
     _check_heads(num_q_heads, num_kv_heads, head_dim)
     _check_decode(num_q_heads, num_kv_heads, num_splits)
     graph.dispatch(
-        device.kernel("attention_decode"),
+        device.kernel(_kernel_name("attention_decode", kv_cache)),
         threadgroups=(num_splits, num_kv_heads, 1),
         threads=(DECODE_THREADS, 1, 1),
         buffers={
@@ -228,6 +256,7 @@ def record_attention_decode_fused(
     rope_theta: float,
     norm_eps: float = 1e-6,
     num_splits: int,
+    kv_cache: str = "bf16",
     head_dim: int = HEAD_DIM,
 ) -> None:
     """`record_attention_prepare` (one token) then `record_attention_decode`, in one dispatch
@@ -238,7 +267,7 @@ def record_attention_decode_fused(
     if rotary_dim <= 0 or rotary_dim % (2 * SIMD_WIDTH) or rotary_dim > HEAD_DIM:
         raise ValueError(f"rotary_dim {rotary_dim} must be a positive multiple of 64 up to 256")
     graph.dispatch(
-        device.kernel("attention_decode_fused"),
+        device.kernel(_kernel_name("attention_decode_fused", kv_cache)),
         threadgroups=(num_splits, num_kv_heads, 1),
         threads=(DECODE_THREADS, 1, 1),
         buffers={
@@ -313,6 +342,7 @@ def record_attention_chunk(
     num_kv_heads: int,
     capacity: int,
     tokens: int,
+    kv_cache: str = "bf16",
     head_dim: int = HEAD_DIM,
 ) -> None:
     """Causal attention of a chunk's `tokens` queries, gated: `out = attention * sigmoid(gate)`.
@@ -320,14 +350,14 @@ def record_attention_chunk(
     Query t (at position step[0] + t) attends to cache positions [0, step[0] + t], so the chunk's
     keys and values must already be appended (by `record_attention_prepare` with the same
     `tokens`) and step[0] + tokens <= capacity. queries fp32 [T, Hq, 256]; q_proj fp32
-    [T, Hq, 2, 256], of which the gate halves are read; caches bf16 [Hkv, capacity, 256]; out
+    [T, Hq, 2, 256], of which the gate halves are read; caches of the format `kv_cache`; out
     fp32 [T, Hq * 256], ready for o_proj. Scale 1/16.
     """
     _check_heads(num_q_heads, num_kv_heads, head_dim)
     _check_tokens(tokens)
     rows = tokens * (num_q_heads // num_kv_heads)
     graph.dispatch(
-        device.kernel("attention_chunk"),
+        device.kernel(_kernel_name("attention_chunk", kv_cache)),
         threadgroups=(ceil_div(rows, CHUNK_ROWS), num_kv_heads, 1),
         threads=(CHUNK_THREADS, 1, 1),
         buffers={

@@ -271,6 +271,7 @@ def serve(
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     cache: CacheOptions | None = None,
     limits: RequestLimits | None = None,
+    kv_cache: str = "bf16",
     header_timeout: float | None = DEFAULT_HEADER_TIMEOUT,
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
 ) -> None:
@@ -282,7 +283,7 @@ def serve(
     The API key is `api_key`, else the content of `api_key_file`, else `$LILY_API_KEY`. The Host
     header may name `host` itself besides localhost, IP addresses and `allowed_hosts`.
     `cache` sizes the prefix cache, in memory and on disk (`lily.load`'s cache arguments);
-    `speculative` and `draft_tokens` are `lily.load`'s.
+    `speculative`, `draft_tokens` and `kv_cache` are `lily.load`'s.
     `limits` bounds the requests' size (`lily.chat.request_limits`); a client gets `header_timeout`
     seconds to send a request's headers and `body_timeout` more for its body (408 after)."""
     from lily.api import load
@@ -305,6 +306,7 @@ def serve(
         escape_special_tokens=escape_special_tokens,
         speculative=speculative,
         draft_tokens=draft_tokens,
+        kv_cache=kv_cache,
         **vars(cache or CacheOptions()),
     ) as llm:
         app = create_app(
