@@ -1,6 +1,6 @@
 // The quantized GEMM tile of batched prefill: Y_tile = X_tile W_tile^T, with X fp32 row-major
 // [tokens, in_dim], W an MLX affine matrix (quantized.h, 4 or 8 bits, groups of 64), Y fp32.
-// Operands are staged in threadgroup memory as T, fp32 or bfloat, and multiplied in
+// Operands are staged in threadgroup memory as T (fp32, bfloat or half) and multiplied in
 // simdgroup_matrix<T, 8, 8> fragments into fp32 accumulators (simdgroup_float8x8).
 //
 // A threadgroup of four SIMD-groups computes TOKENS (8, 16, 32 or 64) tokens x 128 weight rows,
@@ -13,17 +13,19 @@
 // compute. Results go from the accumulators straight to device memory (each lane holds 2
 // adjacent columns of one row of each fragment), so Y needs no threadgroup memory.
 //
-// bfloat operands are double-buffered: the next stage is written to the other half of the
+// 2-byte operands are double-buffered: the next stage is written to the other half of the
 // staging memory while this one is multiplied, one barrier per stage (a buffer is overwritten two
 // stages later, after the barrier that follows every SIMD-group's multiplies of it); at 64 tokens
-// the two stages take 2 x 192 rows x 40 bfloat = 30 KiB. fp32 operands take one stage (27 KiB at
+// the two stages take 2 x 192 rows x 40 x 2 bytes = 30 KiB. fp32 operands take one stage (27 KiB at
 // 64 tokens) and two barriers per stage.
 //
-// Why bfloat, and why not yet everywhere: the inputs of these GEMMs (the SwiGLU hidden state the
-// down projections read in particular) are not bounded by half's 65504 in this model, and a half
-// overflow is an inf; bfloat has fp32's range. But its 8-bit significand moves the tiny models'
-// prefill logits by 2e-2 to 4e-2 from the float64 reference where fp32 operands stay within 5e-5
-// (docs/benchmarks.md), so the engine keeps fp32 operands until its references model the rounding.
+// Why 2-byte operands are not used yet: bfloat's 8-bit significand moves the tiny models'
+// prefill logits by 2e-2 to 5e-2 from the float64 reference, over the engine tests' 1e-2, where
+// fp32 operands stay within 5e-5 and half ones within 4e-3 (docs/benchmarks.md). But half
+// overflows past 65504, which the inputs of the down and output projections (the SwiGLU hidden
+// state, attention and GDN outputs) are not bounded by in this model; only the normed inputs are
+// (at most sqrt(in_dim) times the largest gain). Half with a range guard for those inputs (a
+// power-of-two scale per row) is the next step; bfloat has fp32's range but not the accuracy.
 //
 // Why tokens x 128 weight rows: an fp32 activation is 8 times the bytes of a 4-bit weight, so the
 // traffic that dominates is re-reading X once per weight tile; 128 weight rows give each thread
@@ -72,6 +74,7 @@ static_assert(qgemm_tile_elements<bfloat>(QGEMM_MAX_TOKENS) * 2 <= 32 * 1024, "f
 // Four inputs or weights as the staged operand type T (the second argument only picks it).
 inline float4 qgemm_operands(float4 v, float) { return v; }
 inline bfloat4 qgemm_operands(float4 v, bfloat) { return bfloat4(v); }
+inline half4 qgemm_operands(float4 v, half) { return half4(v); }
 
 // The X tile row thread `thread_id` copies as its i-th load in every stage: thread_id / 8 + 16 i;
 // rows at or past TOKENS are nobody's (8-token tiles).

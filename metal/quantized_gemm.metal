@@ -1,6 +1,7 @@
 // Quantized GEMMs of batched prefill, built on the tile of quantized_gemm.h (up to 64 tokens x
 // 128 weight rows per threadgroup of 128 threads, fp32 sums). Each comes with fp32 operands
-// (`qgemm_...`, what the engine runs) and, at 4 bits, bfloat ones (`qgemm_bfloat_...`).
+// (`qgemm_...`, what the engine runs) and, at 4 bits, bfloat and half ones (`qgemm_bfloat_...`,
+// `qgemm_half_...`).
 //   qgemm_BITS_TOKENS  y_i = x W_i^T for up to four projections sharing one input x [tokens,
 //                   in_dim] (GDN in_proj qkv|z|a|b, attention q|k|v, router|shared-expert gate),
 //                   y_i [tokens, rows_i], in tiles of TOKENS tokens (the host picks 8 to 64 by the
@@ -325,3 +326,15 @@ template [[host_name("qgemm_bfloat_grouped_4")]] [[kernel]]
     decltype(qgemm_grouped<bfloat, 4, false>) qgemm_grouped<bfloat, 4, false>;
 template [[host_name("qgemm_bfloat_grouped_swiglu_4")]] [[kernel]]
     decltype(qgemm_grouped<bfloat, 4, true>) qgemm_grouped<bfloat, 4, true>;
+template [[host_name("qgemm_half_4_8")]] [[kernel]] decltype(qgemm<half, 4, 8>)
+    qgemm<half, 4, 8>;
+template [[host_name("qgemm_half_4_16")]] [[kernel]] decltype(qgemm<half, 4, 16>)
+    qgemm<half, 4, 16>;
+template [[host_name("qgemm_half_4_32")]] [[kernel]] decltype(qgemm<half, 4, 32>)
+    qgemm<half, 4, 32>;
+template [[host_name("qgemm_half_4_64")]] [[kernel]] decltype(qgemm<half, 4, 64>)
+    qgemm<half, 4, 64>;
+template [[host_name("qgemm_half_grouped_4")]] [[kernel]]
+    decltype(qgemm_grouped<half, 4, false>) qgemm_grouped<half, 4, false>;
+template [[host_name("qgemm_half_grouped_swiglu_4")]] [[kernel]]
+    decltype(qgemm_grouped<half, 4, true>) qgemm_grouped<half, 4, true>;

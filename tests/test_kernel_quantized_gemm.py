@@ -3,8 +3,9 @@
 Error bound: an output element is a length-in_dim sum of w * x in fp32, each w = scale * code + bias
 dequantized in fp32 by one fma (one rounding), each product rounded once, the sum accumulated in
 any order (in_dim roundings at most); so it is within (in_dim + 8) float32 ulps of the magnitude
-sum_k |w_k| |x_k|. With bfloat operands the reference rounds x and each dequantized w to bfloat
-as the kernel does (their products are then exact in fp32), and the same bound holds against it.
+sum_k |w_k| |x_k|. With bfloat or half operands the reference rounds x and each dequantized w to
+that type as the kernel does (their products are then exact in fp32), and the same bound holds
+against it.
 With SwiGLU, silu(g) * u is bounded by propagating those bounds on g and u (|silu'| <= 1.1) plus
 8 ulps of |silu(g) u| for the silu and the product.
 """
@@ -60,7 +61,7 @@ def check_qgemm(
     run(device, lambda g: record_qgemm(g, device, device.wrap(x), projections, tokens, operands))
     result = as_float32(out, int(offsets[-1]))
     for triple, r, o in zip(triples, rows, offsets[:-1], strict=True):
-        expected, magnitude = reference_qgemm(*triple, bits, x, operands == "bfloat16")
+        expected, magnitude = reference_qgemm(*triple, bits, x, operands)
         actual = result[o : o + tokens * r].reshape(tokens, r)
         assert_within_ulps(actual, expected, magnitude, qgemm_ulps(in_dim))
 
@@ -96,11 +97,16 @@ def test_qgemm_4097_tokens():
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
 @pytest.mark.parametrize(
-    ("tokens", "in_dim", "rows"),
-    [(1, 64, [40]), (7, 128, [72, 200]), (64, 192, [40, 1, 72]), (300, 64, [200, 40, 72, 8])],
+    ("tokens", "in_dim", "rows", "operands"),
+    [
+        (1, 64, [40], "bfloat16"),
+        (7, 128, [72, 200], "float16"),
+        (64, 192, [40, 1, 72], "bfloat16"),
+        (300, 64, [200, 40, 72, 8], "float16"),
+    ],
 )
-def test_qgemm_bfloat_operands(lane_order, tokens, in_dim, rows):
-    check_qgemm(lane_order, tokens, in_dim, rows, 4, "bfloat16")
+def test_qgemm_two_byte_operands(lane_order, tokens, in_dim, rows, operands):
+    check_qgemm(lane_order, tokens, in_dim, rows, 4, operands)
 
 
 def test_bfloat_operands_round_the_products():
@@ -200,7 +206,7 @@ def check_grouped(
             mine = sorted_experts == e
             expert_triple = tuple(a[e] for a in triple)
             y[mine], magnitude[mine] = reference_qgemm(
-                *expert_triple, bits, x_rows[mine], operands == "bfloat16"
+                *expert_triple, bits, x_rows[mine], operands
             )
         products.append((y, magnitude))
     if swiglu:
@@ -244,7 +250,9 @@ def test_grouped_identity_rows(lane_order, bits):
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
-@pytest.mark.parametrize(("swiglu", "operands"), [(True, "float32"), (False, "bfloat16")])
+@pytest.mark.parametrize(
+    ("swiglu", "operands"), [(True, "float32"), (False, "bfloat16"), (True, "float16")]
+)
 def test_grouped_tile_sizes(lane_order, swiglu, operands):
     """Experts of 0, 1, 8, 9, 17, 33, 49, 57, 64 and 130 assignments: every tile size (8, 16, 32,
     64) and every way of cutting an expert into them (16 + 8, 32 + 16 + 8, 64 + 64 + 8, ...)."""

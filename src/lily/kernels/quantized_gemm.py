@@ -4,9 +4,9 @@
 `record_qgemm_grouped` multiplies the MoE assignments of a chunk, sorted by expert, by their
 experts' weights, optionally with the SwiGLU of a gate and an up projection fused. Both read fp32
 activations [rows, in_dim] and write fp32 [rows, out_rows], row-major, and sum in fp32. Their
-operands are fp32 (what the engine runs) or, at 4 bits, `operands="bfloat16"`: activations and
-dequantized weights rounded to bfloat in threadgroup memory (metal/quantized_gemm.h says why the
-engine does not use them yet).
+operands are fp32 (what the engine runs) or, at 4 bits, `operands="bfloat16"` or `"float16"`:
+activations and dequantized weights rounded to bfloat or half in threadgroup memory
+(metal/quantized_gemm.h says why the engine does not use them yet).
 
 Tiles are 8, 16, 32 or 64 token rows by 128 weight rows. `dense_tile_tokens` picks the dense
 GEMMs' size from the chunk's length; the grouped GEMM sizes each expert's tiles by its count on
@@ -32,7 +32,7 @@ TILE_TOKENS = (8, 16, 32, 64)
 MAX_TILE_TOKENS = TILE_TOKENS[-1]
 WEIGHT_ROWS_PER_TILE = 128
 THREADS_PER_THREADGROUP = 128
-OPERANDS = ("float32", "bfloat16")
+OPERANDS = ("float32", "bfloat16", "float16")
 # The dense GEMMs take the largest token tile that pads a chunk by at most this fraction.
 MAX_DENSE_PADDING = 0.25
 
@@ -65,8 +65,8 @@ def _kernel_prefix(operands: str, bits: int) -> str:
     if operands == "float32":
         return "qgemm"
     if bits != 4:
-        raise ValueError("bfloat16 operands exist for 4-bit weights only")
-    return "qgemm_bfloat"
+        raise ValueError(f"{operands} operands exist for 4-bit weights only")
+    return "qgemm_bfloat" if operands == "bfloat16" else "qgemm_half"
 
 
 def _check_same_shape(weights: Sequence[QuantWeight], what: str) -> QuantWeight:
