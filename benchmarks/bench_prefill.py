@@ -5,16 +5,27 @@ Two parts:
   barrier levels of a prefill chunk next to the decode step's, the weight bytes one chunk reads
   (each weight once per chunk; the routed experts some token of the chunk chose, by the expected
   count for uniform routing) and per prompt token, the FLOPs per prompt token, and a roofline
-  estimate of prefill tok/s on Apple GPUs from those two numbers (an estimate, not a measurement:
-  the GPU figures below are assumptions, say so when quoting them);
+  estimate of prefill time per kernel group on an M1 Pro, an M4 Max and an M5 Max at 4k and 32k
+  context, along today's fp32 tiles, half tiles and the M5's tensor ops (`prefill_model.py`: a
+  model from assumed GPU figures, not a measurement; say so when quoting it);
 - **time** (small checkpoints, e.g. the demo, on the sim): a prompt prefilled as one chunk
   against the same prompt fed one token per step through the decode graph (final norm, lm_head
   and sampler included: how every prompt went before batched prefill), and, for reference,
   through one-token prefill passes (`max_chunk` 1: no lm_head except for the last token).
 
+Both print `executed/useful matrix FLOPs R`: the multiply-adds the quantized GEMMs execute (token
+tiles padded to 8, 16, 32 or 64 rows, weight tiles to 128) over those the chunk needs. The graph
+report models it for the chunk that ends at `--context` (uniform random routing, the tiles
+`grouped_tile_tokens` gives each expert); `--mma` measures it.
+
+- **mma** (`--mma`, small checkpoints on the sim): one prefill chunk run on the sim, with the
+  simdgroup-matrix products each kernel executed (the sim's counter, by operand type) per prompt
+  token, and executed/useful matrix FLOPs from the counted products of the quantized GEMMs.
+
 Usage:
     python benchmarks/bench_prefill.py demo [--tokens 512]          # graph + time
-    python benchmarks/bench_prefill.py SYNTH_DIR --no-time           # graph at the real dims
+    python benchmarks/bench_prefill.py demo --mma --no-time          # graph + counted products
+    python benchmarks/bench_prefill.py SYNTH_DIR --no-time [--context 4096]  # the real dims
 """
 
 from __future__ import annotations
@@ -23,23 +34,97 @@ import argparse
 import time
 
 import numpy as np
+import prefill_model
 
 from lily.checkpoint.config import FULL_ATTENTION
 from lily.checkpoint.loader import load_checkpoint, resolve_model
 from lily.checkpoint.validate import expected_layout
-from lily.device import open_device
+from lily.device import MatrixProducts, open_device
 from lily.engine.engine import DeviceEngine
-from lily.engine.model_graph import ModelGraph, pass_flops
+from lily.engine.model_graph import (
+    COMMAND_BUFFER_FLOPS,
+    DEFAULT_MAX_CHUNK,
+    ModelGraph,
+    command_buffer_starts,
+    layer_flops,
+    pass_flops,
+)
+from lily.kernels.quantized_gemm import (
+    WEIGHT_ROWS_PER_TILE,
+    dense_tile_tokens,
+    grouped_tile_tokens,
+)
 
 EMBEDDING = "language_model.model.embed_tokens"
 LM_HEAD = "language_model.lm_head"
-# Assumed GPU figures for the roofline estimate: memory bandwidth (bytes/s) and the fp32
-# simdgroup-matrix rate our GEMMs use (FLOP/s), both peak; a real kernel reaches a fraction.
-GPUS = {
-    "M1 Pro (16-core GPU)": (200e9, 5.2e12),
-    "M5 Max (40-core GPU)": (614e9, 18.4e12),
-}
-ASSUMED_EFFICIENCY = 0.5
+# Multiply-adds of one 8x8x8 simdgroup-matrix product.
+PRODUCT_MACS = 512
+
+
+def chunk_at(c, context: int) -> int:
+    """Tokens of the longest prefill chunk ending at `context` that the engine runs on Metal
+    where the memory allows the longest chunk (DEFAULT_MAX_CHUNK; `lily.load` takes a shorter
+    one on a Mac whose memory does not): its costliest layer within COMMAND_BUFFER_FLOPS."""
+    tokens = min(DEFAULT_MAX_CHUNK, context)
+    while tokens > 1 and max(layer_flops(c, context - tokens, tokens)) > COMMAND_BUFFER_FLOPS:
+        tokens -= 1
+    return tokens
+
+
+def dense_projections(c) -> list[tuple[int, int, int]]:
+    """(input dim, output rows, layers) of every dense quantized GEMM projection of a chunk, each
+    padded to 128-row weight tiles on its own. The lm_head is not one: a predicting chunk runs it
+    for its last token alone, as decode's GEMV."""
+    d = c.hidden_size
+    attention = len(c.full_attention_layers)
+    gdn = c.num_hidden_layers - attention
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    heads = c.linear_num_value_heads
+    shared = c.shared_expert_intermediate_size
+    layers = c.num_hidden_layers
+    return [
+        (d, 2 * c.linear_key_dim + c.linear_value_dim, gdn),  # in_proj qkv
+        (d, c.linear_value_dim, gdn),  # z
+        (d, heads, gdn),  # a
+        (d, heads, gdn),  # b
+        (c.linear_value_dim, d, gdn),  # out_proj
+        (d, 2 * q, attention),  # q and its gate
+        (d, kv, attention),
+        (d, kv, attention),
+        (q, d, attention),  # o_proj
+        (d, c.num_experts, layers),  # router
+        (d, 1, layers),  # shared-expert gate
+        (d, shared, layers),
+        (d, shared, layers),
+        (shared, d, layers),
+    ]
+
+
+def padded(rows: int) -> int:
+    return -(-rows // WEIGHT_ROWS_PER_TILE) * WEIGHT_ROWS_PER_TILE
+
+
+def matrix_flops_model(c, tokens: int, seed: int = 0) -> tuple[float, float]:
+    """(executed, useful) multiply-adds of a chunk's quantized GEMMs: dense projections in token
+    tiles of dense_tile_tokens(tokens), and the routed experts of every layer under uniformly
+    random top-k routing, each expert in the tiles grouped_tile_tokens gives its count. Weight
+    rows are padded to 128-row tiles (64 gate and 64 up rows with SwiGLU, the same padding)."""
+    executed = useful = 0.0
+    tile = dense_tile_tokens(tokens)
+    rows_executed = -(-tokens // tile) * tile
+    for in_dim, rows, layers in dense_projections(c):
+        useful += layers * tokens * rows * in_dim
+        executed += layers * rows_executed * padded(rows) * in_dim
+    d, e, k = c.hidden_size, c.num_experts, c.num_experts_per_tok
+    expert_macs = 3 * d * c.moe_intermediate_size  # gate, up and down of one assignment
+    rng = np.random.default_rng(seed)
+    for _ in range(c.num_hidden_layers):
+        choices = np.argsort(rng.random((tokens, e)), axis=1)[:, :k]
+        counts = np.bincount(choices.ravel(), minlength=e)
+        rows_run = sum(sum(grouped_tile_tokens(int(n))) for n in counts)
+        useful += tokens * k * expert_macs
+        executed += rows_run * expert_macs
+    return executed, useful
 
 
 def weight_bytes_per_chunk(checkpoint, tokens: int) -> dict[str, float]:
@@ -67,7 +152,45 @@ def weight_bytes_per_chunk(checkpoint, tokens: int) -> dict[str, float]:
     return totals
 
 
-def graph_report(checkpoint, tokens: int) -> None:
+def useful_macs(c, tokens: int) -> float:
+    """Multiply-adds a chunk's quantized GEMMs need (matrix_flops_model's useful figure)."""
+    dense = sum(layers * tokens * rows * in_dim for in_dim, rows, layers in dense_projections(c))
+    experts = c.num_hidden_layers * tokens * c.num_experts_per_tok * 3 * c.hidden_size
+    return dense + experts * c.moe_intermediate_size
+
+
+def mma_report(checkpoint, tokens: int) -> None:
+    """One chunk of `tokens` on the sim: the simdgroup-matrix products per prompt token by operand
+    type (chunk attention on its own line), and the quantized GEMMs' executed/useful work."""
+    c = checkpoint.config
+    prompt = np.random.default_rng(0).integers(0, c.vocab_size, tokens).tolist()
+    device = open_device("sim")
+    engine = DeviceEngine(checkpoint, device, tokens + 8, c.vocab_size, tokens)
+    engine.prompt_logits(prompt[:8])  # records the graphs
+    device.matrix_products()
+    engine.prompt_logits(prompt)
+    counted = device.matrix_products()
+    total = sum(counted.values(), MatrixProducts())
+    print(f"sim chunk of {tokens}: simdgroup-matrix products per kernel (per prompt token)")
+    for kernel, p in sorted(counted.items(), key=lambda item: -item[1].total):
+        print(
+            f"  {kernel:<28} fp32 {p.fp32 / tokens:9.1f}  half {p.half / tokens:7.1f}"
+            f"  bfloat {p.bfloat / tokens:9.1f}"
+        )
+    attention = sum(
+        (p for kernel, p in counted.items() if kernel.startswith("attention")), MatrixProducts()
+    )
+    print(
+        f"mma per prompt token: fp32 {total.fp32 / tokens:.0f}, half {total.half / tokens:.0f}, "
+        f"bfloat {total.bfloat / tokens:.0f}, tensor-op {total.tensor_op / tokens:.0f}"
+    )
+    print(f"  of which chunk attention: fp32 {attention.fp32 / tokens:.0f}")
+    gemm = sum(p.total for kernel, p in counted.items() if kernel.startswith("qgemm"))
+    ratio = gemm * PRODUCT_MACS / useful_macs(c, tokens)
+    print(f"executed/useful matrix FLOPs {ratio:.3f} (quantized GEMMs, counted on the sim)")
+
+
+def graph_report(checkpoint, tokens: int, context: int) -> None:
     c = checkpoint.config
     device = open_device("sim", execute=False)
     start = time.perf_counter()
@@ -76,6 +199,7 @@ def graph_report(checkpoint, tokens: int) -> None:
     recorded = time.perf_counter() - start
     print(f"checkpoint            {checkpoint.path} ({checkpoint.level})")
     print(f"graphs recorded in    {recorded * 1e3:.0f} ms (decode step + chunk of {tokens})")
+    chunk_graph = chunk
     for name, graph in (("decode step", model.decode), (f"chunk of {tokens}", chunk)):
         levels = graph.barrier_count + 1
         print(f"{name:<21} {graph.dispatch_count} dispatches, {levels} barrier levels")
@@ -89,12 +213,41 @@ def graph_report(checkpoint, tokens: int) -> None:
     for context in (tokens, 4096):
         flops = pass_flops(c, context - tokens, tokens) / tokens
         print(f"FLOPs / prompt token  {flops / 1e9:.2f} G (chunk ending at {context})")
-    print(f"estimate at {ASSUMED_EFFICIENCY:.0%} of peak (assumed GPU figures, not measured):")
-    flops = pass_flops(c, 4096 - tokens, tokens)
-    for gpu, (bandwidth, rate) in GPUS.items():
-        seconds = max(total / bandwidth, flops / rate) / ASSUMED_EFFICIENCY
-        bound = "compute" if flops / rate > total / bandwidth else "memory"
-        print(f"  {gpu:<22} {tokens / seconds:7.0f} tok/s ({bound}-bound, chunk ending at 4096)")
+    chunk = chunk_at(c, context)
+    executed, useful = matrix_flops_model(c, chunk)
+    print(f"chunk tokens {chunk} (the longest chunk ending at {context} the engine runs on Metal)")
+    print(
+        f"executed/useful matrix FLOPs {executed / useful:.3f} (quantized GEMMs, expert tiles "
+        f"included; modelled, uniform routing)"
+    )
+    levels = chunk_graph.barrier_count + 1
+    for at in sorted({context, 4096, 32768}):
+        estimate_report(checkpoint, at, levels)
+
+
+def estimate_report(checkpoint, context: int, levels: int) -> None:
+    """prefill_model's time for the chunk ending at `context` on each GPU and kernel path."""
+    c = checkpoint.config
+    tokens = chunk_at(c, context)
+    executed, useful = matrix_flops_model(c, tokens)
+    work = prefill_model.groups(
+        c, context, tokens, weight_bytes_per_chunk(checkpoint, tokens), executed / useful
+    )
+    buffers = len(command_buffer_starts(c, context, tokens)) + 1
+    print(
+        f"estimated prefill, chunk of {tokens} ending at {context}, {buffers} command buffers "
+        "(a MODEL from assumed GPU figures, not a measurement; benchmarks/prefill_model.py):"
+    )
+    for gpu in prefill_model.GPUS:
+        for path in prefill_model.PATHS:
+            if path.tensor_ops and gpu.tensor_rate is None:
+                continue
+            times = prefill_model.seconds(c, gpu, path, work, levels, buffers, tokens)
+            parts = ", ".join(f"{name} {t * 1e3:.0f}" for name, t in times.items() if t >= 5e-4)
+            print(
+                f"  {gpu.name:<21} {path.name:<30} {tokens / sum(times.values()):7.0f} tok/s"
+                f"  (ms: {parts})"
+            )
 
 
 def time_report(checkpoint, tokens: int, repeat: int) -> None:
@@ -142,10 +295,18 @@ def main() -> None:
     parser.add_argument("model", help="checkpoint directory, repo id or 'demo'")
     parser.add_argument("--tokens", type=int, default=512, help="prompt and chunk length")
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per arm (best kept)")
-    parser.add_argument("--no-time", action="store_true", help="only the graph report")
+    parser.add_argument("--no-time", action="store_true", help="no timed runs")
+    parser.add_argument(
+        "--context", type=int, default=4096, help="model the chunk ending at this context"
+    )
+    parser.add_argument(
+        "--mma", action="store_true", help="count a chunk's simdgroup-matrix products on the sim"
+    )
     args = parser.parse_args()
     checkpoint = load_checkpoint(resolve_model(args.model))
-    graph_report(checkpoint, args.tokens)
+    graph_report(checkpoint, args.tokens, args.context)
+    if args.mma:
+        mma_report(checkpoint, args.tokens)
     if not args.no_time:
         time_report(checkpoint, args.tokens, args.repeat)
 

@@ -1,14 +1,15 @@
 """A verify pass of speculative decoding at the real model's dims: the weight bytes it reads and
-the matrix FLOPs it executes, with the GEMM tiles a prefill chunk uses (how verify passes ran
-before `qgemv_tokens` and the MoE's few-token path) and with the GEMV-shaped kernels they run
-now, and a time estimate on Apple GPUs from the figures and efficiencies `prefill_model.py`
+the matrix FLOPs it executes, with the GEMMs' tiles a prefill chunk uses (dense token tiles of
+8 or 16 rows at these sizes, an 8-row tile per chosen expert; how verify passes would run without
+`qgemv_tokens` and the MoE's few-token path) and with the GEMV-shaped kernels they run, and a
+time estimate on Apple GPUs from the figures and efficiencies `prefill_model.py`
 assumes (a model, not a measurement; attention and the norms are left out, small beside these
 at short context).
 
 The experts: each of the k + 1 tokens chooses 8 of 256 per layer; the expected number of
 distinct experts is 256 (1 - (1 - 8/256)^(k+1)). A GEMV reads each chosen expert once per token
 that chose it (almost the same bytes: the tokens' experts barely overlap); the grouped GEMM
-reads it once but fills a 32-row tile per expert with one or two tokens.
+reads it once but runs an 8-row tile per expert for its one or two tokens.
 
     python benchmarks/verify_pass_model.py
 """
@@ -19,7 +20,7 @@ from make_synthetic_checkpoint import real_config
 from prefill_model import FP32_TILES, GPUS, MEMORY_EFFICIENCY
 
 from lily.checkpoint.config import FULL_ATTENTION, parse_config
-from lily.kernels.quantized_gemm import TOKENS_PER_TILE
+from lily.kernels.quantized_gemm import dense_tile_tokens, grouped_tile_tokens
 
 BYTES_PER_WEIGHT = 4.5 / 8  # 4-bit codes, a bf16 scale and bias per 64
 ROUTER_BYTES_PER_WEIGHT = 8.5 / 8  # the 8-bit router and shared-expert gate
@@ -51,8 +52,11 @@ def main() -> None:
             + router * ROUTER_BYTES_PER_WEIGHT
             + layers * distinct * expert * BYTES_PER_WEIGHT
         )
-        tile_rows = TOKENS_PER_TILE if tokens > 1 else 1
-        tiles = 2.0 * tile_rows * (dense + router + head + layers * distinct * expert)
+        # A decode step (one token) runs GEMVs either way.
+        dense_rows = dense_tile_tokens(tokens) if tokens > 1 else 1
+        expert_rows = sum(grouped_tile_tokens(1)) if tokens > 1 else 1
+        tiles = 2.0 * dense_rows * (dense + router + head)
+        tiles += 2.0 * expert_rows * layers * distinct * expert
         useful = 2.0 * tokens * (dense + router + head + layers * c.num_experts_per_tok * expert)
         gemv_ops = GEMV_OPS_PER_WEIGHT_TOKEN / 2 * useful
         times = []

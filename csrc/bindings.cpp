@@ -2,6 +2,7 @@
 // lily/device.py, which adds argument normalisation and friendlier errors.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -117,6 +118,17 @@ NB_MODULE(_native, m) {
                  bindings.append(
                      nb::make_tuple(b.index, b.buffer, b.offset, b.extent, b.read, b.written));
                out.append(nb::make_tuple(t.kernel, bindings));
+             }
+             return out;
+           })
+      .def("take_matrix_products",
+           [](lily::Device& d) -> std::optional<nb::list> {
+             auto counted = d.take_matrix_products();
+             if (!counted) return std::nullopt;
+             nb::list out;
+             for (const auto& k : *counted) {
+               const auto& p = k.products;
+               out.append(nb::make_tuple(k.kernel, p.fp32, p.half, p.bfloat, p.tensor_op));
              }
              return out;
            })

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -159,6 +160,16 @@ struct DispatchTraffic {
   std::vector<BindingTraffic> bindings;
 };
 
+// The 8x8x8 simdgroup-matrix products one kernel's dispatches executed, by the operand type
+// that sets their rate (the sim's counting; tensor_op: Metal 4 tensor-op matmuls, in 8x8x8 units).
+struct MatrixProducts {
+  uint64_t fp32 = 0, half = 0, bfloat = 0, tensor_op = 0;
+};
+struct KernelMatrixProducts {
+  std::string kernel;
+  MatrixProducts products;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -187,6 +198,11 @@ class Device {
   // The traffic of every dispatch run since the last call, in order; empty on devices that do
   // not count.
   virtual std::vector<DispatchTraffic> take_traffic() { return {}; }
+  // The matrix products of every kernel that ran one since the last call, by kernel name; none
+  // (rather than zeros) on devices that cannot count them: a GPU does not report them.
+  virtual std::optional<std::vector<KernelMatrixProducts>> take_matrix_products() {
+    return std::nullopt;
+  }
 };
 
 }  // namespace lily

@@ -1,17 +1,22 @@
-// Quantized GEMMs of batched prefill, built on the tile of quantized_gemm.h (32 tokens x 128
-// weight rows per threadgroup of 128 threads).
-//   qgemm           y_i = x W_i^T for up to four projections sharing one input x [tokens, in_dim]
-//                   (GDN in_proj qkv|z|a|b, attention q|k|v, router|shared-expert gate), y_i
-//                   [tokens, rows_i]. Grid: x over 32-token tiles, y over every projection's
-//                   128-row tiles in turn. Threadgroups usually start in x-major order, so the
-//                   token tiles of one weight tile run side by side and the weights come from DRAM
+// Quantized GEMMs of batched prefill, built on the tile of quantized_gemm.h (up to 64 tokens x
+// 128 weight rows per threadgroup of 128 threads, fp32 sums). Each comes with fp32 operands
+// (`qgemm_...`, what the engine runs) and, at 4 bits, bfloat and half ones (`qgemm_bfloat_...`,
+// `qgemm_half_...`).
+//   qgemm_BITS_TOKENS  y_i = x W_i^T for up to four projections sharing one input x [tokens,
+//                   in_dim] (GDN in_proj qkv|z|a|b, attention q|k|v, router|shared-expert gate),
+//                   y_i [tokens, rows_i], in tiles of TOKENS tokens (the host picks 8 to 64 by the
+//                   chunk's length). Grid: x over token tiles, y over every projection's 128-row
+//                   tiles in turn. Threadgroups usually start in x-major order, so the token
+//                   tiles of one weight tile run side by side and the weights come from DRAM
 //                   about once per chunk, while x (4 MiB at 512 tokens x 2048) stays in the caches.
 //   qgemm_grouped   the MoE experts of a chunk: assignments (token, expert) sorted by expert,
 //                   expert e owning [expert_offsets[e], expert_offsets[e + 1]); out[a] =
 //                   x[row(a)] W_e^T, or with SWIGLU silu(x[row(a)] G_e^T) * (x[row(a)] U_e^T),
-//                   the gate and up weights staged as the two halves of one 128-row tile. Grid:
-//                   x over output-column tiles (128 columns, 64 with SWIGLU), y over an upper bound
-//                   on the 32-assignment tiles; each threadgroup finds its expert and tile on the
+//                   64 gate and the same 64 up rows staged in one 128-row tile. Each expert's
+//                   assignments go in tiles of 64, 32, 16 and 8 rows sized by its count
+//                   (qgemm_expert_tiles), so a 10-token expert multiplies 16 rows, not 32 or 64.
+//                   Grid: x over output-column tiles (128 columns, 64 with SWIGLU), y over an
+//                   upper bound on the tiles; each threadgroup finds its expert and tile on the
 //                   device.
 // Every output element is written by one thread, once, so the results do not depend on scheduling.
 #include "common.h"
@@ -28,7 +33,28 @@ struct QGemmParams {
   uint first_tile[QGEMM_MAX_PROJECTIONS];
 };
 
-template <uint BITS>
+// Stores this SIMD-group's part of a tile qgemm_tile computed: fragment acc[4 i + j] goes to rows
+// row0 + 8 i.. and columns col0 + 8 j.. of out (row stride out_stride), tile rows below `count`
+// and columns below `columns` only.
+template <uint TOKENS>
+inline void qgemm_store_tile(thread simdgroup_float8x8* acc, device float* out, uint row0,
+                             uint count, uint col0, uint columns, uint out_stride, uint lane) {
+  const uint row = qgemm_fragment_row(lane);
+  const uint col = qgemm_fragment_col(lane);
+  for (uint i = 0; i < TOKENS / 8; ++i) {
+    const uint r = 8 * i + row;
+    for (uint j = 0; j < 4; ++j) {
+      const float2 values = acc[4 * i + j].thread_elements();
+      const uint c = col0 + 8 * j + col;
+      if (r >= count) continue;
+      device float* at = out + ulong(row0 + r) * out_stride + c;
+      if (c < columns) at[0] = values[0];
+      if (c + 1 < columns) at[1] = values[1];
+    }
+  }
+}
+
+template <typename T, uint BITS, uint TOKENS>
 [[kernel, max_total_threads_per_threadgroup(QGEMM_THREADS)]]
 void qgemm(constant QGemmParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
            device const uint* w0 [[buffer(2)]], device const bfloat* s0 [[buffer(3)]],
@@ -41,8 +67,9 @@ void qgemm(constant QGemmParams& p [[buffer(0)]], device const float* x [[buffer
            device const bfloat* b3 [[buffer(16)]], device float* y3 [[buffer(17)]],
            uint2 tile_id [[threadgroup_position_in_grid]],
            uint thread_id [[thread_index_in_threadgroup]],
-           uint simdgroup [[simdgroup_index_in_threadgroup]]) {
-  alignas(16) threadgroup float tile[QGEMM_TILE_FLOATS];  // staged as float4 (qgemm_store_stage)
+           uint simdgroup [[simdgroup_index_in_threadgroup]],
+           uint lane [[thread_index_in_simdgroup]]) {
+  alignas(16) threadgroup T tile[qgemm_tile_elements<T>(TOKENS)];  // staged as vectors of 4
 
   uint proj = 0;
   while (proj + 1 < p.projections && tile_id.y >= p.first_tile[proj + 1]) ++proj;
@@ -60,26 +87,45 @@ void qgemm(constant QGemmParams& p [[buffer(0)]], device const float* x [[buffer
   }
   const uint rows = p.rows[proj];
   const uint n0 = (tile_id.y - p.first_tile[proj]) * QGEMM_WEIGHT_ROWS;
-  const uint m0 = tile_id.x * QGEMM_TOKENS;
+  const uint m0 = tile_id.x * TOKENS;
 
-  uint x_rows[QGEMM_X_LOADS];
-  for (uint i = 0; i < QGEMM_X_LOADS; ++i) {
-    const uint token = m0 + qgemm_x_tile_row(thread_id, i);
-    x_rows[i] = token < p.tokens ? token : QGEMM_NO_ROW;
+  uint x_rows[qgemm_x_loads(TOKENS)];
+  for (uint i = 0; i < qgemm_x_loads(TOKENS); ++i) {
+    const uint local = qgemm_x_tile_row(thread_id, i);
+    x_rows[i] = local < TOKENS && m0 + local < p.tokens ? m0 + local : QGEMM_NO_ROW;
   }
   const uint n = n0 + thread_id;
-  qgemm_tile<BITS>(x, p.in_dim, x_rows, m, n, n < rows, tile, thread_id, simdgroup);
-
-  // Thread t stores column t of the tile: neighbouring threads write neighbouring addresses.
-  if (n >= rows) return;
-  const uint count = min(QGEMM_TOKENS, p.tokens - m0);
-  for (uint r = 0; r < count; ++r) {
-    y[ulong(m0 + r) * rows + n] = tile[r * QGEMM_OUT_STRIDE + thread_id];
-  }
+  simdgroup_float8x8 acc[TOKENS / 2];
+  qgemm_tile<T, BITS, TOKENS>(x, p.in_dim, x_rows, m, n, n < rows, tile, thread_id, simdgroup,
+                              acc);
+  qgemm_store_tile<TOKENS>(acc, y, m0, min(TOKENS, p.tokens - m0), n0 + 32 * simdgroup, rows,
+                           rows, lane);
 }
 
-template [[host_name("qgemm_4")]] [[kernel]] decltype(qgemm<4>) qgemm<4>;
-template [[host_name("qgemm_8")]] [[kernel]] decltype(qgemm<8>) qgemm<8>;
+template [[host_name("qgemm_4_8")]] [[kernel]] decltype(qgemm<float, 4, 8>)
+    qgemm<float, 4, 8>;
+template [[host_name("qgemm_4_16")]] [[kernel]] decltype(qgemm<float, 4, 16>)
+    qgemm<float, 4, 16>;
+template [[host_name("qgemm_4_32")]] [[kernel]] decltype(qgemm<float, 4, 32>)
+    qgemm<float, 4, 32>;
+template [[host_name("qgemm_4_64")]] [[kernel]] decltype(qgemm<float, 4, 64>)
+    qgemm<float, 4, 64>;
+template [[host_name("qgemm_8_8")]] [[kernel]] decltype(qgemm<float, 8, 8>)
+    qgemm<float, 8, 8>;
+template [[host_name("qgemm_8_16")]] [[kernel]] decltype(qgemm<float, 8, 16>)
+    qgemm<float, 8, 16>;
+template [[host_name("qgemm_8_32")]] [[kernel]] decltype(qgemm<float, 8, 32>)
+    qgemm<float, 8, 32>;
+template [[host_name("qgemm_8_64")]] [[kernel]] decltype(qgemm<float, 8, 64>)
+    qgemm<float, 8, 64>;
+template [[host_name("qgemm_bfloat_4_8")]] [[kernel]] decltype(qgemm<bfloat, 4, 8>)
+    qgemm<bfloat, 4, 8>;
+template [[host_name("qgemm_bfloat_4_16")]] [[kernel]] decltype(qgemm<bfloat, 4, 16>)
+    qgemm<bfloat, 4, 16>;
+template [[host_name("qgemm_bfloat_4_32")]] [[kernel]] decltype(qgemm<bfloat, 4, 32>)
+    qgemm<bfloat, 4, 32>;
+template [[host_name("qgemm_bfloat_4_64")]] [[kernel]] decltype(qgemm<bfloat, 4, 64>)
+    qgemm<bfloat, 4, 64>;
 
 struct QGemmGroupedParams {
   uint in_dim;
@@ -89,21 +135,31 @@ struct QGemmGroupedParams {
   uint gather;           // 1: assignment a reads x row row_index[a]; 0: x row a
 };
 
-// The sorted assignments a threadgroup multiplies: [first, first + count) of `expert`.
+// The sorted assignments a threadgroup multiplies: [first, first + count) of `expert`, in a tile
+// of `tokens` rows.
 struct QGemmGroupedTile {
   uint expert;
   uint first;
-  uint count;  // 0: the tile index is past the last non-empty tile
+  uint count;   // 0: the tile index is past the last non-empty tile
+  uint tokens;  // 8, 16, 32 or 64
 };
 
-inline uint qgemm_token_tiles(uint assignments) {
-  return (assignments + QGEMM_TOKENS - 1) / QGEMM_TOKENS;
+// An expert's n assignments are cut into tiles sized by n: n / 64 tiles of 64, then the rest
+// rounded up to a multiple of 8 (r8, 8 to 64) as one tile of 64 when r8 is 64, else one tile of
+// each of 32, 16 and 8 its binary digits name, largest first. So an expert executes at most 7
+// rows more than it has assignments, and never more than 3 tiles smaller than 64.
+inline uint qgemm_rest_rows(uint assignments) {
+  return ((assignments % QGEMM_MAX_TOKENS + 7) / 8) * 8;
+}
+inline uint qgemm_expert_tiles(uint assignments) {
+  const uint rest = qgemm_rest_rows(assignments);
+  return assignments / QGEMM_MAX_TOKENS + (rest == QGEMM_MAX_TOKENS ? 1u : popcount(rest / 8));
 }
 
-// Which (expert, 32-assignment tile) the tile index `tile_index` is, counting the non-empty tiles
-// of experts 0, 1, ... in order. One SIMD-group: lane l sums the tile counts of a contiguous run of
-// experts, a prefix sum over lanes places the runs, and the one lane whose run holds the tile
-// walks it. Only expert_offsets is read, never the weights of an expert with no assignment.
+// Which (expert, tile) the tile index `tile_index` is, counting the tiles of experts 0, 1, ... in
+// order. One SIMD-group: lane l sums the tile counts of a contiguous run of experts, a prefix sum
+// over lanes places the runs, and the one lane whose run holds the tile walks it. Only
+// expert_offsets is read, never the weights of an expert with no assignment.
 inline QGemmGroupedTile qgemm_find_tile(device const uint* expert_offsets, uint experts,
                                         uint max_assignments, uint tile_index, uint lane) {
   const uint per_lane = (experts + SIMD_WIDTH - 1) / SIMD_WIDTH;
@@ -113,24 +169,40 @@ inline QGemmGroupedTile qgemm_find_tile(device const uint* expert_offsets, uint 
   uint lo = min(expert_offsets[begin], max_assignments);
   for (uint e = begin; e < end; ++e) {
     const uint hi = min(expert_offsets[e + 1], max_assignments);
-    lane_tiles += hi > lo ? qgemm_token_tiles(hi - lo) : 0;
+    lane_tiles += hi > lo ? qgemm_expert_tiles(hi - lo) : 0;
     lo = hi;
   }
   const uint before = simd_prefix_exclusive_sum(lane_tiles);
 
-  uint expert = 0;
-  uint first = 0;
-  uint count = 0;
+  QGemmGroupedTile found{0, 0, 0, 0};
   if (before <= tile_index && tile_index < before + lane_tiles) {
     uint tiles_before = before;
     lo = min(expert_offsets[begin], max_assignments);
     for (uint e = begin; e < end; ++e) {
       const uint hi = min(expert_offsets[e + 1], max_assignments);
-      const uint tiles = hi > lo ? qgemm_token_tiles(hi - lo) : 0;
+      const uint n = hi > lo ? hi - lo : 0;
+      const uint tiles = n > 0 ? qgemm_expert_tiles(n) : 0;
       if (tile_index < tiles_before + tiles) {
-        expert = e;
-        first = lo + (tile_index - tiles_before) * QGEMM_TOKENS;
-        count = min(QGEMM_TOKENS, hi - first);
+        uint local = tile_index - tiles_before;
+        uint start = 0;
+        uint tokens = QGEMM_MAX_TOKENS;
+        const uint full = n / QGEMM_MAX_TOKENS;
+        if (local < full) {
+          start = local * QGEMM_MAX_TOKENS;
+        } else {
+          local -= full;
+          start = full * QGEMM_MAX_TOKENS;
+          const uint rest = qgemm_rest_rows(n);
+          if (rest != QGEMM_MAX_TOKENS) {
+            for (tokens = QGEMM_MAX_TOKENS / 2; tokens >= 8; tokens /= 2) {
+              if ((rest & tokens) == 0) continue;
+              if (local == 0) break;
+              --local;
+              start += tokens;
+            }
+          }
+        }
+        found = QGemmGroupedTile{e, lo + start, min(tokens, n - start), tokens};
         break;
       }
       tiles_before += tiles;
@@ -138,10 +210,50 @@ inline QGemmGroupedTile qgemm_find_tile(device const uint* expert_offsets, uint 
     }
   }
   // At most one lane found the tile; the sums hand its answer to every lane.
-  return QGemmGroupedTile{simd_sum(expert), simd_sum(first), simd_sum(count)};
+  return QGemmGroupedTile{simd_sum(found.expert), simd_sum(found.first), simd_sum(found.count),
+                          simd_sum(found.tokens)};
 }
 
-template <uint BITS, bool SWIGLU>
+// One tile of the grouped GEMM: the threadgroup's part after it found its tile `t`.
+template <typename T, uint BITS, bool SWIGLU, uint TOKENS>
+inline void qgemm_grouped_tile(constant QGemmGroupedParams& p, device const float* x,
+                               device const uint* row_index, QuantMatrix m, uint n0, uint column,
+                               QGemmGroupedTile t, device float* out, threadgroup T* tile,
+                               uint thread_id, uint simdgroup, uint lane) {
+  uint x_rows[qgemm_x_loads(TOKENS)];
+  for (uint i = 0; i < qgemm_x_loads(TOKENS); ++i) {
+    const uint local = qgemm_x_tile_row(thread_id, i);
+    const uint a = t.first + local;
+    x_rows[i] = local < t.count ? (p.gather != 0 ? row_index[a] : a) : QGEMM_NO_ROW;
+  }
+  const uint n = n0 + column;
+  simdgroup_float8x8 acc[TOKENS / 2];
+  qgemm_tile<T, BITS, TOKENS>(x, p.in_dim, x_rows, m, n, n < p.rows, tile, thread_id, simdgroup,
+                              acc);
+  if (!SWIGLU) {
+    qgemm_store_tile<TOKENS>(acc, out, t.first, t.count, n0 + 32 * simdgroup, p.rows, p.rows,
+                             lane);
+    return;
+  }
+  // SIMD-group s holds gate columns 16 s.. in fragments j = 0, 1 and the same up columns in
+  // j = 2, 3, element for element.
+  const uint row = qgemm_fragment_row(lane);
+  const uint col = qgemm_fragment_col(lane);
+  for (uint i = 0; i < TOKENS / 8; ++i) {
+    const uint r = 8 * i + row;
+    for (uint j = 0; j < 2; ++j) {
+      const float2 gate = acc[4 * i + j].thread_elements();
+      const float2 up = acc[4 * i + j + 2].thread_elements();
+      const uint c = n0 + 16 * simdgroup + 8 * j + col;
+      if (r >= t.count) continue;
+      device float* at = out + ulong(t.first + r) * p.rows + c;
+      if (c < p.rows) at[0] = silu(gate[0]) * up[0];
+      if (c + 1 < p.rows) at[1] = silu(gate[1]) * up[1];
+    }
+  }
+}
+
+template <typename T, uint BITS, bool SWIGLU>
 [[kernel, max_total_threads_per_threadgroup(QGEMM_THREADS)]]
 void qgemm_grouped(constant QGemmGroupedParams& p [[buffer(0)]],
                    device const float* x [[buffer(1)]],
@@ -158,8 +270,9 @@ void qgemm_grouped(constant QGemmGroupedParams& p [[buffer(0)]],
                    uint thread_id [[thread_index_in_threadgroup]],
                    uint simdgroup [[simdgroup_index_in_threadgroup]],
                    uint lane [[thread_index_in_simdgroup]]) {
-  alignas(16) threadgroup float tile[QGEMM_TILE_FLOATS];  // staged as float4 (qgemm_store_stage)
-  threadgroup uint found[3];  // expert, first, count
+  // Sized for the largest tile, staged as bfloat4.
+  alignas(16) threadgroup T tile[qgemm_tile_elements<T>(QGEMM_MAX_TOKENS)];
+  threadgroup uint found[4];  // expert, first, count, tokens
 
   if (simdgroup == 0) {
     const QGemmGroupedTile mine =
@@ -168,50 +281,60 @@ void qgemm_grouped(constant QGemmGroupedParams& p [[buffer(0)]],
       found[0] = mine.expert;
       found[1] = mine.first;
       found[2] = mine.count;
+      found[3] = mine.tokens;
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const QGemmGroupedTile t{found[0], found[1], found[2]};
+  const QGemmGroupedTile t{found[0], found[1], found[2], found[3]};
   // The grid is an upper bound on the tiles; a threadgroup past the last one leaves as a whole.
   if (t.count == 0) return;
 
-  // With SWIGLU the tile's first 64 rows are gate rows n0.., the last 64 the same up rows.
+  // With SWIGLU, SIMD-group s stages gate rows n0 + 16 s.. (its threads 0-15) and the same up
+  // rows (threads 16-31), so that each lane ends up holding matching gate and up values.
   constexpr uint out_columns = SWIGLU ? QGEMM_WEIGHT_ROWS / 2 : QGEMM_WEIGHT_ROWS;
   const uint n0 = tile_id.x * out_columns;
-  const uint column = thread_id % out_columns;
-  const uint n = n0 + column;
-  const QuantMatrix stacked = SWIGLU && thread_id >= out_columns ? QuantMatrix{w1, s1, b1}
-                                                                 : QuantMatrix{w0, s0, b0};
+  const bool stages_up = SWIGLU && lane >= SIMD_WIDTH / 2;
+  const uint column = SWIGLU ? 16 * simdgroup + lane % (SIMD_WIDTH / 2) : thread_id;
+  const QuantMatrix stacked = stages_up ? QuantMatrix{w1, s1, b1} : QuantMatrix{w0, s0, b0};
   const QuantMatrix m = quant_expert(stacked, t.expert, p.rows, p.in_dim, BITS);
 
-  uint x_rows[QGEMM_X_LOADS];
-  for (uint i = 0; i < QGEMM_X_LOADS; ++i) {
-    const uint local = qgemm_x_tile_row(thread_id, i);
-    const uint a = t.first + local;
-    x_rows[i] = local < t.count ? (p.gather != 0 ? row_index[a] : a) : QGEMM_NO_ROW;
-  }
-  qgemm_tile<BITS>(x, p.in_dim, x_rows, m, n, n < p.rows, tile, thread_id, simdgroup);
-
-  if (n >= p.rows) return;
-  if (SWIGLU) {
-    // Threads t and t + 64 share column t and take alternate tokens.
-    for (uint r = thread_id / out_columns; r < t.count; r += QGEMM_THREADS / out_columns) {
-      const float gate = tile[r * QGEMM_OUT_STRIDE + column];
-      const float up = tile[r * QGEMM_OUT_STRIDE + out_columns + column];
-      out[ulong(t.first + r) * p.rows + n] = silu(gate) * up;
-    }
+  // The tile size is the same for the whole threadgroup: uniform control flow.
+  if (t.tokens == 64) {
+    qgemm_grouped_tile<T, BITS, SWIGLU, 64>(p, x, row_index, m, n0, column, t, out, tile, thread_id,
+                                         simdgroup, lane);
+  } else if (t.tokens == 32) {
+    qgemm_grouped_tile<T, BITS, SWIGLU, 32>(p, x, row_index, m, n0, column, t, out, tile, thread_id,
+                                         simdgroup, lane);
+  } else if (t.tokens == 16) {
+    qgemm_grouped_tile<T, BITS, SWIGLU, 16>(p, x, row_index, m, n0, column, t, out, tile, thread_id,
+                                         simdgroup, lane);
   } else {
-    for (uint r = 0; r < t.count; ++r) {
-      out[ulong(t.first + r) * p.rows + n] = tile[r * QGEMM_OUT_STRIDE + column];
-    }
+    qgemm_grouped_tile<T, BITS, SWIGLU, 8>(p, x, row_index, m, n0, column, t, out, tile, thread_id,
+                                        simdgroup, lane);
   }
 }
 
-template [[host_name("qgemm_grouped_4")]] [[kernel]] decltype(qgemm_grouped<4, false>)
-    qgemm_grouped<4, false>;
-template [[host_name("qgemm_grouped_8")]] [[kernel]] decltype(qgemm_grouped<8, false>)
-    qgemm_grouped<8, false>;
-template [[host_name("qgemm_grouped_swiglu_4")]] [[kernel]] decltype(qgemm_grouped<4, true>)
-    qgemm_grouped<4, true>;
-template [[host_name("qgemm_grouped_swiglu_8")]] [[kernel]] decltype(qgemm_grouped<8, true>)
-    qgemm_grouped<8, true>;
+template [[host_name("qgemm_grouped_4")]] [[kernel]]
+    decltype(qgemm_grouped<float, 4, false>) qgemm_grouped<float, 4, false>;
+template [[host_name("qgemm_grouped_swiglu_4")]] [[kernel]]
+    decltype(qgemm_grouped<float, 4, true>) qgemm_grouped<float, 4, true>;
+template [[host_name("qgemm_grouped_8")]] [[kernel]]
+    decltype(qgemm_grouped<float, 8, false>) qgemm_grouped<float, 8, false>;
+template [[host_name("qgemm_grouped_swiglu_8")]] [[kernel]]
+    decltype(qgemm_grouped<float, 8, true>) qgemm_grouped<float, 8, true>;
+template [[host_name("qgemm_bfloat_grouped_4")]] [[kernel]]
+    decltype(qgemm_grouped<bfloat, 4, false>) qgemm_grouped<bfloat, 4, false>;
+template [[host_name("qgemm_bfloat_grouped_swiglu_4")]] [[kernel]]
+    decltype(qgemm_grouped<bfloat, 4, true>) qgemm_grouped<bfloat, 4, true>;
+template [[host_name("qgemm_half_4_8")]] [[kernel]] decltype(qgemm<half, 4, 8>)
+    qgemm<half, 4, 8>;
+template [[host_name("qgemm_half_4_16")]] [[kernel]] decltype(qgemm<half, 4, 16>)
+    qgemm<half, 4, 16>;
+template [[host_name("qgemm_half_4_32")]] [[kernel]] decltype(qgemm<half, 4, 32>)
+    qgemm<half, 4, 32>;
+template [[host_name("qgemm_half_4_64")]] [[kernel]] decltype(qgemm<half, 4, 64>)
+    qgemm<half, 4, 64>;
+template [[host_name("qgemm_half_grouped_4")]] [[kernel]]
+    decltype(qgemm_grouped<half, 4, false>) qgemm_grouped<half, 4, false>;
+template [[host_name("qgemm_half_grouped_swiglu_4")]] [[kernel]]
+    decltype(qgemm_grouped<half, 4, true>) qgemm_grouped<half, 4, true>;

@@ -59,8 +59,24 @@ EXACT_THREADS = {
     "moe_sort_by_expert": moe_chunk.SORT_THREADS,
     **{
         f"qgemm{kind}_{bits}": quantized_gemm.THREADS_PER_THREADGROUP
-        for kind in ("", "_grouped", "_grouped_swiglu")
+        for kind in ("_grouped", "_grouped_swiglu")
         for bits in (4, 8)
+    },
+    **{
+        f"qgemm_{bits}_{tile}": quantized_gemm.THREADS_PER_THREADGROUP
+        for bits in (4, 8)
+        for tile in quantized_gemm.TILE_TOKENS
+    },
+    # The 2-byte operand variants exist at 4 bits (docs/benchmarks.md, operand types).
+    **{
+        f"qgemm_{operand}{kind}_4": quantized_gemm.THREADS_PER_THREADGROUP
+        for operand in ("bfloat", "half")
+        for kind in ("_grouped", "_grouped_swiglu")
+    },
+    **{
+        f"qgemm_{operand}_4_{tile}": quantized_gemm.THREADS_PER_THREADGROUP
+        for operand in ("bfloat", "half")
+        for tile in quantized_gemm.TILE_TOKENS
     },
 }
 

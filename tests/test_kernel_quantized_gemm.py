@@ -1,10 +1,13 @@
 """The quantized GEMMs of batched prefill (`metal/quantized_gemm.metal`) against float64 numpy.
 
 Error bound: an output element is a length-in_dim sum of w * x in fp32, each w = scale * code + bias
-dequantized in fp32 (2 roundings), each product rounded once, the sum accumulated in sequence
-(in_dim roundings at most); so it is within (in_dim + 8) float32 ulps of the magnitude
-sum_k (|scale * code| + |bias|) |x_k|. With SwiGLU, silu(g) * u is bounded by propagating those
-bounds on g and u (|silu'| <= 1.1) plus 8 ulps of |silu(g) u| for the silu and the product.
+dequantized in fp32 by one fma (one rounding), each product rounded once, the sum accumulated in
+any order (in_dim roundings at most); so it is within (in_dim + 8) float32 ulps of the magnitude
+sum_k |w_k| |x_k|. With bfloat or half operands the reference rounds x and each dequantized w to
+that type as the kernel does (their products are then exact in fp32), and the same bound holds
+against it.
+With SwiGLU, silu(g) * u is bounded by propagating those bounds on g and u (|silu'| <= 1.1) plus
+8 ulps of |silu(g) u| for the silu and the product.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ def random_x(rng: np.random.Generator, rows: int, in_dim: int) -> np.ndarray:
 # ---- dense: up to four projections sharing one input ------------------------------------------
 
 
-def check_qgemm(lane_order: str, tokens: int, in_dim: int, rows: list[int], bits: int) -> None:
+def check_qgemm(
+    lane_order: str, tokens: int, in_dim: int, rows: list[int], bits: int, operands="float32"
+) -> None:
     rng = np.random.default_rng(tokens * 1000 + in_dim + sum(rows) + bits)
     device = sim_device(lane_order)
     triples = [random_quantized(rng, r, in_dim, bits) for r in rows]
@@ -53,10 +58,10 @@ def check_qgemm(lane_order: str, tokens: int, in_dim: int, rows: list[int], bits
         (wrap_quant_weight(device, *t), (out, 4 * int(o)))
         for t, o in zip(triples, offsets[:-1], strict=True)
     ]
-    run(device, lambda g: record_qgemm(g, device, device.wrap(x), projections, tokens))
+    run(device, lambda g: record_qgemm(g, device, device.wrap(x), projections, tokens, operands))
     result = as_float32(out, int(offsets[-1]))
     for triple, r, o in zip(triples, rows, offsets[:-1], strict=True):
-        expected, magnitude = reference_qgemm(*triple, bits, x.astype(np.float64))
+        expected, magnitude = reference_qgemm(*triple, bits, x, operands)
         actual = result[o : o + tokens * r].reshape(tokens, r)
         assert_within_ulps(actual, expected, magnitude, qgemm_ulps(in_dim))
 
@@ -83,6 +88,49 @@ def test_qgemm_long_input(lane_order):
 
 def test_qgemm_bigger_chunk():
     check_qgemm("random", 520, 128, [136, 264], 4)
+
+
+def test_qgemm_4097_tokens():
+    """A long chunk: 65 tiles of 64 tokens, the last with one."""
+    check_qgemm("forward", 4097, 64, [24], 4)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize(
+    ("tokens", "in_dim", "rows", "operands"),
+    [
+        (1, 64, [40], "bfloat16"),
+        (7, 128, [72, 200], "float16"),
+        (64, 192, [40, 1, 72], "bfloat16"),
+        (300, 64, [200, 40, 72, 8], "float16"),
+    ],
+)
+def test_qgemm_two_byte_operands(lane_order, tokens, in_dim, rows, operands):
+    check_qgemm(lane_order, tokens, in_dim, rows, 4, operands)
+
+
+def test_bfloat_operands_round_the_products():
+    """The bfloat kernel is not the fp32 one: it lands on the rounded-operand reference, off the
+    exact one by more than the fp32 kernel's bound."""
+    device = sim_device("forward")
+    rng = np.random.default_rng(11)
+    triple = random_quantized(rng, 16, 256, 4)
+    x = random_x(rng, 8, 256)
+    out = float_buffer(device, 8 * 16)
+    weight = wrap_quant_weight(device, *triple)
+    run(device, lambda g: record_qgemm(g, device, device.wrap(x), [(weight, out)], 8, "bfloat16"))
+    exact, magnitude = reference_qgemm(*triple, 4, x)
+    error = np.abs(as_float32(out, 8 * 16).reshape(8, 16) - exact)
+    assert np.max(error / (qgemm_ulps(256) * np.finfo(np.float32).eps * magnitude)) > 1
+
+
+def test_bfloat_operands_need_4_bit_weights():
+    device = sim_device("forward")
+    rng = np.random.default_rng(12)
+    w8 = wrap_quant_weight(device, *random_quantized(rng, 8, 64, 8))
+    x, out = float_buffer(device, 64), float_buffer(device, 8)
+    with pytest.raises(ValueError, match="4-bit weights only"):
+        record_qgemm(Graph(), device, x, [(w8, out)], 1, "bfloat16")
 
 
 # ---- grouped: MoE experts over assignments sorted by expert -----------------------------------
@@ -113,6 +161,7 @@ def check_grouped(
     gather: bool = True,
     spare_rows: int = 0,
     seed: int = 0,
+    operands: str = "float32",
 ) -> None:
     """`spare_rows` more output rows than assignments: the kernel must leave them untouched."""
     rng = np.random.default_rng(seed)
@@ -142,6 +191,7 @@ def check_grouped(
             device.wrap(offsets),
             device.wrap(row_index) if gather else None,
             capacity,
+            operands,
         ),
     )
     result = as_float32(out, capacity * rows).reshape(capacity, rows)
@@ -156,7 +206,7 @@ def check_grouped(
             mine = sorted_experts == e
             expert_triple = tuple(a[e] for a in triple)
             y[mine], magnitude[mine] = reference_qgemm(
-                *expert_triple, bits, x_rows[mine].astype(np.float64)
+                *expert_triple, bits, x_rows[mine], operands
             )
         products.append((y, magnitude))
     if swiglu:
@@ -197,6 +247,38 @@ def test_grouped_identity_rows(lane_order, bits):
     rng = np.random.default_rng(3)
     choices = random_choices(rng, 23, 4, np.arange(6))
     check_grouped(lane_order, choices, 6, 192, 200, bits, swiglu=False, gather=False, seed=3)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize(
+    ("swiglu", "operands"), [(True, "float32"), (False, "bfloat16"), (True, "float16")]
+)
+def test_grouped_tile_sizes(lane_order, swiglu, operands):
+    """Experts of 0, 1, 8, 9, 17, 33, 49, 57, 64 and 130 assignments: every tile size (8, 16, 32,
+    64) and every way of cutting an expert into them (16 + 8, 32 + 16 + 8, 64 + 64 + 8, ...)."""
+    counts = [0, 1, 8, 9, 17, 33, 49, 57, 64, 130]
+    choices = np.repeat(np.arange(len(counts)), counts)[:, None]
+    np.random.default_rng(6).shuffle(choices)
+    check_grouped(
+        lane_order, choices, len(counts), 64, 40, 4, swiglu, seed=6, operands=operands
+    )
+
+
+def test_grouped_grid_covers_the_most_tiles():
+    """Every expert at 49 (or 113) assignments: three tiles past its whole 64s (32 + 16 + 8), the
+    most any expert has: 19 tiles, where the grid has 23 rows (a tile the grid left out would
+    leave its rows unwritten)."""
+    counts = [49, 49, 113, 49, 49, 49]
+    choices = np.repeat(np.arange(len(counts)), counts)[:, None]
+    np.random.default_rng(14).shuffle(choices)
+    check_grouped("random", choices, len(counts), 64, 40, 4, True, seed=14)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_grouped_bfloat_random_routing(lane_order):
+    rng = np.random.default_rng(13)
+    choices = random_choices(rng, 37, 3, np.arange(10))
+    check_grouped(lane_order, choices, 10, 128, 72, 4, True, spare_rows=5, operands="bfloat16")
 
 
 def test_grouped_256_experts():

@@ -155,6 +155,8 @@ class Worker {
 
   void* threadgroup_variable(unsigned slot, size_t bytes, size_t align, const char* name,
                              const ArrayShape* shape);
+  // Products this worker's simdgroups computed in the current dispatch, by MatrixOperands.
+  uint64_t matrix_products[kMatrixOperandKinds] = {};
   std::string failure;        // set by a lane that threw Failure
   std::string fault_message;  // Fault::check: what the checker found
 
@@ -602,6 +604,7 @@ void run_deferred_matrix_ops(const CollectiveSlots& slots) {
       }
     }
     lanes[0].run(lanes);
+    ++this_worker->matrix_products[lanes[0].operands];
   }
   for (unsigned l = 0; l < kSimdWidth; ++l) queue.count[l] = 0;
 }
@@ -767,6 +770,9 @@ void Executor::run(const PreparedDispatch& d) {
     this_worker = &self;
     self.attach();
   }
+  // The helpers are idle here: their counts can be reset without a lock.
+  for (auto& w : workers_)
+    std::fill(std::begin(w->matrix_products), std::end(w->matrix_products), 0);
   // A single threadgroup runs here without waking anyone: most engine dispatches are small.
   const bool helpers = groups > 1 && workers_.size() > 1;
   {
@@ -788,6 +794,14 @@ void Executor::run(const PreparedDispatch& d) {
     done_.wait(lock, [&] { return busy_ == 0; });
   }
   if (abort_) throw lily::KernelError(error_);
+}
+
+// Called after run() returned, which waited for every helper under the mutex.
+std::array<uint64_t, kMatrixOperandKinds> Executor::matrix_products() const {
+  std::array<uint64_t, kMatrixOperandKinds> total{};
+  for (const auto& w : workers_)
+    for (unsigned k = 0; k < kMatrixOperandKinds; ++k) total[k] += w->matrix_products[k];
+  return total;
 }
 
 }  // namespace lily_sim

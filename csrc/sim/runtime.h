@@ -2,6 +2,7 @@
 // threadgroup's simulated threads as fibers on one OS thread.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -55,6 +56,8 @@ class Executor {
   // lifetime (the device's queue thread): it becomes worker 0, with its own signal stack.
   void run(const PreparedDispatch& dispatch);
   unsigned workers() const { return unsigned(workers_.size()); }
+  // The simdgroup-matrix products the last run() executed, by MatrixOperands.
+  std::array<uint64_t, kMatrixOperandKinds> matrix_products() const;
 
  private:
   friend class Worker;

@@ -437,6 +437,14 @@ class SimDevice : public Device {
     return std::exchange(traffic_, {});
   }
 
+  std::optional<std::vector<KernelMatrixProducts>> take_matrix_products() override {
+    std::lock_guard lock(mutex_);
+    std::vector<KernelMatrixProducts> out;
+    for (const auto& [kernel, products] : std::exchange(products_, {}))
+      out.push_back({kernel, products});
+    return out;
+  }
+
  private:
   struct Job {
     uint64_t ticket;
@@ -478,6 +486,19 @@ class SimDevice : public Device {
   }
 
   void run(const Dispatch& d, lily_sim::PreparedDispatch& prepared) {
+    execute(d, prepared);
+    const auto counted = executor_.matrix_products();
+    if (std::all_of(counted.begin(), counted.end(), [](uint64_t n) { return n == 0; })) return;
+    std::lock_guard lock(mutex_);
+    MatrixProducts& total = products_[d.kernel->name()];
+    using lily_sim::MatrixOperands;
+    total.fp32 += counted[size_t(MatrixOperands::fp32)];
+    total.half += counted[size_t(MatrixOperands::half)];
+    total.bfloat += counted[size_t(MatrixOperands::bfloat)];
+    total.tensor_op += counted[size_t(MatrixOperands::tensor_op)];
+  }
+
+  void execute(const Dispatch& d, lily_sim::PreparedDispatch& prepared) {
     if (mode_ == CheckMode::off) return executor_.run(prepared);
     auto check = check_bindings(d, mode_, prepared, arena_);
     try {
@@ -502,6 +523,8 @@ class SimDevice : public Device {
   WindowArena arena_;     // used by the queue thread only
   LevelAccesses level_;  // likewise
   std::vector<DispatchTraffic> traffic_;
+  // By kernel name, so that a long-running engine's counts stay bounded.
+  std::map<std::string, MatrixProducts> products_;
   std::map<std::string, const lily_sim::KernelInfo*> kernels_;
 
   std::mutex mutex_;

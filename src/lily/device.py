@@ -18,7 +18,8 @@ threadgroup memory over 32 KiB, reads of unbound buffers, fiber stack overflow) 
 environment) it runs a build of the kernels that checks every memory access: out of bounds of a
 binding, threadgroup-memory races between SIMD-groups, reads of memory nothing wrote (see
 docs/sim.md); ``count_traffic=True`` only counts the bytes each dispatch reads and writes
-(:meth:`Device.traffic`).
+(:meth:`Device.traffic`). Every sim device counts the simdgroup-matrix products each kernel
+executes, by operand type (:meth:`Device.matrix_products`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,30 @@ class DispatchTraffic:
     @property
     def written(self) -> int:
         return sum(b.written for b in self.buffers.values())
+
+
+@dataclass(frozen=True)
+class MatrixProducts:
+    """8x8x8 simdgroup-matrix products, by the operand type that sets their rate on a GPU: `half`
+    or `bfloat` when both operands are, `fp32` otherwise; `tensor_op` counts Metal 4 tensor-op
+    matmuls in 8x8x8 units (none yet)."""
+
+    fp32: int = 0
+    half: int = 0
+    bfloat: int = 0
+    tensor_op: int = 0
+
+    def __add__(self, other: MatrixProducts) -> MatrixProducts:
+        return MatrixProducts(
+            self.fp32 + other.fp32,
+            self.half + other.half,
+            self.bfloat + other.bfloat,
+            self.tensor_op + other.tensor_op,
+        )
+
+    @property
+    def total(self) -> int:
+        return self.fp32 + self.half + self.bfloat + self.tensor_op
 
 
 def _size3(value: Size, what: str) -> tuple[int, int, int]:
@@ -263,6 +288,16 @@ class Device:
             )
             for kernel, bindings in self._native.take_traffic()
         ]
+
+
+    def matrix_products(self) -> dict[str, MatrixProducts] | None:
+        """The simdgroup-matrix products each kernel executed since the last call, by kernel
+        name (kernels that executed none are left out). The sim always counts them; None on a
+        device that cannot (Metal: the GPU does not report them)."""
+        counted = self._native.take_matrix_products()
+        if counted is None:
+            return None
+        return {kernel: MatrixProducts(*counts) for kernel, *counts in counted}
 
 
 def open_device(

@@ -37,10 +37,17 @@ struct DeferredMatrixOp {
   // Computes all 32 lanes' results (lanes[l]: lane l's part) and clears D's `pending`.
   void (*run)(const DeferredMatrixOp* lanes);
   float a[2], b[2], c[2];  // this lane's elements of A and B, and of C unless c_source is set
+  uint8_t operands;        // MatrixOperands of A and B, for the product counter
   const void* c_source;    // the C matrix, read when run: C is an earlier queued product
   void* d;                 // the D matrix
 };
 static constexpr unsigned kMaxDeferredMatrixOps = 64;
+// The rate class an 8x8x8 product runs at, by its A and B operands: half only when both are
+// half, bfloat only when both are bfloat, fp32 otherwise (a float operand, or half mixed with
+// bfloat, which no GPU multiplies natively). `tensor_op` counts Metal 4 tensor-op matmuls in
+// 8x8x8 units; nothing issues them yet.
+enum class MatrixOperands : uint8_t { fp32, half, bfloat, tensor_op };
+static constexpr unsigned kMatrixOperandKinds = 4;
 // A simdgroup's queues, position-major so that computing one product reads adjacent memory.
 struct DeferredMatrixOps {
   unsigned count[32];  // by lane

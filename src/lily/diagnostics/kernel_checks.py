@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16, unpack_codes
+from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16, round_to_bf16, unpack_codes
 from lily.device import Device, Graph
 from lily.engine import reference
 
@@ -70,12 +70,30 @@ def qgemv_ulps(in_dim: int, bits: int) -> float:
     return chunk + 3 + in_dim / (32 * chunk) + 31
 
 
+# How the 2-byte GEMM operands round float32 values (to nearest, ties to even).
+_OPERAND_ROUNDING = {
+    "float32": lambda a: a,
+    "bfloat16": round_to_bf16,
+    "float16": lambda a: a.astype(np.float16),
+}
+
+
 def reference_qgemm(
-    weight: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, x: np.ndarray
+    weight: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+    bits: int,
+    x: np.ndarray,
+    operands: str = "float32",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """x W^T in float64 ([..., rows] for x [..., in_dim]) and the magnitude the GEMMs' fp32
-    rounding scales with, |x| (|scale * code| + |bias|)^T. Rows are done in blocks so that the
-    largest projection never needs a whole dense float64 copy."""
+    """x W^T in float64 ([..., rows] for x [..., in_dim]) and the magnitude the GEMMs' fp32 sums'
+    rounding scales with, |x| |W|^T. With `operands` "bfloat16" or "float16", the operands are
+    rounded as those GEMMs round them: x to that type, each weight dequantized by one fma in fp32
+    (scale * code + bias, rounded once) and then to that type. Rows are done in blocks so that
+    the largest projection never needs a whole dense float64 copy."""
+    rounded = _OPERAND_ROUNDING[operands]
+    if operands != "float32":
+        x = rounded(np.asarray(x, dtype=np.float32))
     x = np.asarray(x, dtype=np.float64)
     rows = weight.shape[0]
     y = np.empty((*x.shape[:-1], rows))
@@ -85,14 +103,22 @@ def reference_qgemm(
         codes = unpack_codes(weight[block], bits).astype(np.float64)
         s = np.repeat(bf16_to_float32(scales[block]).astype(np.float64), 64, axis=-1)
         b = np.repeat(bf16_to_float32(biases[block]).astype(np.float64), 64, axis=-1)
-        y[..., block] = x @ (s * codes + b).T
-        magnitude[..., block] = np.abs(x) @ (np.abs(s) * codes + np.abs(b)).T
+        w = s * codes + b
+        if operands != "float32":
+            # scale * code + bias is exact in float64 (a bf16 times an 8-bit code, plus a bf16):
+            # the fma's one rounding is the float32 cast.
+            w = rounded(w.astype(np.float32)).astype(np.float64)
+        y[..., block] = x @ w.T
+        magnitude[..., block] = np.abs(x) @ np.abs(w).T
     return y, magnitude
 
 
 def qgemm_ulps(in_dim: int) -> float:
-    """The quantized GEMMs' error bound in float32 ulps of their magnitude: each weight
-    dequantized in fp32 (2 roundings), each product rounded once, in_dim sums in sequence."""
+    """The quantized GEMMs' error bound in float32 ulps of their magnitude, against the
+    reference that rounds the operands as they do: fp32 weights are dequantized with one
+    rounding (2-byte ones are rounded in the reference), each product rounds once (products of
+    bfloat or half operands are exact), and each output sums in_dim of them (in_dim roundings at
+    most, in any order)."""
     return in_dim + 8
 
 
