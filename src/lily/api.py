@@ -108,9 +108,9 @@ def default_prefill_chunk(
     checkpoint: Checkpoint, device: str, max_seq: int, kv_cache: str = "bf16"
 ) -> int:
     """The longest of PREFILL_CHUNKS whose scratch, beside the weights and the KV cache of
-    `max_seq` tokens, the device's memory takes (the memory preflight decides; the sim has no
-    limit), and no longer than the context. When none fits, the shortest: loading then fails
-    with the preflight's advice."""
+    `max_seq` tokens in the format `kv_cache`, the device's memory takes (the memory preflight
+    decides; the sim has no limit), and no longer than the context. When none fits, the
+    shortest: loading then fails with the preflight's advice."""
     from lily.device import check_memory
 
     for chunk in PREFILL_CHUNKS:
