@@ -33,7 +33,7 @@ from lily.checkpoint.safetensors_mmap import (
     open_safetensors_dir,
     write_aligned_copy,
 )
-from lily.checkpoint.validate import claims_real_model, validate
+from lily.checkpoint.validate import claims_real_model, has_mtp_head, validate
 
 __all__ = [
     "DEFAULT_REPO",
@@ -323,6 +323,12 @@ class Checkpoint:
     # Tensors that do not start on a 16-byte boundary: a device cannot bind them in place, so
     # lily.engine.device_weights copies them into device memory. Empty for an aligned checkpoint.
     unaligned: frozenset[str] = frozenset()
+
+    @property
+    def has_mtp_head(self) -> bool:
+        """Whether the checkpoint carries the multi-token-prediction head (`mtp.*`, validated
+        whole on load), which speculative decoding can draft with."""
+        return has_mtp_head(self.locations)
 
 
 def load_checkpoint(
