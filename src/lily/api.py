@@ -78,6 +78,7 @@ def _make_engine(
     token_count: int,
     prefill_chunk: int,
     cache: CacheOptions,
+    mtp: bool = False,
 ) -> Engine:
     config = checkpoint.config
     if device == "reference":
@@ -88,7 +89,9 @@ def _make_engine(
     working = device_bytes(checkpoint, max_seq, prefill_chunk)
     check_memory(device, working)
     chunk_flops = METAL_CHUNK_FLOPS if device == "metal" else None
-    prefix_cache = cache.build(checkpoint, "device-bf16", kv_bytes_per_token(config, 2), working)
+    # With the MTP head the saved states hold its KV rows too: another layout on disk.
+    layout = "device-bf16-mtp" if mtp else "device-bf16"
+    prefix_cache = cache.build(checkpoint, layout, kv_bytes_per_token(config, 2), working)
     return DeviceEngine(
         checkpoint,
         open_device(device),
@@ -97,6 +100,7 @@ def _make_engine(
         prefill_chunk,
         chunk_flops,
         prefix_cache,
+        mtp=mtp,
     )
 
 
@@ -159,6 +163,7 @@ class Lily:
         escape_special_tokens: bool = False,
         speculative: str = "off",
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        mtp_head: bool = False,
     ):
         check_speculative(speculative, draft_tokens)
         self.model_id = model_id
@@ -175,6 +180,9 @@ class Lily:
         # Speculative decoding (lily.engine.speculative): the mode, the most tokens a pass drafts.
         self.speculative = speculative
         self.draft_tokens = draft_tokens
+        # Whether the engine runs the checkpoint's MTP head, which then drafts instead of
+        # prompt lookup ("mtp", or "auto" on a checkpoint with a head).
+        self.mtp_head = mtp_head
         self.config = engine.config
         self.device = device
         self.chat = Chat(self)
@@ -195,11 +203,13 @@ class Lily:
     def speculation(
         self, prediction: Sequence[int] = (), anchor: Sequence[int] = ()
     ) -> Speculation:
-        """The drafting of one generation under this model's `speculative` mode: prompt lookup
-        (unless "off"), and the `prediction`'s tokens, looked up behind `anchor`."""
+        """The drafting of one generation under this model's `speculative` mode: the MTP head
+        or prompt lookup (unless "off"), and the `prediction`'s tokens, looked up behind
+        `anchor`."""
         return Speculation(
             draft_tokens=self.draft_tokens,
-            ngram=self.speculative != "off",
+            mtp=self.mtp_head,
+            ngram=self.speculative in ("auto", "ngram") and not self.mtp_head,
             prediction=prediction,
             anchor=anchor,
             auto=self.speculative == "auto",
@@ -364,24 +374,34 @@ def load(
 
     Speculative decoding (docs/python-api.md) checks up to `draft_tokens` (1 to 8) guessed
     tokens in one pass and keeps those the model would have produced, so the output is the
-    same: `speculative` is "auto" (prompt lookup, dropped for a request where it is accepted
-    too rarely to pay, and any request's `prediction`), "ngram" (prompt lookup always) or
-    "off". A request's `prediction` drafts in both modes but "off". The numpy reference engine
-    and a `prefill_chunk` of 1 cannot verify drafts: they take "auto" as "off".
+    same: `speculative` is "auto" (the checkpoint's multi-token-prediction head if it has one,
+    else prompt lookup, dropped for a request where it is accepted too rarely to pay, and any
+    request's `prediction`), "mtp" (the head always; the checkpoint must have one), "ngram"
+    (prompt lookup always) or "off". A request's `prediction` drafts in every mode but "off".
+    The numpy reference engine and a `prefill_chunk` of 1 cannot verify drafts: they take
+    "auto" as "off".
     """
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
     check_speculative(speculative, draft_tokens)
     device = resolve_device(device)
-    if speculative == "ngram" and (device == "reference" or prefill_chunk < 2):
+    if speculative in ("ngram", "mtp") and (device == "reference" or prefill_chunk < 2):
         raise ValueError(
-            "speculative='ngram' needs a verify pass of several tokens, which the reference "
-            "engine and a prefill_chunk of 1 do not have: use speculative='off' or 'auto'"
+            f"speculative={speculative!r} needs a verify pass of several tokens, which the "
+            "reference engine and a prefill_chunk of 1 do not have: use speculative='off' or "
+            "'auto'"
         )
     if device == "reference" or prefill_chunk < 2:
         speculative = "off"
     model_dir = resolve_model(model, revision)
     checkpoint = load_checkpoint(model_dir)
+    if speculative == "mtp" and not checkpoint.has_mtp_head:
+        raise ValueError(
+            f"speculative='mtp' needs the checkpoint's multi-token-prediction head (mtp.*), "
+            f"which {model_dir} does not have: use speculative='auto' or 'ngram'"
+        )
+    # "auto" drafts with the head when the checkpoint has one.
+    mtp_head = speculative in ("auto", "mtp") and checkpoint.has_mtp_head
     tokenizer = Tokenizer.from_dir(model_dir, config_eos_ids=checkpoint.config.eos_token_ids)
     if max_seq is None:
         max_seq = min(DEFAULT_MAX_SEQ, checkpoint.config.max_position_embeddings)
@@ -396,7 +416,9 @@ def load(
             f"{checkpoint.config.vocab_size}: they do not belong together"
         )
     cache = CacheOptions(cache_memory, cache_dir, cache_disk_size, cache_disk_min_tokens)
-    engine = _make_engine(checkpoint, device, max_seq, tokenizer.vocab_size, prefill_chunk, cache)
+    engine = _make_engine(
+        checkpoint, device, max_seq, tokenizer.vocab_size, prefill_chunk, cache, mtp_head
+    )
     # The name clients pass as `model`: the repo id, "demo", or the directory's name.
     if model is None:
         model_id = DEFAULT_REPO
@@ -413,4 +435,5 @@ def load(
         escape_special_tokens=escape_special_tokens,
         speculative=speculative,
         draft_tokens=draft_tokens,
+        mtp_head=mtp_head,
     )
