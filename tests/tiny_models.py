@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from lily.checkpoint.cache import build_once
-from lily.checkpoint.demo import random_hf_mtp_head
+from lily.checkpoint.demo import random_hf_mtp_head, write_safetensors
 from lily.checkpoint.loader import write_aligned_checkpoint
-from lily.checkpoint.mtp import quantize_mtp_head, write_mtp_sidecar
+from lily.checkpoint.mtp import MTP_SHARD, quantize_mtp_head, write_mtp_index
 
 # Bump when the generator changes in a way its parameters do not capture.
 GENERATOR_VERSION = 2
@@ -128,7 +128,9 @@ def _add_mtp_head(spec: TinySpec, checkpoint: Path, out: Path) -> None:
     hf_head = random_hf_mtp_head(
         _hf_config(spec)["text_config"], np.random.default_rng(spec.seed + 500)
     )
-    write_mtp_sidecar(out, quantize_mtp_head(hf_head, spec.num_experts))
+    head = quantize_mtp_head(hf_head, spec.num_experts)
+    write_safetensors(out / MTP_SHARD, head, {"format": "mlx"})
+    write_mtp_index(out, head)
 
 
 def eos_token_ids(spec: TinySpec) -> list[int]:

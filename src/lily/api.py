@@ -19,7 +19,14 @@ from lily.chat.detokenize import IncrementalDecoder
 from lily.chat.stop import StopStringMatcher
 from lily.chat.tokenizer import Tokenizer
 from lily.checkpoint.files import read_json_file
-from lily.checkpoint.loader import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
+from lily.checkpoint.loader import (
+    DEFAULT_REPO,
+    Checkpoint,
+    ensure_mtp_head,
+    load_checkpoint,
+    resolve_model,
+)
+from lily.checkpoint.validate import claims_real_model
 from lily.engine.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
 from lily.engine.model_graph import DEFAULT_MAX_CHUNK, device_bytes
 from lily.engine.prefix_cache import CacheOptions
@@ -208,8 +215,8 @@ class Lily:
         `anchor`."""
         return Speculation(
             draft_tokens=self.draft_tokens,
-            mtp=self.mtp_head,
-            ngram=self.speculative in ("auto", "ngram") and not self.mtp_head,
+            mtp=self.mtp_head and self.speculative in ("auto", "mtp"),
+            ngram=self.speculative == "ngram" or (self.speculative == "auto" and not self.mtp_head),
             prediction=prediction,
             anchor=anchor,
             auto=self.speculative == "auto",
@@ -395,6 +402,9 @@ def load(
         speculative = "off"
     model_dir = resolve_model(model, revision)
     checkpoint = load_checkpoint(model_dir)
+    if speculative in ("auto", "mtp") and claims_real_model(checkpoint.config):
+        # The real model's 4-bit files lack the head: it is fetched and quantized once.
+        model_dir, checkpoint = ensure_mtp_head(model_dir, checkpoint, speculative == "mtp")
     if speculative == "mtp" and not checkpoint.has_mtp_head:
         raise ValueError(
             f"speculative='mtp' needs the checkpoint's multi-token-prediction head (mtp.*), "

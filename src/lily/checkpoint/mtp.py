@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 
 from lily.checkpoint.config import QuantSpec
-from lily.checkpoint.quant import float32_to_bf16, quantize, round_to_bf16
+from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16, quantize, round_to_bf16
 
 MTP_PREFIX = "mtp."
 MTP_LAYER = MTP_PREFIX + "layers.0."
@@ -75,7 +75,7 @@ def _expert_stacks(hf: Mapping[str, np.ndarray], num_experts: int) -> dict[str, 
     return {
         proj: np.stack([hf[f"{experts}{e}.{proj}.weight"] for e in range(num_experts)])
         for proj in _PROJECTIONS
-    }
+    }  # bf16 bits as they are: converted one expert at a time
 
 
 def is_routed_expert(name: str) -> bool:
@@ -83,17 +83,28 @@ def is_routed_expert(name: str) -> bool:
     return name.startswith(MTP_LAYER + "mlp.experts.")
 
 
+def _float32(tensor: np.ndarray) -> np.ndarray:
+    """An original tensor as float32 (bf16 arrives as uint16 bits, as Lily's reader gives it)."""
+    return bf16_to_float32(tensor) if tensor.dtype == np.uint16 else np.asarray(tensor, np.float32)
+
+
 def quantize_mtp_head(hf: Mapping[str, np.ndarray], num_experts: int) -> dict[str, np.ndarray]:
     """The MTP head in Lily's layout (see the module docstring) from the original `mtp.*`
-    tensors (float arrays under their Hugging Face names; other names are ignored). bf16 values
-    are handed back as uint16 bits, quantized triples as U32 codes and bf16 scales/biases."""
+    tensors (float arrays, or bf16 as uint16 bits, under their Hugging Face names; other names
+    are ignored). bf16 values are handed back as uint16 bits, quantized triples as U32 codes
+    and bf16 scales/biases."""
     out: dict[str, np.ndarray] = {}
 
     def linear(path: str, weight: np.ndarray) -> None:
-        # Rounded to bf16 first, as mlx-lm rounds a bf16 checkpoint's weights before quantizing.
+        # Rounded to bf16 first, as mlx-lm rounds a bf16 checkpoint's weights before quantizing;
+        # a stack of experts one expert at a time (the real head's are 1.6 GB in bf16).
         spec = mtp_quant(path)
-        packed, scales, biases = quantize(
-            round_to_bf16(np.asarray(weight, np.float32)), spec.bits, spec.group_size
+        parts = [weight] if weight.ndim == 2 else list(weight)
+        triples = [
+            quantize(round_to_bf16(_float32(part)), spec.bits, spec.group_size) for part in parts
+        ]
+        packed, scales, biases = (
+            triples[0] if weight.ndim == 2 else [np.stack(t) for t in zip(*triples, strict=True)]
         )
         out[path + ".weight"], out[path + ".scales"], out[path + ".biases"] = packed, scales, biases
 
@@ -101,7 +112,7 @@ def quantize_mtp_head(hf: Mapping[str, np.ndarray], num_experts: int) -> dict[st
         if not is_mtp(name) or is_routed_expert(name):
             continue
         if name.endswith(_ZERO_CENTRED_NORMS):
-            out[name] = float32_to_bf16(1 + np.asarray(tensor, np.float32))
+            out[name] = float32_to_bf16(1 + _float32(tensor))
         elif name.endswith(".weight") and np.ndim(tensor) == 2:
             linear(name.removesuffix(".weight"), tensor)
         else:
@@ -111,19 +122,17 @@ def quantize_mtp_head(hf: Mapping[str, np.ndarray], num_experts: int) -> dict[st
     return out
 
 
-def write_mtp_sidecar(directory: Path, head: Mapping[str, np.ndarray]) -> None:
-    """Adds the quantized head (`quantize_mtp_head`'s tensors) to the checkpoint in
-    `directory` as the shard MTP_SHARD, listed in its `model.safetensors.index.json` when it
-    has one (without, every shard in the directory is read)."""
-    from lily.checkpoint.demo import write_safetensors
+def write_mtp_index(directory: Path, names: Iterable[str]) -> None:
+    """Lists the head's tensors `names` under MTP_SHARD in `directory`'s
+    `model.safetensors.index.json`, when it has one (without, every shard there is read)."""
     from lily.checkpoint.safetensors_mmap import INDEX_FILE
 
-    write_safetensors(directory / MTP_SHARD, head, {"format": "mlx"})
     index_path = directory / INDEX_FILE
-    if index_path.exists():
-        index = json.loads(index_path.read_text())
-        index["weight_map"].update(dict.fromkeys(sorted(head), MTP_SHARD))
-        # A new file rather than a rewrite: the index may be a hard link shared with another copy.
-        fresh = index_path.with_name(index_path.name + ".new")
-        fresh.write_text(json.dumps(index, indent=4))
-        os.replace(fresh, index_path)
+    if not index_path.exists():
+        return
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update(dict.fromkeys(sorted(names), MTP_SHARD))
+    # A new file rather than a rewrite: the index may be a hard link shared with another copy.
+    fresh = index_path.with_name(index_path.name + ".new")
+    fresh.write_text(json.dumps(index, indent=4))
+    os.replace(fresh, index_path)
