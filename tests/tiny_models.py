@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lily.checkpoint import demo, mtp
 from lily.checkpoint.cache import build_once
 from lily.checkpoint.demo import random_hf_mtp_head, write_safetensors
 from lily.checkpoint.loader import write_aligned_checkpoint
@@ -119,7 +120,9 @@ def tiny_checkpoint(name: str, aligned: bool = True, mtp_head: bool = False) -> 
     plain = _cached(key, lambda out: write_aligned_checkpoint(converted, out))
     if not mtp_head:
         return plain
-    return _cached(f"{key}-mtp", lambda out: _add_mtp_head(spec, plain, out))
+    # Keyed by the code that makes the head too (it lives in Lily: the demo generates its own).
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (demo, mtp)))
+    return _cached(f"{key}-mtp-{code.hexdigest()[:8]}", lambda out: _add_mtp_head(spec, plain, out))
 
 
 def _add_mtp_head(spec: TinySpec, checkpoint: Path, out: Path) -> None:
