@@ -1,5 +1,6 @@
 """Speculative decoding on the sim: one chat request timed without drafts, with prompt lookup,
-and with a `prediction` equal to the answer, in one process on one loaded model.
+with the MTP head (when the checkpoint has one) and with a `prediction` equal to the answer, in
+one process on one loaded model.
 
 The sim runs the kernels on the CPU, so the times say how many passes and how much work a
 request took here, not how fast a Mac is: a verify pass of k + 1 tokens costs the sim about
@@ -28,8 +29,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48, help="max_tokens of the request")
     parser.add_argument("--draft-tokens", type=int, default=8)
     args = parser.parse_args()
+    # Loaded with the head when there is one ("auto"), so that its arm can run too.
     with lily.load(
-        args.model, device="sim", max_seq=512, speculative="ngram", draft_tokens=args.draft_tokens
+        args.model, device="sim", max_seq=512, speculative="auto", draft_tokens=args.draft_tokens
     ) as llm:
         params = dict(messages=MESSAGES, max_tokens=args.tokens, temperature=0, **NO_THINKING)
         answer = llm.chat.completions.create(**params).choices[0].message.content
@@ -37,6 +39,7 @@ def main() -> None:
         arms = {
             "no drafts": ("off", {}),
             "prompt lookup": ("ngram", {}),
+            **({"MTP head": ("mtp", {})} if llm.mtp_head else {}),
             "prediction = answer": ("ngram", {"prediction": prediction}),
         }
         results = {}

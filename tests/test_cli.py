@@ -123,9 +123,8 @@ def _without_network(home: Path) -> dict[str, str]:
         (["chat", "--temperature", "5"], 2, "--temperature: must be between 0 and 2"),
         (["chat", "--reasoning-budget", "-1"], 2, "--reasoning-budget: must be at least 0"),
         (["bench", "--context", "0"], 2, "--context: must be at least 1"),
-        (["bench", "--speculative", "mtp"], 2, "--speculative: speculative='mtp' (the "
-         "checkpoint's multi-token-prediction head) is not built yet; use one of auto, ngram"),
-        (["bench", "--speculative", "eagle"], 2, "speculative must be one of auto, ngram, off"),
+        (["bench", "--speculative", "eagle"], 2,
+         "speculative must be one of auto, mtp, ngram, off"),
         (["bench", "--draft-tokens", "0"], 2, "--draft-tokens: invalid choice: 0"),
         (["bench", "--draft-tokens", "9"], 2, "--draft-tokens: invalid choice: 9"),
         (["bench", "--draft-tokens", "two"], 2, "--draft-tokens: invalid int value: 'two'"),
@@ -629,12 +628,14 @@ def test_serve_speculative_settings_reach_the_server(
     monkeypatch.setattr("lily.server.app.serve", lambda *a, **k: calls.append(k))
     main(["serve"])
     main(["serve", "--speculative", "ngram", "--draft-tokens", "8"])
-    defaults, chosen = calls
+    main(["serve", "--speculative", "mtp"])
+    defaults, chosen, head = calls
     assert (defaults["speculative"], defaults["draft_tokens"]) == ("auto", 4)
     assert (chosen["speculative"], chosen["draft_tokens"]) == ("ngram", 8)
+    assert head["speculative"] == "mtp"
     with pytest.raises(SystemExit):
-        main(["serve", "--speculative", "mtp"])
-    assert "is not built yet" in capsys.readouterr().err
+        main(["serve", "--speculative", "eagle"])
+    assert "speculative must be one of" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--draft-tokens", "9"])
     assert "invalid choice" in capsys.readouterr().err

@@ -203,7 +203,7 @@ def test_an_unknown_prediction_field_is_refused():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"speculative": "mtp"}, "not built yet"),
+        ({"speculative": "mtp", "device": "reference"}, "reference engine"),
         ({"speculative": "fast"}, "speculative must be one of"),
         ({"draft_tokens": 12}, "draft_tokens must be 1 to 8"),
         ({"speculative": "ngram", "device": "reference"}, "reference engine"),

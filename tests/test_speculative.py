@@ -169,7 +169,6 @@ def test_auto_stops_drafting_from_a_source_that_does_not_pay():
 @pytest.mark.parametrize(
     ("mode", "k", "message"),
     [
-        ("mtp", 4, "not built yet"),
         ("eagle", 4, "speculative must be one of"),
         ("ngram", 0, "draft_tokens must be 1 to 8"),
         ("ngram", 9, "draft_tokens must be 1 to 8"),

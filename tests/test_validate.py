@@ -268,7 +268,6 @@ def test_unexpected_tensors_name_the_first_few_and_count(small, tmp_path):
 def test_vision_tower_and_mtp_tensors_are_skipped(small, tmp_path):
     extras = [
         "vision_tower.blocks.0.attn.qkv.weight",
-        "mtp.layers.0.mlp.gate.weight",
         "language_model.mtp.fc.weight",
         "language_model.vision_tower.merger.weight",
     ]
@@ -279,6 +278,34 @@ def test_vision_tower_and_mtp_tensors_are_skipped(small, tmp_path):
 
     checkpoint = load_checkpoint(mutated(small, tmp_path / "m", tensors=add_skipped))
     assert set(extras) <= set(checkpoint.tensors)
+
+
+def test_checkpoint_without_an_mtp_head_says_so(small):
+    assert not load_checkpoint(small).has_mtp_head
+
+
+def test_mtp_head_is_validated_when_present():
+    checkpoint = load_checkpoint(tiny_checkpoint("small", mtp_head=True))
+    assert checkpoint.has_mtp_head
+    mtp = {name: info for name, info in checkpoint.locations.items() if name.startswith("mtp.")}
+    main = {n: i for n, i in checkpoint.locations.items() if not n.startswith("mtp.")}
+    # The head as model.md's MTP section lays it out: fc over [embedding | hidden] (2 x 128
+    # inputs, 4-bit), the router 8-bit, routed experts stacked.
+    assert mtp["mtp.fc.weight"].shape == (128, 2 * 128 * 4 // 32)
+    assert mtp["mtp.layers.0.mlp.gate.weight"].shape == (16, 128 * 8 // 32)
+    assert mtp["mtp.layers.0.mlp.switch_mlp.down_proj.weight"].shape == (16, 128, 64 * 4 // 32)
+
+    partial = {**main, **{n: i for n, i in mtp.items() if "shared_expert." not in n}}
+    with pytest.raises(
+        ValidationError,
+        match=r"multi-token-prediction head \(mtp\.\*\) is incomplete.*missing tensors: "
+        r"mtp\.layers\.0\.mlp\.shared_expert\.down_proj\.biases",
+    ):
+        validate(checkpoint.config, partial, "family")
+    name = "mtp.layers.0.mlp.gate.weight"
+    four_bit = {**main, **mtp, name: replace(mtp[name], shape=(16, 128 * 4 // 32))}
+    with pytest.raises(ValidationError, match=r"mtp\.layers\.0\.mlp\.gate\.weight is 4-bit"):
+        validate(checkpoint.config, four_bit, "family")
 
 
 def test_config_disagreeing_with_the_tensors(small, tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -26,8 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
+from lily.checkpoint import demo, mtp
 from lily.checkpoint.cache import build_once
+from lily.checkpoint.demo import random_hf_mtp_head, write_safetensors
 from lily.checkpoint.loader import write_aligned_checkpoint
+from lily.checkpoint.mtp import MTP_SHARD, quantize_mtp_head, write_mtp_index
 
 # Bump when the generator changes in a way its parameters do not capture.
 GENERATOR_VERSION = 2
@@ -98,20 +102,38 @@ def cache_root() -> Path:
     return Path(root)
 
 
-def tiny_checkpoint(name: str, aligned: bool = True) -> Path:
+def tiny_checkpoint(name: str, aligned: bool = True, mtp_head: bool = False) -> Path:
     """The directory of the converted 4-bit MLX checkpoint `name` ("small" or "wide").
 
     mlx writes safetensors without padding, so tensors in mlx-lm's output start at arbitrary
     byte offsets, which Lily's loader refuses. By default the files are rewritten with every
     tensor 16-byte aligned (same tensors, same bytes); `aligned=False` gives mlx-lm's output as
-    it wrote it.
+    it wrote it. `mtp_head`: the aligned checkpoint plus a multi-token-prediction head (mlx-lm
+    drops `mtp.*`, so Lily quantizes the random original-layout head into its sidecar shard,
+    as it does for the real model); the main model's tensors are the same bytes either way.
     """
     spec = TINY_SPECS[name]
     key = f"{name}-{_key(spec)}"
     converted = _cached(f"{key}-mlx", lambda out: _build_checkpoint(spec, out))
     if not aligned:
         return converted
-    return _cached(key, lambda out: write_aligned_checkpoint(converted, out))
+    plain = _cached(key, lambda out: write_aligned_checkpoint(converted, out))
+    if not mtp_head:
+        return plain
+    # Keyed by the code that makes the head too (it lives in Lily: the demo generates its own).
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (demo, mtp)))
+    return _cached(f"{key}-mtp-{code.hexdigest()[:8]}", lambda out: _add_mtp_head(spec, plain, out))
+
+
+def _add_mtp_head(spec: TinySpec, checkpoint: Path, out: Path) -> None:
+    shutil.copytree(checkpoint, out, copy_function=os.link)
+    # Its own generator: the head changes none of the main model's random draws.
+    hf_head = random_hf_mtp_head(
+        _hf_config(spec)["text_config"], np.random.default_rng(spec.seed + 500)
+    )
+    head = quantize_mtp_head(hf_head, spec.num_experts)
+    write_safetensors(out / MTP_SHARD, head, {"format": "mlx"})
+    write_mtp_index(out, head)
 
 
 def eos_token_ids(spec: TinySpec) -> list[int]:

@@ -19,7 +19,14 @@ from lily.chat.detokenize import IncrementalDecoder
 from lily.chat.stop import StopStringMatcher
 from lily.chat.tokenizer import Tokenizer
 from lily.checkpoint.files import read_json_file
-from lily.checkpoint.loader import DEFAULT_REPO, Checkpoint, load_checkpoint, resolve_model
+from lily.checkpoint.loader import (
+    DEFAULT_REPO,
+    Checkpoint,
+    ensure_mtp_head,
+    load_checkpoint,
+    resolve_model,
+)
+from lily.checkpoint.validate import claims_real_model
 from lily.engine.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
 from lily.engine.model_graph import (
     COMMAND_BUFFER_FLOPS,
@@ -78,6 +85,7 @@ def _make_engine(
     prefill_chunk: int,
     cache: CacheOptions,
     kv_cache: str = "bf16",
+    mtp: bool = False,
 ) -> Engine:
     config = checkpoint.config
     if device == "reference":
@@ -89,8 +97,10 @@ def _make_engine(
     check_memory(device, working)
     # The sim has no watchdog: its chunks are cut by length only.
     command_buffer_flops = COMMAND_BUFFER_FLOPS if device == "metal" else None
+    # With the MTP head the saved states hold its KV rows too: another layout on disk.
+    layout = f"device-{kv_cache}" + ("-mtp" if mtp else "")
     prefix_cache = cache.build(
-        checkpoint, f"device-{kv_cache}", kv_cache_bytes_per_token(config, kv_cache), working
+        checkpoint, layout, kv_cache_bytes_per_token(config, kv_cache), working
     )
     return DeviceEngine(
         checkpoint,
@@ -101,6 +111,7 @@ def _make_engine(
         command_buffer_flops,
         prefix_cache,
         kv_cache,
+        mtp=mtp,
     )
 
 
@@ -181,6 +192,7 @@ class Lily:
         escape_special_tokens: bool = False,
         speculative: str = "off",
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        mtp_head: bool = False,
     ):
         check_speculative(speculative, draft_tokens)
         self.model_id = model_id
@@ -197,6 +209,9 @@ class Lily:
         # Speculative decoding (lily.engine.speculative): the mode, the most tokens a pass drafts.
         self.speculative = speculative
         self.draft_tokens = draft_tokens
+        # Whether the engine runs the checkpoint's MTP head, which then drafts instead of
+        # prompt lookup ("mtp", or "auto" on a checkpoint with a head).
+        self.mtp_head = mtp_head
         self.config = engine.config
         self.device = device
         self.chat = Chat(self)
@@ -217,11 +232,13 @@ class Lily:
     def speculation(
         self, prediction: Sequence[int] = (), anchor: Sequence[int] = ()
     ) -> Speculation:
-        """The drafting of one generation under this model's `speculative` mode: prompt lookup
-        (unless "off"), and the `prediction`'s tokens, looked up behind `anchor`."""
+        """The drafting of one generation under this model's `speculative` mode: the MTP head
+        or prompt lookup (unless "off"), and the `prediction`'s tokens, looked up behind
+        `anchor`."""
         return Speculation(
             draft_tokens=self.draft_tokens,
-            ngram=self.speculative != "off",
+            mtp=self.mtp_head and self.speculative in ("auto", "mtp"),
+            ngram=self.speculative == "ngram" or (self.speculative == "auto" and not self.mtp_head),
             prediction=prediction,
             anchor=anchor,
             auto=self.speculative == "auto",
@@ -389,10 +406,12 @@ def load(
 
     Speculative decoding (docs/python-api.md) checks up to `draft_tokens` (1 to 8) guessed
     tokens in one pass and keeps those the model would have produced, so the output is the
-    same: `speculative` is "auto" (prompt lookup, dropped for a request where it is accepted
-    too rarely to pay, and any request's `prediction`), "ngram" (prompt lookup always) or
-    "off". A request's `prediction` drafts in both modes but "off". The numpy reference engine
-    and a `prefill_chunk` of 1 cannot verify drafts: they take "auto" as "off".
+    same: `speculative` is "auto" (the checkpoint's multi-token-prediction head if it has one,
+    else prompt lookup, dropped for a request where it is accepted too rarely to pay, and any
+    request's `prediction`), "mtp" (the head always; the checkpoint must have one), "ngram"
+    (prompt lookup always) or "off". A request's `prediction` drafts in every mode but "off".
+    The numpy reference engine and a `prefill_chunk` of 1 cannot verify drafts: they take
+    "auto" as "off".
 
     `kv_cache`: the KV cache's format, "bf16" (the default) or "int8" (symmetric int8 codes
     with an fp16 scale per 32 dims: 53% of the bytes, so longer contexts fit and long-context
@@ -419,13 +438,24 @@ def load(
         )
     if prefill_chunk is None:
         prefill_chunk = default_prefill_chunk(checkpoint, device, max_seq, kv_cache)
-    if speculative == "ngram" and (device == "reference" or prefill_chunk < 2):
+    if speculative in ("ngram", "mtp") and (device == "reference" or prefill_chunk < 2):
         raise ValueError(
-            "speculative='ngram' needs a verify pass of several tokens, which the reference "
-            "engine and a prefill_chunk of 1 do not have: use speculative='off' or 'auto'"
+            f"speculative={speculative!r} needs a verify pass of several tokens, which the "
+            "reference engine and a prefill_chunk of 1 do not have: use speculative='off' or "
+            "'auto'"
         )
     if device == "reference" or prefill_chunk < 2:
         speculative = "off"
+    if speculative in ("auto", "mtp") and claims_real_model(checkpoint.config):
+        # The real model's 4-bit files lack the head: it is fetched and quantized once.
+        model_dir, checkpoint = ensure_mtp_head(model_dir, checkpoint, speculative == "mtp")
+    if speculative == "mtp" and not checkpoint.has_mtp_head:
+        raise ValueError(
+            f"speculative='mtp' needs the checkpoint's multi-token-prediction head (mtp.*), "
+            f"which {model_dir} does not have: use speculative='auto' or 'ngram'"
+        )
+    # "auto" drafts with the head when the checkpoint has one.
+    mtp_head = speculative in ("auto", "mtp") and checkpoint.has_mtp_head
     tokenizer = Tokenizer.from_dir(model_dir, config_eos_ids=checkpoint.config.eos_token_ids)
     if tokenizer.vocab_size > checkpoint.config.vocab_size:
         raise ValueError(
@@ -434,7 +464,14 @@ def load(
         )
     cache = CacheOptions(cache_memory, cache_dir, cache_disk_size, cache_disk_min_tokens)
     engine = _make_engine(
-        checkpoint, device, max_seq, tokenizer.vocab_size, prefill_chunk, cache, kv_cache
+        checkpoint,
+        device,
+        max_seq,
+        tokenizer.vocab_size,
+        prefill_chunk,
+        cache,
+        kv_cache,
+        mtp_head,
     )
     # The name clients pass as `model`: the repo id, "demo", or the directory's name.
     if model is None:
@@ -452,4 +489,5 @@ def load(
         escape_special_tokens=escape_special_tokens,
         speculative=speculative,
         draft_tokens=draft_tokens,
+        mtp_head=mtp_head,
     )

@@ -165,8 +165,9 @@ def _add_speculative_arguments(
         type=_speculative_mode,
         metavar="{" + ",".join(SPECULATIVE_MODES) + "}",
         help=help
-        or "speculative decoding, same output either way: auto (prompt lookup where it pays, "
-        "and requests' predictions), ngram (prompt lookup always), off",
+        or "speculative decoding, same output either way: auto (the checkpoint's MTP head, "
+        "else prompt lookup, where it pays, and requests' predictions), mtp (the head always), "
+        "ngram (prompt lookup always), off",
     )
     parser.add_argument(
         "--draft-tokens",

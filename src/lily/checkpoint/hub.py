@@ -1,4 +1,5 @@
-"""Is the Hugging Face Hub reachable? One quick request, asked before a download.
+"""Is the Hugging Face Hub reachable? One quick request, asked before a download. And the one
+download Lily makes besides the checkpoint: the real model's multi-token-prediction head.
 
 Without a network, `huggingface_hub` retries for about 25 seconds and then fails with a long
 chain of connection errors. One request with a short timeout (through the same proxies,
@@ -8,8 +9,14 @@ local cache only, and to say how to get the checkpoint when it is not there.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
+
+import numpy as np
 
 # Long enough for a slow link to answer a HEAD request, far shorter than the Hub client's retries.
 PROBE_TIMEOUT_SECONDS = 5.0
@@ -43,3 +50,69 @@ def download_hint(repo: str, revision: str | None) -> str:
         "a local checkpoint directory as the model (`--model DIR`, `lily.load(DIR)`); the demo "
         "model (`--model demo`) needs no download"
     )
+
+
+# Where the real model's multi-token-prediction head comes from: the original (bf16) release,
+# whose shards hold `mtp.*` (mlx-community's 4-bit conversion dropped it).
+MTP_SOURCE_REPO = "Qwen/Qwen3.6-35B-A3B"
+
+
+def fetch_mtp_head(
+    num_experts: int, repo: str = MTP_SOURCE_REPO, revision: str | None = None
+) -> Path:
+    """A directory in Lily's cache holding the MTP head of `repo` quantized into Lily's sidecar
+    shard (lily.checkpoint.mtp), made once: the repo's index says which shards hold `mtp.*`,
+    only those are downloaded (through the Hugging Face cache, with its progress bars), and the
+    head's tensors are read from them and quantized. Raises CheckpointError, saying what to do,
+    when the Hub cannot be reached and the shards are not in the local cache, or when the
+    repo has no head."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    from lily.checkpoint.cache import build_once, cache_root
+    from lily.checkpoint.demo import write_safetensors
+    from lily.checkpoint.mtp import MTP_SHARD, is_mtp, quantize_mtp_head
+    from lily.checkpoint.safetensors_mmap import INDEX_FILE, CheckpointError, Shard
+
+    target = cache_root() / "mtp" / f"{repo.replace('/', '--')}-{revision or 'main'}"
+    if (target / MTP_SHARD).is_file():
+        return target
+    offline = bool(os.environ.get("HF_HUB_OFFLINE"))
+    local_only = offline or not hub_reachable()
+
+    def download(filename: str) -> Path:
+        try:
+            return Path(
+                hf_hub_download(repo, filename, revision=revision, local_files_only=local_only)
+            )
+        except LocalEntryNotFoundError:
+            why = "HF_HUB_OFFLINE is set" if offline else f"{hub_endpoint()} cannot be reached"
+            raise CheckpointError(
+                f"the MTP head comes from {filename} of {repo}, which is not in the local Hugging "
+                f"Face cache, and {why}: download it once with `hf download {repo} {filename}`, "
+                "or load with speculative='ngram' (or 'off') to do without the head"
+            ) from None
+        except (HFValidationError, OSError) as e:
+            raise CheckpointError(f"could not download {filename} of {repo}: {e}") from e
+
+    index = json.loads(download(INDEX_FILE).read_text())
+    weight_map = index.get("weight_map", {}) if isinstance(index, dict) else {}
+    shards = sorted({shard for name, shard in weight_map.items() if is_mtp(name)})
+    if not shards:
+        raise CheckpointError(f"{repo} has no multi-token-prediction head (no mtp.* in its index)")
+    print(
+        f"lily: fetching the multi-token-prediction head from {repo} ({len(shards)} of its "
+        f"shards hold it) and quantizing it to 4-bit into {target} (once)",
+        file=sys.stderr,
+    )
+    original: dict[str, np.ndarray] = {}
+    for shard_name in shards:
+        shard = Shard(download(shard_name), alignment=1)
+        original.update({n: shard.array(n) for n in shard.tensors if is_mtp(n)})
+    head = quantize_mtp_head(original, num_experts)
+
+    def write(out: Path) -> None:
+        out.mkdir(parents=True)
+        write_safetensors(out / MTP_SHARD, head, {"format": "mlx", "source": repo})
+
+    return build_once(target, write)

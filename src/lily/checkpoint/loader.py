@@ -23,6 +23,7 @@ import numpy as np
 from lily.checkpoint.cache import build_once, cache_root
 from lily.checkpoint.config import ModelConfig, load_config
 from lily.checkpoint.files import checkpoint_file, open_regular
+from lily.checkpoint.mtp import MTP_SHARD, write_mtp_index
 from lily.checkpoint.safetensors_mmap import (
     DATA_ALIGNMENT,
     INDEX_FILE,
@@ -33,7 +34,7 @@ from lily.checkpoint.safetensors_mmap import (
     open_safetensors_dir,
     write_aligned_copy,
 )
-from lily.checkpoint.validate import claims_real_model, validate
+from lily.checkpoint.validate import claims_real_model, has_mtp_head, validate
 
 __all__ = [
     "DEFAULT_REPO",
@@ -280,6 +281,53 @@ def aligned_checkpoint(path: Path, allow_external_links: bool | None = None) -> 
     return build_once(target, serve)
 
 
+def with_mtp_head(path: Path, head: Path, allow_external_links: bool | None = None) -> Path:
+    """A directory in Lily's cache serving the checkpoint at `path` with the MTP head sidecar
+    in `head` (`hub.fetch_mtp_head`) beside its shards and listed in its index: every file is a
+    hard link (a copy across disks), so it costs no room for the weights. Keyed by the content
+    of what it holds, like the aligned copies."""
+    files = _copied_files(path, allow_external_links)
+    sidecar = checkpoint_file(head, MTP_SHARD, allow_external_links, SHARD_KIND)
+    digests = {f.name: shard_digest(f) for f in [*files, sidecar]}
+    key = hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest()[:16]
+    target = cache_root() / "with-mtp" / f"{path.name}-{key}"
+
+    def serve(out: Path) -> None:
+        out.mkdir(parents=True)
+        for item in files:
+            if item.name == INDEX_FILE:
+                _copy_regular(item, out / item.name)  # rewritten below: never a shared inode
+            else:
+                _link_or_copy(item, out / item.name)
+        _link_or_copy(sidecar, out / MTP_SHARD)
+        head_names = Shard(sidecar).tensors
+        write_mtp_index(out, head_names)
+
+    return build_once(target, serve)
+
+
+def ensure_mtp_head(
+    path: Path, checkpoint: Checkpoint, required: bool, repo: str | None = None
+) -> tuple[Path, Checkpoint]:
+    """The checkpoint with the multi-token-prediction head: as it is when it has one, else with
+    the head of `repo` (default: the real model's original release) fetched and quantized once
+    (`hub.fetch_mtp_head`) and served beside it (`with_mtp_head`). When that fails, raises if
+    the head is `required`, else says why on stderr and goes on without it."""
+    from lily.checkpoint.hub import MTP_SOURCE_REPO, fetch_mtp_head
+
+    if checkpoint.has_mtp_head:
+        return path, checkpoint
+    try:
+        head = fetch_mtp_head(checkpoint.config.num_experts, repo or MTP_SOURCE_REPO)
+    except CheckpointError as e:
+        if required:
+            raise
+        print(f"lily: drafting without the MTP head: {e}", file=sys.stderr)
+        return path, checkpoint
+    served = with_mtp_head(path, head)
+    return served, load_checkpoint(served, level=checkpoint.level)
+
+
 def _write_aligned_shard(source: Path, out: Path, progress: Callable[[int], object]) -> None:
     out.mkdir(parents=True)
     write_aligned_copy(source, out / ALIGNED_SHARD, progress=progress)
@@ -323,6 +371,12 @@ class Checkpoint:
     # Tensors that do not start on a 16-byte boundary: a device cannot bind them in place, so
     # lily.engine.device_weights copies them into device memory. Empty for an aligned checkpoint.
     unaligned: frozenset[str] = frozenset()
+
+    @property
+    def has_mtp_head(self) -> bool:
+        """Whether the checkpoint carries the multi-token-prediction head (`mtp.*`, validated
+        whole on load), which speculative decoding can draft with."""
+        return has_mtp_head(self.locations)
 
 
 def load_checkpoint(

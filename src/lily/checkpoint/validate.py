@@ -16,19 +16,30 @@ Only metadata (dtype code and shape) is read; no tensor data is touched.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from lily.checkpoint.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig, QuantSpec
+from lily.checkpoint.mtp import (
+    MTP_FC,
+    MTP_FINAL_NORM,
+    MTP_LAYER,
+    MTP_NORM_EMBEDDING,
+    MTP_NORM_HIDDEN,
+    is_mtp,
+    mtp_quant,
+)
 from lily.checkpoint.safetensors_mmap import CheckpointError, TensorInfo
 
 Level = Literal["strict", "family"]
 
 PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head"
-# Parts of the multimodal file Lily does not run: the vision tower and multi-token prediction.
-SKIPPED_PREFIXES = ("vision_tower.", "mtp.", "language_model.vision_tower.", "language_model.mtp.")
+# Parts of the multimodal file Lily does not run: the vision tower, and MTP tensors under the
+# language model's prefix (not a layout Lily writes). The multi-token-prediction head at `mtp.`
+# (lily.checkpoint.mtp) is optional and checked when present.
+SKIPPED_PREFIXES = ("vision_tower.", "language_model.vision_tower.", "language_model.mtp.")
 
 _FLOAT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
@@ -127,44 +138,79 @@ def expected_layout(config: ModelConfig, float_dtype: str | None = None) -> Chec
     h = c.hidden_size
     linear(PREFIX + "embed_tokens", c.vocab_size, h)
     for i, kind in enumerate(c.layer_types):
-        p = f"{PREFIX}layers.{i}."
-        tensor(p + "input_layernorm.weight", (h,))
-        tensor(p + "post_attention_layernorm.weight", (h,))
-        if kind == LINEAR_ATTENTION:
-            hv = c.linear_num_value_heads
-            linear(p + "linear_attn.in_proj_qkv", c.linear_conv_dim, h)
-            linear(p + "linear_attn.in_proj_z", c.linear_value_dim, h)
-            linear(p + "linear_attn.in_proj_b", hv, h)
-            linear(p + "linear_attn.in_proj_a", hv, h)
-            linear(p + "linear_attn.out_proj", h, c.linear_value_dim)
-            tensor(
-                p + "linear_attn.conv1d.weight", (c.linear_conv_dim, c.linear_conv_kernel_dim, 1)
-            )
-            # mlx-lm never casts A_log, so it keeps the float32 of the original file.
-            tensor(p + "linear_attn.A_log", (hv,), tuple(dict.fromkeys(("F32", fdt))))
-            tensor(p + "linear_attn.dt_bias", (hv,))
-            tensor(p + "linear_attn.norm.weight", (c.linear_value_head_dim,))
-        else:
-            q_rows = c.num_attention_heads * c.head_dim * (2 if c.attn_output_gate else 1)
-            kv_rows = c.num_key_value_heads * c.head_dim
-            linear(p + "self_attn.q_proj", q_rows, h)
-            linear(p + "self_attn.k_proj", kv_rows, h)
-            linear(p + "self_attn.v_proj", kv_rows, h)
-            linear(p + "self_attn.o_proj", h, c.num_attention_heads * c.head_dim)
-            tensor(p + "self_attn.q_norm.weight", (c.head_dim,))
-            tensor(p + "self_attn.k_norm.weight", (c.head_dim,))
-        e, mi, si = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
-        linear(p + "mlp.gate", e, h)
-        linear(p + "mlp.switch_mlp.gate_proj", mi, h, experts=e)
-        linear(p + "mlp.switch_mlp.up_proj", mi, h, experts=e)
-        linear(p + "mlp.switch_mlp.down_proj", h, mi, experts=e)
-        linear(p + "mlp.shared_expert.gate_proj", si, h)
-        linear(p + "mlp.shared_expert.up_proj", si, h)
-        linear(p + "mlp.shared_expert.down_proj", h, si)
-        linear(p + "mlp.shared_expert_gate", 1, h)
+        _decoder_layer(c, f"{PREFIX}layers.{i}.", kind, linear, tensor, fdt)
     tensor(PREFIX + "norm.weight", (h,))
     linear(LM_HEAD, c.vocab_size, h)
     return CheckpointLayout(linears, plain, fdt)
+
+
+def mtp_layout(config: ModelConfig, float_dtype: str | None = None) -> CheckpointLayout:
+    """The tensors of the multi-token-prediction head as Lily's sidecar holds them
+    (lily.checkpoint.mtp): the two pre-fc norms, `fc` over their concatenation, one
+    full-attention decoder layer with the MoE, and the final norm."""
+    c = config
+    fdt = float_dtype or declared_float_dtype(config)
+    linears: dict[str, QuantizedLinear] = {}
+    plain: dict[str, PlainTensor] = {}
+
+    def linear(path: str, out_features: int, in_features: int, experts: int | None = None):
+        linears[path] = QuantizedLinear(path, out_features, in_features, mtp_quant(path), experts)
+
+    def tensor(name: str, shape: tuple[int, ...], dtypes: tuple[str, ...] = (fdt,)):
+        plain[name] = PlainTensor(name, shape, dtypes)
+
+    h = c.hidden_size
+    tensor(MTP_NORM_EMBEDDING, (h,))
+    tensor(MTP_NORM_HIDDEN, (h,))
+    linear(MTP_FC, h, 2 * h)
+    _decoder_layer(c, MTP_LAYER, FULL_ATTENTION, linear, tensor, fdt)
+    tensor(MTP_FINAL_NORM, (h,))
+    return CheckpointLayout(linears, plain, fdt)
+
+
+def _decoder_layer(
+    c: ModelConfig,
+    p: str,
+    kind: str,
+    linear: Callable[..., None],
+    tensor: Callable[..., None],
+    fdt: str,
+) -> None:
+    """One decoder layer's tensors under the prefix `p` (ending in a dot); `fdt` is the float
+    dtype of its unquantized tensors."""
+    h = c.hidden_size
+    tensor(p + "input_layernorm.weight", (h,))
+    tensor(p + "post_attention_layernorm.weight", (h,))
+    if kind == LINEAR_ATTENTION:
+        hv = c.linear_num_value_heads
+        linear(p + "linear_attn.in_proj_qkv", c.linear_conv_dim, h)
+        linear(p + "linear_attn.in_proj_z", c.linear_value_dim, h)
+        linear(p + "linear_attn.in_proj_b", hv, h)
+        linear(p + "linear_attn.in_proj_a", hv, h)
+        linear(p + "linear_attn.out_proj", h, c.linear_value_dim)
+        tensor(p + "linear_attn.conv1d.weight", (c.linear_conv_dim, c.linear_conv_kernel_dim, 1))
+        # mlx-lm never casts A_log, so it keeps the float32 of the original file.
+        tensor(p + "linear_attn.A_log", (hv,), tuple(dict.fromkeys(("F32", fdt))))
+        tensor(p + "linear_attn.dt_bias", (hv,))
+        tensor(p + "linear_attn.norm.weight", (c.linear_value_head_dim,))
+    else:
+        q_rows = c.num_attention_heads * c.head_dim * (2 if c.attn_output_gate else 1)
+        kv_rows = c.num_key_value_heads * c.head_dim
+        linear(p + "self_attn.q_proj", q_rows, h)
+        linear(p + "self_attn.k_proj", kv_rows, h)
+        linear(p + "self_attn.v_proj", kv_rows, h)
+        linear(p + "self_attn.o_proj", h, c.num_attention_heads * c.head_dim)
+        tensor(p + "self_attn.q_norm.weight", (c.head_dim,))
+        tensor(p + "self_attn.k_norm.weight", (c.head_dim,))
+    e, mi, si = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    linear(p + "mlp.gate", e, h)
+    linear(p + "mlp.switch_mlp.gate_proj", mi, h, experts=e)
+    linear(p + "mlp.switch_mlp.up_proj", mi, h, experts=e)
+    linear(p + "mlp.switch_mlp.down_proj", h, mi, experts=e)
+    linear(p + "mlp.shared_expert.gate_proj", si, h)
+    linear(p + "mlp.shared_expert.up_proj", si, h)
+    linear(p + "mlp.shared_expert.down_proj", h, si)
+    linear(p + "mlp.shared_expert_gate", 1, h)
 
 
 def expected_tensors(config: ModelConfig) -> dict[str, ExpectedTensor]:
@@ -401,7 +447,7 @@ def validate(config: ModelConfig, tensors: Mapping[str, TensorInfo], level: Leve
 
     mismatch = f"checkpoint does not match the config ({level})"
     expected = layout.tensors()
-    present = {name for name in tensors if not _is_skipped(name)}
+    present = {name for name in tensors if not _is_skipped(name) and not is_mtp(name)}
     missing = sorted(set(expected) - present)
     unexpected = sorted(present - set(expected))
     if missing:
@@ -417,3 +463,35 @@ def validate(config: ModelConfig, tensors: Mapping[str, TensorInfo], level: Leve
         problems.extend(_check_plain(t, tensors[t.name]))
     if problems:
         raise ValidationError(f"{mismatch}: {_list(problems, 3)}")
+    _validate_mtp(config, tensors, layout.float_dtype)
+
+
+def has_mtp_head(tensors: Mapping[str, object]) -> bool:
+    """Whether a checkpoint carries the multi-token-prediction head (validated when present)."""
+    return any(is_mtp(name) for name in tensors)
+
+
+def _validate_mtp(config: ModelConfig, tensors: Mapping[str, TensorInfo], float_dtype: str) -> None:
+    """The MTP head is optional (mlx-lm drops it); when any of it is there it must be whole."""
+    present = {name for name in tensors if is_mtp(name)}
+    if not present:
+        return
+    layout = mtp_layout(config, float_dtype)
+    expected = layout.tensors()
+    problems = []
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected))
+    if missing:
+        problems.append(f"missing tensors: {_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_list(unexpected)}")
+    if not problems:
+        for lin in layout.linears.values():
+            problems.extend(_check_linear(lin, tensors, float_dtype))
+        for t in layout.plain.values():
+            problems.extend(_check_plain(t, tensors[t.name]))
+    if problems:
+        raise ValidationError(
+            "the checkpoint's multi-token-prediction head (mtp.*) is incomplete or malformed "
+            f"(remove every mtp.* tensor to load without it): {_list(problems, 3)}"
+        )

@@ -57,7 +57,7 @@ from lily.engine.sampling import (
     sampling_distribution,
     top_logprobs,
 )
-from lily.engine.speculative import Drafter, accept_drafts
+from lily.engine.speculative import Drafter, Speculation, accept_drafts
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
 from lily.kernels.attention import row_bytes
 from lily.kernels.sampling import (
@@ -255,6 +255,7 @@ class DeviceEngine:
         command_buffer_flops: float | None = None,
         prefix_cache: PrefixCache | None = None,
         kv_cache: str = "bf16",
+        mtp: bool = False,
     ) -> None:
         """`token_count`: how many ids the tokenizer can produce; only those are generated.
         `max_chunk`: the most prompt tokens one prefill pass takes. A pass is split into
@@ -263,13 +264,21 @@ class DeviceEngine:
         grows with the context) fits it, so that no command buffer runs long enough to trip
         the GPU watchdog. `prefix_cache`: which prefixes are kept for reuse (default: in
         memory, with `default_cache_memory`'s budget). `kv_cache`: the KV cache's format,
-        "bf16" or "int8" (kernels/attention.py)."""
+        "bf16" or "int8" (kernels/attention.py). `mtp`: run the checkpoint's
+        multi-token-prediction head, so that a drafter asking for it (`Speculation.mtp`) gets
+        its drafts."""
         self.config = checkpoint.config
         self.device = device
         self.max_seq = max_seq
         self.max_chunk = max_chunk
         self.command_buffer_flops = command_buffer_flops
-        self._model = ModelGraph(checkpoint, device, max_seq, token_count, max_chunk, kv_cache)
+        self._model = ModelGraph(
+            checkpoint, device, max_seq, token_count, max_chunk, kv_cache, mtp=mtp
+        )
+        # Hidden states of the last pass the MTP head has not read yet: (the pass's first
+        # position, how many of its rows are right), the rows being `mtp_hidden`'s first; None
+        # while the generation does not draft with the head.
+        self._mtp_pending: tuple[int, int] | None = None
         self._rows = _DeviceRows(self._model)
         if prefix_cache is None:
             working = device_bytes(checkpoint, max_seq, max_chunk, kv_cache)
@@ -390,13 +399,16 @@ class DeviceEngine:
         # A constrained draw needs the constraint's state after each drafted token, which it
         # cannot give back: such a generation decodes plainly.
         speculating = drafter is not None and constraint is None and self.max_chunk > 1
+        # The MTP head reads each pass's hidden states before the next pass overwrites them.
+        head = speculating and self._model.mtp and isinstance(drafter, Speculation) and drafter.mtp
+        self._mtp_pending = None
         # Speculating, the passes here stop at the prompt's (predicting the first token).
         plain_tokens = 1 if speculating else max_new_tokens
         passes = self._passes(first, len(prompt), plain_tokens, snapshots)
         generated: list[int] = []
         # (position after the pass, whether it predicted a token, ticket)
         in_flight: deque[tuple[int, bool, int]] = deque()
-        depth = PIPELINE_DEPTH if constraint is None else 1
+        depth = PIPELINE_DEPTH if constraint is None and not head else 1
         upcoming = next(passes, None)
         try:
             while True:
@@ -418,6 +430,14 @@ class DeviceEngine:
                     break
                 end, predicts, ticket = in_flight.popleft()
                 self.device.wait(ticket)
+                if head:
+                    # One pass in flight, so (start, tokens) are this chunk's. Each row's next
+                    # token is in the history (the prompt's, or the one the last chunk drew);
+                    # the head reads the rows before the next chunk overwrites them, and the
+                    # last chunk's when it drafts the first time.
+                    self._mtp_pending = (start, tokens)
+                    if not predicts:
+                        self._mtp_catch_up(draft=False)
                 if progress is not None and end <= len(prompt):
                     progress(end, len(prompt))
                 if not predicts:
@@ -432,7 +452,14 @@ class DeviceEngine:
             if speculating:
                 assert drafter is not None
                 request = _Request(prompt, reply, sampling, bans, stop_token_ids, max_new_tokens)
-                yield from self._speculate(request, generated, drafter, should_stop)
+                if head:
+                    assert isinstance(drafter, Speculation)
+                    drafter.head = self._mtp_drafts
+                try:
+                    yield from self._speculate(request, generated, drafter, should_stop)
+                finally:
+                    if head:
+                        drafter.head = None
         finally:
             # A speculative step may still be running (after a stop token, or when the caller
             # closed the iterator); it only writes state the next generation replaces.
@@ -497,11 +524,14 @@ class DeviceEngine:
             drafts = []
             if limit > 0 and rejections < 2:
                 drafts = [int(t) for t in drafter.draft(tokens, limit)][:limit]
+            # The head reads the last pass's rows before this pass overwrites them.
+            self._mtp_catch_up(draft=False)
             history[last + 1 : last + 1 + len(drafts)] = drafts
             # Everything the history holds counts as given: no advance overwrites it.
             step[POSITION], step[PROMPT_END], step[TOKEN] = fed, last + 1 + len(drafts), tokens[fed]
             if not drafts:
                 device.run(model.graph(waiting, predicts=True))
+                self._mtp_pending = None if self._mtp_pending is None else (fed, waiting)
                 fed, rejections = last + 1, 0
                 produced = [self._drawn(last + 1, request.sampling)]
             else:
@@ -511,6 +541,10 @@ class DeviceEngine:
                 logits = model.verify_logits_view(rows)[:, : model.token_count]
                 chosen = request.accept(logits, drafts, last + 1, generated)
                 drafter.verified(drafts, len(chosen) - 1)
+                # The rows up to the last accepted draft's are right, rejected or not: the
+                # model's own token follows them.
+                if self._mtp_pending is not None:
+                    self._mtp_pending = (fed, waiting + len(chosen) - 1)
                 if len(chosen) == rows:
                     fed, rejections = last + rows, 0
                 else:
@@ -532,6 +566,43 @@ class DeviceEngine:
                     return
                 if len(generated) == request.max_new_tokens:
                     return
+
+    def _mtp_catch_up(self, draft: bool) -> None:
+        """Runs the MTP head over the rows of the last pass it has not read (their KV rows are
+        then right for every later draft); with `draft`, through its lm_head for the last."""
+        if self._mtp_pending is None:
+            return
+        start, rows = self._mtp_pending
+        self._mtp_pending = (start, 0)
+        if rows == 0:
+            return
+        model = self._model
+        model.mtp_step_view()[0] = start
+        self.device.run(model.mtp_graph(rows, chained=False, head=draft))
+
+    def _mtp_drafts(self, limit: int) -> list[int]:
+        """Up to `limit` greedy drafts of the MTP head after the newest token: the head over
+        the last pass's rows predicts the token after the newest; each further draft feeds the
+        head its own output and the draft before (the head's KV rows past the newest token are
+        rewritten by the next catch-up, as the main cache's are)."""
+        if self._mtp_pending is None:
+            return []
+        start, rows = self._mtp_pending
+        if rows == 0:
+            return []  # read already (only when nothing new was fed): nothing to draft from
+        model = self._model
+        history, token_count = model.history_view(), model.token_count
+        self._mtp_catch_up(draft=True)
+        position = start + rows  # the newest token's: the first draft follows it
+        drafts: list[int] = []
+        while True:
+            drafts.append(int(np.argmax(model.mtp_logits_view()[:token_count])))
+            if len(drafts) == limit:
+                return drafts
+            history[position + 1] = drafts[-1]
+            model.mtp_step_view()[0] = position
+            self.device.run(model.mtp_graph(1, chained=True, head=True))
+            position += 1
 
     def _decode(
         self,

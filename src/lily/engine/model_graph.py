@@ -41,6 +41,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lily.checkpoint.config import FULL_ATTENTION, ModelConfig
+from lily.checkpoint.mtp import (
+    MTP_FC,
+    MTP_FINAL_NORM,
+    MTP_LAYER,
+    MTP_NORM_EMBEDDING,
+    MTP_NORM_HIDDEN,
+)
 from lily.device import Graph
 from lily.engine.device_weights import DeviceWeights
 from lily.kernels import BufferRef, attention, offset_by
@@ -56,7 +63,7 @@ from lily.kernels.gdn_out_proj import record_gdn_out_proj
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
 from lily.kernels.moe_chunk import MoeChunkScratch, moe_chunk_scratch_bytes, record_moe_chunk
 from lily.kernels.norm import FoldedNorm, record_add_rms_norm, record_rms_norm
-from lily.kernels.quant_weight import QuantWeight
+from lily.kernels.quant_weight import GROUP_SIZE, QuantWeight, wrap_quant_weight
 from lily.kernels.quantized import MAX_TOKENS as GEMV_MAX_TOKENS
 from lily.kernels.quantized import record_qgemv
 from lily.kernels.quantized_gemm import record_qgemm
@@ -295,15 +302,23 @@ class ModelGraph:
         token_count: int,
         max_chunk: int = DEFAULT_MAX_CHUNK,
         kv_cache: str = "bf16",
+        mtp: bool = False,
     ) -> None:
         """`token_count`: ids the tokenizer can produce. The lm_head has padding rows past it
         (248320 vs 248077 on the real model) that must never be chosen. `max_chunk`: the most
         tokens one pass may take (1 records only the decode step). `kv_cache`: the KV cache's
-        format, "bf16" or "int8"."""
+        format, "bf16" or "int8". `mtp`: run the checkpoint's multi-token-prediction head
+        (`mtp_graph`); every pass then also leaves the final-normed hidden state of each of its
+        tokens in `mtp_hidden` for the head to read."""
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         attention.check_kv_cache(kv_cache)
+        if mtp and not checkpoint.has_mtp_head:
+            raise ValueError("the checkpoint has no multi-token-prediction head (mtp.*)")
+        if mtp and max_chunk < 2:
+            raise ValueError("the MTP head drafts for verify passes, which need max_chunk >= 2")
         self.kv_cache = kv_cache
+        self.mtp = mtp
         self.config = checkpoint.config
         self.device = device
         self.capacity = capacity
@@ -314,6 +329,8 @@ class ModelGraph:
         self._scratch = _Scratch(self.config, device, max_chunk, capacity)
         self._graphs: dict[tuple[int, bool, int], Graph] = {}
         self._verify_logits: Buffer | None = None
+        if mtp:
+            self._allocate_mtp(checkpoint)
         self.decode = self.graph(1, predicts=True)
 
     def graph(self, tokens: int, *, predicts: bool) -> Graph:
@@ -344,6 +361,60 @@ class ModelGraph:
                 self._verify_logits = self.device.alloc(nbytes)
             self._graphs[key] = _Recorder(self, tokens, False, verify_rows=rows).record()
         return self._graphs[key]
+
+    @property
+    def mtp_layer(self) -> int:
+        """The key of the MTP layer's KV cache in the state: the index after the main layers."""
+        return self.config.num_hidden_layers
+
+    def mtp_graph(self, rows: int, *, chained: bool, head: bool) -> Graph:
+        """The MTP head over `rows` positions from `mtp_step_view()[0]` = p: row t pairs a hidden
+        state with the embedding of the token at p + t + 1 in the history, and writes the head's
+        KV row at p + t. The hidden states are the main pass's `mtp_hidden` rows 0..rows-1, or
+        (`chained`, one row) the head's own last output. With `head`, the last row goes on
+        through the MoE, the head's final norm (into the output `chained` reads) and the
+        lm_head into `mtp_logits_view`; without, the pass only fills the head's KV cache."""
+        if not self.mtp:
+            raise RuntimeError("this ModelGraph was made without the MTP head")
+        if not 1 <= rows <= self.max_chunk or (chained and rows != 1):
+            raise ValueError(f"an MTP pass takes 1 to {self.max_chunk} rows (chained: 1)")
+        key = (rows, chained, head)
+        if key not in self._mtp_graphs:
+            self._mtp_graphs[key] = _Recorder(self, rows, False).record_mtp(chained, head)
+        return self._mtp_graphs[key]
+
+    def mtp_step_view(self) -> np.ndarray:
+        """The MTP pass's first position (uint32 [1]), written by the host before it submits."""
+        return self.mtp_step.numpy().view(np.uint32)
+
+    def mtp_logits_view(self) -> np.ndarray:
+        return self.mtp_logits.numpy().view(np.float32)
+
+    def _allocate_mtp(self, checkpoint: Checkpoint) -> None:
+        c, dev = self.config, self.device
+        h = c.hidden_size
+        nbytes = attention.cache_bytes(c.num_key_value_heads, self.capacity)
+        self.state.k_cache[self.mtp_layer] = dev.alloc(nbytes)
+        self.state.v_cache[self.mtp_layer] = dev.alloc(nbytes)
+        self.mtp_hidden = dev.alloc(4 * h * self.max_chunk)
+        self.mtp_out = dev.alloc(4 * h)
+        self.mtp_step = dev.alloc(4)
+        self.mtp_logits = dev.alloc(4 * c.vocab_size)
+        self._mtp_graphs: dict[tuple[int, bool, bool], Graph] = {}
+        # fc reads [embedding | hidden]: the halves of its inputs are separate GEMMs over
+        # separate activations, so each half's columns are copied out once (they are
+        # interleaved row by row in the stored matrix; groups of 64 never straddle the halves).
+        tensors = checkpoint.tensors
+        words = h * 4 // 32
+        groups = h // GROUP_SIZE
+        weight, scales = tensors[MTP_FC + ".weight"], tensors[MTP_FC + ".scales"]
+        biases = tensors[MTP_FC + ".biases"]
+        self.mtp_fc_embedding = wrap_quant_weight(
+            dev, weight[:, :words], scales[:, :groups], biases[:, :groups]
+        )
+        self.mtp_fc_hidden = wrap_quant_weight(
+            dev, weight[:, words:], scales[:, groups:], biases[:, groups:]
+        )
 
     # -- buffers ----------------------------------------------------------------------------
 
@@ -396,6 +467,13 @@ class _Recorder:
         self.dev, self.state = model.device, model.state
         self.tokens, self.predicts, self.verify_rows = tokens, predicts, verify_rows
         self.g = Graph()
+        # Where attention reads its first position: the sequence's step buffer, or the MTP
+        # head's own (record_mtp).
+        self.step = model.state.step
+        self.in_mtp = False
+        # Where the final norm leaves the hidden states the lm_head reads: with the MTP head,
+        # every token's, kept for the head's next pass.
+        self.final_normed = model.mtp_hidden if model.mtp else model._scratch.normed
 
     def hidden_row(self, buffer: Buffer, index: int) -> BufferRef:
         """Row `index` of a [tokens, hidden_size] activation."""
@@ -403,8 +481,9 @@ class _Recorder:
 
     @property
     def folds_norms(self) -> bool:
-        """Whether residual adds and RMSNorms are folded into the GEMVs (the decode step)."""
-        return self.tokens == 1
+        """Whether residual adds and RMSNorms are folded into the GEMVs (the decode step; the
+        MTP head's passes use the chunk kernels at any row count)."""
+        return self.tokens == 1 and not self.in_mtp
 
     def folded_norm(self, weight: str) -> FoldedNorm:
         return FoldedNorm(self.w.tensor(weight), self.c.rms_norm_eps)
@@ -499,20 +578,82 @@ class _Recorder:
             if i + 1 < c.num_hidden_layers:
                 self.add_norm(s.moe_out, f"{MODEL}layers.{i + 1}.input_layernorm.weight", rows=T)
                 g.barrier()
-            elif self.predicts or self.verify_rows:
-                rows = self.verify_rows or 1
-                self.add_norm(s.moe_out, MODEL + "norm.weight", rows=rows, first=T - rows)
+            elif self.predicts or self.verify_rows or self.m.mtp:
+                rows = T if self.m.mtp else self.verify_rows or 1
+                self.add_norm(
+                    s.moe_out, MODEL + "norm.weight", rows, first=T - rows, out=self.final_normed
+                )
                 g.barrier()
+        if self.folds_norms and self.m.mtp:
+            # The decode step folds the final norm into the lm_head; the MTP head needs it too.
+            record_rms_norm(
+                g,
+                dev,
+                s.residual,
+                w.tensor(MODEL + "norm.weight"),
+                self.final_normed,
+                rows=1,
+                dim=c.hidden_size,
+                eps=c.rms_norm_eps,
+            )
         if self.verify_rows:
             self.verify_head()
         else:
             self.finish()
         return g
 
+    def record_mtp(self, chained: bool, head: bool) -> Graph:
+        """The MTP head's pass (ModelGraph.mtp_graph): fc over the normed embedding of each
+        row's next token and the normed hidden state, then the head's decoder layer, recorded
+        by the same attention and MoE walk as the main layers, with its own KV cache and step."""
+        c, g, dev, s, w, m, T = self.c, self.g, self.dev, self.s, self.w, self.m, self.tokens
+        self.in_mtp, self.step = True, m.mtp_step
+        source = m.mtp_out if chained else m.mtp_hidden
+        norm = dict(rows=T, dim=c.hidden_size, eps=c.rms_norm_eps)
+        # Row t embeds the token after its own position: the history read one id further on.
+        next_tokens = offset_by(self.state.history, 4)
+        embed = w.quantized(EMBED_TOKENS)
+        record_embedding(g, dev, next_tokens, (m.mtp_step, 0), embed, s.residual, T)
+        record_rms_norm(g, dev, source, w.tensor(MTP_NORM_HIDDEN), s.moe_out, **norm)
+        g.barrier()
+        record_rms_norm(g, dev, s.residual, w.tensor(MTP_NORM_EMBEDDING), s.normed, **norm)
+        g.barrier()
+        self.project(s.normed, [(m.mtp_fc_embedding, s.residual)], T)
+        self.project(s.moe_out, [(m.mtp_fc_hidden, s.mixer_out)], T)
+        g.barrier()
+        # residual = fc(...); normed = the layer's input norm of it
+        self.add_norm(s.mixer_out, MTP_LAYER + "input_layernorm.weight", rows=T)
+        g.barrier()
+        self.attention(m.mtp_layer, MTP_LAYER + "self_attn.", MTP_LAYER + "input_layernorm.weight")
+        if not head:
+            return g  # the attention wrote the KV rows, all a pass without the head is for
+        g.barrier()
+        self.add_norm(s.mixer_out, MTP_LAYER + "post_attention_layernorm.weight", rows=T)
+        g.barrier()
+        self.moe(MTP_LAYER + "mlp.", MTP_LAYER + "post_attention_layernorm.weight")
+        g.barrier()
+        # Only the last row drafts: its final norm goes to the one-row output a chained pass reads.
+        last_residual = self.hidden_row(s.residual, T - 1)
+        record_add_rms_norm(
+            g,
+            dev,
+            last_residual,
+            self.hidden_row(s.moe_out, T - 1),
+            w.tensor(MTP_FINAL_NORM),
+            last_residual,
+            m.mtp_out,
+            rows=1,
+            dim=c.hidden_size,
+            eps=c.rms_norm_eps,
+        )
+        g.barrier()
+        record_qgemv(g, dev, m.mtp_out, [(w.quantized(self.head_weight), m.mtp_logits)])
+        return g
+
     def verify_head(self) -> None:
         """The lm_head over the verified rows (the final norm is in `normed`), one GEMM."""
         rows = self.verify_rows
-        first = self.hidden_row(self.s.normed, self.tokens - rows)
+        first = self.hidden_row(self.final_normed, self.tokens - rows)
         head = [(self.w.quantized(self.head_weight), self.m._verify_logits)]
         self.project(first, head, rows)
 
@@ -520,7 +661,11 @@ class _Recorder:
     def head_weight(self) -> str:
         return EMBED_TOKENS if self.c.tie_word_embeddings else LM_HEAD
 
-    def add_norm(self, delta: Buffer, weight: str, rows: int, first: int = 0) -> None:
+    def add_norm(
+        self, delta: Buffer, weight: str, rows: int, first: int = 0, out: Buffer | None = None
+    ) -> None:
+        """residual += delta; `out` (default `normed`) = the RMSNorm of the sum, rows
+        [first, first + rows)."""
         s = self.s
         record_add_rms_norm(
             self.g,
@@ -529,7 +674,7 @@ class _Recorder:
             self.hidden_row(delta, first),
             self.w.tensor(weight),
             self.hidden_row(s.residual, first),
-            self.hidden_row(s.normed, first),
+            self.hidden_row(s.normed if out is None else out, first),
             rows=rows,
             dim=self.c.hidden_size,
             eps=self.c.rms_norm_eps,
@@ -555,7 +700,7 @@ class _Recorder:
                 g, dev, self.s.residual, head, norm=self.folded_norm(MODEL + "norm.weight")
             )
         else:
-            record_qgemv(g, dev, self.hidden_row(self.s.normed, T - 1), head)
+            record_qgemv(g, dev, self.hidden_row(self.final_normed, T - 1), head)
         g.barrier()
         record_sample(
             g,
@@ -669,7 +814,7 @@ class _Recorder:
             v_proj=s.v,
             q_norm=w.tensor(prefix + "q_norm.weight"),
             k_norm=w.tensor(prefix + "k_norm.weight"),
-            step=self.state.step,
+            step=self.step,
             capacity=self.m.capacity,
             rotary_dim=c.rotary_dim,
             rope_theta=c.rope_theta,
@@ -678,7 +823,7 @@ class _Recorder:
             **caches,
             **heads,
         )
-        if T == 1:
+        if self.folds_norms:
             # The grid covers the capacity; the kernels take the context from the step buffer.
             partials = dict(
                 partial_out=s.partial_out,
@@ -704,7 +849,7 @@ class _Recorder:
                 dev,
                 queries=s.queries,
                 q_proj=s.q,
-                step=self.state.step,
+                step=self.step,
                 out=s.attn_out,
                 capacity=self.m.capacity,
                 head_dim=c.head_dim,
@@ -722,7 +867,7 @@ class _Recorder:
         the grouped GEMM's tiles would be nearly empty); beyond, the grouped GEMM."""
         c, g, dev, s, T = self.c, self.g, self.dev, self.s, self.tokens
         weights = self.moe_weights(prefix)
-        if T == 1:
+        if self.folds_norms:
             record_moe(
                 g,
                 dev,

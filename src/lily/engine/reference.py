@@ -18,6 +18,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lily.checkpoint.config import FULL_ATTENTION, ModelConfig
+from lily.checkpoint.mtp import (
+    MTP_FC,
+    MTP_FINAL_NORM,
+    MTP_LAYER,
+    MTP_NORM_EMBEDDING,
+    MTP_NORM_HIDDEN,
+    is_mtp,
+    mtp_quant,
+)
 from lily.checkpoint.quant import bf16_to_float32, dequantize, round_to_bf16
 
 # ---------------------------------------------------------------------------------------------
@@ -254,24 +263,60 @@ class ReferenceModel:
         """
         if state is None:
             state = self.new_state()
+        hidden = self.hidden_states(tokens, state)
+        return self._lm_head(hidden), state
+
+    def hidden_states(self, tokens: Sequence[int], state: ReferenceState) -> np.ndarray:
+        """The final-normed hidden states [len(tokens), hidden] of `tokens` after `state` (the
+        rows the lm_head reads, which also feed the MTP head); advances `state`."""
         tokens = np.asarray(tokens, dtype=np.int64)
         c = self.config
         x = self._embed(tokens)
         for i, kind in enumerate(c.layer_types):
-            layer = f"{MODEL_PREFIX}layers.{i}."
-            mixer_in = rms_norm(x, self._float(layer + "input_layernorm.weight"), c.rms_norm_eps)
-            if kind == FULL_ATTENTION:
-                x = x + self._attention(layer + "self_attn.", i, mixer_in, state)
-            else:
-                x = x + self._gated_deltanet(layer + "linear_attn.", i, mixer_in, state)
-            moe_in = rms_norm(
-                x, self._float(layer + "post_attention_layernorm.weight"), c.rms_norm_eps
-            )
-            x = x + self._moe(layer + "mlp.", moe_in)
+            x = self._decoder_layer(f"{MODEL_PREFIX}layers.{i}.", i, kind, x, state, state.position)
         state.position += len(tokens)
-        x = rms_norm(x, self._float(MODEL_PREFIX + "norm.weight"), c.rms_norm_eps)
-        head = MODEL_PREFIX + "embed_tokens" if c.tie_word_embeddings else "language_model.lm_head"
-        return self._linear(head, x), state
+        return rms_norm(x, self._float(MODEL_PREFIX + "norm.weight"), c.rms_norm_eps)
+
+    def mtp(
+        self, hidden: np.ndarray, next_tokens: Sequence[int], start: int, state: ReferenceState
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The multi-token-prediction head over rows at positions [start, start + T): row t
+        pairs the hidden state `hidden[t]` (the main model's final-normed state at that
+        position, or the head's own output when chaining drafts) with the embedding of the
+        token that follows it, `next_tokens[t]`, and predicts the token after that one.
+
+        fc([pre_fc_norm_embedding(embedding), pre_fc_norm_hidden(hidden)]) goes through one
+        full-attention decoder layer (gated attention with its own KV cache, the MoE) and the
+        head's final norm; the shared lm_head makes the logits. The head's KV cache keeps the
+        rows before `start` and drops the rest (rows of drafts later rejected), as the engine
+        overwrites them. Returns (logits [T, vocab], the head's final-normed output [T, hidden],
+        which feeds the next draft step)."""
+        c = self.config
+        layer = self.mtp_layer
+        if layer not in state.keys:
+            empty = np.zeros((c.num_key_value_heads, 0, c.head_dim), self.dtype)
+            state.keys[layer], state.values[layer] = empty, empty
+        state.keys[layer] = state.keys[layer][:, :start]
+        state.values[layer] = state.values[layer][:, :start]
+        if state.keys[layer].shape[1] != start:
+            raise ValueError(f"the MTP cache holds {state.keys[layer].shape[1]} rows, not {start}")
+        embedded = rms_norm(
+            self._embed(np.asarray(next_tokens, np.int64)),
+            self._float(MTP_NORM_EMBEDDING),
+            c.rms_norm_eps,
+        )
+        hidden = rms_norm(
+            np.asarray(hidden, self.dtype), self._float(MTP_NORM_HIDDEN), c.rms_norm_eps
+        )
+        x = self._linear(MTP_FC, np.concatenate([embedded, hidden], axis=-1))
+        x = self._decoder_layer(MTP_LAYER, layer, FULL_ATTENTION, x, state, start)
+        out = rms_norm(x, self._float(MTP_FINAL_NORM), c.rms_norm_eps)
+        return self._lm_head(out), out
+
+    @property
+    def mtp_layer(self) -> int:
+        """The index the MTP layer's KV cache is kept under: the one after the main layers."""
+        return self.config.num_hidden_layers
 
     def decode(self, token: int, state: ReferenceState) -> np.ndarray:
         """One token after `state`; returns logits [vocab] and advances `state`."""
@@ -296,6 +341,24 @@ class ReferenceModel:
             next_logits = self.decode(token, state)
         return generated
 
+    def _decoder_layer(
+        self, layer: str, index: int, kind: str, x: np.ndarray, state: ReferenceState, start: int
+    ) -> np.ndarray:
+        """One block over rows at positions [start, start + T): the mixer, then the MoE."""
+        c = self.config
+        mixer_in = rms_norm(x, self._float(layer + "input_layernorm.weight"), c.rms_norm_eps)
+        if kind == FULL_ATTENTION:
+            x = x + self._attention(layer + "self_attn.", index, mixer_in, state, start)
+        else:
+            x = x + self._gated_deltanet(layer + "linear_attn.", index, mixer_in, state)
+        moe_in = rms_norm(x, self._float(layer + "post_attention_layernorm.weight"), c.rms_norm_eps)
+        return x + self._moe(layer + "mlp.", moe_in)
+
+    def _lm_head(self, x: np.ndarray) -> np.ndarray:
+        c = self.config
+        head = MODEL_PREFIX + "embed_tokens" if c.tie_word_embeddings else "language_model.lm_head"
+        return self._linear(head, x)
+
     # -- weights ------------------------------------------------------------------------------
 
     def _float(self, name: str) -> np.ndarray:
@@ -305,7 +368,7 @@ class ReferenceModel:
 
     def _dequantized(self, base: str, index: slice | int | np.ndarray = slice(None)) -> np.ndarray:
         """Dequantize `base` (optionally only rows/experts `index` of its leading axis)."""
-        spec = self.config.quant_for(base)
+        spec = mtp_quant(base) if is_mtp(base) else self.config.quant_for(base)
         return dequantize(
             self.tensors[base + ".weight"][index],
             self.tensors[base + ".scales"][index],
@@ -354,11 +417,11 @@ class ReferenceModel:
         return self._linear(prefix + "out_proj", np.stack(outputs))
 
     def _attention(
-        self, prefix: str, layer: int, x: np.ndarray, state: ReferenceState
+        self, prefix: str, layer: int, x: np.ndarray, state: ReferenceState, start: int
     ) -> np.ndarray:
         c = self.config
         n_tokens, d = x.shape[0], c.head_dim
-        positions = state.position + np.arange(n_tokens)
+        positions = start + np.arange(n_tokens)
         q_and_gate = self._linear(prefix + "q_proj", x).reshape(n_tokens, -1, 2 * d)
         q, gate = q_and_gate[..., :d], q_and_gate[..., d:].reshape(n_tokens, -1)
         k = self._linear(prefix + "k_proj", x).reshape(n_tokens, -1, d)

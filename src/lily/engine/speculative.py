@@ -18,10 +18,11 @@ changes what is generated, only how many tokens one pass yields:
   probability (1 - p(x)) p(y) / (1 - p(x)) = p(y): exactly the model's distribution. The
   random numbers come from one generator per (seed, position), so a seed reproduces a run.
 
-Drafts come from a `Drafter`; `Speculation` is the one a generation uses: prompt lookup
-(`ngram`: the continuation of the longest recent n-gram of the prompt and output so far that
-occurred earlier), a client's prediction (OpenAI's Predicted Outputs), or both, with the
-counts a response reports and the "auto" policy that stops drafting when it does not pay.
+Drafts come from a `Drafter`; `Speculation` is the one a generation uses: the checkpoint's
+multi-token-prediction head (`mtp`: the engine runs it, see docs/architecture.md), prompt
+lookup (`ngram`: the continuation of the longest recent n-gram of the prompt and output so far
+that occurred earlier), a client's prediction (OpenAI's Predicted Outputs), or several, with
+the counts a response reports and the "auto" policy that stops drafting when it does not pay.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ import numpy as np
 
 from lily.engine.model_graph import MAX_DRAFT_TOKENS
 
-# What `lily.load(speculative=...)` accepts; "mtp" (the checkpoint's own draft head) is named so
-# that asking for it says it is not built yet rather than "unknown mode".
-SPECULATIVE_MODES = ("auto", "ngram", "off")
-NOT_YET_BUILT = ("mtp",)
+# What `lily.load(speculative=...)` accepts: "auto" drafts with the checkpoint's MTP head when it
+# has one, else with prompt lookup.
+SPECULATIVE_MODES = ("auto", "mtp", "ngram", "off")
 DEFAULT_DRAFT_TOKENS = 4
 # Prompt lookup matches the last 2 to 4 tokens; a single token matches too often by chance.
 LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 4
@@ -53,11 +53,6 @@ AUTO_IDLE_LOOKUPS = 32
 
 def check_speculative(mode: str, draft_tokens: int) -> None:
     """Refuses a speculative mode or draft length `lily.load` cannot honour, by name."""
-    if mode in NOT_YET_BUILT:
-        raise ValueError(
-            f"speculative={mode!r} (the checkpoint's multi-token-prediction head) is not built "
-            f"yet; use one of {', '.join(SPECULATIVE_MODES)}"
-        )
     if mode not in SPECULATIVE_MODES:
         raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}; got {mode!r}")
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int):
@@ -153,14 +148,19 @@ class SourceCounts:
 
 @dataclass
 class Speculation:
-    """The drafter of one generation: prompt lookup when `ngram`, the client's `prediction`
-    (token ids) when given, at most `draft_tokens` per pass. Prediction drafts come first: they
-    are the client's knowledge of the answer. With `auto`, prompt lookup stops for the rest of
-    the generation once its first AUTO_PASSES passes accepted fewer than AUTO_MIN_ACCEPTED
-    drafts on average, or AUTO_IDLE_LOOKUPS lookups in a row found nothing (a prediction is
-    never dropped: the client asked for it)."""
+    """The drafter of one generation: the MTP head when `mtp`, prompt lookup when `ngram`, the
+    client's `prediction` (token ids) when given, at most `draft_tokens` per pass. Prediction
+    drafts come first: they are the client's knowledge of the answer; then the head's, then
+    lookup's. With `auto`, the head or prompt lookup stops for the rest of the generation once
+    its first AUTO_PASSES passes accepted fewer than AUTO_MIN_ACCEPTED drafts on average, and
+    lookup once AUTO_IDLE_LOOKUPS lookups in a row found nothing (a prediction is never
+    dropped: the client asked for it). The head's drafts come from `head` (up to n greedy drafts
+    after the newest token), which the engine running it sets for the generation; without it
+    the head drafts nothing."""
 
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    mtp: bool = False
+    head: Callable[[int], list[int]] | None = None
     ngram: bool = False
     prediction: Sequence[int] = ()
     # The tokens that precede the prediction in the output (e.g. the end of the think block):
@@ -180,23 +180,32 @@ class Speculation:
         self._corpus = [*self.anchor, *self.prediction]
         if self.prediction:
             self.counts["prediction"] = SourceCounts()
+        if self.mtp:
+            self.counts["mtp"] = SourceCounts()
         if self.ngram:
             self.counts["ngram"] = SourceCounts()
 
-    def _lookup_enabled(self) -> bool:
-        if "ngram" not in self.counts:
+    def _pays(self, source: str) -> bool:
+        """Whether `source` drafts: asked for, and under "auto" accepted often enough so far."""
+        if source not in self.counts:
             return False
         if not self.auto:
             return True
-        counts = self.counts["ngram"]
-        if self._idle_lookups >= AUTO_IDLE_LOOKUPS:
-            return False
+        counts = self.counts[source]
         return counts.passes < AUTO_PASSES or counts.accepted >= AUTO_MIN_ACCEPTED * counts.passes
+
+    def _lookup_enabled(self) -> bool:
+        if self.auto and self._idle_lookups >= AUTO_IDLE_LOOKUPS:
+            return False
+        return self._pays("ngram")
+
+    def _head_enabled(self) -> bool:
+        return self.head is not None and self._pays("mtp")
 
     @property
     def exhausted(self) -> bool:
         """Whether nothing will be drafted for the rest of the generation."""
-        return not self.prediction and not self._lookup_enabled()
+        return not self.prediction and not self._head_enabled() and not self._lookup_enabled()
 
     def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
         limit = min(limit, self.draft_tokens)
@@ -207,6 +216,12 @@ class Speculation:
             )
             if drafts:
                 self._last_source, self._drafted_from = "prediction", start
+                return drafts
+        if self._head_enabled():
+            assert self.head is not None
+            drafts = self.head(limit)
+            if drafts:
+                self._last_source = "mtp"
                 return drafts
         if self._lookup_enabled():
             drafts = self._index.draft(tokens, limit)
@@ -229,7 +244,7 @@ class Speculation:
     @property
     def total(self) -> SourceCounts:
         """All sources' counts summed: what `lily bench` reports (it drafts from one source,
-        but a generation with a prediction and prompt lookup has two)."""
+        but a generation with a prediction and the head or prompt lookup has two)."""
         return SourceCounts(
             passes=sum(c.passes for c in self.counts.values()),
             drafted=sum(c.drafted for c in self.counts.values()),

@@ -1,0 +1,296 @@
+"""Speculative decoding with the checkpoint's multi-token-prediction head (`speculative="mtp"`):
+the head's pass against the float64 reference, its drafts through a whole generation (its KV
+cache kept on the accepted tokens across verify passes, rejections, prefill chunks and a
+prefix-cache restore), and greedy output equal to plain decoding's.
+
+The heads are random, so their drafts are nearly always rejected: these tests are about the
+drafts being the head's (checked against the reference at every pass) and the output being the
+model's whatever they are. "Equal to plain decoding" is meant as tests/test_speculative.py
+explains: up to the first position where plain decoding's top-2 margin is within rounding.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from device_testing import open_test_device
+from test_speculative import ANSWER, MARGIN, _Permissive, _prompt, _same_as_plain
+from tiny_models import tiny_checkpoint
+
+import lily
+from lily.checkpoint.demo import demo_checkpoint_dir
+from lily.checkpoint.loader import load_checkpoint
+from lily.engine.engine import DeviceEngine
+from lily.engine.model_graph import ModelGraph
+from lily.engine.reference import ReferenceModel
+from lily.engine.speculative import Speculation
+from lily.kernels.step import POSITION
+
+MAX_SEQ = 256
+# The prompt (43 tokens) is cut into chunks of 16: drafting starts after three chunks.
+MAX_CHUNK = 16
+# The head's logits against the float64 reference (the engine's KV caches hold bf16, as the
+# reference's do with bf16_kv_cache); observed about 1e-4.
+LOGIT_TOLERANCE = 2e-3
+
+
+def _reference(checkpoint) -> ReferenceModel:
+    return ReferenceModel(checkpoint.config, checkpoint.tensors, np.float64, bf16_kv_cache=True)
+
+
+def _reference_drafts(
+    reference: ReferenceModel, hidden: np.ndarray, context: list[int], drafts: list[int]
+) -> list[np.ndarray]:
+    """The head's logits for each of `drafts` after `context`, as the reference computes them:
+    over the context's rows (hidden states of the whole sequence, teacher-forced), then
+    chained on the given drafts."""
+    state = reference.new_state()
+    newest = len(context) - 1
+    logits, out = reference.mtp(hidden[:newest], context[1:], 0, state)
+    rows = [logits[-1]]
+    for i, draft in enumerate(drafts[:-1]):
+        logits, out = reference.mtp(out[-1:], [draft], newest + i, state)
+        rows.append(logits[-1])
+    return rows
+
+
+def _assert_drafts_are_the_heads(checkpoint, sequence: list[int], calls) -> None:
+    """Each recorded (context, drafts) call drafted what the reference head drafts: the same
+    token wherever the reference's top-2 margin is clear of rounding."""
+    reference = _reference(checkpoint)
+    hidden = reference.hidden_states(sequence, reference.new_state())
+    checked = 0
+    for context, drafts in calls:
+        assert context == sequence[: len(context)]
+        rows = _reference_drafts(reference, hidden, context, drafts)
+        for draft, row in zip(drafts, rows, strict=True):
+            top2 = np.sort(row)[-2:]
+            if top2[1] - top2[0] > MARGIN:
+                assert draft == int(np.argmax(row))
+                checked += 1
+    assert checked >= len(calls)
+
+
+# ---- the head's pass ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["small", "wide", "demo"])
+def test_the_heads_pass_is_the_reference_head(name):
+    """The prompt's chunk, then the head over its 21 rows (each with the token after it, the
+    last one the drawn token), then two chained steps: logits and output as the reference's."""
+    path = demo_checkpoint_dir() if name == "demo" else tiny_checkpoint(name, mtp_head=True)
+    checkpoint = load_checkpoint(path)
+    vocab = checkpoint.config.vocab_size
+    model = ModelGraph(checkpoint, open_test_device(), 64, vocab, 32, mtp=True)
+    prompt = np.random.default_rng(3).integers(0, vocab - 64, 21).tolist()
+    history, step = model.history_view(), model.step_view()
+    history[: len(prompt)] = prompt
+    step[:3] = 0, len(prompt), prompt[0]
+    model.device.run(model.graph(len(prompt), predicts=True))
+    drawn = int(history[len(prompt)])
+    model.mtp_step_view()[0] = 0
+    model.device.run(model.mtp_graph(len(prompt), chained=False, head=True))
+
+    reference = _reference(checkpoint)
+    state = reference.new_state()
+    hidden = reference.hidden_states(prompt, state)
+    logits, out = reference.mtp(hidden, [*prompt[1:], drawn], 0, state)
+    head_out = model.mtp_out.numpy().view(np.float32)
+    assert np.abs(model.mtp_logits_view() - logits[-1]).max() < LOGIT_TOLERANCE
+    assert np.abs(head_out - out[-1]).max() < LOGIT_TOLERANCE
+    for position in (len(prompt), len(prompt) + 1):
+        draft = int(np.argmax(model.mtp_logits_view()))
+        history[position + 1] = draft
+        model.mtp_step_view()[0] = position
+        model.device.run(model.mtp_graph(1, chained=True, head=True))
+        logits, out = reference.mtp(out[-1:], [draft], position, state)
+        assert np.abs(model.mtp_logits_view() - logits[-1]).max() < LOGIT_TOLERANCE
+
+
+def test_an_mtp_graph_needs_a_head_and_verify_passes():
+    plain = load_checkpoint(tiny_checkpoint("small"))
+    with pytest.raises(ValueError, match="no multi-token-prediction head"):
+        ModelGraph(plain, open_test_device(), 64, 1024, 16, mtp=True)
+    headed = load_checkpoint(tiny_checkpoint("small", mtp_head=True))
+    with pytest.raises(ValueError, match="max_chunk >= 2"):
+        ModelGraph(headed, open_test_device(), 64, 1024, 1, mtp=True)
+
+
+# ---- generations -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    return load_checkpoint(tiny_checkpoint("small", mtp_head=True))
+
+
+def _engine(checkpoint) -> DeviceEngine:
+    vocab = checkpoint.config.vocab_size
+    return DeviceEngine(checkpoint, open_test_device(), MAX_SEQ, vocab, MAX_CHUNK, mtp=True)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return _engine(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint, engine):
+    """Plain greedy decoding on the same engine, one pass at a time (see test_speculative)."""
+    prompt = _prompt(checkpoint) + [3, 1, 4]  # 43 tokens: three chunks of at most 16
+    recurrent = [b.numpy() for b in engine._model.state.recurrent_buffers()]
+    answer, states = [], []
+    for token in engine.generate(prompt, ANSWER, constraint=_Permissive()):
+        answer.append(token.id)
+        states.append([a.copy() for a in recurrent])
+    logits = engine.teacher_forced_logits(prompt + answer[:-1])[len(prompt) - 1 :]
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    near = np.flatnonzero(top2[:, 1] - top2[:, 0] <= MARGIN)
+    decided = int(near[0]) if near.size else ANSWER
+    assert decided >= ANSWER // 2, "the fixture's answer is undecided too early to test"
+    return prompt, answer, states, decided
+
+
+class _Recording(Speculation):
+    """The head's drafter, recording each verify pass's outcome."""
+
+    def verified(self, drafted, accepted):
+        super().verified(drafted, accepted)
+        self.outcomes = [*getattr(self, "outcomes", []), (len(drafted), accepted)]
+
+
+@pytest.fixture
+def head_calls(monkeypatch):
+    """Every time the head drafts: (the context it drafts after, its drafts, the recurrent
+    state and the step position then)."""
+    calls = []
+    drafts = DeviceEngine._mtp_drafts
+
+    def recording(self, limit):
+        model = self._model
+        start, rows = self._mtp_pending
+        context = [int(t) for t in model.history_view()[: start + rows + 1]]
+        state = [b.numpy().copy() for b in model.state.recurrent_buffers()]
+        position = int(model.step_view()[POSITION])
+        out = drafts(self, limit)
+        calls.append((context, out, state, position))
+        return out
+
+    monkeypatch.setattr(DeviceEngine, "_mtp_drafts", recording)
+    return calls
+
+
+def test_greedy_output_with_the_head_is_plain_decoding(checkpoint, engine, plain, head_calls):
+    prompt, answer, states, decided = plain
+    drafter = _Recording(draft_tokens=4, mtp=True)
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
+    _same_as_plain(tokens, plain)
+    counts = drafter.counts["mtp"]
+    assert counts.passes >= 4 and counts.drafted > counts.passes  # chained past one draft
+    assert any(accepted < drafted for drafted, accepted in drafter.outcomes)
+    # The drafts were the head's at every pass: its KV rows followed the accepted tokens
+    # through the prompt's chunks, verify passes and rejections.
+    _assert_drafts_are_the_heads(checkpoint, prompt + answer[:decided], [
+        (context, drafts) for context, drafts, _, _ in head_calls
+        if len(context) <= len(prompt) + decided
+    ])  # fmt: skip
+    # After a rejection the state is the one plain decoding had at that token (the
+    # chunk kernels sum in another order than the decode step's).
+    caught_up = [
+        (len(context), state)
+        for context, _, state, position in head_calls
+        if position == len(context) - 1 and len(context) - len(prompt) <= decided
+    ]
+    assert len(caught_up) >= 3
+    for length, state in caught_up:
+        expected = states[length - len(prompt) - 1]
+        for a, b in zip(state, expected, strict=True):
+            a, b = a.view(np.float32), b.view(np.float32)
+            assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+
+
+def test_a_stop_token_ends_a_generation_drafting_with_the_head(engine, plain):
+    prompt, answer, _, decided = plain
+    stop = answer[min(decided, 10) - 1]
+    drafter = Speculation(draft_tokens=4, mtp=True)
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, {stop}, drafter=drafter)]
+    assert tokens == answer[: answer.index(stop) + 1]
+
+
+def test_a_rejection_right_after_a_prefix_cache_restore(checkpoint, plain, head_calls):
+    prompt, answer, _, decided = plain
+    engine = _engine(checkpoint)
+    list(engine.generate(prompt[:20], 2, snapshot_at=16, drafter=Speculation(mtp=True)))
+    assert engine.cached_prefix_length(prompt) == 16
+    head_calls.clear()
+    drafter = _Recording(draft_tokens=4, mtp=True)
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
+    _same_as_plain(tokens, plain)
+    assert drafter.outcomes[0][1] < drafter.outcomes[0][0]
+    # The head's rows of the restored 16 tokens came back with the prefix: its drafts are
+    # still the reference's.
+    _assert_drafts_are_the_heads(checkpoint, prompt + answer[:decided], [
+        (context, drafts) for context, drafts, _, _ in head_calls[:3]
+    ])  # fmt: skip
+
+
+# ---- through the API ---------------------------------------------------------------------------
+
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+USER = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def demo_pair():
+    with (
+        lily.load("demo", device="sim", max_seq=MAX_SEQ, speculative="off") as plain_llm,
+        lily.load("demo", device="sim", max_seq=MAX_SEQ, speculative="mtp") as head_llm,
+    ):
+        yield plain_llm, head_llm
+
+
+def _answer(llm, **params):
+    params = {"messages": USER, "max_tokens": 16, "temperature": 0, **NO_THINKING, **params}
+    return llm.chat.completions.create(**params)
+
+
+def test_the_demo_answers_the_same_with_the_head(demo_pair):
+    plain_llm, head_llm = demo_pair
+    assert head_llm.mtp_head and head_llm.speculation().mtp
+    want = _answer(plain_llm)
+    assert _answer(head_llm).choices[0].message == want.choices[0].message
+    content = want.choices[0].message.content
+    stop = content[len(content) // 2 : len(content) // 2 + 3]
+    want_stopped = _answer(plain_llm, stop=stop)
+    got = _answer(head_llm, stop=stop)
+    assert got.choices[0].message == want_stopped.choices[0].message
+    assert got.choices[0].finish_reason == "stop"
+    schema = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "poem",
+            "schema": {"type": "object", "properties": {"title": {"type": "string"}}},
+        },
+    }
+    want_json = _answer(plain_llm, response_format=schema, max_tokens=12)
+    got_json = _answer(head_llm, response_format=schema, max_tokens=12)
+    assert got_json.choices[0].message == want_json.choices[0].message
+
+
+def test_auto_drafts_with_the_head_when_the_checkpoint_has_one(tmp_path):
+    with lily.load("demo", device="sim", max_seq=64) as llm:
+        assert llm.speculative == "auto" and llm.mtp_head
+        speculation = llm.speculation()
+        assert speculation.mtp and not speculation.ngram and speculation.auto
+    # A tiny checkpoint without a head, with a chat template so that lily.load takes it.
+    without = tmp_path / "small"
+    shutil.copytree(tiny_checkpoint("small"), without, copy_function=os.link)
+    shutil.copy(Path(__file__).parent / "chat_template_qwen.jinja", without / "chat_template.jinja")
+    with lily.load(str(without), device="sim", max_seq=64) as llm:
+        assert not llm.mtp_head and llm.speculation().ngram
+    with pytest.raises(ValueError, match="needs the checkpoint's multi-token-prediction head"):
+        lily.load(without, device="sim", max_seq=64, speculative="mtp")
