@@ -32,3 +32,31 @@ def test_a_decode_only_graph_allocates_no_chunk_activations() -> None:
         model.step_view()[:3] = (0, 1, 0)
         device.run(model.decode)
     np.testing.assert_array_equal(decode_only.logits_view(), chunked.logits_view())
+
+
+def test_device_bytes_covers_what_the_mtp_head_allocates(monkeypatch) -> None:
+    """The memory preflight's figure grows by at least what a graph with the MTP head
+    allocates beyond one without it (its KV cache, hidden states, logits, fc halves), in
+    either KV format."""
+    from lily.device import Device
+    from lily.engine.model_graph import device_bytes
+
+    checkpoint = load_checkpoint(tiny_checkpoint("small", mtp_head=True))
+    c, device = checkpoint.config, open_device("sim", execute=False)
+    allocated: list[int] = []
+    for method in ("alloc", "scratch"):
+        original = getattr(Device, method)
+
+        def counting(self, nbytes, original=original):
+            allocated.append(nbytes)
+            return original(self, nbytes)
+
+        monkeypatch.setattr(Device, method, counting)
+    for kv_cache in ("bf16", "int8"):
+        totals = []
+        for mtp in (False, True):
+            allocated.clear()
+            ModelGraph(checkpoint, device, 64, c.vocab_size, 16, kv_cache, mtp=mtp)
+            totals.append(sum(allocated))
+        estimate = [device_bytes(checkpoint, 64, 16, kv_cache, mtp) for mtp in (False, True)]
+        assert estimate[1] - estimate[0] >= totals[1] - totals[0] > 0

@@ -294,3 +294,18 @@ def test_auto_drafts_with_the_head_when_the_checkpoint_has_one(tmp_path):
         assert not llm.mtp_head and llm.speculation().ngram
     with pytest.raises(ValueError, match="needs the checkpoint's multi-token-prediction head"):
         lily.load(without, device="sim", max_seq=64, speculative="mtp")
+
+
+def test_the_head_drafts_over_an_int8_kv_cache():
+    """The head's own KV cache takes the engine's format: with an int8 cache the demo loads,
+    and drafting with the head answers as plain int8 decoding does."""
+    common = dict(device="sim", max_seq=MAX_SEQ, kv_cache="int8")
+    with (
+        lily.load("demo", **common, speculative="off") as plain_llm,
+        lily.load("demo", **common, speculative="mtp") as head_llm,
+    ):
+        model = head_llm.engine._model
+        rows = model.state.k_cache[model.mtp_layer].size // MAX_SEQ
+        assert rows == model.state.k_cache[model.config.full_attention_layers[0]].size // MAX_SEQ
+        assert head_llm.mtp_head and head_llm.speculation().mtp
+        assert _answer(head_llm).choices[0].message == _answer(plain_llm).choices[0].message

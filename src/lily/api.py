@@ -93,14 +93,14 @@ def _make_engine(
         return ReferenceEngine(checkpoint, max_seq, token_count, prefix_cache)
     from lily.device import check_memory, open_device
 
-    working = device_bytes(checkpoint, max_seq, prefill_chunk, kv_cache)
+    working = device_bytes(checkpoint, max_seq, prefill_chunk, kv_cache, mtp)
     check_memory(device, working)
     # The sim has no watchdog: its chunks are cut by length only.
     command_buffer_flops = COMMAND_BUFFER_FLOPS if device == "metal" else None
     # With the MTP head the saved states hold its KV rows too: another layout on disk.
     layout = f"device-{kv_cache}" + ("-mtp" if mtp else "")
     prefix_cache = cache.build(
-        checkpoint, layout, kv_cache_bytes_per_token(config, kv_cache), working
+        checkpoint, layout, kv_cache_bytes_per_token(config, kv_cache, mtp), working
     )
     return DeviceEngine(
         checkpoint,

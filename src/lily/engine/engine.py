@@ -281,9 +281,10 @@ class DeviceEngine:
         self._mtp_pending: tuple[int, int] | None = None
         self._rows = _DeviceRows(self._model)
         if prefix_cache is None:
-            working = device_bytes(checkpoint, max_seq, max_chunk, kv_cache)
+            working = device_bytes(checkpoint, max_seq, max_chunk, kv_cache, mtp)
             prefix_cache = PrefixCache(
-                default_cache_memory(working), kv_cache_bytes_per_token(self.config, kv_cache)
+                default_cache_memory(working),
+                kv_cache_bytes_per_token(self.config, kv_cache, mtp),
             )
         self.prefix_cache = prefix_cache
         recurrent = [b.numpy() for b in self._model.state.recurrent_buffers()]

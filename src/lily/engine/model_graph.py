@@ -221,11 +221,11 @@ def scratch_bytes(c: ModelConfig, max_chunk: int) -> int:
     return activations + (chunk_moe if max_chunk > 1 else 0) + sampler
 
 
-def kv_cache_bytes_per_token(c: ModelConfig, kv_cache: str) -> int:
-    """One position's keys and values over every attention layer, in the format `kv_cache`."""
-    return (
-        2 * len(c.full_attention_layers) * attention.cache_bytes(c.num_key_value_heads, 1, kv_cache)
-    )
+def kv_cache_bytes_per_token(c: ModelConfig, kv_cache: str, mtp: bool = False) -> int:
+    """One position's keys and values over every attention layer (and the MTP head's, with
+    `mtp`), in the format `kv_cache`."""
+    layers = len(c.full_attention_layers) + int(mtp)
+    return 2 * layers * attention.cache_bytes(c.num_key_value_heads, 1, kv_cache)
 
 
 def device_bytes(
@@ -233,13 +233,18 @@ def device_bytes(
     capacity: int,
     max_chunk: int = DEFAULT_MAX_CHUNK,
     kv_cache: str = "bf16",
+    mtp: bool = False,
 ) -> int:
     """What a ModelGraph keeps on the device: the wrapped shards, the KV cache for `capacity`
-    tokens in the format `kv_cache`, the recurrent state, and (bounded above) the per-pass
-    scratch."""
+    tokens in the format `kv_cache`, the recurrent state, (bounded above) the per-pass
+    scratch, and with `mtp` the MTP head's KV cache, hidden states, logits and fc halves."""
     c = checkpoint.config
     weights = sum(shard.size for shard in checkpoint.shards.values())
-    kv = capacity * kv_cache_bytes_per_token(c, kv_cache)
+    kv = capacity * kv_cache_bytes_per_token(c, kv_cache, mtp)
+    if mtp:
+        h = c.hidden_size
+        fc_halves = 2 * h * (h * 4 // 8 + 2 * 2 * (h // 64))  # 4-bit codes, bf16 scales, biases
+        kv += 4 * h * (max_chunk + 1) + 4 * c.vocab_size + fc_halves + 4
     gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
     recurrent = state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim)
     splits = attention.decode_splits(capacity)
@@ -393,7 +398,7 @@ class ModelGraph:
     def _allocate_mtp(self, checkpoint: Checkpoint) -> None:
         c, dev = self.config, self.device
         h = c.hidden_size
-        nbytes = attention.cache_bytes(c.num_key_value_heads, self.capacity)
+        nbytes = attention.cache_bytes(c.num_key_value_heads, self.capacity, self.kv_cache)
         self.state.k_cache[self.mtp_layer] = dev.alloc(nbytes)
         self.state.v_cache[self.mtp_layer] = dev.alloc(nbytes)
         self.mtp_hidden = dev.alloc(4 * h * self.max_chunk)
