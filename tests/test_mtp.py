@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from device_testing import open_test_device
-from test_speculative import ANSWER, MARGIN, _Permissive, _prompt, _same_as_plain
+from test_speculative import ANSWER, MARGIN, _prompt, _same_as_plain, plain_decoding
 from tiny_models import tiny_checkpoint
 
 import lily
@@ -142,17 +142,7 @@ def engine(checkpoint):
 def plain(checkpoint, engine):
     """Plain greedy decoding on the same engine, one pass at a time (see test_speculative)."""
     prompt = _prompt(checkpoint) + [3, 1, 4]  # 43 tokens: three chunks of at most 16
-    recurrent = [b.numpy() for b in engine._model.state.recurrent_buffers()]
-    answer, states = [], []
-    for token in engine.generate(prompt, ANSWER, constraint=_Permissive()):
-        answer.append(token.id)
-        states.append([a.copy() for a in recurrent])
-    logits = engine.teacher_forced_logits(prompt + answer[:-1])[len(prompt) - 1 :]
-    top2 = np.sort(logits, axis=-1)[:, -2:]
-    near = np.flatnonzero(top2[:, 1] - top2[:, 0] <= MARGIN)
-    decided = int(near[0]) if near.size else ANSWER
-    assert decided >= ANSWER // 2, "the fixture's answer is undecided too early to test"
-    return prompt, answer, states, decided
+    return plain_decoding(engine, prompt)
 
 
 class _Recording(Speculation):

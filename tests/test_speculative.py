@@ -217,9 +217,12 @@ class _Permissive:
 
 @pytest.fixture(scope="module")
 def plain(checkpoint, engine):
+    return plain_decoding(engine, _prompt(checkpoint))
+
+
+def plain_decoding(engine, prompt: list[int]):
     """Plain greedy decoding: the answer, the recurrent state when each token was yielded (the
     state then has consumed every token before it), and how far the answer is decided."""
-    prompt = _prompt(checkpoint)
     recurrent = [b.numpy() for b in engine._model.state.recurrent_buffers()]
     answer, states = [], []
     for token in engine.generate(prompt, ANSWER, constraint=_Permissive()):
