@@ -28,6 +28,7 @@ from gdn_scan_model import Gpu as ScanGpu
 from gdn_scan_model import chunkwise_kernel, per_token_seconds
 
 from lily.checkpoint.config import FULL_ATTENTION, ModelConfig
+from lily.engine.model_graph import token_macs
 
 MEMORY_EFFICIENCY = 0.8
 LEVEL_SECONDS = 2e-6  # a memory barrier in a concurrent encoder drains the GPU
@@ -85,15 +86,12 @@ def groups(
     """The chunk's work per kernel group: a chunk of `tokens` ending at `context`, reading the
     weights `weight_bytes` names (bench_prefill.weight_bytes_per_chunk), the routed experts
     executing `expert_executed_ratio` times their useful matrix work (tile padding)."""
-    d = c.hidden_size
+    macs = token_macs(c)
     attention_layers = len(c.full_attention_layers)
     gdn_layers = c.num_hidden_layers - attention_layers
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    gdn = d * (2 * c.linear_key_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads)
-    gdn += c.linear_value_dim * d
-    projections = gdn_layers * gdn + attention_layers * (d * (2 * q + 2 * kv) + q * d)
-    shared = 3 * d * c.shared_expert_intermediate_size + d * (c.num_experts + 1)
-    experts = c.num_experts_per_tok * 3 * d * c.moe_intermediate_size
+    projections = gdn_layers * macs.gdn + attention_layers * macs.attention
+    shared, experts = macs.shared, macs.experts
     start = context - tokens
     contexts = tokens * start + tokens * (tokens + 1) // 2
     kv_bytes = attention_layers * 2 * kv * 2 * context  # bf16 K and V, read once per layer
@@ -109,7 +107,11 @@ def groups(
             2.0 * tokens * c.num_hidden_layers * experts * expert_executed_ratio,
         ),
         Group("chunk attention", kv_bytes, 2.0 * attention_layers * 2 * q * contexts),
-        Group("lm_head (1 token)", weight_bytes.get("lm_head", 0.0), 2.0 * d * c.vocab_size),
+        Group(
+            "lm_head (1 token)",
+            weight_bytes.get("lm_head", 0.0),
+            2.0 * c.hidden_size * c.vocab_size,
+        ),
     ]
 
 

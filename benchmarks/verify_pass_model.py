@@ -20,6 +20,7 @@ from make_synthetic_checkpoint import real_config
 from prefill_model import FP32_TILES, GPUS, MEMORY_EFFICIENCY
 
 from lily.checkpoint.config import FULL_ATTENTION, parse_config
+from lily.engine.model_graph import token_macs
 from lily.kernels.quantized_gemm import dense_tile_tokens, grouped_tile_tokens
 
 BYTES_PER_WEIGHT = 4.5 / 8  # 4-bit codes, a bf16 scale and bias per 64
@@ -33,14 +34,13 @@ def main() -> None:
     c = parse_config(real_config())
     d, layers = c.hidden_size, c.num_hidden_layers
     attention_layers = sum(1 for kind in c.layer_types if kind == FULL_ATTENTION)
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    gdn = d * (2 * c.linear_key_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads)
-    gdn += c.linear_value_dim * d
-    dense = (layers - attention_layers) * gdn + attention_layers * (d * (2 * q + 2 * kv) + q * d)
-    dense += layers * 3 * d * c.shared_expert_intermediate_size
+    macs = token_macs(c)
+    dense = (layers - attention_layers) * macs.gdn + attention_layers * macs.attention
+    # The router and shared-expert gate are 8-bit: counted apart from the 4-bit shared expert.
     router = layers * d * (c.num_experts + 1)
+    dense += layers * macs.shared - router
     head = d * c.vocab_size
-    expert = 3 * d * c.moe_intermediate_size
+    expert = macs.experts // c.num_experts_per_tok
     print("verify pass at the real dims: weights read and matrix work executed (a model)")
     print(f"{'drafts':>6} {'tokens':>6} {'GB read':>8} {'GEMM tiles GFLOP':>17} "
           f"{'GEMV GFLOP':>11}   estimated ms, GEMM tiles -> GEMVs")  # fmt: skip

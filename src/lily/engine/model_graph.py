@@ -254,22 +254,40 @@ def device_bytes(
     return weights + kv + gdn_layers * recurrent + scratch_bytes(c, max_chunk) + small
 
 
+@dataclass(frozen=True)
+class TokenMacs:
+    """Multiply-adds one token costs in each kind of layer's projections (the model's weights
+    in `layer_flops`, and the benchmarks' time models)."""
+
+    gdn: int  # a GDN layer's in_proj qkv, z, a, b and out_proj
+    attention: int  # an attention layer's q (with its gate), k, v and o projections
+    shared: int  # a layer's router, shared-expert gate and shared expert
+    experts: int  # a layer's chosen experts (gate, up and down each)
+
+
+def token_macs(c: ModelConfig) -> TokenMacs:
+    d = c.hidden_size
+    gdn = d * (2 * c.linear_key_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads)
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return TokenMacs(
+        gdn=gdn + c.linear_value_dim * d,
+        attention=d * (2 * q + 2 * kv) + q * d,
+        shared=d * (c.num_experts + 1) + 3 * d * c.shared_expert_intermediate_size,
+        experts=c.num_experts_per_tok * 3 * d * c.moe_intermediate_size,
+    )
+
+
 def layer_flops(c: ModelConfig, start: int, tokens: int) -> list[float]:
     """Multiply-adds x 2 of each layer (mixer and MoE) in a pass over positions
     [start, start + tokens): every projection and the chosen experts per token, plus, in an
     attention layer, attention over each token's context (which makes a chunk late in a long
     prompt cost more than an early one)."""
-    d = c.hidden_size
-    gdn = d * (2 * c.linear_key_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads)
-    gdn += c.linear_value_dim * d
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    attention_projections = d * (2 * q + 2 * kv) + q * d
-    experts = c.num_experts_per_tok * 3 * d * c.moe_intermediate_size
-    moe = d * (c.num_experts + 1) + experts + 3 * d * c.shared_expert_intermediate_size
+    macs = token_macs(c)
+    moe = macs.shared + macs.experts
     # Scores and weighted values: 2 * q-width multiply-adds per context position.
     contexts = tokens * start + tokens * (tokens + 1) // 2
-    attention = tokens * (attention_projections + moe) + 2 * q * contexts
-    linear = tokens * (gdn + moe)
+    attention = tokens * (macs.attention + moe) + 2 * c.num_attention_heads * c.head_dim * contexts
+    linear = tokens * (macs.gdn + moe)
     return [
         2.0 * (attention if kind == FULL_ATTENTION else linear) for kind in c.layer_types
     ]
