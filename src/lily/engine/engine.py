@@ -120,8 +120,10 @@ class Engine(Protocol):
         """How many leading tokens of `prompt` the prefix cache would spare `generate` feeding."""
         ...
 
-    def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
-        """Logits [len(tokens), vocab] of a fresh sequence fed `tokens`: row i predicts i + 1."""
+    def teacher_forced_logits(self, tokens: Sequence[int], reuse: bool = False) -> np.ndarray:
+        """Logits [len(tokens), vocab] of a fresh sequence fed `tokens`: row i predicts i + 1.
+        With `reuse`, the longest cached prefix of `tokens` is resumed instead of fed, and only
+        the rows of the tokens after it are returned."""
         ...
 
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
@@ -659,12 +661,12 @@ class DeviceEngine:
         return self._model.logits_view().copy()
 
     @holds_engine
-    def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
+    def teacher_forced_logits(self, tokens: Sequence[int], reuse: bool = False) -> np.ndarray:
         tokens = [int(t) for t in tokens]
         _check_fits(len(tokens), 0, self.max_seq)
-        self._start(tokens, prompt_end=len(tokens))
-        logits = np.empty((len(tokens), self.config.vocab_size), np.float32)
-        for i in range(len(tokens)):
+        start = self._start(tokens, prompt_end=len(tokens), reuse=reuse)
+        logits = np.empty((len(tokens) - start, self.config.vocab_size), np.float32)
+        for i in range(len(logits)):
             self.device.run(self._model.decode)
             logits[i] = self._model.logits_view()
         return logits
@@ -778,9 +780,13 @@ class ReferenceEngine:
             next_logits = self._model.decode(token, state)[: self.token_count]
 
     @holds_engine
-    def teacher_forced_logits(self, tokens: Sequence[int]) -> np.ndarray:
+    def teacher_forced_logits(self, tokens: Sequence[int], reuse: bool = False) -> np.ndarray:
         _check_fits(len(tokens), 0, self.max_seq)
-        logits, _ = self._model.prefill(tokens)
+        if not reuse:
+            logits, _ = self._model.prefill(tokens)
+            return logits.astype(np.float32)
+        state = self._rows.start(self.prefix_cache.begin(tokens, self._rows, reuse=True))
+        logits, _ = self._model.prefill(tokens[state.position :], state)
         return logits.astype(np.float32)
 
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:

@@ -157,13 +157,15 @@ class PrefixCache:
         self._clock = itertools.count(1)
         # Snapshots of the current generation still to be written to disk (positions).
         self._to_disk: list[int] = []
+        self.layout: StateLayout | None = None  # the engine's, once `set_layout` is told
 
     def set_layout(self, kv_cache: str, rows: Arrays, state: Arrays) -> None:
         """Tells the cache what the engine's states look like (the KV cache's format, KV rows
-        of any length, a recurrent state): files on disk are used only if they have exactly
-        this layout."""
+        of any length, a recurrent state): files on disk, and sequences given to
+        `add_sequence`, are used only if they have exactly this layout."""
+        self.layout = StateLayout.of(kv_cache, rows, state)
         if self.disk is not None:
-            self.disk.layout = StateLayout.of(kv_cache, rows, state)
+            self.disk.layout = self.layout
 
     # -- accounting -----------------------------------------------------------------------------
 
@@ -206,15 +208,30 @@ class PrefixCache:
             except Exception:  # a cache: whatever goes wrong there costs a recompute only
                 logger.exception("prefix cache: reading %s failed", self.disk.directory)
                 entry = None
-            if entry is not None:
-                loaded = CachedSequence(
-                    list(entry.tokens), {len(entry.tokens): entry.state}, rows=entry.rows
-                )
-                self._touch(loaded, len(entry.tokens))
-                self._insert(loaded)
-                if loaded in self.sequences:
-                    length = len(entry.tokens)
+            if entry is not None and self._keep(entry.tokens, entry.rows, entry.state):
+                length = len(entry.tokens)
         return length
+
+    def add_sequence(self, tokens: Sequence[int], rows: Arrays, state: Arrays) -> bool:
+        """Keeps a prefix the engine did not feed itself: `rows` [0, len(tokens)) of every KV
+        cache array, in the engine's format, and the recurrent state after `tokens`, as
+        `set_layout` described them. A later prompt starting with `tokens` resumes after them,
+        as after a prefix the engine fed (`benchmarks/full_size_check.py --context` seeds a long
+        context this way instead of feeding it). Returns whether the budget keeps it."""
+        if self.layout is None:
+            raise ValueError("the engine has not told the cache its state layout yet")
+        if not self.layout.fits(len(tokens), rows, state):
+            raise ValueError(
+                f"these rows and state are not the engine's layout for {len(tokens)} tokens "
+                f"({self.layout.kv_cache} KV cache)"
+            )
+        return self._keep(tokens, rows, state)
+
+    def _keep(self, tokens: Sequence[int], rows: Arrays, state: Arrays) -> bool:
+        sequence = CachedSequence(list(tokens), {len(tokens): state}, rows=rows)
+        self._touch(sequence, len(tokens))
+        self._insert(sequence)
+        return sequence in self.sequences
 
     # -- one generation -------------------------------------------------------------------------
 
