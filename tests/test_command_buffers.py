@@ -129,5 +129,10 @@ def test_the_default_chunk_is_the_longest_the_memory_allows(checkpoint, monkeypa
     # Nothing fits: the shortest, for the preflight to refuse with its advice.
     limit = 0
     assert api.default_prefill_chunk(checkpoint, "metal", 8192) == PREFILL_CHUNKS[-1]
+    # The MTP head's cache and buffers count too: 1,024 no longer fits beside them.
+    with_head = load_checkpoint(tiny_checkpoint("small", mtp_head=True))
+    limit = device_bytes(with_head, 8192, 1024)
+    assert api.default_prefill_chunk(with_head, "metal", 8192) == 1024
+    assert api.default_prefill_chunk(with_head, "metal", 8192, mtp=True) == 512
     monkeypatch.undo()
     assert api.default_prefill_chunk(checkpoint, "sim", 8192) == PREFILL_CHUNKS[0]

@@ -116,17 +116,18 @@ def _make_engine(
 
 
 def default_prefill_chunk(
-    checkpoint: Checkpoint, device: str, max_seq: int, kv_cache: str = "bf16"
+    checkpoint: Checkpoint, device: str, max_seq: int, kv_cache: str = "bf16", mtp: bool = False
 ) -> int:
     """The longest of PREFILL_CHUNKS whose scratch, beside the weights and the KV cache of
-    `max_seq` tokens in the format `kv_cache`, the device's memory takes (the memory preflight
-    decides; the sim has no limit), and no longer than the context. When none fits, the
-    shortest: loading then fails with the preflight's advice."""
+    `max_seq` tokens in the format `kv_cache` (and the MTP head's weights, cache and buffers,
+    with `mtp`), the device's memory takes (the memory preflight decides; the sim has no
+    limit), and no longer than the context. When none fits, the shortest: loading then fails
+    with the preflight's advice."""
     from lily.device import check_memory
 
     for chunk in PREFILL_CHUNKS:
         try:
-            check_memory(device, device_bytes(checkpoint, max_seq, chunk, kv_cache))
+            check_memory(device, device_bytes(checkpoint, max_seq, chunk, kv_cache, mtp))
         except MemoryError:
             continue
         return max(min(chunk, max_seq), 1)
@@ -436,15 +437,16 @@ def load(
             f"max_seq must be between 1 and {checkpoint.config.max_position_embeddings}, "
             f"got {max_seq}"
         )
-    if prefill_chunk is None:
-        prefill_chunk = default_prefill_chunk(checkpoint, device, max_seq, kv_cache)
-    if speculative in ("ngram", "mtp") and (device == "reference" or prefill_chunk < 2):
+    # The default chunk waits for the MTP head's decision (its memory counts), but whether a
+    # pass can take several tokens is known now: the default is 1 only for a max_seq of 1.
+    single_token_passes = (prefill_chunk if prefill_chunk is not None else max_seq) < 2
+    if speculative in ("ngram", "mtp") and (device == "reference" or single_token_passes):
         raise ValueError(
             f"speculative={speculative!r} needs a verify pass of several tokens, which the "
             "reference engine and a prefill_chunk of 1 do not have: use speculative='off' or "
             "'auto'"
         )
-    if device == "reference" or prefill_chunk < 2:
+    if device == "reference" or single_token_passes:
         speculative = "off"
     if speculative in ("auto", "mtp") and claims_real_model(checkpoint.config):
         # The real model's 4-bit files lack the head: it is fetched and quantized once.
@@ -456,6 +458,8 @@ def load(
         )
     # "auto" drafts with the head when the checkpoint has one.
     mtp_head = speculative in ("auto", "mtp") and checkpoint.has_mtp_head
+    if prefill_chunk is None:
+        prefill_chunk = default_prefill_chunk(checkpoint, device, max_seq, kv_cache, mtp_head)
     tokenizer = Tokenizer.from_dir(model_dir, config_eos_ids=checkpoint.config.eos_token_ids)
     if tokenizer.vocab_size > checkpoint.config.vocab_size:
         raise ValueError(
