@@ -286,6 +286,16 @@ def test_auto_drafts_with_the_head_when_the_checkpoint_has_one(tmp_path):
         lily.load(without, device="sim", max_seq=64, speculative="mtp")
 
 
+def test_passes_of_one_token_turn_drafting_off():
+    """A verify pass needs several tokens: a prefill_chunk of 1, or a context of one token
+    (whose default chunk is 1), turns "auto" off and refuses "ngram"."""
+    with lily.load("demo", device="sim", max_seq=1) as llm:
+        assert llm.speculative == "off" and not llm.mtp_head
+    for options in ({"max_seq": 1}, {"max_seq": 64, "prefill_chunk": 1}):
+        with pytest.raises(ValueError, match="needs a verify pass of several tokens"):
+            lily.load("demo", device="sim", speculative="ngram", **options)
+
+
 def test_the_head_drafts_over_an_int8_kv_cache():
     """The head's own KV cache takes the engine's format: with an int8 cache the demo loads,
     and drafting with the head answers as plain int8 decoding does."""
