@@ -22,6 +22,7 @@ from lily.checkpoint.quant import round_to_bf16
 from lily.diagnostics.seeded_context import encode_kv_rows, kv_row_values, seed_context
 from lily.engine.engine import DeviceEngine, ReferenceEngine
 from lily.engine.reference import ReferenceModel, dequantize_int8, quantize_int8
+from lily.engine.sampling import SamplingParams
 from lily.kernels.attention import row_bytes
 
 TOLERANCE = 2e-4
@@ -77,6 +78,29 @@ def test_decoding_after_a_seeded_context_matches_float64(checkpoint, kv_cache, l
     actual, expected = _seeded_logits(checkpoint, kv_cache, length)
     assert actual.shape == expected.shape == (len(NEW_TOKENS), checkpoint.config.vocab_size)
     assert np.abs(actual - expected).max() < TOLERANCE
+
+
+def test_greedy_answers_after_8k_positions_match_the_bf16_cache_where_decided(checkpoint):
+    """The same context values held in bf16 and in int8: greedy answers agree up to the bf16
+    engine's first top-1/top-2 margin under 1e-2 (the margin of tests/test_engine_kv_int8.py,
+    tenfold the int8 cache's steady effect on the logits)."""
+    c = checkpoint.config
+    greedy_top2 = SamplingParams(temperature=0.0, top_logprobs=2)
+    steps, answers = 6, {}
+    for kv_cache in ("bf16", "int8"):
+        context = seed_context(c, 8192, kv_cache)
+        engine = DeviceEngine(
+            checkpoint, open_test_device(), 8192 + steps + 2, c.vocab_size, kv_cache=kv_cache
+        )
+        context.give_to(engine)
+        prompt = [*context.tokens, NEW_TOKENS[0]]
+        assert engine.cached_prefix_length(prompt) == 8192
+        answers[kv_cache] = list(engine.generate(prompt, steps, sampling=greedy_top2))
+    margins = [t.logprobs.top[0][1] - t.logprobs.top[1][1] for t in answers["bf16"]]
+    undecided = [i for i, margin in enumerate(margins) if margin <= 1e-2]
+    horizon = undecided[0] if undecided else steps
+    assert horizon > 0, f"the first token is a near-tie ({margins[0]:.1e}); pick another seed"
+    assert [t.id for t in answers["int8"][:horizon]] == [t.id for t in answers["bf16"][:horizon]]
 
 
 def test_the_bound_sees_one_tile_of_the_context(checkpoint) -> None:
