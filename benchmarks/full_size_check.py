@@ -117,11 +117,11 @@ def main() -> None:
     elif args.verify:
         drafts = [(t * 7 + 3) % config.vocab_size for t in range(args.verify)]
         stream = sim.generate(tokens, args.verify + 2, drafter=_OneDraft(drafts))
-        first = next(stream).id  # from the prefill; the next token comes from the verify pass
+        first_token = next(stream).id  # from the prefill; the next comes from the verify pass
         next(stream)
         stream.close()
         actual = sim._model.verify_logits_view(args.verify + 1).copy()
-        fed = [*tokens, first, *drafts]
+        fed = [*tokens, first_token, *drafts]
     else:
         actual = sim.teacher_forced_logits(tokens)
     sim_seconds = time.perf_counter() - start
@@ -142,14 +142,13 @@ def main() -> None:
         print(f"after a seeded context of {args.context} positions ({args.kv_cache} KV)")
     print(f"reference         {reference_seconds:.1f} s/token (float32)")
     print(f"sim               {sim_seconds / len(actual):.1f} s per compared row")
-    first = next(iter(expected.values()))
-    print(f"logit scale       {np.abs(first).max():.3f} (max |logit|)")
+    plain, rounded_32, exact = expected.values()
+    print(f"logit scale       {np.abs(plain).max():.3f} (max |logit|)")
     for name, reference in expected.items():
         difference = np.abs(actual - reference).max(-1)
         same_argmax = (actual.argmax(-1) == reference.argmax(-1)).tolist()
         print(f"sim vs reference ({name}): max |difference| per row {difference}, ", end="")
         print(f"same argmax {same_argmax}")
-    rounded_32, exact = list(expected.values())[1:]
     noise = np.abs(rounded_32 - exact).max()
     error = np.abs(actual - exact).max()
     print(f"float32 reference vs float64: {noise:.2e}; sim vs float64: {error:.2e}")

@@ -23,8 +23,8 @@ import numpy as np
 from lily.checkpoint.config import FULL_ATTENTION, ModelConfig
 from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
 from lily.engine.engine import DeviceEngine
-from lily.engine.reference import ReferenceState, quantize_int8
-from lily.kernels.attention import HEAD_DIM, INT8_GROUP, check_kv_cache
+from lily.engine.reference import ReferenceState, dequantize_int8, quantize_int8
+from lily.kernels.attention import HEAD_DIM, INT8_GROUP, check_kv_cache, row_bytes
 
 # The keys' RMS per dim: over 8k positions the largest softmax weight is then a few percent and
 # the ten largest hold about a fifth of the mass.
@@ -39,7 +39,7 @@ def encode_kv_rows(values: np.ndarray, kv_cache: str) -> np.ndarray:
     if kv_cache == "bf16":
         return float32_to_bf16(values)
     codes, scales = quantize_int8(values, INT8_GROUP, fp16_scales=True)
-    rows = np.empty((*values.shape[:-1], HEAD_DIM + 2 * (HEAD_DIM // INT8_GROUP)), np.uint8)
+    rows = np.empty((*values.shape[:-1], row_bytes(kv_cache)), np.uint8)
     rows[..., :HEAD_DIM] = codes.view(np.uint8)
     rows[..., HEAD_DIM:] = scales.astype(np.float16).view(np.uint8)
     return rows
@@ -50,10 +50,9 @@ def kv_row_values(rows: np.ndarray, kv_cache: str) -> np.ndarray:
     check_kv_cache(kv_cache)
     if kv_cache == "bf16":
         return bf16_to_float32(rows).astype(np.float64)
-    codes = rows[..., :HEAD_DIM].view(np.int8).astype(np.float64)
+    codes = rows[..., :HEAD_DIM].view(np.int8)
     scales = np.ascontiguousarray(rows[..., HEAD_DIM:]).view(np.float16).astype(np.float64)
-    grouped = codes.reshape(*codes.shape[:-1], -1, INT8_GROUP) * scales[..., None]
-    return grouped.reshape(codes.shape)
+    return dequantize_int8(codes, scales)
 
 
 @dataclass

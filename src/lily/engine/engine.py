@@ -782,11 +782,10 @@ class ReferenceEngine:
     @holds_engine
     def teacher_forced_logits(self, tokens: Sequence[int], reuse: bool = False) -> np.ndarray:
         _check_fits(len(tokens), 0, self.max_seq)
-        if not reuse:
-            logits, _ = self._model.prefill(tokens)
-            return logits.astype(np.float32)
-        state = self._rows.start(self.prefix_cache.begin(tokens, self._rows, reuse=True))
-        logits, _ = self._model.prefill(tokens[state.position :], state)
+        state = None
+        if reuse:
+            state = self._rows.start(self.prefix_cache.begin(tokens, self._rows, reuse=True))
+        logits, _ = self._model.prefill(tokens[0 if state is None else state.position :], state)
         return logits.astype(np.float32)
 
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
