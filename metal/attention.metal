@@ -809,27 +809,32 @@ template [[host_name("attention_decode_fused")]] [[kernel]]
 template [[host_name("attention_decode_fused_int8")]] [[kernel]]
     decltype(attention_decode_fused<true>) attention_decode_fused<true>;
 
-// ---- decode of a few tokens: a verify pass's queries over the cached context ---------------------
+// ---- decode of a few tokens: a verify pass's queries over the cached context ------------------
 //
-// A verify pass runs T = 2..kMaxDecodeTokens tokens at positions p0 .. p0 + T - 1, whose rows
-// attention_prepare has appended; token t attends to positions [0, p0 + t]. The grid and the
-// splits are the decode kernels' (split_length of the last token's context p0 + T), and a
-// threadgroup of T simdgroups takes one split of one kv head: simdgroup t holds token t's query
-// heads as the 8 rows of its fragments, as a decode simdgroup holds the step's, and runs the
-// decode tiles (load_tile, attend_tile) over the whole split, masking the positions past its
-// token. The split's K and V rows are read from the device once for all T tokens: the threadgroup
-// stages kStagePositions positions of both in the cache's format in threadgroup memory (each
-// thread issuing kStageLoads 16-byte loads before it stores any), and the simdgroups read their
-// lanes' shares of a tile from there in the decode layout. Positions past the split's context
-// (or the cache's capacity) are staged as zeros. Each simdgroup leaves its token's partial per
-// query head, [T, Hq, num_splits]; attention_combine, given T, merges each token's splits.
+// A verify pass runs T = 2..kMaxDecodeTokens tokens at positions p0 .. p0 + T - 1 (the MTP head's
+// passes also T = 1), whose rows attention_prepare has appended; token t attends to positions
+// [0, p0 + t]. The grid and the splits are the decode kernels' (split_length of the last token's
+// context p0 + T), and a threadgroup of T simdgroups takes one split of one kv head: simdgroup t
+// holds token t's query heads as the 8 rows of its fragments, as a decode simdgroup holds the
+// step's, and runs the decode tiles (load_tile, attend_tile) over the whole split, masking the
+// positions past its token. The split's K and V rows are read from the device once for all T
+// tokens: the threadgroup stages kStagePositions positions of both in the cache's format in
+// threadgroup memory (each thread issuing up to kStageLoads 16-byte loads before it stores any),
+// and the simdgroups read their lanes' shares of a tile from there in the decode layout.
+// Positions past the split's context (or the cache's capacity) are staged as zeros. Each
+// simdgroup leaves its token's partial per query head, [T, Hq, num_splits]; attention_combine,
+// given T, merges each token's splits.
 //
 // One simdgroup per token, rather than decode's four taking turns at the tiles: a simdgroup keeps
 // its rows' output accumulators across the head dim in registers (64 floats a lane) and has no
 // room for a second token's, while T simdgroups on one staged tile already give the loads the
-// company that decode gets from splitting the tiles.
+// company that decode gets from splitting the tiles. The decode step keeps its own kernels: they
+// need no staging round trip and no barriers in the loop.
 constexpr constant uint kMaxDecodeTokens = 9;
-constexpr constant uint kStageLoads = 4;
+// 16-byte loads a thread issues before it stores any: a whole stage of bf16 rows (16 KB) in one
+// round trip from T = 2 on. The 64 registers they take are free while the tiles' 64 are not
+// live, so a lane holds about what a decode lane does.
+constexpr constant uint kStageLoads = 16;
 
 struct AttentionDecodeTokensParams {
   uint num_q_heads;
