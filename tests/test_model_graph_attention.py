@@ -93,7 +93,8 @@ def test_verify_rows_match_a_verify_pass_through_the_chunk_kernel(
 ) -> None:
     """The same generation with drafts (every verify pass of 5 tokens) on two engines, one of
     which records attention_chunk for every pass of more than one token: the last verify pass's
-    logits agree to fp32 rounding (the two kernels sum the softmax in different orders)."""
+    logits agree to fp32 rounding (the two kernels sum the softmax in different orders; measured
+    1.1e-5 of a scale of 3.8)."""
 
     def last_verify_rows(engine: DeviceEngine) -> np.ndarray:
         drafter = _Scripted(engine, prompt, answer, right=4, k=4)
@@ -111,7 +112,7 @@ def test_verify_rows_match_a_verify_pass_through_the_chunk_kernel(
     verify = plain._model.verify_graph(5, 5)
     assert "attention_decode_tokens" in " ".join(_attention_kernels(verify))
 
-    monkeypatch.setattr(attention, "MAX_DECODE_TOKENS", 0)
+    monkeypatch.setattr(attention, "MAX_DECODE_TOKENS", 1)
     chunked = make_engine()
     chunk_rows = last_verify_rows(chunked)
     chunk_kernels = _attention_kernels(chunked._model.verify_graph(5, 5))

@@ -197,14 +197,18 @@ class _Scratch:
         for name, width in _activation_widths(c, max_chunk).items():
             setattr(self, name, device.alloc(4 * width * max_chunk))
         q_heads = c.num_attention_heads
-        # A verify pass's few tokens run the decode step's MoE kernels, token by token, and its
-        # attention kernel, whose grid (covering the capacity) leaves partials per token.
-        few_tokens = min(max_chunk, GEMV_MAX_TOKENS)
+        # The decode attention's grid covers the capacity; its partials are sized for that grid
+        # and, for a verify pass's attention, per token.
         self.decode_splits = splits = attention.decode_splits(capacity)
-        self.partial_out = device.alloc(attention.partial_out_bytes(q_heads, splits, few_tokens))
-        self.partial_stats = device.alloc(
-            attention.partial_stats_bytes(q_heads, splits, few_tokens)
+        attention_tokens = min(max_chunk, attention.MAX_DECODE_TOKENS)
+        self.partial_out = device.alloc(
+            attention.partial_out_bytes(q_heads, splits, attention_tokens)
         )
+        self.partial_stats = device.alloc(
+            attention.partial_stats_bytes(q_heads, splits, attention_tokens)
+        )
+        # A verify pass's few tokens run the decode step's MoE kernels, token by token.
+        few_tokens = min(max_chunk, GEMV_MAX_TOKENS)
         self.moe = MoeScratch.allocate(device, *_moe_shape(c), tokens=few_tokens)
         # Sized for the whole vocabulary, at least what the sampler's token count needs.
         self.sample_partials = device.alloc(sample_partials_bytes(c.vocab_size))
@@ -250,9 +254,9 @@ def device_bytes(
     gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
     recurrent = state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim)
     splits = attention.decode_splits(capacity)
-    few_tokens = min(max_chunk, GEMV_MAX_TOKENS)
-    partials = attention.partial_out_bytes(c.num_attention_heads, splits, few_tokens)
-    partials += attention.partial_stats_bytes(c.num_attention_heads, splits, few_tokens)
+    attention_tokens = min(max_chunk, attention.MAX_DECODE_TOKENS)
+    partials = attention.partial_out_bytes(c.num_attention_heads, splits, attention_tokens)
+    partials += attention.partial_stats_bytes(c.num_attention_heads, splits, attention_tokens)
     small = partials + 4 * capacity + (1 << 20)
     return weights + kv + gdn_layers * recurrent + scratch_bytes(c, max_chunk) + small
 
