@@ -9,7 +9,8 @@ the output; the rows of the pass's own later tokens hold keys scaled up so that 
 dominate a token that saw them. Per-split partials are checked against the split layout
 (test_kernel_attention_splits restates it), including the splits a token does not reach (sum 0).
 Contexts end mid-tile (tiles of 8 positions, stages of 16), straddle split boundaries, and fill
-the grid exactly; heads are the real model's (16 query heads on 2 kv heads, 256 dims) and tiny.
+the grid exactly; heads are the real model's (16 query heads on 2 kv heads, 256 dims) and tiny;
+T = 2, 5 and 9 (a verify pass's), and 1 (the MTP head's passes).
 """
 
 from __future__ import annotations
@@ -171,6 +172,8 @@ CASES = [
     # longer splits: 4097 positions in splits of 160, the pass across the boundary at 4000
     (REAL, 9, 3996),
     (TINY, 2, 4095),
+    # one token: the MTP head's passes
+    (REAL, 1, 300),
 ]
 
 
