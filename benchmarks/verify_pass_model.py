@@ -3,8 +3,24 @@ the matrix FLOPs it executes, with the GEMMs' tiles a prefill chunk uses (dense 
 8 or 16 rows at these sizes, an 8-row tile per chosen expert; how verify passes would run without
 `qgemv_tokens` and the MoE's few-token path) and with the GEMV-shaped kernels they run, and a
 time estimate on Apple GPUs from the figures and efficiencies `prefill_model.py`
-assumes (a model, not a measurement; attention and the norms are left out, small beside these
-at short context).
+assumes (a model, not a measurement; the norms are left out).
+
+Attention is modelled apart (second table) with the latency and issue model of
+`model_decode_attention.py` and its assumed clocks, latency and occupancy, at contexts of 512,
+4k and 32k on a cache of 262,144 positions:
+
+- before, `attention_chunk`: ceil(8 T / 32) threadgroups per kv head (4 in all at T = 5), each
+  of 4 SIMD-groups streaming the whole context alone on a core, 16 keys per iteration: one
+  memory round trip (it stages a tile, then computes on it) plus CHUNK_ISSUE lane-instructions
+  per SIMD-group, counted from the kernel's code; 2 levels per layer (prepare, chunk);
+- after, `attention_decode_tokens`: the decode grid (splits by context, 2 kv heads), T
+  SIMD-groups per threadgroup, each computing every tile of its split for its token (the decode
+  kernel's ISSUE_NEW per 8 positions) from 16-position stages read once per threadgroup; bytes
+  are the context's K and V once plus the T tokens' partials written and read back; 3 levels
+  per layer (prepare, decode, combine).
+
+The decode step's attention (the same model's `attention_decode_fused`, T = 1) is printed beside
+them, so that a verify pass's cost in decode steps includes attention.
 
 The experts: each of the k + 1 tokens chooses 8 of 256 per layer; the expected number of
 distinct experts is 256 (1 - (1 - 8/256)^(k+1)). A GEMV reads each chosen expert once per token
@@ -16,11 +32,13 @@ reads it once but runs an 8-row tile per expert for its one or two tokens.
 
 from __future__ import annotations
 
+import model_decode_attention as decode_model
 from make_synthetic_checkpoint import real_config
 from prefill_model import FP32_TILES, GPUS, MEMORY_EFFICIENCY
 
 from lily.checkpoint.config import FULL_ATTENTION, parse_config
 from lily.engine.model_graph import token_macs
+from lily.kernels.attention import CHUNK_ROWS, MAX_GROUP, decode_splits, split_length
 from lily.kernels.quantized_gemm import dense_tile_tokens, grouped_tile_tokens
 
 BYTES_PER_WEIGHT = 4.5 / 8  # 4-bit codes, a bf16 scale and bias per 64
@@ -28,6 +46,55 @@ ROUTER_BYTES_PER_WEIGHT = 8.5 / 8  # the 8-bit router and shared-expert gate
 # The GEMV-shaped kernels unpack each code once per token: about 4 ALU operations per weight per
 # token (shift, mask, convert, FMA), so many tokens can make them ALU-bound.
 GEMV_OPS_PER_WEIGHT_TOKEN = 4
+
+CAPACITY = 262144
+CONTEXTS = (512, 4096, 32768)
+# attention_chunk per SIMD-group and 16-key iteration: 64 fragment products for S and 64 for
+# P V (16 lane-FMAs each), 512 filling their K and V fragments from threadgroup memory (a load
+# and a widening per element), 384 staging the tile (64 2-byte loads and stores per lane and
+# their indexing), ~40 for the softmax and 64 rescaling the accumulators.
+CHUNK_KEYS = 16
+CHUNK_ISSUE = 128 * 16 + 512 + 384 + 40 + 64
+# attention_decode_tokens per SIMD-group and 16-position stage (16 KB of K and V of one kv
+# head): two decode tiles (ISSUE_NEW each, their 16 loads now from threadgroup memory) and a
+# share of staging the stage (a load, a store and ~4 indexing operations per 16 bytes, spread
+# over the threadgroup's T x 32 lanes).
+STAGE_POSITIONS = 16
+STAGE_BYTES = STAGE_POSITIONS * decode_model.ROW_BYTES
+
+
+def stage_issue(tokens: int) -> float:
+    return 2 * decode_model.ISSUE_NEW + 6 * STAGE_BYTES / 16 / (32 * tokens)
+
+
+def chunk_attention_seconds(chip: tuple[float, int, float], tokens: int, context: int) -> float:
+    """One layer of attention_chunk (and its prepare's level) for `tokens` queries."""
+    _, cores, clock = chip
+    threadgroups = -(-tokens * MAX_GROUP // CHUNK_ROWS) * decode_model.KV_HEADS
+    assert threadgroups <= cores, "the model puts each threadgroup alone on a core"
+    iteration = decode_model.LATENCY_SECONDS + CHUNK_ISSUE / clock
+    return 2 * decode_model.LEVEL_SECONDS + -(-context // CHUNK_KEYS) * iteration
+
+
+def tokens_attention_seconds(
+    chip: tuple[float, int, float], tokens: int, context: int, resident: int
+) -> float:
+    """One layer of attention_decode_tokens and its combine (and the prepare's level): the
+    decode model's per-core latency and ALU bounds with a SIMD-group's share of a stage as its
+    bytes per iteration, plus the T tokens' partials."""
+    peak, cores, clock = chip
+    splits = -(-context // split_length(context, decode_splits(CAPACITY)))
+    simdgroups = splits * decode_model.KV_HEADS * tokens
+    per_core = min(resident, simdgroups / cores)
+    iteration_bytes = STAGE_BYTES / tokens
+    issue = stage_issue(tokens)
+    latency_bound = per_core * iteration_bytes / (decode_model.LATENCY_SECONDS + issue / clock)
+    alu_bound = min(per_core, decode_model.SCHEDULERS) * clock / issue * iteration_bytes
+    cap = decode_model.BANDWIDTH_EFFICIENCY * peak
+    rate = min(cap, cores * min(latency_bound, alu_bound))
+    kv_bytes = context * decode_model.KV_HEADS * decode_model.ROW_BYTES
+    partial_bytes = 2 * tokens * splits * decode_model.Q_HEADS * decode_model.PARTIAL_BYTES
+    return 3 * decode_model.LEVEL_SECONDS + kv_bytes / rate + partial_bytes / cap
 
 
 def main() -> None:
@@ -41,6 +108,7 @@ def main() -> None:
     dense += layers * macs.shared - router
     head = d * c.vocab_size
     expert = macs.experts // c.num_experts_per_tok
+    weights_seconds: dict[tuple[str, int], float] = {}
     print("verify pass at the real dims: weights read and matrix work executed (a model)")
     print(f"{'drafts':>6} {'tokens':>6} {'GB read':>8} {'GEMM tiles GFLOP':>17} "
           f"{'GEMV GFLOP':>11}   estimated ms, GEMM tiles -> GEMVs")  # fmt: skip
@@ -66,10 +134,50 @@ def main() -> None:
             before = max(gb / bandwidth, tiles / rate)
             after = max(gb / bandwidth, gemv_ops / gpu.fp32_rate)
             times.append(f"{gpu.name.split(' (')[0]} {before * 1e3:6.1f} -> {after * 1e3:5.1f}")
+            weights_seconds[gpu.name.split(" (")[0], tokens] = after
         print(
             f"{drafts:>6} {tokens:>6} {gb / 1e9:8.2f} {tiles / 1e9:17.0f} {useful / 1e9:11.1f}   "
             + ", ".join(times)
         )
+    print_attention(weights_seconds, attention_layers)
+
+
+def print_attention(weights_seconds: dict[tuple[str, int], float], layers: int) -> None:
+    print()
+    print(
+        f"attention per pass ({layers} layers; a MODEL: {decode_model.LATENCY_SECONDS * 1e9:.0f}"
+        f" ns latency, {decode_model.SCHEDULERS} schedulers per core, 4 / 8 SIMD-groups resident,"
+        f" cap {decode_model.BANDWIDTH_EFFICIENCY:.0%} of peak) and the whole pass with the GEMVs"
+    )
+    print(
+        f"{'GPU':>7} {'context':>7} {'drafts':>6}   attention ms: decode step | chunk -> tokens"
+        "   pass ms: chunk -> tokens (decode step)"
+    )
+    for gpu, chip in decode_model.GPUS.items():
+        for context in CONTEXTS:
+            decode_seconds = [
+                layers
+                * decode_model.layer_seconds(
+                    decode_model.KERNELS[1], chip, context, CAPACITY, resident
+                )[0]
+                for resident in decode_model.RESIDENT
+            ]
+            step = weights_seconds[gpu, 1] + decode_seconds[0]
+            for drafts in (1, 4, 8):
+                tokens = drafts + 1
+                chunk = layers * chunk_attention_seconds(chip, tokens, context)
+                after = [
+                    layers * tokens_attention_seconds(chip, tokens, context, resident)
+                    for resident in decode_model.RESIDENT
+                ]
+                weights = weights_seconds[gpu, tokens]
+                print(
+                    f"{gpu:>7} {context:>7} {drafts:>6}   "
+                    f"{decode_seconds[0] * 1e3:5.2f} / {decode_seconds[1] * 1e3:5.2f} | "
+                    f"{chunk * 1e3:6.2f} -> {after[0] * 1e3:5.2f} / {after[1] * 1e3:5.2f}   "
+                    f"{(weights + chunk) * 1e3:6.1f} -> {(weights + after[0]) * 1e3:5.1f} "
+                    f"({step * 1e3:4.1f})"
+                )
 
 
 if __name__ == "__main__":

@@ -421,8 +421,31 @@ inline T load_kv(KvRows rows, uint position, uint byte) {
   return position < rows.end ? *reinterpret_cast<threadgroup const T*>(rows.staged + byte) : T();
 }
 
-template <bool kInt8, bool kEdge>
-inline void load_tile(KvRows k, KvRows v, uint tile, uint row, uint col, thread DecodeTile& t) {
+// Rows staged in threadgroup memory by attention_decode_tokens: position `first` and the next
+// kStagePositions - 1, staged_row_bytes apart, zeros where the context ends (so no edge case).
+struct StagedKvRows {
+  threadgroup const uchar* rows;
+  uint first;
+};
+
+constexpr constant uint kStagePositions = 16;
+
+// A staged row is the cache's row and 16 bytes of padding: the rows a load's lanes read at the
+// same byte offset then start 4 banks apart instead of in the same bank.
+template <bool kInt8>
+constexpr uint staged_row_bytes() {
+  return kv_row_bytes<kInt8>() + 16;
+}
+
+template <typename T, bool kInt8, bool kEdge>
+inline T load_kv(StagedKvRows rows, uint position, uint byte) {
+  return *reinterpret_cast<threadgroup const T*>(
+      rows.rows + (position - rows.first) * staged_row_bytes<kInt8>() + byte);
+}
+
+// Rows is KvRows (the cache, and the fused kernel's staged current row) or StagedKvRows.
+template <bool kInt8, bool kEdge, typename Rows>
+inline void load_tile(Rows k, Rows v, uint tile, uint row, uint col, thread DecodeTile& t) {
   if (kInt8) {
     for (uint e = 0; e < 2; ++e) {
       for (uint j = 0; j < 2; ++j) {
@@ -519,6 +542,28 @@ inline void attend_tile(thread const simdgroup_float8x8* q, thread simdgroup_flo
   }
 }
 
+// The query fragments of this lane's row (zeros for a row past the group, whose row is not
+// read), in the keys' dim permutation; `row` is the row as float4s, in threadgroup memory
+// (attend_split's) or on the device (attention_decode_tokens'). The lane's query dims are
+// 16-dim runs (bf16: 64 g + 8 col, g = 0..3) or one 64-dim run (int8: 32 col): 4 runs of 4
+// per g.
+template <bool kInt8, typename Float4s>
+inline void load_query_fragments(Float4s row, bool row_in_group, uint col,
+                                 thread simdgroup_float8x8* q) {
+  for (uint g = 0; g < 4; ++g) {
+    for (uint e = 0; e < 2; ++e) {
+      // Dims query_dim(g, 0, col, e) to query_dim(g, 7, col, e): 8 consecutive dims.
+      const uint run = query_dim<kInt8>(g, 0, col, e) / 4;
+      for (uint half_run = 0; half_run < 2; ++half_run) {
+        const float4 part = row_in_group ? row[run + half_run] : float4(0.0f);
+        for (uint k = 0; k < 4; ++k) {
+          q[8 * g + 4 * half_run + k].thread_elements()[e] = part[k];
+        }
+      }
+    }
+  }
+}
+
 // The split [begin, end) of one kv head, its positions below cached_end in the cache and (the
 // fused kernel's, when cached_end < end) the one at cached_end in `staged` (K then V, in the
 // cache's format), into its partial per query head of the group: its max m, its sum of
@@ -538,22 +583,9 @@ inline void attend_split(uint group, uint first_head, uint split, uint num_split
 
   simdgroup_float8x8 q[kHeadFragments];
   simdgroup_float8x8 acc[kHeadFragments];
-  // This lane's query dims are 16-dim runs (bf16: 64 g + 8 col, g = 0..3) or one 64-dim run
-  // (int8: 32 col): read them as float4s, 4 runs of 4 per g.
-  threadgroup const float* query_row = exchange + row * kHeadDim;
-  for (uint g = 0; g < 4; ++g) {
-    for (uint e = 0; e < 2; ++e) {
-      // Dims query_dim(g, 0, col, e) to query_dim(g, 7, col, e): 8 consecutive dims.
-      threadgroup const float4* run =
-          reinterpret_cast<threadgroup const float4*>(query_row + query_dim<kInt8>(g, 0, col, e));
-      for (uint half_run = 0; half_run < 2; ++half_run) {
-        const float4 part = row_in_group ? run[half_run] : float4(0.0f);
-        for (uint k = 0; k < 4; ++k) {
-          q[8 * g + 4 * half_run + k].thread_elements()[e] = part[k];
-        }
-      }
-    }
-  }
+  load_query_fragments<kInt8>(
+      reinterpret_cast<threadgroup const float4*>(exchange + row * kHeadDim), row_in_group, col,
+      q);
   for (uint f = 0; f < kHeadFragments; ++f) {
     acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
@@ -777,30 +809,188 @@ template [[host_name("attention_decode_fused")]] [[kernel]]
 template [[host_name("attention_decode_fused_int8")]] [[kernel]]
     decltype(attention_decode_fused<true>) attention_decode_fused<true>;
 
+// ---- decode of a few tokens: a verify pass's queries over the cached context ------------------
+//
+// A verify pass runs T = 2..kMaxDecodeTokens tokens at positions p0 .. p0 + T - 1 (the MTP head's
+// passes also T = 1), whose rows attention_prepare has appended; token t attends to positions
+// [0, p0 + t]. The grid and the splits are the decode kernels' (split_length of the last token's
+// context p0 + T), and a threadgroup of T simdgroups takes one split of one kv head: simdgroup t
+// holds token t's query heads as the 8 rows of its fragments, as a decode simdgroup holds the
+// step's, and runs the decode tiles (load_tile, attend_tile) over the whole split, masking the
+// positions past its token. The split's K and V rows are read from the device once for all T
+// tokens: the threadgroup stages kStagePositions positions of both in the cache's format in
+// threadgroup memory (each thread issuing up to kStageLoads 16-byte loads before it stores any),
+// and the simdgroups read their lanes' shares of a tile from there in the decode layout.
+// Positions past the split's context (or the cache's capacity) are staged as zeros. Each
+// simdgroup leaves its token's partial per query head, [T, Hq, num_splits]; attention_combine,
+// given T, merges each token's splits.
+//
+// One simdgroup per token, rather than decode's four taking turns at the tiles: a simdgroup keeps
+// its rows' output accumulators across the head dim in registers (64 floats a lane) and has no
+// room for a second token's, while T simdgroups on one staged tile already give the loads the
+// company that decode gets from splitting the tiles. The decode step keeps its own kernels: they
+// need no staging round trip and no barriers in the loop.
+constexpr constant uint kMaxDecodeTokens = 9;
+// 16-byte loads a thread issues before it stores any: a whole stage of bf16 rows (16 KB) in one
+// round trip from T = 2 on. The 64 registers they take are free while the tiles' 64 are not
+// live, so a lane holds about what a decode lane does.
+constexpr constant uint kStageLoads = 16;
+
+struct AttentionDecodeTokensParams {
+  uint num_q_heads;
+  uint num_kv_heads;
+  uint cache_capacity;
+  uint num_splits;  // the grid's, sized for the cache capacity
+  uint tokens;      // the simdgroups of a threadgroup
+  float scale;
+};
+
+// Stages K (first) and V rows of positions [first, first + kStagePositions) of one kv head: the
+// cache's rows below `cached_end`, zeros from there. Consecutive threads load consecutive 16 bytes.
+template <bool kInt8>
+inline void stage_rows(device const uchar* k_head, device const uchar* v_head, uint first,
+                       uint cached_end, uint thread_id, uint threads, threadgroup uchar* staged) {
+  constexpr uint kRowLoads = kv_row_bytes<kInt8>() / 16;
+  constexpr uint kLoads = 2 * kStagePositions * kRowLoads;
+  for (uint base = thread_id; base < kLoads; base += kStageLoads * threads) {
+    uint4 loaded[kStageLoads];
+    for (uint i = 0; i < kStageLoads; ++i) {
+      const uint e = base + i * threads;
+      const uint position = first + (e / kRowLoads) % kStagePositions;
+      device const uchar* head = e < kLoads / 2 ? k_head : v_head;
+      const bool inside = e < kLoads && position < cached_end;
+      loaded[i] = inside ? *reinterpret_cast<device const uint4*>(
+                               head + ulong(position) * kv_row_bytes<kInt8>() +
+                               16 * (e % kRowLoads))
+                         : uint4(0u);
+    }
+    for (uint i = 0; i < kStageLoads; ++i) {
+      const uint e = base + i * threads;
+      if (e < kLoads) {
+        const uint row = e / kRowLoads;  // K rows, then V rows
+        *reinterpret_cast<threadgroup uint4*>(staged + row * staged_row_bytes<kInt8>() +
+                                              16 * (e % kRowLoads)) = loaded[i];
+      }
+    }
+  }
+}
+
+// Grid (num_splits, num_kv_heads), tokens * 32 threads. Split s covers positions
+// [s * length, (s + 1) * length), length = split_length(step[0] + tokens, num_splits); splits
+// past that context exit at once. A token that sees none of a split leaves max -1e30 and sum 0.
+template <bool kInt8>
+[[kernel, max_total_threads_per_threadgroup(kMaxDecodeTokens * SIMD_WIDTH)]] void
+attention_decode_tokens(
+    constant AttentionDecodeTokensParams& params [[buffer(0)]],
+    device const float* queries [[buffer(1)]],  // [T, Hq, head_dim]: normed, rotated
+    device const uchar* k_cache [[buffer(2)]],  // [Hkv, cache_capacity] rows
+    device const uchar* v_cache [[buffer(3)]],
+    device const uint* step [[buffer(4)]],      // [position, ...]
+    device float* partial_out [[buffer(5)]],    // [T, Hq, num_splits, head_dim]
+    device float* partial_stats [[buffer(6)]],  // [T, Hq, num_splits, 2]: max, sum
+    uint2 group_id [[threadgroup_position_in_grid]],
+    uint thread_id [[thread_index_in_threadgroup]],
+    uint token [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  alignas(16) threadgroup uchar staged[2 * kStagePositions * staged_row_bytes<kInt8>()];
+  const uint split = group_id.x;
+  const uint kv_head = group_id.y;
+  const uint group = params.num_q_heads / params.num_kv_heads;
+  const uint position = step[0];
+  const uint context = position + params.tokens;
+  const uint length = split_length(context, params.num_splits);
+  const uint begin = split * length;
+  if (begin >= context) {
+    return;
+  }
+  const uint end = min(begin + length, context);
+  // A pass queued past the capacity has no rows there (prepare did not append them).
+  const uint cached_end = min(end, params.cache_capacity);
+  const uint token_end = min(end, position + token + 1);
+  const uint row = fragment_row(lane);
+  const uint col = fragment_col(lane);
+  const bool row_in_group = row < group;
+  const uint first_head = kv_head * group;
+
+  simdgroup_float8x8 q[kHeadFragments];
+  simdgroup_float8x8 acc[kHeadFragments];
+  const ulong query_row = (ulong(token) * params.num_q_heads + first_head + row) * kHeadDim;
+  load_query_fragments<kInt8>(reinterpret_cast<device const float4*>(queries + query_row),
+                              row_in_group, col, q);
+  for (uint f = 0; f < kHeadFragments; ++f) {
+    q[f].thread_elements() *= params.scale;
+    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  // Finite start value: fast math does not promise IEEE infinities.
+  float running_max = -1.0e30f;
+  float lane_sum = 0.0f;
+
+  const ulong head_base = ulong(kv_head) * params.cache_capacity * kv_row_bytes<kInt8>();
+  threadgroup const uchar* staged_values = staged + kStagePositions * staged_row_bytes<kInt8>();
+  for (uint first = begin; first < end; first += kStagePositions) {
+    stage_rows<kInt8>(k_cache + head_base, v_cache + head_base, first, cached_end, thread_id,
+                      params.tokens * SIMD_WIDTH, staged);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const StagedKvRows k_stage{staged, first};
+    const StagedKvRows v_stage{staged_values, first};
+    for (uint tile = first; tile < min(first + kStagePositions, token_end); tile += kTile) {
+      DecodeTile t;
+      load_tile<kInt8, false>(k_stage, v_stage, tile, row, col, t);
+      attend_tile<kInt8>(q, acc, running_max, lane_sum, t, tile, token_end, col);
+    }
+    // The next stage overwrites what the other simdgroups may still be reading.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  const float row_total = row_sum(lane_sum);
+  if (row_in_group) {
+    const uint slot = (token * params.num_q_heads + first_head + row) * params.num_splits + split;
+    device float* out_row = partial_out + ulong(slot) * kHeadDim;
+    for (uint j = 0; j < kHeadFragments / 2; ++j) {
+      const float2 a = acc[2 * j].thread_elements();
+      const float2 b = acc[2 * j + 1].thread_elements();
+      *reinterpret_cast<device float4*>(out_row + output_dims<kInt8>(j, col)) =
+          float4(a[0], a[1], b[0], b[1]);
+    }
+    if (col == 0) {
+      partial_stats[2 * slot] = running_max;
+      partial_stats[2 * slot + 1] = row_total;
+    }
+  }
+}
+
+template [[host_name("attention_decode_tokens")]] [[kernel]]
+    decltype(attention_decode_tokens<false>) attention_decode_tokens<false>;
+template [[host_name("attention_decode_tokens_int8")]] [[kernel]]
+    decltype(attention_decode_tokens<true>) attention_decode_tokens<true>;
+
 struct AttentionCombineParams {
   uint num_q_heads;
   uint num_splits;  // the decode grid's
+  uint tokens;      // 1 after a decode step, T after attention_decode_tokens
 };
 
 // Dims per combine threadgroup: four threadgroups per head spread a long context's partials
 // (up to 1 KB per split and head) over more of the GPU than one per head would.
 constexpr constant uint kCombineDims = 64;
 
-// Grid (num_q_heads, head_dim / kCombineDims), one thread per head dim. Only the splits the
-// context reaches are read: the others hold whatever an earlier step (of this sequence or of a
-// longer one before it) left there.
+// Grid (num_q_heads, head_dim / kCombineDims, tokens), one thread per head dim of one token. Only
+// the splits the pass's context (step[0] + tokens) reaches are read: the others hold whatever an
+// earlier step (of this sequence or of a longer one before it) left there. A split a token does
+// not see has sum 0 and adds nothing.
 [[kernel, max_total_threads_per_threadgroup(kCombineDims)]] void attention_combine(
     constant AttentionCombineParams& params [[buffer(0)]],
     device const float* partial_out [[buffer(1)]],
     device const float* partial_stats [[buffer(2)]],
-    device const float* q_proj [[buffer(3)]],  // the gate half of each head is read here
-    device float* out [[buffer(4)]],           // [Hq, head_dim]: attention * sigmoid(gate)
+    device const float* q_proj [[buffer(3)]],  // [T, Hq, 2, head_dim]: the gate halves are read
+    device float* out [[buffer(4)]],           // [T, Hq, head_dim]: attention * sigmoid(gate)
     device const uint* step [[buffer(5)]],     // [position, ...]
-    uint2 group_id [[threadgroup_position_in_grid]],
+    uint3 group_id [[threadgroup_position_in_grid]],
     uint thread_id [[thread_index_in_threadgroup]]) {
-  const uint head = group_id.x;
+  // The token's head: row `head` of [T, Hq] partials, gates and outputs.
+  const uint head = group_id.z * params.num_q_heads + group_id.x;
   const uint dim = group_id.y * kCombineDims + thread_id;
-  const uint context = step[0] + 1;
+  const uint context = step[0] + params.tokens;
   const uint length = split_length(context, params.num_splits);
   const uint splits = (context + length - 1) / length;
   device const float* stats = partial_stats + 2 * head * params.num_splits;

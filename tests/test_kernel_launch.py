@@ -46,6 +46,9 @@ EXACT_THREADS = {
     "attention_decode_fused": attention.DECODE_THREADS,
     "attention_decode_fused_int8": attention.DECODE_THREADS,
     "attention_combine": attention.COMBINE_DIMS,
+    # One simdgroup per token: its launcher uses 32 per token, up to this.
+    "attention_decode_tokens": attention.DECODE_TOKENS_MAX_THREADS,
+    "attention_decode_tokens_int8": attention.DECODE_TOKENS_MAX_THREADS,
     "attention_chunk": attention.CHUNK_THREADS,
     "attention_chunk_int8": attention.CHUNK_THREADS,
     "gdn_step": gdn.STEP_THREADS_PER_THREADGROUP,

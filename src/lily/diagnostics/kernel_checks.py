@@ -1262,12 +1262,18 @@ def _gdn_chunk(num_key_heads: int, num_value_heads: int, tokens: int):
     return prepare
 
 
-def _attention_chunk(num_q: int, num_kv: int, tokens: int, position: int):
+def _attention_chunk(num_q: int, num_kv: int, tokens: int, position: int, multi_query=False):
     """prepare over `tokens` tokens from `position` (norms, RoPE, cache append), then the causal
-    chunk kernel with the output gate, chained in one graph as in prefill."""
+    chunk kernel with the output gate, chained in one graph as in prefill; with `multi_query`,
+    multi-query decode attention and the combine instead, as in a verify pass."""
     from lily.kernels.attention import (
         HEAD_DIM,
+        decode_splits,
+        partial_out_bytes,
+        partial_stats_bytes,
         record_attention_chunk,
+        record_attention_combine,
+        record_attention_decode_tokens,
         record_attention_prepare,
     )
 
@@ -1313,7 +1319,39 @@ def _attention_chunk(num_q: int, num_kv: int, tokens: int, position: int):
             **heads,
         )
         graph.barrier()
-        record_attention_chunk(graph, device, out=device.wrap(out), tokens=tokens, **bound, **heads)
+        if multi_query:
+            num_splits = decode_splits(capacity)
+            partials = dict(
+                partial_out=device.alloc(partial_out_bytes(num_q, num_splits, tokens)),
+                partial_stats=device.alloc(partial_stats_bytes(num_q, num_splits, tokens)),
+                num_splits=num_splits,
+            )
+            record_attention_decode_tokens(
+                graph,
+                device,
+                queries=bound["queries"],
+                k_cache=bound["k_cache"],
+                v_cache=bound["v_cache"],
+                step=bound["step"],
+                tokens=tokens,
+                **partials,
+                **heads,
+            )
+            graph.barrier()
+            record_attention_combine(
+                graph,
+                device,
+                q_proj=bound["q_proj"],
+                step=bound["step"],
+                out=device.wrap(out),
+                num_q_heads=num_q,
+                tokens=tokens,
+                **partials,
+            )
+        else:
+            record_attention_chunk(
+                graph, device, out=device.wrap(out), tokens=tokens, **bound, **heads
+            )
 
         def verify() -> Comparison:
             f64 = np.float64
@@ -1423,5 +1461,11 @@ CHECKS: list[KernelCheck] = [
         "attention prepare+chunk",
         "16 q, 2 kv heads, T=64 from position 300",
         _attention_chunk(16, 2, 64, 300),
+    ),
+    KernelCheck(
+        "attention prepare+decode_tokens+combine",
+        "16 q, 2 kv heads, T=5 from position 4000",
+        _attention_chunk(16, 2, 5, 4000, multi_query=True),
+        True,
     ),
 ]

@@ -197,10 +197,16 @@ class _Scratch:
         for name, width in _activation_widths(c, max_chunk).items():
             setattr(self, name, device.alloc(4 * width * max_chunk))
         q_heads = c.num_attention_heads
-        # The decode attention's grid covers the capacity; its partials are sized for that grid.
+        # The decode attention's grid covers the capacity; its partials are sized for that grid
+        # and, for a verify pass's attention, per token.
         self.decode_splits = splits = attention.decode_splits(capacity)
-        self.partial_out = device.alloc(attention.partial_out_bytes(q_heads, splits))
-        self.partial_stats = device.alloc(attention.partial_stats_bytes(q_heads, splits))
+        attention_tokens = min(max_chunk, attention.MAX_DECODE_TOKENS)
+        self.partial_out = device.alloc(
+            attention.partial_out_bytes(q_heads, splits, attention_tokens)
+        )
+        self.partial_stats = device.alloc(
+            attention.partial_stats_bytes(q_heads, splits, attention_tokens)
+        )
         # A verify pass's few tokens run the decode step's MoE kernels, token by token.
         few_tokens = min(max_chunk, GEMV_MAX_TOKENS)
         self.moe = MoeScratch.allocate(device, *_moe_shape(c), tokens=few_tokens)
@@ -248,8 +254,9 @@ def device_bytes(
     gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
     recurrent = state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim)
     splits = attention.decode_splits(capacity)
-    partials = attention.partial_out_bytes(c.num_attention_heads, splits)
-    partials += attention.partial_stats_bytes(c.num_attention_heads, splits)
+    attention_tokens = min(max_chunk, attention.MAX_DECODE_TOKENS)
+    partials = attention.partial_out_bytes(c.num_attention_heads, splits, attention_tokens)
+    partials += attention.partial_stats_bytes(c.num_attention_heads, splits, attention_tokens)
     small = partials + 4 * capacity + (1 << 20)
     return weights + kv + gdn_layers * recurrent + scratch_bytes(c, max_chunk) + small
 
@@ -846,13 +853,13 @@ class _Recorder:
             **caches,
             **heads,
         )
+        # The decode grids cover the capacity; the kernels take the context from the step buffer.
+        partials = dict(
+            partial_out=s.partial_out,
+            partial_stats=s.partial_stats,
+            num_splits=s.decode_splits,
+        )
         if self.folds_norms:
-            # The grid covers the capacity; the kernels take the context from the step buffer.
-            partials = dict(
-                partial_out=s.partial_out,
-                partial_stats=s.partial_stats,
-                num_splits=s.decode_splits,
-            )
             attention.record_attention_decode_fused(g, dev, **prepare, **partials)
             g.barrier()
             attention.record_attention_combine(
@@ -863,6 +870,35 @@ class _Recorder:
                 step=self.state.step,
                 out=s.attn_out,
                 num_q_heads=c.num_attention_heads,
+            )
+        elif T <= attention.MAX_DECODE_TOKENS:
+            # A verify pass (or the MTP head's, or a short prompt's last chunk): decode-shaped
+            # attention reading every cached row once for all T tokens; the chunk kernel's tiles
+            # of 32 rows would be mostly empty.
+            attention.record_attention_prepare(g, dev, **prepare, queries=s.queries, tokens=T)
+            g.barrier()
+            attention.record_attention_decode_tokens(
+                g,
+                dev,
+                queries=s.queries,
+                step=self.step,
+                capacity=self.m.capacity,
+                head_dim=c.head_dim,
+                tokens=T,
+                **partials,
+                **caches,
+                **heads,
+            )
+            g.barrier()
+            attention.record_attention_combine(
+                g,
+                dev,
+                **partials,
+                q_proj=s.q,
+                step=self.step,
+                out=s.attn_out,
+                num_q_heads=c.num_attention_heads,
+                tokens=T,
             )
         else:
             attention.record_attention_prepare(g, dev, **prepare, queries=s.queries, tokens=T)

@@ -15,6 +15,11 @@ The decode step runs the first two as one, `record_attention_decode_fused`: ever
 its own queries and the current key and value, and the split holding the current position
 appends them to the cache, so prepare costs no dependent level of its own.
 
+For a verify pass's few tokens (T up to `MAX_DECODE_TOKENS`), three: `record_attention_prepare`
+with `tokens=T`, `record_attention_decode_tokens`, the decode grid and splits with each token's
+causal end, reading every cached row once for all T tokens, and `record_attention_combine` with
+`tokens=T`.
+
 For a chunk of T prompt tokens, two: `record_attention_prepare` with `tokens=T` (token t at
 position + t), then `record_attention_chunk`, causal attention of the T queries over the cache
 with the output gate applied; no scratch.
@@ -58,6 +63,10 @@ COMBINE_DIMS = 64
 # threadgroups that cannot run at once anyway while growing the partials the combine reads back
 # (16 heads x 1 KB per split). Past 128 * 256 = 32768 positions the splits lengthen instead.
 MAX_SPLITS = 128
+# Must match kMaxDecodeTokens in attention.metal: the most tokens attention_decode_tokens takes,
+# one simdgroup each (a verify pass's last accepted token and its 8 drafts).
+MAX_DECODE_TOKENS = 9
+DECODE_TOKENS_MAX_THREADS = MAX_DECODE_TOKENS * SIMD_WIDTH
 # Must match kChunkRows and kChunkThreads in attention.metal: (token, query head) rows per
 # threadgroup of the chunk kernel, and its threads.
 CHUNK_ROWS = 32
@@ -105,14 +114,16 @@ def _kernel_name(name: str, kv_cache: str) -> str:
     return name if kv_cache == "bf16" else f"{name}_{kv_cache}"
 
 
-def partial_out_bytes(num_q_heads: int, num_splits: int) -> int:
-    """Scratch for the unnormalised per-split outputs, reusable across layers."""
-    return num_q_heads * num_splits * HEAD_DIM * 4
+def partial_out_bytes(num_q_heads: int, num_splits: int, tokens: int = 1) -> int:
+    """Scratch for the unnormalised per-split outputs of `tokens` tokens, reusable across
+    layers."""
+    return tokens * num_q_heads * num_splits * HEAD_DIM * 4
 
 
-def partial_stats_bytes(num_q_heads: int, num_splits: int) -> int:
-    """Scratch for the per-split running max and sum, reusable across layers."""
-    return num_q_heads * num_splits * 2 * 4
+def partial_stats_bytes(num_q_heads: int, num_splits: int, tokens: int = 1) -> int:
+    """Scratch for the per-split running max and sum of `tokens` tokens, reusable across
+    layers."""
+    return tokens * num_q_heads * num_splits * 2 * 4
 
 
 def _check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -235,6 +246,54 @@ def record_attention_decode(
     )
 
 
+def record_attention_decode_tokens(
+    graph: Graph,
+    device: Device,
+    *,
+    queries: BufferRef,
+    k_cache: BufferRef,
+    v_cache: BufferRef,
+    step: BufferRef,
+    partial_out: BufferRef,
+    partial_stats: BufferRef,
+    num_q_heads: int,
+    num_kv_heads: int,
+    capacity: int,
+    num_splits: int,
+    tokens: int,
+    kv_cache: str = "bf16",
+    head_dim: int = HEAD_DIM,
+) -> None:
+    """`record_attention_decode` for `tokens` queries at once: query t (at position step[0] + t)
+    attends to cache positions [0, step[0] + t], whose rows `record_attention_prepare` with the
+    same `tokens` appended. queries fp32 [T, Hq, 256]; partials fp32 [T, Hq, num_splits, 256]
+    and stats [T, Hq, num_splits, 2], the splits those of the context step[0] + T (a split a
+    token does not see gets sum 0); `record_attention_combine` with `tokens=T` merges them.
+    Scale 1/16."""
+    _check_heads(num_q_heads, num_kv_heads, head_dim)
+    _check_decode(num_q_heads, num_kv_heads, num_splits)
+    if not 1 <= tokens <= MAX_DECODE_TOKENS:
+        raise ValueError(f"the kernel takes 1 to {MAX_DECODE_TOKENS} tokens, not {tokens}")
+    graph.dispatch(
+        device.kernel(_kernel_name("attention_decode_tokens", kv_cache)),
+        threadgroups=(num_splits, num_kv_heads, 1),
+        threads=(tokens * SIMD_WIDTH, 1, 1),
+        buffers={
+            1: binding(queries),
+            2: binding(k_cache),
+            3: binding(v_cache),
+            4: binding(step),
+            5: binding(partial_out),
+            6: binding(partial_stats),
+        },
+        bytes={
+            0: pack_params(
+                "IIIIIf", num_q_heads, num_kv_heads, capacity, num_splits, tokens, head_dim**-0.5
+            )
+        },
+    )
+
+
 def record_attention_decode_fused(
     graph: Graph,
     device: Device,
@@ -309,13 +368,17 @@ def record_attention_combine(
     out: BufferRef,
     num_q_heads: int,
     num_splits: int,
+    tokens: int = 1,
 ) -> None:
-    """`out = attention * sigmoid(gate)`, fp32 [Hq, 256], gate read from q_proj's second halves;
-    `num_splits` is the decode grid's, and only the splits the context reaches are read."""
+    """`out = attention * sigmoid(gate)`, fp32 [T, Hq, 256], gate read from q_proj's
+    [T, Hq, 2, 256] second halves, for the partials of `record_attention_decode` (tokens 1) or
+    `record_attention_decode_tokens`; `num_splits` is the decode grid's, and only the splits the
+    context step[0] + tokens reaches are read."""
     _check_splits_positive(num_splits)
+    _check_tokens(tokens)
     graph.dispatch(
         device.kernel("attention_combine"),
-        threadgroups=(num_q_heads, HEAD_DIM // COMBINE_DIMS, 1),
+        threadgroups=(num_q_heads, HEAD_DIM // COMBINE_DIMS, tokens),
         threads=(COMBINE_DIMS, 1, 1),
         buffers={
             1: binding(partial_out),
@@ -324,7 +387,7 @@ def record_attention_combine(
             4: binding(out),
             5: binding(step),
         },
-        bytes={0: pack_params("II", num_q_heads, num_splits)},
+        bytes={0: pack_params("III", num_q_heads, num_splits, tokens)},
     )
 
 
