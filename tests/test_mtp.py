@@ -11,6 +11,7 @@ explains: up to the first position where plain decoding's top-2 margin is within
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -18,15 +19,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from device_testing import open_test_device
+from test_kernel_sampling import P_VALUE_THRESHOLD, chi_square_p_value
 from test_speculative import ANSWER, MARGIN, _prompt, _same_as_plain, plain_decoding
 from tiny_models import tiny_checkpoint
 
 import lily
-from lily.checkpoint.demo import demo_checkpoint_dir
+from lily.checkpoint.demo import demo_checkpoint_dir, write_safetensors
 from lily.checkpoint.loader import load_checkpoint
+from lily.checkpoint.mtp import MTP_FC, MTP_FINAL_NORM, MTP_NORM_EMBEDDING
+from lily.checkpoint.quant import dequantize, float32_to_bf16, pack_codes
 from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import ModelGraph
 from lily.engine.reference import ReferenceModel
+from lily.engine.sampling import SamplingParams
 from lily.engine.speculative import Speculation
 from lily.kernels.step import POSITION
 
@@ -299,3 +304,108 @@ def test_the_head_drafts_over_an_int8_kv_cache():
         assert rows == model.state.k_cache[model.config.full_attention_layers[0]].size // MAX_SEQ
         assert head_llm.mtp_head and head_llm.speculation().mtp
         assert _answer(head_llm).choices[0].message == _answer(plain_llm).choices[0].message
+
+
+# ---- a head that predicts what the model predicts ----------------------------------------------
+
+
+def echo_head_checkpoint(out: Path) -> Path:
+    """The small tiny checkpoint made into a bigram model with a head that drafts exactly its
+    predictions, so that drafts are accepted (a random head's almost never are):
+
+    - every layer's output projections (attention's o_proj, the GDN's out_proj, the experts'
+      and the shared expert's down_proj) are zero, in the main model and in the head, so every
+      residual stream stays the embedding it starts from: the model predicts the token after t
+      as argmax lm_head(norm(embed(t))) =: f(t), whatever came before;
+    - the head's fc is [identity | 0] (4-bit codes 1 and 0, scale 1, bias 0: exact), its
+      embedding norm a unit gain and its final norm the model's: from the hidden state at
+      position p and the embedding of token p + 1 it predicts lm_head(norm(norm(embed(t)))),
+      f(t) up to the norm's epsilon, which is the model's next token; chained, f(f(t)).
+
+    So greedy drafts of any length are the model's own tokens."""
+    source = tiny_checkpoint("small", mtp_head=True)
+    shutil.copytree(source, out)
+    checkpoint = load_checkpoint(source)
+    tensors = {name: np.array(array) for name, array in checkpoint.tensors.items()}
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            for part in ("weight", "scales", "biases"):
+                tensors[name.removesuffix("weight") + part][...] = 0
+    hidden = checkpoint.config.hidden_size
+    codes = np.zeros((hidden, 2 * hidden), np.uint32)
+    codes[np.arange(hidden), np.arange(hidden)] = 1
+    tensors[MTP_FC + ".weight"] = pack_codes(codes, 4)
+    tensors[MTP_FC + ".scales"][...] = float32_to_bf16(np.float32(1.0))
+    tensors[MTP_FC + ".biases"][...] = 0
+    tensors[MTP_NORM_EMBEDDING][...] = float32_to_bf16(np.float32(1.0))
+    tensors[MTP_FINAL_NORM] = tensors["language_model.model.norm.weight"].copy()
+    fc = dequantize(*(tensors[f"{MTP_FC}.{part}"] for part in ("weight", "scales", "biases")), 4)
+    assert np.array_equal(fc, np.eye(hidden, 2 * hidden))
+    weight_map = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+    for shard in set(weight_map.values()):
+        names = [name for name, file in weight_map.items() if file == shard]
+        write_safetensors(out / shard, {n: tensors[n] for n in names}, {"format": "mlx"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory):
+    """(engine, prompt, plain greedy answer) of the echo-head checkpoint."""
+    checkpoint = load_checkpoint(echo_head_checkpoint(tmp_path_factory.mktemp("echo") / "ckpt"))
+    engine = _engine(checkpoint)
+    prompt = _prompt(checkpoint) + [3, 1, 4]
+    answer = [t.id for t in engine.generate(prompt, ANSWER)]
+    return engine, prompt, answer
+
+
+def test_a_head_predicting_the_model_has_its_drafts_accepted(echo):
+    """All-accepted passes with the head: k drafts and the model's token per pass, the head's KV
+    rows and hidden states following along, and the answer the model's."""
+    engine, prompt, answer = echo
+    drafter = _Recording(draft_tokens=4, mtp=True)
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
+    assert tokens == answer
+    counts = drafter.counts["mtp"]
+    assert counts.accepted == counts.drafted
+    assert all(accepted == drafted == 4 for drafted, accepted in drafter.outcomes[:-1])
+    # 1 token from the prompt's pass, then 5 per pass.
+    assert counts.passes == -(-(ANSWER - 1) // 5)
+
+
+def test_sampled_output_with_the_head_is_reproducible_and_the_models_distribution(echo):
+    """Sampling at temperature 1.5, the head drafting greedily: a seed gives the same answer
+    twice, and the answers' tokens, pooled over seeds, follow the model's distribution: for a
+    token y drawn after t (the bigram model's next-token distribution p_t = softmax(l(t) / T),
+    l(t) its logits after t alone), u = P_t(< y) + V p_t(y) with V uniform is uniform on [0, 1]
+    exactly when y ~ p_t (a randomised probability integral transform), so the u's pass a
+    chi-square test against equal bins; drafts accepted with probability p(draft), not more."""
+    engine, prompt, _ = echo
+    params = [SamplingParams(temperature=1.5, seed=seed) for seed in range(12)]
+    runs = []
+    for sampling in params:
+        drafter = Speculation(draft_tokens=4, mtp=True)
+        tokens = [t.id for t in engine.generate(prompt, ANSWER, sampling=sampling, drafter=drafter)]
+        assert drafter.counts["mtp"].accepted > 0
+        runs.append(tokens)
+    again = engine.generate(prompt, ANSWER, sampling=params[3], drafter=Speculation(mtp=True))
+    assert [t.id for t in again] == runs[3]
+    pairs = [
+        (before, token)
+        for tokens in runs
+        for before, token in zip([prompt[-1], *tokens], tokens, strict=False)
+    ]
+    # The bigram model's logits after t alone (row i of a sequence is the same after anything).
+    befores = sorted({before for before, _ in pairs})
+    logits = {}
+    for start in range(0, len(befores), 128):
+        chunk = befores[start : start + 128]
+        logits.update(zip(chunk, engine.teacher_forced_logits(chunk), strict=True))
+    rng = np.random.default_rng(0)
+    u = []
+    for before, token in pairs:
+        z = logits[before].astype(np.float64) / 1.5
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        u.append(p[:token].sum() + rng.random() * p[token])
+    bins = np.bincount(np.minimum((np.array(u) * 10).astype(int), 9), minlength=10)
+    assert chi_square_p_value(bins, np.full(10, 0.1)) > P_VALUE_THRESHOLD

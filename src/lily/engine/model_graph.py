@@ -299,6 +299,65 @@ def token_macs(c: ModelConfig) -> TokenMacs:
     )
 
 
+# The GEMV-shaped kernels unpack each code once per token they multiply it with: about 4 ALU
+# operations per weight per token (shift, mask, convert, FMA).
+GEMV_OPS_PER_WEIGHT_TOKEN = 4
+# Where an Apple GPU turns from bandwidth- to ALU-bound: fp32 operations per byte read at 80% of
+# the peak bandwidth. 37 on an M5 Max (18.4 TFLOP/s, 614 GB/s), 37 on an M4 Max (16.2, 546), 33
+# on an M1 Pro (5.2, 200): benchmarks/prefill_model.py's figures, published specs.
+RIDGE_OPS_PER_BYTE = 18.4e12 / (0.8 * 614e9)
+
+
+@dataclass(frozen=True)
+class PassTraffic:
+    """What a pass of a few tokens costs a bandwidth-bound GPU: the weight bytes it reads and
+    the ALU operations its GEMVs run."""
+
+    weight_bytes: float
+    gemv_ops: float
+
+
+def pass_traffic(c: ModelConfig, tokens: int) -> PassTraffic:
+    """A decode step's (1 token) or a verify pass's (2 to 9, run by the GEMV-shaped kernels)
+    weight traffic: every projection and the lm_head read once, and each expert some token
+    chose read once, at the expected number of distinct experts when each token chooses
+    num_experts_per_tok of num_experts uniformly; the ALU work grows with every token."""
+    macs = token_macs(c)
+    layers, d = c.num_hidden_layers, c.hidden_size
+    attention_layers = len(c.full_attention_layers)
+
+    def bytes_per_weight(path: str) -> float:
+        spec = c.quant_for(path)
+        return (spec.bits + 2 * 16 / spec.group_size) / 8  # codes, a bf16 scale and bias per group
+
+    router = d * (c.num_experts + 1)  # the router and the shared-expert gate, often 8-bit
+    dense = (layers - attention_layers) * macs.gdn + attention_layers * macs.attention
+    dense += layers * (macs.shared - router)
+    head = d * c.vocab_size
+    expert = macs.experts // c.num_experts_per_tok
+    chosen = c.num_experts_per_tok / c.num_experts
+    distinct = c.num_experts * (1 - (1 - chosen) ** tokens)
+    weights = dense + head + layers * distinct * expert
+    weight_bytes = weights * bytes_per_weight(LM_HEAD)
+    weight_bytes += layers * router * bytes_per_weight(MODEL + "layers.0.mlp.gate")
+    useful = tokens * (dense + head + layers * (router + c.num_experts_per_tok * expert))
+    return PassTraffic(weight_bytes, GEMV_OPS_PER_WEIGHT_TOKEN * useful)
+
+
+def verify_cost_ratio(c: ModelConfig, drafts: int) -> float:
+    """How many decode steps' time a verify pass checking `drafts` drafts costs, on a roofline
+    at RIDGE_OPS_PER_BYTE: a pass takes max(bytes, ops / RIDGE_OPS_PER_BYTE) byte-times, the
+    verify pass's bytes including its copy of the recurrent state into the backup (read and
+    written; the restore after a rejection is left out). Drafting pays when a pass yields more
+    tokens than this on average."""
+
+    def byte_times(tokens: int, extra: float) -> float:
+        traffic = pass_traffic(c, tokens)
+        return max(traffic.weight_bytes + extra, traffic.gemv_ops / RIDGE_OPS_PER_BYTE)
+
+    return byte_times(drafts + 1, 2.0 * recurrent_state_bytes(c)) / byte_times(1, 0.0)
+
+
 def layer_flops(c: ModelConfig, start: int, tokens: int) -> list[float]:
     """Multiply-adds x 2 of each layer (mixer and MoE) in a pass over positions
     [start, start + tokens): every projection and the chosen experts per token, plus, in an
@@ -776,11 +835,10 @@ class _Recorder:
             accepted=verify.accepted,
         )
         g.barrier()
-        offset = 0
+        offset, restore = 0, (verify.accepted, rows - 1)
         for buffer in state.recurrent_buffers():
-            restore = (verify.accepted, rows - 1)
-            record_copy(g, dev, (verify.recurrent_backup, offset), buffer, buffer.size,
-                        if_rejected=restore)
+            backup = (verify.recurrent_backup, offset)
+            record_copy(g, dev, backup, buffer, buffer.size, if_rejected=restore)
             offset += buffer.size
 
     @property
