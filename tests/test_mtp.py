@@ -372,21 +372,27 @@ def test_a_head_predicting_the_model_has_its_drafts_accepted(echo):
     assert counts.passes == -(-(ANSWER - 1) // 5)
 
 
+TEMPERATURE = 0.2
+
+
 def test_sampled_output_with_the_head_is_reproducible_and_the_models_distribution(echo):
-    """Sampling at temperature 1.5, the head drafting greedily: a seed gives the same answer
+    """Sampling at temperature 0.2 (the model's most likely token then has about even odds), the
+    head drafting greedily, so drafts are accepted and rejected: a seed gives the same answer
     twice, and the answers' tokens, pooled over seeds, follow the model's distribution: for a
     token y drawn after t (the bigram model's next-token distribution p_t = softmax(l(t) / T),
     l(t) its logits after t alone), u = P_t(< y) + V p_t(y) with V uniform is uniform on [0, 1]
     exactly when y ~ p_t (a randomised probability integral transform), so the u's pass a
     chi-square test against equal bins; drafts accepted with probability p(draft), not more."""
     engine, prompt, _ = echo
-    params = [SamplingParams(temperature=1.5, seed=seed) for seed in range(12)]
-    runs = []
+    params = [SamplingParams(temperature=TEMPERATURE, seed=seed) for seed in range(8)]
+    runs, accepted, drafted = [], 0, 0
     for sampling in params:
         drafter = Speculation(draft_tokens=4, mtp=True)
         tokens = [t.id for t in engine.generate(prompt, ANSWER, sampling=sampling, drafter=drafter)]
-        assert drafter.counts["mtp"].accepted > 0
+        accepted += drafter.counts["mtp"].accepted
+        drafted += drafter.counts["mtp"].drafted
         runs.append(tokens)
+    assert 0.2 * drafted < accepted < 0.9 * drafted
     again = engine.generate(prompt, ANSWER, sampling=params[3], drafter=Speculation(mtp=True))
     assert [t.id for t in again] == runs[3]
     pairs = [
@@ -403,7 +409,7 @@ def test_sampled_output_with_the_head_is_reproducible_and_the_models_distributio
     rng = np.random.default_rng(0)
     u = []
     for before, token in pairs:
-        z = logits[before].astype(np.float64) / 1.5
+        z = logits[before].astype(np.float64) / TEMPERATURE
         p = np.exp(z - z.max())
         p /= p.sum()
         u.append(p[:token].sum() + rng.random() * p[token])
