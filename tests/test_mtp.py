@@ -11,7 +11,6 @@ explains: up to the first position where plain decoding's top-2 margin is within
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -20,14 +19,19 @@ import numpy as np
 import pytest
 from device_testing import open_test_device
 from test_kernel_sampling import P_VALUE_THRESHOLD, chi_square_p_value
-from test_speculative import ANSWER, MARGIN, _prompt, _same_as_plain, plain_decoding
-from tiny_models import tiny_checkpoint
+from test_speculative import (
+    ANSWER,
+    MARGIN,
+    Recording,
+    _prompt,
+    _same_as_plain,
+    plain_decoding,
+)
+from tiny_models import echo_head_checkpoint, tiny_checkpoint
 
 import lily
-from lily.checkpoint.demo import demo_checkpoint_dir, write_safetensors
+from lily.checkpoint.demo import demo_checkpoint_dir
 from lily.checkpoint.loader import load_checkpoint
-from lily.checkpoint.mtp import MTP_FC, MTP_FINAL_NORM, MTP_NORM_EMBEDDING
-from lily.checkpoint.quant import dequantize, float32_to_bf16, pack_codes
 from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import ModelGraph
 from lily.engine.reference import ReferenceModel
@@ -150,14 +154,6 @@ def plain(checkpoint, engine):
     return plain_decoding(engine, prompt)
 
 
-class _Recording(Speculation):
-    """The head's drafter, recording each verify pass's outcome."""
-
-    def verified(self, drafted, accepted):
-        super().verified(drafted, accepted)
-        self.outcomes = [*getattr(self, "outcomes", []), (len(drafted), accepted)]
-
-
 @pytest.fixture
 def head_calls(monkeypatch):
     """Every time the head drafts: (the context it drafts after, its drafts, the recurrent
@@ -181,7 +177,7 @@ def head_calls(monkeypatch):
 
 def test_greedy_output_with_the_head_is_plain_decoding(checkpoint, engine, plain, head_calls):
     prompt, answer, states, decided = plain
-    drafter = _Recording(draft_tokens=4, mtp=True)
+    drafter = Recording(draft_tokens=4, mtp=True)
     tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
     _same_as_plain(tokens, plain)
     counts = drafter.counts["mtp"]
@@ -222,7 +218,7 @@ def test_a_rejection_right_after_a_prefix_cache_restore(checkpoint, plain, head_
     list(engine.generate(prompt[:20], 2, snapshot_at=16, drafter=Speculation(mtp=True)))
     assert engine.cached_prefix_length(prompt) == 16
     head_calls.clear()
-    drafter = _Recording(draft_tokens=4, mtp=True)
+    drafter = Recording(draft_tokens=4, mtp=True)
     tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
     _same_as_plain(tokens, plain)
     assert drafter.outcomes[0][1] < drafter.outcomes[0][0]
@@ -309,45 +305,6 @@ def test_the_head_drafts_over_an_int8_kv_cache():
 # ---- a head that predicts what the model predicts ----------------------------------------------
 
 
-def echo_head_checkpoint(out: Path) -> Path:
-    """The small tiny checkpoint made into a bigram model with a head that drafts exactly its
-    predictions, so that drafts are accepted (a random head's almost never are):
-
-    - every layer's output projections (attention's o_proj, the GDN's out_proj, the experts'
-      and the shared expert's down_proj) are zero, in the main model and in the head, so every
-      residual stream stays the embedding it starts from: the model predicts the token after t
-      as argmax lm_head(norm(embed(t))) =: f(t), whatever came before;
-    - the head's fc is [identity | 0] (4-bit codes 1 and 0, scale 1, bias 0: exact), its
-      embedding norm a unit gain and its final norm the model's: from the hidden state at
-      position p and the embedding of token p + 1 it predicts lm_head(norm(norm(embed(t)))),
-      f(t) up to the norm's epsilon, which is the model's next token; chained, f(f(t)).
-
-    So greedy drafts of any length are the model's own tokens."""
-    source = tiny_checkpoint("small", mtp_head=True)
-    shutil.copytree(source, out)
-    checkpoint = load_checkpoint(source)
-    tensors = {name: np.array(array) for name, array in checkpoint.tensors.items()}
-    for name in tensors:
-        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-            for part in ("weight", "scales", "biases"):
-                tensors[name.removesuffix("weight") + part][...] = 0
-    hidden = checkpoint.config.hidden_size
-    codes = np.zeros((hidden, 2 * hidden), np.uint32)
-    codes[np.arange(hidden), np.arange(hidden)] = 1
-    tensors[MTP_FC + ".weight"] = pack_codes(codes, 4)
-    tensors[MTP_FC + ".scales"][...] = float32_to_bf16(np.float32(1.0))
-    tensors[MTP_FC + ".biases"][...] = 0
-    tensors[MTP_NORM_EMBEDDING][...] = float32_to_bf16(np.float32(1.0))
-    tensors[MTP_FINAL_NORM] = tensors["language_model.model.norm.weight"].copy()
-    fc = dequantize(*(tensors[f"{MTP_FC}.{part}"] for part in ("weight", "scales", "biases")), 4)
-    assert np.array_equal(fc, np.eye(hidden, 2 * hidden))
-    weight_map = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
-    for shard in set(weight_map.values()):
-        names = [name for name, file in weight_map.items() if file == shard]
-        write_safetensors(out / shard, {n: tensors[n] for n in names}, {"format": "mlx"})
-    return out
-
-
 @pytest.fixture(scope="module")
 def echo(tmp_path_factory):
     """(engine, prompt, plain greedy answer) of the echo-head checkpoint."""
@@ -362,7 +319,7 @@ def test_a_head_predicting_the_model_has_its_drafts_accepted(echo):
     """All-accepted passes with the head: k drafts and the model's token per pass, the head's KV
     rows and hidden states following along, and the answer the model's."""
     engine, prompt, answer = echo
-    drafter = _Recording(draft_tokens=4, mtp=True)
+    drafter = Recording(draft_tokens=4, mtp=True)
     tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
     assert tokens == answer
     counts = drafter.counts["mtp"]

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from device_testing import open_test_device
 from test_validate import real_config_json
-from tiny_models import tiny_checkpoint
+from tiny_models import echo_head_checkpoint, tiny_checkpoint
 
 from lily.checkpoint.config import parse_config
 from lily.checkpoint.loader import load_checkpoint
@@ -350,15 +350,98 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_generation(engine, plain):
     assert tokens == answer[: first + 1]
 
 
-def test_a_rejection_right_after_a_prefix_cache_restore(checkpoint, plain):
+class Recording(Speculation):
+    """A drafter recording each verify pass's outcome (drafted, accepted)."""
+
+    def verified(self, drafted, accepted):
+        super().verified(drafted, accepted)
+        self.outcomes = [*getattr(self, "outcomes", []), (len(drafted), accepted)]
+
+
+def _wrong(token: int, checkpoint) -> int:
+    return (token + 1) % checkpoint.config.vocab_size
+
+
+def _predictions(checkpoint, answer: list[int]) -> dict[str, tuple[list[int], int]]:
+    """Predictions of the answer whose first verify pass (drafting answer[1:5] after the first
+    token) accepts all 4 drafts, none, or 2: (prediction, drafts the first pass accepts)."""
+    wrong = [_wrong(t, checkpoint) for t in answer]
+    return {
+        "all accepted": (answer, 4),
+        "all rejected": (answer[:1] + wrong[1:], 0),
+        "partly": (answer[:3] + wrong[3:4] + answer[4:], 2),
+    }
+
+
+@pytest.mark.parametrize("outcome", ["all accepted", "all rejected", "partly"])
+def test_a_prediction_drives_each_outcome_and_gives_plain_decoding(checkpoint, engine, plain,
+                                                                  outcome):  # fmt: skip
+    prompt, answer, _, decided = plain
+    prediction, accepted = _predictions(checkpoint, answer)[outcome]
+    drafter = Recording(draft_tokens=4, prediction=prediction, anchor=prompt[-2:])
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
+    _same_as_plain(tokens, plain)
+    assert drafter.outcomes[0] == (4, accepted)
+
+
+@pytest.mark.parametrize("source", ["scripted", "prediction"])
+def test_a_rejection_right_after_a_prefix_cache_restore(checkpoint, plain, source):
     prompt, answer, _, _ = plain
     engine = _engine(checkpoint)
     list(engine.generate(prompt[:20], 2, snapshot_at=16))
     assert engine.cached_prefix_length(prompt) == 16
-    drafter = _Scripted(engine, prompt, answer, right=0)
+    if source == "scripted":
+        drafter = _Scripted(engine, prompt, answer, right=0)
+    else:
+        prediction, _ = _predictions(checkpoint, answer)["all rejected"]
+        drafter = Recording(draft_tokens=4, prediction=prediction, anchor=prompt[-2:])
     tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
     _same_as_plain(tokens, plain)
     assert drafter.outcomes[0] == (4, 0)
+
+
+# ---- prompt lookup on a bigram model -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bigram(tmp_path_factory):
+    """(engine, base prompt, t, the answer after t) on the echo-head checkpoint
+    (`tiny_models.echo_head_checkpoint`): its main model predicts the token after t from t alone,
+    so an answer is the same after any prompt ending with t, and a prompt can hold the answer's
+    continuation for prompt lookup to find without changing the answer. t is chosen so that the
+    answer's first tokens and t are all different (no other occurrence to look up)."""
+    checkpoint = load_checkpoint(echo_head_checkpoint(tmp_path_factory.mktemp("bigram") / "c"))
+    engine = _engine(checkpoint)
+    base = _prompt(checkpoint)
+    for t in range(checkpoint.config.vocab_size):
+        answer = [g.id for g in engine.generate([*base, t], 12)]
+        if len({t, *answer[:10]}) == 11 and t not in base:
+            return engine, base, t, answer
+    raise AssertionError("no token starts a chain of 11 distinct tokens")
+
+
+@pytest.mark.parametrize(
+    ("outcome", "accepted"),
+    [("all accepted", 4), ("all rejected", 0), ("partly", 1), ("restored", 0)],
+)
+def test_prompt_lookup_drives_each_outcome_and_gives_plain_decoding(bigram, outcome, accepted):
+    """The prompt holds t and the answer's first tokens a1 .. a8 (a2 changed for all rejected,
+    a3 for partly), then ends with t: after the first token a1, "t a1" is looked up and the 4
+    tokens after it drafted. "restored": the prompt's first part comes from the prefix cache,
+    then all are rejected."""
+    engine, base, t, answer = bigram
+    planted = answer[:8]
+    changed = {"all rejected": 1, "restored": 1, "partly": 2}.get(outcome)
+    if changed is not None:
+        planted[changed] = (planted[changed] + 1) % engine._model.token_count
+    prompt = [*base, t, *planted, t]
+    if outcome == "restored":
+        list(engine.generate(prompt[:20], 2, snapshot_at=16))
+        assert engine.cached_prefix_length(prompt) >= 16
+    drafter = Recording(draft_tokens=4, ngram=True)
+    tokens = [g.id for g in engine.generate(prompt, 12, drafter=drafter)]
+    assert tokens == answer
+    assert drafter.outcomes[0] == (4, accepted)
 
 
 def test_penalties_and_logprobs_with_drafts(engine, plain):
