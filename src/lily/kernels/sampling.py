@@ -64,6 +64,12 @@ log_softmax normaliser and top-p's total mass without top-k (slices' sums rescal
 own maximum), which can move a top-p boundary lying within fp32 rounding of top_p, as the
 definition allows.
 
+A verify pass of speculative decoding records one draw per logits row (`logits_stride`), row g
+keyed on position + g and counting the g drafted tokens before it for the penalties (`drafts`),
+then `record_accept_drafts`: the drafts up to the first row whose draw differs, and that draw.
+A draw equal to a draft accepts it with exactly the probability the rejection rule for a
+deterministic draft asks (lily.engine.speculative explains why).
+
 Limits, checked when a graph is recorded or parameters are packed: threadgroups of at most
 1024 threads (a multiple of 32); at most `MAX_TOP_LOGPROBS` alternatives; the vocab below
 2^32 - 1; top_k is not bounded.
