@@ -88,8 +88,9 @@ if TYPE_CHECKING:
     from lily.device import Buffer, Device
 
 MODEL = "language_model.model."
-# Log-probability slots the sampler cycles through; the engine reads a step's slot after waiting
-# for it with at most one more step in flight, so anything above 2 is margin.
+# Log-probability slots the sampler cycles through, keyed by position: the engine reads a decode
+# step's slot with at most one more step in flight, and a verify pass's 9 rows (positions in a
+# row) all at once after it, so 16 leave margin for both.
 LOGPROB_RING_SLOTS = 16
 LM_HEAD = "language_model.lm_head"
 EMBED_TOKENS = MODEL + "embed_tokens"
