@@ -35,7 +35,7 @@ from lily.engine.speculative import (
     check_speculative,
     lookup,
 )
-from lily.kernels.step import POSITION
+from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 
 MAX_SEQ = 256
 ANSWER = 24
@@ -486,6 +486,33 @@ def test_the_verify_rows_are_the_plain_logits(engine, plain):
     rows = engine._model.verify_logits_view(5)
     reference = engine.teacher_forced_logits(prompt + answer[:5])[len(prompt) : len(prompt) + 5]
     assert np.abs(rows - reference).max() < 1e-2
+
+
+def test_a_verify_pass_accepts_and_restores_the_state_on_the_device(checkpoint, engine, plain):
+    """One verify pass run by hand after the prompt, the host doing nothing between: with a
+    wrong first draft it yields the model's token and leaves the recurrent state as it was,
+    bit for bit; with right drafts it yields them all and the model's next token, the state
+    having consumed them."""
+    prompt, answer, _, _ = plain
+    model = engine._model
+    assert [t.id for t in engine.generate(prompt, 1)] == answer[:1]
+    history, step = model.history_view(), model.step_view()
+    recurrent = [b.numpy() for b in model.state.recurrent_buffers()]
+    before = [a.copy() for a in recurrent]
+    last = len(prompt)  # the first generated token's position: the state has not consumed it
+    for drafts, expected in (
+        ([_wrong(t, checkpoint) for t in answer[1:5]], answer[1:2]),
+        (answer[1:5], answer[1:6]),
+    ):
+        history[last + 1 : last + 5] = drafts
+        step[POSITION], step[PROMPT_END], step[TOKEN] = last, last + 5, answer[0]
+        graph = model.verify_graph(5, 5)
+        model.verify_position_view()[0] = last
+        engine.device.run(graph)
+        assert model.accepted_tokens() == expected
+        assert history[last + len(expected)] == expected[-1]
+        same = [np.array_equal(a, b) for a, b in zip(recurrent, before, strict=True)]
+        assert all(same) if len(expected) < 5 else not any(same)
 
 
 def test_verify_passes_of_impossible_shapes_are_refused(engine):
