@@ -25,7 +25,11 @@ them, so that a verify pass's cost in decode steps includes attention.
 The experts: each of the k + 1 tokens chooses 8 of 256 per layer; the expected number of
 distinct experts is 256 (1 - (1 - 8/256)^(k+1)). A GEMV reads each chosen expert once per token
 that chose it (almost the same bytes: the tokens' experts barely overlap); the grouped GEMM
-reads it once but runs an 8-row tile per expert for its one or two tokens.
+reads it once but runs an 8-row tile per expert for its one or two tokens. The bytes and the
+GEMVs' ALU work are `model_graph.pass_traffic`'s; "break-even" is `verify_cost_ratio`, the
+tokens per pass at which a verify pass pays (what speculative="auto" compares a draft source's
+tokens per pass with), on a roofline at the M5 Max's ridge, with the pass's copy of the
+recurrent state into its backup.
 
     python benchmarks/verify_pass_model.py
 """
@@ -37,7 +41,7 @@ from make_synthetic_checkpoint import real_config
 from prefill_model import FP32_TILES, GPUS, MEMORY_EFFICIENCY
 
 from lily.checkpoint.config import FULL_ATTENTION, parse_config
-from lily.engine.model_graph import token_macs
+from lily.engine.model_graph import pass_traffic, token_macs, verify_cost_ratio
 from lily.kernels.attention import CHUNK_ROWS, MAX_GROUP, decode_splits, split_length
 from lily.kernels.quantized_gemm import dense_tile_tokens, grouped_tile_tokens
 
@@ -111,22 +115,19 @@ def main() -> None:
     weights_seconds: dict[tuple[str, int], float] = {}
     print("verify pass at the real dims: weights read and matrix work executed (a model)")
     print(f"{'drafts':>6} {'tokens':>6} {'GB read':>8} {'GEMM tiles GFLOP':>17} "
-          f"{'GEMV GFLOP':>11}   estimated ms, GEMM tiles -> GEMVs")  # fmt: skip
+          f"{'GEMV GFLOP':>11} {'break-even':>10}   estimated ms, GEMM tiles -> GEMVs")  # fmt: skip
     for drafts in (0, 1, 2, 4, 8):
         tokens = drafts + 1
         distinct = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens)
-        gb = (
-            (dense + head) * BYTES_PER_WEIGHT
-            + router * ROUTER_BYTES_PER_WEIGHT
-            + layers * distinct * expert * BYTES_PER_WEIGHT
-        )
+        traffic = pass_traffic(c, tokens)
+        gb = traffic.weight_bytes
         # A decode step (one token) runs GEMVs either way.
         dense_rows = dense_tile_tokens(tokens) if tokens > 1 else 1
         expert_rows = sum(grouped_tile_tokens(1)) if tokens > 1 else 1
         tiles = 2.0 * dense_rows * (dense + router + head)
         tiles += 2.0 * expert_rows * layers * distinct * expert
         useful = 2.0 * tokens * (dense + router + head + layers * c.num_experts_per_tok * expert)
-        gemv_ops = GEMV_OPS_PER_WEIGHT_TOKEN / 2 * useful
+        gemv_ops = traffic.gemv_ops
         times = []
         for gpu in GPUS:
             bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY
@@ -136,8 +137,8 @@ def main() -> None:
             times.append(f"{gpu.name.split(' (')[0]} {before * 1e3:6.1f} -> {after * 1e3:5.1f}")
             weights_seconds[gpu.name.split(" (")[0], tokens] = after
         print(
-            f"{drafts:>6} {tokens:>6} {gb / 1e9:8.2f} {tiles / 1e9:17.0f} {useful / 1e9:11.1f}   "
-            + ", ".join(times)
+            f"{drafts:>6} {tokens:>6} {gb / 1e9:8.2f} {tiles / 1e9:17.0f} {useful / 1e9:11.1f} "
+            f"{verify_cost_ratio(c, drafts):10.2f}   " + ", ".join(times)
         )
     print_attention(weights_seconds, attention_layers)
 

@@ -60,3 +60,33 @@ def test_device_bytes_covers_what_the_mtp_head_allocates(monkeypatch) -> None:
             totals.append(sum(allocated))
         estimate = [device_bytes(checkpoint, 64, 16, kv_cache, mtp) for mtp in (False, True)]
         assert estimate[1] - estimate[0] >= totals[1] - totals[0] > 0
+
+
+def test_device_bytes_covers_what_verify_passes_allocate(monkeypatch) -> None:
+    """Verify passes allocate their logits rows, the sampler's partials for one draw per row,
+    the draws, the acceptance and the recurrent state's backup at the first one recorded:
+    `verify_bytes` covers that, and the preflight's figure covers it beside everything else."""
+    from lily.device import Device
+    from lily.engine.model_graph import device_bytes, recurrent_state_bytes, verify_bytes
+
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    c, device = checkpoint.config, open_device("sim", execute=False)
+    allocated: list[int] = []
+    for method in ("alloc", "scratch"):
+        original = getattr(Device, method)
+
+        def counting(self, nbytes, original=original):
+            allocated.append(nbytes)
+            return original(self, nbytes)
+
+        monkeypatch.setattr(Device, method, counting)
+    model = ModelGraph(checkpoint, device, 64, c.vocab_size, 16)
+    before = sum(allocated)
+    model.verify_graph(5, 5)
+    added = sum(allocated) - before
+    assert recurrent_state_bytes(c) == sum(b.size for b in model.state.recurrent_buffers())
+    assert verify_bytes(c, c.vocab_size) >= added > recurrent_state_bytes(c)
+    model.verify_graph(9, 3)
+    assert sum(allocated) == before + added  # allocated once, for every verify pass
+    weights = sum(shard.size for shard in checkpoint.shards.values())
+    assert device_bytes(checkpoint, 64, 16) - weights >= sum(allocated)

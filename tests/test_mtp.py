@@ -18,8 +18,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from device_testing import open_test_device
-from test_speculative import ANSWER, MARGIN, _prompt, _same_as_plain, plain_decoding
-from tiny_models import tiny_checkpoint
+from test_kernel_sampling import P_VALUE_THRESHOLD, chi_square_p_value
+from test_speculative import (
+    ANSWER,
+    MARGIN,
+    Recording,
+    _prompt,
+    _same_as_plain,
+    plain_decoding,
+)
+from tiny_models import echo_head_checkpoint, tiny_checkpoint
 
 import lily
 from lily.checkpoint.demo import demo_checkpoint_dir
@@ -27,6 +35,7 @@ from lily.checkpoint.loader import load_checkpoint
 from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import ModelGraph
 from lily.engine.reference import ReferenceModel
+from lily.engine.sampling import SamplingParams
 from lily.engine.speculative import Speculation
 from lily.kernels.step import POSITION
 
@@ -145,14 +154,6 @@ def plain(checkpoint, engine):
     return plain_decoding(engine, prompt)
 
 
-class _Recording(Speculation):
-    """The head's drafter, recording each verify pass's outcome."""
-
-    def verified(self, drafted, accepted):
-        super().verified(drafted, accepted)
-        self.outcomes = [*getattr(self, "outcomes", []), (len(drafted), accepted)]
-
-
 @pytest.fixture
 def head_calls(monkeypatch):
     """Every time the head drafts: (the context it drafts after, its drafts, the recurrent
@@ -176,7 +177,7 @@ def head_calls(monkeypatch):
 
 def test_greedy_output_with_the_head_is_plain_decoding(checkpoint, engine, plain, head_calls):
     prompt, answer, states, decided = plain
-    drafter = _Recording(draft_tokens=4, mtp=True)
+    drafter = Recording(draft_tokens=4, mtp=True)
     tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
     _same_as_plain(tokens, plain)
     counts = drafter.counts["mtp"]
@@ -217,7 +218,7 @@ def test_a_rejection_right_after_a_prefix_cache_restore(checkpoint, plain, head_
     list(engine.generate(prompt[:20], 2, snapshot_at=16, drafter=Speculation(mtp=True)))
     assert engine.cached_prefix_length(prompt) == 16
     head_calls.clear()
-    drafter = _Recording(draft_tokens=4, mtp=True)
+    drafter = Recording(draft_tokens=4, mtp=True)
     tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
     _same_as_plain(tokens, plain)
     assert drafter.outcomes[0][1] < drafter.outcomes[0][0]
@@ -309,3 +310,75 @@ def test_the_head_drafts_over_an_int8_kv_cache():
         assert rows == model.state.k_cache[model.config.full_attention_layers[0]].size // MAX_SEQ
         assert head_llm.mtp_head and head_llm.speculation().mtp
         assert _answer(head_llm).choices[0].message == _answer(plain_llm).choices[0].message
+
+
+# ---- a head that predicts what the model predicts ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def echo(tmp_path_factory):
+    """(engine, prompt, plain greedy answer) of the echo-head checkpoint."""
+    checkpoint = load_checkpoint(echo_head_checkpoint(tmp_path_factory.mktemp("echo") / "ckpt"))
+    engine = _engine(checkpoint)
+    prompt = _prompt(checkpoint) + [3, 1, 4]
+    answer = [t.id for t in engine.generate(prompt, ANSWER)]
+    return engine, prompt, answer
+
+
+def test_a_head_predicting_the_model_has_its_drafts_accepted(echo):
+    """All-accepted passes with the head: k drafts and the model's token per pass, the head's KV
+    rows and hidden states following along, and the answer the model's."""
+    engine, prompt, answer = echo
+    drafter = Recording(draft_tokens=4, mtp=True)
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
+    assert tokens == answer
+    counts = drafter.counts["mtp"]
+    assert counts.accepted == counts.drafted
+    assert all(accepted == drafted == 4 for drafted, accepted in drafter.outcomes[:-1])
+    # 1 token from the prompt's pass, then 5 per pass.
+    assert counts.passes == -(-(ANSWER - 1) // 5)
+
+
+TEMPERATURE = 0.2
+
+
+def test_sampled_output_with_the_head_is_reproducible_and_the_models_distribution(echo):
+    """Sampling at temperature 0.2 (the model's most likely token then has about even odds), the
+    head drafting greedily, so drafts are accepted and rejected: a seed gives the same answer
+    twice, and the answers' tokens, pooled over seeds, follow the model's distribution: for a
+    token y drawn after t (the bigram model's next-token distribution p_t = softmax(l(t) / T),
+    l(t) its logits after t alone), u = P_t(< y) + V p_t(y) with V uniform is uniform on [0, 1]
+    exactly when y ~ p_t (a randomised probability integral transform), so the u's pass a
+    chi-square test against equal bins; drafts accepted with probability p(draft), not more."""
+    engine, prompt, _ = echo
+    params = [SamplingParams(temperature=TEMPERATURE, seed=seed) for seed in range(8)]
+    runs, accepted, drafted = [], 0, 0
+    for sampling in params:
+        drafter = Speculation(draft_tokens=4, mtp=True)
+        tokens = [t.id for t in engine.generate(prompt, ANSWER, sampling=sampling, drafter=drafter)]
+        accepted += drafter.counts["mtp"].accepted
+        drafted += drafter.counts["mtp"].drafted
+        runs.append(tokens)
+    assert 0.2 * drafted < accepted < 0.9 * drafted
+    again = engine.generate(prompt, ANSWER, sampling=params[3], drafter=Speculation(mtp=True))
+    assert [t.id for t in again] == runs[3]
+    pairs = [
+        (before, token)
+        for tokens in runs
+        for before, token in zip([prompt[-1], *tokens], tokens, strict=False)
+    ]
+    # The bigram model's logits after t alone (row i of a sequence is the same after anything).
+    befores = sorted({before for before, _ in pairs})
+    logits = {}
+    for start in range(0, len(befores), 128):
+        chunk = befores[start : start + 128]
+        logits.update(zip(chunk, engine.teacher_forced_logits(chunk), strict=True))
+    rng = np.random.default_rng(0)
+    u = []
+    for before, token in pairs:
+        z = logits[before].astype(np.float64) / TEMPERATURE
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        u.append(p[:token].sum() + rng.random() * p[token])
+    bins = np.bincount(np.minimum((np.array(u) * 10).astype(int), 9), minlength=10)
+    assert chi_square_p_value(bins, np.full(10, 0.1)) > P_VALUE_THRESHOLD

@@ -1,5 +1,6 @@
-"""Speculative decoding on the device engine: verify passes over drafted tokens, the hybrid
-state's rollback after a rejection, and the host's acceptance rule.
+"""Speculative decoding on the device engine: verify passes over drafted tokens, accepted on the
+device (the rule itself: tests/test_kernel_accept_drafts.py), the hybrid state's rollback after
+a rejection, the draft sources, and "auto"'s cost-based policy.
 
 What "lossless" means here, precisely: a verify pass runs the chunk kernels (GEMM, the chunk
 GDN scan and attention) where plain decoding runs the decode step's, and the two agree to float
@@ -13,92 +14,32 @@ all wrong, partly right, prompt lookup, a prediction) and expects the same token
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from device_testing import open_test_device
-from test_kernel_sampling import P_VALUE_THRESHOLD, chi_square_p_value
-from tiny_models import tiny_checkpoint
+from test_validate import real_config_json
+from tiny_models import echo_head_checkpoint, tiny_checkpoint
 
+from lily.checkpoint.config import parse_config
 from lily.checkpoint.loader import load_checkpoint
 from lily.engine.engine import DeviceEngine
+from lily.engine.model_graph import MAX_DRAFT_TOKENS, verify_cost_ratio
 from lily.engine.sampling import SamplingParams
 from lily.engine.speculative import (
     AUTO_IDLE_LOOKUPS,
     NgramIndex,
     SourceCounts,
     Speculation,
-    accept_drafts,
     check_speculative,
     lookup,
 )
-from lily.kernels.step import POSITION
+from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 
 MAX_SEQ = 256
 ANSWER = 24
 MARGIN = 1e-2
-
-
-# ---- acceptance on synthetic distributions -------------------------------------------------------
-
-
-def _one_hot(token: int, vocab: int = 8) -> np.ndarray:
-    p = np.zeros(vocab)
-    p[token] = 1.0
-    return p
-
-
-@pytest.mark.parametrize(
-    ("model", "drafts", "expected"),
-    [
-        ([3, 5, 1, 2], [3, 5, 1], [3, 5, 1, 2]),  # all accepted, plus the next token
-        ([3, 5, 1, 2], [4, 5, 1], [3]),  # the first rejected: the model's token instead
-        ([3, 5, 1, 2], [3, 5, 0], [3, 5, 1]),  # partly accepted
-        ([6], [], [6]),  # nothing drafted: one token
-    ],
-)
-def test_greedy_acceptance_is_the_longest_matching_prefix(model, drafts, expected):
-    assert accept_drafts(drafts, lambda i: _one_hot(model[i]), None) == expected
-
-
-def _first_tokens(p: np.ndarray, draft: int, trials: int) -> np.ndarray:
-    tokens = [
-        accept_drafts([draft], lambda i: p, lambda i, s=seed: np.random.default_rng([s, i]))[0]
-        for seed in range(trials)
-    ]
-    return np.bincount(tokens, minlength=p.size)
-
-
-TARGET = np.array([0.05, 0.4, 0.25, 0.0, 0.2, 0.1])
-
-
-@pytest.mark.parametrize("draft", [1, 4, 3])  # likely, unlikely, impossible
-def test_sampled_acceptance_draws_from_the_target_distribution(draft):
-    counts = _first_tokens(TARGET, draft, 4000)
-    assert chi_square_p_value(counts, TARGET) > P_VALUE_THRESHOLD
-
-
-def test_the_chi_square_test_sees_a_rule_biased_towards_the_draft():
-    """Always taking the draft when it has any probability would be a wrong rule: the test's
-    statistics must reject what it produces, or the test above proves nothing."""
-    biased = TARGET.copy()
-    biased[4] += 0.1
-    biased /= biased.sum()
-    counts = _first_tokens(biased, 4, 4000)
-    assert chi_square_p_value(counts, TARGET) < P_VALUE_THRESHOLD
-
-
-def test_sampled_acceptance_matches_the_target_at_every_row():
-    """The second token, after the first draft was accepted or not, is again the target's."""
-    rows = [TARGET, np.roll(TARGET, 2), np.roll(TARGET, 4)]
-    seconds = []
-    for seed in range(4000):
-        out = accept_drafts(
-            [1, 2], lambda i: rows[i], lambda i, s=seed: np.random.default_rng([s, i])
-        )
-        if len(out) > 1:
-            seconds.append(out[1])
-    counts = np.bincount(seconds, minlength=TARGET.size)
-    assert chi_square_p_value(counts, rows[1]) > P_VALUE_THRESHOLD
 
 
 # ---- drafting ----------------------------------------------------------------------------------
@@ -142,28 +83,68 @@ def test_speculation_prefers_the_prediction_and_counts_per_source():
     assert Speculation(ngram=True).total == SourceCounts()
 
 
+def _flat_cost(drafts: int) -> float:
+    """A verify pass costing 1.5 decode steps, whatever it drafts."""
+    return 1.5
+
+
 def test_auto_stops_drafting_from_a_source_that_does_not_pay():
-    spec = Speculation(draft_tokens=2, ngram=True, auto=True)
+    spec = Speculation(draft_tokens=2, ngram=True, auto=True, pass_cost=_flat_cost)
     context = [1, 2, 3, 1, 2]
     for _ in range(4):
         assert spec.draft(context, 8) == [3, 1]
-        spec.verified([3, 1], 0)
+        spec.verified([3, 1], 0)  # 1 token per pass, for 1.5 steps' time
     assert spec.draft(context, 8) == []
     assert spec.exhausted
-    paying = Speculation(draft_tokens=2, ngram=True, auto=True)
+    paying = Speculation(draft_tokens=2, ngram=True, auto=True, pass_cost=_flat_cost)
     for _ in range(6):
         assert paying.draft(context, 8) == [3, 1]
-        paying.verified([3, 1], 1)
+        paying.verified([3, 1], 1)  # 2 tokens per pass
     assert not paying.exhausted
     # Lookups that keep finding nothing end it too; a prediction is never dropped.
-    idle = Speculation(draft_tokens=2, ngram=True, auto=True)
+    idle = Speculation(draft_tokens=2, ngram=True, auto=True, pass_cost=_flat_cost)
     unseen = [1, 2]
     for token in range(100, 100 + AUTO_IDLE_LOOKUPS):
         assert idle.draft(unseen, 8) == []
         unseen.append(token)
     assert idle.exhausted and idle.draft([1, 2, 1], 8) == []
-    assert not Speculation(ngram=True, auto=True, prediction=[5]).exhausted
+    prediction = Speculation(ngram=True, auto=True, prediction=[5], pass_cost=_flat_cost)
+    assert not prediction.exhausted
     assert not Speculation(ngram=True).exhausted
+    with pytest.raises(ValueError, match="give pass_cost"):
+        Speculation(ngram=True, auto=True)
+
+
+@pytest.mark.parametrize(("cost", "kept"), [(2.2, False), (1.8, True)])
+def test_auto_weighs_tokens_per_pass_against_what_a_pass_costs(cost, kept):
+    """The same acceptance (2 tokens per pass: one of two drafts, and the model's own) pays
+    when a pass costs less than two decode steps and not when it costs more; each pass is
+    charged by what it drafted."""
+    drafted = []
+
+    def pass_cost(drafts: int) -> float:
+        drafted.append(drafts)
+        return cost
+
+    spec = Speculation(draft_tokens=2, ngram=True, auto=True, pass_cost=pass_cost)
+    context = [1, 2, 3, 1, 2]
+    for _ in range(4):
+        assert spec.draft(context, 8) == [3, 1]
+        spec.verified([3, 1], 1)
+    assert drafted == [2, 2, 2, 2]
+    assert spec.exhausted is not kept
+
+
+def test_the_cost_of_a_verify_pass_grows_with_its_drafts_on_the_real_model():
+    """verify_cost_ratio at the real dims: a pass of 4 drafts costs about 2.3 decode steps
+    (benchmarks/verify_pass_model.py's estimate of 7.7 ms against 3.4 on an M5 Max), more
+    with every draft and less than one step per token drafted."""
+    small = json.loads((tiny_checkpoint("small") / "config.json").read_text())
+    config = parse_config(real_config_json(small))
+    ratios = [verify_cost_ratio(config, drafts) for drafts in range(1, MAX_DRAFT_TOKENS + 1)]
+    assert all(a < b for a, b in zip(ratios, ratios[1:], strict=False))
+    assert 2.2 < ratios[3] < 2.45
+    assert all(ratio < drafts + 1 for drafts, ratio in enumerate(ratios, start=1))
 
 
 @pytest.mark.parametrize(
@@ -340,7 +321,7 @@ def test_auto_decodes_pipelined_once_lookup_gave_up(engine, plain, monkeypatch):
         return decode(self, position, count, *args)
 
     monkeypatch.setattr(DeviceEngine, "_decode", recording)
-    drafter = Speculation(draft_tokens=4, ngram=True, auto=True)
+    drafter = Speculation(draft_tokens=4, ngram=True, auto=True, pass_cost=_flat_cost)
     drafter._idle_lookups = AUTO_IDLE_LOOKUPS - 3  # about to give up
     tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
     _same_as_plain(tokens, plain)
@@ -369,15 +350,98 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_generation(engine, plain):
     assert tokens == answer[: first + 1]
 
 
-def test_a_rejection_right_after_a_prefix_cache_restore(checkpoint, plain):
+class Recording(Speculation):
+    """A drafter recording each verify pass's outcome (drafted, accepted)."""
+
+    def verified(self, drafted, accepted):
+        super().verified(drafted, accepted)
+        self.outcomes = [*getattr(self, "outcomes", []), (len(drafted), accepted)]
+
+
+def _wrong(token: int, checkpoint) -> int:
+    return (token + 1) % checkpoint.config.vocab_size
+
+
+def _predictions(checkpoint, answer: list[int]) -> dict[str, tuple[list[int], int]]:
+    """Predictions of the answer whose first verify pass (drafting answer[1:5] after the first
+    token) accepts all 4 drafts, none, or 2: (prediction, drafts the first pass accepts)."""
+    wrong = [_wrong(t, checkpoint) for t in answer]
+    return {
+        "all accepted": (answer, 4),
+        "all rejected": (answer[:1] + wrong[1:], 0),
+        "partly": (answer[:3] + wrong[3:4] + answer[4:], 2),
+    }
+
+
+@pytest.mark.parametrize("outcome", ["all accepted", "all rejected", "partly"])
+def test_a_prediction_drives_each_outcome_and_gives_plain_decoding(checkpoint, engine, plain,
+                                                                  outcome):  # fmt: skip
+    prompt, answer, _, decided = plain
+    prediction, accepted = _predictions(checkpoint, answer)[outcome]
+    drafter = Recording(draft_tokens=4, prediction=prediction, anchor=prompt[-2:])
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
+    _same_as_plain(tokens, plain)
+    assert drafter.outcomes[0] == (4, accepted)
+
+
+@pytest.mark.parametrize("source", ["scripted", "prediction"])
+def test_a_rejection_right_after_a_prefix_cache_restore(checkpoint, plain, source):
     prompt, answer, _, _ = plain
     engine = _engine(checkpoint)
     list(engine.generate(prompt[:20], 2, snapshot_at=16))
     assert engine.cached_prefix_length(prompt) == 16
-    drafter = _Scripted(engine, prompt, answer, right=0)
+    if source == "scripted":
+        drafter = _Scripted(engine, prompt, answer, right=0)
+    else:
+        prediction, _ = _predictions(checkpoint, answer)["all rejected"]
+        drafter = Recording(draft_tokens=4, prediction=prediction, anchor=prompt[-2:])
     tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
     _same_as_plain(tokens, plain)
     assert drafter.outcomes[0] == (4, 0)
+
+
+# ---- prompt lookup on a bigram model -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bigram(tmp_path_factory):
+    """(engine, base prompt, t, the answer after t) on the echo-head checkpoint
+    (`tiny_models.echo_head_checkpoint`): its main model predicts the token after t from t alone,
+    so an answer is the same after any prompt ending with t, and a prompt can hold the answer's
+    continuation for prompt lookup to find without changing the answer. t is chosen so that the
+    answer's first tokens and t are all different (no other occurrence to look up)."""
+    checkpoint = load_checkpoint(echo_head_checkpoint(tmp_path_factory.mktemp("bigram") / "c"))
+    engine = _engine(checkpoint)
+    base = _prompt(checkpoint)
+    for t in range(checkpoint.config.vocab_size):
+        answer = [g.id for g in engine.generate([*base, t], 12)]
+        if len({t, *answer[:10]}) == 11 and t not in base:
+            return engine, base, t, answer
+    raise AssertionError("no token starts a chain of 11 distinct tokens")
+
+
+@pytest.mark.parametrize(
+    ("outcome", "accepted"),
+    [("all accepted", 4), ("all rejected", 0), ("partly", 1), ("restored", 0)],
+)
+def test_prompt_lookup_drives_each_outcome_and_gives_plain_decoding(bigram, outcome, accepted):
+    """The prompt holds t and the answer's first tokens a1 .. a8 (a2 changed for all rejected,
+    a3 for partly), then ends with t: after the first token a1, "t a1" is looked up and the 4
+    tokens after it drafted. "restored": the prompt's first part comes from the prefix cache,
+    then all are rejected."""
+    engine, base, t, answer = bigram
+    planted = answer[:8]
+    changed = {"all rejected": 1, "restored": 1, "partly": 2}.get(outcome)
+    if changed is not None:
+        planted[changed] = (planted[changed] + 1) % engine._model.token_count
+    prompt = [*base, t, *planted, t]
+    if outcome == "restored":
+        list(engine.generate(prompt[:20], 2, snapshot_at=16))
+        assert engine.cached_prefix_length(prompt) >= 16
+    drafter = Recording(draft_tokens=4, ngram=True)
+    tokens = [g.id for g in engine.generate(prompt, 12, drafter=drafter)]
+    assert tokens == answer
+    assert drafter.outcomes[0] == (4, accepted)
 
 
 def test_penalties_and_logprobs_with_drafts(engine, plain):
@@ -422,6 +486,33 @@ def test_the_verify_rows_are_the_plain_logits(engine, plain):
     rows = engine._model.verify_logits_view(5)
     reference = engine.teacher_forced_logits(prompt + answer[:5])[len(prompt) : len(prompt) + 5]
     assert np.abs(rows - reference).max() < 1e-2
+
+
+def test_a_verify_pass_accepts_and_restores_the_state_on_the_device(checkpoint, engine, plain):
+    """One verify pass run by hand after the prompt, the host doing nothing between: with a
+    wrong first draft it yields the model's token and leaves the recurrent state as it was,
+    bit for bit; with right drafts it yields them all and the model's next token, the state
+    having consumed them."""
+    prompt, answer, _, _ = plain
+    model = engine._model
+    assert [t.id for t in engine.generate(prompt, 1)] == answer[:1]
+    history, step = model.history_view(), model.step_view()
+    recurrent = [b.numpy() for b in model.state.recurrent_buffers()]
+    before = [a.copy() for a in recurrent]
+    last = len(prompt)  # the first generated token's position: the state has not consumed it
+    for drafts, expected in (
+        ([_wrong(t, checkpoint) for t in answer[1:5]], answer[1:2]),
+        (answer[1:5], answer[1:6]),
+    ):
+        history[last + 1 : last + 5] = drafts
+        step[POSITION], step[PROMPT_END], step[TOKEN] = last, last + 5, answer[0]
+        graph = model.verify_graph(5, 5)
+        model.verify_position_view()[0] = last
+        engine.device.run(graph)
+        assert model.accepted_tokens() == expected
+        assert history[last + len(expected)] == expected[-1]
+        same = [np.array_equal(a, b) for a, b in zip(recurrent, before, strict=True)]
+        assert all(same) if len(expected) < 5 else not any(same)
 
 
 def test_verify_passes_of_impossible_shapes_are_refused(engine):

@@ -30,8 +30,16 @@ import numpy as np
 from lily.checkpoint import demo, mtp
 from lily.checkpoint.cache import build_once
 from lily.checkpoint.demo import random_hf_mtp_head, write_safetensors
-from lily.checkpoint.loader import write_aligned_checkpoint
-from lily.checkpoint.mtp import MTP_SHARD, quantize_mtp_head, write_mtp_index
+from lily.checkpoint.loader import load_checkpoint, write_aligned_checkpoint
+from lily.checkpoint.mtp import (
+    MTP_FC,
+    MTP_FINAL_NORM,
+    MTP_NORM_EMBEDDING,
+    MTP_SHARD,
+    quantize_mtp_head,
+    write_mtp_index,
+)
+from lily.checkpoint.quant import dequantize, float32_to_bf16, pack_codes
 
 # Bump when the generator changes in a way its parameters do not capture.
 GENERATOR_VERSION = 2
@@ -373,3 +381,42 @@ def _run_mlx_lm(checkpoint: Path, prompt: list[int], out: Path) -> None:
         decode_tokens=np.array(decode_tokens),
         decode_logits=np.stack(decode_logits),
     )
+
+
+def echo_head_checkpoint(out: Path) -> Path:
+    """The small tiny checkpoint made into a bigram model with a head that drafts exactly its
+    predictions, so that drafts are accepted (a random head's almost never are):
+
+    - every layer's output projections (attention's o_proj, the GDN's out_proj, the experts'
+      and the shared expert's down_proj) are zero, in the main model and in the head, so every
+      residual stream stays the embedding it starts from: the model predicts the token after t
+      as argmax lm_head(norm(embed(t))) =: f(t), whatever came before;
+    - the head's fc is [identity | 0] (4-bit codes 1 and 0, scale 1, bias 0: exact), its
+      embedding norm a unit gain and its final norm the model's: from the hidden state at
+      position p and the embedding of token p + 1 it predicts lm_head(norm(norm(embed(t)))),
+      f(t) up to the norm's epsilon, which is the model's next token; chained, f(f(t)).
+
+    So greedy drafts of any length are the model's own tokens."""
+    source = tiny_checkpoint("small", mtp_head=True)
+    shutil.copytree(source, out)
+    checkpoint = load_checkpoint(source)
+    tensors = {name: np.array(array) for name, array in checkpoint.tensors.items()}
+    for name in tensors:
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            for part in ("weight", "scales", "biases"):
+                tensors[name.removesuffix("weight") + part][...] = 0
+    hidden = checkpoint.config.hidden_size
+    codes = np.zeros((hidden, 2 * hidden), np.uint32)
+    codes[np.arange(hidden), np.arange(hidden)] = 1
+    tensors[MTP_FC + ".weight"] = pack_codes(codes, 4)
+    tensors[MTP_FC + ".scales"][...] = float32_to_bf16(np.float32(1.0))
+    tensors[MTP_FC + ".biases"][...] = 0
+    tensors[MTP_NORM_EMBEDDING][...] = float32_to_bf16(np.float32(1.0))
+    tensors[MTP_FINAL_NORM] = tensors["language_model.model.norm.weight"].copy()
+    fc = dequantize(*(tensors[f"{MTP_FC}.{part}"] for part in ("weight", "scales", "biases")), 4)
+    assert np.array_equal(fc, np.eye(hidden, 2 * hidden))
+    weight_map = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+    for shard in set(weight_map.values()):
+        names = [name for name, file in weight_map.items() if file == shard]
+        write_safetensors(out / shard, {n: tensors[n] for n in names}, {"format": "mlx"})
+    return out

@@ -7,6 +7,7 @@ with lily.load("demo") as llm:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import platform
 import sys
@@ -33,6 +34,7 @@ from lily.engine.model_graph import (
     PREFILL_CHUNKS,
     device_bytes,
     kv_cache_bytes_per_token,
+    verify_cost_ratio,
 )
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
@@ -243,6 +245,7 @@ class Lily:
             prediction=prediction,
             anchor=anchor,
             auto=self.speculative == "auto",
+            pass_cost=functools.partial(verify_cost_ratio, self.config),
         )
 
     def drafter(self, speculation: Speculation) -> Speculation | None:

@@ -57,7 +57,7 @@ from lily.engine.sampling import (
     sampling_distribution,
     top_logprobs,
 )
-from lily.engine.speculative import Drafter, Speculation, accept_drafts
+from lily.engine.speculative import Drafter, Speculation
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
 from lily.kernels.attention import row_bytes
 from lily.kernels.sampling import (
@@ -175,44 +175,12 @@ def _positions(snapshot_at: int | Collection[int] | None) -> list[int]:
 
 @dataclass(frozen=True)
 class _Request:
-    """What a speculating generation needs to choose tokens on the host the way the device's
-    sampler would: the same adjusted, masked, filtered distribution (`lily.sampling`, in
-    float64), and one generator per (seed, position) for its draws."""
+    """What a speculating generation drafts after and checks after each verify pass."""
 
     prompt: list[int]
-    reply: list[int]  # the resumed reply's tokens, which the penalties count as generated
     sampling: SamplingParams
-    bans: np.ndarray | None
     stop_token_ids: Collection[int]
     max_new_tokens: int
-
-    def accept(
-        self, logits: np.ndarray, drafts: Sequence[int], position: int, generated: Sequence[int]
-    ) -> list[int]:
-        """The tokens a verify pass yields; row i of `logits` predicts `position` + i."""
-        sampling, token_count = self.sampling, logits.shape[1]
-
-        def distribution(i: int) -> np.ndarray:
-            row = logits[i]
-            if np.isnan(row).any() or np.isposinf(row).any():
-                raise NonFiniteLogitsError(position + i)
-            ranked = row
-            if sampling.adjusts_logits:
-                so_far = [*self.reply, *generated, *drafts[:i]]
-                ranked = adjusted_logits(row, sampling, self.prompt, so_far)
-            if self.bans is not None:
-                ranked = np.where(allowed_flags(self.bans, token_count), ranked, -np.inf)
-            return sampling_distribution(ranked, sampling)
-
-        def rng(i: int) -> np.random.Generator:
-            return np.random.default_rng([sampling.seed, position + i])
-
-        return accept_drafts(drafts, distribution, None if sampling.greedy else rng)
-
-    def logprobs(self, row: np.ndarray, token: int) -> TokenLogprobs | None:
-        if self.sampling.top_logprobs is None:
-            return None
-        return top_logprobs(row, token, self.sampling.top_logprobs)
 
 
 class _DeviceRows:
@@ -454,7 +422,7 @@ class DeviceEngine:
                     return
             if speculating:
                 assert drafter is not None
-                request = _Request(prompt, reply, sampling, bans, stop_token_ids, max_new_tokens)
+                request = _Request(prompt, sampling, stop_token_ids, max_new_tokens)
                 if head:
                     assert isinstance(drafter, Speculation)
                     drafter.head = self._mtp_drafts
@@ -475,14 +443,17 @@ class DeviceEngine:
         token = int(self._model.history_view()[end])
         if token == NO_TOKEN:
             raise NonFiniteLogitsError(end)
-        logprobs = None
-        if sampling.top_logprobs is not None:
-            # Slots are keyed by the position of the token the pass consumed last.
-            (_, logprob), alternatives = read_logprobs(
-                self._model.state.logprob_ring, LOGPROB_RING_SLOTS, end - 1, sampling.top_logprobs
-            )
-            logprobs = TokenLogprobs(logprob, tuple(alternatives))
-        return GeneratedToken(token, logprobs)
+        return GeneratedToken(token, self._logprobs(end - 1, sampling))
+
+    def _logprobs(self, consumed: int, sampling: SamplingParams) -> TokenLogprobs | None:
+        """The log-probabilities of the draw after the token at position `consumed` (the ring's
+        slots are keyed by it), when the request asks for them."""
+        if sampling.top_logprobs is None:
+            return None
+        (_, logprob), alternatives = read_logprobs(
+            self._model.state.logprob_ring, LOGPROB_RING_SLOTS, consumed, sampling.top_logprobs
+        )
+        return TokenLogprobs(logprob, tuple(alternatives))
 
     def _speculate(
         self,
@@ -497,16 +468,16 @@ class DeviceEngine:
         The state (conv windows, GDN state) has consumed the tokens before position `fed`; the
         tokens from `fed` to the newest are in the token history, waiting. A pass without
         drafts feeds the waiting tokens and samples the next on the device, as the decode step
-        (or a prefill chunk) does. A verify pass feeds them and the drafts, and the host accepts
-        (`speculative.accept_drafts`); when it rejects a draft, the recurrent state is put back
-        as it was before the pass, the accepted tokens then wait for the next pass, and the KV
-        rows past them are simply rewritten by it (attention reads only positions before its
-        own). One rejected pass's tokens wait for the next verify pass; after a second
-        rejection in a row the next pass only catches up (drafting nothing), so that a run of
-        rejections does not grow every pass."""
+        (or a prefill chunk) does. A verify pass feeds them and the drafts, and the device
+        draws a token per row, accepts the drafts the draws agree with and, when it rejects
+        one, puts the recurrent state back as it was before the pass (`ModelGraph.verify_graph`);
+        the host reads only the tokens. After a rejection the accepted tokens wait for the next
+        pass, and the KV rows past them are simply rewritten by it (attention reads only
+        positions before its own). One rejected pass's tokens wait for the next verify pass;
+        after a second rejection in a row the next pass only catches up (drafting nothing), so
+        that a run of rejections does not grow every pass."""
         model, device = self._model, self.device
         history, step = model.history_view(), model.step_view()
-        recurrent = [b.numpy() for b in model.state.recurrent_buffers()]
         tokens = [*request.prompt, *generated]
         fed = len(tokens) - 1
         rejections = 0  # verify passes since the state last consumed every token it was fed
@@ -538,11 +509,13 @@ class DeviceEngine:
                 fed, rejections = last + 1, 0
                 produced = [self._drawn(last + 1, request.sampling)]
             else:
-                saved = [array.copy() for array in recurrent]
                 rows = len(drafts) + 1
-                device.run(model.verify_graph(waiting + len(drafts), rows))
-                logits = model.verify_logits_view(rows)[:, : model.token_count]
-                chosen = request.accept(logits, drafts, last + 1, generated)
+                graph = model.verify_graph(waiting + len(drafts), rows)
+                model.verify_position_view()[0] = last
+                device.run(graph)
+                chosen = model.accepted_tokens()
+                if chosen[-1] == NO_TOKEN:
+                    raise NonFiniteLogitsError(last + len(chosen))
                 drafter.verified(drafts, len(chosen) - 1)
                 # The rows up to the last accepted draft's are right, rejected or not: the
                 # model's own token follows them.
@@ -551,14 +524,10 @@ class DeviceEngine:
                 if len(chosen) == rows:
                     fed, rejections = last + rows, 0
                 else:
-                    for array, copy in zip(recurrent, saved, strict=True):
-                        array[:] = copy
-                    rejections += 1
+                    rejections += 1  # the pass has restored the recurrent state
                 step[POSITION] = fed
-                history[last + 1 : last + 1 + len(chosen)] = chosen
-                self._count_for_penalties(request.sampling, chosen)
                 produced = [
-                    GeneratedToken(token, request.logprobs(logits[i], token))
+                    GeneratedToken(token, self._logprobs(last + i, request.sampling))
                     for i, token in enumerate(chosen)
                 ]
             for token in produced:
@@ -639,16 +608,6 @@ class DeviceEngine:
         finally:
             for _, pending in in_flight:
                 device.wait(pending)
-
-    def _count_for_penalties(self, sampling: SamplingParams, chosen: Sequence[int]) -> None:
-        """Adds tokens the host chose to the counts the device's penalties read (the device's
-        own draws count themselves)."""
-        if not sampling.adjusts_logits:
-            return
-        token_count = self._model.token_count
-        counts = self._model.state.adjustments.counts.numpy()[: 4 * token_count].view(np.uint32)
-        for token in chosen:
-            counts[token] += 1
 
     @holds_engine
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:

@@ -52,6 +52,7 @@ from lily.device import Graph
 from lily.engine.device_weights import DeviceWeights
 from lily.kernels import BufferRef, attention, offset_by
 from lily.kernels.conv1d import FoldedConvStep, record_conv1d_chunk, window_bytes
+from lily.kernels.copy import record_copy
 from lily.kernels.embedding import EmbeddedInput, record_embedding
 from lily.kernels.gdn import (
     record_gdn_chunk,
@@ -68,10 +69,14 @@ from lily.kernels.quantized import MAX_TOKENS as GEMV_MAX_TOKENS
 from lily.kernels.quantized import record_qgemv
 from lily.kernels.quantized_gemm import record_qgemm
 from lily.kernels.sampling import (
+    MAX_DRAFTS,
     SAMPLING_PARAMS_BYTES,
     LogitAdjustments,
     StepBookkeeping,
+    accepted_bytes,
     logprob_ring_bytes,
+    read_accepted,
+    record_accept_drafts,
     record_sample,
     sample_partials_bytes,
     token_mask_bytes,
@@ -83,9 +88,10 @@ if TYPE_CHECKING:
     from lily.device import Buffer, Device
 
 MODEL = "language_model.model."
-# Log-probability slots the sampler cycles through; the engine reads a step's slot after waiting
-# for it with at most one more step in flight, so anything above 2 is margin.
-LOGPROB_RING_SLOTS = 8
+# Log-probability slots the sampler cycles through, keyed by position: the engine reads a decode
+# step's slot with at most one more step in flight, and a verify pass's 9 rows (positions in a
+# row) all at once after it, so 16 leave margin for both.
+LOGPROB_RING_SLOTS = 16
 LM_HEAD = "language_model.lm_head"
 EMBED_TOKENS = MODEL + "embed_tokens"
 # Prefill chunk lengths, longest first: each weight is read once per chunk, so longer chunks
@@ -100,7 +106,7 @@ DEFAULT_MAX_CHUNK = PREFILL_CHUNKS[0]
 COMMAND_BUFFER_FLOPS = 2.0e12
 # The most drafted tokens one verify pass checks; its logits rows are one more (the last
 # accepted token's prediction comes first).
-MAX_DRAFT_TOKENS = 8
+MAX_DRAFT_TOKENS = MAX_DRAFTS
 
 
 @dataclass
@@ -124,6 +130,21 @@ class SequenceState:
         """Everything that must start from zero for a new sequence (the KV cache needs no
         clearing: attention reads only positions already written)."""
         return [*self.conv_windows.values(), *self.recurrent.values()]
+
+
+def recurrent_state_bytes(c: ModelConfig) -> int:
+    """The conv windows and GDN states of every GDN layer: what a verify pass backs up."""
+    gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
+    return gdn_layers * (state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim))
+
+
+def verify_bytes(c: ModelConfig, token_count: int) -> int:
+    """What verify passes allocate on first use: the rows' logits, the sampler's partials for
+    one draw per row, the draws, the acceptance, and the recurrent state's backup."""
+    rows = MAX_DRAFT_TOKENS + 1
+    logits = 4 * rows * c.vocab_size
+    sampler = sample_partials_bytes(token_count, rows) + 4 * rows + 4
+    return logits + sampler + accepted_bytes(MAX_DRAFT_TOKENS) + recurrent_state_bytes(c)
 
 
 # Activations only a chunk passes between its dispatches: the decode step folds the norms and
@@ -243,7 +264,8 @@ def device_bytes(
 ) -> int:
     """What a ModelGraph keeps on the device: the wrapped shards, the KV cache for `capacity`
     tokens in the format `kv_cache`, the recurrent state, (bounded above) the per-pass
-    scratch, and with `mtp` the MTP head's KV cache, hidden states, logits and fc halves."""
+    scratch, what verify passes allocate (`verify_bytes`, when chunks may take two tokens),
+    and with `mtp` the MTP head's KV cache, hidden states, logits and fc halves."""
     c = checkpoint.config
     weights = sum(shard.size for shard in checkpoint.shards.values())
     kv = capacity * kv_cache_bytes_per_token(c, kv_cache, mtp)
@@ -251,14 +273,15 @@ def device_bytes(
         h = c.hidden_size
         fc_halves = 2 * h * (h * 4 // 8 + 2 * 2 * (h // 64))  # 4-bit codes, bf16 scales, biases
         kv += 4 * h * (max_chunk + 1) + 4 * c.vocab_size + fc_halves + 4
-    gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
-    recurrent = state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim)
     splits = attention.decode_splits(capacity)
     attention_tokens = min(max_chunk, attention.MAX_DECODE_TOKENS)
     partials = attention.partial_out_bytes(c.num_attention_heads, splits, attention_tokens)
     partials += attention.partial_stats_bytes(c.num_attention_heads, splits, attention_tokens)
     small = partials + 4 * capacity + (1 << 20)
-    return weights + kv + gdn_layers * recurrent + scratch_bytes(c, max_chunk) + small
+    # Verify passes need chunks of two tokens at least.
+    verify = verify_bytes(c, c.vocab_size) if max_chunk > 1 else 0
+    recurrent = recurrent_state_bytes(c)
+    return weights + kv + recurrent + scratch_bytes(c, max_chunk) + small + verify
 
 
 @dataclass(frozen=True)
@@ -282,6 +305,65 @@ def token_macs(c: ModelConfig) -> TokenMacs:
         shared=d * (c.num_experts + 1) + 3 * d * c.shared_expert_intermediate_size,
         experts=c.num_experts_per_tok * 3 * d * c.moe_intermediate_size,
     )
+
+
+# The GEMV-shaped kernels unpack each code once per token they multiply it with: about 4 ALU
+# operations per weight per token (shift, mask, convert, FMA).
+GEMV_OPS_PER_WEIGHT_TOKEN = 4
+# Where an Apple GPU turns from bandwidth- to ALU-bound: fp32 operations per byte read at 80% of
+# the peak bandwidth. 37 on an M5 Max (18.4 TFLOP/s, 614 GB/s), 37 on an M4 Max (16.2, 546), 33
+# on an M1 Pro (5.2, 200): benchmarks/prefill_model.py's figures, published specs.
+RIDGE_OPS_PER_BYTE = 18.4e12 / (0.8 * 614e9)
+
+
+@dataclass(frozen=True)
+class PassTraffic:
+    """What a pass of a few tokens costs a bandwidth-bound GPU: the weight bytes it reads and
+    the ALU operations its GEMVs run."""
+
+    weight_bytes: float
+    gemv_ops: float
+
+
+def pass_traffic(c: ModelConfig, tokens: int) -> PassTraffic:
+    """A decode step's (1 token) or a verify pass's (2 to 9, run by the GEMV-shaped kernels)
+    weight traffic: every projection and the lm_head read once, and each expert some token
+    chose read once, at the expected number of distinct experts when each token chooses
+    num_experts_per_tok of num_experts uniformly; the ALU work grows with every token."""
+    macs = token_macs(c)
+    layers, d = c.num_hidden_layers, c.hidden_size
+    attention_layers = len(c.full_attention_layers)
+
+    def bytes_per_weight(path: str) -> float:
+        spec = c.quant_for(path)
+        return (spec.bits + 2 * 16 / spec.group_size) / 8  # codes, a bf16 scale and bias per group
+
+    router = d * (c.num_experts + 1)  # the router and the shared-expert gate, often 8-bit
+    dense = (layers - attention_layers) * macs.gdn + attention_layers * macs.attention
+    dense += layers * (macs.shared - router)
+    head = d * c.vocab_size
+    expert = macs.experts // c.num_experts_per_tok
+    chosen = c.num_experts_per_tok / c.num_experts
+    distinct = c.num_experts * (1 - (1 - chosen) ** tokens)
+    weights = dense + head + layers * distinct * expert
+    weight_bytes = weights * bytes_per_weight(LM_HEAD)
+    weight_bytes += layers * router * bytes_per_weight(MODEL + "layers.0.mlp.gate")
+    useful = tokens * (dense + head + layers * (router + c.num_experts_per_tok * expert))
+    return PassTraffic(weight_bytes, GEMV_OPS_PER_WEIGHT_TOKEN * useful)
+
+
+def verify_cost_ratio(c: ModelConfig, drafts: int) -> float:
+    """How many decode steps' time a verify pass checking `drafts` drafts costs, on a roofline
+    at RIDGE_OPS_PER_BYTE: a pass takes max(bytes, ops / RIDGE_OPS_PER_BYTE) byte-times, the
+    verify pass's bytes including its copy of the recurrent state into the backup (read and
+    written; the restore after a rejection is left out). Drafting pays when a pass yields more
+    tokens than this on average."""
+
+    def byte_times(tokens: int, extra: float) -> float:
+        traffic = pass_traffic(c, tokens)
+        return max(traffic.weight_bytes + extra, traffic.gemv_ops / RIDGE_OPS_PER_BYTE)
+
+    return byte_times(drafts + 1, 2.0 * recurrent_state_bytes(c)) / byte_times(1, 0.0)
 
 
 def layer_flops(c: ModelConfig, start: int, tokens: int) -> list[float]:
@@ -358,7 +440,7 @@ class ModelGraph:
         self.state = self._allocate_state()
         self._scratch = _Scratch(self.config, device, max_chunk, capacity)
         self._graphs: dict[tuple[int, bool, int], Graph] = {}
-        self._verify_logits: Buffer | None = None
+        self._verify: _VerifyBuffers | None = None
         if mtp:
             self._allocate_mtp(checkpoint)
         self.decode = self.graph(1, predicts=True)
@@ -375,8 +457,13 @@ class ModelGraph:
     def verify_graph(self, tokens: int, rows: int) -> Graph:
         """The verify pass of speculative decoding: the pass over `tokens` tokens (2 to
         max_chunk) whose last `rows` (at most MAX_DRAFT_TOKENS + 1) go through the final norm
-        and the lm_head into `verify_logits_view`, and nothing else: no sampler, no step
-        advance, since the host decides what is accepted and points the step buffer there."""
+        and the lm_head into `verify_logits_view`; the history holds the rows - 1 drafts after
+        the position in `verify_position_view` (the token row 0 consumes). The sampler draws one
+        token per row, row g keyed on that position + g, and `accept_drafts` keeps the drafts
+        the draws agree with, for `accepted_tokens` to read; all on the device. The recurrent
+        state is backed up before the layers and restored after the acceptance when a draft
+        was rejected, so that it is then the state before the pass. No step advance: the host
+        points the step buffer at the first token the state has not consumed."""
         if not 2 <= tokens <= self.max_chunk:
             raise ValueError(f"a verify pass takes 2 to {self.max_chunk} tokens, got {tokens}")
         most = min(tokens, MAX_DRAFT_TOKENS + 1)
@@ -386,11 +473,25 @@ class ModelGraph:
             )
         key = (tokens, False, rows)
         if key not in self._graphs:
-            if self._verify_logits is None:
-                nbytes = 4 * (MAX_DRAFT_TOKENS + 1) * self.config.vocab_size
-                self._verify_logits = self.device.alloc(nbytes)
+            if self._verify is None:
+                self._verify = _VerifyBuffers(self.config, self.device, self.token_count)
             self._graphs[key] = _Recorder(self, tokens, False, verify_rows=rows).record()
         return self._graphs[key]
+
+    def verify_position_view(self) -> np.ndarray:
+        """The verify pass's position (uint32 [1]), written by the host before it submits."""
+        return self._verify_buffers.position.numpy().view(np.uint32)
+
+    def accepted_tokens(self) -> list[int]:
+        """What the last verify pass yields: its accepted drafts, then the model's own token
+        (`NO_TOKEN` when that row's logits were refused)."""
+        return read_accepted(self._verify_buffers.accepted)
+
+    @property
+    def _verify_buffers(self) -> _VerifyBuffers:
+        if self._verify is None:
+            raise RuntimeError("no verify pass has been recorded")
+        return self._verify
 
     @property
     def mtp_layer(self) -> int:
@@ -481,10 +582,22 @@ class ModelGraph:
 
     def verify_logits_view(self, rows: int) -> np.ndarray:
         """The logits [rows, vocab] the last verify pass wrote."""
-        if self._verify_logits is None:
-            raise RuntimeError("no verify pass has been recorded")
         vocab = self.config.vocab_size
-        return self._verify_logits.numpy()[: 4 * rows * vocab].view(np.float32).reshape(rows, -1)
+        logits = self._verify_buffers.logits.numpy()
+        return logits[: 4 * rows * vocab].view(np.float32).reshape(rows, -1)
+
+
+class _VerifyBuffers:
+    """What verify passes use besides the scratch, allocated at the first (`verify_bytes`)."""
+
+    def __init__(self, c: ModelConfig, device: Device, token_count: int) -> None:
+        rows = MAX_DRAFT_TOKENS + 1
+        self.logits = device.alloc(4 * rows * c.vocab_size)
+        self.sample_partials = device.alloc(sample_partials_bytes(token_count, rows))
+        self.drawn = device.alloc(4 * rows)
+        self.position = device.alloc(4)
+        self.accepted = device.alloc(accepted_bytes(MAX_DRAFT_TOKENS))
+        self.recurrent_backup = device.alloc(recurrent_state_bytes(c))
 
 
 class _Recorder:
@@ -566,6 +679,8 @@ class _Recorder:
 
     def record(self) -> Graph:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
+        if self.verify_rows:
+            self.back_up_recurrent_state()
         # At T = 1 layer 0's first GEMV reads the embedding itself (decode_layer_input).
         if not self.folds_norms:
             position = (self.state.step, 0)
@@ -680,12 +795,59 @@ class _Recorder:
         record_qgemv(g, dev, m.mtp_out, [(w.quantized(self.head_weight), m.mtp_logits)])
         return g
 
+    def back_up_recurrent_state(self) -> None:
+        """A verify pass's first dispatches: the conv windows and GDN states into the backup."""
+        backup, offset = self.m._verify_buffers.recurrent_backup, 0
+        for buffer in self.state.recurrent_buffers():
+            record_copy(self.g, self.dev, buffer, (backup, offset), buffer.size)
+            offset += buffer.size
+        self.g.barrier()
+
     def verify_head(self) -> None:
-        """The lm_head over the verified rows (the final norm is in `normed`), one GEMM."""
-        rows = self.verify_rows
+        """The lm_head over the verified rows (the final norm is in `normed`), one GEMV over
+        them; a draw per row; the acceptance; the state's restore if a draft was rejected."""
+        g, dev, m, state, rows = self.g, self.dev, self.m, self.state, self.verify_rows
+        verify = m._verify_buffers
         first = self.hidden_row(self.final_normed, self.tokens - rows)
-        head = [(self.w.quantized(self.head_weight), self.m._verify_logits)]
-        self.project(first, head, rows)
+        self.project(first, [(self.w.quantized(self.head_weight), verify.logits)], rows)
+        g.barrier()
+        record_sample(
+            g,
+            dev,
+            logits=verify.logits,
+            logits_stride=self.c.vocab_size,
+            vocab=m.token_count,
+            params=state.sampling_params,
+            position=verify.position,
+            predicted=verify.drawn,
+            logprob_ring=state.logprob_ring,
+            ring_slots=LOGPROB_RING_SLOTS,
+            token_mask=state.token_mask,
+            adjustments=state.adjustments,
+            partials=verify.sample_partials,
+            draws=rows,
+            drafts=state.history,
+        )
+        g.barrier()
+        record_accept_drafts(
+            g,
+            dev,
+            drafts=rows - 1,
+            vocab=m.token_count,
+            params=state.sampling_params,
+            position=verify.position,
+            drawn=verify.drawn,
+            history=state.history,
+            capacity=m.capacity,
+            counts=state.adjustments.counts,
+            accepted=verify.accepted,
+        )
+        g.barrier()
+        offset, restore = 0, (verify.accepted, rows - 1)
+        for buffer in state.recurrent_buffers():
+            backup = (verify.recurrent_backup, offset)
+            record_copy(g, dev, backup, buffer, buffer.size, if_rejected=restore)
+            offset += buffer.size
 
     @property
     def head_weight(self) -> str:

@@ -1,22 +1,23 @@
-"""Speculative decoding's host side: where drafted tokens come from, and which of them the
-model's own predictions accept.
+"""Speculative decoding's host side: where drafted tokens come from, and when a source pays.
 
 A verify pass (`ModelGraph.verify_graph`) runs the model over the last accepted token and k
-drafted tokens at once and returns k + 1 rows of logits: row i is what the model predicts after
-the draft's first i tokens. `accept_drafts` walks those rows in order and keeps the drafted
-token of row i while the model's own choice at row i agrees, then adds the model's token of the
-first row that disagrees (or of the row after the last draft when all agree). Every token it
-returns is therefore one the model would have produced with the same logits, so drafting never
-changes what is generated, only how many tokens one pass yields:
+drafted tokens at once: row i of its logits is what the model predicts after the draft's first
+i tokens. On the device, the decode step's sampler draws one token per row (row i with the
+random numbers of its own position, the drafts before it counted for the penalties), and
+`accept_drafts` (sampling.metal) keeps the drafted token of row i while row i's draw agrees,
+then adds the draw of the first row that disagrees (or of the row after the last draft when
+all agree). Every token it returns is therefore one the model's sampler draws from the same
+logits, so drafting never changes what is generated, only how many tokens one pass yields:
 
-- greedy: the model's choice is the argmax, so the accepted drafts are the longest prefix
-  matching the model's greedy tokens;
-- sampling: the standard speculative rule for a deterministic draft (a draft that proposes
-  token x with probability 1): accept x with probability p(x) under the model's processed
-  distribution (adjustments, mask, temperature, filters); on rejection draw from p with x
+- greedy: a draw is the argmax (ties to the lowest id), so the accepted drafts are the longest
+  prefix matching the model's greedy tokens;
+- sampling: this is the standard speculative rule for a deterministic draft (one that proposes
+  token x with probability 1): x is accepted with probability p(x) under the model's processed
+  distribution (adjustments, mask, temperature, filters), the chance that the row's draw is x,
+  and a rejected row yields its draw, which given that it is not x is distributed as p with x
   removed and renormalised. A token is thus x with probability p(x) and y != x with
   probability (1 - p(x)) p(y) / (1 - p(x)) = p(y): exactly the model's distribution. The
-  random numbers come from one generator per (seed, position), so a seed reproduces a run.
+  random numbers are keyed by (seed, position), so a seed reproduces a run.
 
 Drafts come from a `Drafter`; `Speculation` is the one a generation uses: the checkpoint's
 multi-token-prediction head (`mtp`: the engine runs it, see docs/architecture.md), prompt
@@ -41,11 +42,9 @@ SPECULATIVE_MODES = ("auto", "mtp", "ngram", "off")
 DEFAULT_DRAFT_TOKENS = 4
 # Prompt lookup matches the last 2 to 4 tokens; a single token matches too often by chance.
 LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 4
-# "auto" judges a source after this many verify passes and drops it when they averaged fewer
-# accepted drafts than this: with the chunk kernels a verify pass costs about what a decode step
-# costs on a bandwidth-bound GPU plus its arithmetic, so one accepted token in two passes is
-# roughly where it stops paying (an estimate; no Mac has measured it).
-AUTO_PASSES, AUTO_MIN_ACCEPTED = 4, 0.5
+# "auto" judges a source after this many verify passes: it drops it when they yielded fewer
+# tokens than they cost in decode steps (`Speculation.pass_cost`).
+AUTO_PASSES = 4
 # ... and drops prompt lookup after this many lookups in a row found nothing: a generation that
 # drafts runs one pass at a time, and one that never drafts is better off pipelined.
 AUTO_IDLE_LOOKUPS = 32
@@ -151,12 +150,14 @@ class Speculation:
     """The drafter of one generation: the MTP head when `mtp`, prompt lookup when `ngram`, the
     client's `prediction` (token ids) when given, at most `draft_tokens` per pass. Prediction
     drafts come first: they are the client's knowledge of the answer; then the head's, then
-    lookup's. With `auto`, the head or prompt lookup stops for the rest of the generation once
-    its first AUTO_PASSES passes accepted fewer than AUTO_MIN_ACCEPTED drafts on average, and
-    lookup once AUTO_IDLE_LOOKUPS lookups in a row found nothing (a prediction is never
-    dropped: the client asked for it). The head's drafts come from `head` (up to n greedy drafts
-    after the newest token), which the engine running it sets for the generation; without it
-    the head drafts nothing."""
+    lookup's. With `auto`, the head or prompt lookup stops for the rest of the generation once,
+    after its first AUTO_PASSES passes, its passes have yielded fewer tokens (accepted drafts
+    and the model's own token) than they cost, each pass costing `pass_cost(drafts)` decode
+    steps (`model_graph.verify_cost_ratio`: a pass of 4 drafts on the real model pays above
+    about 2.3 tokens); lookup also stops once AUTO_IDLE_LOOKUPS lookups in a row found nothing
+    (a prediction is never dropped: the client asked for it). The head's drafts come from
+    `head` (up to n greedy drafts after the newest token), which the engine running it sets
+    for the generation; without it the head drafts nothing."""
 
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     mtp: bool = False
@@ -167,7 +168,10 @@ class Speculation:
     # looking the output's tail up in anchor + prediction finds where the prediction starts.
     anchor: Sequence[int] = ()
     auto: bool = False
+    # Decode steps' time a verify pass of n drafts costs; "auto" needs it.
+    pass_cost: Callable[[int], float] | None = None
     counts: dict[str, SourceCounts] = field(default_factory=dict)
+    _costs: dict[str, float] = field(default_factory=dict)  # each source's passes' total cost
     _last_source: str | None = None
     _corpus: list[int] = field(default_factory=list)
     # Where in anchor + prediction the output is expected to continue.
@@ -177,6 +181,8 @@ class Speculation:
     _idle_lookups: int = 0  # prompt lookups in a row that found nothing
 
     def __post_init__(self) -> None:
+        if self.auto and self.pass_cost is None:
+            raise ValueError("auto drafting weighs what passes cost: give pass_cost")
         self._corpus = [*self.anchor, *self.prediction]
         if self.prediction:
             self.counts["prediction"] = SourceCounts()
@@ -192,7 +198,8 @@ class Speculation:
         if not self.auto:
             return True
         counts = self.counts[source]
-        return counts.passes < AUTO_PASSES or counts.accepted >= AUTO_MIN_ACCEPTED * counts.passes
+        yielded = counts.accepted + counts.passes  # each pass adds the model's own token
+        return counts.passes < AUTO_PASSES or yielded >= self._costs[source]
 
     def _lookup_enabled(self) -> bool:
         if self.auto and self._idle_lookups >= AUTO_IDLE_LOOKUPS:
@@ -237,6 +244,9 @@ class Speculation:
         if self._last_source == "prediction":
             self._pointer = self._drafted_from + accepted
         counts = self.counts[self._last_source]
+        if self.pass_cost is not None:
+            cost = self._costs.get(self._last_source, 0.0)
+            self._costs[self._last_source] = cost + self.pass_cost(len(drafted))
         counts.passes += 1
         counts.drafted += len(drafted)
         counts.accepted += accepted
@@ -266,37 +276,3 @@ class Speculation:
         """OpenAI's count: the prediction's tokens that did not appear in the completion (here:
         that no verify pass accepted)."""
         return max(0, len(self.prediction) - self.accepted_prediction_tokens)
-
-
-def accept_drafts(
-    drafts: Sequence[int],
-    distribution: Callable[[int], np.ndarray],
-    rng: Callable[[int], np.random.Generator] | None,
-) -> list[int]:
-    """The tokens a verify pass yields: the accepted drafts, then the model's own token of the
-    first row not accepted (or of the row after the last draft). `distribution(i)` is the
-    model's processed distribution at row i (float64 summing to 1; one-hot when greedy);
-    `rng(i)` the generator of row i's draws, None when greedy (the argmax is then taken, so a
-    greedy result never depends on random numbers)."""
-    out: list[int] = []
-    for i in range(len(drafts) + 1):
-        p = distribution(i)
-        if rng is None:
-            token = int(np.argmax(p))
-            if i < len(drafts) and token == drafts[i]:
-                out.append(token)
-                continue
-            out.append(token)
-            return out
-        generator = rng(i)
-        if i < len(drafts):
-            draft = drafts[i]
-            if generator.random() < p[draft]:
-                out.append(draft)
-                continue
-            p = p.copy()
-            p[draft] = 0.0
-            p /= p.sum()
-        out.append(int(generator.choice(p.size, p=p)))
-        return out
-    raise AssertionError("unreachable: the last row always yields a token")

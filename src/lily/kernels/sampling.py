@@ -64,6 +64,12 @@ log_softmax normaliser and top-p's total mass without top-k (slices' sums rescal
 own maximum), which can move a top-p boundary lying within fp32 rounding of top_p, as the
 definition allows.
 
+A verify pass of speculative decoding records one draw per logits row (`logits_stride`), row g
+keyed on position + g and counting the g drafted tokens before it for the penalties (`drafts`),
+then `record_accept_drafts`: the drafts up to the first row whose draw differs, and that draw.
+A draw equal to a draft accepts it with exactly the probability the rejection rule for a
+deterministic draft asks (lily.engine.speculative explains why).
+
 Limits, checked when a graph is recorded or parameters are packed: threadgroups of at most
 1024 threads (a multiple of 32); at most `MAX_TOP_LOGPROBS` alternatives; the vocab below
 2^32 - 1; top_k is not bounded.
@@ -94,6 +100,8 @@ SAMPLE_THREADS = 1024
 SLICE_TOKENS = 2048
 SLICE_THREADS = 256
 SLICE_CANDIDATES = 16
+# The most drafts one verify pass checks (its rows are one more): `record_accept_drafts`' bound.
+MAX_DRAFTS = 8
 # The draw of a refused row (a NaN or +inf logit): no token id.
 NO_TOKEN = 0xFFFFFFFF
 # sampling.metal's GATHER_CAPACITY: tokens the finishing threadgroup holds in its memory, the
@@ -264,11 +272,17 @@ def record_sample(
     slices: int | None = None,
     slice_threads: int = SLICE_THREADS,
     bookkeeping: StepBookkeeping | None = None,
+    logits_stride: int = 0,
+    drafts: BufferRef | None = None,
 ) -> None:
     """predicted[g] (uint32) = the token sampled from `vocab` fp32 logits under the parameters
     in `params` (written by `write_sampling_params`), for g < `draws`. `position` points at the
     uint32 step position (the step buffer's first field). Draw g uses position + g as its
-    counter and logprob ring slot: the decode graph records one draw, the tests many.
+    counter and logprob ring slot: the decode graph records one draw, the tests many. Draw g
+    reads the logits `logits_stride` * g floats on (0: every draw reads the same row). With
+    `drafts` (a token history, uint32, holding the drafted tokens from position + 1 on), draw
+    g also counts the g drafts before it as generated, for the penalties: the rows of a verify
+    pass (`record_accept_drafts`).
     `token_mask` holds the mask the draws obey (`write_token_mask`), `adjustments` the bias
     and penalty inputs (`write_logit_adjustments`), read when `params` says so.
 
@@ -286,9 +300,13 @@ def record_sample(
         raise ValueError(f"draws and ring_slots must be >= 1, got {draws} and {ring_slots}")
     if bookkeeping is not None and draws != 1:
         raise ValueError(f"bookkeeping ends a decode step: one draw, got {draws}")
+    if not (logits_stride == 0 or logits_stride >= vocab):
+        raise ValueError(f"logits_stride must be 0 or at least the vocab, got {logits_stride}")
+    if drafts is not None and bookkeeping is not None:
+        raise ValueError("drafts are a verify pass's, bookkeeping a decode step's: not both")
     slice_count, slice_tokens = slice_layout(vocab, slices)
     for name, ref, nbytes in (
-        ("logits", logits, 4 * vocab),
+        ("logits", logits, 4 * ((draws - 1) * logits_stride + vocab)),
         ("params", params, SAMPLING_PARAMS_BYTES),
         ("position", position, 4),
         ("predicted", predicted, 4 * draws),
@@ -312,9 +330,19 @@ def record_sample(
         8: binding(adjustments.counts),
         9: binding(adjustments.prompt_tokens),
     }
+    if drafts is not None:
+        inputs[11] = binding(drafts)
     capacity = 0 if bookkeeping is None else bookkeeping.capacity
     shape = pack_params(
-        "IIIIII", vocab, ring_slots, slice_count, slice_tokens, capacity, int(bool(bookkeeping))
+        "IIIIIIII",
+        vocab,
+        ring_slots,
+        slice_count,
+        slice_tokens,
+        capacity,
+        int(bool(bookkeeping)),
+        logits_stride,
+        int(drafts is not None),
     )
     spread = device.kernel("sample_slices")
     graph.dispatch(
@@ -336,3 +364,66 @@ def record_sample(
         buffers={**inputs, **outputs},
         bytes={0: shape},
     )
+
+
+def accepted_bytes(drafts: int) -> int:
+    """Bytes `record_accept_drafts` writes: the count, then up to drafts + 1 tokens."""
+    return 4 * (drafts + 2)
+
+
+def record_accept_drafts(
+    graph: Graph,
+    device: Device,
+    *,
+    drafts: int,
+    vocab: int,
+    params: BufferRef,
+    position: BufferRef,
+    drawn: BufferRef,
+    history: BufferRef,
+    capacity: int,
+    counts: BufferRef,
+    accepted: BufferRef,
+) -> None:
+    """A verify pass's acceptance (sampling.metal's `accept_drafts`), after `record_sample`
+    drew `drawn[0..drafts]` (uint32), one token per row, draw g with the counter
+    position + g: the history (uint32 [capacity]) holds the `drafts` drafted tokens from
+    position + 1 on. accepted[0] = n, the longest prefix of drafts equal to the draws,
+    accepted[1..n+1] = those drafts and draw n, which also goes into the history after them;
+    when `params` adjusts logits, `counts` counts the n + 1 tokens for the penalties."""
+    if not 0 <= drafts <= MAX_DRAFTS:
+        raise ValueError(f"drafts must be 0 to {MAX_DRAFTS}, got {drafts}")
+    if not 1 <= vocab < 2**32 - 1:
+        raise ValueError(f"vocab must be in [1, 2^32 - 1), got {vocab}")
+    for name, ref, nbytes in (
+        ("params", params, SAMPLING_PARAMS_BYTES),
+        ("position", position, 4),
+        ("drawn", drawn, 4 * (drafts + 1)),
+        ("history", history, 4 * capacity),
+        ("counts", counts, 4 * vocab),
+        ("accepted", accepted, accepted_bytes(drafts)),
+    ):
+        buffer, offset = binding(ref)
+        if buffer.size - offset < nbytes:
+            raise ValueError(f"{name} needs {nbytes} bytes at offset {offset}: too small")
+    graph.dispatch(
+        device.kernel("accept_drafts"),
+        threadgroups=(1, 1, 1),
+        threads=(1, 1, 1),
+        buffers={
+            1: binding(params),
+            2: binding(position),
+            3: binding(drawn),
+            4: binding(history),
+            5: binding(counts),
+            6: binding(accepted),
+        },
+        bytes={0: pack_params("III", drafts, vocab, capacity)},
+    )
+
+
+def read_accepted(accepted: Buffer) -> list[int]:
+    """The tokens `record_accept_drafts` wrote: the accepted drafts, then the model's own (which
+    is `NO_TOKEN` when its row was refused)."""
+    words = accepted.numpy()[: accepted_bytes(MAX_DRAFTS)].view(np.uint32)
+    return [int(t) for t in words[1 : int(words[0]) + 2]]
