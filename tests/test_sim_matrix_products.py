@@ -62,27 +62,24 @@ def test_gemm_nt_counts_fp32_products():
 
 
 @pytest.mark.parametrize(
-    ("tokens", "tile_tokens", "operands"),
-    [(1, 8, "bfloat16"), (16, 16, "float32"), (40, 16, "bfloat16"), (300, 64, "float32")],
+    ("tokens", "tile_tokens", "bits"), [(1, 8, 4), (16, 16, 8), (40, 16, 4), (300, 64, 8)]
 )
-def test_dense_qgemm_counts(tokens, tile_tokens, operands):
+def test_dense_qgemm_counts(tokens, tile_tokens, bits):
     """The dense GEMM's token tile follows the chunk's length (at most a quarter padded); its
-    products are of its operand type."""
+    products are half's, at either bit width."""
     device = open_device("sim")
     rng = np.random.default_rng(tokens)
     in_dim, rows = 64, [200, 40]
     x = rng.normal(0, 1, (tokens, in_dim)).astype(np.float32)
-    weights = [wrap_quant_weight(device, *random_quantized(rng, r, in_dim, 4)) for r in rows]
+    weights = [wrap_quant_weight(device, *random_quantized(rng, r, in_dim, bits)) for r in rows]
     projections = [(w, float_buffer(device, tokens * w.rows)) for w in weights]
-    run(device, lambda g: record_qgemm(g, device, device.wrap(x), projections, tokens, operands))
+    run(device, lambda g: record_qgemm(g, device, device.wrap(x), projections, tokens))
     weight_tiles = 2 + 1  # ceil(200 / 128) + ceil(40 / 128)
     token_tiles = -(-tokens // tile_tokens)
     expected = token_tiles * weight_tiles * qgemm_products(tile_tokens, in_dim)
-    if operands == "float32":
-        kernel, products = f"qgemm_4_{tile_tokens}", MatrixProducts(fp32=expected)
-    else:
-        kernel, products = f"qgemm_bfloat_4_{tile_tokens}", MatrixProducts(bfloat=expected)
-    assert device.matrix_products() == {kernel: products}
+    assert device.matrix_products() == {
+        f"qgemm_{bits}_{tile_tokens}": MatrixProducts(half=expected)
+    }
 
 
 def test_grouped_tiles_follow_each_experts_count():
@@ -103,29 +100,20 @@ def test_grouped_tiles_follow_each_experts_count():
     )
     out = float_buffer(device, assignments * rows)
     # ceil(72 / 64) column tiles with SwiGLU, ceil(72 / 128) without.
-    for weights, column_tiles, operands in (([gate, up], 2, "float32"), ([gate], 1, "bfloat16")):
+    for weights, column_tiles, kernel in (
+        ([gate, up], 2, "qgemm_grouped_swiglu_4"),
+        ([gate], 1, "qgemm_grouped_4"),
+    ):
         run(
             device,
-            lambda g, weights=weights, operands=operands: record_qgemm_grouped(
-                g,
-                device,
-                device.wrap(x),
-                weights,
-                out,
-                device.wrap(offsets),
-                None,
-                assignments,
-                operands,
+            lambda g, weights=weights: record_qgemm_grouped(
+                g, device, device.wrap(x), weights, out, device.wrap(offsets), None, assignments
             ),
         )
         expected = column_tiles * sum(
             n * qgemm_products(size, in_dim) for size, n in tiles_by_size.items()
         )
-        if operands == "float32":
-            kernel, products = "qgemm_grouped_swiglu_4", MatrixProducts(fp32=expected)
-        else:
-            kernel, products = "qgemm_bfloat_grouped_4", MatrixProducts(bfloat=expected)
-        assert device.matrix_products() == {kernel: products}
+        assert device.matrix_products() == {kernel: MatrixProducts(half=expected)}
     # The host's mirror of the cut, which the benchmarks' estimates use, agrees.
     assert [sum(grouped_tile_tokens(n)) for n in counts] == tile_rows
     # Executed rows exceed the assignments by at most 7 per expert.
