@@ -82,7 +82,8 @@ def reference_row_exponents(x: np.ndarray) -> np.ndarray:
     when that is 0, an fp32 subnormal or inf."""
     largest = np.fmax.reduce(np.abs(np.asarray(x, dtype=np.float32)), axis=-1, initial=0.0)
     finite_normal = np.isfinite(largest) & (largest >= np.finfo(np.float32).tiny)
-    _, binary = np.frexp(np.where(finite_normal, largest, 1.0))  # largest = f 2^binary, f in [.5, 1)
+    # largest = f 2^binary with f in [0.5, 1)
+    _, binary = np.frexp(np.where(finite_normal, largest, 1.0))
     exponents = np.clip(binary - 1 - _ROW_TOP, -_ROW_EXPONENT_LIMIT, _ROW_EXPONENT_LIMIT)
     return np.where(finite_normal, exponents, 0).astype(np.int32)
 
@@ -1071,7 +1072,9 @@ def _qgemm_grouped(
             assignments,
         )
         graph.barrier()
-        record_qgemm_row_exponents(graph, device, expert_hidden, assignments, expert_rows, exponents)
+        record_qgemm_row_exponents(
+            graph, device, expert_hidden, assignments, expert_rows, exponents
+        )
         graph.barrier()
         record_qgemm_grouped(
             graph,
