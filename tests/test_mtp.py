@@ -34,8 +34,10 @@ MAX_SEQ = 256
 # The prompt (43 tokens) is cut into chunks of 16: drafting starts after three chunks.
 MAX_CHUNK = 16
 # The head's logits against the float64 reference (the engine's KV caches hold bf16, as the
-# reference's do with bf16_kv_cache); observed about 1e-4.
-LOGIT_TOLERANCE = 2e-3
+# reference's do with bf16_kv_cache). The prompt's chunk and the head's pass over its rows run
+# the chunk GEMMs, whose half operands hold prefill to the engine tests' 1e-2 of the reference
+# (tests/test_prefill.py); observed up to 4.5e-3 here (about 1e-4 with fp32 operands).
+LOGIT_TOLERANCE = 1e-2
 
 
 def _reference(checkpoint) -> ReferenceModel:
