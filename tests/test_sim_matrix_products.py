@@ -1,15 +1,19 @@
 """The sim's count of simdgroup-matrix products (Device.matrix_products), against kernels whose
 count follows from their shapes by arithmetic: a test kernel issuing each operand type a known
 number of times, the fp32 GEMM tile, and the quantized GEMMs, whose grouped form sizes each
-expert's tiles by its number of assignments (8, 16, 32 or 64 rows)."""
+expert's tiles by its number of assignments (8, 16, 32 or 64 rows); and a prefill chunk of the
+engine, whose GEMMs all multiply half operands."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from kernel_testing import as_float32, float_buffer, random_quantized, run, sim_device
+from tiny_models import tiny_checkpoint
 
+from lily.checkpoint.loader import load_checkpoint
 from lily.device import Graph, MatrixProducts, open_device
+from lily.engine.model_graph import ModelGraph
 from lily.kernels.gemm import record_gemm_nt
 from lily.kernels.quant_weight import wrap_quant_weight
 from lily.kernels.quantized_gemm import grouped_tile_tokens, record_qgemm, record_qgemm_grouped
@@ -119,3 +123,30 @@ def test_grouped_tiles_follow_each_experts_count():
     # Executed rows exceed the assignments by at most 7 per expert.
     assert sum(tile_rows) == sum(n * size for size, n in tiles_by_size.items())
     assert all(0 <= r - c <= 7 for r, c in zip(tile_rows[1:], counts[1:], strict=True))
+
+
+def test_a_prefill_chunks_gemms_multiply_half_operands():
+    """Every quantized GEMM of a chunk (dense 4- and 8-bit, grouped) counts half products and
+    nothing else; the range guard's exponents come before each mixer output projection and
+    each MoE block's two down projections, three per layer."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    c = checkpoint.config
+    tokens = 40
+    model = ModelGraph(checkpoint, open_device("sim"), 64, c.vocab_size, tokens)
+    history, step = model.history_view(), model.step_view()
+    prompt = np.random.default_rng(8).integers(0, c.vocab_size, tokens).tolist()
+    history[:tokens] = prompt
+    step[:3] = 0, tokens, prompt[0]
+    graph = model.graph(tokens, predicts=True)
+    model.device.matrix_products()  # from zero
+    model.device.run(graph)
+    counted = model.device.matrix_products()
+    gemms = {kernel: p for kernel, p in counted.items() if kernel.startswith("qgemm")}
+    assert {"qgemm_4_", "qgemm_8_", "qgemm_grouped_swiglu_", "qgemm_grouped_"} <= {
+        kernel.rstrip("0123456789") for kernel in gemms
+    }
+    for kernel, products in gemms.items():
+        assert products == MatrixProducts(half=products.half), kernel
+        assert products.half > 0, kernel
+    names = [d.kernel for d in graph.dispatches]
+    assert names.count("qgemm_row_exponents") == 3 * c.num_hidden_layers
