@@ -20,8 +20,10 @@
 // stages take 2 x 192 rows x 40 x 2 bytes = 30 KiB.
 //
 // Why half, and the range guard. Half's 11-bit significand keeps the tiny models' prefill logits
-// within 1.4e-3..4.1e-3 of the float64 reference (the engine tests allow 1e-2), where bfloat's 8
-// bits move them 1.7e-2..4.7e-2 (docs/benchmarks.md, benchmarks/gemm_operands_study.py). But half
+// within 1.4e-3..4.2e-3 of the float64 reference (the engine tests allow 1e-2), where bfloat's 8
+// bits move them 1.7e-2..4.7e-2 (docs/benchmarks.md, benchmarks/gemm_operands_study.py); a token
+// whose k-th and next expert are within the logits' error of a tie may be routed either way,
+// which moved one prompt's logits by 4e-2 (with fp32 operands only in the router, 5e-2). But half
 // ends at 65504. The normed inputs (of the input projections, the router, the experts' gate/up)
 // are bounded: an RMSNorm's output is at most sqrt(in_dim) times its largest gain. The others (the
 // SwiGLU hidden state the down projections read, the attention and GDN outputs o_proj and out_proj
