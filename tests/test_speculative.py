@@ -414,13 +414,16 @@ def test_sampled_output_with_drafts_is_reproducible_for_a_seed(engine, plain):
 
 
 def test_the_verify_rows_are_the_plain_logits(engine, plain):
-    """Row i of a verify pass is what plain decoding predicts after the draft's first i tokens
-    (within the chunk kernels' rounding)."""
+    """Row i of a verify pass is what plain decoding predicts after the draft's first i + 1
+    tokens (within the chunk kernels' rounding): the prompt prefilled as plain decoding
+    prefills it (a chunk whose GEMMs take half operands), then the tokens after it. (Fed token
+    by token through the decode step instead, the prompt's state may route a near-tied token to
+    the other expert, which moved a row by 0.13 on `wide`.)"""
     prompt, answer, _, _ = plain
     drafter = _Scripted(engine, prompt, answer, right=4, k=4)
     list(engine.generate(prompt, 6, drafter=drafter))
-    rows = engine._model.verify_logits_view(5)
-    reference = engine.teacher_forced_logits(prompt + answer[:5])[len(prompt) : len(prompt) + 5]
+    rows = engine._model.verify_logits_view(5).copy()
+    reference = np.stack([engine.prompt_logits(prompt + answer[: i + 1]) for i in range(5)])
     assert np.abs(rows - reference).max() < 1e-2
 
 
