@@ -14,7 +14,7 @@ import pytest
 from kernel_testing import LANE_ORDERS, sim_device
 
 from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
-from lily.device import Graph
+from lily.device import Graph, MatrixProducts
 from lily.engine import reference
 from lily.kernels.attention import (
     HEAD_DIM,
@@ -26,6 +26,7 @@ from lily.kernels.attention import (
     record_attention_combine,
     record_attention_decode,
     record_attention_prepare,
+    row_bytes,
 )
 
 EPS = 1e-6
@@ -629,6 +630,51 @@ def test_chunk_matches_reference(device, heads: tuple[int, int], tokens: int, po
     case.run(device)
     np.testing.assert_allclose(case.out[:tokens], case.expected(), rtol=CHUNK_RTOL, atol=CHUNK_ATOL)
     assert np.all(np.isnan(case.out[tokens]))
+
+
+def test_chunk_holds_values_past_half_range(device) -> None:
+    """Values of ~1e6 (past half's 65504; bf16 holds them): P V's bfloat operands take them
+    exactly, and the output scales with them within the chunk's bound."""
+    magnitude = 2.0**20
+    case = ChunkCase(TINY, 7, 13, seed=3)
+    case.v_cache = _bf16(_f64(case.v_cache) * magnitude)
+    case.run(device)
+    np.testing.assert_allclose(
+        case.out[:7] / magnitude, case.expected() / magnitude, rtol=CHUNK_RTOL, atol=CHUNK_ATOL
+    )
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
+def test_chunk_products_take_2_byte_operands(kv_cache: str) -> None:
+    """S = Q K^T takes half operands and P V bfloat ones: per threadgroup (4 SIMD-groups) and
+    tile of 16 keys, each SIMD-group multiplies 2 x 32 fragments for each. 7 tokens of 2 query
+    heads per kv head are 14 rows, one threadgroup per kv head; at position 13 they see 20
+    positions, 2 tiles."""
+    device = sim_device("forward")
+    num_q, num_kv, tokens, position = 4, 2, 7, 13
+    capacity = position + tokens
+    cache = np.zeros((num_kv, capacity, row_bytes(kv_cache)), dtype=np.uint8)
+    graph = Graph()
+    record_attention_chunk(
+        graph,
+        device,
+        queries=device.wrap(np.ones((tokens, num_q, HEAD_DIM), dtype=np.float32)),
+        q_proj=device.wrap(np.ones((tokens, num_q, 2, HEAD_DIM), dtype=np.float32)),
+        k_cache=device.wrap(cache),
+        v_cache=device.wrap(cache.copy()),
+        step=device.wrap(_step_buffer(position)),
+        out=device.wrap(np.zeros((tokens, num_q * HEAD_DIM), dtype=np.float32)),
+        num_q_heads=num_q,
+        num_kv_heads=num_kv,
+        capacity=capacity,
+        tokens=tokens,
+        kv_cache=kv_cache,
+    )
+    device.matrix_products()  # what earlier runs left
+    device.run(graph)
+    per_kernel = num_kv * 2 * 4 * 2 * 32
+    name = "attention_chunk" if kv_cache == "bf16" else "attention_chunk_int8"
+    assert device.matrix_products() == {name: MatrixProducts(half=per_kernel, bfloat=per_kernel)}
 
 
 @pytest.mark.parametrize(("heads", "tokens", "position"), [(REAL, 7, 20), (TINY, 40, 9)])
