@@ -845,14 +845,16 @@ constexpr constant uint kCombineDims = 64;
 //     P, so the weights that multiply V still sum to one: rounding moves the output by about
 //     2^-8 |v| / sqrt(keys that matter), under a bf16 step of V itself.
 //
-// An int8 cache is dequantized as it is staged: K code * scale (|.| <= the group's max |k|)
-// rounded to half, V to bfloat; both roundings are well inside the int8 step (a group's
-// max / 254). Measured against float64 (tests/test_kernel_attention*.py, docs/benchmarks.md):
+// An int8 cache's K is dequantized as it is staged: code * scale (|.| <= the group's max |k|)
+// rounded to half, 8 times inside the int8 step (a group's max / 254). Its V is staged as codes,
+// exact in bfloat, and each key's scale of a group multiplies its P before P's rounding, so P V
+// rounds once, as for a bf16 cache: rounding code * scale to bfloat would add an error as large
+// as the int8 step. Measured against float64 (tests/test_kernel_attention*.py, docs/benchmarks.md):
 // outputs up to ~3 off by at most 2.3e-3 (RMS 2.4e-4), nearly all of it P's rounding; with fp32
 // operands they stayed within 1e-5 + 1e-4 |x|.
 //
-// The tiles are staged in the operands' types (20.25 KiB with the padding) and loaded with
-// simdgroup_load.
+// The tiles are staged in the operands' types (20.25 KiB with the padding, and an int8 cache's
+// value scales 0.5 KiB more) and loaded with simdgroup_load.
 constexpr constant uint kChunkSimdgroups = 4;
 constexpr constant uint kChunkThreads = kChunkSimdgroups * SIMD_WIDTH;
 constexpr constant uint kChunkRows = 8 * kChunkSimdgroups;
@@ -861,17 +863,21 @@ constexpr constant uint kChunkKeys = 16;
 constexpr constant uint kKeysStride = kChunkKeys + 8;
 constexpr constant uint kValuesStride = kHeadDim + 8;
 
-// Dim `dim` of a cache row as a float: the bf16 value, or code * its group's fp16 scale (exact
-// in fp32).
+// Dim `dim` of a cache row: the bf16 value, or for int8 the code (`dequantize`: code * its
+// group's fp16 scale, exact in fp32).
 template <bool kInt8>
-inline float cache_value(device const uchar* row, uint dim) {
+inline float cache_value(device const uchar* row, uint dim, bool dequantize) {
   if (kInt8) {
-    const float scale =
-        float(*reinterpret_cast<device const half*>(row + kHeadDim + 2 * (dim / kInt8Group)));
-    return float(*reinterpret_cast<device const char*>(row + dim)) * scale;
+    const float code = float(*reinterpret_cast<device const char*>(row + dim));
+    return dequantize ? code * float(*reinterpret_cast<device const half*>(
+                                    row + kHeadDim + 2 * (dim / kInt8Group)))
+                      : code;
   }
   return float(reinterpret_cast<device const bfloat*>(row)[dim]);
 }
+
+// Head-dim fragments per int8 scale group.
+constexpr constant uint kFragmentsPerGroup = kInt8Group / 8;
 
 struct AttentionChunkParams {
   uint num_q_heads;
@@ -896,7 +902,9 @@ template <bool kInt8>
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup half keys_t[kHeadDim * kKeysStride];        // [dim][key]
-  threadgroup bfloat values[kChunkKeys * kValuesStride];  // [key][dim]
+  threadgroup bfloat values[kChunkKeys * kValuesStride];  // [key][dim]: int8, the codes
+  // int8: the staged values' scales, [key][group]; unused for bf16.
+  threadgroup float value_scales[kChunkKeys * kInt8Groups];
 
   const uint kv_head = group_id.y;
   const uint group_size = params.num_q_heads / params.num_kv_heads;
@@ -939,9 +947,19 @@ template <bool kInt8>
       const bool inside = key0 + key < context;
       const ulong row = (head_base + key0 + key) * kv_row_bytes<kInt8>();
       keys_t[dim * kKeysStride + key] =
-          half(inside ? cache_value<kInt8>(k_cache + row, dim) : 0.0f);
+          half(inside ? cache_value<kInt8>(k_cache + row, dim, true) : 0.0f);
       values[key * kValuesStride + dim] =
-          bfloat(inside ? cache_value<kInt8>(v_cache + row, dim) : 0.0f);
+          bfloat(inside ? cache_value<kInt8>(v_cache + row, dim, false) : 0.0f);
+    }
+    if (kInt8) {
+      for (uint e = thread_id; e < kChunkKeys * kInt8Groups; e += kChunkThreads) {
+        const uint key = e / kInt8Groups;
+        const ulong at =
+            (head_base + key0 + key) * kInt8RowBytes + kHeadDim + 2 * (e % kInt8Groups);
+        value_scales[e] =
+            key0 + key < context ? float(*reinterpret_cast<device const half*>(v_cache + at))
+                                 : 0.0f;
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -966,19 +984,31 @@ template <bool kInt8>
     const float rescale = exp(running_max - new_max);
     running_max = new_max;
     lane_sum *= rescale;
+    // P in fp32 in `scores`, and as P V's operand (int8: times a group's scales, below).
     simdgroup_bfloat8x8 probabilities[kChunkKeys / 8];
     for (uint c = 0; c < kChunkKeys / 8; ++c) {
       for (uint i = 0; i < 2; ++i) {
         const bool visible = key0 + 8 * c + frag_col + i <= last_visible;
-        const bfloat p =
-            bfloat(visible ? exp(scores[c].thread_elements()[i] - running_max) : 0.0f);
-        probabilities[c].thread_elements()[i] = p;
-        lane_sum += float(p);
+        const float p = visible ? exp(scores[c].thread_elements()[i] - running_max) : 0.0f;
+        scores[c].thread_elements()[i] = p;
+        probabilities[c].thread_elements()[i] = bfloat(p);
+        lane_sum += float(bfloat(p));
       }
     }
 
     for (uint f = 0; f < kHeadFragments; ++f) {
       acc[f].thread_elements() *= rescale;
+      if (kInt8 && f % kFragmentsPerGroup == 0) {
+        // A lane's P elements are keys 8 c + frag_col + i.
+        for (uint c = 0; c < kChunkKeys / 8; ++c) {
+          for (uint i = 0; i < 2; ++i) {
+            const uint key = 8 * c + frag_col + i;
+            probabilities[c].thread_elements()[i] = bfloat(
+                scores[c].thread_elements()[i] *
+                value_scales[key * kInt8Groups + f / kFragmentsPerGroup]);
+          }
+        }
+      }
       for (uint c = 0; c < kChunkKeys / 8; ++c) {
         simdgroup_bfloat8x8 v_frag;
         simdgroup_load(v_frag, values + 8 * c * kValuesStride + 8 * f, kValuesStride);

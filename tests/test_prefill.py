@@ -17,11 +17,16 @@ from lily.engine.model_graph import layer_flops
 MAX_SEQ = 1600
 CONTINUATION = 6
 TOLERANCE = 1e-2
-# GDN state after prefill against the decode path's: the scan kernels' own difference is within
-# 1e-5 (test_kernel_gdn.py); the rest is the drift of every other chunk kernel (GEMMs against
-# GEMVs, in other summation orders) feeding later layers. Measured: 5e-7 in the first GDN layer,
-# up to 1.5e-5 in the seventh (state entries up to ~1.8).
-GDN_STATE_DRIFT = 1e-4
+# GDN state after prefill against the decode path's: gdn_chunk's half operands put its state
+# about 2^-11 of its entries from float64 (test_kernel_gdn.py), and every layer feeds its
+# rounding, and the other chunk kernels' (attention's 2-byte operands, GEMMs against GEMVs in
+# other summation orders), to the later ones. Measured: up to 9.4e-4 in the first GDN layer and
+# 1.6e-3 in the last (state entries up to ~1.8), ~2.4x inside; with fp32 operands 1.5e-5.
+GDN_STATE_DRIFT = 2.0**-8
+# Last logits of a chunked prefill against the same prompt fed through the decode graph: the
+# chunk kernels' 2-byte operands (above) move them by up to 1.7e-3 (0.9e-3 on `wide`); both
+# paths are also held to the reference within TOLERANCE.
+PREFILL_VS_DECODE = 5e-3
 
 
 def _prompt(vocab_size: int, length: int, seed: int) -> list[int]:
@@ -81,7 +86,7 @@ def test_prefill_then_decode_equals_decode_alone(checkpoint):
     stepwise = _device_engine(checkpoint, 1)
     chunked = _device_engine(checkpoint, 16)
     worst = np.abs(chunked.prompt_logits(prompt) - stepwise.prompt_logits(prompt)).max()
-    assert worst < 1e-3, f"largest logit difference {worst:.2e}"
+    assert worst < PREFILL_VS_DECODE, f"largest logit difference {worst:.2e}"
     tokens = _greedy(chunked, prompt, 12)
     assert tokens == _greedy(stepwise, prompt, 12)
     # Decoding after the chunks continues the same sequence: teacher-forcing it token by token
