@@ -846,10 +846,12 @@ constexpr constant uint kCombineDims = 64;
 //     2^-8 |v| / sqrt(keys that matter), under a bf16 step of V itself.
 //
 // An int8 cache's K is dequantized as it is staged: code * scale (|.| <= the group's max |k|)
-// rounded to half, 8 times inside the int8 step (a group's max / 254). Its V is staged as codes,
-// exact in bfloat, and each key's scale of a group multiplies its P before P's rounding, so P V
-// rounds once, as for a bf16 cache: rounding code * scale to bfloat would add an error as large
-// as the int8 step. Measured against float64 (tests/test_kernel_attention*.py, docs/benchmarks.md):
+// rounded to half, 8 times inside the int8 step (a group's max / 254). Its P V is half: V's
+// codes are exact in half, and each key's scale of a group multiplies its P before P's rounding
+// (p * scale <= the fp16 scale, so in half's range), so P V rounds once, by 2^-11 of each
+// weight, or by 2^-25 absolute (2^-18 at the largest code) where p * scale is a half subnormal.
+// The denominator, which sums P, does not see that rounding as it does for a bf16 cache, so an
+// output dim moves by up to 2^-11 of the largest |v| there; bfloat would allow 2^-8. Measured against float64 (tests/test_kernel_attention*.py, docs/benchmarks.md):
 // outputs up to ~3 off by at most 2.3e-3 (RMS 2.4e-4), nearly all of it P's rounding; with fp32
 // operands they stayed within 1e-5 + 1e-4 |x|.
 //
@@ -875,6 +877,18 @@ inline float cache_value(device const uchar* row, uint dim, bool dequantize) {
   }
   return float(reinterpret_cast<device const bfloat*>(row)[dim]);
 }
+
+// P V's operand type: bfloat for a bf16 cache, half for an int8 one (codes, and P times scales).
+template <bool kInt8>
+struct ChunkValueType {
+  typedef bfloat type;
+};
+template <>
+struct ChunkValueType<true> {
+  typedef half type;
+};
+template <bool kInt8>
+using ChunkValue = typename ChunkValueType<kInt8>::type;
 
 // Head-dim fragments per int8 scale group.
 constexpr constant uint kFragmentsPerGroup = kInt8Group / 8;
@@ -902,7 +916,10 @@ template <bool kInt8>
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup half keys_t[kHeadDim * kKeysStride];        // [dim][key]
-  threadgroup bfloat values[kChunkKeys * kValuesStride];  // [key][dim]: int8, the codes
+  // [key][dim] in P V's operand type: bf16 values, or int8 codes in half.
+  threadgroup ushort value_bits[kChunkKeys * kValuesStride];
+  threadgroup ChunkValue<kInt8>* values =
+      reinterpret_cast<threadgroup ChunkValue<kInt8>*>(value_bits);
   // int8: the staged values' scales, [key][group]; unused for bf16.
   threadgroup float value_scales[kChunkKeys * kInt8Groups];
 
@@ -949,7 +966,7 @@ template <bool kInt8>
       keys_t[dim * kKeysStride + key] =
           half(inside ? cache_value<kInt8>(k_cache + row, dim, true) : 0.0f);
       values[key * kValuesStride + dim] =
-          bfloat(inside ? cache_value<kInt8>(v_cache + row, dim, false) : 0.0f);
+          ChunkValue<kInt8>(inside ? cache_value<kInt8>(v_cache + row, dim, false) : 0.0f);
     }
     if (kInt8) {
       for (uint e = thread_id; e < kChunkKeys * kInt8Groups; e += kChunkThreads) {
@@ -985,13 +1002,13 @@ template <bool kInt8>
     running_max = new_max;
     lane_sum *= rescale;
     // P in fp32 in `scores`, and as P V's operand (int8: times a group's scales, below).
-    simdgroup_bfloat8x8 probabilities[kChunkKeys / 8];
+    simdgroup_matrix<ChunkValue<kInt8>, 8, 8> probabilities[kChunkKeys / 8];
     for (uint c = 0; c < kChunkKeys / 8; ++c) {
       for (uint i = 0; i < 2; ++i) {
         const bool visible = key0 + 8 * c + frag_col + i <= last_visible;
         const float p = visible ? exp(scores[c].thread_elements()[i] - running_max) : 0.0f;
         scores[c].thread_elements()[i] = p;
-        probabilities[c].thread_elements()[i] = bfloat(p);
+        probabilities[c].thread_elements()[i] = ChunkValue<kInt8>(p);
         lane_sum += float(bfloat(p));
       }
     }
@@ -1003,14 +1020,14 @@ template <bool kInt8>
         for (uint c = 0; c < kChunkKeys / 8; ++c) {
           for (uint i = 0; i < 2; ++i) {
             const uint key = 8 * c + frag_col + i;
-            probabilities[c].thread_elements()[i] = bfloat(
+            probabilities[c].thread_elements()[i] = ChunkValue<kInt8>(
                 scores[c].thread_elements()[i] *
                 value_scales[key * kInt8Groups + f / kFragmentsPerGroup]);
           }
         }
       }
       for (uint c = 0; c < kChunkKeys / 8; ++c) {
-        simdgroup_bfloat8x8 v_frag;
+        simdgroup_matrix<ChunkValue<kInt8>, 8, 8> v_frag;
         simdgroup_load(v_frag, values + 8 * c * kValuesStride + 8 * f, kValuesStride);
         simdgroup_multiply_accumulate(acc[f], probabilities[c], v_frag, acc[f]);
       }

@@ -646,10 +646,10 @@ def test_chunk_holds_values_past_half_range(device) -> None:
 
 @pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
 def test_chunk_products_take_2_byte_operands(kv_cache: str) -> None:
-    """S = Q K^T takes half operands and P V bfloat ones: per threadgroup (4 SIMD-groups) and
-    tile of 16 keys, each SIMD-group multiplies 2 x 32 fragments for each. 7 tokens of 2 query
-    heads per kv head are 14 rows, one threadgroup per kv head; at position 13 they see 20
-    positions, 2 tiles."""
+    """S = Q K^T takes half operands, P V bfloat ones (half for an int8 cache): per threadgroup
+    (4 SIMD-groups) and tile of 16 keys, each SIMD-group multiplies 2 x 32 fragments for each.
+    7 tokens of 2 query heads per kv head are 14 rows, one threadgroup per kv head; at position
+    13 they see 20 positions, 2 tiles."""
     device = sim_device("forward")
     num_q, num_kv, tokens, position = 4, 2, 7, 13
     capacity = position + tokens
@@ -673,8 +673,11 @@ def test_chunk_products_take_2_byte_operands(kv_cache: str) -> None:
     device.matrix_products()  # what earlier runs left
     device.run(graph)
     per_kernel = num_kv * 2 * 4 * 2 * 32
-    name = "attention_chunk" if kv_cache == "bf16" else "attention_chunk_int8"
-    assert device.matrix_products() == {name: MatrixProducts(half=per_kernel, bfloat=per_kernel)}
+    expected = {
+        "bf16": {"attention_chunk": MatrixProducts(half=per_kernel, bfloat=per_kernel)},
+        "int8": {"attention_chunk_int8": MatrixProducts(half=2 * per_kernel)},
+    }
+    assert device.matrix_products() == expected[kv_cache]
 
 
 @pytest.mark.parametrize(("heads", "tokens", "position"), [(REAL, 7, 20), (TINY, 40, 9)])

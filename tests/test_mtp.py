@@ -34,8 +34,11 @@ MAX_SEQ = 256
 # The prompt (43 tokens) is cut into chunks of 16: drafting starts after three chunks.
 MAX_CHUNK = 16
 # The head's logits against the float64 reference (the engine's KV caches hold bf16, as the
-# reference's do with bf16_kv_cache); observed about 1e-4.
-LOGIT_TOLERANCE = 2e-3
+# reference's do with bf16_kv_cache): the prompt's chunk and the head's pass run the chunk
+# kernels, whose 2-byte operands (attention's bfloat P, the GDN chunk's half) put them up to
+# 2.9e-3 from it (about 1e-4 with fp32 operands); prefill's own bound against the reference
+# (tests/test_prefill.py).
+LOGIT_TOLERANCE = 1e-2
 
 
 def _reference(checkpoint) -> ReferenceModel:
