@@ -834,16 +834,16 @@ constexpr constant uint kCombineDims = 64;
 //
 // Operands are 2-byte, accumulators fp32 (scores, the softmax and O stay fp32 throughout):
 //
-//   S = Q K^T in half: K is exact in half, Q rounds by at most 2^-11 of itself. A cached key is RMS-normed
-//     (|k_i| <= sqrt(head_dim) |gain_i| = 16 |gain_i|), so its bf16 value lies in half's normal
-//     range (2^-14 to 65504) for any gain under 4094 and keeps all 8 of its bits there (half
-//     subnormals still hold bf16 values down to 2^-17 exactly; below that a key element adds
-//     under 2^-25 |q_i| to a score). A scaled query element is at most 16 |gain_i| / 16. bfloat
-//     Q would round by up to 2^-8, 8 times more, for nothing.
+//   S = Q K^T in half: K is exact in half, Q rounds by at most 2^-11 of itself. A cached key is
+//     RMS-normed (|k_i| <= sqrt(head_dim) |gain_i| = 16 |gain_i|), so its bf16 value lies in
+//     half's normal range (2^-14 to 65504) for any gain under 4094 and keeps all 8 of its bits
+//     there (half subnormals still hold bf16 values down to 2^-17 exactly; below that a key
+//     element adds under 2^-25 |q_i| to a score). A scaled query element is at most
+//     16 |gain_i| / 16. bfloat Q would round by up to 2^-8, 8 times more, for nothing.
 //   O += P V in bfloat: V is exact in bfloat at any magnitude (values are not normed, so half's
-//     range is not assured), P in [0, 1] rounds by at most 2^-8 of itself. The denominator sums the rounded
-//     P, so the weights that multiply V still sum to one: rounding moves the output by about
-//     2^-8 |v| / sqrt(keys that matter), under a bf16 step of V itself.
+//     range is not assured), P in [0, 1] rounds by at most 2^-8 of itself. The denominator sums
+//     the rounded P, so the weights that multiply V still sum to one: rounding moves the output
+//     by about 2^-8 |v| / sqrt(keys that matter), under a bf16 step of V itself.
 //
 // An int8 cache's K is dequantized as it is staged: code * scale (|.| <= the group's max |k|)
 // rounded to half, 8 times inside the int8 step (a group's max / 254). Its P V is half: V's
@@ -851,8 +851,11 @@ constexpr constant uint kCombineDims = 64;
 // (p * scale <= the fp16 scale, so in half's range), so P V rounds once, by 2^-11 of each
 // weight, or by 2^-25 absolute (2^-18 at the largest code) where p * scale is a half subnormal.
 // The denominator, which sums P, does not see that rounding as it does for a bf16 cache, so an
-// output dim moves by up to 2^-11 of the largest |v| there; bfloat would allow 2^-8. Measured against float64 (tests/test_kernel_attention*.py, docs/benchmarks.md):
-// outputs up to ~3 off by at most 2.3e-3 (RMS 2.4e-4), nearly all of it P's rounding; with fp32
+// output dim moves by up to 2^-11 of the largest |v| there; bfloat would allow 2^-8, which put
+// the engine's int8 prefill past its bound.
+//
+// Measured against float64 (tests/test_kernel_attention*.py, docs/benchmarks.md), bf16 cache:
+// outputs up to ~3 off by at most 2.3e-3 (RMS 2.4e-4), most of it P's rounding; with fp32
 // operands they stayed within 1e-5 + 1e-4 |x|.
 //
 // The tiles are staged in the operands' types (20.25 KiB with the padding, and an int8 cache's
