@@ -868,15 +868,14 @@ constexpr constant uint kChunkKeys = 16;
 constexpr constant uint kKeysStride = kChunkKeys + 8;
 constexpr constant uint kValuesStride = kHeadDim + 8;
 
-// Dim `dim` of a cache row: the bf16 value, or for int8 the code (`dequantize`: code * its
-// group's fp16 scale, exact in fp32).
+// Dim `dim` of a cache row as a float: the bf16 value, or code * its group's fp16 scale (exact
+// in fp32).
 template <bool kInt8>
-inline float cache_value(device const uchar* row, uint dim, bool dequantize) {
+inline float cache_value(device const uchar* row, uint dim) {
   if (kInt8) {
-    const float code = float(*reinterpret_cast<device const char*>(row + dim));
-    return dequantize ? code * float(*reinterpret_cast<device const half*>(
-                                    row + kHeadDim + 2 * (dim / kInt8Group)))
-                      : code;
+    const float scale =
+        float(*reinterpret_cast<device const half*>(row + kHeadDim + 2 * (dim / kInt8Group)));
+    return float(*reinterpret_cast<device const char*>(row + dim)) * scale;
   }
   return float(reinterpret_cast<device const bfloat*>(row)[dim]);
 }
@@ -892,6 +891,15 @@ struct ChunkValueType<true> {
 };
 template <bool kInt8>
 using ChunkValue = typename ChunkValueType<kInt8>::type;
+
+// Dim `dim` of a cache row as P V's operand: the bf16 value as stored, or the int8 code.
+template <bool kInt8>
+inline ChunkValue<kInt8> value_operand(device const uchar* row, uint dim) {
+  if (kInt8) {
+    return ChunkValue<kInt8>(float(*reinterpret_cast<device const char*>(row + dim)));
+  }
+  return reinterpret_cast<device const ChunkValue<kInt8>*>(row)[dim];
+}
 
 // Head-dim fragments per int8 scale group.
 constexpr constant uint kFragmentsPerGroup = kInt8Group / 8;
@@ -967,9 +975,9 @@ template <bool kInt8>
       const bool inside = key0 + key < context;
       const ulong row = (head_base + key0 + key) * kv_row_bytes<kInt8>();
       keys_t[dim * kKeysStride + key] =
-          half(inside ? cache_value<kInt8>(k_cache + row, dim, true) : 0.0f);
+          half(inside ? cache_value<kInt8>(k_cache + row, dim) : 0.0f);
       values[key * kValuesStride + dim] =
-          ChunkValue<kInt8>(inside ? cache_value<kInt8>(v_cache + row, dim, false) : 0.0f);
+          inside ? value_operand<kInt8>(v_cache + row, dim) : ChunkValue<kInt8>(0.0f);
     }
     if (kInt8) {
       for (uint e = thread_id; e < kChunkKeys * kInt8Groups; e += kChunkThreads) {
