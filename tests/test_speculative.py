@@ -308,11 +308,13 @@ def test_a_rejection_restores_the_recurrent_state_and_then_matches_plain_decodin
     assert len(caught_up) >= 3
     for length, state in caught_up:
         # Consumed every token before the newest, like plain decoding when it yielded it; the
-        # chunk kernels sum in another order than the decode step's.
+        # chunk kernels sum in another order than the decode step's, and gdn_chunk's half
+        # operands put its state about 2^-11 of the largest entry from it (measured up to 2e-4
+        # of it here; tests/test_prefill.py's GDN_STATE_DRIFT).
         expected = states[length - len(prompt) - 1]
         for a, b in zip(state, expected, strict=True):
             a, b = a.view(np.float32), b.view(np.float32)
-            assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+            assert np.abs(a - b).max() <= 2.0**-9 * max(1.0, np.abs(b).max())
 
 
 def test_prompt_lookup_and_a_prediction_give_plain_decoding(engine, plain):
