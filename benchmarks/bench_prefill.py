@@ -6,7 +6,7 @@ Two parts:
   (each weight once per chunk; the routed experts some token of the chunk chose, by the expected
   count for uniform routing) and per prompt token, the FLOPs per prompt token, and a roofline
   estimate of prefill time per kernel group on an M1 Pro, an M4 Max and an M5 Max at 4k and 32k
-  context, along fp32 tiles, today's half GEMMs with fp32 attention, half tiles and the M5's
+  context, along fp32 tiles, today's half tiles and the M5's
   tensor ops (`prefill_model.py`: a model from assumed GPU figures, not a measurement; say so
   when quoting it);
 - **time** (small checkpoints, e.g. the demo, on the sim): a prompt prefilled as one chunk
