@@ -6,8 +6,9 @@ Two parts:
   (each weight once per chunk; the routed experts some token of the chunk chose, by the expected
   count for uniform routing) and per prompt token, the FLOPs per prompt token, and a roofline
   estimate of prefill time per kernel group on an M1 Pro, an M4 Max and an M5 Max at 4k and 32k
-  context, along today's fp32 tiles, half tiles and the M5's tensor ops (`prefill_model.py`: a
-  model from assumed GPU figures, not a measurement; say so when quoting it);
+  context, along fp32 tiles, today's half tiles and the M5's
+  tensor ops (`prefill_model.py`: a model from assumed GPU figures, not a measurement; say so
+  when quoting it);
 - **time** (small checkpoints, e.g. the demo, on the sim): a prompt prefilled as one chunk
   against the same prompt fed one token per step through the decode graph (final norm, lm_head
   and sampler included: how every prompt went before batched prefill), and, for reference,
@@ -245,7 +246,7 @@ def estimate_report(checkpoint, context: int, levels: int) -> None:
             times = prefill_model.seconds(c, gpu, path, work, levels, buffers, tokens)
             parts = ", ".join(f"{name} {t * 1e3:.0f}" for name, t in times.items() if t >= 5e-4)
             print(
-                f"  {gpu.name:<21} {path.name:<30} {tokens / sum(times.values()):7.0f} tok/s"
+                f"  {gpu.name:<21} {path.name:<34} {tokens / sum(times.values()):7.0f} tok/s"
                 f"  (ms: {parts})"
             )
 

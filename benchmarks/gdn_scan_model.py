@@ -14,10 +14,13 @@ structure (metal/gdn.metal):
   (4 key dims per lane: decay, dot, update, readout, delta: 72 fp32 operations), two float4
   simd_sums (5 shuffle-and-add steps per component) and its q/k/v loads; once per token a
   SIMD-group prepares the token (norms, gates) and one applies the output norm (~100).
-- **chunkwise** (today's `gdn_chunk`): per sub-chunk of 16 tokens, the 8x8x8 fp32
-  simdgroup-matrix products of its 4 SIMD-groups (the key-side tiles of K K^T and Q K^T, and per
-  SIMD-group K S^T and Q S^T over 16 key tiles, R, U, the readout, and the state's decay and
-  update), one tile load per product, 16 prepared tokens and the solve's 120 steps with an exp.
+- **chunkwise** (today's `gdn_chunk`): per sub-chunk of 16 tokens, the 8x8x8 simdgroup-matrix
+  products of its 4 SIMD-groups with half operands (the key-side tiles of K K^T and Q K^T, and
+  per SIMD-group K S^T and Q S^T over 16 key tiles, U = X R, P U and the state's update), one
+  tile load per product, the diagonal scalings and half conversions on each lane's own
+  elements, 16 prepared tokens and the solve's 120 steps with an exp. A half product is counted
+  at the fp32 product's cycles: Apple GPUs up to the M4 issue both at one rate
+  (`prefill_model.py`), so this is conservative on an M5.
 
 Assumed GPU figures (public core counts; the clock follows from the fp32 rate bench_prefill.py
 assumes, rate = cores x 128 lanes x 2 x clock; not measured): an 8x8x8 fp32 product occupies a
@@ -91,24 +94,26 @@ def chunkwise_kernel() -> Kernel:
     key_side = 2 * lower_tiles * key_tiles  # K K^T and Q K^T, spread over the SIMD-groups
     state_side = (
         2 * token_tiles * key_tiles  # K S^T, Q S^T
-        + token_tiles  # R
         + lower_tiles  # U = X R
-        + token_tiles
-        + lower_tiles  # O
-        + token_tiles  # the decay to the sub-chunk's end
-        + key_tiles * (1 + token_tiles)  # the state: decay, then + K^T U
+        + lower_tiles  # P U
+        + key_tiles * token_tiles  # the state's K^T U
     )
+    # Per SIMD-group, on a lane's 2 elements of each tile: the diagonal scalings (R, O, U to the
+    # end, the state's decay: a multiply and an add each), the conversions to half operands, and
+    # the three power-of-two scales' simd_max (5 shuffle-and-max steps each).
+    scaled_tiles = key_tiles + 3 * token_tiles
+    elementwise = scaled_tiles * 2 * 2 + (key_tiles + 3 * token_tiles) * 2 + 3 * 5 * 2
     products = key_side + simdgroups * state_side
     loads = products  # a tile load (2 per lane) per product, as one issue slot each
     prepare = tokens * 60
     solve = tokens * (tokens - 1) // 2 * 8  # exp, 2 multiplies, an add per step, one lane column
-    cycles = products * PRODUCT_CYCLES + loads + prepare + solve
-    memory = 4 * (
-        2 * tokens * KEY_HEAD_DIM
-        + 2 * tokens * CHUNK_ROWS_PER_THREADGROUP
-        + 3 * tokens * tokens
-        + 3 * tokens * 8
-        + 3 * tokens
+    cycles = products * PRODUCT_CYCLES + loads + simdgroups * elementwise + prepare + solve
+    memory = (
+        2 * 2 * tokens * KEY_HEAD_DIM  # q, k (half)
+        + 4 * 2 * tokens * CHUNK_ROWS_PER_THREADGROUP  # v, the readouts
+        + 4 * 2 * tokens * tokens  # K K^T, Q K^T
+        + 2 * 2 * tokens * tokens  # P, X (half)
+        + 4 * 3 * tokens  # log decay, beta, Gamma
     )
     return Kernel(
         "chunkwise",

@@ -1,17 +1,19 @@
 """How the prefill GEMMs' operand type moves the engine's output: a study, not a benchmark.
 
-The quantized GEMMs can multiply fp32 operands (what the engine runs) or, at 4 bits, operands
-rounded to bfloat or half (`operands="bfloat16"` or `"float16"` in lily.kernels.quantized_gemm).
-This runs the sim engine's prefill with each on a small checkpoint (the demo unless given) and
-prints the largest logit difference from the float64 reference at the prompt's last position, and
-whether the argmax agrees, for a few prompt lengths. With 2-byte operands every 4-bit GEMM of the
-chunk (GDN and attention projections, the shared expert, the routed experts) rounds its inputs
-and weights; the 8-bit router and shared-expert gate stay fp32, and the lm_head is a GEMV. The
-engine's tests hold prefill to 1e-2 of the reference. (Half overflows past 65504; these small
-random models do not get there, the real one may: see metal/quantized_gemm.h.)
+The quantized GEMMs multiply half operands with fp32 sums; an input half's range does not bound
+(the down projections' SwiGLU hidden state, the attention and GDN outputs) takes the range guard,
+a power-of-two scale per row (metal/quantized_gemm.h). This prints:
 
-It also prints, per operand type, the relative error of one GEMM of random N(0, 1) inputs and
-MLX-quantized weights against float64.
+- one GEMM of random MLX-quantized weights, in numpy against float64, with bfloat and half
+  operands, for N(0, 1) inputs and for unbounded ones (rows scaled by 10^u, u in [-6, 6], some
+  values 1e6): plain half overflows there, half with the guard keeps half's accuracy (fp32
+  operands hold these float32 inputs and 4-bit weights exactly: an fp32 GEMM's error is its
+  sums' rounding alone);
+- the same unbounded GEMM run on the sim by the engine's kernel, with and without the guard;
+- the sim engine's prefill (every GEMM half, guarded where the engine guards) on a small
+  checkpoint (the demo unless given): the largest logit difference from the float64 reference
+  at the prompt's last position, and whether the argmax agrees. The engine's tests hold prefill
+  to 1e-2 of the reference.
 
 Usage:
     python benchmarks/gemm_operands_study.py [demo|DIR] [--lengths 64 300]
@@ -20,41 +22,102 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import functools
 
 import numpy as np
 
-import lily.engine.model_graph as model_graph
-import lily.kernels.moe_chunk as moe_chunk
-import lily.kernels.quantized_gemm as quantized_gemm
 from lily.checkpoint.loader import load_checkpoint, resolve_model
 from lily.checkpoint.quant import bf16_to_float32, round_to_bf16, unpack_codes
-from lily.device import open_device
-from lily.diagnostics.kernel_checks import random_quantized
+from lily.device import Graph, open_device
+from lily.diagnostics.kernel_checks import random_quantized, reference_row_exponents
 from lily.engine.engine import DeviceEngine
 from lily.engine.reference import ReferenceModel
+from lily.kernels.quant_weight import wrap_quant_weight
+from lily.kernels.quantized_gemm import record_qgemm
+
+IN_DIM, ROWS, TOKENS = 2048, 512, 64
 
 
-def with_operands(record, weight_of, operands: str):
-    """`record` with `operands` whenever its weights are 4-bit."""
-
-    @functools.wraps(record)
-    def wrapped(*args, **kwargs):
-        if weight_of(args).bits == 4:
-            kwargs["operands"] = operands
-        return record(*args, **kwargs)
-
-    return wrapped
+def to_half(a: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return a.astype(np.float32).astype(np.float16).astype(np.float64)
 
 
-def use_operands(operands: str) -> None:
-    """Makes the engine's prefill GEMMs take `operands` from now on (the originals are kept in
-    lily.kernels.quantized_gemm, which this leaves alone)."""
-    dense = with_operands(quantized_gemm.record_qgemm, lambda a: a[3][0][0], operands)
-    grouped = with_operands(quantized_gemm.record_qgemm_grouped, lambda a: a[3][0], operands)
-    model_graph.record_qgemm = dense
-    moe_chunk.record_qgemm = dense
-    moe_chunk.record_qgemm_grouped = grouped
+def guarded_half(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x's rows staged as the guarded GEMM stages them (half of x * 2^-e) and the 2^e to
+    multiply the results by."""
+    scale = np.ldexp(1.0, reference_row_exponents(x).astype(np.int64))[:, None]
+    return to_half(x / scale), scale
+
+
+def unbounded_inputs(rng: np.random.Generator) -> np.ndarray:
+    x = rng.normal(0, 1, (TOKENS, IN_DIM)) * 10.0 ** rng.uniform(-6, 6, (TOKENS, 1))
+    x.flat[rng.integers(0, x.size, TOKENS // 4)] = 1e6
+    return x.astype(np.float32)
+
+
+def study_gemm():
+    """Random 4-bit weights (the triple and its float64 dense matrix) and two inputs: N(0, 1)
+    and unbounded."""
+    rng = np.random.default_rng(0)
+    triple = random_quantized(rng, ROWS, IN_DIM, 4)
+    codes = unpack_codes(triple[0], 4).astype(np.float64)
+    s, b = (np.repeat(bf16_to_float32(a).astype(np.float64), 64, axis=-1) for a in triple[1:])
+    bounded = rng.normal(0, 1, (TOKENS, IN_DIM)).astype(np.float32)
+    return triple, s * codes + b, bounded, unbounded_inputs(rng)
+
+
+def gemm_study() -> None:
+    _, w, bounded, unbounded = study_gemm()
+    products = {
+        "bfloat": lambda x: (
+            round_to_bf16(x).astype(np.float64)
+            @ round_to_bf16(w.astype(np.float32)).astype(np.float64).T
+        ),
+        "half": lambda x: to_half(x) @ to_half(w).T,
+        "half, guarded": lambda x: (lambda h, e: e * (h @ to_half(w).T))(*guarded_half(x)),
+    }
+    for inputs, x in (("N(0, 1) inputs", bounded), ("unbounded inputs", unbounded)):
+        exact = x.astype(np.float64) @ w.T
+        # Relative to each row's RMS output: rows differ by up to 1e12 in scale.
+        row_scale = np.sqrt(np.mean(exact**2, axis=1, keepdims=True))
+        for name, product in products.items():
+            with np.errstate(invalid="ignore", over="ignore"):
+                error = np.abs(product(x) - exact) / row_scale
+            if not np.all(np.isfinite(error)):
+                bad = np.sum(~np.all(np.isfinite(error), axis=1))
+                print(
+                    f"one GEMM, {inputs:<16}, {name:<13} operands: {bad} of {TOKENS} rows "
+                    "not finite (inf or NaN)"
+                )
+                continue
+            print(
+                f"one GEMM, {inputs:<16}, {name:<13} operands: RMS error "
+                f"{np.sqrt(np.mean(error**2)):.1e}, largest {error.max():.1e} (relative to each "
+                "row's RMS output)"
+            )
+
+
+def kernel_study() -> None:
+    """The unbounded GEMM on the sim, by qgemm_4_64, unguarded and guarded."""
+    device = open_device("sim")
+    triple, w, _, x = study_gemm()
+    exact = x.astype(np.float64) @ w.T
+    row_scale = np.sqrt(np.mean(exact**2, axis=1, keepdims=True))
+    weight = wrap_quant_weight(device, *triple)
+    for guarded in (False, True):
+        out = device.alloc(4 * TOKENS * ROWS)
+        exponents = device.wrap(reference_row_exponents(x)) if guarded else None
+        graph = Graph()
+        record_qgemm(graph, device, device.wrap(x), [(weight, out)], TOKENS, exponents)
+        device.run(graph)
+        y = out.numpy().view(np.float32).reshape(TOKENS, ROWS).astype(np.float64)
+        finite = np.all(np.isfinite(y), axis=1)
+        error = np.abs(y[finite] - exact[finite]) / row_scale[finite]
+        print(
+            f"sim qgemm_4_64, unbounded inputs, {'guarded' if guarded else 'unguarded'}: "
+            f"{np.sum(~finite)} of {TOKENS} rows not finite; the finite ones' largest error "
+            f"{error.max():.1e} (relative to each row's RMS output)"
+        )
 
 
 def engine_study(checkpoint, lengths: list[int]) -> None:
@@ -62,43 +125,17 @@ def engine_study(checkpoint, lengths: list[int]) -> None:
     longest = max(lengths)
     # float64, with the KV cache rounded to bf16 as the engine's is.
     reference = ReferenceModel(c, checkpoint.tensors, dtype=np.float64, bf16_kv_cache=True)
-    prompts = {n: np.random.default_rng(n).integers(0, c.vocab_size, n).tolist() for n in lengths}
-    expected = {n: reference.prefill(p)[0][-1] for n, p in prompts.items()}
-    for operands in quantized_gemm.OPERANDS:
-        use_operands(operands)
-        engine = DeviceEngine(checkpoint, open_device("sim"), longest + 8, c.vocab_size, longest)
-        for n, prompt in prompts.items():
-            logits = engine.prompt_logits(prompt)
-            worst = np.abs(logits - expected[n]).max()
-            same = int(np.argmax(logits)) == int(np.argmax(expected[n]))
-            print(
-                f"prefill {n:5} tokens, {operands:<8} operands: largest logit difference "
-                f"{worst:.2e} from the float64 reference (logit spread "
-                f"{np.ptp(expected[n]):.1f}), argmax {'agrees' if same else 'differs'}"
-            )
-
-
-def gemm_study(in_dim: int = 2048, rows: int = 512, tokens: int = 64) -> None:
-    rng = np.random.default_rng(0)
-    weight, scales, biases = random_quantized(rng, rows, in_dim, 4)
-    codes = unpack_codes(weight, 4).astype(np.float64)
-    s = np.repeat(bf16_to_float32(scales).astype(np.float64), 64, axis=-1)
-    b = np.repeat(bf16_to_float32(biases).astype(np.float64), 64, axis=-1)
-    w = s * codes + b
-    x = rng.normal(0, 1, (tokens, in_dim))
-    exact = x @ w.T
-    scale = np.sqrt(np.mean(exact**2))
-    rounding = {
-        "fp32": lambda a: a.astype(np.float32).astype(np.float64),
-        "half": lambda a: a.astype(np.float16).astype(np.float64),
-        "bfloat": lambda a: round_to_bf16(a.astype(np.float32)).astype(np.float64),
-    }
-    for name, round_ in rounding.items():
-        error = np.abs(round_(x) @ round_(w).T - exact)
+    engine = DeviceEngine(checkpoint, open_device("sim"), longest + 8, c.vocab_size, longest)
+    for n in lengths:
+        prompt = np.random.default_rng(n).integers(0, c.vocab_size, n).tolist()
+        expected = reference.prefill(prompt)[0][-1]
+        logits = engine.prompt_logits(prompt)
+        worst = np.abs(logits - expected).max()
+        same = int(np.argmax(logits)) == int(np.argmax(expected))
         print(
-            f"one GEMM ({tokens}x{in_dim} by {rows} 4-bit rows), {name:<6} operands: RMS error "
-            f"{np.sqrt(np.mean(error**2)) / scale:.1e}, largest {error.max() / scale:.1e} "
-            f"(relative to the outputs' RMS)"
+            f"prefill {n:5} tokens, half operands (guarded where unbounded): largest logit "
+            f"difference {worst:.2e} from the float64 reference (logit spread "
+            f"{np.ptp(expected):.1f}), argmax {'agrees' if same else 'differs'}"
         )
 
 
@@ -108,6 +145,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 300])
     args = parser.parse_args()
     gemm_study()
+    kernel_study()
     engine_study(load_checkpoint(resolve_model(args.model)), args.lengths)
 
 

@@ -13,11 +13,12 @@ below is an assumption from public specifications, not a measurement:
   what lets the tiles reach a larger fraction of it;
 - the M5's tensor units (Metal 4 tensor ops): Apple describes the M5 GPU's neural accelerators as
   over 4x the M4's peak GPU compute for AI; taken as 4x the fp32 rate for half operands;
-- efficiencies: today's fp32 tiles 30% of peak (22.5 KiB of threadgroup memory, single-buffered),
-  half-precision double-buffered tiles 60% (MLX's steel GEMMs reach 60-70% on M-series GPUs by
-  their authors' reports), tensor ops 50% of their peak; chunk attention (its softmax sits
-  between its two products) 20% of the fp32 rate with fp32 tiles, 40% of its peak otherwise;
-  memory 80% of peak bandwidth.
+- efficiencies: fp32 tiles 30% of peak (22.5 KiB of threadgroup memory, single-buffered: the
+  kernels before they took 2-byte operands), half-precision double-buffered tiles 60% (today's
+  GEMMs; MLX's steel GEMMs reach 60-70% on M-series GPUs by their authors' reports), tensor ops
+  50% of their peak; chunk attention (its softmax sits between its two products) 20% of the
+  fp32 rate with fp32 tiles, 40% of its peak with 2-byte operands (today's: half Q K^T, bfloat
+  or half P V); memory 80% of peak bandwidth.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ class Path:
     attention_tensor_ops: bool  # so does attention's two products
 
 
-FP32_TILES = Path("fp32 simdgroup tiles (today)", 0.3, 0.2, False, False)
-HALF_TILES = Path("half simdgroup tiles", 0.6, 0.4, False, False)
+FP32_TILES = Path("fp32 simdgroup tiles", 0.3, 0.2, False, False)
+HALF_TILES = Path("half simdgroup tiles (today)", 0.6, 0.4, False, False)
 TENSOR_GEMMS = Path("tensor-op GEMMs", 0.5, 0.4, True, False)
 TENSOR_ALL = Path("tensor-op GEMMs and attention", 0.5, 0.4, True, True)
 PATHS = (FP32_TILES, HALF_TILES, TENSOR_GEMMS, TENSOR_ALL)

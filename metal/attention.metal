@@ -288,12 +288,8 @@ template [[host_name("attention_prepare_int8")]] [[kernel]] decltype(attention_p
 
 constexpr constant uint kHeadFragments = kHeadDim / 8;
 
-// Apple's simdgroup_matrix layout (which the sim reproduces): lane l holds row fragment_row(l),
-// columns fragment_col(l) and fragment_col(l) + 1. The softmax and the epilogues work on a lane's
-// own elements, so they need to know which row and columns those are; the four lanes of a row
-// differ in lane bits 0 and 3.
-inline uint fragment_row(uint lane) { return ((lane / 4) & 4) + (lane / 2) % 4; }
-inline uint fragment_col(uint lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; }
+// The softmax and the epilogues work on a lane's own elements (fragment_row, fragment_col in
+// common.h); the four lanes of a row differ in lane bits 0 and 3.
 
 inline float row_max(float value) {
   value = max(value, simd_shuffle_xor(value, 1));
@@ -1026,12 +1022,34 @@ constexpr constant uint kCombineDims = 64;
 // softmax on S in registers, O = O * rescale + P V. Query t of the chunk sees positions
 // [0, position + t]; keys past the threadgroup's last visible position are staged as zeros.
 //
-// The tiles stay bf16 in threadgroup memory (20.25 KiB with the padding) and each lane widens
-// its own two elements into float fragments: a float tile for simdgroup_load would take twice
-// the space, and float fragments keep every product and sum of Q K^T and P V in fp32. An int8
-// cache's tiles hold its codes, which bf16 represents exactly, beside each key's scales (1 KiB
-// more), and a fragment element is code * scale in fp32: dequantizing into the bf16 tile would
-// round the product.
+// Operands are 2-byte, accumulators fp32 (scores, the softmax and O stay fp32 throughout):
+//
+//   S = Q K^T in half: K is exact in half, Q rounds by at most 2^-11 of itself. A cached key is
+//     RMS-normed (|k_i| <= sqrt(head_dim) |gain_i| = 16 |gain_i|), so its bf16 value lies in
+//     half's normal range (2^-14 to 65504) for any gain under 4094 and keeps all 8 of its bits
+//     there (half subnormals still hold bf16 values down to 2^-17 exactly; below that a key
+//     element adds under 2^-25 |q_i| to a score). A scaled query element is at most
+//     16 |gain_i| / 16. bfloat Q would round by up to 2^-8, 8 times more, for nothing.
+//   O += P V in bfloat: V is exact in bfloat at any magnitude (values are not normed, so half's
+//     range is not assured), P in [0, 1] rounds by at most 2^-8 of itself. The denominator sums
+//     the rounded P, so the weights that multiply V still sum to one: rounding moves the output
+//     by about 2^-8 |v| / sqrt(keys that matter), under a bf16 step of V itself.
+//
+// An int8 cache's K is dequantized as it is staged: code * scale (|.| <= the group's max |k|)
+// rounded to half, 8 times inside the int8 step (a group's max / 254). Its P V is half: V's
+// codes are exact in half, and each key's scale of a group multiplies its P before P's rounding
+// (p * scale <= the fp16 scale, so in half's range), so P V rounds once, by 2^-11 of each
+// weight, or by 2^-25 absolute (2^-18 at the largest code) where p * scale is a half subnormal.
+// The denominator, which sums P, does not see that rounding as it does for a bf16 cache, so an
+// output dim moves by up to 2^-11 of the largest |v| there; bfloat would allow 2^-8, which put
+// the engine's int8 prefill past its bound.
+//
+// Measured against float64 (tests/test_kernel_attention*.py, docs/benchmarks.md), bf16 cache:
+// outputs up to ~3 off by at most 2.3e-3 (RMS 2.4e-4), most of it P's rounding; with fp32
+// operands they stayed within 1e-5 + 1e-4 |x|.
+//
+// The tiles are staged in the operands' types (20.25 KiB with the padding, and an int8 cache's
+// value scales 0.5 KiB more) and loaded with simdgroup_load.
 constexpr constant uint kChunkSimdgroups = 4;
 constexpr constant uint kChunkThreads = kChunkSimdgroups * SIMD_WIDTH;
 constexpr constant uint kChunkRows = 8 * kChunkSimdgroups;
@@ -1040,15 +1058,41 @@ constexpr constant uint kChunkKeys = 16;
 constexpr constant uint kKeysStride = kChunkKeys + 8;
 constexpr constant uint kValuesStride = kHeadDim + 8;
 
-// Dim `dim` of a cache row as a chunk tile stages it: the bf16 value, or the int8 code (exact in
-// bf16; its scale is staged beside the tile).
+// Dim `dim` of a cache row as a float: the bf16 value, or code * its group's fp16 scale (exact
+// in fp32).
 template <bool kInt8>
-inline bfloat cache_element(device const uchar* row, uint dim) {
+inline float cache_value(device const uchar* row, uint dim) {
   if (kInt8) {
-    return bfloat(float(*reinterpret_cast<device const char*>(row + dim)));
+    const float scale =
+        float(*reinterpret_cast<device const half*>(row + kHeadDim + 2 * (dim / kInt8Group)));
+    return float(*reinterpret_cast<device const char*>(row + dim)) * scale;
   }
-  return reinterpret_cast<device const bfloat*>(row)[dim];
+  return float(reinterpret_cast<device const bfloat*>(row)[dim]);
 }
+
+// P V's operand type: bfloat for a bf16 cache, half for an int8 one (codes, and P times scales).
+template <bool kInt8>
+struct ChunkValueType {
+  typedef bfloat type;
+};
+template <>
+struct ChunkValueType<true> {
+  typedef half type;
+};
+template <bool kInt8>
+using ChunkValue = typename ChunkValueType<kInt8>::type;
+
+// Dim `dim` of a cache row as P V's operand: the bf16 value as stored, or the int8 code.
+template <bool kInt8>
+inline ChunkValue<kInt8> value_operand(device const uchar* row, uint dim) {
+  if (kInt8) {
+    return ChunkValue<kInt8>(float(*reinterpret_cast<device const char*>(row + dim)));
+  }
+  return reinterpret_cast<device const ChunkValue<kInt8>*>(row)[dim];
+}
+
+// Head-dim fragments per int8 scale group.
+constexpr constant uint kFragmentsPerGroup = kInt8Group / 8;
 
 struct AttentionChunkParams {
   uint num_q_heads;
@@ -1072,10 +1116,12 @@ template <bool kInt8>
     uint thread_id [[thread_index_in_threadgroup]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup bfloat keys_t[kHeadDim * kKeysStride];      // [dim][key]
-  threadgroup bfloat values[kChunkKeys * kValuesStride];  // [key][dim]
-  // int8: the staged keys' scales, [key][group]; unused for bf16.
-  threadgroup float key_scales[kChunkKeys * kInt8Groups];
+  threadgroup half keys_t[kHeadDim * kKeysStride];        // [dim][key]
+  // [key][dim] in P V's operand type: bf16 values, or int8 codes in half.
+  threadgroup ushort value_bits[kChunkKeys * kValuesStride];
+  threadgroup ChunkValue<kInt8>* values =
+      reinterpret_cast<threadgroup ChunkValue<kInt8>*>(value_bits);
+  // int8: the staged values' scales, [key][group]; unused for bf16.
   threadgroup float value_scales[kChunkKeys * kInt8Groups];
 
   const uint kv_head = group_id.y;
@@ -1096,12 +1142,12 @@ template <bool kInt8>
   const uint context = min(position + last_row / group_size + 1, params.cache_capacity);
 
   const ulong q_offset = (ulong(token) * params.num_q_heads + q_head) * kHeadDim + frag_col;
-  simdgroup_float8x8 q[kHeadFragments];
+  simdgroup_half8x8 q[kHeadFragments];
   simdgroup_float8x8 acc[kHeadFragments];
   for (uint f = 0; f < kHeadFragments; ++f) {
     for (uint i = 0; i < 2; ++i) {
       q[f].thread_elements()[i] =
-          row_in_chunk ? queries[q_offset + 8 * f + i] * params.scale : 0.0f;
+          half(row_in_chunk ? queries[q_offset + 8 * f + i] * params.scale : 0.0f);
     }
     acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
@@ -1119,19 +1165,18 @@ template <bool kInt8>
       const bool inside = key0 + key < context;
       const ulong row = (head_base + key0 + key) * kv_row_bytes<kInt8>();
       keys_t[dim * kKeysStride + key] =
-          inside ? cache_element<kInt8>(k_cache + row, dim) : bfloat(0.0f);
+          half(inside ? cache_value<kInt8>(k_cache + row, dim) : 0.0f);
       values[key * kValuesStride + dim] =
-          inside ? cache_element<kInt8>(v_cache + row, dim) : bfloat(0.0f);
+          inside ? value_operand<kInt8>(v_cache + row, dim) : ChunkValue<kInt8>(0.0f);
     }
     if (kInt8) {
       for (uint e = thread_id; e < kChunkKeys * kInt8Groups; e += kChunkThreads) {
         const uint key = e / kInt8Groups;
-        const bool inside = key0 + key < context;
         const ulong at =
             (head_base + key0 + key) * kInt8RowBytes + kHeadDim + 2 * (e % kInt8Groups);
-        key_scales[e] = inside ? float(*reinterpret_cast<device const half*>(k_cache + at)) : 0.0f;
         value_scales[e] =
-            inside ? float(*reinterpret_cast<device const half*>(v_cache + at)) : 0.0f;
+            key0 + key < context ? float(*reinterpret_cast<device const half*>(v_cache + at))
+                                 : 0.0f;
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -1140,15 +1185,8 @@ template <bool kInt8>
     for (uint c = 0; c < kChunkKeys / 8; ++c) {
       scores[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       for (uint f = 0; f < kHeadFragments; ++f) {
-        threadgroup const bfloat* src =
-            keys_t + (8 * f + frag_row) * kKeysStride + 8 * c + frag_col;
-        simdgroup_float8x8 k_frag;
-        for (uint i = 0; i < 2; ++i) {
-          // Dims 8 f to 8 f + 7 lie in group f / 4.
-          k_frag.thread_elements()[i] =
-              kInt8 ? float(src[i]) * key_scales[(8 * c + frag_col + i) * kInt8Groups + f / 4]
-                    : float(src[i]);
-        }
+        simdgroup_half8x8 k_frag;
+        simdgroup_load(k_frag, keys_t + 8 * f * kKeysStride + 8 * c, kKeysStride);
         simdgroup_multiply_accumulate(scores[c], q[f], k_frag, scores[c]);
       }
     }
@@ -1164,26 +1202,35 @@ template <bool kInt8>
     const float rescale = exp(running_max - new_max);
     running_max = new_max;
     lane_sum *= rescale;
+    // P in fp32 in `scores`, and as P V's operand (int8: times a group's scales, below).
+    simdgroup_matrix<ChunkValue<kInt8>, 8, 8> probabilities[kChunkKeys / 8];
     for (uint c = 0; c < kChunkKeys / 8; ++c) {
       for (uint i = 0; i < 2; ++i) {
         const bool visible = key0 + 8 * c + frag_col + i <= last_visible;
         const float p = visible ? exp(scores[c].thread_elements()[i] - running_max) : 0.0f;
         scores[c].thread_elements()[i] = p;
-        lane_sum += p;
+        probabilities[c].thread_elements()[i] = ChunkValue<kInt8>(p);
+        lane_sum += float(bfloat(p));
       }
     }
 
     for (uint f = 0; f < kHeadFragments; ++f) {
       acc[f].thread_elements() *= rescale;
-      for (uint c = 0; c < kChunkKeys / 8; ++c) {
-        threadgroup const bfloat* src =
-            values + (8 * c + frag_row) * kValuesStride + 8 * f + frag_col;
-        const float scale = kInt8 ? value_scales[(8 * c + frag_row) * kInt8Groups + f / 4] : 1.0f;
-        simdgroup_float8x8 v_frag;
-        for (uint i = 0; i < 2; ++i) {
-          v_frag.thread_elements()[i] = kInt8 ? float(src[i]) * scale : float(src[i]);
+      if (kInt8 && f % kFragmentsPerGroup == 0) {
+        // A lane's P elements are keys 8 c + frag_col + i.
+        for (uint c = 0; c < kChunkKeys / 8; ++c) {
+          for (uint i = 0; i < 2; ++i) {
+            const uint key = 8 * c + frag_col + i;
+            probabilities[c].thread_elements()[i] = ChunkValue<kInt8>(
+                scores[c].thread_elements()[i] *
+                value_scales[key * kInt8Groups + f / kFragmentsPerGroup]);
+          }
         }
-        simdgroup_multiply_accumulate(acc[f], scores[c], v_frag, acc[f]);
+      }
+      for (uint c = 0; c < kChunkKeys / 8; ++c) {
+        simdgroup_matrix<ChunkValue<kInt8>, 8, 8> v_frag;
+        simdgroup_load(v_frag, values + 8 * c * kValuesStride + 8 * f, kValuesStride);
+        simdgroup_multiply_accumulate(acc[f], probabilities[c], v_frag, acc[f]);
       }
     }
     // The next tile overwrites what the other simdgroups may still be reading.

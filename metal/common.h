@@ -8,6 +8,12 @@ using namespace metal;
 // Threads in one SIMD-group on every Apple GPU Lily targets.
 constexpr constant uint SIMD_WIDTH = 32;
 
+// Apple's simdgroup_matrix layout (which the sim reproduces): lane l holds row fragment_row(l),
+// columns fragment_col(l) and fragment_col(l) + 1 of an 8x8 matrix. Kernels that work on a
+// lane's own elements (a softmax, a per-row scaling) need to know which those are.
+inline uint fragment_row(uint lane) { return ((lane / 4) & 4) + (lane / 2) % 4; }
+inline uint fragment_col(uint lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; }
+
 inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
 
 inline float silu(float x) { return x * sigmoid(x); }

@@ -196,17 +196,37 @@ static_assert(kValueDim % kStepRowsPerThreadgroup == 0, "a head splits into whol
 //       M[i][j] = beta_i e^(Gamma_i - Gamma_j) k_i.k_j   (j < i),
 //   O = diag(e^Gamma) Q S^T + P U,     P[i][j] = e^(Gamma_i - Gamma_j) q_i.k_j   (j <= i),
 //   S <- e^Gamma_last S + U^T diag(e^(Gamma_last - Gamma)) K.
-// Every product is an 8x8 simdgroup-matrix multiply with fp32 operands and accumulators; only
-// the triangular solve for X (n steps) and the sub-chunk-to-sub-chunk state are serial. Each
-// row of S (a value dim) still evolves on its own given K, Q, g and beta, so a head's rows split
-// over kValueDim / kChunkRows threadgroups, each recomputing the key-side matrices (K K^T, Q K^T,
-// X) its rows need: 4 threadgroups per head where a serial scan has one, for about 20% more
-// products than a head's state-side ones alone.
+// Every matrix product is an 8x8 simdgroup-matrix multiply; the diagonal scalings are applied to
+// each lane's own elements in fp32; only the triangular solve for X (n steps) and the
+// sub-chunk-to-sub-chunk state are serial. Each row of S (a value dim) still evolves on its own
+// given K, Q, g and beta, so a head's rows split over kValueDim / kChunkRows threadgroups, each
+// recomputing the key-side matrices (K K^T, Q K^T, X) its rows need: 4 threadgroups per head
+// where a serial scan has one, for about 20% more products than a head's state-side ones alone.
 // lily.diagnostics.kernel_checks.reference_gdn_chunkwise is this algorithm in float64.
+//
+// Operands are half, accumulators fp32 (the state, U, O and every sum stay fp32):
+//   q, k      unit vectors (q also scaled by Dk^-0.5): every element within [-1, 1], rounded by
+//             at most 2^-11 of itself; an element small enough to be a half subnormal adds
+//             under 2^-25 to a dot product of unit vectors.
+//   P, X      |P[i][j]| <= |q_i||k_j| <= 1; X = (I + M)^-1 diag(beta) with M strictly lower
+//             triangular and |M[i][j]| <= 1 (beta, e^(Gamma_i - Gamma_j) <= 1, unit keys), so
+//             |X[i][j]| <= 2^(i-j-1) <= 2^14 over 16 tokens: half's range holds both.
+//   S, R, U   the state, V - diag(e^Gamma) K S^T and U follow the values, whose magnitude nothing
+//             bounds: each SIMD-group converts its part of them with one power-of-two factor
+//             that brings its largest |x| into [2^14, 2^15) (half_range_scale), and scales the
+//             fp32 product back by the inverse power of two, both exact. Every element then keeps
+//             half's 11 bits down to 2^-28 of the largest; the few below add under 2^-39 of it.
+//   e^Gamma   never an operand: the decays that reach the products are inside P and X (fp32
+//             until rounded with them) or multiply U before its rounding; tiny ones underflow
+//             to half subnormals or zero only where their term weighs under 2^-25.
+// Measured against float64 (tests/test_kernel_gdn.py, docs/benchmarks.md), from 1 to 4,097
+// tokens: the state off by at most 4.9e-4 for entries up to ~0.8, about 2^-11 of its entries at
+// any length (the decay forgets old roundings with the tokens), the readouts by 5.6e-5 for
+// values up to ~0.07; fp32 operands erred 1.5e-7 and 3e-8.
 
 // Tokens per sub-chunk. The key-side matrices cost O(kSubChunk) products per token, the
 // state-side ones a constant, and each sub-chunk 4 barriers: 16 tokens keep both small, with q
-// and k of the whole sub-chunk in fp32 in threadgroup memory (24.7 KiB in all).
+// and k of the whole sub-chunk in threadgroup memory (15 KiB in all).
 constexpr constant uint kSubChunk = 16;
 constexpr constant uint kTile = 8;
 constexpr constant uint kTokenTiles = kSubChunk / kTile;
@@ -220,29 +240,51 @@ static_assert(kValueDim % kChunkRows == 0, "a head's rows split into whole threa
 static_assert(kChunkRows == SIMD_WIDTH, "a lane loads one value dim of each token");
 // Key-side tiles: the lower triangles (diagonal tiles included) of K K^T and Q K^T.
 constexpr constant uint kLowerTiles = kTokenTiles * (kTokenTiles + 1) / 2;
-// Per-token diagonal scalings, one 8x8 diagonal tile per token tile: -e^Gamma (for V - ...),
-// e^Gamma (for the readout) and e^(Gamma_last - Gamma) (for the state update).
-enum GdnScaling : uint { kMinusDecay = 0, kDecay = 1, kDecayToEnd = 2, kScalings = 3 };
 
 struct GdnSubChunk {
-  alignas(16) float q[kSubChunk][kKeyDim];  // normalised and scaled; zero past the last token
-  alignas(16) float k[kSubChunk][kKeyDim];  // normalised; zero past the last token
-  float v[kSubChunk][kChunkRows];           // this threadgroup's value dims
-  float gram[kSubChunk][kSubChunk];         // K K^T, lower triangle
-  float qk[kSubChunk][kSubChunk];           // Q K^T, then P
-  float solve[kSubChunk][kSubChunk];        // X
-  float scaling[kScalings][kTokenTiles][kTile][kTile];
-  float readout[kSubChunk][kChunkRows];     // O, staged for the copy of its valid rows
-  float log_decay[kSubChunk];               // zero past the last token: g = 1 leaves S alone
-  float beta[kSubChunk];                    // zero past the last token: no update
+  alignas(16) half q[kSubChunk][kKeyDim];  // normalised and scaled; zero past the last token
+  alignas(16) half k[kSubChunk][kKeyDim];  // normalised; zero past the last token
+  float v[kSubChunk][kChunkRows];          // this threadgroup's value dims
+  float gram[kSubChunk][kSubChunk];        // K K^T, lower triangle
+  float qk[kSubChunk][kSubChunk];          // Q K^T, lower triangle
+  half p[kSubChunk][kSubChunk];            // P
+  half solve[kSubChunk][kSubChunk];        // X
+  float readout[kSubChunk][kChunkRows];    // O, staged for the copy of its valid rows
+  float log_decay[kSubChunk];              // zero past the last token: g = 1 leaves S alone
+  float beta[kSubChunk];                   // zero past the last token: no update
   float gamma[kSubChunk];
 };
 
 // Tile (row, col) of a [rows, stride] matrix in threadgroup memory, optionally transposed.
-inline void load_tile(thread simdgroup_float8x8& tile, threadgroup const float* matrix,
+template <typename T>
+inline void load_tile(thread simdgroup_matrix<T, 8, 8>& tile, threadgroup const T* matrix,
                       uint stride, uint row, uint col, bool transpose = false) {
   simdgroup_load(tile, matrix + row * kTile * stride + col * kTile, stride, ulong2(0, 0),
                  transpose);
+}
+
+// A power of two and its inverse, both exact in fp32: `to_half` takes the largest |x| of the
+// SIMD-group (lane_max is this lane's) into [2^14, 2^15), inside half's range with room for the
+// rounding, so that x * to_half keeps 11 bits; `from_half` undoes it on an fp32 product.
+struct HalfRangeScale {
+  float to_half;
+  float from_half;
+};
+inline HalfRangeScale half_range_scale(float lane_max) {
+  // max_abs lies in [2^(e-127), 2^(e-126)) for its biased exponent e; 2^(141-e) takes it under
+  // 2^15. e >= 15 keeps both factors normal (an all-zero part gets the largest, harmlessly).
+  const uint e = max(as_type<uint>(simd_max(lane_max)) >> 23, 15u);
+  return HalfRangeScale{as_type<float>((268u - e) << 23), as_type<float>((e - 14u) << 23)};
+}
+
+// The largest |x| of this lane's elements of `count` fp32 tiles.
+inline float lane_max_abs(thread const simdgroup_float8x8* tiles, uint count) {
+  float largest = 0.0f;
+  for (uint t = 0; t < count; ++t) {
+    largest = max(largest, max(abs(tiles[t].thread_elements()[0]),
+                               abs(tiles[t].thread_elements()[1])));
+  }
+  return largest;
 }
 
 // Step 1: SIMD-group s normalises q and k of its kPreparedPerSimdgroup tokens, loads their
@@ -267,10 +309,10 @@ inline void prepare_sub_chunk(threadgroup GdnSubChunk& sc, device const float* q
       v = row[2 * key_total + head * kValueDim + value_row + lane];
     }
     normalize_qk(q, k);  // zeros stay zeros
-    *reinterpret_cast<threadgroup float4*>(&sc.q[t][kKeyPerLane * lane]) =
-        float4(q[0], q[1], q[2], q[3]);
-    *reinterpret_cast<threadgroup float4*>(&sc.k[t][kKeyPerLane * lane]) =
-        float4(k[0], k[1], k[2], k[3]);
+    *reinterpret_cast<threadgroup half4*>(&sc.q[t][kKeyPerLane * lane]) =
+        half4(float4(q[0], q[1], q[2], q[3]));
+    *reinterpret_cast<threadgroup half4*>(&sc.k[t][kKeyPerLane * lane]) =
+        half4(float4(k[0], k[1], k[2], k[3]));
     sc.v[t][lane] = v;
     if (lane == 0) {
       float log_decay = 0.0f;
@@ -299,7 +341,7 @@ inline void key_products(threadgroup GdnSubChunk& sc, uint job) {
   const uint col = tile;
   simdgroup_float8x8 sum = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   for (uint kb = 0; kb < kKeyTiles; ++kb) {
-    simdgroup_float8x8 left, right;
+    simdgroup_half8x8 left, right;
     load_tile(left, is_gram ? &sc.k[0][0] : &sc.q[0][0], kKeyDim, row, kb);
     load_tile(right, &sc.k[0][0], kKeyDim, col, kb, true);
     simdgroup_multiply_accumulate(sum, left, right, sum);
@@ -308,8 +350,9 @@ inline void key_products(threadgroup GdnSubChunk& sc, uint job) {
   simdgroup_store(sum, out + row * kTile * kSubChunk + col * kTile, kSubChunk);
 }
 
-// Step 3: column `col` of X = (I + M)^-1 diag(beta) by forward substitution, one lane per
-// column: X[i][col] = beta_i ([i == col] - sum_{m < i} e^(Gamma_i - Gamma_m) (k_i.k_m) X[m][col]).
+// Step 3: column `col` of X = (I + M)^-1 diag(beta) by forward substitution in fp32, one lane per
+// column: X[i][col] = beta_i ([i == col] - sum_{m < i} e^(Gamma_i - Gamma_m) (k_i.k_m) X[m][col]);
+// rounded to half only as U's operand.
 inline void solve_column(threadgroup GdnSubChunk& sc, uint col) {
   float x[kSubChunk];
   for (uint i = 0; i < kSubChunk; ++i) {
@@ -318,7 +361,7 @@ inline void solve_column(threadgroup GdnSubChunk& sc, uint col) {
       remembered += exp(sc.gamma[i] - sc.gamma[m]) * sc.gram[i][m] * x[m];
     }
     x[i] = i < col ? 0.0f : sc.beta[i] * ((i == col ? 1.0f : 0.0f) - remembered);
-    sc.solve[i][col] = x[i];
+    sc.solve[i][col] = half(x[i]);
   }
 }
 
@@ -329,10 +372,10 @@ struct GdnChunkParams {
 };
 
 // kValueDim / kChunkRows threadgroups of exactly kChunkSimdgroups * 32 threads per value head,
-// each owning kChunkRows rows of the head's state, held transposed in its SIMD-groups' matrix
-// registers (SIMD-group s: rows 8s..8s+7 of its part, one 8x8 tile per 8 key dims) from the
-// first sub-chunk to the last. Writes the readout S q of every token; the gated RMSNorm, which
-// needs a whole head, is gdn_gated_norm's.
+// each owning kChunkRows rows of the head's state, held transposed in fp32 in its SIMD-groups'
+// matrix registers (SIMD-group s: rows 8s..8s+7 of its part, one 8x8 tile per 8 key dims) from
+// the first sub-chunk to the last. Writes the readout S q of every token; the gated RMSNorm,
+// which needs a whole head, is gdn_gated_norm's.
 [[kernel, max_total_threads_per_threadgroup(kChunkSimdgroups * SIMD_WIDTH)]] void gdn_chunk(
     constant GdnChunkParams& params [[buffer(0)]],
     device const float* qkv [[buffer(1)]],  // conv output [tokens, q Hk*Dk | k Hk*Dk | v Hv*Dv]
@@ -358,6 +401,10 @@ struct GdnChunkParams {
   const uint conv_dim = 2 * key_total + value_total;
   const float a_log_head = a_log[head];
   const bfloat dt_bias_head = dt_bias[head];
+  // This lane's elements of any 8x8 tile: (token or key dim) row frag_row, columns frag_col and
+  // frag_col + 1.
+  const uint frag_row = fragment_row(lane);
+  const uint frag_col = fragment_col(lane);
 
   // S^T of this SIMD-group's 8 rows: tile kb is key dims 8kb.. by the 8 rows.
   device float* rows_state = state + (head * kValueDim + value_row + tile_row) * kKeyDim;
@@ -373,7 +420,7 @@ struct GdnChunkParams {
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // Step 2: the key-side tiles, spread over the SIMD-groups; Gamma; and each SIMD-group's
-    // K S^T and Q S^T for its rows.
+    // K S^T and Q S^T for its rows, in units of s_scale.from_half.
     for (uint job = simd_index; job < 2 * kLowerTiles; job += kChunkSimdgroups) {
       key_products(sc, job);
     }
@@ -382,91 +429,100 @@ struct GdnChunkParams {
       for (uint t = 0; t <= lane; ++t) gamma += sc.log_decay[t];
       sc.gamma[lane] = gamma;
     }
+    const HalfRangeScale s_scale = half_range_scale(lane_max_abs(state_t, kKeyTiles));
     simdgroup_float8x8 ks[kTokenTiles], qs[kTokenTiles];
     for (uint tb = 0; tb < kTokenTiles; ++tb) {
       ks[tb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       qs[tb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     }
     for (uint kb = 0; kb < kKeyTiles; ++kb) {
+      simdgroup_half8x8 s_t;
+      s_t.thread_elements() = half2(state_t[kb].thread_elements() * s_scale.to_half);
       for (uint tb = 0; tb < kTokenTiles; ++tb) {
-        simdgroup_float8x8 k_tile, q_tile;
+        simdgroup_half8x8 k_tile, q_tile;
         load_tile(k_tile, &sc.k[0][0], kKeyDim, tb, kb);
         load_tile(q_tile, &sc.q[0][0], kKeyDim, tb, kb);
-        simdgroup_multiply_accumulate(ks[tb], k_tile, state_t[kb], ks[tb]);
-        simdgroup_multiply_accumulate(qs[tb], q_tile, state_t[kb], qs[tb]);
+        simdgroup_multiply_accumulate(ks[tb], k_tile, s_t, ks[tb]);
+        simdgroup_multiply_accumulate(qs[tb], q_tile, s_t, qs[tb]);
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    // Step 3: X (SIMD-group 0), the decay and causal mask of P (1), the diagonal scalings (2).
+    // Step 3: X (SIMD-group 0), and P, Q K^T with its decay and causal mask (1).
     if (simd_index == 0) {
       if (lane < kSubChunk) solve_column(sc, lane);
     } else if (simd_index == 1) {
       for (uint e = lane; e < kSubChunk * kSubChunk; e += SIMD_WIDTH) {
         const uint i = e / kSubChunk, j = e % kSubChunk;
-        if (j <= i) {
-          sc.qk[i][j] *= exp(sc.gamma[i] - sc.gamma[j]);
-        } else {
-          sc.qk[i][j] = 0.0f;
-        }
-      }
-    } else if (simd_index == 2) {
-      const float gamma_last = sc.gamma[kSubChunk - 1];
-      for (uint e = lane; e < kScalings * kSubChunk * kTile; e += SIMD_WIDTH) {
-        const uint kind = e / (kSubChunk * kTile), t = e / kTile % kSubChunk, c = e % kTile;
-        const float gamma = sc.gamma[t];
-        const float scale = kind == kMinusDecay ? -exp(gamma)
-                            : kind == kDecay    ? exp(gamma)
-                                                : exp(gamma_last - gamma);
-        sc.scaling[kind][t / kTile][t % kTile][c] = c == t % kTile ? scale : 0.0f;
+        sc.p[i][j] = half(j <= i ? sc.qk[i][j] * exp(sc.gamma[i] - sc.gamma[j]) : 0.0f);
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // Step 4, per SIMD-group on its 8 rows: R = V - diag(e^Gamma) K S^T, U = X R, the readout O,
-    // then the state.
-    simdgroup_float8x8 residual[kTokenTiles], u[kTokenTiles];
+    // then the state. The diagonal scalings act on this lane's elements: row frag_row of token
+    // tile tb is token t_row[tb].
+    float decay[kTokenTiles];  // e^Gamma of this lane's tokens
+    uint t_row[kTokenTiles];
     for (uint tb = 0; tb < kTokenTiles; ++tb) {
-      simdgroup_float8x8 v_tile, minus_decay;
-      load_tile(v_tile, &sc.v[0][0], kChunkRows, tb, simd_index);
-      load_tile(minus_decay, &sc.scaling[kMinusDecay][tb][0][0], kTile, 0, 0);
-      simdgroup_multiply_accumulate(residual[tb], minus_decay, ks[tb], v_tile);
+      t_row[tb] = tb * kTile + frag_row;
+      decay[tb] = exp(sc.gamma[t_row[tb]]);
     }
+    simdgroup_float8x8 residual[kTokenTiles];
+    for (uint tb = 0; tb < kTokenTiles; ++tb) {
+      const float remembered = decay[tb] * s_scale.from_half;
+      for (uint i = 0; i < 2; ++i) {
+        residual[tb].thread_elements()[i] = sc.v[t_row[tb]][tile_row + frag_col + i] -
+                                            remembered * ks[tb].thread_elements()[i];
+      }
+    }
+    const HalfRangeScale r_scale = half_range_scale(lane_max_abs(residual, kTokenTiles));
+    simdgroup_half8x8 residual_h[kTokenTiles];
+    for (uint tb = 0; tb < kTokenTiles; ++tb) {
+      residual_h[tb].thread_elements() = half2(residual[tb].thread_elements() * r_scale.to_half);
+    }
+    // U in units of r_scale.from_half.
+    simdgroup_float8x8 u[kTokenTiles];
     for (uint tb = 0; tb < kTokenTiles; ++tb) {
       u[tb] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       for (uint from = 0; from <= tb; ++from) {
-        simdgroup_float8x8 x_tile;
+        simdgroup_half8x8 x_tile;
         load_tile(x_tile, &sc.solve[0][0], kSubChunk, tb, from);
-        simdgroup_multiply_accumulate(u[tb], x_tile, residual[from], u[tb]);
+        simdgroup_multiply_accumulate(u[tb], x_tile, residual_h[from], u[tb]);
       }
     }
+    // U, and diag(e^(Gamma_last - Gamma)) U for the state, in units of u_from_half.
+    const HalfRangeScale u_scale = half_range_scale(lane_max_abs(u, kTokenTiles));
+    const float u_from_half = r_scale.from_half * u_scale.from_half;
+    const float gamma_last = sc.gamma[kSubChunk - 1];
+    simdgroup_half8x8 u_h[kTokenTiles], u_to_end_h[kTokenTiles];
     for (uint tb = 0; tb < kTokenTiles; ++tb) {
-      simdgroup_float8x8 decay, o;
-      load_tile(decay, &sc.scaling[kDecay][tb][0][0], kTile, 0, 0);
-      simdgroup_multiply(o, decay, qs[tb]);
+      const float2 scaled = u[tb].thread_elements() * u_scale.to_half;
+      u_h[tb].thread_elements() = half2(scaled);
+      u_to_end_h[tb].thread_elements() =
+          half2(scaled * exp(gamma_last - sc.gamma[t_row[tb]]));
+    }
+    for (uint tb = 0; tb < kTokenTiles; ++tb) {
+      simdgroup_float8x8 pu = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       for (uint from = 0; from <= tb; ++from) {
-        simdgroup_float8x8 p_tile;
-        load_tile(p_tile, &sc.qk[0][0], kSubChunk, tb, from);
-        simdgroup_multiply_accumulate(o, p_tile, u[from], o);
+        simdgroup_half8x8 p_tile;
+        load_tile(p_tile, &sc.p[0][0], kSubChunk, tb, from);
+        simdgroup_multiply_accumulate(pu, p_tile, u_h[from], pu);
       }
+      simdgroup_float8x8 o;
+      o.thread_elements() = qs[tb].thread_elements() * (decay[tb] * s_scale.from_half) +
+                            pu.thread_elements() * u_from_half;
       simdgroup_store(o, &sc.readout[tb * kTile][tile_row], kChunkRows);
     }
-    const simdgroup_float8x8 decay_all(exp(sc.gamma[kSubChunk - 1]));
-    simdgroup_float8x8 u_to_end[kTokenTiles];
-    for (uint tb = 0; tb < kTokenTiles; ++tb) {
-      simdgroup_float8x8 to_end;
-      load_tile(to_end, &sc.scaling[kDecayToEnd][tb][0][0], kTile, 0, 0);
-      simdgroup_multiply(u_to_end[tb], to_end, u[tb]);
-    }
-    // In place: a product reads its operands before it writes (and the sim then computes the
-    // SIMD-group's queue once, not once per tile).
     for (uint kb = 0; kb < kKeyTiles; ++kb) {
-      simdgroup_multiply(state_t[kb], state_t[kb], decay_all);
+      simdgroup_float8x8 update = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
       for (uint tb = 0; tb < kTokenTiles; ++tb) {
-        simdgroup_float8x8 k_t;
+        simdgroup_half8x8 k_t;
         load_tile(k_t, &sc.k[0][0], kKeyDim, tb, kb, true);
-        simdgroup_multiply_accumulate(state_t[kb], k_t, u_to_end[tb], state_t[kb]);
+        simdgroup_multiply_accumulate(update, k_t, u_to_end_h[tb], update);
       }
+      state_t[kb].thread_elements() = state_t[kb].thread_elements() * exp(gamma_last) +
+                                      update.thread_elements() * u_from_half;
     }
     // The readout rows of real tokens, this SIMD-group's 8 columns of them.
     simdgroup_barrier(mem_flags::mem_threadgroup);

@@ -14,7 +14,7 @@ import pytest
 from kernel_testing import LANE_ORDERS, sim_device
 
 from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
-from lily.device import Graph
+from lily.device import Graph, MatrixProducts
 from lily.engine import reference
 from lily.kernels.attention import (
     HEAD_DIM,
@@ -26,6 +26,7 @@ from lily.kernels.attention import (
     record_attention_combine,
     record_attention_decode,
     record_attention_prepare,
+    row_bytes,
 )
 
 EPS = 1e-6
@@ -259,6 +260,14 @@ class DecodeCase:
 # 8 positions in turn, merged per split and then across splits), which the bound does not depend
 # on.
 DECODE_RTOL, DECODE_ATOL = 1e-4, 1e-5
+
+# The chunk kernel's operands are 2-byte (metal/attention.metal): Q rounded to half, K exact in
+# it, the softmax weights P rounded to bfloat (up to 2^-8 of each), V exact in bfloat. A weight
+# off by 2^-8 of itself moves the output by at most 2^-8 max|v - out| over the keys, ~2^-8 |v|;
+# here (|v| up to ~4.5, outputs up to ~3) the errors measured stay under 2.3e-3 absolute, ~2x
+# inside 2^-8 (1 + |out|). A formula error (a missed or extra key, a wrong rescale or head)
+# moves an output by a whole weight times |v|, orders of magnitude more.
+CHUNK_RTOL, CHUNK_ATOL = 2.0**-8, 2.0**-8
 
 
 @pytest.mark.parametrize(
@@ -612,15 +621,63 @@ class ChunkCase:
         (REAL, 64, 100),
         (REAL, 300, 37),
         ((2, 1), 513, 300),
+        # A long context ending one key into a tile (4,097 positions).
+        pytest.param((2, 1), 1000, 3097, marks=pytest.mark.slow),
     ],
 )
 def test_chunk_matches_reference(device, heads: tuple[int, int], tokens: int, position: int):
     case = ChunkCase(heads, tokens, position, seed=tokens + position)
     case.run(device)
-    np.testing.assert_allclose(
-        case.out[:tokens], case.expected(), rtol=DECODE_RTOL, atol=DECODE_ATOL
-    )
+    np.testing.assert_allclose(case.out[:tokens], case.expected(), rtol=CHUNK_RTOL, atol=CHUNK_ATOL)
     assert np.all(np.isnan(case.out[tokens]))
+
+
+def test_chunk_holds_values_past_half_range(device) -> None:
+    """Values of ~1e6 (past half's 65504; bf16 holds them): P V's bfloat operands take them
+    exactly, and the output scales with them within the chunk's bound."""
+    magnitude = 2.0**20
+    case = ChunkCase(TINY, 7, 13, seed=3)
+    case.v_cache = _bf16(_f64(case.v_cache) * magnitude)
+    case.run(device)
+    np.testing.assert_allclose(
+        case.out[:7] / magnitude, case.expected() / magnitude, rtol=CHUNK_RTOL, atol=CHUNK_ATOL
+    )
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
+def test_chunk_products_take_2_byte_operands(kv_cache: str) -> None:
+    """S = Q K^T takes half operands, P V bfloat ones (half for an int8 cache): per threadgroup
+    (4 SIMD-groups) and tile of 16 keys, each SIMD-group multiplies 2 x 32 fragments for each.
+    7 tokens of 2 query heads per kv head are 14 rows, one threadgroup per kv head; at position
+    13 they see 20 positions, 2 tiles."""
+    device = sim_device("forward")
+    num_q, num_kv, tokens, position = 4, 2, 7, 13
+    capacity = position + tokens
+    cache = np.zeros((num_kv, capacity, row_bytes(kv_cache)), dtype=np.uint8)
+    graph = Graph()
+    record_attention_chunk(
+        graph,
+        device,
+        queries=device.wrap(np.ones((tokens, num_q, HEAD_DIM), dtype=np.float32)),
+        q_proj=device.wrap(np.ones((tokens, num_q, 2, HEAD_DIM), dtype=np.float32)),
+        k_cache=device.wrap(cache),
+        v_cache=device.wrap(cache.copy()),
+        step=device.wrap(_step_buffer(position)),
+        out=device.wrap(np.zeros((tokens, num_q * HEAD_DIM), dtype=np.float32)),
+        num_q_heads=num_q,
+        num_kv_heads=num_kv,
+        capacity=capacity,
+        tokens=tokens,
+        kv_cache=kv_cache,
+    )
+    device.matrix_products()  # what earlier runs left
+    device.run(graph)
+    per_kernel = num_kv * 2 * 4 * 2 * 32
+    expected = {
+        "bf16": {"attention_chunk": MatrixProducts(half=per_kernel, bfloat=per_kernel)},
+        "int8": {"attention_chunk_int8": MatrixProducts(half=2 * per_kernel)},
+    }
+    assert device.matrix_products() == expected[kv_cache]
 
 
 @pytest.mark.parametrize(("heads", "tokens", "position"), [(REAL, 7, 20), (TINY, 40, 9)])
@@ -628,7 +685,7 @@ def test_chunk_equals_decode_steps(
     device, heads: tuple[int, int], tokens: int, position: int
 ) -> None:
     """prepare + chunk over T tokens leaves the same cache as T replays of the decode graph
-    (prepare, decode, combine per token) and the same outputs within fp32 rounding."""
+    (prepare, decode, combine per token) and the same outputs within the chunk's bound."""
     num_q, num_kv = heads
     capacity = position + tokens + 2
     num_splits = decode_splits(capacity)
@@ -724,7 +781,7 @@ def test_chunk_equals_decode_steps(
         # Same prepare code per token: the same bits.
         np.testing.assert_array_equal(chunk["queries"][t], one["queries"])
         np.testing.assert_allclose(
-            chunk["out"][t], one["out"].reshape(-1), rtol=DECODE_RTOL, atol=DECODE_ATOL
+            chunk["out"][t], one["out"].reshape(-1), rtol=CHUNK_RTOL, atol=CHUNK_ATOL
         )
     np.testing.assert_array_equal(chunk["k_cache"], one["k_cache"])
     np.testing.assert_array_equal(chunk["v_cache"], one["v_cache"])

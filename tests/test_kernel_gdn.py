@@ -15,7 +15,7 @@ import pytest
 from kernel_testing import LANE_ORDERS, assert_within_ulps, sim_device
 
 from lily.checkpoint.quant import float32_to_bf16
-from lily.device import Graph
+from lily.device import Graph, MatrixProducts
 from lily.diagnostics.kernel_checks import (
     GDN_CHUNK_OUT_TOLERANCE,
     GDN_CHUNK_READOUT_TOLERANCE,
@@ -340,6 +340,43 @@ def test_chunkwise_reference_equals_the_recurrence(tokens: int) -> None:
     chunk_readout, chunk_state = case.expected_chunkwise()
     np.testing.assert_allclose(chunk_readout, readout, rtol=1e-12, atol=1e-14)
     np.testing.assert_allclose(chunk_state, state, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("magnitude", [2.0**20, 2.0**-20], ids=["past-half", "under-half"])
+def test_chunk_holds_states_and_values_past_half_range(device, magnitude: float) -> None:
+    """The state and the values scaled by 2^20 (entries up to ~3e5, past half's 65504) or 2^-20
+    (~1e-6, half subnormals): the recurrence is linear in them together, so the readouts and
+    the state scale alike, and the power-of-two scales that bring S, R and U into half's range
+    keep the chunk's bounds relative to them."""
+    case = GdnChunkCase(2, 4, 37, seed=37)
+    value_start = 2 * case.num_key_heads * KEY_HEAD_DIM
+    case.qkv[:, value_start:] *= magnitude
+    case.initial_state *= magnitude
+    readout, state = case.run_chunk(device, norm=False)
+
+    expected_readout, _, expected_state = case.expected()
+    np.testing.assert_allclose(
+        state / magnitude, expected_state / magnitude, *GDN_CHUNK_STATE_TOLERANCE
+    )
+    np.testing.assert_allclose(
+        readout / magnitude, expected_readout / magnitude, *GDN_CHUNK_READOUT_TOLERANCE
+    )
+
+
+def test_chunk_products_take_half_operands() -> None:
+    """Every product of the chunk has half operands: per threadgroup and sub-chunk of 16 tokens,
+    the 3 lower-triangle tiles of K K^T and of Q K^T over 16 key tiles, and per SIMD-group (4)
+    K S^T and Q S^T (2 token tiles x 16 key tiles each), U = X R and P U (3 tiles each) and the
+    state's K^T U (16 key tiles x 2 token tiles)."""
+    device = sim_device("forward")
+    case = GdnChunkCase(2, 4, 17, seed=1)
+    device.matrix_products()  # what earlier runs left
+    case.run_chunk(device, norm=False)
+    per_sub_chunk = 2 * 3 * 16 + 4 * (2 * 2 * 16 + 3 + 3 + 16 * 2)
+    threadgroups, sub_chunks = 4 * 4, 2
+    assert device.matrix_products() == {
+        "gdn_chunk": MatrixProducts(half=threadgroups * sub_chunks * per_sub_chunk)
+    }
 
 
 def test_chunk_at_model_size(device) -> None:

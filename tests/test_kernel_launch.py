@@ -70,17 +70,7 @@ EXACT_THREADS = {
         for bits in (4, 8)
         for tile in quantized_gemm.TILE_TOKENS
     },
-    # The 2-byte operand variants exist at 4 bits (docs/benchmarks.md, operand types).
-    **{
-        f"qgemm_{operand}{kind}_4": quantized_gemm.THREADS_PER_THREADGROUP
-        for operand in ("bfloat", "half")
-        for kind in ("_grouped", "_grouped_swiglu")
-    },
-    **{
-        f"qgemm_{operand}_4_{tile}": quantized_gemm.THREADS_PER_THREADGROUP
-        for operand in ("bfloat", "half")
-        for tile in quantized_gemm.TILE_TOKENS
-    },
+    "qgemm_row_exponents": quantized_gemm.ROW_EXPONENT_THREADS,
 }
 
 

@@ -3,6 +3,8 @@ float64 numpy, and against decode's one-token block (`record_moe`) row by row.
 
 - the sort must equal numpy's stable argsort of the expert ids exactly, including experts no
   token chose and one expert every token chose;
+- the GEMMs multiply half operands (`chunk_gemm_error`), the down projections under the range
+  guard, so a hidden state past half's 65504 comes out right;
 - SwiGLU: exp, a division and two multiplies, within 8 ulps of |silu(g) u|;
 - combine: top_k + 1 products added in order, each within (top_k + 2) ulps of the sum of the
   terms' magnitudes, plus 4 ulps of the shared term for the sigmoid.
@@ -248,7 +250,15 @@ class Float64Weight:
 
 
 def chunk_gemm_error(m: Float64Weight, x_abs: np.ndarray) -> np.ndarray:
-    return (m.dense.shape[1] + 2) * FLOAT32_EPS * (x_abs @ np.abs(m.dense).T)
+    """The chunk's GEMMs multiply half operands: x and each dequantized weight round to half
+    (2^-11 relative while normal; 2^-25 absolute below half's smallest normal, for x in units
+    of its row's largest under the range guard, generously 2^-24 (1 + largest)), then fp32
+    sums of in_dim products."""
+    dense_abs = np.abs(m.dense)
+    relative = (2.0**-10 + 2.0**-21 + (m.dense.shape[1] + 2) * FLOAT32_EPS) * (x_abs @ dense_abs.T)
+    largest = x_abs.max(axis=1, keepdims=True)
+    subnormal = 2.0**-24 * (x_abs.sum(axis=1, keepdims=True) + (1 + largest) * dense_abs.sum(1))
+    return relative + subnormal
 
 
 def decode_gemv_error(m: Float64Weight, x_abs: np.ndarray) -> np.ndarray:
@@ -271,13 +281,26 @@ def reference_expert(gate, up, down, x: np.ndarray, gemm_error):
     return h @ down.dense.T, dy
 
 
-def reference_block(w: dict[str, Float64Weight], dims: Dims, x: np.ndarray, gemm_error):
-    """(out, error bound, expert ids) of the MoE block over the rows of x, in float64."""
+def reference_block(
+    w: dict[str, Float64Weight], dims: Dims, x: np.ndarray, gemm_error, device_ids=None
+):
+    """(out, error bound, expert ids) of the MoE block over the rows of x, in float64. With
+    `device_ids` (the routing the kernels chose), a token whose choice differs from float64's
+    must be a near-tie (each expert chosen within twice the logit error bound of the top_k-th
+    float64 logit), and its block is then the float64 block of the device's choice."""
     eps = FLOAT32_EPS
-    ids, weights = reference.moe_route(x @ w["router"].dense.T, dims.top_k, True)
+    logits = x @ w["router"].dense.T
+    ids, weights = reference.moe_route(logits, dims.top_k, True)
     # A logit error d moves a renormalised weight by at most w (d_k + max_j d_j); the routing
     # kernel's own rounding is within 16 + experts / 8 ulps (test_kernel_moe.py).
     logit_error = gemm_error(w["router"], np.abs(x)).max(axis=1)
+    if device_ids is not None:
+        kth = np.sort(logits, axis=1)[:, -dims.top_k]
+        chosen = np.take_along_axis(logits, device_ids.astype(np.int64), axis=1)
+        assert np.all(chosen >= (kth - 2 * logit_error)[:, None]), "a choice beyond a near-tie"
+        ids = device_ids.astype(np.int64)
+        shifted = np.exp(chosen - chosen.max(axis=1, keepdims=True))
+        weights = shifted / shifted.sum(axis=1, keepdims=True)
     weight_error = weights * (2 * logit_error + (16 + dims.experts / 8) * eps)[:, None]
     out = np.zeros_like(x)
     bound = np.zeros_like(x)
@@ -398,13 +421,13 @@ def test_moe_chunk(lane_order, dims, tokens, hot_expert):
 
     x64 = x.astype(np.float64)
     exact = float64_layer(dims, hot_expert)
-    expected, bound, ids = reference_block(exact, dims, x64, chunk_gemm_error)
+    n = tokens * dims.top_k
+    # The device routes as the float64 model but for near-ties (half operands round the
+    # router's logits), and sorts its routing exactly as numpy.
+    device_ids = uint32s(scratch.expert_ids, n).reshape(tokens, dims.top_k)
+    expected, bound, ids = reference_block(exact, dims, x64, chunk_gemm_error, device_ids)
     if hot_expert is not None:
         assert np.all(np.any(ids == hot_expert, axis=1))
-    # The device routes exactly as the float64 model (no near-ties in these logits) and sorts
-    # exactly as numpy.
-    n = tokens * dims.top_k
-    np.testing.assert_array_equal(uint32s(scratch.expert_ids, n).reshape(ids.shape), ids)
     sorted_on_device = (
         uint32s(scratch.expert_offsets, dims.experts + 1),
         uint32s(scratch.row_index, n),
@@ -417,8 +440,36 @@ def test_moe_chunk(lane_order, dims, tokens, hot_expert):
     # Rows are independent: at most 300 of them, evenly spread, keep decode's token loop short.
     rows = slice(None, None, -(-tokens // 300))
     decoded = run_decode_per_token(device, dims, weights, x[rows])
-    _, decode_bound, _ = reference_block(exact, dims, x64[rows], decode_gemv_error)
+    _, decode_bound, _ = reference_block(
+        exact, dims, x64[rows], decode_gemv_error, device_ids[rows]
+    )
     assert_within(out[rows], decoded.astype(np.float64), bound[rows] + decode_bound)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_moe_chunk_hidden_state_past_half(lane_order):
+    """Inputs scaled so that the SwiGLU hidden states (which the down projections read) reach
+    past 1e6, far past half's 65504: the range guard keeps every output finite and within the
+    half-operand bound of the float64 block (unguarded, those rows would be inf or NaN)."""
+    device = sim_device(lane_order)
+    dims, tokens = TINY, 64
+    w = layer_weights(dims, None)
+    weights = MoeWeights(**{name: wrap_quant_weight(device, *t) for name, t in w.items()})
+    x = np.random.default_rng(23).normal(0, 1, (tokens, dims.hidden)).astype(np.float32)
+    x[::5] *= 3000.0  # every fifth token
+    out, scratch = run_chunk(device, dims, weights, x)
+    exact = float64_layer(dims, None)
+    n = tokens * dims.top_k
+    device_ids = uint32s(scratch.expert_ids, n).reshape(tokens, dims.top_k)
+    expected, bound, _ = reference_block(
+        exact, dims, x.astype(np.float64), chunk_gemm_error, device_ids
+    )
+    hidden = as_float32(scratch.expert_hidden, n * dims.expert_rows)
+    assert np.abs(hidden).max() > 1e6
+    shared = as_float32(scratch.shared_hidden, tokens * dims.shared_rows)
+    assert np.abs(shared).max() > 1e6
+    assert np.all(np.isfinite(out))
+    assert_within(out, expected, bound)
 
 
 def test_moe_chunk_dispatches_levels_and_scratch():
@@ -435,7 +486,7 @@ def test_moe_chunk_dispatches_levels_and_scratch():
     x, out = float_buffer(device, 40 * d.hidden), float_buffer(device, 40 * d.hidden)
     graph = Graph()
     record_moe_chunk(graph, device, x, weights, d.top_k, scratch, out, 40)
-    assert (graph.dispatch_count, graph.barrier_count + 1) == (9, 6)
+    assert (graph.dispatch_count, graph.barrier_count + 1) == (11, 7)
     with pytest.raises(ValueError, match="scratch holds"):
         record_moe_chunk(Graph(), device, x, weights, d.top_k, scratch, out, 41)
     with pytest.raises(ValueError, match="differ from the scratch"):

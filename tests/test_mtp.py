@@ -43,8 +43,12 @@ MAX_SEQ = 256
 # The prompt (43 tokens) is cut into chunks of 16: drafting starts after three chunks.
 MAX_CHUNK = 16
 # The head's logits against the float64 reference (the engine's KV caches hold bf16, as the
-# reference's do with bf16_kv_cache); observed about 1e-4.
-LOGIT_TOLERANCE = 2e-3
+# reference's do with bf16_kv_cache). The prompt's chunk and the head's pass over its rows run
+# the chunk kernels, whose 2-byte operands (the GEMMs' half, attention's bfloat P, the GDN
+# chunk's half) hold prefill to the engine tests' 1e-2 of the reference (tests/test_prefill.py);
+# observed up to 4.5e-3 here with the GEMMs' alone, 2.9e-3 with the attention and GDN's alone
+# (about 1e-4 with fp32 operands).
+LOGIT_TOLERANCE = 1e-2
 
 
 def _reference(checkpoint) -> ReferenceModel:

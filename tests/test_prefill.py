@@ -11,17 +11,23 @@ from device_testing import open_test_device
 from tiny_models import tiny_checkpoint
 
 from lily.checkpoint.loader import load_checkpoint
+from lily.engine import reference as reference_model
 from lily.engine.engine import DeviceEngine, ReferenceEngine
 from lily.engine.model_graph import layer_flops
 
 MAX_SEQ = 1600
 CONTINUATION = 6
 TOLERANCE = 1e-2
-# GDN state after prefill against the decode path's: the scan kernels' own difference is within
-# 1e-5 (test_kernel_gdn.py); the rest is the drift of every other chunk kernel (GEMMs against
-# GEMVs, in other summation orders) feeding later layers. Measured: 5e-7 in the first GDN layer,
-# up to 1.5e-5 in the seventh (state entries up to ~1.8).
-GDN_STATE_DRIFT = 1e-4
+# Router logits of the float64 model closer than this (top_k-th against the next) are a near-tie
+# for the chunks' half-operand GEMMs (measured: a 4e-4 margin swapped an expert).
+ROUTING_MARGIN = 1e-3
+# GDN state after prefill against the decode path's: gdn_chunk's half operands put its state
+# about 2^-11 of its entries from float64 (test_kernel_gdn.py), and every layer feeds its
+# rounding, and the other chunk kernels' (the GEMMs' half operands, attention's 2-byte ones), to
+# the later ones. Measured with the GDN and attention's half operands alone: up to 9.4e-4 in the
+# first GDN layer and 1.6e-3 in the last (state entries up to ~1.8); with the GEMMs' alone 4.4e-4;
+# with fp32 operands 1.5e-5.
+GDN_STATE_DRIFT = 2.0**-8
 
 
 def _prompt(vocab_size: int, length: int, seed: int) -> list[int]:
@@ -75,13 +81,40 @@ def test_prefill_matches_the_reference(checkpoint, reference, length, max_chunk)
     assert _greedy(engine, prompt, CONTINUATION)[:horizon] == expected[:horizon]
 
 
-def test_prefill_then_decode_equals_decode_alone(checkpoint):
-    """max_chunk 1 feeds the prompt through the decode graph, a token per pass."""
-    prompt = _prompt(checkpoint.config.vocab_size, 45, seed=11)
+def _smallest_routing_margin(checkpoint, prompt, monkeypatch) -> float:
+    """The smallest gap, over the prompt's tokens and MoE layers in the float64 model, between
+    a token's top_k-th router logit and the next."""
+    margins = []
+    route = reference_model.moe_route
+
+    def measured(logits, top_k, normalize):
+        ordered = np.sort(logits, axis=-1)
+        margins.append(np.min(ordered[..., -top_k] - ordered[..., -top_k - 1]))
+        return route(logits, top_k, normalize)
+
+    monkeypatch.setattr(reference_model, "moe_route", measured)
+    model = reference_model.ReferenceModel(checkpoint.config, checkpoint.tensors)
+    model.prefill(prompt)
+    monkeypatch.undo()
+    return min(margins)
+
+
+def test_prefill_then_decode_equals_decode_alone(checkpoint, monkeypatch):
+    """max_chunk 1 feeds the prompt through the decode graph, a token per pass (fp32 GEMVs);
+    the chunks' GEMMs multiply half operands, so the two agree as prefill and the reference do
+    (TOLERANCE). The prompt is the first seeded one whose expert choices have no near-tie
+    (ROUTING_MARGIN): below it the half operands' logit error may swap a token's k-th expert
+    for the next, either choice right, which moves the last logits by up to 5e-2 here."""
+    for seed in range(11, 31):
+        prompt = _prompt(checkpoint.config.vocab_size, 45, seed)
+        if _smallest_routing_margin(checkpoint, prompt, monkeypatch) > ROUTING_MARGIN:
+            break
+    else:
+        pytest.fail("no seeded prompt without a routing near-tie")
     stepwise = _device_engine(checkpoint, 1)
     chunked = _device_engine(checkpoint, 16)
     worst = np.abs(chunked.prompt_logits(prompt) - stepwise.prompt_logits(prompt)).max()
-    assert worst < 1e-3, f"largest logit difference {worst:.2e}"
+    assert worst < TOLERANCE, f"largest logit difference {worst:.2e}"
     tokens = _greedy(chunked, prompt, 12)
     assert tokens == _greedy(stepwise, prompt, 12)
     # Decoding after the chunks continues the same sequence: teacher-forcing it token by token

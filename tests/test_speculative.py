@@ -289,11 +289,13 @@ def test_a_rejection_restores_the_recurrent_state_and_then_matches_plain_decodin
     assert len(caught_up) >= 3
     for length, state in caught_up:
         # Consumed every token before the newest, like plain decoding when it yielded it; the
-        # chunk kernels sum in another order than the decode step's.
+        # chunk kernels sum in another order than the decode step's, and gdn_chunk's half
+        # operands put its state about 2^-11 of the largest entry from it (measured up to 2e-4
+        # of it here; tests/test_prefill.py's GDN_STATE_DRIFT).
         expected = states[length - len(prompt) - 1]
         for a, b in zip(state, expected, strict=True):
             a, b = a.view(np.float32), b.view(np.float32)
-            assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+            assert np.abs(a - b).max() <= 2.0**-9 * max(1.0, np.abs(b).max())
 
 
 def test_prompt_lookup_and_a_prediction_give_plain_decoding(engine, plain):
@@ -478,13 +480,16 @@ def test_sampled_output_with_drafts_is_reproducible_for_a_seed(engine, plain):
 
 
 def test_the_verify_rows_are_the_plain_logits(engine, plain):
-    """Row i of a verify pass is what plain decoding predicts after the draft's first i tokens
-    (within the chunk kernels' rounding)."""
+    """Row i of a verify pass is what plain decoding predicts after the draft's first i + 1
+    tokens (within the chunk kernels' rounding): the prompt prefilled as plain decoding
+    prefills it (a chunk whose GEMMs take half operands), then the tokens after it. (Fed token
+    by token through the decode step instead, the prompt's state may route a near-tied token to
+    the other expert, which moved a row by 0.13 on `wide`.)"""
     prompt, answer, _, _ = plain
     drafter = _Scripted(engine, prompt, answer, right=4, k=4)
     list(engine.generate(prompt, 6, drafter=drafter))
-    rows = engine._model.verify_logits_view(5)
-    reference = engine.teacher_forced_logits(prompt + answer[:5])[len(prompt) : len(prompt) + 5]
+    rows = engine._model.verify_logits_view(5).copy()
+    reference = np.stack([engine.prompt_logits(prompt + answer[: i + 1]) for i in range(5)])
     assert np.abs(rows - reference).max() < 1e-2
 
 

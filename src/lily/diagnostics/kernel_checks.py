@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16, round_to_bf16, unpack_codes
+from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16, unpack_codes
 from lily.device import Device, Graph
 from lily.engine import reference
 
@@ -70,12 +70,22 @@ def qgemv_ulps(in_dim: int, bits: int) -> float:
     return chunk + 3 + in_dim / (32 * chunk) + 31
 
 
-# How the 2-byte GEMM operands round float32 values (to nearest, ties to even).
-_OPERAND_ROUNDING = {
-    "float32": lambda a: a,
-    "bfloat16": round_to_bf16,
-    "float16": lambda a: a.astype(np.float16),
-}
+# The quantized GEMMs' range guard (metal/quantized_gemm.h): a row's largest |x| times 2^-e lies
+# in [2^8, 2^9), |e| <= 64.
+_ROW_TOP = 8
+_ROW_EXPONENT_LIMIT = 64
+
+
+def reference_row_exponents(x: np.ndarray) -> np.ndarray:
+    """The range guard's exponent of each row of float32 x [rows, in_dim] (int32 [rows]), as
+    qgemm_row_exponents finds it: from the row's largest |x| ignoring NaNs (as max does), 0
+    when that is 0, an fp32 subnormal or inf."""
+    largest = np.fmax.reduce(np.abs(np.asarray(x, dtype=np.float32)), axis=-1, initial=0.0)
+    finite_normal = np.isfinite(largest) & (largest >= np.finfo(np.float32).tiny)
+    # largest = f 2^binary with f in [0.5, 1)
+    _, binary = np.frexp(np.where(finite_normal, largest, 1.0))
+    exponents = np.clip(binary - 1 - _ROW_TOP, -_ROW_EXPONENT_LIMIT, _ROW_EXPONENT_LIMIT)
+    return np.where(finite_normal, exponents, 0).astype(np.int32)
 
 
 def reference_qgemm(
@@ -84,17 +94,22 @@ def reference_qgemm(
     biases: np.ndarray,
     bits: int,
     x: np.ndarray,
-    operands: str = "float32",
+    exponents: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """x W^T in float64 ([..., rows] for x [..., in_dim]) and the magnitude the GEMMs' fp32 sums'
-    rounding scales with, |x| |W|^T. With `operands` "bfloat16" or "float16", the operands are
-    rounded as those GEMMs round them: x to that type, each weight dequantized by one fma in fp32
-    (scale * code + bias, rounded once) and then to that type. Rows are done in blocks so that
-    the largest projection never needs a whole dense float64 copy."""
-    rounded = _OPERAND_ROUNDING[operands]
-    if operands != "float32":
-        x = rounded(np.asarray(x, dtype=np.float32))
-    x = np.asarray(x, dtype=np.float64)
+    """x W^T in float64 ([..., rows] for x [..., in_dim]) with the operands rounded as the GEMMs
+    round them, and the magnitude their fp32 sums' rounding scales with, |x| |W|^T: each weight
+    dequantized by one fma in fp32 (scale * code + bias, rounded once) and then to half; x to
+    half, row r first scaled by 2^-exponents[r] and its outputs by 2^exponents[r] when the
+    range guard's exponents are given. Rows are done in blocks so that the largest projection
+    never needs a whole dense float64 copy."""
+    x = np.asarray(x, dtype=np.float32)
+    if exponents is None:
+        scale = np.ones((*x.shape[:-1], 1))
+    else:
+        scale = np.ldexp(1.0, np.asarray(exponents, dtype=np.int64))[..., None]
+    # x * 2^-e is exact in float32 (|e| <= 64: no overflow; an underflow rounds to half's 0
+    # either way), then one rounding to half.
+    x = (x / scale).astype(np.float32).astype(np.float16).astype(np.float64)
     rows = weight.shape[0]
     y = np.empty((*x.shape[:-1], rows))
     magnitude = np.empty_like(y)
@@ -103,22 +118,19 @@ def reference_qgemm(
         codes = unpack_codes(weight[block], bits).astype(np.float64)
         s = np.repeat(bf16_to_float32(scales[block]).astype(np.float64), 64, axis=-1)
         b = np.repeat(bf16_to_float32(biases[block]).astype(np.float64), 64, axis=-1)
-        w = s * codes + b
-        if operands != "float32":
-            # scale * code + bias is exact in float64 (a bf16 times an 8-bit code, plus a bf16):
-            # the fma's one rounding is the float32 cast.
-            w = rounded(w.astype(np.float32)).astype(np.float64)
-        y[..., block] = x @ w.T
-        magnitude[..., block] = np.abs(x) @ np.abs(w).T
+        # scale * code + bias is exact in float64 (a bf16 times an 8-bit code, plus a bf16): the
+        # fma's one rounding is the float32 cast.
+        w = (s * codes + b).astype(np.float32).astype(np.float16).astype(np.float64)
+        y[..., block] = scale * (x @ w.T)
+        magnitude[..., block] = scale * (np.abs(x) @ np.abs(w).T)
     return y, magnitude
 
 
 def qgemm_ulps(in_dim: int) -> float:
     """The quantized GEMMs' error bound in float32 ulps of their magnitude, against the
-    reference that rounds the operands as they do: fp32 weights are dequantized with one
-    rounding (2-byte ones are rounded in the reference), each product rounds once (products of
-    bfloat or half operands are exact), and each output sums in_dim of them (in_dim roundings at
-    most, in any order)."""
+    reference that rounds the operands as they do (`reference_qgemm`): products of half
+    operands are exact in fp32, the range guard's powers of two are exact, and each output sums
+    in_dim products (in_dim roundings at most, in any order), with a few ulps to spare."""
     return in_dim + 8
 
 
@@ -197,13 +209,17 @@ def reference_gdn_token(
     return reference_gated_norm(o, z, norm_weight, eps), new_state
 
 
-# gdn_chunk (then gdn_gated_norm) against the float64 recurrence, as (rtol, atol): the step's
-# bounds. The chunkwise algorithm sums in another order than the step (products of 8x8 tiles, a
-# triangular solve per 16 tokens); on the sim its errors stay near 1.5e-7 in the state (entries
-# up to ~1) and 3e-8 in the readouts (up to ~0.1) from 1 to 4,097 tokens, ~70x inside these.
-GDN_CHUNK_STATE_TOLERANCE = (1e-5, 1e-5)
-GDN_CHUNK_READOUT_TOLERANCE = (1e-5, 2e-7)
-GDN_CHUNK_OUT_TOLERANCE = (1e-4, 2e-5)
+# gdn_chunk (then gdn_gated_norm) against the float64 recurrence, as (rtol, atol). Its products
+# take half operands (metal/gdn.metal): q, k, P and X rounded by up to 2^-11 of themselves, the
+# state, R and U by 2^-11 of their SIMD-group's largest |x|. The state then errs by about 2^-11
+# of its entries whatever the length (the decay forgets older roundings as it forgets the
+# tokens): on the sim, from 1 to 4,097 tokens, under 4.9e-4 for entries up to ~0.8 and under
+# 5.6e-5 in readouts up to ~0.07, ~4x inside the bounds below (fp32 operands erred 1.5e-7 and
+# 3e-8). The gated norm divides a readout by its head's RMS, so its outputs carry that error
+# times |gain * silu(z)| / RMS: under 0.053 for outputs up to ~24 (the 4,097-token chunk).
+GDN_CHUNK_STATE_TOLERANCE = (2.0**-9, 2.0**-9)
+GDN_CHUNK_READOUT_TOLERANCE = (2.0**-9, 2.0**-12)
+GDN_CHUNK_OUT_TOLERANCE = (2.0**-7, 2.0**-3)
 
 
 def reference_gdn_chunkwise(
@@ -995,14 +1011,15 @@ def _random_choices(rng: np.random.Generator, tokens: int, top_k: int, experts: 
 
 
 def _compare_experts(
-    layer, bits: int, x, offsets, row_index, hidden_rows, down_rows, stride: int = 1
+    layer, bits: int, x, offsets, row_index, hidden_rows, exponents, down_rows, stride: int = 1
 ) -> Comparison:
     """The grouped GEMMs over assignments sorted by expert, expert by expert: gate|up with SwiGLU
-    from the rows of x the assignments gather, down from the kernel's own hidden rows. Only every
-    `stride`-th output column is checked (odd, so each tile and lane position still is), which
-    keeps the float64 dequantization of 256 experts short."""
+    from the rows of x the assignments gather, the range guard's exponents of the kernel's own
+    hidden rows (exactly), down from those rows with those exponents. Only every `stride`-th
+    output column is checked (odd, so each tile and lane position still is), which keeps the
+    float64 dequantization of 256 experts short."""
     hidden, expert_rows = x.shape[1], hidden_rows.shape[1]
-    result = Comparison(0.0, 0.0)
+    result = compare(exponents, reference_row_exponents(hidden_rows), 0)
     for e in np.flatnonzero(np.diff(offsets)):
         mine = slice(int(offsets[e]), int(offsets[e + 1]))
 
@@ -1014,7 +1031,9 @@ def _compare_experts(
         up, up_magnitude = reference_qgemm(*expert("expert_up"), bits, gathered)
         expected, bound = swiglu_bound(gate, gate_magnitude, up, up_magnitude, hidden)
         result = result.merge(compare(hidden_rows[mine, ::stride], expected, bound))
-        expected, magnitude = reference_qgemm(*expert("expert_down"), bits, hidden_rows[mine])
+        expected, magnitude = reference_qgemm(
+            *expert("expert_down"), bits, hidden_rows[mine], exponents[mine]
+        )
         result = result.merge(
             compare_ulps(down_rows[mine, ::stride], expected, magnitude, qgemm_ulps(expert_rows))
         )
@@ -1025,10 +1044,10 @@ def _qgemm_grouped(
     tokens: int, experts: int, top_k: int, hidden: int, expert_rows: int, bits: int, stride: int = 1
 ):
     """The routed experts of a chunk as the MoE block runs them: gate|up with SwiGLU over the
-    tokens gathered in expert order, a barrier, then down over the sorted hidden rows; every
-    `stride`-th output column checked."""
+    tokens gathered in expert order, the range guard's exponents of the sorted hidden rows, then
+    down over those rows; every `stride`-th output column checked."""
     from lily.kernels.quant_weight import wrap_quant_weight
-    from lily.kernels.quantized_gemm import record_qgemm_grouped
+    from lily.kernels.quantized_gemm import record_qgemm_grouped, record_qgemm_row_exponents
 
     def prepare(device: Device, rng: np.random.Generator) -> Trial:
         layer = {
@@ -1041,6 +1060,7 @@ def _qgemm_grouped(
         offsets, row_index, _ = reference_sort(choices, experts)
         assignments = tokens * top_k
         expert_hidden = floats(device, assignments * expert_rows)
+        exponents = device.alloc(4 * assignments)  # int32
         out = floats(device, assignments * hidden)
         w = {name: wrap_quant_weight(device, *t) for name, t in layer.items()}
         offsets_buffer = device.wrap(offsets.astype(np.uint32))
@@ -1056,8 +1076,20 @@ def _qgemm_grouped(
             assignments,
         )
         graph.barrier()
+        record_qgemm_row_exponents(
+            graph, device, expert_hidden, assignments, expert_rows, exponents
+        )
+        graph.barrier()
         record_qgemm_grouped(
-            graph, device, expert_hidden, [w["expert_down"]], out, offsets_buffer, None, assignments
+            graph,
+            device,
+            expert_hidden,
+            [w["expert_down"]],
+            out,
+            offsets_buffer,
+            None,
+            assignments,
+            x_exponents=exponents,
         )
 
         def verify() -> Comparison:
@@ -1070,6 +1102,7 @@ def _qgemm_grouped(
                 offsets,
                 row_index,
                 hidden_rows.reshape(assignments, expert_rows),
+                exponents.numpy()[: 4 * assignments].view(np.int32),
                 down_rows.reshape(assignments, hidden),
                 stride,
             )
@@ -1137,6 +1170,7 @@ def _moe_chunk(tokens: int, hidden: int, experts: int, top_k: int, expert_rows: 
                     offsets,
                     row_index,
                     read(s.expert_hidden, assignments, expert_rows),
+                    read(s.expert_exponents, assignments, dtype=np.int32),
                     down_rows,
                 )
             )
@@ -1145,8 +1179,14 @@ def _moe_chunk(tokens: int, hidden: int, experts: int, top_k: int, expert_rows: 
             expected, bound = swiglu_bound(gate, gate_magnitude, up, up_magnitude, hidden)
             shared_hidden = read(s.shared_hidden, tokens, shared)
             shared_down = read(s.shared_down, tokens, hidden)
-            expected_down, magnitude = reference_qgemm(*layer["shared_down"], 4, shared_hidden)
+            shared_exponents = read(s.shared_exponents, tokens, dtype=np.int32)
+            expected_down, magnitude = reference_qgemm(
+                *layer["shared_down"], 4, shared_hidden, shared_exponents
+            )
             result = result.merge(compare(shared_hidden, expected, bound)).merge(
+                compare(shared_exponents, reference_row_exponents(shared_hidden), 0)
+            )
+            result = result.merge(
                 compare_ulps(shared_down, expected_down, magnitude, qgemm_ulps(shared))
             )
             # The combine of the kernels' own expert outputs: top_k + 1 products added in order.

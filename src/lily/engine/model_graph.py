@@ -67,7 +67,7 @@ from lily.kernels.norm import FoldedNorm, record_add_rms_norm, record_rms_norm
 from lily.kernels.quant_weight import GROUP_SIZE, QuantWeight, wrap_quant_weight
 from lily.kernels.quantized import MAX_TOKENS as GEMV_MAX_TOKENS
 from lily.kernels.quantized import record_qgemv
-from lily.kernels.quantized_gemm import record_qgemm
+from lily.kernels.quantized_gemm import record_qgemm, record_qgemm_row_exponents
 from lily.kernels.sampling import (
     MAX_DRAFTS,
     SAMPLING_PARAMS_BYTES,
@@ -149,7 +149,14 @@ def verify_bytes(c: ModelConfig, token_count: int) -> int:
 
 # Activations only a chunk passes between its dispatches: the decode step folds the norms and
 # residual adds, the GDN's conv and attention's prepare into the kernels around them.
-_CHUNK_ONLY_ACTIVATIONS = ("normed", "mixer_out", "moe_out", "qkv_projected", "queries")
+_CHUNK_ONLY_ACTIVATIONS = (
+    "normed",
+    "mixer_out",
+    "moe_out",
+    "qkv_projected",
+    "queries",
+    "guard_exponents",
+)
 
 
 def _activation_widths(c: ModelConfig, max_chunk: int) -> dict[str, int]:
@@ -174,6 +181,8 @@ def _activation_widths(c: ModelConfig, max_chunk: int) -> dict[str, int]:
         "v": kv_heads * c.head_dim,
         "queries": q_heads * c.head_dim,
         "attn_out": q_heads * c.head_dim,
+        # int32: the range guard's exponent of each row of a mixer output the GEMM reads
+        "guard_exponents": 1,
     }
     if max_chunk == 1:
         for name in _CHUNK_ONLY_ACTIVATIONS:
@@ -210,6 +219,7 @@ class _Scratch:
     v: Buffer
     queries: Buffer | None
     attn_out: Buffer
+    guard_exponents: Buffer | None
     decode_splits: int
 
     def __init__(self, c: ModelConfig, device: Device, max_chunk: int, capacity: int) -> None:
@@ -659,23 +669,35 @@ class _Recorder:
             self.project(self.s.normed, projections, self.tokens)
 
     def project(
-        self, x: BufferRef, projections: Sequence[tuple[QuantWeight, BufferRef]], tokens: int
+        self,
+        x: BufferRef,
+        projections: Sequence[tuple[QuantWeight, BufferRef]],
+        tokens: int,
+        guarded: bool = False,
     ) -> None:
         """Projections of `tokens` rows of x: a GEMV that reads each weight once for all of them
         up to a verify pass's size (bound by reading the weights, as decode is), the GEMM's
-        tiles beyond."""
+        tiles beyond. The GEMM's operands are half: an x that an RMSNorm did not just bound
+        (`guarded`) first gets the range guard's exponent per row, a level of its own."""
         if tokens <= GEMV_MAX_TOKENS:
             record_qgemv(self.g, self.dev, x, projections, tokens=tokens)
+        elif guarded:
+            in_dim = projections[0][0].in_dim
+            exponents = self.s.guard_exponents
+            record_qgemm_row_exponents(self.g, self.dev, x, tokens, in_dim, exponents)
+            self.g.barrier()
+            record_qgemm(self.g, self.dev, x, projections, tokens, x_exponents=exponents)
         else:
             record_qgemm(self.g, self.dev, x, projections, tokens)
 
     def project_into_residual(self, x: BufferRef, weight: QuantWeight) -> None:
         """The mixer's output projection: added to the residual in place at T = 1, written to
-        `mixer_out` for the following add_norm at T > 1."""
+        `mixer_out` for the following add_norm at T > 1. Its input (attention's output, or the
+        GDN's gated by silu(z)) is not bounded in half: the GEMM takes the range guard."""
         if self.folds_norms:
             record_qgemv(self.g, self.dev, x, [(weight, self.s.residual)], accumulate=True)
         else:
-            self.project(x, [(weight, self.s.mixer_out)], self.tokens)
+            self.project(x, [(weight, self.s.mixer_out)], self.tokens, guarded=True)
 
     def record(self) -> Graph:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens

@@ -3,18 +3,22 @@ prefill).
 
 The routed experts run as grouped GEMMs over the T * top_k (token, expert) assignments sorted by
 expert, so each chosen expert's weights are read once for all of its tokens; the shared expert
-runs as dense GEMMs over all T rows. The block is 9 dispatches in 6 barrier levels:
+runs as dense GEMMs over all T rows. The GEMMs multiply half operands; the two down projections
+read a SwiGLU hidden state, which half's range does not bound, so each takes the range guard's
+exponents per row (`record_qgemm_row_exponents`, lily.kernels.quantized_gemm). The block is 11
+dispatches in 7 barrier levels:
 
 1. router + shared-expert gate logits (8-bit GEMM, 2 projections) | shared gate + up (4-bit GEMM);
 2. routing (softmax, top-k, renormalised weights, one row per token) | shared SwiGLU;
-3. counting sort of the assignments by expert | shared down GEMM;
-4. grouped gate|up GEMM of the routed experts, SwiGLU fused;
-5. grouped down GEMM;
-6. combine: out[t] = sum_k w[t, k] down[slot(t, k)] + sigmoid(shared gate logit[t]) shared[t].
+3. counting sort of the assignments by expert | the shared hidden rows' exponents;
+4. grouped gate|up GEMM of the routed experts, SwiGLU fused | shared down GEMM;
+5. the routed hidden rows' exponents;
+6. grouped down GEMM;
+7. combine: out[t] = sum_k w[t, k] down[slot(t, k)] + sigmoid(shared gate logit[t]) shared[t].
 
-The shared expert's chain rides along the routing and the sort, which are small and leave most
-of the GPU idle. `record_moe_chunk` places the barriers between its levels; the caller places the
-one before (x ready) and after (out ready).
+The shared expert's chain rides along the routing, the sort and the gate|up GEMM, which leave
+most of the GPU idle or do not depend on it. `record_moe_chunk` places the barriers between its
+levels; the caller places the one before (x ready) and after (out ready).
 
 Scratch (`moe_chunk_scratch_bytes`) is about 95 KB per token at the real dims (256 experts, top-8,
 expert and shared size 512, hidden 2048), two thirds of it the sorted expert outputs
@@ -28,7 +32,11 @@ from typing import TYPE_CHECKING
 
 from lily.kernels import BufferRef, binding, ceil_div, pack_params, require_aligned, threads_within
 from lily.kernels.moe import MAX_EXPERTS, MoeWeights, record_moe_route
-from lily.kernels.quantized_gemm import record_qgemm, record_qgemm_grouped
+from lily.kernels.quantized_gemm import (
+    record_qgemm,
+    record_qgemm_grouped,
+    record_qgemm_row_exponents,
+)
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -57,9 +65,11 @@ class MoeChunkScratch:
     row_index: BufferRef  # uint32 [A] token of each sorted assignment
     slot_of: BufferRef  # uint32 [max_tokens, top_k] sorted position of each assignment
     expert_hidden: BufferRef  # [A, expert_rows] silu(gate) * up, sorted
+    expert_exponents: BufferRef  # int32 [A] the range guard's exponents of expert_hidden's rows
     expert_down: BufferRef  # [A, hidden] expert outputs, sorted
     shared_hidden: BufferRef  # [max_tokens, shared_rows] gate projection, then SwiGLU in place
     shared_up: BufferRef  # [max_tokens, shared_rows]
+    shared_exponents: BufferRef  # int32 [max_tokens] the guard's exponents of shared_hidden's rows
     shared_down: BufferRef  # [max_tokens, hidden]
 
     @staticmethod
@@ -88,9 +98,11 @@ class MoeChunkScratch:
             row_index=device.alloc(4 * a),
             slot_of=device.alloc(4 * a),
             expert_hidden=device.alloc(4 * a * expert_rows),
+            expert_exponents=device.alloc(4 * a),
             expert_down=device.alloc(4 * a * hidden_size),
             shared_hidden=device.alloc(4 * max_tokens * shared_rows),
             shared_up=device.alloc(4 * max_tokens * shared_rows),
+            shared_exponents=device.alloc(4 * max_tokens),
             shared_down=device.alloc(4 * max_tokens * hidden_size),
         )
 
@@ -99,11 +111,11 @@ def moe_chunk_scratch_bytes(
     experts: int, top_k: int, expert_rows: int, shared_rows: int, hidden_size: int, max_tokens: int
 ) -> int:
     """Bytes `MoeChunkScratch.allocate` takes: 4 * (experts + 1) for the offsets, plus per token
-    4 * (experts + 1 + 4 top_k + top_k (expert_rows + hidden) + 2 shared_rows + hidden)."""
+    4 * (experts + 2 + 5 top_k + top_k (expert_rows + hidden) + 2 shared_rows + hidden)."""
     per_token = (
         experts
-        + 1
-        + 4 * top_k
+        + 2
+        + 5 * top_k
         + top_k * (expert_rows + hidden_size)
         + 2 * shared_rows
         + hidden_size
@@ -207,7 +219,7 @@ def record_moe_chunk(
     tokens: int,
     normalize: bool = True,
 ) -> None:
-    """out [tokens, hidden] = MoE(x [tokens, hidden]) row by row, 9 dispatches in 6 levels with
+    """out [tokens, hidden] = MoE(x [tokens, hidden]) row by row, 11 dispatches in 7 levels with
     barriers between them (the caller places the one before, x ready, and after, out ready)."""
     experts = w.router.rows
     hidden_size = w.expert_down.rows
@@ -249,7 +261,9 @@ def record_moe_chunk(
         s.row_index,
         s.slot_of,
     )
-    record_qgemm(graph, device, s.shared_hidden, [(w.shared_down, s.shared_down)], tokens)
+    record_qgemm_row_exponents(
+        graph, device, s.shared_hidden, tokens, shared_rows, s.shared_exponents
+    )
     graph.barrier()
     record_qgemm_grouped(
         graph,
@@ -261,6 +275,18 @@ def record_moe_chunk(
         s.row_index,
         assignments,
     )
+    record_qgemm(
+        graph,
+        device,
+        s.shared_hidden,
+        [(w.shared_down, s.shared_down)],
+        tokens,
+        x_exponents=s.shared_exponents,
+    )
+    graph.barrier()
+    record_qgemm_row_exponents(
+        graph, device, s.expert_hidden, assignments, w.expert_gate.rows, s.expert_exponents
+    )
     graph.barrier()
     record_qgemm_grouped(
         graph,
@@ -271,6 +297,7 @@ def record_moe_chunk(
         s.expert_offsets,
         None,
         assignments,
+        x_exponents=s.expert_exponents,
     )
     graph.barrier()
     record_moe_combine(

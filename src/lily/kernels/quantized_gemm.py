@@ -3,10 +3,14 @@
 `record_qgemm` multiplies a chunk of tokens by up to four projections that share the input;
 `record_qgemm_grouped` multiplies the MoE assignments of a chunk, sorted by expert, by their
 experts' weights, optionally with the SwiGLU of a gate and an up projection fused. Both read fp32
-activations [rows, in_dim] and write fp32 [rows, out_rows], row-major, and sum in fp32. Their
-operands are fp32 (what the engine runs) or, at 4 bits, `operands="bfloat16"` or `"float16"`:
-activations and dequantized weights rounded to bfloat or half in threadgroup memory
-(metal/quantized_gemm.h says why the engine does not use them yet).
+activations [rows, in_dim] and write fp32 [rows, out_rows], row-major; they multiply half
+operands (activations and dequantized weights rounded to half in threadgroup memory) and sum in
+fp32.
+
+Half ends at 65504. An input that is not bounded below it (not an RMSNorm's output) takes the
+range guard: `record_qgemm_row_exponents` writes a power-of-two exponent e per row (int32), and
+the GEMM given them as `x_exponents` stages row r times 2^-e[r] and multiplies its outputs by
+2^e[r], exactly (metal/quantized_gemm.h says why and how e is chosen).
 
 Tiles are 8, 16, 32 or 64 token rows by 128 weight rows. `dense_tile_tokens` picks the dense
 GEMMs' size from the chunk's length; the grouped GEMM sizes each expert's tiles by its count on
@@ -32,7 +36,12 @@ TILE_TOKENS = (8, 16, 32, 64)
 MAX_TILE_TOKENS = TILE_TOKENS[-1]
 WEIGHT_ROWS_PER_TILE = 128
 THREADS_PER_THREADGROUP = 128
-OPERANDS = ("float32", "bfloat16", "float16")
+# Must match QGEMM_ROW_EXPONENT_THREADS (one SIMD-group per row), QGEMM_ROW_TOP and
+# QGEMM_ROW_EXPONENT_LIMIT in quantized_gemm.h/.metal.
+ROW_EXPONENT_THREADS = 128
+ROWS_PER_EXPONENT_THREADGROUP = ROW_EXPONENT_THREADS // 32
+ROW_TOP = 8
+ROW_EXPONENT_LIMIT = 64
 # The dense GEMMs take the largest token tile that pads a chunk by at most this fraction.
 MAX_DENSE_PADDING = 0.25
 
@@ -59,16 +68,6 @@ def grouped_tile_tokens(assignments: int) -> list[int]:
     return tiles + [size for size in (32, 16, 8) if rest & size]
 
 
-def _kernel_prefix(operands: str, bits: int) -> str:
-    if operands not in OPERANDS:
-        raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
-    if operands == "float32":
-        return "qgemm"
-    if bits != 4:
-        raise ValueError(f"{operands} operands exist for 4-bit weights only")
-    return "qgemm_bfloat" if operands == "bfloat16" else "qgemm_half"
-
-
 def _check_same_shape(weights: Sequence[QuantWeight], what: str) -> QuantWeight:
     first = weights[0]
     for w in weights:
@@ -83,10 +82,11 @@ def record_qgemm(
     x: BufferRef,
     projections: Sequence[tuple[QuantWeight, BufferRef]],
     tokens: int,
-    operands: str = "float32",
+    x_exponents: BufferRef | None = None,
 ) -> None:
     """y_i [tokens, W_i.rows] = x [tokens, in_dim] W_i^T (fp32 in and out) for each `(W_i, y_i)`;
-    all W_i share in_dim and bit width. `operands`: the products' operand type."""
+    all W_i share in_dim and bit width. `x_exponents`: int32 [tokens], the range guard's
+    exponents of x's rows (`record_qgemm_row_exponents`), for an x not bounded in half."""
     if not 1 <= len(projections) <= MAX_PROJECTIONS:
         raise ValueError(f"between 1 and {MAX_PROJECTIONS} projections, got {len(projections)}")
     if tokens < 1:
@@ -99,9 +99,10 @@ def record_qgemm(
     slots = list(projections) + [projections[0]] * (MAX_PROJECTIONS - len(projections))
     padding = [0] * (MAX_PROJECTIONS - len(projections))
     params = pack_params(
-        "III4I4I",
+        "IIII4I4I",
         first.in_dim,
         tokens,
+        int(x_exponents is not None),
         len(projections),
         *(rows + padding),
         *(list(first_tile[:-1]) + padding),
@@ -112,9 +113,11 @@ def record_qgemm(
         buffers[3 + 4 * i] = binding(weight.scales)
         buffers[4 + 4 * i] = binding(weight.biases)
         buffers[5 + 4 * i] = binding(out)
+    # Unguarded, the kernel never reads slot 18; it still needs a binding.
+    buffers[18] = binding(x if x_exponents is None else x_exponents)
     tile_tokens = dense_tile_tokens(tokens)
     graph.dispatch(
-        device.kernel(f"{_kernel_prefix(operands, first.bits)}_{first.bits}_{tile_tokens}"),
+        device.kernel(f"qgemm_{first.bits}_{tile_tokens}"),
         threadgroups=(ceil_div(tokens, tile_tokens), int(first_tile[-1]), 1),
         threads=(THREADS_PER_THREADGROUP, 1, 1),
         buffers=buffers,
@@ -140,7 +143,7 @@ def record_qgemm_grouped(
     expert_offsets: BufferRef,
     row_index: BufferRef | None,
     max_assignments: int,
-    operands: str = "float32",
+    x_exponents: BufferRef | None = None,
 ) -> None:
     """The expert projections of MoE assignments sorted by expert.
 
@@ -151,7 +154,8 @@ def record_qgemm_grouped(
     and up, out[a] = silu(x[row(a)] G_e^T) * (x[row(a)] U_e^T). `out` fp32 [max_assignments, rows]
     in sorted-assignment order; rows of assignments past offsets[experts] are left untouched.
     The grid is fixed here from `max_assignments`; the tiles are found on the device.
-    `operands`: the products' operand type.
+    `x_exponents`: int32, one per row of x, the range guard's exponents
+    (`record_qgemm_row_exponents`), for an x not bounded in half.
     """
     if len(weights) not in (1, 2):
         raise ValueError(f"one weight, or gate and up, got {len(weights)}")
@@ -176,18 +180,20 @@ def record_qgemm_grouped(
         8: binding(up.scales),
         9: binding(up.biases),
         10: binding(out),
+        11: binding(x if x_exponents is None else x_exponents),
     }
     params = pack_params(
-        "IIIII",
+        "IIIIII",
         first.in_dim,
         first.rows,
         first.experts,
         max_assignments,
         int(row_index is not None),
+        int(x_exponents is not None),
     )
     kind = "grouped_swiglu" if swiglu else "grouped"
     graph.dispatch(
-        device.kernel(f"{_kernel_prefix(operands, first.bits)}_{kind}_{first.bits}"),
+        device.kernel(f"qgemm_{kind}_{first.bits}"),
         threadgroups=(
             ceil_div(first.rows, out_columns),
             grouped_tile_bound(max_assignments, first.experts),
@@ -196,4 +202,25 @@ def record_qgemm_grouped(
         threads=(THREADS_PER_THREADGROUP, 1, 1),
         buffers=buffers,
         bytes={0: params},
+    )
+
+
+def record_qgemm_row_exponents(
+    graph: Graph, device: Device, x: BufferRef, rows: int, in_dim: int, exponents: BufferRef
+) -> None:
+    """exponents int32 [rows]: the range guard's exponent e of each row of x [rows, in_dim]
+    (in_dim a multiple of 4): the row's largest |x| times 2^-e lies in [2^8, 2^9), |e| <= 64; 0
+    for a row of zeros or one holding an inf or NaN. A GEMM given them reads x in a later
+    barrier level."""
+    if rows < 1:
+        raise ValueError(f"at least one row, got {rows}")
+    if in_dim % 4:
+        raise ValueError(f"in_dim must be a multiple of 4, got {in_dim}")
+    require_aligned(x, 16, "guarded GEMM input")  # read as float4
+    graph.dispatch(
+        device.kernel("qgemm_row_exponents"),
+        threadgroups=(ceil_div(rows, ROWS_PER_EXPONENT_THREADGROUP), 1, 1),
+        threads=(ROW_EXPONENT_THREADS, 1, 1),
+        buffers={1: binding(x), 2: binding(exponents)},
+        bytes={0: pack_params("II", rows, in_dim)},
     )
