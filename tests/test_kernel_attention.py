@@ -15,6 +15,7 @@ from kernel_testing import LANE_ORDERS, sim_device
 
 from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
 from lily.device import Graph, MatrixProducts
+from lily.diagnostics.kernel_checks import ATTENTION_CHUNK_TOLERANCE
 from lily.engine import reference
 from lily.kernels.attention import (
     HEAD_DIM,
@@ -261,13 +262,8 @@ class DecodeCase:
 # on.
 DECODE_RTOL, DECODE_ATOL = 1e-4, 1e-5
 
-# The chunk kernel's operands are 2-byte (metal/attention.metal): Q rounded to half, K exact in
-# it, the softmax weights P rounded to bfloat (up to 2^-8 of each), V exact in bfloat. A weight
-# off by 2^-8 of itself moves the output by at most 2^-8 max|v - out| over the keys, ~2^-8 |v|;
-# here (|v| up to ~4.5, outputs up to ~3) the errors measured stay under 2.3e-3 absolute, ~2x
-# inside 2^-8 (1 + |out|). A formula error (a missed or extra key, a wrong rescale or head)
-# moves an output by a whole weight times |v|, orders of magnitude more.
-CHUNK_RTOL, CHUNK_ATOL = 2.0**-8, 2.0**-8
+# The chunk kernel's 2-byte operands' bound (kernel_checks explains it).
+CHUNK_RTOL, CHUNK_ATOL = ATTENTION_CHUNK_TOLERANCE
 
 
 @pytest.mark.parametrize(
