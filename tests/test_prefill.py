@@ -1,7 +1,8 @@
 """Batched prefill on the device engine against the numpy reference model, on the tiny random
 checkpoints: the last position's logits and the greedy continuation after prompts of 1, 63, 300
-and 1,500 tokens cut into chunks unevenly; prefill then decode against decode alone; chunks cut
-at a snapshot; and chunks bounded by their costliest layer's estimated work."""
+and 1,500 tokens cut into chunks unevenly (and 4,000 on one checkpoint); prefill then decode
+against decode alone; chunks cut at a snapshot; and chunks bounded by their costliest layer's
+estimated work."""
 
 from __future__ import annotations
 
@@ -77,6 +78,28 @@ def test_prefill_matches_the_reference(checkpoint, reference, length, max_chunk)
         if horizon > 0:
             break
     worst = np.abs(engine.prompt_logits(prompt) - reference.prompt_logits(prompt)).max()
+    assert worst < TOLERANCE, f"largest logit difference {worst:.2e}"
+    assert _greedy(engine, prompt, CONTINUATION)[:horizon] == expected[:horizon]
+
+
+def test_a_prompt_of_4000_tokens_matches_the_reference():
+    """The longest prompt the issue asks for, in chunks of 1,536, 1,536 and 928: the chunk
+    kernels' attention over thousands of positions, and a continuation decoded after them. One
+    checkpoint only: minutes on the sim."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    length, vocab = 4000, checkpoint.config.vocab_size
+    max_seq = length + CONTINUATION + 1
+    reference = ReferenceEngine(checkpoint, max_seq, vocab)
+    prompt = _prompt(vocab, length, seed=length)
+    expected = _greedy(reference, prompt, CONTINUATION)
+    # One float64 pass over prompt and continuation: the prompt's last logits and the margins.
+    logits = reference.teacher_forced_logits(prompt + expected)[length - 1 :]
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    undecided = np.flatnonzero(top2[:, 1] - top2[:, 0] <= TOLERANCE)
+    horizon = int(undecided[0]) if undecided.size else CONTINUATION
+    assert horizon > 0, "the first generated token is a near-tie: pick another seed"
+    engine = DeviceEngine(checkpoint, open_test_device(), max_seq, vocab, 1536)
+    worst = np.abs(engine.prompt_logits(prompt) - logits[0]).max()
     assert worst < TOLERANCE, f"largest logit difference {worst:.2e}"
     assert _greedy(engine, prompt, CONTINUATION)[:horizon] == expected[:horizon]
 
