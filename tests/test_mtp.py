@@ -193,8 +193,10 @@ def test_greedy_output_with_the_head_is_plain_decoding(checkpoint, engine, plain
         (context, drafts) for context, drafts, _, _ in head_calls
         if len(context) <= len(prompt) + decided
     ])  # fmt: skip
-    # After a rejection the state is the one plain decoding had at that token (the
-    # chunk kernels sum in another order than the decode step's).
+    # After a rejection the state is the one plain decoding had at that token: the chunk
+    # kernels sum in another order than the decode step's, and gdn_chunk's half operands put
+    # its state about 2^-11 of the largest entry from it (measured 1.5e-4 of it here;
+    # tests/test_prefill.py's GDN_STATE_DRIFT), as in tests/test_speculative.py.
     caught_up = [
         (len(context), state)
         for context, _, state, position in head_calls
@@ -205,7 +207,7 @@ def test_greedy_output_with_the_head_is_plain_decoding(checkpoint, engine, plain
         expected = states[length - len(prompt) - 1]
         for a, b in zip(state, expected, strict=True):
             a, b = a.view(np.float32), b.view(np.float32)
-            assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+            assert np.abs(a - b).max() <= 2.0**-9 * max(1.0, np.abs(b).max())
 
 
 def test_a_stop_token_ends_a_generation_drafting_with_the_head(engine, plain):
