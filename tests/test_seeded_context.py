@@ -118,11 +118,13 @@ def test_the_bound_sees_one_tile_of_the_context(checkpoint) -> None:
 @pytest.mark.parametrize("engine_kind", ["device", "reference"])
 def test_teacher_forcing_resumes_after_a_cached_prefix(checkpoint, engine_kind: str) -> None:
     """With `reuse`, teacher forcing resumes from the prefix cache's snapshot and returns the
-    rows after it: those of feeding everything, within the decode step's rounding."""
+    rows after it: those of feeding everything, within the decode step's rounding. The device
+    engine prefills one token per pass (the decode step's kernels), so that the snapshot holds
+    what teacher forcing computes, not a chunk's half-operand rounding of it."""
     c = checkpoint.config
     tokens = np.random.default_rng(4).integers(0, c.vocab_size, 20).tolist()
     if engine_kind == "device":
-        engine = DeviceEngine(checkpoint, open_test_device(), 32, c.vocab_size)
+        engine = DeviceEngine(checkpoint, open_test_device(), 32, c.vocab_size, 1)
     else:
         engine = ReferenceEngine(checkpoint, 32, c.vocab_size)
     full = engine.teacher_forced_logits(tokens)
