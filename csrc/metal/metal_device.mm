@@ -388,7 +388,7 @@ struct TensorOps {
 };
 
 TensorOps load_tensor_ops(id<MTLDevice> device, const KernelSources& sources) {
-  const char* fallback = "; the prefill GEMMs run the simdgroup-matrix kernels";
+  const char* fallback = "; the GEMMs run the simdgroup-matrix kernels";
   if (@available(macOS 26.0, *)) {
     if (![device supportsFamily:kGPUFamilyApple10]) {
       return {nil, {false, "Metal 4 tensor ops need an Apple10-family GPU (M5 or later), and \"" +
@@ -400,7 +400,7 @@ TensorOps load_tensor_ops(id<MTLDevice> device, const KernelSources& sources) {
     }
     try {
       return {compile_source(device, file, kLanguageVersion4_0),
-              {true, "macOS 26 and an Apple10-family GPU: the prefill GEMMs run Metal 4 tensor ops "
+              {true, "macOS 26 and an Apple10-family GPU: the GEMMs run Metal 4 tensor ops "
                      "(matmul2d, compiled at MSL 4.0 at first use)"}};
     } catch (const std::runtime_error& e) {
       return {nil, {false, std::string(e.what()) + fallback}};
