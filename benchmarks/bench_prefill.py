@@ -179,7 +179,7 @@ def mma_report(checkpoint, tokens: int, tensor_ops: bool = False) -> None:
     print(f"sim chunk of {tokens}: simdgroup-matrix products per kernel (per prompt token)")
     for kernel, p in sorted(counted.items(), key=lambda item: -item[1].total):
         print(
-            f"  {kernel:<28} fp32 {p.fp32 / tokens:9.1f}  half {p.half / tokens:7.1f}"
+            f"  {kernel:<30} fp32 {p.fp32 / tokens:9.1f}  half {p.half / tokens:7.1f}"
             f"  bfloat {p.bfloat / tokens:9.1f}  tensor-op {p.tensor_op / tokens:7.1f}"
         )
     attention = sum(

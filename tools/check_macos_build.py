@@ -46,7 +46,6 @@ DARWIN_ONLY = {
     "__stderrp": "libsystem_c (stderr)",
     "_tlv_bootstrap": "dyld (thread_local variables)",
     "__isPlatformVersionAtLeast": "compiler-rt's libclang_rt.osx.a (@available(macOS 26.0, *))",
-    "memset_pattern16": "libsystem_platform (a loop filling a pattern, plain sim build)",
     "dispatch_async": "libdispatch",
     "dispatch_get_global_queue": "libdispatch",
 }
