@@ -84,7 +84,7 @@ class DispatchTraffic:
 class MatrixProducts:
     """8x8x8 simdgroup-matrix products, by the operand type that sets their rate on a GPU: `half`
     or `bfloat` when both operands are, `fp32` otherwise; `tensor_op` counts Metal 4 tensor-op
-    matmuls in 8x8x8 units (none yet)."""
+    matmuls in 8x8x8 units (M N K / 512 per matmul2d run)."""
 
     fp32: int = 0
     half: int = 0
