@@ -22,10 +22,13 @@ report models it for the chunk that ends at `--context` (uniform random routing,
 - **mma** (`--mma`, small checkpoints on the sim): one prefill chunk run on the sim, with the
   simdgroup-matrix products each kernel executed (the sim's counter, by operand type) per prompt
   token, and executed/useful matrix FLOPs from the counted products of the quantized GEMMs.
+  With `--tensor-ops` the sim runs the Metal 4 tensor-op GEMMs, as an M5 would (their products
+  count under tensor-op).
 
 Usage:
     python benchmarks/bench_prefill.py demo [--tokens 512]          # graph + time
     python benchmarks/bench_prefill.py demo --mma --no-time          # graph + counted products
+    python benchmarks/bench_prefill.py demo --mma --no-time --tensor-ops  # ... on tensor ops
     python benchmarks/bench_prefill.py SYNTH_DIR --no-time [--context 4096]  # the real dims
 """
 
@@ -160,12 +163,13 @@ def useful_macs(c, tokens: int) -> float:
     return dense + experts * c.moe_intermediate_size
 
 
-def mma_report(checkpoint, tokens: int) -> None:
+def mma_report(checkpoint, tokens: int, tensor_ops: bool = False) -> None:
     """One chunk of `tokens` on the sim: the simdgroup-matrix products per prompt token by operand
-    type (chunk attention on its own line), and the quantized GEMMs' executed/useful work."""
+    type (chunk attention on its own line), and the quantized GEMMs' executed/useful work;
+    `tensor_ops`: with the GEMMs on the Metal 4 tensor-op kernels."""
     c = checkpoint.config
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, tokens).tolist()
-    device = open_device("sim")
+    device = open_device("sim", tensor_ops=tensor_ops)
     engine = DeviceEngine(checkpoint, device, tokens + 8, c.vocab_size, tokens)
     engine.prompt_logits(prompt[:8])  # records the graphs
     device.matrix_products()
@@ -175,8 +179,8 @@ def mma_report(checkpoint, tokens: int) -> None:
     print(f"sim chunk of {tokens}: simdgroup-matrix products per kernel (per prompt token)")
     for kernel, p in sorted(counted.items(), key=lambda item: -item[1].total):
         print(
-            f"  {kernel:<28} fp32 {p.fp32 / tokens:9.1f}  half {p.half / tokens:7.1f}"
-            f"  bfloat {p.bfloat / tokens:9.1f}"
+            f"  {kernel:<30} fp32 {p.fp32 / tokens:9.1f}  half {p.half / tokens:7.1f}"
+            f"  bfloat {p.bfloat / tokens:9.1f}  tensor-op {p.tensor_op / tokens:7.1f}"
         )
     attention = sum(
         (p for kernel, p in counted.items() if kernel.startswith("attention")), MatrixProducts()
@@ -303,11 +307,16 @@ def main() -> None:
     parser.add_argument(
         "--mma", action="store_true", help="count a chunk's simdgroup-matrix products on the sim"
     )
+    parser.add_argument(
+        "--tensor-ops",
+        action="store_true",
+        help="with --mma: the GEMMs on the Metal 4 tensor-op kernels (the sim's emulation)",
+    )
     args = parser.parse_args()
     checkpoint = load_checkpoint(resolve_model(args.model))
     graph_report(checkpoint, args.tokens, args.context)
     if args.mma:
-        mma_report(checkpoint, args.tokens)
+        mma_report(checkpoint, args.tokens, args.tensor_ops)
     if not args.no_time:
         time_report(checkpoint, args.tokens, args.repeat)
 

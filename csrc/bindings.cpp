@@ -121,6 +121,11 @@ NB_MODULE(_native, m) {
              }
              return out;
            })
+      .def_prop_ro("gemm_path",
+                   [](const lily::Device& d) {
+                     const lily::GemmPath path = d.gemm_path();
+                     return nb::make_tuple(path.tensor_ops, path.reason);
+                   })
       .def("take_matrix_products",
            [](lily::Device& d) -> std::optional<nb::list> {
              auto counted = d.take_matrix_products();
@@ -175,7 +180,7 @@ NB_MODULE(_native, m) {
   m.def(
       "open_sim_device",
       [](const std::string& lane_order, uint64_t seed, unsigned workers, bool execute,
-         const std::string& mode) {
+         const std::string& mode, bool tensor_ops) {
         lily_sim::LaneOrder order;
         if (lane_order == "forward")
           order = lily_sim::LaneOrder::forward;
@@ -194,7 +199,8 @@ NB_MODULE(_native, m) {
           check = lily_sim::CheckMode::check;
         else
           throw std::invalid_argument("mode must be 'off', 'count' or 'check'");
-        return lily::open_sim_device(order, seed, workers, execute, check);
+        return lily::open_sim_device(order, seed, workers, execute, check, tensor_ops);
       },
-      "lane_order"_a, "seed"_a, "workers"_a, "execute"_a = true, "mode"_a = "off");
+      "lane_order"_a, "seed"_a, "workers"_a, "execute"_a = true, "mode"_a = "off",
+      "tensor_ops"_a = false);
 }

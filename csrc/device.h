@@ -170,6 +170,13 @@ struct KernelMatrixProducts {
   MatrixProducts products;
 };
 
+// Which kernels the prefill GEMMs run on a device: the Metal 4 tensor-op ones
+// (metal/quantized_gemm_tensor_ops.metal) or the simdgroup-matrix ones, and why.
+struct GemmPath {
+  bool tensor_ops = false;
+  std::string reason;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -203,6 +210,7 @@ class Device {
   virtual std::optional<std::vector<KernelMatrixProducts>> take_matrix_products() {
     return std::nullopt;
   }
+  virtual GemmPath gemm_path() const = 0;
 };
 
 }  // namespace lily

@@ -29,29 +29,6 @@
 #include "quantized.h"
 #include "quantized_gemm.h"
 
-constexpr constant uint QGEMM_MAX_PROJECTIONS = 4;
-
-struct QGemmParams {
-  uint in_dim;
-  uint tokens;
-  uint x_guarded;  // 1: x row r is staged times 2^-x_exponents[r], its outputs times 2^e
-  uint projections;
-  uint rows[QGEMM_MAX_PROJECTIONS];
-  uint first_tile[QGEMM_MAX_PROJECTIONS];
-};
-
-// The factors this thread's i-th X load is staged with: 2^-e of its row's guard, 1 unguarded
-// or for no row.
-template <uint TOKENS>
-inline void qgemm_x_down(device const int* x_exponents, bool guarded, thread const uint* x_rows,
-                         thread float* x_down) {
-  for (uint i = 0; i < qgemm_x_loads(TOKENS); ++i) {
-    x_down[i] = guarded && x_rows[i] != QGEMM_NO_ROW
-                    ? qgemm_power_of_two(-x_exponents[x_rows[i]])
-                    : 1.0f;
-  }
-}
-
 // Stores this SIMD-group's part of a tile qgemm_tile computed: fragment acc[4 i + j] goes to rows
 // row0 + 8 i.. and columns col0 + 8 j.. of out (row stride out_stride), times up[i] (2^e of the
 // row's guard), tile rows below `count` and columns below `columns` only.
@@ -146,94 +123,6 @@ template [[host_name("qgemm_8_32")]] [[kernel]] decltype(qgemm<8, 32>)
     qgemm<8, 32>;
 template [[host_name("qgemm_8_64")]] [[kernel]] decltype(qgemm<8, 64>)
     qgemm<8, 64>;
-
-struct QGemmGroupedParams {
-  uint in_dim;
-  uint rows;             // output rows of one expert's weight
-  uint experts;
-  uint max_assignments;  // rows of out; offsets past it are clamped to it
-  uint gather;           // 1: assignment a reads x row row_index[a]; 0: x row a
-  uint x_guarded;        // 1: x row r is staged times 2^-x_exponents[r], its outputs times 2^e
-};
-
-// The sorted assignments a threadgroup multiplies: [first, first + count) of `expert`, in a tile
-// of `tokens` rows.
-struct QGemmGroupedTile {
-  uint expert;
-  uint first;
-  uint count;   // 0: the tile index is past the last non-empty tile
-  uint tokens;  // 8, 16, 32 or 64
-};
-
-// An expert's n assignments are cut into tiles sized by n: n / 64 tiles of 64, then the rest
-// rounded up to a multiple of 8 (r8, 8 to 64) as one tile of 64 when r8 is 64, else one tile of
-// each of 32, 16 and 8 its binary digits name, largest first. So an expert executes at most 7
-// rows more than it has assignments, and never more than 3 tiles smaller than 64.
-inline uint qgemm_rest_rows(uint assignments) {
-  return ((assignments % QGEMM_MAX_TOKENS + 7) / 8) * 8;
-}
-inline uint qgemm_expert_tiles(uint assignments) {
-  const uint rest = qgemm_rest_rows(assignments);
-  return assignments / QGEMM_MAX_TOKENS + (rest == QGEMM_MAX_TOKENS ? 1u : popcount(rest / 8));
-}
-
-// Which (expert, tile) the tile index `tile_index` is, counting the tiles of experts 0, 1, ... in
-// order. One SIMD-group: lane l sums the tile counts of a contiguous run of experts, a prefix sum
-// over lanes places the runs, and the one lane whose run holds the tile walks it. Only
-// expert_offsets is read, never the weights of an expert with no assignment.
-inline QGemmGroupedTile qgemm_find_tile(device const uint* expert_offsets, uint experts,
-                                        uint max_assignments, uint tile_index, uint lane) {
-  const uint per_lane = (experts + SIMD_WIDTH - 1) / SIMD_WIDTH;
-  const uint begin = min(lane * per_lane, experts);
-  const uint end = min(begin + per_lane, experts);
-  uint lane_tiles = 0;
-  uint lo = min(expert_offsets[begin], max_assignments);
-  for (uint e = begin; e < end; ++e) {
-    const uint hi = min(expert_offsets[e + 1], max_assignments);
-    lane_tiles += hi > lo ? qgemm_expert_tiles(hi - lo) : 0;
-    lo = hi;
-  }
-  const uint before = simd_prefix_exclusive_sum(lane_tiles);
-
-  QGemmGroupedTile found{0, 0, 0, 0};
-  if (before <= tile_index && tile_index < before + lane_tiles) {
-    uint tiles_before = before;
-    lo = min(expert_offsets[begin], max_assignments);
-    for (uint e = begin; e < end; ++e) {
-      const uint hi = min(expert_offsets[e + 1], max_assignments);
-      const uint n = hi > lo ? hi - lo : 0;
-      const uint tiles = n > 0 ? qgemm_expert_tiles(n) : 0;
-      if (tile_index < tiles_before + tiles) {
-        uint local = tile_index - tiles_before;
-        uint start = 0;
-        uint tokens = QGEMM_MAX_TOKENS;
-        const uint full = n / QGEMM_MAX_TOKENS;
-        if (local < full) {
-          start = local * QGEMM_MAX_TOKENS;
-        } else {
-          local -= full;
-          start = full * QGEMM_MAX_TOKENS;
-          const uint rest = qgemm_rest_rows(n);
-          if (rest != QGEMM_MAX_TOKENS) {
-            for (tokens = QGEMM_MAX_TOKENS / 2; tokens >= 8; tokens /= 2) {
-              if ((rest & tokens) == 0) continue;
-              if (local == 0) break;
-              --local;
-              start += tokens;
-            }
-          }
-        }
-        found = QGemmGroupedTile{e, lo + start, min(tokens, n - start), tokens};
-        break;
-      }
-      tiles_before += tiles;
-      lo = hi;
-    }
-  }
-  // At most one lane found the tile; the sums hand its answer to every lane.
-  return QGemmGroupedTile{simd_sum(found.expert), simd_sum(found.first), simd_sum(found.count),
-                          simd_sum(found.tokens)};
-}
 
 // One tile of the grouped GEMM: the threadgroup's part after it found its tile `t`.
 template <uint BITS, bool SWIGLU, uint TOKENS>

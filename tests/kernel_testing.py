@@ -27,10 +27,11 @@ FLOAT32_EPS = float(np.finfo(np.float32).eps)
 
 
 @functools.cache
-def sim_device(lane_order: str):
+def sim_device(lane_order: str, tensor_ops: bool = False):
+    """`tensor_ops`: the prefill GEMMs run their Metal 4 tensor-op kernels."""
     setting = os.environ.get(CHECK_ENV)
     check = lane_order == "random" if setting is None else setting not in ("", "0")
-    return open_device("sim", lane_order=lane_order, seed=0, check=check)
+    return open_device("sim", lane_order=lane_order, seed=0, check=check, tensor_ops=tensor_ops)
 
 
 def run(device, record: Callable[[Graph], None]) -> None:

@@ -997,7 +997,11 @@ def check_threadgroup_initializers(src: SourceFile) -> None:
             src.report(tok, "MSL6", "threadgroup memory with an initializer; it is never zeroed")
 
 
-_METAL_INCLUDE = re.compile(r'#\s*include\s*(?:<metal_\w+>|"[^"]+")')
+# Apple's Metal headers, MetalPerformancePrimitives (Metal 4 tensor ops) included.
+_METAL_INCLUDE = re.compile(
+    r'#\s*include\s*(?:<metal_\w+>|<MetalPerformancePrimitives/MetalPerformancePrimitives\.h>'
+    r'|"[^"]+")'
+)
 
 
 def check_forbidden(src: SourceFile) -> None:

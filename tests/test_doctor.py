@@ -135,3 +135,17 @@ def test_compare():
 )
 def test_chip_bandwidth(name, bandwidth):
     assert doctor.chip_bandwidth(name) == bandwidth
+
+
+def test_doctor_says_which_gemm_path_runs_and_why():
+    """The sim runs the simdgroup-matrix GEMMs unless opened with tensor_ops, as an M5 would."""
+    plain = next(
+        line for line in doctor.system_lines(open_device("sim")) if "prefill gemms" in line
+    )
+    assert "simdgroup matrix" in plain and "unless opened with tensor_ops" in plain
+    tensor = next(
+        line
+        for line in doctor.system_lines(open_device("sim", tensor_ops=True))
+        if "prefill gemms" in line
+    )
+    assert "tensor ops" in tensor and "emulation of matmul2d" in tensor

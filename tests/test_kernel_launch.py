@@ -70,6 +70,16 @@ EXACT_THREADS = {
         for bits in (4, 8)
         for tile in quantized_gemm.TILE_TOKENS
     },
+    **{
+        f"qgemm{kind}_tensor_{bits}": quantized_gemm.THREADS_PER_THREADGROUP
+        for kind in ("_grouped", "_grouped_swiglu")
+        for bits in (4, 8)
+    },
+    **{
+        f"qgemm_tensor_{bits}_{tile}": quantized_gemm.THREADS_PER_THREADGROUP
+        for bits in (4, 8)
+        for tile in (quantized_gemm.TENSOR_MIN_TILE_TOKENS, quantized_gemm.MAX_TILE_TOKENS)
+    },
     "qgemm_row_exponents": quantized_gemm.ROW_EXPONENT_THREADS,
 }
 

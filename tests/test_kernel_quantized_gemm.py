@@ -72,11 +72,18 @@ def int32_buffer(device, values: np.ndarray):
 
 
 def check_qgemm(
-    lane_order: str, tokens: int, in_dim: int, rows: list[int], bits: int, guarded: bool = False
+    lane_order: str,
+    tokens: int,
+    in_dim: int,
+    rows: list[int],
+    bits: int,
+    guarded: bool = False,
+    tensor_ops: bool = False,
 ) -> None:
-    """With `guarded`, x has unbounded rows (`unbounded_x`) and the GEMM takes their exponents."""
+    """With `guarded`, x has unbounded rows (`unbounded_x`) and the GEMM takes their exponents.
+    `tensor_ops`: on a device that runs the tensor-op kernels."""
     rng = np.random.default_rng(tokens * 1000 + in_dim + sum(rows) + bits)
-    device = sim_device(lane_order)
+    device = sim_device(lane_order, tensor_ops)
     triples = [random_quantized(rng, r, in_dim, bits) for r in rows]
     x = unbounded_x(rng, tokens, in_dim) if guarded else random_x(rng, tokens, in_dim)
     exponents = reference_row_exponents(x) if guarded else None
@@ -276,11 +283,13 @@ def check_grouped(
     spare_rows: int = 0,
     seed: int = 0,
     guarded: bool = False,
+    tensor_ops: bool = False,
 ) -> None:
     """`spare_rows` more output rows than assignments: the kernel must leave them untouched.
-    `guarded`: x has unbounded rows (`unbounded_x`) and the GEMM takes their exponents."""
+    `guarded`: x has unbounded rows (`unbounded_x`) and the GEMM takes their exponents.
+    `tensor_ops`: on a device that runs the tensor-op kernels."""
     rng = np.random.default_rng(seed)
-    device = sim_device(lane_order)
+    device = sim_device(lane_order, tensor_ops)
     sorted_experts, row_index, offsets = sort_by_expert(choices, experts)
     assignments = len(sorted_experts)
     capacity = assignments + spare_rows

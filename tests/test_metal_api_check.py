@@ -270,7 +270,7 @@ typedef enum MTLGPUFamily : NSInteger {
   MTLGPUFamilyMetal3 = 5001
 } MTLGPUFamily;
 typedef enum MTLLanguageVersion : NSUInteger {
-  MTLLanguageVersion3_1 = (3 << 16) + 1
+  MTLLanguageVersion3_1 = (3 << 16) + 1, MTLLanguageVersion4_0 = (4 << 16)
 } MTLLanguageVersion;
 typedef enum MTLMathMode : NSInteger {
   MTLMathModeSafe = 0, MTLMathModeRelaxed = 1, MTLMathModeFast = 2

@@ -12,6 +12,7 @@ from device_testing import open_test_device
 from tiny_models import tiny_checkpoint
 
 from lily.checkpoint.loader import load_checkpoint
+from lily.device import open_device
 from lily.engine import reference as reference_model
 from lily.engine.engine import DeviceEngine, ReferenceEngine
 from lily.engine.model_graph import layer_flops
@@ -192,3 +193,22 @@ def test_chunks_are_bounded_by_their_costliest_layer(checkpoint):
     prompt = _prompt(c.vocab_size, 120, seed=14)
     bounded = _device_engine(checkpoint, 512, command_buffer_flops=max(layer_flops(c, 0, 40)))
     assert _greedy(bounded, prompt, 4) == _greedy(_device_engine(checkpoint, 512), prompt, 4)
+
+
+def test_prefill_on_tensor_ops_matches_the_reference(checkpoint, reference):
+    """A device that runs the Metal 4 tensor-op GEMMs (the sim's emulation, as an M5 would):
+    the prompt's logits within the tolerance of the reference and of the simdgroup-matrix path,
+    with every GEMM product a tensor-op one."""
+    # Seed 5's prompt holds a routing near-tie (both paths 1.9e-2 from the reference on "small").
+    prompt = _prompt(checkpoint.config.vocab_size, 70, 7)
+    vocab = checkpoint.config.vocab_size
+    device = open_device("sim", tensor_ops=True)
+    engine = DeviceEngine(checkpoint, device, MAX_SEQ, vocab, 48)
+    device.matrix_products()
+    logits = engine.prompt_logits(prompt)
+    products = device.matrix_products()
+    gemms = {name: p for name, p in products.items() if name.startswith("qgemm")}
+    assert gemms and all("tensor" in name and p.tensor_op == p.total for name, p in gemms.items())
+    assert np.abs(logits - reference.prompt_logits(prompt)).max() < TOLERANCE
+    simdgroup = _device_engine(checkpoint, 48).prompt_logits(prompt)
+    assert np.abs(logits - simdgroup).max() < TOLERANCE

@@ -45,6 +45,7 @@ DARWIN_ONLY = {
     "__sincosf_stret": "libsystem_m (the compiler's fused sinf/cosf)",
     "__stderrp": "libsystem_c (stderr)",
     "_tlv_bootstrap": "dyld (thread_local variables)",
+    "__isPlatformVersionAtLeast": "compiler-rt's libclang_rt.osx.a (@available(macOS 26.0, *))",
     "dispatch_async": "libdispatch",
     "dispatch_get_global_queue": "libdispatch",
 }

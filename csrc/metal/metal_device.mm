@@ -307,12 +307,28 @@ void append_with_includes(const fs::path& file, std::set<fs::path>& seen, std::s
   }
 }
 
-id<MTLLibrary> compile_source(id<MTLDevice> device, const fs::path& file) {
+// Metal 4's tensor ops (MSL 4.0) run on Apple10-family GPUs (M5) from macOS 26. The SDKs this
+// builds against may predate both symbols, so they are spelled by value (MTLLanguageVersion is
+// major << 16 | minor; MTLGPUFamilyAppleN is 1000 + N) and only used behind
+// @available(macOS 26.0, *); with a macOS 26 SDK the values are checked against Apple's.
+constexpr MTLLanguageVersion kLanguageVersion4_0 = static_cast<MTLLanguageVersion>(4 << 16);
+constexpr MTLGPUFamily kGPUFamilyApple10 = static_cast<MTLGPUFamily>(1010);
+#if LILY_MACOS_26_SDK
+static_assert(kLanguageVersion4_0 == MTLLanguageVersion4_0, "MSL 4.0's enum value");
+static_assert(kGPUFamilyApple10 == MTLGPUFamilyApple10, "the Apple10 family's enum value");
+#endif
+// The tensor-op GEMMs: compiled on their own at MSL 4.0, never into lily.metallib (MSL 3.1).
+constexpr const char* kTensorOpsSource = "quantized_gemm_tensor_ops.metal";
+
+// `version`: the MSL version to compile at; the default (0) is the kernels' MSL 3.1.
+id<MTLLibrary> compile_source(id<MTLDevice> device, const fs::path& file,
+                              MTLLanguageVersion version = MTLLanguageVersion(0)) {
   std::set<fs::path> seen;
   std::string source;
   append_with_includes(file, seen, source);
   MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
   if (@available(macOS 14.0, *)) options.languageVersion = MTLLanguageVersion3_1;
+  if (version != MTLLanguageVersion(0)) options.languageVersion = version;
   // No fast math: the sim computes IEEE results and the tests compare the two devices. From
   // macOS 15, mathMode alone leaves the math functions (exp, log, ...) at their default, which
   // Apple documents as fast; fastMathEnabled = NO, as `metal -fno-fast-math` for lily.metallib,
@@ -351,7 +367,8 @@ std::vector<id<MTLLibrary>> load_libraries(id<MTLDevice> device, const KernelSou
   std::vector<fs::path> files;
   if (fs::is_directory(sources.source_dir)) {
     for (const fs::directory_entry& entry : fs::directory_iterator(sources.source_dir)) {
-      if (entry.path().extension() == ".metal") files.push_back(entry.path());
+      if (entry.path().extension() == ".metal" && entry.path().filename() != kTensorOpsSource)
+        files.push_back(entry.path());
     }
   }
   if (files.empty()) {
@@ -362,6 +379,34 @@ std::vector<id<MTLLibrary>> load_libraries(id<MTLDevice> device, const KernelSou
   std::vector<id<MTLLibrary>> libraries;
   for (const fs::path& file : files) libraries.push_back(compile_source(device, file));
   return libraries;
+}
+
+// The tensor-op GEMM library, when this Mac can run it, and which GEMM path that makes.
+struct TensorOps {
+  id<MTLLibrary> library = nil;
+  GemmPath path;
+};
+
+TensorOps load_tensor_ops(id<MTLDevice> device, const KernelSources& sources) {
+  const char* fallback = "; the GEMMs run the simdgroup-matrix kernels";
+  if (@available(macOS 26.0, *)) {
+    if (![device supportsFamily:kGPUFamilyApple10]) {
+      return {nil, {false, "Metal 4 tensor ops need an Apple10-family GPU (M5 or later), and \"" +
+                               to_std(device.name) + "\" is not one" + fallback}};
+    }
+    const fs::path file = fs::path(sources.source_dir) / kTensorOpsSource;
+    if (!fs::exists(file)) {
+      return {nil, {false, "no tensor-op kernel source at \"" + file.string() + "\"" + fallback}};
+    }
+    try {
+      return {compile_source(device, file, kLanguageVersion4_0),
+              {true, "macOS 26 and an Apple10-family GPU: the GEMMs run Metal 4 tensor ops "
+                     "(matmul2d, compiled at MSL 4.0 at first use)"}};
+    } catch (const std::runtime_error& e) {
+      return {nil, {false, std::string(e.what()) + fallback}};
+    }
+  }
+  return {nil, {false, std::string("Metal 4 tensor ops need macOS 26 or later") + fallback}};
 }
 
 // What went wrong in a failed command buffer. After any of these the device refuses new work
@@ -396,8 +441,9 @@ std::string command_buffer_failure(NSError* error) {
 
 class MetalDevice final : public Device {
  public:
-  MetalDevice(id<MTLDevice> device, std::vector<id<MTLLibrary>> libraries)
+  MetalDevice(id<MTLDevice> device, std::vector<id<MTLLibrary>> libraries, GemmPath gemm_path)
       : device_(device),
+        gemm_path_(std::move(gemm_path)),
         queue_([device newCommandQueue]),
         residency_(std::make_shared<Residency>(device, queue_)) {
     for (id<MTLLibrary> library : libraries) {
@@ -418,6 +464,8 @@ class MetalDevice final : public Device {
   }
 
   std::string name() const override { return "metal"; }
+
+  GemmPath gemm_path() const override { return gemm_path_; }
 
   std::shared_ptr<Buffer> alloc(size_t bytes) override {
     check_length(bytes);
@@ -671,6 +719,7 @@ class MetalDevice final : public Device {
   }
 
   id<MTLDevice> device_;
+  GemmPath gemm_path_;
   id<MTLCommandQueue> queue_;
   std::shared_ptr<Residency> residency_;
   std::map<std::string, id<MTLLibrary>> libraries_;  // kernel host name -> library defining it
@@ -706,7 +755,10 @@ std::shared_ptr<Device> open_device(const KernelSources& sources) {
     id<MTLDevice> device = default_device();
     const std::string reason = unsupported_reason(device);
     if (!reason.empty()) throw std::runtime_error("the metal device cannot run here: " + reason);
-    return std::make_shared<MetalDevice>(device, load_libraries(device, sources));
+    std::vector<id<MTLLibrary>> libraries = load_libraries(device, sources);
+    TensorOps tensor_ops = load_tensor_ops(device, sources);
+    if (tensor_ops.library != nil) libraries.push_back(tensor_ops.library);
+    return std::make_shared<MetalDevice>(device, std::move(libraries), std::move(tensor_ops.path));
   }
 }
 

@@ -126,6 +126,9 @@ class Edits:
         return text
 
 
+MPP_HEADER = "MetalPerformancePrimitives/MetalPerformancePrimitives.h"
+
+
 def preprocess(
     path: str,
     clang: str,
@@ -141,6 +144,10 @@ def preprocess(
             if name.startswith("metal_"):
                 with open(os.path.join(stubs, name), "w"):
                     pass
+        # Metal 4's tensor ops header, which <metal_stdlib> emulates (lily_sim_tensor_ops.h).
+        os.makedirs(os.path.join(stubs, "MetalPerformancePrimitives"))
+        with open(os.path.join(stubs, MPP_HEADER), "w"):
+            pass
         cmd = [
             clang,
             "-E",

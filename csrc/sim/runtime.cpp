@@ -622,6 +622,10 @@ void flush_matrix_ops() {
   wait_for_simdgroup(kMatrixFlushSite, &run_deferred_matrix_ops, nullptr, current_lane->deferred);
 }
 
+void count_matrix_products(MatrixOperands kind, uint64_t products) {
+  this_worker->matrix_products[size_t(kind)] += products;
+}
+
 void simd_rendezvous(const CallSite& site, CollectiveOp op, const void* in, void* out) {
   flush_queued_products();
   wait_for_simdgroup(site, op, in, out);

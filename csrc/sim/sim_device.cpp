@@ -364,8 +364,8 @@ class LevelAccesses {
 class SimDevice : public Device {
  public:
   SimDevice(lily_sim::LaneOrder order, uint64_t seed, unsigned workers, bool execute,
-            CheckMode mode)
-      : executor_(order, seed, workers), execute_(execute), mode_(mode),
+            CheckMode mode, bool tensor_ops)
+      : executor_(order, seed, workers), execute_(execute), mode_(mode), tensor_ops_(tensor_ops),
         queue_([this] { serve(); }) {
     const auto& kernels = lily_sim::registry(mode != CheckMode::off);
     for (const auto& k : kernels) kernels_.emplace(k.host_name, &k);
@@ -380,6 +380,14 @@ class SimDevice : public Device {
   }
 
   std::string name() const override { return "sim"; }
+
+  GemmPath gemm_path() const override {
+    if (tensor_ops_) {
+      return {true, "the sim was opened with tensor_ops: the Metal 4 tensor-op kernels, on the "
+                    "sim's emulation of matmul2d"};
+    }
+    return {false, "the sim runs the simdgroup-matrix kernels unless opened with tensor_ops"};
+  }
 
   std::shared_ptr<Buffer> alloc(size_t bytes) override {
     return std::make_shared<SimBuffer>(bytes);
@@ -534,17 +542,19 @@ class SimDevice : public Device {
   std::map<uint64_t, std::string> errors_;
   uint64_t submitted_ = 0, completed_ = 0;
   bool stopping_ = false;
+  bool tensor_ops_;
   std::thread queue_;
 };
 
 }  // namespace
 
 std::shared_ptr<Device> open_sim_device(lily_sim::LaneOrder order, uint64_t seed,
-                                        unsigned workers, bool execute, CheckMode mode) {
+                                        unsigned workers, bool execute, CheckMode mode,
+                                        bool tensor_ops) {
   if (mode != CheckMode::off && lily_sim::registry(true).empty())
     throw std::invalid_argument("this build of the sim has no checked kernels "
                                 "(LILY_SIM_CHECKED_KERNELS was off or unsupported)");
-  return std::make_shared<SimDevice>(order, seed, workers, execute, mode);
+  return std::make_shared<SimDevice>(order, seed, workers, execute, mode, tensor_ops);
 }
 
 }  // namespace lily

@@ -84,7 +84,7 @@ class DispatchTraffic:
 class MatrixProducts:
     """8x8x8 simdgroup-matrix products, by the operand type that sets their rate on a GPU: `half`
     or `bfloat` when both operands are, `fp32` otherwise; `tensor_op` counts Metal 4 tensor-op
-    matmuls in 8x8x8 units (none yet)."""
+    matmuls in 8x8x8 units (M N K / 512 per matmul2d run)."""
 
     fp32: int = 0
     half: int = 0
@@ -290,6 +290,18 @@ class Device:
         ]
 
 
+    @property
+    def tensor_ops(self) -> bool:
+        """Whether the prefill GEMMs run the Metal 4 tensor-op kernels
+        (`metal/quantized_gemm_tensor_ops.metal`): on a Mac with macOS 26 and an M5-class GPU
+        whose compile of them succeeded, or on a sim opened with ``tensor_ops=True``."""
+        return bool(self._native.gemm_path[0])
+
+    @property
+    def gemm_path_reason(self) -> str:
+        """Why the prefill GEMMs run the kernels they do (:attr:`tensor_ops`)."""
+        return str(self._native.gemm_path[1])
+
     def matrix_products(self) -> dict[str, MatrixProducts] | None:
         """The simdgroup-matrix products each kernel executed since the last call, by kernel
         name (kernels that executed none are left out). The sim always counts them; None on a
@@ -309,6 +321,7 @@ def open_device(
     execute: bool = True,
     check: bool | None = None,
     count_traffic: bool = False,
+    tensor_ops: bool = False,
 ) -> Device:
     """Open a device: ``sim`` (anywhere) or ``metal`` (macOS builds on Apple silicon; on a GPU
     the kernels cannot run on it raises :class:`UnsupportedGPUError` with the reason).
@@ -319,7 +332,9 @@ def open_device(
     slower): out-of-bounds accesses, threadgroup races and reads of unwritten memory raise
     KernelError, and traffic is counted; the default comes from ``LILY_SIM_CHECK``.
     ``count_traffic=True`` only counts traffic (:meth:`Device.traffic`), with bindings used in
-    place, which suits a full-size checkpoint.
+    place, which suits a full-size checkpoint. ``tensor_ops=True`` makes the prefill GEMMs run
+    the Metal 4 tensor-op kernels, as on an M5, on the sim's emulation of them
+    (:attr:`Device.tensor_ops`); the metal device decides that itself.
     """
     if kind == "metal":
         return _open_metal()
@@ -332,7 +347,9 @@ def open_device(
     if check is None:
         check = os.environ.get(CHECK_ENV, "") not in ("", "0")
     mode = "check" if check else "count" if count_traffic else "off"
-    return Device(_native.open_sim_device(lane_order, seed, workers or 0, execute, mode))
+    return Device(
+        _native.open_sim_device(lane_order, seed, workers or 0, execute, mode, tensor_ops)
+    )
 
 
 def metal_info() -> dict | None:

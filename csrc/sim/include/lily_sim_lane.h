@@ -45,7 +45,7 @@ static constexpr unsigned kMaxDeferredMatrixOps = 64;
 // The rate class an 8x8x8 product runs at, by its A and B operands: half only when both are
 // half, bfloat only when both are bfloat, fp32 otherwise (a float operand, or half mixed with
 // bfloat, which no GPU multiplies natively). `tensor_op` counts Metal 4 tensor-op matmuls in
-// 8x8x8 units; nothing issues them yet.
+// 8x8x8 units (lily_sim_tensor_ops.h).
 enum class MatrixOperands : uint8_t { fp32, half, bfloat, tensor_op };
 static constexpr unsigned kMatrixOperandKinds = 4;
 // A simdgroup's queues, position-major so that computing one product reads adjacent memory.
@@ -97,6 +97,9 @@ void simd_rendezvous(const CallSite& site, CollectiveOp op, const void* in, void
 void threadgroup_rendezvous(const CallSite& site);
 // Computes the queued simdgroup-matrix products of the current lane's simdgroup (a rendezvous).
 void flush_matrix_ops();
+// Adds `products` 8x8x8 products of kind `kind` to the current dispatch's count (the tensor ops,
+// which are no SIMD-group collective of queued products).
+void count_matrix_products(MatrixOperands kind, uint64_t products);
 // The element size and extents of a threadgroup array, for the checker's messages.
 struct ArrayShape {
   uint32_t element_bytes;

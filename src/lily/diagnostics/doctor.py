@@ -119,6 +119,8 @@ def system_lines(device: Device) -> list[str]:
         f"python:            {platform.python_version()} on {platform.system()} "
         f"{platform.machine()}",
         f"device:            {device.name}",
+        f"prefill gemms:     {'tensor ops' if device.tensor_ops else 'simdgroup matrix'} "
+        f"({device.gemm_path_reason})",
         f"memory:            {f'{memory / GIB:.1f} GiB' if memory else 'unknown'}",
     ]
     info = None

@@ -15,6 +15,11 @@ the GEMM given them as `x_exponents` stages row r times 2^-e[r] and multiplies i
 Tiles are 8, 16, 32 or 64 token rows by 128 weight rows. `dense_tile_tokens` picks the dense
 GEMMs' size from the chunk's length; the grouped GEMM sizes each expert's tiles by its count on
 the device, and `grouped_tile_tokens` says which tiles that gives (for estimates and tests).
+
+On a device whose `tensor_ops` is set (macOS 26 on an M5, or a sim opened with
+``tensor_ops=True``) the same calls run the Metal 4 tensor-op kernels
+(`metal/quantized_gemm_tensor_ops.metal`): same operands, bindings and grid, 32 or 64 token rows
+per tile (`tensor_tile_tokens`; the grouped GEMM's 8- and 16-row tiles run as 32-row ones).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ ROW_EXPONENT_THREADS = 128
 ROWS_PER_EXPONENT_THREADGROUP = ROW_EXPONENT_THREADS // 32
 ROW_TOP = 8
 ROW_EXPONENT_LIMIT = 64
+# Must match qgemm_tensor_tile's sizes in quantized_gemm_tensor_ops.metal.
+TENSOR_MIN_TILE_TOKENS = 32
 # The dense GEMMs take the largest token tile that pads a chunk by at most this fraction.
 MAX_DENSE_PADDING = 0.25
 
@@ -53,6 +60,12 @@ def dense_tile_tokens(tokens: int) -> int:
         if ceil_div(tokens, size) * size <= (1 + MAX_DENSE_PADDING) * tokens:
             return size
     return TILE_TOKENS[0]
+
+
+def tensor_tile_tokens(tile_tokens: int) -> int:
+    """Token rows the tensor-op kernels multiply for a tile of `tile_tokens` (8 to 64): 64 for
+    64, else 32, the smallest M of Apple's and the public examples' matmul2d tiles."""
+    return MAX_TILE_TOKENS if tile_tokens == MAX_TILE_TOKENS else TENSOR_MIN_TILE_TOKENS
 
 
 def grouped_tile_tokens(assignments: int) -> list[int]:
@@ -116,8 +129,12 @@ def record_qgemm(
     # Unguarded, the kernel never reads slot 18; it still needs a binding.
     buffers[18] = binding(x if x_exponents is None else x_exponents)
     tile_tokens = dense_tile_tokens(tokens)
+    name = f"qgemm_{first.bits}_{tile_tokens}"
+    if device.tensor_ops:
+        tile_tokens = tensor_tile_tokens(tile_tokens)
+        name = f"qgemm_tensor_{first.bits}_{tile_tokens}"
     graph.dispatch(
-        device.kernel(f"qgemm_{first.bits}_{tile_tokens}"),
+        device.kernel(name),
         threadgroups=(ceil_div(tokens, tile_tokens), int(first_tile[-1]), 1),
         threads=(THREADS_PER_THREADGROUP, 1, 1),
         buffers=buffers,
@@ -192,6 +209,8 @@ def record_qgemm_grouped(
         int(x_exponents is not None),
     )
     kind = "grouped_swiglu" if swiglu else "grouped"
+    if device.tensor_ops:
+        kind += "_tensor"
     graph.dispatch(
         device.kernel(f"qgemm_{kind}_{first.bits}"),
         threadgroups=(
