@@ -41,7 +41,7 @@ execute_process(
   OUTPUT_QUIET ERROR_QUIET)
 
 file(GLOB lily_metallib_sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.metal")
-# The tensor-op GEMMs need MSL 4.0 (macOS 26): the device compiles them at first use, on an M5
+# The tensor-op GEMMs need MSL 4.0 (macOS 26): the device compiles them when it opens, on an M5
 # only, and falls back to the simdgroup-matrix kernels without them.
 list(FILTER lily_metallib_sources EXCLUDE REGEX "/quantized_gemm_tensor_ops\\.metal$")
 file(GLOB lily_metallib_headers CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.h")

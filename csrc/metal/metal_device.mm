@@ -398,13 +398,26 @@ TensorOps load_tensor_ops(id<MTLDevice> device, const KernelSources& sources) {
     if (!fs::exists(file)) {
       return {nil, {false, "no tensor-op kernel source at \"" + file.string() + "\"" + fallback}};
     }
+    id<MTLLibrary> library = nil;
     try {
-      return {compile_source(device, file, kLanguageVersion4_0),
-              {true, "macOS 26 and an Apple10-family GPU: the GEMMs run Metal 4 tensor ops "
-                     "(matmul2d, compiled at MSL 4.0 at first use)"}};
+      library = compile_source(device, file, kLanguageVersion4_0);
     } catch (const std::runtime_error& e) {
       return {nil, {false, std::string(e.what()) + fallback}};
     }
+    // A library that compiles may still fail to give pipelines (cooperative tensors are new):
+    // build each kernel's now, while the simdgroup kernels can still take over, not at the
+    // first prefill.
+    for (NSString* name in library.functionNames) {
+      NSError* error = nil;
+      id<MTLFunction> function = [library newFunctionWithName:name];
+      if ([device newComputePipelineStateWithFunction:function error:&error] == nil) {
+        return {nil, {false, "Metal could not build a pipeline for \"" + to_std(name) +
+                                 "\": " + describe(error) + fallback}};
+      }
+    }
+    return {library,
+            {true, "macOS 26 and an Apple10-family GPU: the GEMMs run Metal 4 tensor ops "
+                   "(matmul2d, compiled at MSL 4.0 when the device opens)"}};
   }
   return {nil, {false, std::string("Metal 4 tensor ops need macOS 26 or later") + fallback}};
 }
