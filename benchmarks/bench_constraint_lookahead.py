@@ -53,8 +53,10 @@ def main() -> None:
     print(f"llguidance {engine.version}, {len(answer)}-token answer, {args.drafts} drafts a pass")
     print(f"  copy then consume:     {_median_us(copy_s):8.1f} us median per pass")
     print(f"  consume then rollback: {_median_us(rollback_s):8.1f} us median per pass")
-    print(f"  one mask:              {_median_us(mask_s):8.1f} us median, "
-          f"p95 {np.percentile(mask_s, 95) * 1e6:.1f} us")
+    print(
+        f"  one mask:              {_median_us(mask_s):8.1f} us median, "
+        f"p95 {np.percentile(mask_s, 95) * 1e6:.1f} us"
+    )
 
 
 if __name__ == "__main__":

@@ -149,9 +149,7 @@ def write_token_mask(buffer: BufferRef, mask: np.ndarray | None) -> None:
     words[MASK_HEADER_WORDS : MASK_HEADER_WORDS + mask.size] = mask
 
 
-def write_token_masks(
-    buffer: BufferRef, masks: Sequence[np.ndarray | None], vocab: int
-) -> None:
+def write_token_masks(buffer: BufferRef, masks: Sequence[np.ndarray | None], vocab: int) -> None:
     """Store draw g's allowed tokens as `masks[g]` (as `write_token_mask` does one), for draws
     that each read their own: `record_sample` with `mask_stride=token_mask_words(vocab)`."""
     target, offset = binding(buffer)
