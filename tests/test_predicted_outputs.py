@@ -105,11 +105,21 @@ def test_stop_strings_with_a_prediction(plain, drafting, expected):
     assert got.choices[0].finish_reason == want.choices[0].finish_reason == "stop"
 
 
+# Mostly text the grammar forces (keys, separators, the rest of an enum value), which it writes
+# in its canonical tokens: a prediction of the answer as text tokenizes into the same tokens.
 SCHEMA_FORMAT = {
     "type": "json_schema",
     "json_schema": {
-        "name": "poem",
-        "schema": {"type": "object", "properties": {"title": {"type": "string"}}},
+        "name": "order",
+        "schema": {
+            "type": "object",
+            "properties": {
+                "status": {"enum": ["shipped", "delivered", "pending"]},
+                "size": {"enum": ["small", "large"]},
+            },
+            "required": ["status", "size"],
+            "additionalProperties": False,
+        },
     },
 }
 WEATHER_TOOL = {
@@ -138,6 +148,18 @@ def _generated_text(llm, monkeypatch, **params):
     return response, llm.tokenizer.decode(tokens)
 
 
+def _same_answer(got, want) -> None:
+    """The same text and tool calls (a call's id is random)."""
+    got, want = got.choices[0], want.choices[0]
+    assert got.message.content == want.message.content
+    assert got.finish_reason == want.finish_reason
+
+    def calls(choice):
+        return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+
+    assert calls(got) == calls(want)
+
+
 def _speculations(llm, monkeypatch) -> list:
     """The `Speculation` of each generation `llm` runs from now on (their counts per source)."""
     made, speculation = [], llm.speculation
@@ -161,10 +183,9 @@ def _speculations(llm, monkeypatch) -> list:
 def test_under_a_grammar_a_prediction_is_accepted(plain, drafting, monkeypatch, params):
     """Each verify row draws under the grammar's mask after the drafts before it: the answer is
     plain decoding's, and the prediction of it is accepted."""
-    want, generated = _generated_text(plain, monkeypatch, max_tokens=12, **params)
-    got = _answer(drafting, max_tokens=12, prediction={"type": "content", "content": generated},
-                  **params)  # fmt: skip
-    assert got.choices[0].message == want.choices[0].message
+    want, generated = _generated_text(plain, monkeypatch, **params)
+    got = _answer(drafting, prediction={"type": "content", "content": generated}, **params)
+    _same_answer(got, want)
     assert got.usage.completion_tokens_details.accepted_prediction_tokens >= 6
 
 
@@ -172,25 +193,21 @@ def test_under_a_grammar_prompt_lookup_gives_plain_decoding(plain, drafting, mon
     """The tool's name and parameters are in the prompt (the tool list) and the grammar forces
     them: prompt lookup drafts them, and the drafts the grammar rules out are cut."""
     speculations = _speculations(drafting, monkeypatch)
-    params = {"tools": [WEATHER_TOOL], "tool_choice": FORCED_CALL, "max_tokens": 16}
+    params = {"tools": [WEATHER_TOOL], "tool_choice": FORCED_CALL}
     got = _answer(drafting, **params)
-    assert got.choices[0].message == _answer(plain, **params).choices[0].message
+    _same_answer(got, _answer(plain, **params))
     (lookup,) = [s.counts["ngram"] for s in speculations]
     assert lookup.accepted > 0
-    json_params = {"response_format": SCHEMA_FORMAT, "max_tokens": 12}
-    got = _answer(drafting, **json_params)
-    assert got.choices[0].message == _answer(plain, **json_params).choices[0].message
-    free = _answer(drafting, tools=[WEATHER_TOOL], max_tokens=12)
-    assert (
-        free.choices[0].message
-        == _answer(plain, tools=[WEATHER_TOOL], max_tokens=12).choices[0].message
-    )
+    _same_answer(_answer(drafting, response_format=SCHEMA_FORMAT),
+                 _answer(plain, response_format=SCHEMA_FORMAT))  # fmt: skip
+    _same_answer(_answer(drafting, tools=[WEATHER_TOOL]), _answer(plain, tools=[WEATHER_TOOL]))
 
 
 def test_a_seeded_sampled_answer_under_a_grammar_is_reproducible(drafting, monkeypatch):
-    _, generated = _generated_text(drafting, monkeypatch, response_format=SCHEMA_FORMAT)
-    params = dict(temperature=0.9, seed=3, response_format=SCHEMA_FORMAT,
-                  prediction={"type": "content", "content": generated})  # fmt: skip
+    format_params = dict(response_format=SCHEMA_FORMAT, max_tokens=40)
+    _, generated = _generated_text(drafting, monkeypatch, **format_params)
+    params = dict(temperature=0.9, seed=3, prediction={"type": "content", "content": generated},
+                  **format_params)  # fmt: skip
     first = _answer(drafting, **params)
     assert _answer(drafting, **params).choices[0].message == first.choices[0].message
     json.loads(first.choices[0].message.content)
