@@ -203,6 +203,24 @@ def test_under_a_grammar_prompt_lookup_gives_plain_decoding(plain, drafting, mon
     _same_answer(_answer(drafting, tools=[WEATHER_TOOL]), _answer(plain, tools=[WEATHER_TOOL]))
 
 
+def test_a_grammar_after_a_think_block_closed_by_the_reasoning_budget(plain, drafting):
+    """The budget closes the generation, the chat layer tells the grammar the block's end and
+    resumes: the grammar must have been told exactly the tokens the chat layer got (a closed
+    generation takes back the rest: test_speculative's test_tokens_the_caller_never_got_*), and
+    the answer after the block is plain decoding's, its prediction accepted."""
+    params = dict(messages=USER, max_tokens=30, temperature=0, reasoning_budget=4,
+                  response_format=SCHEMA_FORMAT)  # fmt: skip
+    want = plain.chat.completions.create(**params)
+    content = want.choices[0].message.content
+    assert content
+    got = drafting.chat.completions.create(
+        **params, prediction={"type": "content", "content": content}
+    )
+    _same_answer(got, want)
+    assert got.choices[0].message.reasoning_content == want.choices[0].message.reasoning_content
+    assert got.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
 def test_a_seeded_sampled_answer_under_a_grammar_is_reproducible(drafting, monkeypatch):
     format_params = dict(response_format=SCHEMA_FORMAT, max_tokens=40)
     _, generated = _generated_text(drafting, monkeypatch, **format_params)

@@ -113,7 +113,10 @@ class Engine(Protocol):
         caller is not reading); once it returns True the generation raises
         GenerationCancelled. `constraint`, if given, is asked for the allowed tokens before
         every draw and told every drawn token (before it is yielded); a mask allowing none of
-        the tokens raises NoAllowedTokenError. Log-probabilities ignore the mask. The last
+        the tokens raises NoAllowedTokenError. With drafts it is also asked and told along them,
+        and takes back (`TokenConstraint.rollback`) those not accepted and the tokens never
+        yielded, so that it ends up told exactly the yielded tokens. Log-probabilities ignore
+        the mask. The last
         `reply_so_far` tokens of `prompt` are the reply so far, when a generation resumes after
         the caller appended to it: the frequency and presence penalties count them as
         generated, so a reply's penalties do not restart. `progress`, if given, is told
