@@ -600,8 +600,8 @@ class GrammarConstraint:
     """A `TokenConstraint` (`lily.engine.constraint`): the answer follows an `OutputGrammar`.
     Its state besides the matcher's is a few small values, so `rollback` keeps them as they
     were before each of the last consumed tokens and rolls the matcher back by llguidance's
-    own `rollback` (about three times cheaper than a `deep_copy` of the matcher to consume
-    the drafts on: benchmarks/bench_constraint_lookahead.py)."""
+    own `rollback` (three times cheaper than a `deep_copy` of the matcher to consume the
+    drafts on: benchmarks/bench_constraint_lookahead.py)."""
 
     def __init__(
         self,
