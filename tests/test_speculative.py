@@ -655,3 +655,18 @@ def test_sampled_output_under_a_constraint_with_drafts_is_reproducible(engine, c
         assert sum(a for _, a in drafter.outcomes) > 0
         runs.append(tokens)
     assert runs[0] == runs[1]
+
+
+def test_a_drafter_that_gave_up_leaves_constrained_decoding_one_pass_at_a_time(
+    engine, constrained_plain
+):
+    """Without a constraint, decoding goes pipelined once nothing will be drafted (the test
+    above); under one, every draw still waits for its mask."""
+    prompt, answer, decided, shift = constrained_plain
+    constraint = _Thirds(engine._model.token_count, shift)
+    drafter = Speculation(draft_tokens=4, ngram=True, auto=True, pass_cost=_flat_cost)
+    drafter._idle_lookups = AUTO_IDLE_LOOKUPS - 3  # about to give up
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, constraint=constraint,
+                                            drafter=drafter)]  # fmt: skip
+    assert drafter.exhausted
+    assert tokens[:decided] == answer[:decided] and constraint.consumed == tokens
