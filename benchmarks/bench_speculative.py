@@ -1,6 +1,8 @@
 """Speculative decoding on the sim: one chat request timed without drafts, with prompt lookup,
 with the MTP head (when the checkpoint has one) and with a `prediction` equal to the answer, in
-one process on one loaded model.
+one process on one loaded model. With `--json-schema` the request answers under a json_schema
+`response_format` (every verified row drawn under the grammar's mask after the drafts before
+it).
 
 The sim runs the kernels on the CPU, so the times say how many passes and how much work a
 request took here, not how fast a Mac is: a verify pass of k + 1 tokens costs the sim about
@@ -10,6 +12,7 @@ must give the same answer.
 
 Usage:
     python benchmarks/bench_speculative.py [--model demo] [--tokens 48] [--draft-tokens 8]
+        [--json-schema]
 """
 
 from __future__ import annotations
@@ -21,6 +24,36 @@ import lily
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+# Mostly text the grammar forces (keys, separators, the rest of an enum value), repeated once per
+# item: what prompt lookup finds in the answer so far and a grammar lets through.
+ORDER_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "order",
+        "schema": {
+            "type": "object",
+            "properties": {
+                "status": {"enum": ["pending", "shipped", "delivered"]},
+                "items": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "properties": {
+                            "sku": {"enum": ["A-100", "B-200", "C-300"]},
+                            "quantity": {"type": "integer", "minimum": 1, "maximum": 9},
+                        },
+                        "required": ["sku", "quantity"],
+                        "additionalProperties": False,
+                    },
+                    "minItems": 4,
+                    "maxItems": 4,
+                },
+            },
+            "required": ["status", "items"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def main() -> None:
@@ -28,12 +61,17 @@ def main() -> None:
     parser.add_argument("--model", default="demo")
     parser.add_argument("--tokens", type=int, default=48, help="max_tokens of the request")
     parser.add_argument("--draft-tokens", type=int, default=8)
+    parser.add_argument(
+        "--json-schema", action="store_true", help="answer under a json_schema response_format"
+    )
     args = parser.parse_args()
     # Loaded with the head when there is one ("auto"), so that its arm can run too.
     with lily.load(
         args.model, device="sim", max_seq=512, speculative="auto", draft_tokens=args.draft_tokens
     ) as llm:
         params = dict(messages=MESSAGES, max_tokens=args.tokens, temperature=0, **NO_THINKING)
+        if args.json_schema:
+            params["response_format"] = ORDER_FORMAT
         answer = llm.chat.completions.create(**params).choices[0].message.content
         prediction = {"type": "content", "content": answer}
         arms = {
@@ -50,7 +88,10 @@ def main() -> None:
             r = llm.chat.completions.create(**params, **extra)
             results[name] = (time.perf_counter() - start, r)
         reference = results["no drafts"][1].choices[0].message
-        print(f"model {args.model} on the sim, {args.tokens} tokens, k = {args.draft_tokens}")
+        grammar = ", json_schema" if args.json_schema else ""
+        print(
+            f"model {args.model} on the sim, {args.tokens} tokens{grammar}, k = {args.draft_tokens}"
+        )
         for name, (seconds, r) in results.items():
             details = r.usage.completion_tokens_details
             accepted = details.accepted_prediction_tokens if details else None

@@ -95,6 +95,7 @@ struct SampleShape {
   uint logits_stride;  // floats between draw g's logits row and the next's (0: one row for all)
   uint draft_counts;   // 1: draw g also counts the g drafted tokens the history holds after the
                        // step position, as generated before it (a verify pass's rows)
+  uint mask_stride;    // words between draw g's token mask and the next's (0: one mask for all)
 };
 
 struct TokenValue {
@@ -124,8 +125,10 @@ struct LogprobEntry {
   float logprob;
 };
 
-// The token mask buffer (lily.kernels.sampling.write_token_mask): word 0 is 1 when the mask
-// applies to this draw, then bit i % 32 of word 1 + i / 32 is set when token i is allowed.
+// A token mask (lily.kernels.sampling.write_token_mask): word 0 is 1 when the mask applies to
+// this draw, then bit i % 32 of word 1 + i / 32 is set when token i is allowed. Draw g reads the
+// mask `mask_stride` * g words on: a verify pass's rows each have their own (a grammar's state
+// differs after each draft).
 constexpr constant uint MASK_HEADER_WORDS = 1;
 
 // Philox4x32-10 (Salmon et al., SC'11): four 32-bit outputs from a 128-bit counter and a 64-bit
@@ -685,7 +688,7 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
                               device const float* all_logits [[buffer(2)]],
                               device const uint* step [[buffer(3)]],
                               device SlicePartial* partials [[buffer(4)]],
-                              device const uint* token_mask [[buffer(6)]],
+                              device const uint* all_masks [[buffer(6)]],
                               device const float* bias [[buffer(7)]],
                               device const uint* counts [[buffer(8)]],
                               device const uint* prompt_tokens [[buffer(9)]],
@@ -710,12 +713,13 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
   // Draw g is for position + g: one dispatch can draw many samples (the tests do).
   const uint step_position = step[0] + draw;
   device const float* logits = all_logits + ulong(draw) * shape.logits_stride;
+  device const uint* mask = all_masks + ulong(draw) * shape.mask_stride;
 
   const Adjustments adjustments =
       draw_adjustments(shape, bias, counts, prompt_tokens, history, step[0], draw);
-  const Logits raw = Logits{logits, token_mask, false, false, adjustments, &params};
+  const Logits raw = Logits{logits, mask, false, false, adjustments, &params};
   const Logits ranked =
-      Logits{logits, token_mask, token_mask[0] != 0, params.adjusts != 0, adjustments, &params};
+      Logits{logits, mask, mask[0] != 0, params.adjusts != 0, adjustments, &params};
 
   // The largest allowed logit (lowest index on ties: each thread scans its indices in
   // increasing order, so a strict > keeps the first), and the largest logit of all.
@@ -823,7 +827,7 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
                              device uint* step [[buffer(3)]],
                              device const SlicePartial* all_partials [[buffer(4)]],
                              device uint* predicted [[buffer(5)]],
-                             device const uint* token_mask [[buffer(6)]],
+                             device const uint* all_masks [[buffer(6)]],
                              device const float* bias [[buffer(7)]],
                              device uint* counts [[buffer(8)]],
                              device const uint* prompt_tokens [[buffer(9)]],
@@ -844,11 +848,12 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
   const uint step_position = step[0] + draw;
   device const SlicePartial* partials = all_partials + draw * slices;
   device const float* logits = all_logits + ulong(draw) * shape.logits_stride;
+  device const uint* mask = all_masks + ulong(draw) * shape.mask_stride;
 
   const Adjustments adjustments =
       draw_adjustments(shape, bias, counts, prompt_tokens, history, step[0], draw);
   const Logits ranked =
-      Logits{logits, token_mask, token_mask[0] != 0, params.adjusts != 0, adjustments, &params};
+      Logits{logits, mask, mask[0] != 0, params.adjusts != 0, adjustments, &params};
 
   uint unusable = 0;
   float best = 0.0f;

@@ -47,9 +47,11 @@ from lily.kernels.sampling import (
     record_sample,
     sample_partials_bytes,
     token_mask_bytes,
+    token_mask_words,
     write_logit_adjustments,
     write_sampling_params,
     write_token_mask,
+    write_token_masks,
 )
 
 CAPACITY = 64
@@ -74,20 +76,29 @@ def reference_accept(drafts: Sequence[int], own: Sequence[int]) -> list[int]:
 class Verify:
     """One verify pass's sampling and acceptance on a device, recorded once: rows of logits
     (stride `stride` >= vocab, the padding past the vocabulary at +1e30: never drawable), the
-    drafts in the history after POSITION."""
+    drafts in the history after POSITION. The rows obey one mask (`allowed`), or with
+    `row_allowed` each its own (None: no mask for that row)."""
 
     def __init__(self, device, rows: np.ndarray, vocab: int, params: SamplingParams, *,
                  prompt: Sequence[int] = (), generated: Sequence[int] = (),
-                 allowed: np.ndarray | None = None, threads: int = 64,
+                 allowed: np.ndarray | None = None,
+                 row_allowed: Sequence[np.ndarray | None] | None = None, threads: int = 64,
                  capacity: int = CAPACITY) -> None:  # fmt: skip
         self.device, self.vocab, self.params = device, vocab, params
         count, stride = rows.shape
         self.drafts = count - 1
         self.parameters = device.alloc(SAMPLING_PARAMS_BYTES)
         write_sampling_params(self.parameters, params)
-        self.token_mask = device.alloc(token_mask_bytes(vocab))
-        mask = None if allowed is None else mask_from_tokens(allowed, vocab)
-        write_token_mask(self.token_mask, mask)
+        mask_stride = 0
+        if row_allowed is None:
+            self.token_mask = device.alloc(token_mask_bytes(vocab))
+            mask = None if allowed is None else mask_from_tokens(allowed, vocab)
+            write_token_mask(self.token_mask, mask)
+        else:
+            self.token_mask = device.alloc(token_mask_bytes(vocab, count))
+            masks = [None if a is None else mask_from_tokens(a, vocab) for a in row_allowed]
+            write_token_masks(self.token_mask, masks, vocab)
+            mask_stride = token_mask_words(vocab)
         self.adjustments = LogitAdjustments.allocate(device, vocab)
         write_logit_adjustments(self.adjustments, params, prompt, vocab, generated)
         self.logits = device.wrap(np.ascontiguousarray(rows, dtype=np.float32))
@@ -115,6 +126,7 @@ class Verify:
             threads=threads,
             slice_threads=threads,
             drafts=self.history,
+            mask_stride=mask_stride,
         )
         self.graph.barrier()
         record_accept_drafts(
@@ -257,6 +269,64 @@ def test_sampled_acceptance_replays_the_reference_race_with_every_transform(lane
         assert np.array_equal(np.flatnonzero(counted), np.unique(expected))
         for g, token in enumerate(expected):
             check_logprobs(verify.ring, RING_SLOTS, POSITION + g, rows[g], token, 3, 64)
+
+
+def disjoint_masks(vocab: int, rows: int, seed: int) -> list[np.ndarray | None]:
+    """Row 1 without a mask; the others each allow a random part of the vocabulary, the parts
+    disjoint, so that a row drawing under any mask but its own draws another token."""
+    parts = np.random.default_rng(seed).integers(0, rows - 1, vocab)
+    masks: list[np.ndarray | None] = [np.flatnonzero(parts == g) for g in range(rows - 1)]
+    masks.insert(1, None)
+    return masks
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, seed=3), SamplingParams(temperature=0.8, top_k=25, seed=3)],
+    ids=["greedy", "sampled"],
+)
+def test_each_row_draws_under_its_own_mask(lane_order, vocab, params):
+    """A verify pass under a grammar: row g draws under the grammar's mask after the g drafts
+    before it, so each row reads its own mask (`mask_stride`). Every row's draw is the
+    reference's under that row's mask (none for row 1), and the acceptance follows them."""
+    k = 4
+    device = sim_device(lane_order)
+    rows = np.stack([peaked_logits(vocab, seed=vocab + 11 * g) for g in range(k + 1)])
+    masks = disjoint_masks(vocab, k + 1, seed=vocab)
+    verify = Verify(device, padded(rows, vocab + 5), vocab, params, row_allowed=masks)
+    own = []
+    for g, (row, allowed) in enumerate(zip(rows, masks, strict=True)):
+        values = row if allowed is None else masked(row, allowed)
+        if not params.greedy:
+            values = race_scores(values, params, POSITION + g)
+        own.append(int(np.argmax(values)))
+        assert allowed is None or own[-1] in allowed
+    for right in (k, 1):
+        drafts = own[:right] + [wrong(t, vocab) for t in own[right:k]]
+        assert verify(drafts) == reference_accept(drafts, own)
+        drawn = verify.drawn.numpy()[: 4 * (k + 1)].view(np.uint32)
+        assert drawn.tolist() == own
+
+
+def test_per_row_masks_are_checked():
+    device = sim_device("forward")
+    vocab = 45
+    one_row = device.alloc(token_mask_bytes(vocab))
+    with pytest.raises(ValueError, match="2 token masks need"):
+        write_token_masks(one_row, [None, None], vocab)
+    with pytest.raises(ValueError, match="2 words at most"):
+        write_token_masks(one_row, [np.zeros(3, np.uint32)], vocab)
+    kwargs = dict(logits=device.alloc(4 * 2 * vocab), logits_stride=vocab, vocab=vocab,
+                  params=device.alloc(SAMPLING_PARAMS_BYTES), position=device.alloc(4),
+                  predicted=device.alloc(8), logprob_ring=device.alloc(logprob_ring_bytes(1)),
+                  ring_slots=1, adjustments=LogitAdjustments.allocate(device, vocab),
+                  partials=device.alloc(sample_partials_bytes(vocab, 2)), draws=2)  # fmt: skip
+    with pytest.raises(ValueError, match="mask_stride must be 0 or at least 3 words"):
+        record_sample(Graph(), device, token_mask=one_row, mask_stride=2, **kwargs)
+    with pytest.raises(ValueError, match="token_mask needs 24 bytes"):
+        record_sample(Graph(), device, token_mask=one_row, mask_stride=3, **kwargs)
 
 
 def test_a_refused_row_ends_the_acceptance_with_no_token():

@@ -6,6 +6,8 @@ of a model loaded with speculative="off"."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from test_server import RunningServer
@@ -103,44 +105,131 @@ def test_stop_strings_with_a_prediction(plain, drafting, expected):
     assert got.choices[0].finish_reason == want.choices[0].finish_reason == "stop"
 
 
-def test_json_schema_and_tool_calls_decode_plainly_with_the_same_answer(plain, drafting):
-    schema = {
-        "type": "json_schema",
-        "json_schema": {
-            "name": "poem",
-            "schema": {"type": "object", "properties": {"title": {"type": "string"}}},
+# Mostly text the grammar forces (keys, separators, the rest of an enum value), which it writes
+# in its canonical tokens: a prediction of the answer as text tokenizes into the same tokens.
+SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "order",
+        "schema": {
+            "type": "object",
+            "properties": {
+                "status": {"enum": ["shipped", "delivered", "pending"]},
+                "size": {"enum": ["small", "large"]},
+            },
+            "required": ["status", "size"],
+            "additionalProperties": False,
         },
-    }
-    want = _answer(plain, response_format=schema, max_tokens=12)
+    },
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+FORCED_CALL = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _generated_text(llm, monkeypatch, **params):
+    """(the response, the text of the tokens the model generated for it, stop token included):
+    a tool call's as the model writes it, for a prediction of it."""
+    generate, tokens = llm.engine.generate, []
+
+    def recording(*args, **kwargs):
+        for token in generate(*args, **kwargs):
+            tokens.append(token.id)
+            yield token
+
+    with monkeypatch.context() as patch:
+        patch.setattr(llm.engine, "generate", recording)
+        response = _answer(llm, **params)
+    return response, llm.tokenizer.decode(tokens)
+
+
+def _same_answer(got, want) -> None:
+    """The same text and tool calls (a call's id is random)."""
+    got, want = got.choices[0], want.choices[0]
+    assert got.message.content == want.message.content
+    assert got.finish_reason == want.finish_reason
+
+    def calls(choice):
+        return [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+
+    assert calls(got) == calls(want)
+
+
+def _speculations(llm, monkeypatch) -> list:
+    """The `Speculation` of each generation `llm` runs from now on (their counts per source)."""
+    made, speculation = [], llm.speculation
+
+    def recording(*args, **kwargs):
+        made.append(speculation(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(llm, "speculation", recording)
+    return made
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"response_format": SCHEMA_FORMAT},
+        {"tools": [WEATHER_TOOL], "tool_choice": FORCED_CALL},
+    ],
+    ids=["json_schema", "tool call"],
+)
+def test_under_a_grammar_a_prediction_is_accepted(plain, drafting, monkeypatch, params):
+    """Each verify row draws under the grammar's mask after the drafts before it: the answer is
+    plain decoding's, and the prediction of it is accepted."""
+    want, generated = _generated_text(plain, monkeypatch, **params)
+    got = _answer(drafting, prediction={"type": "content", "content": generated}, **params)
+    _same_answer(got, want)
+    assert got.usage.completion_tokens_details.accepted_prediction_tokens >= 6
+
+
+def test_under_a_grammar_prompt_lookup_gives_plain_decoding(plain, drafting, monkeypatch):
+    """The tool's name and parameters are in the prompt (the tool list) and the grammar forces
+    them: prompt lookup drafts them, and the drafts the grammar rules out are cut."""
+    speculations = _speculations(drafting, monkeypatch)
+    params = {"tools": [WEATHER_TOOL], "tool_choice": FORCED_CALL}
+    got = _answer(drafting, **params)
+    _same_answer(got, _answer(plain, **params))
+    (lookup,) = [s.counts["ngram"] for s in speculations]
+    assert lookup.accepted > 0
+    _same_answer(_answer(drafting, response_format=SCHEMA_FORMAT),
+                 _answer(plain, response_format=SCHEMA_FORMAT))  # fmt: skip
+    _same_answer(_answer(drafting, tools=[WEATHER_TOOL]), _answer(plain, tools=[WEATHER_TOOL]))
+
+
+def test_a_grammar_after_a_think_block_closed_by_the_reasoning_budget(plain, drafting):
+    """The budget closes the generation, the chat layer tells the grammar the block's end and
+    resumes: the grammar must have been told exactly the tokens the chat layer got (a closed
+    generation takes back the rest: test_speculative's test_tokens_the_caller_never_got_*), and
+    the answer after the block is plain decoding's, its prediction accepted."""
+    params = dict(messages=USER, max_tokens=30, temperature=0, reasoning_budget=4,
+                  response_format=SCHEMA_FORMAT)  # fmt: skip
+    want = plain.chat.completions.create(**params)
     content = want.choices[0].message.content
-    got = _answer(
-        drafting,
-        response_format=schema,
-        max_tokens=12,
-        prediction={"type": "content", "content": content},
+    assert content
+    got = drafting.chat.completions.create(
+        **params, prediction={"type": "content", "content": content}
     )
-    assert got.choices[0].message == want.choices[0].message
-    # Under a grammar nothing is drafted: the prediction's tokens are all reported rejected.
-    assert got.usage.completion_tokens_details.accepted_prediction_tokens == 0
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-    forced = {"type": "function", "function": {"name": "get_weather"}}
-    want = _answer(plain, tools=[tool], tool_choice=forced, max_tokens=12)
-    got = _answer(
-        drafting,
-        tools=[tool],
-        tool_choice=forced,
-        max_tokens=12,
-        prediction={"type": "content", "content": '{"city": "Paris"}'},
-    )
-    assert got.choices[0].message == want.choices[0].message
-    free = _answer(drafting, tools=[tool], max_tokens=12)
-    assert free.choices[0].message == _answer(plain, tools=[tool], max_tokens=12).choices[0].message
+    _same_answer(got, want)
+    assert got.choices[0].message.reasoning_content == want.choices[0].message.reasoning_content
+    assert got.usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+
+def test_a_seeded_sampled_answer_under_a_grammar_is_reproducible(drafting, monkeypatch):
+    format_params = dict(response_format=SCHEMA_FORMAT, max_tokens=40)
+    _, generated = _generated_text(drafting, monkeypatch, **format_params)
+    params = dict(temperature=0.9, seed=3, prediction={"type": "content", "content": generated},
+                  **format_params)  # fmt: skip
+    first = _answer(drafting, **params)
+    assert _answer(drafting, **params).choices[0].message == first.choices[0].message
+    json.loads(first.choices[0].message.content)
+    assert first.usage.completion_tokens_details.accepted_prediction_tokens > 0
 
 
 def test_the_prediction_follows_a_think_block_closed_by_the_reasoning_budget(plain, drafting):

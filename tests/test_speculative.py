@@ -24,6 +24,7 @@ from tiny_models import echo_head_checkpoint, tiny_checkpoint
 
 from lily.checkpoint.config import parse_config
 from lily.checkpoint.loader import load_checkpoint
+from lily.engine.constraint import mask_from_tokens
 from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import MAX_DRAFT_TOKENS, verify_cost_ratio
 from lily.engine.sampling import SamplingParams
@@ -530,3 +531,147 @@ def test_verify_passes_of_impossible_shapes_are_refused(engine):
         model.verify_graph(12, 10)
     with pytest.raises(ValueError, match="over 3 tokens predicts 1 to 3 rows, got 4"):
         model.verify_graph(3, 4)
+
+
+# ---- under a constraint --------------------------------------------------------------------------
+
+
+class _Thirds:
+    """A constraint whose mask depends on every token told before: it rules out the tokens t with
+    (t + the sum of the tokens so far + shift) % 3 == 0, a different third of the vocabulary
+    after each token, so that a row drawn under another row's mask, or a constraint left in a
+    state plain decoding never reaches, changes the answer."""
+
+    def __init__(self, vocab: int, shift: int) -> None:
+        self.vocab, self.shift = vocab, shift
+        self.consumed: list[int] = []
+
+    def allows(self, token, before: list[int]):
+        return (token + sum(before) + self.shift) % 3 != 0
+
+    def allowed_tokens(self):
+        ids = np.arange(self.vocab)
+        return mask_from_tokens(ids[self.allows(ids, self.consumed)], self.vocab)
+
+    def consume(self, token):
+        assert self.allows(token, self.consumed), "told a token its mask rules out"
+        self.consumed.append(token)
+
+    def rollback(self, tokens):
+        assert 0 <= tokens <= MAX_DRAFT_TOKENS
+        del self.consumed[len(self.consumed) - tokens :]
+
+
+@pytest.fixture(scope="module")
+def constrained_plain(checkpoint, engine):
+    """Plain greedy decoding under `_Thirds`: (prompt, answer, how far the masked answer is
+    decided, the constraint's shift), as `plain_decoding`, with the first shift whose answer
+    is decided for at least half its length."""
+    prompt = _prompt(checkpoint)
+    vocab = engine._model.token_count
+    for shift in range(3):
+        constraint = _Thirds(vocab, shift)
+        answer = [t.id for t in engine.generate(prompt, ANSWER, constraint=constraint)]
+        logits = engine.teacher_forced_logits(prompt + answer[:-1])[len(prompt) - 1 :]
+        ids = np.arange(logits.shape[1])
+        for i, row in enumerate(logits):
+            row[~constraint.allows(ids, answer[:i])] = -np.inf
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        near = np.flatnonzero(top2[:, 1] - top2[:, 0] <= MARGIN)
+        decided = int(near[0]) if near.size else ANSWER
+        if decided >= ANSWER // 2:
+            return prompt, answer, decided, shift
+    raise AssertionError("no shift gives an answer decided for half its length")
+
+
+@pytest.mark.parametrize("right", [4, 0, 2], ids=["all accepted", "all rejected", "partly"])
+def test_greedy_output_under_a_constraint_is_plain_decoding_with_drafts(engine, constrained_plain,
+                                                                        right):  # fmt: skip
+    prompt, answer, decided, shift = constrained_plain
+    constraint = _Thirds(engine._model.token_count, shift)
+    drafter = _Scripted(engine, prompt, answer, right)
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, constraint=constraint,
+                                            drafter=drafter)]  # fmt: skip
+    assert tokens[:decided] == answer[:decided] and len(tokens) == len(answer)
+    # Told exactly the tokens generated, in order: the rejected drafts were taken back.
+    assert constraint.consumed == tokens
+    accepted = sum(a for _, a in drafter.outcomes)
+    assert accepted > 0 if right else accepted == 0
+
+
+def test_a_draft_the_constraint_rules_out_is_cut_before_the_verify_pass(engine, constrained_plain):
+    """After the first token, drafts [a1, x, a3, a4] where the mask after a1 rules x out: the
+    model can never draw x there, so the pass verifies a1 alone (and accepts it)."""
+    prompt, answer, decided, shift = constrained_plain
+    constraint = _Thirds(engine._model.token_count, shift)
+    ruled_out = next(
+        t for t in range(engine._model.token_count) if not constraint.allows(t, answer[:2])
+    )
+
+    class RuledOut(_Scripted):
+        def draft(self, tokens, limit):
+            drafts = super().draft(tokens, limit)
+            if not self.outcomes:
+                drafts[1] = ruled_out
+            return drafts
+
+    drafter = RuledOut(engine, prompt, answer, right=4)
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, constraint=constraint,
+                                            drafter=drafter)]  # fmt: skip
+    assert drafter.outcomes[0] == (1, 1)
+    assert tokens[:decided] == answer[:decided]
+
+
+def test_tokens_the_caller_never_got_are_taken_back_from_the_constraint(engine, constrained_plain):
+    prompt, answer, decided, shift = constrained_plain
+    assert decided > 6
+    constraint = _Thirds(engine._model.token_count, shift)
+    drafter = _Scripted(engine, prompt, answer, right=4)
+    generation = engine.generate(prompt, ANSWER, constraint=constraint, drafter=drafter)
+    # The first token, then a pass yielding 4 drafts and the model's token: stop inside it.
+    taken = [next(generation).id for _ in range(3)]
+    generation.close()
+    assert drafter.outcomes == [(4, 4)]
+    assert constraint.consumed == taken == answer[:3]
+    # A stop token among the accepted drafts ends the generation there, as plain decoding does.
+    constraint = _Thirds(engine._model.token_count, shift)
+    drafter = _Scripted(engine, prompt, answer, right=4)
+    stop = answer[3]
+    tokens = [
+        t.id
+        for t in engine.generate(prompt, ANSWER, {stop}, constraint=constraint, drafter=drafter)
+    ]
+    assert tokens == constraint.consumed == answer[: answer.index(stop) + 1]
+
+
+def test_sampled_output_under_a_constraint_with_drafts_is_reproducible(engine, constrained_plain):
+    prompt, _, _, shift = constrained_plain
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    constraint = _Thirds(engine._model.token_count, shift)
+    sampled = [t.id for t in engine.generate(prompt, 16, sampling=params, constraint=constraint)]
+    runs = []
+    for _ in range(2):
+        constraint = _Thirds(engine._model.token_count, shift)
+        drafter = _Scripted(engine, prompt, sampled, right=4)
+        tokens = [t.id for t in engine.generate(prompt, 16, sampling=params, constraint=constraint,
+                                                drafter=drafter)]  # fmt: skip
+        assert constraint.consumed == tokens
+        assert all(constraint.allows(t, tokens[:i]) for i, t in enumerate(tokens))
+        assert sum(a for _, a in drafter.outcomes) > 0
+        runs.append(tokens)
+    assert runs[0] == runs[1]
+
+
+def test_a_drafter_that_gave_up_leaves_constrained_decoding_one_pass_at_a_time(
+    engine, constrained_plain
+):
+    """Without a constraint, decoding goes pipelined once nothing will be drafted (the test
+    above); under one, every draw still waits for its mask."""
+    prompt, answer, decided, shift = constrained_plain
+    constraint = _Thirds(engine._model.token_count, shift)
+    drafter = Speculation(draft_tokens=4, ngram=True, auto=True, pass_cost=_flat_cost)
+    drafter._idle_lookups = AUTO_IDLE_LOOKUPS - 3  # about to give up
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, constraint=constraint,
+                                            drafter=drafter)]  # fmt: skip
+    assert drafter.exhausted
+    assert tokens[:decided] == answer[:decided] and constraint.consumed == tokens

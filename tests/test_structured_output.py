@@ -539,3 +539,78 @@ def test_a_non_strict_schema_is_enforced_as_far_as_the_engine_goes(llm):
     with pytest.raises(UnsupportedSchemaError):
         strict = {**fmt, "json_schema": {**fmt["json_schema"], "strict": True}}
         create(llm, response_format=strict)
+
+
+class LookaheadEngine(MaskedRandomEngine):
+    """`MaskedRandomEngine`, but before every draw it walks the constraint up to 8 tokens ahead
+    (as a verify pass's drafts: a mask asked before each, stopping at a stop token; `favoured`,
+    when allowed, half the time) and takes them back with `rollback`; it records every mask the
+    draws were given."""
+
+    def __init__(self, config, token_count: int, favoured: int) -> None:
+        super().__init__(config, token_count)
+        self.favoured = favoured
+        self.masks: list[np.ndarray] = []
+        self._walk = np.random.default_rng(0)
+
+    def generate(self, prompt, max_new_tokens, stop_token_ids=(), sampling=GREEDY, *args,
+                 constraint=None, **kwargs):  # fmt: skip
+        if constraint is not None:
+            constraint = _Walking(constraint, self, stop_token_ids)
+        yield from super().generate(prompt, max_new_tokens, stop_token_ids, sampling, *args,
+                                    constraint=constraint, **kwargs)  # fmt: skip
+
+
+class _Walking:
+    def __init__(self, constraint, engine: LookaheadEngine, stop_token_ids) -> None:
+        self.constraint, self.engine, self.stop_token_ids = constraint, engine, stop_token_ids
+
+    def allowed_tokens(self):
+        constraint, vocab = self.constraint, self.engine.config.vocab_size
+        mask = constraint.allowed_tokens().copy()
+        walked = 0
+        for _ in range(int(self.engine._walk.integers(1, 9))):
+            allowed = np.flatnonzero(allowed_flags(constraint.allowed_tokens(), vocab))
+            token = int(self.engine._walk.choice(allowed))
+            if self.engine.favoured in allowed and self.engine._walk.random() < 0.5:
+                token = self.engine.favoured
+            constraint.consume(token)
+            walked += 1
+            if token in self.stop_token_ids:
+                break
+        constraint.rollback(walked)
+        np.testing.assert_array_equal(constraint.allowed_tokens(), mask)
+        self.engine.masks.append(mask)
+        return mask
+
+    def consume(self, token: int) -> None:
+        self.constraint.consume(token)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(response_format=ORDER_FORMAT, max_tokens=90, extra_body={"reasoning_budget": 12}),
+        dict(tools=[WEATHER, SEARCH], tool_choice="required", max_tokens=120, **NO_THINKING),
+    ],
+    ids=["json_schema after thinking", "tool calls"],
+)
+def test_a_grammar_taken_back_after_a_lookahead_is_as_before(demo_dir, tokenizer, llm, params):
+    """A verify pass tells the grammar its drafts and takes back those rejected: after walking
+    ahead (through forced text, the end of the think block, the closing stretch near
+    max_tokens, the end of turn) and back, the mask is the one before the walk, and the answer
+    (random logits under the masks) that of a grammar that never walked (a call's id is
+    random)."""
+    # The walk often ends the think block, and comes back into it.
+    think_end = tokenizer.token_to_id("</think>")
+    walking = LookaheadEngine(load_config(demo_dir), tokenizer.vocab_size, think_end)
+    walked = Lily("demo", demo_dir, tokenizer, walking, "masked-random")
+    for seed in range(3):
+        want = create(llm, seed=seed, **params).choices[0]
+        got = create(walked, seed=seed, **params).choices[0]
+        assert got.message.content == want.message.content
+        assert got.finish_reason == want.finish_reason
+        calls = [[(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+                 for choice in (got, want)]  # fmt: skip
+        assert calls[0] == calls[1]
+    assert len(walking.masks) > 100

@@ -6,6 +6,12 @@ every other token as if its logit were -inf (not the greedy choice, not counted 
 or min-p, never drawn). Log-probabilities stay those of the model's own distribution. After the
 draw the engine tells the constraint which token was taken. On a device the next step can only
 be queued once the token is known, so a constrained generation runs one pass at a time.
+
+Speculative decoding draws several tokens in one verify pass, row i after the first i drafted
+tokens, so it needs the constraint's mask after each draft before any is accepted: the engine
+asks and tells the constraint along the drafts as if they had been drawn, then takes back with
+`rollback` those the pass did not accept. The constraint so goes through exactly the calls, in
+the same order, that plain decoding of the accepted tokens makes.
 """
 
 from __future__ import annotations
@@ -27,6 +33,12 @@ class TokenConstraint(Protocol):
 
     def consume(self, token: int) -> None:
         """The token that was drawn (called for every generated token, in order)."""
+        ...
+
+    def rollback(self, tokens: int) -> None:
+        """Takes back the last `tokens` consumed (at most a verify pass's drafts,
+        `model_graph.MAX_DRAFT_TOKENS`): the constraint is then as it was just before the first
+        of them was consumed."""
         ...
 
 

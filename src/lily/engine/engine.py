@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from lily.engine.constraint import TokenConstraint, allowed_flags, ban_mask, draw_mask
+from lily.engine.constraint import (
+    NoAllowedTokenError,
+    TokenConstraint,
+    allowed_flags,
+    ban_mask,
+    draw_mask,
+)
 from lily.engine.lock import (
     EngineLock,
     holds_engine,
@@ -66,6 +72,7 @@ from lily.kernels.sampling import (
     write_logit_adjustments,
     write_sampling_params,
     write_token_mask,
+    write_token_masks,
 )
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 
@@ -106,7 +113,10 @@ class Engine(Protocol):
         caller is not reading); once it returns True the generation raises
         GenerationCancelled. `constraint`, if given, is asked for the allowed tokens before
         every draw and told every drawn token (before it is yielded); a mask allowing none of
-        the tokens raises NoAllowedTokenError. Log-probabilities ignore the mask. The last
+        the tokens raises NoAllowedTokenError. With drafts it is also asked and told along them,
+        and takes back (`TokenConstraint.rollback`) those not accepted and the tokens never
+        yielded, so that it ends up told exactly the yielded tokens. Log-probabilities ignore
+        the mask. The last
         `reply_so_far` tokens of `prompt` are the reply so far, when a generation resumes after
         the caller appended to it: the frequency and presence penalties count them as
         generated, so a reply's penalties do not restart. `progress`, if given, is told
@@ -181,6 +191,12 @@ class _Request:
     sampling: SamplingParams
     stop_token_ids: Collection[int]
     max_new_tokens: int
+    constraint: TokenConstraint | None
+    bans: np.ndarray | None  # the mask of the tokens the sampling parameters ban
+
+
+def _allows(mask: np.ndarray | None, token: int) -> bool:
+    return mask is None or bool((mask[token // 32] >> np.uint32(token % 32)) & 1)
 
 
 class _DeviceRows:
@@ -367,9 +383,7 @@ class DeviceEngine:
         snapshots = self.prefix_cache.snapshot_positions(
             first, len(prompt), _positions(snapshot_at)
         )
-        # A constrained draw needs the constraint's state after each drafted token, which it
-        # cannot give back: such a generation decodes plainly.
-        speculating = drafter is not None and constraint is None and self.max_chunk > 1
+        speculating = drafter is not None and self.max_chunk > 1
         # The MTP head reads each pass's hidden states before the next pass overwrites them.
         head = speculating and self._model.mtp and isinstance(drafter, Speculation) and drafter.mtp
         self._mtp_pending = None
@@ -422,7 +436,9 @@ class DeviceEngine:
                     return
             if speculating:
                 assert drafter is not None
-                request = _Request(prompt, sampling, stop_token_ids, max_new_tokens)
+                request = _Request(
+                    prompt, sampling, stop_token_ids, max_new_tokens, constraint, bans
+                )
                 if head:
                     assert isinstance(drafter, Speculation)
                     drafter.head = self._mtp_drafts
@@ -475,8 +491,15 @@ class DeviceEngine:
         pass, and the KV rows past them are simply rewritten by it (attention reads only
         positions before its own). One rejected pass's tokens wait for the next verify pass;
         after a second rejection in a row the next pass only catches up (drafting nothing), so
-        that a run of rejections does not grow every pass."""
+        that a run of rejections does not grow every pass.
+
+        Under a constraint each row draws under its own mask (`_row_masks`), and the
+        constraint, told every draft, takes back those not accepted and is told the model's own
+        token: it has then been asked and told exactly as plain decoding would have. Tokens a
+        pass yields are told to it before the first is yielded; those the caller never gets
+        (after a stop token, or when it closes the generation) are taken back."""
         model, device = self._model, self.device
+        constraint = request.constraint
         history, step = model.history_view(), model.step_view()
         tokens = [*request.prompt, *generated]
         fed = len(tokens) - 1
@@ -490,7 +513,7 @@ class DeviceEngine:
                 MAX_DRAFT_TOKENS,
                 model.max_chunk - waiting,
             )
-            if waiting == 1 and drafter.exhausted:
+            if waiting == 1 and drafter.exhausted and constraint is None:
                 # Nothing will be drafted again: decode the rest pipelined.
                 count = request.max_new_tokens - len(generated)
                 yield from self._decode(last, count, request, should_stop)
@@ -498,24 +521,38 @@ class DeviceEngine:
             drafts = []
             if limit > 0 and rejections < 2:
                 drafts = [int(t) for t in drafter.draft(tokens, limit)][:limit]
+            drafts, masks = self._row_masks(request, drafts, last + 1)
             # The head reads the last pass's rows before this pass overwrites them.
             self._mtp_catch_up(draft=False)
             history[last + 1 : last + 1 + len(drafts)] = drafts
             # Everything the history holds counts as given: no advance overwrites it.
             step[POSITION], step[PROMPT_END], step[TOKEN] = fed, last + 1 + len(drafts), tokens[fed]
             if not drafts:
+                if constraint is not None:
+                    write_token_mask(model.state.token_mask, masks[0])
                 device.run(model.graph(waiting, predicts=True))
                 self._mtp_pending = None if self._mtp_pending is None else (fed, waiting)
                 fed, rejections = last + 1, 0
                 produced = [self._drawn(last + 1, request.sampling)]
+                if constraint is not None:
+                    constraint.consume(produced[0].id)
+                told = 1
             else:
                 rows = len(drafts) + 1
                 graph = model.verify_graph(waiting + len(drafts), rows)
                 model.verify_position_view()[0] = last
+                write_token_masks(model.verify_token_masks, masks, model.token_count)
                 device.run(graph)
                 chosen = model.accepted_tokens()
                 if chosen[-1] == NO_TOKEN:
                     raise NonFiniteLogitsError(last + len(chosen))
+                told = len(chosen) - 1  # the accepted drafts, told already
+                if constraint is not None:
+                    constraint.rollback(len(drafts) - told)
+                    # After an accepted stop token the model's own token is never yielded.
+                    if not any(t in request.stop_token_ids for t in chosen[:-1]):
+                        constraint.consume(chosen[-1])
+                        told += 1
                 drafter.verified(drafts, len(chosen) - 1)
                 # The rows up to the last accepted draft's are right, rejected or not: the
                 # model's own token follows them.
@@ -530,14 +567,51 @@ class DeviceEngine:
                     GeneratedToken(token, self._logprobs(last + i, request.sampling))
                     for i, token in enumerate(chosen)
                 ]
-            for token in produced:
-                tokens.append(token.id)
-                generated.append(token.id)
-                yield token
-                if token.id in request.stop_token_ids:
-                    return
-                if len(generated) == request.max_new_tokens:
-                    return
+            yielded = 0
+            try:
+                for token in produced:
+                    tokens.append(token.id)
+                    generated.append(token.id)
+                    yielded += 1
+                    yield token
+                    if token.id in request.stop_token_ids:
+                        return
+                    if len(generated) == request.max_new_tokens:
+                        return
+            finally:
+                if constraint is not None and told > yielded:
+                    constraint.rollback(told - yielded)
+
+    def _row_masks(
+        self, request: _Request, drafts: list[int], position: int
+    ) -> tuple[list[int], list[np.ndarray | None]]:
+        """The drafts a verify pass checks, and each row's mask: row i draws the token at
+        `position` + i, under the constraint's mask after the first i drafts, less the banned
+        tokens. The constraint is told the drafts it is asked after; the caller takes back
+        those not accepted. The drafts end before the first the mask before it rules out (the
+        model can never draw it), before one after which the constraint allows nothing (plain
+        decoding would fail only once it is drawn), and after a stop token (nothing after one
+        is generated)."""
+        constraint, bans, vocab = request.constraint, request.bans, self._model.token_count
+        masks = [draw_mask(constraint, bans, vocab, position)]
+        kept: list[int] = []
+        for draft in drafts:
+            if draft >= vocab or not _allows(masks[-1], draft):
+                break
+            if constraint is not None:
+                constraint.consume(draft)
+            kept.append(draft)
+            if draft in request.stop_token_ids:
+                masks.append(bans)  # the row after a stop token is never yielded
+                break
+            try:
+                masks.append(draw_mask(constraint, bans, vocab, position + len(kept)))
+            except NoAllowedTokenError:
+                assert constraint is not None  # the bans alone always allow a token
+                constraint.rollback(1)
+                kept.pop()
+                break
+        return kept, masks
 
     def _mtp_catch_up(self, draft: bool) -> None:
         """Runs the MTP head over the rows of the last pass it has not read (their KV rows are

@@ -80,6 +80,7 @@ from lily.kernels.sampling import (
     record_sample,
     sample_partials_bytes,
     token_mask_bytes,
+    token_mask_words,
 )
 from lily.kernels.step import STEP_FIELDS, record_step_advance
 
@@ -140,10 +141,12 @@ def recurrent_state_bytes(c: ModelConfig) -> int:
 
 def verify_bytes(c: ModelConfig, token_count: int) -> int:
     """What verify passes allocate on first use: the rows' logits, the sampler's partials for
-    one draw per row, the draws, the acceptance, and the recurrent state's backup."""
+    one draw per row, the rows' token masks, the draws, the acceptance, and the recurrent
+    state's backup."""
     rows = MAX_DRAFT_TOKENS + 1
     logits = 4 * rows * c.vocab_size
-    sampler = sample_partials_bytes(token_count, rows) + 4 * rows + 4
+    sampler = sample_partials_bytes(token_count, rows) + token_mask_bytes(token_count, rows)
+    sampler += 4 * rows + 4
     return logits + sampler + accepted_bytes(MAX_DRAFT_TOKENS) + recurrent_state_bytes(c)
 
 
@@ -469,8 +472,9 @@ class ModelGraph:
         max_chunk) whose last `rows` (at most MAX_DRAFT_TOKENS + 1) go through the final norm
         and the lm_head into `verify_logits_view`; the history holds the rows - 1 drafts after
         the position in `verify_position_view` (the token row 0 consumes). The sampler draws one
-        token per row, row g keyed on that position + g, and `accept_drafts` keeps the drafts
-        the draws agree with, for `accepted_tokens` to read; all on the device. The recurrent
+        token per row, row g keyed on that position + g and obeying row g's mask in
+        `verify_token_masks`, and `accept_drafts` keeps the drafts the draws agree with, for
+        `accepted_tokens` to read; all on the device. The recurrent
         state is backed up before the layers and restored after the acceptance when a draft
         was rejected, so that it is then the state before the pass. No step advance: the host
         points the step buffer at the first token the state has not consumed."""
@@ -491,6 +495,12 @@ class ModelGraph:
     def verify_position_view(self) -> np.ndarray:
         """The verify pass's position (uint32 [1]), written by the host before it submits."""
         return self._verify_buffers.position.numpy().view(np.uint32)
+
+    @property
+    def verify_token_masks(self) -> Buffer:
+        """The verify pass's token masks, one per row (`write_token_masks`), written by the host
+        before it submits."""
+        return self._verify_buffers.token_masks
 
     def accepted_tokens(self) -> list[int]:
         """What the last verify pass yields: its accepted drafts, then the model's own token
@@ -604,6 +614,8 @@ class _VerifyBuffers:
         rows = MAX_DRAFT_TOKENS + 1
         self.logits = device.alloc(4 * rows * c.vocab_size)
         self.sample_partials = device.alloc(sample_partials_bytes(token_count, rows))
+        # Row g's allowed tokens: under a grammar, its state after the g drafts before the row.
+        self.token_masks = device.alloc(token_mask_bytes(token_count, rows))
         self.drawn = device.alloc(4 * rows)
         self.position = device.alloc(4)
         self.accepted = device.alloc(accepted_bytes(MAX_DRAFT_TOKENS))
@@ -844,7 +856,8 @@ class _Recorder:
             predicted=verify.drawn,
             logprob_ring=state.logprob_ring,
             ring_slots=LOGPROB_RING_SLOTS,
-            token_mask=state.token_mask,
+            token_mask=verify.token_masks,
+            mask_stride=token_mask_words(m.token_count),
             adjustments=state.adjustments,
             partials=verify.sample_partials,
             draws=rows,

@@ -35,6 +35,8 @@ A token mask (`write_token_mask`; the hook is `lily.engine.constraint.TokenConst
 before
 step 1 when the host switched it on for the draw: a disallowed token counts as a -inf logit, so
 it is never the greedy choice, the filters see only the allowed tokens, and it is never drawn.
+The draws of one dispatch read one mask, or each its own (`mask_stride`, `write_token_masks`):
+the rows of a verify pass under a grammar, whose state differs after each drafted token.
 
 The most likely (allowed) token always survives the filters. Ties in the sampling race go to the
 lowest id (probability ~0). A -inf logit is a token that cannot be drawn. A row holding a NaN or
@@ -124,8 +126,14 @@ _LOWEST_FLOAT32 = float(np.finfo(np.float32).min)
 MASK_HEADER_WORDS = 1
 
 
-def token_mask_bytes(vocab: int) -> int:
-    return 4 * (MASK_HEADER_WORDS + mask_words(vocab))
+def token_mask_words(vocab: int) -> int:
+    """The uint32 words of one draw's token mask: the header, then the bitmask."""
+    return MASK_HEADER_WORDS + mask_words(vocab)
+
+
+def token_mask_bytes(vocab: int, draws: int = 1) -> int:
+    """Bytes of a token mask buffer holding `draws` masks, one after the other."""
+    return 4 * draws * token_mask_words(vocab)
 
 
 def write_token_mask(buffer: BufferRef, mask: np.ndarray | None) -> None:
@@ -139,6 +147,19 @@ def write_token_mask(buffer: BufferRef, mask: np.ndarray | None) -> None:
         return
     words[0] = 1
     words[MASK_HEADER_WORDS : MASK_HEADER_WORDS + mask.size] = mask
+
+
+def write_token_masks(buffer: BufferRef, masks: Sequence[np.ndarray | None], vocab: int) -> None:
+    """Store draw g's allowed tokens as `masks[g]` (as `write_token_mask` does one), for draws
+    that each read their own: `record_sample` with `mask_stride=token_mask_words(vocab)`."""
+    target, offset = binding(buffer)
+    stride = 4 * token_mask_words(vocab)
+    if target.size - offset < stride * len(masks):
+        raise ValueError(f"{len(masks)} token masks need {stride * len(masks)} bytes: too small")
+    for g, mask in enumerate(masks):
+        if mask is not None and mask.size > mask_words(vocab):
+            raise ValueError(f"a mask over {vocab} tokens is {mask_words(vocab)} words at most")
+        write_token_mask((target, offset + g * stride), mask)
 
 
 def pack_sampling_params(params: SamplingParams) -> bytes:
@@ -274,6 +295,7 @@ def record_sample(
     bookkeeping: StepBookkeeping | None = None,
     logits_stride: int = 0,
     drafts: BufferRef | None = None,
+    mask_stride: int = 0,
 ) -> None:
     """predicted[g] (uint32) = the token sampled from `vocab` fp32 logits under the parameters
     in `params` (written by `write_sampling_params`), for g < `draws`. `position` points at the
@@ -283,7 +305,9 @@ def record_sample(
     `drafts` (a token history, uint32, holding the drafted tokens from position + 1 on), draw
     g also counts the g drafts before it as generated, for the penalties: the rows of a verify
     pass (`record_accept_drafts`).
-    `token_mask` holds the mask the draws obey (`write_token_mask`), `adjustments` the bias
+    `token_mask` holds the mask the draws obey (`write_token_mask`); draw g reads the one
+    `mask_stride` * g uint32 words on (0: every draw obeys the same; else at least
+    `token_mask_words(vocab)`, as `write_token_masks` writes them). `adjustments` holds the bias
     and penalty inputs (`write_logit_adjustments`), read when `params` says so.
 
     Two dispatches with a barrier between them: `slices` threadgroups of `slice_threads` per
@@ -302,6 +326,10 @@ def record_sample(
         raise ValueError(f"bookkeeping ends a decode step: one draw, got {draws}")
     if not (logits_stride == 0 or logits_stride >= vocab):
         raise ValueError(f"logits_stride must be 0 or at least the vocab, got {logits_stride}")
+    if not (mask_stride == 0 or mask_stride >= token_mask_words(vocab)):
+        raise ValueError(
+            f"mask_stride must be 0 or at least {token_mask_words(vocab)} words, got {mask_stride}"
+        )
     if drafts is not None and bookkeeping is not None:
         raise ValueError("drafts are a verify pass's, bookkeeping a decode step's: not both")
     slice_count, slice_tokens = slice_layout(vocab, slices)
@@ -311,7 +339,7 @@ def record_sample(
         ("position", position, 4),
         ("predicted", predicted, 4 * draws),
         ("logprob_ring", logprob_ring, logprob_ring_bytes(ring_slots)),
-        ("token_mask", token_mask, token_mask_bytes(vocab)),
+        ("token_mask", token_mask, 4 * ((draws - 1) * mask_stride + token_mask_words(vocab))),
         ("bias", adjustments.bias, 4 * vocab),
         ("counts", adjustments.counts, 4 * vocab),
         ("prompt_tokens", adjustments.prompt_tokens, 4 * mask_words(vocab)),
@@ -334,7 +362,7 @@ def record_sample(
         inputs[11] = binding(drafts)
     capacity = 0 if bookkeeping is None else bookkeeping.capacity
     shape = pack_params(
-        "IIIIIIII",
+        "IIIIIIIII",
         vocab,
         ring_slots,
         slice_count,
@@ -343,6 +371,7 @@ def record_sample(
         int(bool(bookkeeping)),
         logits_stride,
         int(drafts is not None),
+        mask_stride,
     )
     spread = device.kernel("sample_slices")
     graph.dispatch(
