@@ -406,7 +406,7 @@ TensorOps load_tensor_ops(id<MTLDevice> device, const KernelSources& sources) {
     }
     // A library that compiles may still fail to give pipelines (cooperative tensors are new):
     // build each kernel's now, while the simdgroup kernels can still take over, not at the
-    // first prefill.
+    // first dispatch.
     for (NSString* name in library.functionNames) {
       NSError* error = nil;
       id<MTLFunction> function = [library newFunctionWithName:name];
