@@ -23,6 +23,18 @@ theirs through int8 groups of 32 with fp16 scales, as the engine's cache does, i
 (A seeded context holds the cache's values on every side; only the rows appended after it
 differ between the first reference and the others.)
 
+A verify pass (`--verify`) goes through gdn_chunk, whose products take half operands. Through
+40 random layers such a rounding flips near-tied expert choices, each flip moving the logits by
+O(1), so that a comparison with an exact reference measures how many near-ties there were
+rather than whether the kernels are right. There the check (a) pins every reference's routing
+to the experts the sim chose (each MoE block's choice is copied out of the sim's scratch as the
+pass runs), and counts where the float64 model would have chosen otherwise and by what margin;
+and (b) gives the yardstick the kernel's rounding: its references feed the tokens in the
+engine's two passes, and run a pass of several tokens through the chunkwise Gated DeltaNet with
+gdn_chunk's half operands (reference.HalfOperands, which tests/test_kernel_gdn.py holds to the
+kernel). The references are then float32 and float64 with that rounding (the noise and the
+yardstick), and float64 without it (what the half operands cost).
+
 Usage:
     python benchmarks/make_synthetic_checkpoint.py SYNTH_DIR   # once, ~19.5 GB
     python benchmarks/full_size_check.py SYNTH_DIR [--tokens 4]
@@ -40,12 +52,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from lily.checkpoint.loader import load_checkpoint
-from lily.device import open_device
+from lily.device import Device, Graph, open_device
 from lily.diagnostics.seeded_context import seed_context
+from lily.engine import model_graph, reference
 from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import kv_cache_bytes_per_token
 from lily.engine.prefix_cache import PrefixCache
-from lily.engine.reference import ReferenceModel, ReferenceState
+from lily.engine.reference import GdnChunks, HalfOperands, ReferenceModel, ReferenceState
+from lily.kernels.copy import record_copy
+from lily.kernels.gdn import CHUNK_SCALE_ROWS, CHUNK_SUB_CHUNK
 
 # The engine may be this many times further from float64 than the float32 reference is.
 NOISE_FACTOR = 2.0
@@ -64,6 +79,110 @@ class _OneDraft:
 
     def verified(self, drafted: Sequence[int], accepted: int) -> None:
         pass
+
+
+class _RoutingProbe:
+    """The experts the sim's MoE blocks choose: while installed, every MoE block a graph
+    records (model_graph.record_moe, the kernels of passes up to 9 tokens) also copies its
+    expert ids [tokens, top_k] into a slot of its own in `buffer`, so that after a graph has
+    run once its slots hold its choices, layer by layer."""
+
+    def __init__(self, device: Device, nbytes: int) -> None:
+        self.device = device
+        self.buffer = device.alloc(nbytes)
+        self.used = 0
+        self.slots: dict[int, list[tuple[int, int]]] = {}  # id(graph): (offset, tokens) per block
+        self._recording: list[tuple[int, int]] = []
+        self._originals = (model_graph.record_moe, model_graph._Recorder.record)
+
+    def install(self) -> None:
+        record_moe, record = self._originals
+
+        def record_moe_probed(graph: Graph, device: Device, x, w, top_k, scratch, out, **kw):
+            record_moe(graph, device, x, w, top_k, scratch, out, **kw)
+            tokens = kw.get("tokens", 1)
+            nbytes = 4 * tokens * top_k
+            if self.used + nbytes > self.buffer.size:
+                raise RuntimeError("the routing probe's buffer is full")
+            graph.barrier()
+            record_copy(graph, device, scratch.expert_ids, (self.buffer, self.used), nbytes)
+            self._recording.append((self.used, tokens))
+            self.used += nbytes
+
+        def record_probed(recorder) -> Graph:
+            self._recording = []
+            graph = record(recorder)
+            self.slots[id(graph)] = self._recording
+            return graph
+
+        model_graph.record_moe = record_moe_probed
+        model_graph._Recorder.record = record_probed
+
+    def uninstall(self) -> None:
+        model_graph.record_moe, model_graph._Recorder.record = self._originals
+
+    def routes(self, graph: Graph, top_k: int) -> list[np.ndarray]:
+        """Graph's choices as it last ran: one [tokens, top_k] array per MoE block."""
+        words = self.buffer.numpy().view(np.uint32)
+        return [
+            words[offset // 4 : offset // 4 + tokens * top_k].reshape(tokens, top_k).copy()
+            for offset, tokens in self.slots[id(graph)]
+        ]
+
+
+class _PinnedRouting:
+    """Makes every ReferenceModel route to given experts (`pin`, one [tokens, top_k] array per
+    MoE block in the order the model runs them) with its own router's weights for them, and
+    records where its own choice would have differed: (set of ids differs, the margin between
+    its top_k-th and next router probability) per token."""
+
+    def __init__(self) -> None:
+        self.queue: list[np.ndarray] = []
+        self.flips: list[float] = []
+        self.routes = 0
+        self._original = reference.moe_route
+
+    def pin(self, routes: list[np.ndarray]) -> None:
+        self.queue = list(routes)
+        self.flips, self.routes = [], 0
+
+    def install(self) -> None:
+        def pinned(router_logits: np.ndarray, top_k: int, normalize: bool):
+            if not self.queue:
+                raise RuntimeError("the reference ran more MoE blocks than the sim recorded")
+            ids = self.queue.pop(0).astype(np.int64)
+            if ids.shape != (*router_logits.shape[:-1], top_k):
+                raise RuntimeError(
+                    f"pinned routes {ids.shape}, router logits {router_logits.shape}"
+                )
+            own, _ = self._original(router_logits, top_k, normalize)
+            shifted = np.exp(router_logits - router_logits.max(axis=-1, keepdims=True))
+            probs = shifted / shifted.sum(axis=-1, keepdims=True)
+            ordered = np.sort(probs, axis=-1)
+            for t in range(ids.shape[0]):
+                self.routes += 1
+                if set(own[t].tolist()) != set(ids[t].tolist()):
+                    self.flips.append(float(ordered[t, -top_k] - ordered[t, -top_k - 1]))
+            weights = np.take_along_axis(probs, ids, axis=-1)
+            if normalize:
+                weights = weights / weights.sum(axis=-1, keepdims=True)
+            return ids, weights
+
+        reference.moe_route = pinned
+
+    def uninstall(self) -> None:
+        reference.moe_route = self._original
+
+
+def _run_passes(
+    model: ReferenceModel, passes: list[list[int]], state: ReferenceState | None
+) -> np.ndarray:
+    """Logits of every token of `passes`, fed one pass (one prefill call) at a time."""
+    logits = []
+    for tokens in passes:
+        rows, state = model.prefill(tokens, state)
+        logits.append(rows)
+    return np.concatenate(logits)
 
 
 def main() -> None:
@@ -87,70 +206,121 @@ def main() -> None:
     tokens = [(i * 2654435761) % 2**32 % config.vocab_size for i in range(args.tokens)]
     context = seed_context(config, args.context, args.kv_cache) if args.context else None
     max_seq = args.context + args.tokens + args.verify + 2
-    references = {
-        "float32, fp32 KV": ReferenceModel(config, checkpoint.tensors),
-        f"float32, {args.kv_cache} KV": ReferenceModel(config, checkpoint.tensors, **rounded),
-        f"float64, {args.kv_cache} KV": ReferenceModel(
-            config, checkpoint.tensors, np.float64, **rounded
-        ),
-    }
+    tensors = checkpoint.tensors
+    if args.verify:
+        chunks = GdnChunks(CHUNK_SUB_CHUNK, HalfOperands(CHUNK_SCALE_ROWS))
+        references = {
+            f"float32, {args.kv_cache} KV, gdn_chunk's half operands": ReferenceModel(
+                config, tensors, **rounded, gdn_chunks=chunks
+            ),
+            f"float64, {args.kv_cache} KV, gdn_chunk's half operands": ReferenceModel(
+                config, tensors, np.float64, **rounded, gdn_chunks=chunks
+            ),
+            f"float64, {args.kv_cache} KV, exact": ReferenceModel(
+                config, tensors, np.float64, **rounded
+            ),
+        }
+    else:
+        references = {
+            "float32, fp32 KV": ReferenceModel(config, tensors),
+            f"float32, {args.kv_cache} KV": ReferenceModel(config, tensors, **rounded),
+            f"float64, {args.kv_cache} KV": ReferenceModel(config, tensors, np.float64, **rounded),
+        }
 
     # A seeded context must fit the prefix cache, whatever the default budget leaves beside
     # 19.5 GB of weights on this machine.
     cache = PrefixCache(1 << 40, kv_cache_bytes_per_token(config, args.kv_cache))
-    sim = DeviceEngine(
-        checkpoint,
-        open_device("sim"),
-        max_seq,
-        config.vocab_size,
-        max(len(tokens), args.verify + 1),
-        prefix_cache=cache,
-        kv_cache=args.kv_cache,
-    )
-    start = time.perf_counter()
-    fed = tokens
-    if args.prefill:
-        actual = sim.prompt_logits(tokens)[None]
-    elif context is not None:
-        context.give_to(sim)
-        actual = sim.teacher_forced_logits(context.tokens + tokens, reuse=True)
-    elif args.verify:
-        drafts = [(t * 7 + 3) % config.vocab_size for t in range(args.verify)]
-        stream = sim.generate(tokens, args.verify + 2, drafter=_OneDraft(drafts))
-        first_token = next(stream).id  # from the prefill; the next comes from the verify pass
-        next(stream)
-        stream.close()
-        actual = sim._model.verify_logits_view(args.verify + 1).copy()
-        fed = [*tokens, first_token, *drafts]
-    else:
-        actual = sim.teacher_forced_logits(tokens)
-    sim_seconds = time.perf_counter() - start
+    device = open_device("sim")
+    probe = _RoutingProbe(device, 1 << 20)
+    if args.verify:
+        probe.install()
+    try:
+        sim = DeviceEngine(
+            checkpoint,
+            device,
+            max_seq,
+            config.vocab_size,
+            max(len(tokens), args.verify + 1),
+            prefix_cache=cache,
+            kv_cache=args.kv_cache,
+        )
+        start = time.perf_counter()
+        passes = [tokens]
+        routes: list[np.ndarray] | None = None
+        if args.prefill:
+            actual = sim.prompt_logits(tokens)[None]
+        elif context is not None:
+            context.give_to(sim)
+            actual = sim.teacher_forced_logits(context.tokens + tokens, reuse=True)
+        elif args.verify:
+            drafts = [(t * 7 + 3) % config.vocab_size for t in range(args.verify)]
+            stream = sim.generate(tokens, args.verify + 2, drafter=_OneDraft(drafts))
+            first_token = next(stream).id  # from the prefill; the next comes from the verify pass
+            next(stream)
+            stream.close()
+            actual = sim._model.verify_logits_view(args.verify + 1).copy()
+            passes = [tokens, [first_token, *drafts]]
+            top_k = config.num_experts_per_tok
+            recorded = probe.used
+            prompt_graph = sim._model.graph(len(tokens), predicts=True)
+            verify_graph = sim._model.verify_graph(args.verify + 1, args.verify + 1)
+            if probe.used != recorded:
+                raise RuntimeError("the engine's passes were not the graphs this check reads")
+            routes = probe.routes(prompt_graph, top_k) + probe.routes(verify_graph, top_k)
+        else:
+            actual = sim.teacher_forced_logits(tokens)
+            passes = [[t] for t in tokens]
+        sim_seconds = time.perf_counter() - start
+    finally:
+        probe.uninstall()
+    fed = [t for p in passes for t in p]
     rows = slice(len(tokens) - 1, None) if args.prefill else slice(len(fed) - len(actual), None)
 
+    pinning = _PinnedRouting()
     expected = {}
+    flips: list[float] = []
+    pinned_routes = 0
     reference_seconds = 0.0
-    for name, reference in references.items():
+    for name, model in references.items():
         state: ReferenceState | None = None
         if context is not None:
-            state = context.reference_state(reference.dtype)
+            state = context.reference_state(model.dtype)
+        if routes is not None:
+            pinning.pin(routes)
+            pinning.install()
         start = time.perf_counter()
-        expected[name] = reference.prefill(fed, state)[0][rows]
+        try:
+            expected[name] = _run_passes(model, passes, state)[rows]
+        finally:
+            pinning.uninstall()
         reference_seconds = reference_seconds or (time.perf_counter() - start) / len(fed)
+        if routes is not None and model.dtype == np.float64 and model.gdn_chunks is None:
+            flips, pinned_routes = pinning.flips, pinning.routes
 
     print(f"tokens            {fed}")
     if context is not None:
         print(f"after a seeded context of {args.context} positions ({args.kv_cache} KV)")
     print(f"reference         {reference_seconds:.1f} s/token (float32)")
     print(f"sim               {sim_seconds / len(actual):.1f} s per compared row")
-    plain, rounded_32, exact = expected.values()
-    print(f"logit scale       {np.abs(plain).max():.3f} (max |logit|)")
-    for name, reference in expected.items():
-        difference = np.abs(actual - reference).max(-1)
-        same_argmax = (actual.argmax(-1) == reference.argmax(-1)).tolist()
+    # The noise estimate and the yardstick: the last two references, or with --verify the
+    # first two (the third shows what the half operands cost).
+    names = list(expected)
+    noisy, yardstick = (expected[n] for n in (names[:2] if args.verify else names[1:]))
+    print(f"logit scale       {np.abs(yardstick).max():.3f} (max |logit|)")
+    if routes is not None:
+        margins = ", ".join(f"{m:.1e}" for m in sorted(flips))
+        print(
+            f"routing           pinned to the sim's {pinned_routes} choices (token, MoE block); "
+            f"the exact float64 model chooses otherwise in {len(flips)}"
+            + (f", at probability margins {margins}" if flips else "")
+        )
+    for name, reference_logits in expected.items():
+        difference = np.abs(actual - reference_logits).max(-1)
+        same_argmax = (actual.argmax(-1) == reference_logits.argmax(-1)).tolist()
         print(f"sim vs reference ({name}): max |difference| per row {difference}, ", end="")
         print(f"same argmax {same_argmax}")
-    noise = np.abs(rounded_32 - exact).max()
-    error = np.abs(actual - exact).max()
+    noise = np.abs(noisy - yardstick).max()
+    error = np.abs(actual - yardstick).max()
     print(f"float32 reference vs float64: {noise:.2e}; sim vs float64: {error:.2e}")
     verdict = "agree" if error <= NOISE_FACTOR * noise else "DISAGREE"
     print(f"verdict: {verdict} (sim within {NOISE_FACTOR}x of float32's own rounding noise)")

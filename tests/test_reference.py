@@ -211,6 +211,27 @@ def test_prefill_then_decode_equals_step_by_step(tiny_name: str) -> None:
     assert state.position == one_by_one.position == len(tokens)
 
 
+def test_chunkwise_gdn_calls_equal_the_recurrence(tiny_name: str) -> None:
+    """A reference that runs calls of several tokens through the chunkwise Gated DeltaNet (as
+    the engine's prefill does; here without rounding, sub-chunks cut mid-call) gives the
+    recurrence's logits and state. With gdn_chunk's half operands it does not (how far is the
+    kernel's business: tests/test_kernel_gdn.py holds the rounding to the kernel's)."""
+    checkpoint = load_checkpoint(tiny_checkpoint(tiny_name), level="family")
+    config, tensors = checkpoint.config, checkpoint.tensors
+    tokens = list(range(3, 3 + 24))
+    recurrence, steps = ReferenceModel(config, tensors, np.float64).prefill(tokens)
+    exact = ReferenceModel(config, tensors, np.float64, gdn_chunks=ref.GdnChunks(5, None))
+    chunked, state = exact.prefill(tokens[:17])
+    more, state = exact.prefill(tokens[17:], state)
+    np.testing.assert_allclose(np.concatenate([chunked, more]), recurrence, rtol=0, atol=1e-10)
+    for layer, expected in steps.recurrent.items():
+        np.testing.assert_allclose(state.recurrent[layer], expected, rtol=0, atol=1e-12)
+
+    half = ref.GdnChunks(16, ref.HalfOperands(8))
+    rounded, _ = ReferenceModel(config, tensors, np.float64, gdn_chunks=half).prefill(tokens)
+    assert np.abs(rounded - recurrence).max() > 1e-6
+
+
 def test_float32_and_float64_agree(reference_model: ReferenceModel) -> None:
     wide = ReferenceModel(reference_model.config, reference_model.tensors, dtype=np.float64)
     tokens = [5, 77, 3, 901, 42, 42, 7, 100]

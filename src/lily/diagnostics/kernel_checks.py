@@ -243,47 +243,27 @@ def reference_gdn_chunkwise(
     num_key_heads: int,
     num_value_heads: int,
     sub_chunk: int,
+    half_operands: reference.HalfOperands | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(readouts S q [T, Hv*Dv], final state) of T Gated DeltaNet tokens in float64 by the
-    chunkwise algorithm gdn_chunk runs: per sub-chunk of `sub_chunk` tokens, with Gamma_t the
-    in-chunk sum of log g up to t and S the state before the sub-chunk,
-      U = (I + M)^-1 diag(beta) (V - diag(e^Gamma) K S^T),
-          M[i, j] = beta_i e^(Gamma_i - Gamma_j) k_i.k_j for j < i,
-      O = diag(e^Gamma) Q S^T + P U,  P[i, j] = e^(Gamma_i - Gamma_j) q_i.k_j for j <= i,
-      S <- e^Gamma_last S + U^T diag(e^(Gamma_last - Gamma)) K,
-    which the token-by-token recurrence equals exactly in real arithmetic. qkv [T, conv_dim],
-    a, b [T, Hv]; dt_bias is bf16 bits."""
+    chunkwise algorithm gdn_chunk runs (reference.gated_delta_chunk), optionally with its
+    operands rounded to half as the kernel rounds them. qkv [T, conv_dim], a, b [T, Hv];
+    dt_bias is bf16 bits."""
     from lily.kernels.gdn import KEY_HEAD_DIM, VALUE_HEAD_DIM
 
     f64 = np.float64
     qkv = np.asarray(qkv, f64)
     tokens, key_total = qkv.shape[0], num_key_heads * KEY_HEAD_DIM
-    key_head = np.arange(num_value_heads) // (num_value_heads // num_key_heads)
     heads = (tokens, num_key_heads, KEY_HEAD_DIM)
-    q = reference.l2_normalize(qkv[:, :key_total].reshape(heads))[:, key_head] * KEY_HEAD_DIM**-0.5
-    k = reference.l2_normalize(qkv[:, key_total : 2 * key_total].reshape(heads))[:, key_head]
+    q = reference.l2_normalize(qkv[:, :key_total].reshape(heads)) * KEY_HEAD_DIM**-0.5
+    k = reference.l2_normalize(qkv[:, key_total : 2 * key_total].reshape(heads))
     v = qkv[:, 2 * key_total :].reshape(tokens, num_value_heads, VALUE_HEAD_DIM)
-    a, b = np.asarray(a, f64), np.asarray(b, f64)
     dt_bias = bf16_to_float32(dt_bias).astype(f64)
-    log_decay = -np.exp(np.asarray(a_log, f64)) * reference.softplus(a + dt_bias)  # [T, Hv]
-    beta = reference.sigmoid(b)
-    state = np.array(state, f64)  # [Hv, Dv, Dk]
-    readout = np.empty((tokens, num_value_heads, VALUE_HEAD_DIM))
-    for first in range(0, tokens, sub_chunk):
-        part = slice(first, min(first + sub_chunk, tokens))
-        n = part.stop - first
-        for h in range(num_value_heads):
-            qh, kh, vh, bh = q[part, h], k[part, h], v[part, h], beta[part, h]
-            gamma = np.cumsum(log_decay[part, h])
-            decay = np.exp(gamma[:, None] - gamma[None, :])  # e^(Gamma_i - Gamma_j)
-            below = np.tril(np.ones((n, n)), -1)
-            m = bh[:, None] * decay * (kh @ kh.T) * below
-            remembered = np.exp(gamma)[:, None] * (kh @ state[h].T)
-            u = np.linalg.solve(np.eye(n) + m, bh[:, None] * (vh - remembered))
-            p = decay * (qh @ kh.T) * np.tril(np.ones((n, n)))
-            readout[part, h] = np.exp(gamma)[:, None] * (qh @ state[h].T) + p @ u
-            to_end = np.exp(gamma[-1] - gamma)
-            state[h] = np.exp(gamma[-1]) * state[h] + (u * to_end[:, None]).T @ kh
+    log_decay = -np.exp(np.asarray(a_log, f64)) * reference.softplus(np.asarray(a, f64) + dt_bias)
+    beta = reference.sigmoid(np.asarray(b, f64))
+    readout, state = reference.gated_delta_chunk(
+        np.asarray(state, f64), q, k, v, log_decay, beta, sub_chunk, half_operands
+    )
     return readout.reshape(tokens, -1), state
 
 

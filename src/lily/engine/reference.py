@@ -106,6 +106,131 @@ def gated_delta_step(
     return np.einsum("hvk,hk->hv", new_state, q), new_state
 
 
+def gated_delta_chunk(
+    state: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    log_decay: np.ndarray,
+    beta: np.ndarray,
+    sub_chunk: int,
+    half_operands: HalfOperands | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """T steps of the gated delta rule in chunkwise form, per sub-chunk of `sub_chunk` tokens:
+    with Gamma_t the in-chunk sum of log g up to t and S the state before the sub-chunk,
+      U = X (V - diag(e^Gamma) K S^T),  X = (I + M)^-1 diag(beta),
+          M[i, j] = beta_i e^(Gamma_i - Gamma_j) k_i.k_j for j < i,
+      O = diag(e^Gamma) Q S^T + P U,  P[i, j] = e^(Gamma_i - Gamma_j) q_i.k_j for j <= i,
+      S <- e^Gamma_last S + U^T diag(e^(Gamma_last - Gamma)) K,
+    which equals gated_delta_step token after token in real arithmetic.
+
+    state [Hv, Dv, Dk]; q, k [T, Hk, Dk] (as gated_delta_step's); v [T, Hv, Dv]; log_decay,
+    beta [T, Hv]. Returns (o [T, Hv, Dv], new state). `half_operands` rounds every product's
+    operands to half where the prefill kernel (gdn_chunk) does, so that a reference can carry
+    the kernel's deliberate rounding the way it carries the KV cache's."""
+    tokens, num_value_heads = v.shape[0], v.shape[1]
+    key_head = np.arange(num_value_heads) // (num_value_heads // k.shape[1])
+    state = np.array(state, dtype=v.dtype)
+    out = np.empty_like(v)
+    for first in range(0, tokens, sub_chunk):
+        n = min(sub_chunk, tokens - first)
+        # Padded to a whole sub-chunk as the kernel pads it: no key, no value, g = 1, beta = 0.
+        part = slice(first, first + n)
+        qs, ks = (np.zeros((sub_chunk, num_value_heads, x.shape[-1]), v.dtype) for x in (q, k))
+        qs[:n], ks[:n] = q[part][:, key_head], k[part][:, key_head]
+        vs = np.zeros((sub_chunk, *v.shape[1:]), v.dtype)
+        vs[:n] = v[part]
+        gamma = np.zeros((sub_chunk, num_value_heads), v.dtype)
+        gamma[:n] = np.cumsum(log_decay[part], axis=0)
+        gamma[n:] = gamma[n - 1]
+        bs = np.zeros((sub_chunk, num_value_heads), v.dtype)
+        bs[:n] = beta[part]
+        out[part] = _gated_delta_sub_chunk(state, qs, ks, vs, gamma, bs, half_operands)[:n]
+    return out, state
+
+
+@dataclass(frozen=True)
+class HalfOperands:
+    """Where a chunk kernel rounds products' operands to half. Unit-bounded operands (q, k, P,
+    X) are rounded as they are; unbounded ones (S, V - K S^T, U) are first multiplied by one
+    power of two per head and `scale_rows` value rows, the one that brings their largest |x|
+    into [2^14, 2^15), and the product divided by it after."""
+
+    scale_rows: int
+
+    def round(self, x: np.ndarray) -> np.ndarray:
+        return x.astype(np.float16).astype(x.dtype)
+
+    def range_factor(self, x: np.ndarray, head_axis: int, rows_axis: int) -> np.ndarray:
+        """The powers of two for x, broadcastable against it."""
+        moved = np.moveaxis(x, (head_axis, rows_axis), (0, -1))
+        heads, rows = moved.shape[0], moved.shape[-1]
+        grouped = moved.reshape(heads, -1, rows // self.scale_rows, self.scale_rows)
+        largest = np.abs(grouped).max(axis=(1, 3)).astype(np.float32)
+        # The largest's float32 biased exponent e, at least 15; the factor is 2^(141 - e).
+        exponent = np.where(largest > 0, np.frexp(largest)[1] + 126, 0)
+        factor = np.ldexp(1.0, 141 - np.maximum(exponent, 15)).astype(x.dtype)
+        shape = [1] * x.ndim
+        shape[head_axis], shape[rows_axis] = heads, rows
+        return np.repeat(factor, self.scale_rows, axis=1).reshape(shape)
+
+    def round_scaled(self, x: np.ndarray, head_axis: int, rows_axis: int) -> np.ndarray:
+        factor = self.range_factor(x, head_axis, rows_axis)
+        return self.round(x * factor) / factor
+
+
+@dataclass(frozen=True)
+class GdnChunks:
+    """How a reference runs the Gated DeltaNet over several tokens at once: gated_delta_chunk's
+    sub-chunk length and operand rounding (lily.kernels.gdn has the prefill kernel's)."""
+
+    sub_chunk: int
+    half_operands: HalfOperands | None
+
+
+def _gated_delta_sub_chunk(
+    state: np.ndarray,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    gamma: np.ndarray,
+    beta: np.ndarray,
+    half: HalfOperands | None,
+) -> np.ndarray:
+    """One sub-chunk of gated_delta_chunk (inputs padded to the sub-chunk, per value head:
+    q, k [n, Hv, Dk], v [n, Hv, Dv], gamma, beta [n, Hv]); updates `state` in place and returns
+    O [n, Hv, Dv]."""
+    n = q.shape[0]
+    if half is not None:
+        q, k = half.round(q), half.round(k)
+    decay = np.exp(gamma[:, None, :] - gamma[None, :, :])  # [i, j, h]: e^(Gamma_i - Gamma_j)
+    below = np.tril(np.ones((n, n), v.dtype), -1)[:, :, None]
+    eye = np.eye(n, dtype=v.dtype)
+    m = beta[:, None, :] * decay * np.einsum("ihd,jhd->ijh", k, k) * below
+    # X and P with heads first ([h, i, j]), for the batched solve.
+    x = np.linalg.solve(eye + m.transpose(2, 0, 1), eye * beta.T[:, None, :])
+    p = (decay * np.einsum("ihd,jhd->ijh", q, k) * (below + eye[:, :, None])).transpose(2, 0, 1)
+    s = state
+    if half is not None:
+        x, p = half.round(x), half.round(p)
+        s = half.round_scaled(state, head_axis=0, rows_axis=1)
+    residual = v - np.exp(gamma)[:, :, None] * np.einsum("thd,hvd->thv", k, s)
+    if half is not None:
+        residual = half.round_scaled(residual, head_axis=1, rows_axis=2)
+    u = np.einsum("hij,jhv->ihv", x, residual)
+    u_to_end = u * np.exp(gamma[-1] - gamma)[:, :, None]
+    if half is not None:
+        # U and its decayed copy share U's factor, as in the kernel.
+        factor = half.range_factor(u, head_axis=1, rows_axis=2)
+        u = half.round(u * factor) / factor
+        u_to_end = half.round(u_to_end * factor) / factor
+    out = np.exp(gamma)[:, :, None] * np.einsum("thd,hvd->thv", q, s)
+    out += np.einsum("hij,jhv->ihv", p, u)
+    state *= np.exp(gamma[-1])[:, None, None]
+    state += np.einsum("thv,thd->hvd", u_to_end, k)
+    return out
+
+
 def apply_rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) -> np.ndarray:
     """Rotate-half (NeoX) RoPE on the first `rotary_dim` dims of x [..., T, D]; the rest pass.
 
@@ -220,12 +345,18 @@ class ReferenceModel:
         bf16_kv_cache: bool = False,
         kv_int8_group: int | None = None,
         kv_int8_fp16_scales: bool = False,
+        gdn_chunks: GdnChunks | None = None,
     ) -> None:
         """`bf16_kv_cache` rounds cached keys and values to bf16, as the engine's cache stores
         them: comparing with and without it separates kernel errors from the cache's precision.
         `kv_int8_group` instead rounds them through int8 codes with one scale per that many dims
         (quantize_int8), as an int8 cache would hold them; `kv_int8_fp16_scales` also rounds
-        the scales to fp16, as the engine's int8 cache (`kv_cache="int8"`, groups of 32) does."""
+        the scales to fp16, as the engine's int8 cache (`kv_cache="int8"`, groups of 32) does.
+        `gdn_chunks` runs every call of more than one token through the Gated DeltaNet's
+        chunkwise form with the prefill kernel's half operands (gated_delta_chunk), as the
+        engine's passes of more than one token do; a call of one token stays the recurrence,
+        as the engine's decode step does. Calls then matter: feed the tokens in the engine's
+        passes."""
         if bf16_kv_cache and kv_int8_group is not None:
             raise ValueError("the KV cache is rounded to bf16 or through int8, not both")
         self.config = config
@@ -234,6 +365,7 @@ class ReferenceModel:
         self.bf16_kv_cache = bf16_kv_cache
         self.kv_int8_group = kv_int8_group
         self.kv_int8_fp16_scales = kv_int8_fp16_scales
+        self.gdn_chunks = gdn_chunks
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -401,20 +533,36 @@ class ReferenceModel:
         A_log, dt_bias = self._float(prefix + "A_log"), self._float(prefix + "dt_bias")
         norm_weight = self._float(prefix + "norm.weight")
 
-        outputs = []
+        mixed = np.empty_like(qkv)
         for t in range(n_tokens):
-            mixed, state.conv_windows[layer] = causal_conv1d_step(
+            mixed[t], state.conv_windows[layer] = causal_conv1d_step(
                 state.conv_windows[layer], qkv[t], conv_weight
             )
-            q, k, v = np.split(mixed, [c.linear_key_dim, 2 * c.linear_key_dim])
-            q = l2_normalize(q.reshape(hk, dk)) * dk**-0.5
-            k = l2_normalize(k.reshape(hk, dk))
-            g, beta = gdn_gates(a[t], b[t], A_log, dt_bias)
-            o, state.recurrent[layer] = gated_delta_step(
-                state.recurrent[layer], q, k, v.reshape(hv, dv), g, beta
+        q, k, v = np.split(mixed, [c.linear_key_dim, 2 * c.linear_key_dim], axis=-1)
+        q = l2_normalize(q.reshape(n_tokens, hk, dk)) * dk**-0.5
+        k = l2_normalize(k.reshape(n_tokens, hk, dk))
+        v = v.reshape(n_tokens, hv, dv)
+        g, beta = gdn_gates(a, b, A_log, dt_bias)
+        if self.gdn_chunks is not None and n_tokens > 1:
+            log_decay = -np.exp(A_log) * softplus(a + dt_bias)
+            o, state.recurrent[layer] = gated_delta_chunk(
+                state.recurrent[layer],
+                q,
+                k,
+                v,
+                log_decay,
+                beta,
+                self.gdn_chunks.sub_chunk,
+                self.gdn_chunks.half_operands,
             )
-            outputs.append(gated_rms_norm(o, norm_weight, z[t], c.rms_norm_eps).reshape(-1))
-        return self._linear(prefix + "out_proj", np.stack(outputs))
+        else:
+            o = np.empty_like(v)
+            for t in range(n_tokens):
+                o[t], state.recurrent[layer] = gated_delta_step(
+                    state.recurrent[layer], q[t], k[t], v[t], g[t], beta[t]
+                )
+        outputs = gated_rms_norm(o, norm_weight, z, c.rms_norm_eps).reshape(n_tokens, -1)
+        return self._linear(prefix + "out_proj", outputs)
 
     def _attention(
         self, prefix: str, layer: int, x: np.ndarray, state: ReferenceState, start: int

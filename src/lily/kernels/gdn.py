@@ -34,6 +34,9 @@ CHUNK_THREADS_PER_THREADGROUP = 128
 CHUNK_ROWS_PER_THREADGROUP = 32
 # Tokens per sub-chunk of the chunkwise algorithm (kSubChunk in the kernel).
 CHUNK_SUB_CHUNK = 16
+# State rows that share one power of two when the chunk rounds S, V - K S^T and U to half
+# operands: a SIMD-group's (lily.engine.reference.HalfOperands).
+CHUNK_SCALE_ROWS = 8
 # gdn_gated_norm: one simdgroup per (token, head) row, 8 rows per threadgroup.
 NORM_ROWS_PER_THREADGROUP = 8
 NORM_THREADS_PER_THREADGROUP = 256
