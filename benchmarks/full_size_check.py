@@ -58,9 +58,8 @@ from lily.engine import model_graph, reference
 from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import kv_cache_bytes_per_token
 from lily.engine.prefix_cache import PrefixCache
-from lily.engine.reference import GdnChunks, HalfOperands, ReferenceModel, ReferenceState
+from lily.engine.reference import ChunkRounding, ReferenceModel, ReferenceState
 from lily.kernels.copy import record_copy
-from lily.kernels.gdn import CHUNK_SCALE_ROWS, CHUNK_SUB_CHUNK
 
 # The engine may be this many times further from float64 than the float32 reference is.
 NOISE_FACTOR = 2.0
@@ -83,9 +82,9 @@ class _OneDraft:
 
 class _RoutingProbe:
     """The experts the sim's MoE blocks choose: while installed, every MoE block a graph
-    records (model_graph.record_moe, the kernels of passes up to 9 tokens) also copies its
-    expert ids [tokens, top_k] into a slot of its own in `buffer`, so that after a graph has
-    run once its slots hold its choices, layer by layer."""
+    records (model_graph.record_moe and record_moe_chunk) also copies its expert ids
+    [tokens, top_k] into a slot of its own in `buffer`, so that after a graph has run once its
+    slots hold its choices, layer by layer."""
 
     def __init__(self, device: Device, nbytes: int) -> None:
         self.device = device
@@ -93,14 +92,23 @@ class _RoutingProbe:
         self.used = 0
         self.slots: dict[int, list[tuple[int, int]]] = {}  # id(graph): (offset, tokens) per block
         self._recording: list[tuple[int, int]] = []
-        self._originals = (model_graph.record_moe, model_graph._Recorder.record)
+        self._originals = (
+            model_graph.record_moe,
+            model_graph.record_moe_chunk,
+            model_graph._Recorder.record,
+        )
 
     def install(self) -> None:
-        record_moe, record = self._originals
+        record_moe, record_moe_chunk, record = self._originals
 
-        def record_moe_probed(graph: Graph, device: Device, x, w, top_k, scratch, out, **kw):
-            record_moe(graph, device, x, w, top_k, scratch, out, **kw)
-            tokens = kw.get("tokens", 1)
+        def probed(record_block):
+            def record_probed_block(graph: Graph, device: Device, x, w, top_k, scratch, out, **kw):
+                record_block(graph, device, x, w, top_k, scratch, out, **kw)
+                copy_routes(graph, device, scratch, top_k, kw.get("tokens", 1))
+
+            return record_probed_block
+
+        def copy_routes(graph: Graph, device: Device, scratch, top_k: int, tokens: int) -> None:
             nbytes = 4 * tokens * top_k
             if self.used + nbytes > self.buffer.size:
                 raise RuntimeError("the routing probe's buffer is full")
@@ -115,11 +123,16 @@ class _RoutingProbe:
             self.slots[id(graph)] = self._recording
             return graph
 
-        model_graph.record_moe = record_moe_probed
+        model_graph.record_moe = probed(record_moe)
+        model_graph.record_moe_chunk = probed(record_moe_chunk)
         model_graph._Recorder.record = record_probed
 
     def uninstall(self) -> None:
-        model_graph.record_moe, model_graph._Recorder.record = self._originals
+        (
+            model_graph.record_moe,
+            model_graph.record_moe_chunk,
+            model_graph._Recorder.record,
+        ) = self._originals
 
     def routes(self, graph: Graph, top_k: int) -> list[np.ndarray]:
         """Graph's choices as it last ran: one [tokens, top_k] array per MoE block."""
@@ -207,14 +220,18 @@ def main() -> None:
     context = seed_context(config, args.context, args.kv_cache) if args.context else None
     max_seq = args.context + args.tokens + args.verify + 2
     tensors = checkpoint.tensors
-    if args.verify:
-        chunks = GdnChunks(CHUNK_SUB_CHUNK, HalfOperands(CHUNK_SCALE_ROWS))
+    # Passes of several tokens: the yardstick models the chunk kernels' rounding.
+    modelled = bool(args.verify or args.prefill)
+    if modelled:
+        if args.kv_cache != "bf16":
+            raise SystemExit("--verify and --prefill model the chunk kernels for a bf16 cache")
+        chunks = ChunkRounding.of_the_engine()
         references = {
-            f"float32, {args.kv_cache} KV, gdn_chunk's half operands": ReferenceModel(
-                config, tensors, **rounded, gdn_chunks=chunks
+            f"float32, {args.kv_cache} KV, the chunk kernels' rounding": ReferenceModel(
+                config, tensors, **rounded, chunks=chunks
             ),
-            f"float64, {args.kv_cache} KV, gdn_chunk's half operands": ReferenceModel(
-                config, tensors, np.float64, **rounded, gdn_chunks=chunks
+            f"float64, {args.kv_cache} KV, the chunk kernels' rounding": ReferenceModel(
+                config, tensors, np.float64, **rounded, chunks=chunks
             ),
             f"float64, {args.kv_cache} KV, exact": ReferenceModel(
                 config, tensors, np.float64, **rounded
@@ -232,7 +249,7 @@ def main() -> None:
     cache = PrefixCache(1 << 40, kv_cache_bytes_per_token(config, args.kv_cache))
     device = open_device("sim")
     probe = _RoutingProbe(device, 1 << 20)
-    if args.verify:
+    if modelled:
         probe.install()
     try:
         sim = DeviceEngine(
@@ -247,8 +264,14 @@ def main() -> None:
         start = time.perf_counter()
         passes = [tokens]
         routes: list[np.ndarray] | None = None
+        top_k = config.num_experts_per_tok
         if args.prefill:
             actual = sim.prompt_logits(tokens)[None]
+            recorded = probe.used
+            prompt_graph = sim._model.graph(len(tokens), predicts=True)
+            if probe.used != recorded:
+                raise RuntimeError("the engine's pass was not the graph this check reads")
+            routes = probe.routes(prompt_graph, top_k)
         elif context is not None:
             context.give_to(sim)
             actual = sim.teacher_forced_logits(context.tokens + tokens, reuse=True)
@@ -260,7 +283,6 @@ def main() -> None:
             stream.close()
             actual = sim._model.verify_logits_view(args.verify + 1).copy()
             passes = [tokens, [first_token, *drafts]]
-            top_k = config.num_experts_per_tok
             recorded = probe.used
             prompt_graph = sim._model.graph(len(tokens), predicts=True)
             verify_graph = sim._model.verify_graph(args.verify + 1, args.verify + 1)
@@ -294,7 +316,7 @@ def main() -> None:
         finally:
             pinning.uninstall()
         reference_seconds = reference_seconds or (time.perf_counter() - start) / len(fed)
-        if routes is not None and model.dtype == np.float64 and model.gdn_chunks is None:
+        if routes is not None and model.dtype == np.float64 and model.chunks is None:
             flips, pinned_routes = pinning.flips, pinning.routes
 
     print(f"tokens            {fed}")
@@ -302,10 +324,10 @@ def main() -> None:
         print(f"after a seeded context of {args.context} positions ({args.kv_cache} KV)")
     print(f"reference         {reference_seconds:.1f} s/token (float32)")
     print(f"sim               {sim_seconds / len(actual):.1f} s per compared row")
-    # The noise estimate and the yardstick: the last two references, or with --verify the
-    # first two (the third shows what the half operands cost).
+    # The noise estimate and the yardstick: the last two references, or in a modelled mode the
+    # first two (the third shows what the 2-byte operands cost).
     names = list(expected)
-    noisy, yardstick = (expected[n] for n in (names[:2] if args.verify else names[1:]))
+    noisy, yardstick = (expected[n] for n in (names[:2] if modelled else names[1:]))
     print(f"logit scale       {np.abs(yardstick).max():.3f} (max |logit|)")
     if routes is not None:
         margins = ", ".join(f"{m:.1e}" for m in sorted(flips))

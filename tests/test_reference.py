@@ -220,15 +220,15 @@ def test_chunkwise_gdn_calls_equal_the_recurrence(tiny_name: str) -> None:
     config, tensors = checkpoint.config, checkpoint.tensors
     tokens = list(range(3, 3 + 24))
     recurrence, steps = ReferenceModel(config, tensors, np.float64).prefill(tokens)
-    exact = ReferenceModel(config, tensors, np.float64, gdn_chunks=ref.GdnChunks(5, None))
+    exact = ReferenceModel(config, tensors, np.float64, chunks=ref.ChunkRounding(5, None))
     chunked, state = exact.prefill(tokens[:17])
     more, state = exact.prefill(tokens[17:], state)
     np.testing.assert_allclose(np.concatenate([chunked, more]), recurrence, rtol=0, atol=1e-10)
     for layer, expected in steps.recurrent.items():
         np.testing.assert_allclose(state.recurrent[layer], expected, rtol=0, atol=1e-12)
 
-    half = ref.GdnChunks(16, ref.HalfOperands(8))
-    rounded, _ = ReferenceModel(config, tensors, np.float64, gdn_chunks=half).prefill(tokens)
+    half = ref.ChunkRounding(16, ref.HalfOperands(8))
+    rounded, _ = ReferenceModel(config, tensors, np.float64, chunks=half).prefill(tokens)
     assert np.abs(rounded - recurrence).max() > 1e-6
 
 

@@ -180,12 +180,81 @@ class HalfOperands:
 
 
 @dataclass(frozen=True)
-class GdnChunks:
-    """How a reference runs the Gated DeltaNet over several tokens at once: gated_delta_chunk's
-    sub-chunk length and operand rounding (lily.kernels.gdn has the prefill kernel's)."""
+class ChunkRounding:
+    """How the engine's passes of several tokens compute, for a reference to do the same in the
+    same passes (the metal/ files say why each kernel rounds what it does, and by how much):
 
-    sub_chunk: int
-    half_operands: HalfOperands | None
+    - a pass of more than one token runs the Gated DeltaNet chunkwise in sub-chunks of
+      `gdn_sub_chunk` tokens (gated_delta_chunk), with gdn_chunk's half operands
+      (`gdn_operands`; None: exact);
+    - from `gemm_tokens` tokens (None: never) its projections are GEMMs on half operands:
+      weights dequantized in float32 then rounded to half, inputs rounded to half where a norm
+      bounds them and to half's 11 significant bits at any range where the GEMM's range guard
+      scales them (mixer outputs, the SwiGLU's);
+    - from `attention_tokens` tokens (None: never) attention is attention_chunk's
+      (attention_in_tiles)."""
+
+    gdn_sub_chunk: int
+    gdn_operands: HalfOperands | None
+    gemm_tokens: int | None = None
+    attention_tokens: int | None = None
+    attention_tile_keys: int = 16
+
+    @classmethod
+    def of_the_engine(cls) -> ChunkRounding:
+        """The kernels' own settings."""
+        from lily.kernels import attention, gdn, quantized
+
+        return cls(
+            gdn_sub_chunk=gdn.CHUNK_SUB_CHUNK,
+            gdn_operands=HalfOperands(gdn.CHUNK_SCALE_ROWS),
+            gemm_tokens=quantized.MAX_TOKENS + 1,
+            attention_tokens=attention.MAX_DECODE_TOKENS + 1,
+            attention_tile_keys=attention.CHUNK_TILE_KEYS,
+        )
+
+
+def round_to_half(x: np.ndarray) -> np.ndarray:
+    """x rounded to half (its range included), in x's dtype."""
+    return x.astype(np.float16).astype(x.dtype)
+
+
+def round_to_11_bits(x: np.ndarray) -> np.ndarray:
+    """x rounded to half's 11 significant bits at any exponent (a range-guarded GEMM input)."""
+    significand, exponent = np.frexp(x)
+    return np.ldexp(np.round(significand * 2.0**11) / 2.0**11, exponent).astype(x.dtype)
+
+
+def attention_in_tiles(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    q_positions: np.ndarray,
+    tile_keys: int,
+) -> np.ndarray:
+    """`attention` as attention_chunk computes it from a bf16 cache: the scaled queries and the
+    keys rounded to half; per query, the keys in tiles of `tile_keys` positions with the online
+    softmax's running maximum over the visible keys so far, each weight exp(s - that maximum)
+    rounded to bfloat and summed so in the denominator too. Shapes as `attention`'s."""
+    n_q_heads, n_kv_heads = q.shape[0], k.shape[0]
+    kv_head = np.arange(n_q_heads) // (n_q_heads // n_kv_heads)
+    k, v = round_to_half(k[kv_head]), v[kv_head]
+    scores = np.einsum("hqd,hkd->hqk", round_to_half(q * scale), k)
+    visible = np.arange(k.shape[1])[None, :] <= np.asarray(q_positions)[:, None]
+    scores = np.where(visible[None], scores, -np.inf)
+    # The running maximum after each tile, for the keys of that tile.
+    tiles = -(-k.shape[1] // tile_keys)
+    padded = np.full((*scores.shape[:2], tiles * tile_keys), -np.inf, scores.dtype)
+    padded[..., : k.shape[1]] = scores
+    running = np.maximum.accumulate(padded.reshape(*scores.shape[:2], tiles, tile_keys).max(-1), -1)
+    at_key = np.repeat(running, tile_keys, axis=-1)[..., : k.shape[1]]
+    weights = round_to_bf16(
+        np.where(visible[None], np.exp(scores - at_key), 0.0).astype(np.float32)
+    )
+    # The rescales that carry each tile's weights to the final maximum.
+    weights = weights.astype(q.dtype) * np.exp(at_key - running[..., -1:])
+    return np.einsum("hqk,hkd->hqd", weights, v) / weights.sum(axis=-1, keepdims=True)
 
 
 def _gated_delta_sub_chunk(
@@ -345,27 +414,29 @@ class ReferenceModel:
         bf16_kv_cache: bool = False,
         kv_int8_group: int | None = None,
         kv_int8_fp16_scales: bool = False,
-        gdn_chunks: GdnChunks | None = None,
+        chunks: ChunkRounding | None = None,
     ) -> None:
         """`bf16_kv_cache` rounds cached keys and values to bf16, as the engine's cache stores
         them: comparing with and without it separates kernel errors from the cache's precision.
         `kv_int8_group` instead rounds them through int8 codes with one scale per that many dims
         (quantize_int8), as an int8 cache would hold them; `kv_int8_fp16_scales` also rounds
         the scales to fp16, as the engine's int8 cache (`kv_cache="int8"`, groups of 32) does.
-        `gdn_chunks` runs every call of more than one token through the Gated DeltaNet's
-        chunkwise form with the prefill kernel's half operands (gated_delta_chunk), as the
-        engine's passes of more than one token do; a call of one token stays the recurrence,
-        as the engine's decode step does. Calls then matter: feed the tokens in the engine's
-        passes."""
+        `chunks` computes a call of several tokens as the engine's pass of that many tokens
+        does (ChunkRounding); a call of one token stays exact, as the engine's decode step is.
+        Calls then matter: feed the tokens in the engine's passes."""
         if bf16_kv_cache and kv_int8_group is not None:
             raise ValueError("the KV cache is rounded to bf16 or through int8, not both")
+        if chunks is not None and chunks.attention_tokens is not None and not bf16_kv_cache:
+            raise ValueError("attention_chunk's rounding is modelled for a bf16 cache only")
         self.config = config
         self.tensors = tensors
         self.dtype = np.dtype(dtype)
         self.bf16_kv_cache = bf16_kv_cache
         self.kv_int8_group = kv_int8_group
         self.kv_int8_fp16_scales = kv_int8_fp16_scales
-        self.gdn_chunks = gdn_chunks
+        self.chunks = chunks
+        # The tokens of the call being computed: what `chunks` decides by.
+        self._call_tokens = 1
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -403,6 +474,7 @@ class ReferenceModel:
         rows the lm_head reads, which also feed the MTP head); advances `state`."""
         tokens = np.asarray(tokens, dtype=np.int64)
         c = self.config
+        self._call_tokens = len(tokens)
         x = self._embed(tokens)
         for i, kind in enumerate(c.layer_types):
             x = self._decoder_layer(f"{MODEL_PREFIX}layers.{i}.", i, kind, x, state, state.position)
@@ -424,6 +496,7 @@ class ReferenceModel:
         overwrites them. Returns (logits [T, vocab], the head's final-normed output [T, hidden],
         which feeds the next draft step)."""
         c = self.config
+        self._call_tokens = 1  # the engine's MTP passes are not modelled: exact
         layer = self.mtp_layer
         if layer not in state.keys:
             empty = np.zeros((c.num_key_value_heads, 0, c.head_dim), self.dtype)
@@ -486,6 +559,15 @@ class ReferenceModel:
         moe_in = rms_norm(x, self._float(layer + "post_attention_layernorm.weight"), c.rms_norm_eps)
         return x + self._moe(layer + "mlp.", moe_in)
 
+    def _swiglu(self, x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray):
+        """swiglu_mlp, on half-operand GEMMs in a pass the engine computes with them (the
+        SwiGLU's output is a range-guarded input of the down projection)."""
+        if not self._half_gemms:
+            return swiglu_mlp(x, gate, up, down)
+        x = self._gemm_input(x, guarded=False)
+        gate, up, down = (self._gemm_weight(w) for w in (gate, up, down))
+        return self._gemm_input(silu(x @ gate.T) * (x @ up.T), guarded=True) @ down.T
+
     def _lm_head(self, x: np.ndarray) -> np.ndarray:
         c = self.config
         head = MODEL_PREFIX + "embed_tokens" if c.tie_word_embeddings else "language_model.lm_head"
@@ -510,8 +592,24 @@ class ReferenceModel:
             self.dtype,
         )
 
-    def _linear(self, base: str, x: np.ndarray) -> np.ndarray:
-        return x @ self._dequantized(base).T
+    def _linear(self, base: str, x: np.ndarray, guarded: bool = False) -> np.ndarray:
+        """x @ W^T; in a pass the engine computes with half-operand GEMMs, as they do (x as a
+        `guarded` input, one the GEMM's range guard scales, or as a normed one)."""
+        if not self._half_gemms:
+            return x @ self._dequantized(base).T
+        return self._gemm_input(x, guarded) @ self._gemm_weight(self._dequantized(base)).T
+
+    @property
+    def _half_gemms(self) -> bool:
+        gemm_tokens = None if self.chunks is None else self.chunks.gemm_tokens
+        return gemm_tokens is not None and self._call_tokens >= gemm_tokens
+
+    def _gemm_input(self, x: np.ndarray, guarded: bool) -> np.ndarray:
+        return round_to_11_bits(x) if guarded else round_to_half(x)
+
+    def _gemm_weight(self, w: np.ndarray) -> np.ndarray:
+        # Dequantized by one float32 fma, then rounded to half.
+        return round_to_half(w.astype(np.float32)).astype(self.dtype)
 
     def _embed(self, tokens: np.ndarray) -> np.ndarray:
         return self._dequantized(MODEL_PREFIX + "embed_tokens", tokens)
@@ -543,7 +641,7 @@ class ReferenceModel:
         k = l2_normalize(k.reshape(n_tokens, hk, dk))
         v = v.reshape(n_tokens, hv, dv)
         g, beta = gdn_gates(a, b, A_log, dt_bias)
-        if self.gdn_chunks is not None and n_tokens > 1:
+        if self.chunks is not None and n_tokens > 1:
             log_decay = -np.exp(A_log) * softplus(a + dt_bias)
             o, state.recurrent[layer] = gated_delta_chunk(
                 state.recurrent[layer],
@@ -552,8 +650,8 @@ class ReferenceModel:
                 v,
                 log_decay,
                 beta,
-                self.gdn_chunks.sub_chunk,
-                self.gdn_chunks.half_operands,
+                self.chunks.gdn_sub_chunk,
+                self.chunks.gdn_operands,
             )
         else:
             o = np.empty_like(v)
@@ -562,7 +660,7 @@ class ReferenceModel:
                     state.recurrent[layer], q[t], k[t], v[t], g[t], beta[t]
                 )
         outputs = gated_rms_norm(o, norm_weight, z, c.rms_norm_eps).reshape(n_tokens, -1)
-        return self._linear(prefix + "out_proj", outputs)
+        return self._linear(prefix + "out_proj", outputs, guarded=True)
 
     def _attention(
         self, prefix: str, layer: int, x: np.ndarray, state: ReferenceState, start: int
@@ -588,9 +686,16 @@ class ReferenceModel:
             v = dequantize_int8(*quantize_int8(v, self.kv_int8_group, fp16))
         state.keys[layer] = np.concatenate([state.keys[layer], k], axis=1)
         state.values[layer] = np.concatenate([state.values[layer], v], axis=1)
-        out = attention(q, state.keys[layer], state.values[layer], d**-0.5, positions)
+        attention_tokens = None if self.chunks is None else self.chunks.attention_tokens
+        if attention_tokens is not None and n_tokens >= attention_tokens:
+            keys = self.chunks.attention_tile_keys
+            out = attention_in_tiles(
+                q, state.keys[layer], state.values[layer], d**-0.5, positions, keys
+            )
+        else:
+            out = attention(q, state.keys[layer], state.values[layer], d**-0.5, positions)
         out = out.transpose(1, 0, 2).reshape(n_tokens, -1)
-        return self._linear(prefix + "o_proj", out * sigmoid(gate))
+        return self._linear(prefix + "o_proj", out * sigmoid(gate), guarded=True)
 
     # -- mixture of experts -------------------------------------------------------------------
 
@@ -603,7 +708,7 @@ class ReferenceModel:
         out = np.zeros_like(x)
         for e in np.unique(expert_ids):
             token_rows, slot = np.nonzero(expert_ids == e)
-            y = swiglu_mlp(
+            y = self._swiglu(
                 x[token_rows],
                 self._dequantized(experts + "gate_proj", e),
                 self._dequantized(experts + "up_proj", e),
@@ -611,7 +716,7 @@ class ReferenceModel:
             )
             out[token_rows] += weights[token_rows, slot][:, None] * y
         shared = prefix + "shared_expert."
-        shared_y = swiglu_mlp(
+        shared_y = self._swiglu(
             x,
             self._dequantized(shared + "gate_proj"),
             self._dequantized(shared + "up_proj"),

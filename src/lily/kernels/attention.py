@@ -71,6 +71,9 @@ DECODE_TOKENS_MAX_THREADS = MAX_DECODE_TOKENS * SIMD_WIDTH
 # threadgroup of the chunk kernel, and its threads.
 CHUNK_ROWS = 32
 CHUNK_THREADS = 128
+# kChunkKeys in attention.metal: the positions of one K/V tile of the chunk kernel's online
+# softmax (lily.engine.reference.attention_in_tiles models its rounding per tile).
+CHUNK_TILE_KEYS = 16
 
 
 def decode_splits(capacity: int) -> int:
