@@ -14,8 +14,8 @@ both sides), so not part of the test suite. Four ways to feed the tokens:
   generated token and K drafts (arbitrary tokens: the pass's K + 1 rows of logits are computed
   whether they are accepted or not), compared row by row.
 
-The engine keeps its KV cache in bf16, the reference in float32, and 40 layers of random
-weights amplify any rounding. So the reference runs three times: as is; with its cache rounded to
+Decoded tokens: the engine keeps its KV cache in bf16, the reference in float32, and 40 layers
+of random weights amplify any rounding. So the reference runs three times: as is; with its cache rounded to
 bf16 like the engine's; and that again in float64, the yardstick. The engine agrees when its
 distance to the float64 reference is of the order of the float32 reference's own. With
 `--kv-cache int8` the engine keeps an int8 cache and the second and third references round
@@ -23,22 +23,23 @@ theirs through int8 groups of 32 with fp16 scales, as the engine's cache does, i
 (A seeded context holds the cache's values on every side; only the rows appended after it
 differ between the first reference and the others.)
 
-A verify pass (`--verify`) goes through gdn_chunk, whose products take half operands. Through
-40 random layers such a rounding flips near-tied expert choices, each flip moving the logits by
-O(1), so that a comparison with an exact reference measures how many near-ties there were
-rather than whether the kernels are right. There the check (a) pins every reference's routing
-to the experts the sim chose (each MoE block's choice is copied out of the sim's scratch as the
-pass runs), and counts where the float64 model would have chosen otherwise and by what margin;
-and (b) gives the yardstick the kernel's rounding: its references feed the tokens in the
-engine's two passes, and run a pass of several tokens through the chunkwise Gated DeltaNet with
-gdn_chunk's half operands (reference.HalfOperands, which tests/test_kernel_gdn.py holds to the
-kernel). The references are then float32 and float64 with that rounding (the noise and the
-yardstick), and float64 without it (what the half operands cost).
+A prefill chunk (`--prefill`) or a verify pass (`--verify`) goes through the chunk kernels,
+whose products take 2-byte operands (gdn_chunk's from 2 tokens, the GEMMs' and attention_chunk's
+from 10). Through 40 random layers such a rounding flips near-tied expert choices, each flip
+moving the logits by O(1), so that a comparison with an exact reference measures how many
+near-ties there were rather than whether the kernels are right. In those modes the check
+(a) pins every reference's routing to the experts the sim chose (each MoE block's choice is
+copied out of the sim's scratch as the pass runs), and counts where the exact float64 model
+would have chosen otherwise and by what margin; and (b) gives the yardstick the kernels'
+rounding: its references feed the tokens in the engine's passes and compute each pass of
+several tokens as the chunk kernels do (reference.ChunkRounding, which the kernel tests hold to
+the kernels). The references are then float32 and float64 with that rounding (the noise and the
+yardstick; bf16 KV only), and float64 without it (what the 2-byte operands cost).
 
 Usage:
     python benchmarks/make_synthetic_checkpoint.py SYNTH_DIR   # once, ~19.5 GB
     python benchmarks/full_size_check.py SYNTH_DIR [--tokens 4]
-    python benchmarks/full_size_check.py SYNTH_DIR --prefill --tokens 64 [--kv-cache int8]
+    python benchmarks/full_size_check.py SYNTH_DIR --prefill --tokens 64
     python benchmarks/full_size_check.py SYNTH_DIR --context 8192 --tokens 2 [--kv-cache int8]
     python benchmarks/full_size_check.py SYNTH_DIR --verify 4 --tokens 3
 """
