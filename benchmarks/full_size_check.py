@@ -15,9 +15,9 @@ both sides), so not part of the test suite. Four ways to feed the tokens:
   whether they are accepted or not), compared row by row.
 
 Decoded tokens: the engine keeps its KV cache in bf16, the reference in float32, and 40 layers
-of random weights amplify any rounding. So the reference runs three times: as is; with its cache rounded to
-bf16 like the engine's; and that again in float64, the yardstick. The engine agrees when its
-distance to the float64 reference is of the order of the float32 reference's own. With
+of random weights amplify any rounding. So the reference runs three times: as is; with its cache
+rounded to bf16 like the engine's; and that again in float64, the yardstick. The engine agrees
+when its distance to the float64 reference is of the order of the float32 reference's own. With
 `--kv-cache int8` the engine keeps an int8 cache and the second and third references round
 theirs through int8 groups of 32 with fp16 scales, as the engine's cache does, instead of bf16.
 (A seeded context holds the cache's values on every side; only the rows appended after it

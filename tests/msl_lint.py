@@ -999,7 +999,7 @@ def check_threadgroup_initializers(src: SourceFile) -> None:
 
 # Apple's Metal headers, MetalPerformancePrimitives (Metal 4 tensor ops) included.
 _METAL_INCLUDE = re.compile(
-    r'#\s*include\s*(?:<metal_\w+>|<MetalPerformancePrimitives/MetalPerformancePrimitives\.h>'
+    r"#\s*include\s*(?:<metal_\w+>|<MetalPerformancePrimitives/MetalPerformancePrimitives\.h>"
     r'|"[^"]+")'
 )
 

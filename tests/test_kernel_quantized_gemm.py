@@ -401,7 +401,15 @@ def test_grouped_tile_sizes(lane_order, swiglu, guarded):
     choices = np.repeat(np.arange(len(counts)), counts)[:, None]
     np.random.default_rng(6).shuffle(choices)
     check_grouped(
-        lane_order, choices, len(counts), 64, 40, 4, swiglu, gather=not guarded, seed=6,
+        lane_order,
+        choices,
+        len(counts),
+        64,
+        40,
+        4,
+        swiglu,
+        gather=not guarded,
+        seed=6,
         guarded=guarded,
     )
 

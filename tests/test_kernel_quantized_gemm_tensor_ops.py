@@ -54,8 +54,17 @@ def test_grouped_tensor_ops_tile_sizes_guarded(lane_order):
     choices = np.repeat(np.arange(len(counts)), counts)[:, None]
     np.random.default_rng(6).shuffle(choices)
     check_grouped(
-        lane_order, choices, len(counts), 64, 200, 8, False, gather=False, seed=6,
-        guarded=True, tensor_ops=True,
+        lane_order,
+        choices,
+        len(counts),
+        64,
+        200,
+        8,
+        False,
+        gather=False,
+        seed=6,
+        guarded=True,
+        tensor_ops=True,
     )
 
 

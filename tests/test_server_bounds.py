@@ -125,7 +125,6 @@ def test_a_request_over_the_shape_bounds_is_refused_before_the_engine(
     assert server.wait_idle()["completed"] == completed
 
 
-
 def test_a_request_over_the_value_bound_is_refused_before_the_engine(
     server: RunningServer,
 ) -> None:
@@ -144,6 +143,7 @@ def test_a_request_over_the_value_bound_is_refused_before_the_engine(
     assert str(DEFAULT_MAX_JSON_VALUES) in error["message"]
     assert time.monotonic() - started < 10
     assert server.wait_idle()["completed"] == completed
+
 
 GRAMMARS = {
     "forced call": (

@@ -105,8 +105,10 @@ def check_sdk(sdk: Path) -> None:
     ]
     missing = [p for p in needed if not (sdk / p).exists()]
     if missing:
-        sys.exit(f"{sdk} is not a macOS SDK root (missing {', '.join(missing)}); "
-                 "see --layout-sdk and docs/apple-silicon.md")
+        sys.exit(
+            f"{sdk} is not a macOS SDK root (missing {', '.join(missing)}); "
+            "see --layout-sdk and docs/apple-silicon.md"
+        )
 
 
 # ---- tools ------------------------------------------------------------------------------------
@@ -134,8 +136,10 @@ def find_toolchain(clang_name: str | None) -> Toolchain:
         tools = ["llvm-nm", "llvm-ar", "llvm-ranlib", "llvm-install-name-tool"]
         absent = [t for t in tools if not (llvm_bin / t).exists()]
         if ld64 is None or absent:
-            sys.exit(f"{clang} lacks {', '.join(absent + ([] if ld64 else ['ld64.lld']))} "
-                     f"(Debian: lld-{major.group(1)} llvm-{major.group(1)})")
+            sys.exit(
+                f"{clang} lacks {', '.join(absent + ([] if ld64 else ['ld64.lld']))} "
+                f"(Debian: lld-{major.group(1)} llvm-{major.group(1)})"
+            )
         return Toolchain(clang, llvm_bin, ld64)
     sys.exit("no clang >= 17 found (Debian: apt install clang-19 lld-19 llvm-19), or pass --clang")
 
@@ -160,10 +164,10 @@ set(CMAKE_OBJCXX_FLAGS_INIT "{libcxx}")
 set(CMAKE_TRY_COMPILE_TARGET_TYPE STATIC_LIBRARY)
 set(CMAKE_OBJCXX_COMPILER_WORKS TRUE)
 set(CMAKE_LINKER_TYPE LLD)
-set(CMAKE_NM "{tools.llvm_bin / 'llvm-nm'}")
-set(CMAKE_AR "{tools.llvm_bin / 'llvm-ar'}")
-set(CMAKE_RANLIB "{tools.llvm_bin / 'llvm-ranlib'}")
-set(CMAKE_INSTALL_NAME_TOOL "{tools.llvm_bin / 'llvm-install-name-tool'}")
+set(CMAKE_NM "{tools.llvm_bin / "llvm-nm"}")
+set(CMAKE_AR "{tools.llvm_bin / "llvm-ar"}")
+set(CMAKE_RANLIB "{tools.llvm_bin / "llvm-ranlib"}")
+set(CMAKE_INSTALL_NAME_TOOL "{tools.llvm_bin / "llvm-install-name-tool"}")
 set(CMAKE_FIND_ROOT_PATH_MODE_PROGRAM NEVER)
 """
     )
@@ -217,8 +221,10 @@ def units(build: Path) -> list[Unit]:
     for entry in entries:
         source = Path(entry["file"])
         own = source.is_relative_to(ROOT) or source.is_relative_to(build / "sim_kernels")
-        name = str(source.relative_to(build)) if source.is_relative_to(build) else (
-            str(source.relative_to(ROOT)) if source.is_relative_to(ROOT) else source.name
+        name = (
+            str(source.relative_to(build))
+            if source.is_relative_to(build)
+            else (str(source.relative_to(ROOT)) if source.is_relative_to(ROOT) else source.name)
         )
         found.append(Unit(name, entry["command"], Path(entry["directory"]), own))
     return sorted(found, key=lambda u: (not u.own, u.source))
@@ -252,8 +258,10 @@ def msl_check_against_sdk(tools: Toolchain, sdk: Path, build: Path) -> bool:
         if errors:
             failed += 1
             print(f"  error   {source.name}: " + "; ".join(map(str, errors[:3])))
-    print(f"\nthe pre-pass's MSL check with Apple's headers: {len(sources) - failed} of "
-          f"{len(sources)} kernel files pass")
+    print(
+        f"\nthe pre-pass's MSL check with Apple's headers: {len(sources) - failed} of "
+        f"{len(sources)} kernel files pass"
+    )
     return failed == 0
 
 
@@ -323,8 +331,12 @@ def linux_stand_ins(tools: Toolchain) -> list[Path]:
         out = run([tools.clang, f"-print-file-name={name}"], ROOT).stdout.strip()
         path = Path(out)
         if not path.is_absolute():
-            for directory in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu",
-                              "/lib/aarch64-linux-gnu", "/usr/lib/aarch64-linux-gnu"):
+            for directory in (
+                "/lib/x86_64-linux-gnu",
+                "/usr/lib/x86_64-linux-gnu",
+                "/lib/aarch64-linux-gnu",
+                "/usr/lib/aarch64-linux-gnu",
+            ):
                 if (Path(directory) / name).exists():
                     path = Path(directory) / name
                     break
@@ -339,8 +351,10 @@ def link(tools: Toolchain, build: Path) -> bool:
     if pre_link:
         result = run(pre_link, build)
         verdict = "passes" if result.returncode == 0 else "FAILS"
-        print(f"\npre-link check of the checked kernel objects (cmake/check_sim_objects.cmake): "
-              f"{verdict}")
+        print(
+            f"\npre-link check of the checked kernel objects (cmake/check_sim_objects.cmake): "
+            f"{verdict}"
+        )
         if result.returncode != 0:
             print(result.stdout + result.stderr)
             ok = False
@@ -353,10 +367,14 @@ def link(tools: Toolchain, build: Path) -> bool:
         if line.startswith("ld64.lld: error:") and "undefined symbol" not in line
         and not re.search(r"library not found for -l(c\+\+|System)$", line)
     ]  # fmt: skip
-    print("\nlink as CMake wrote it: " + (
-        "stops only at -lc++ and -lSystem (no stubs for them in this SDK copy)"
-        if not problems else "FAILS:\n  " + "\n  ".join(problems)
-    ))
+    print(
+        "\nlink as CMake wrote it: "
+        + (
+            "stops only at -lc++ and -lSystem (no stubs for them in this SDK copy)"
+            if not problems
+            else "FAILS:\n  " + "\n  ".join(problems)
+        )
+    )
     ok &= not problems
 
     # Then without the default libraries: the frameworks' and libobjc's stubs bind what they
@@ -389,23 +407,30 @@ def link(tools: Toolchain, build: Path) -> bool:
 
     python_api = {
         n.strip().removeprefix("-U ").removeprefix("_")
-        for n in python_symbol_list(build).read_text().splitlines() if n.strip()
+        for n in python_symbol_list(build).read_text().splitlines()
+        if n.strip()
     }
     stand_ins = exported_names(linux_stand_ins(tools), nm)
     python = [n for n in looked_up if n in python_api]
     runtime = [n for n in looked_up if n not in python_api and n in stand_ins]
     darwin = [n for n in looked_up if n in DARWIN_ONLY]
-    unknown = [n for n in looked_up if n not in python_api and n not in stand_ins
-               and n not in DARWIN_ONLY]
+    unknown = [
+        n for n in looked_up if n not in python_api and n not in stand_ins and n not in DARWIN_ONLY
+    ]
 
     print(f"  module entry PyInit__native exported: {'yes' if entry else 'NO'}")
     stubs = ", ".join(f"{n} {library}" for library, n in sorted(bound.items()))
     print(f"  bound to the SDK's stubs: {stubs}")
     print(f"  Python C API, left to the interpreter (nanobind's -U list): {len(python)}")
-    print(f"  C++ runtime and C library, not checkable against Apple's (no libc++/libSystem stubs "
-          f"in this SDK copy); Linux's libc++/glibc export the same names: {len(runtime)}")
-    print(f"  Darwin-only libSystem names, unchecked: {len(darwin)} ("
-          + ", ".join(f"{n}: {DARWIN_ONLY[n]}" for n in sorted(darwin)) + ")")
+    print(
+        f"  C++ runtime and C library, not checkable against Apple's (no libc++/libSystem stubs "
+        f"in this SDK copy); Linux's libc++/glibc export the same names: {len(runtime)}"
+    )
+    print(
+        f"  Darwin-only libSystem names, unchecked: {len(darwin)} ("
+        + ", ".join(f"{n}: {DARWIN_ONLY[n]}" for n in sorted(darwin))
+        + ")"
+    )
     if unknown:
         print(f"  UNACCOUNTED FOR (no stub, no stand-in exports them): {len(unknown)}")
         for name in sorted(unknown):
@@ -428,8 +453,13 @@ def python_symbol_list(build: Path) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sdk", type=Path, nargs="?", help="a macOS SDK root (usr/, System/)")
-    parser.add_argument("--layout-sdk", nargs=2, type=Path, metavar=("CHECKOUT", "SDK_DIR"),
-                        help="lay out an SDK root from a hexops/xcode-frameworks checkout")
+    parser.add_argument(
+        "--layout-sdk",
+        nargs=2,
+        type=Path,
+        metavar=("CHECKOUT", "SDK_DIR"),
+        help="lay out an SDK root from a hexops/xcode-frameworks checkout",
+    )
     parser.add_argument("--build-dir", type=Path, help="default: a temporary directory")
     parser.add_argument("--clang", help="the clang++ to use (default: the newest clang++-N >= 17)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)

@@ -289,7 +289,6 @@ class Device:
             for kernel, bindings in self._native.take_traffic()
         ]
 
-
     @property
     def tensor_ops(self) -> bool:
         """Whether the prefill GEMMs run the Metal 4 tensor-op kernels

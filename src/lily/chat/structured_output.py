@@ -255,8 +255,11 @@ def _response_format(value: Any, budget: _GrammarBudget) -> str | None:
     if stray:
         raise RequestError(
             f"response_format of type {kind!r} takes no {', '.join(map(repr, stray))}"
-            + (" (a schema goes in json_schema.schema, with type 'json_schema')" if
-               {"schema", "json_schema"} & set(stray) else ""),
+            + (
+                " (a schema goes in json_schema.schema, with type 'json_schema')"
+                if {"schema", "json_schema"} & set(stray)
+                else ""
+            ),
             param=f"response_format.{stray[0]}",
         )
     if kind == "text":

@@ -390,9 +390,7 @@ def layer_flops(c: ModelConfig, start: int, tokens: int) -> list[float]:
     contexts = tokens * start + tokens * (tokens + 1) // 2
     attention = tokens * (macs.attention + moe) + 2 * c.num_attention_heads * c.head_dim * contexts
     linear = tokens * (macs.gdn + moe)
-    return [
-        2.0 * (attention if kind == FULL_ATTENTION else linear) for kind in c.layer_types
-    ]
+    return [2.0 * (attention if kind == FULL_ATTENTION else linear) for kind in c.layer_types]
 
 
 def command_buffer_starts(c: ModelConfig, capacity: int, tokens: int) -> set[int]:

@@ -91,8 +91,10 @@ def record_qgemv(
     if tokens > 1 and (
         norm is not None or accumulate or conv is not None or isinstance(x, EmbeddedInput)
     ):
-        raise ValueError("a GEMV over several tokens takes a plain fp32 x: no norm, "
-                         "accumulation, conv or embedded input")
+        raise ValueError(
+            "a GEMV over several tokens takes a plain fp32 x: no norm, "
+            "accumulation, conv or embedded input"
+        )
     if tokens > 1 and element_type(x_dtype) != "float":
         raise ValueError("a GEMV over several tokens reads an fp32 x")
     rows = [w.rows for w, _ in projections]
