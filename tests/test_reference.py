@@ -232,6 +232,29 @@ def test_chunkwise_gdn_calls_equal_the_recurrence(tiny_name: str) -> None:
     assert np.abs(rounded - recurrence).max() > 1e-6
 
 
+def test_chunkwise_gdn_in_float32_survives_strong_decays() -> None:
+    """Decays of e^-30 per token (random checkpoints have them): e^(Gamma_i - Gamma_j) for j > i
+    would overflow float32; the chunkwise form only uses j <= i, and equals the recurrence."""
+    rng = np.random.default_rng(5)
+    tokens, heads, dim = 9, 2, 8
+    q = ref.l2_normalize(rng.normal(size=(tokens, heads, dim))) * dim**-0.5
+    k = ref.l2_normalize(rng.normal(size=(tokens, heads, dim)))
+    v = rng.normal(size=(tokens, heads, dim))
+    log_decay = -rng.uniform(0, 30, (tokens, heads))
+    beta = rng.uniform(0, 1, (tokens, heads))
+    state = rng.normal(size=(heads, dim, dim))
+    expected = []
+    stepped = state.copy()
+    for t in range(tokens):
+        o, stepped = ref.gated_delta_step(stepped, q[t], k[t], v[t], np.exp(log_decay[t]), beta[t])
+        expected.append(o)
+    f32 = [x.astype(np.float32) for x in (state, q, k, v, log_decay, beta)]
+    out, final = ref.gated_delta_chunk(*f32, sub_chunk=16)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, np.stack(expected), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(final, stepped, rtol=0, atol=1e-5)
+
+
 def test_float32_and_float64_agree(reference_model: ReferenceModel) -> None:
     wide = ReferenceModel(reference_model.config, reference_model.tensors, dtype=np.float64)
     tokens = [5, 77, 3, 901, 42, 42, 7, 100]

@@ -272,7 +272,9 @@ def _gated_delta_sub_chunk(
     n = q.shape[0]
     if half is not None:
         q, k = half.round(q), half.round(k)
-    decay = np.exp(gamma[:, None, :] - gamma[None, :, :])  # [i, j, h]: e^(Gamma_i - Gamma_j)
+    # [i, j, h]: e^(Gamma_i - Gamma_j), used for j <= i only, where it is at most 1 (the decays
+    # are), and clamped there above: e^(Gamma_i - Gamma_j) for j > i can overflow in float32.
+    decay = np.exp(np.minimum(gamma[:, None, :] - gamma[None, :, :], 0))
     below = np.tril(np.ones((n, n), v.dtype), -1)[:, :, None]
     eye = np.eye(n, dtype=v.dtype)
     m = beta[:, None, :] * decay * np.einsum("ihd,jhd->ijh", k, k) * below
