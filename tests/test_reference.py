@@ -255,6 +255,28 @@ def test_chunkwise_gdn_in_float32_survives_strong_decays() -> None:
     np.testing.assert_allclose(final, stepped, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("guarded", [False, True], ids=["normed", "range-guarded"])
+def test_half_operand_gemm_rounds_as_the_kernels_reference_does(guarded: bool) -> None:
+    """The reference model's half-operand GEMM (ChunkRounding) rounds what
+    kernel_checks.reference_qgemm, which the GEMM kernels are tested against, rounds: the same
+    products up to float64's own rounding. A range-guarded input may leave half's range."""
+    from lily.checkpoint.quant import dequantize, quantize
+    from lily.diagnostics.kernel_checks import reference_qgemm, reference_row_exponents
+
+    rng = np.random.default_rng(7)
+    weight, scales, biases = quantize(rng.normal(0, 0.05, (96, 256)).astype(np.float32), 4, 64)
+    x = rng.normal(0, 1, (5, 256)).astype(np.float32)
+    exponents = None
+    if guarded:
+        x *= np.array([1.0, 1e6, 3e-3, 70000.0, 1.0], np.float32)[:, None]
+        exponents = reference_row_exponents(x)
+    expected, _ = reference_qgemm(weight, scales, biases, 4, x, exponents)
+    w = dequantize(weight, scales, biases, 4, 64, np.float64)
+    got = ref.half_operand_gemm(x.astype(np.float64), w, guarded)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0)
+    assert np.abs(got - x.astype(np.float64) @ w.T).max() > 0
+
+
 def test_float32_and_float64_agree(reference_model: ReferenceModel) -> None:
     wide = ReferenceModel(reference_model.config, reference_model.tensors, dtype=np.float64)
     tokens = [5, 77, 3, 901, 42, 42, 7, 100]

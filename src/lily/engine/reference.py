@@ -225,6 +225,14 @@ def round_to_11_bits(x: np.ndarray) -> np.ndarray:
     return np.ldexp(np.round(significand * 2.0**11) / 2.0**11, exponent).astype(x.dtype)
 
 
+def half_operand_gemm(x: np.ndarray, weight: np.ndarray, guarded: bool = False) -> np.ndarray:
+    """x @ weight^T as the quantized GEMMs compute it: each dequantized weight rounded to float32
+    (the kernel's fma) and then to half; x rounded to half, or (`guarded`, an input the range
+    guard scales by a power of two per row first) to half's 11 significant bits at any range."""
+    x = round_to_11_bits(x) if guarded else round_to_half(x)
+    return x @ round_to_half(weight.astype(np.float32)).astype(x.dtype).T
+
+
 def attention_in_tiles(
     q: np.ndarray,
     k: np.ndarray,
@@ -566,9 +574,8 @@ class ReferenceModel:
         SwiGLU's output is a range-guarded input of the down projection)."""
         if not self._half_gemms:
             return swiglu_mlp(x, gate, up, down)
-        x = self._gemm_input(x, guarded=False)
-        gate, up, down = (self._gemm_weight(w) for w in (gate, up, down))
-        return self._gemm_input(silu(x @ gate.T) * (x @ up.T), guarded=True) @ down.T
+        hidden = silu(half_operand_gemm(x, gate)) * half_operand_gemm(x, up)
+        return half_operand_gemm(hidden, down, guarded=True)
 
     def _lm_head(self, x: np.ndarray) -> np.ndarray:
         c = self.config
@@ -599,19 +606,12 @@ class ReferenceModel:
         `guarded` input, one the GEMM's range guard scales, or as a normed one)."""
         if not self._half_gemms:
             return x @ self._dequantized(base).T
-        return self._gemm_input(x, guarded) @ self._gemm_weight(self._dequantized(base)).T
+        return half_operand_gemm(x, self._dequantized(base), guarded)
 
     @property
     def _half_gemms(self) -> bool:
         gemm_tokens = None if self.chunks is None else self.chunks.gemm_tokens
         return gemm_tokens is not None and self._call_tokens >= gemm_tokens
-
-    def _gemm_input(self, x: np.ndarray, guarded: bool) -> np.ndarray:
-        return round_to_11_bits(x) if guarded else round_to_half(x)
-
-    def _gemm_weight(self, w: np.ndarray) -> np.ndarray:
-        # Dequantized by one float32 fma, then rounded to half.
-        return round_to_half(w.astype(np.float32)).astype(self.dtype)
 
     def _embed(self, tokens: np.ndarray) -> np.ndarray:
         return self._dequantized(MODEL_PREFIX + "embed_tokens", tokens)
