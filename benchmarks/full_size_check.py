@@ -331,11 +331,15 @@ def main() -> None:
     noisy, yardstick = (expected[n] for n in (names[:2] if modelled else names[1:]))
     print(f"logit scale       {np.abs(yardstick).max():.3f} (max |logit|)")
     if routes is not None:
-        margins = ", ".join(f"{m:.1e}" for m in sorted(flips))
+        margins = (
+            f", at router-probability margins (top_k-th minus next) from {min(flips):.1e} to "
+            f"{max(flips):.1e}, median {np.median(flips):.1e}"
+            if flips
+            else ""
+        )
         print(
             f"routing           pinned to the sim's {pinned_routes} choices (token, MoE block); "
-            f"the exact float64 model chooses otherwise in {len(flips)}"
-            + (f", at probability margins {margins}" if flips else "")
+            f"the exact float64 model chooses otherwise in {len(flips)}{margins}"
         )
     for name, reference_logits in expected.items():
         difference = np.abs(actual - reference_logits).max(-1)
