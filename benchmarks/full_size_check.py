@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -88,7 +88,6 @@ class _RoutingProbe:
     slots hold its choices, layer by layer."""
 
     def __init__(self, device: Device, nbytes: int) -> None:
-        self.device = device
         self.buffer = device.alloc(nbytes)
         self.used = 0
         self.slots: dict[int, list[tuple[int, int]]] = {}  # id(graph): (offset, tokens) per block
@@ -135,11 +134,18 @@ class _RoutingProbe:
             model_graph._Recorder.record,
         ) = self._originals
 
-    def routes(self, graph: Graph, top_k: int) -> list[np.ndarray]:
-        """Graph's choices as it last ran: one [tokens, top_k] array per MoE block."""
+    def routes(self, graphs: Callable[[], list[Graph]], top_k: int) -> list[np.ndarray]:
+        """The choices of the graphs `graphs` looks up, as they last ran: one [tokens, top_k]
+        array per MoE block, graph after graph. A lookup that records a graph (one that never
+        ran) is refused."""
+        recorded = self.used
+        looked_up = graphs()
+        if self.used != recorded:
+            raise RuntimeError("the engine's passes were not the graphs this check reads")
         words = self.buffer.numpy().view(np.uint32)
         return [
             words[offset // 4 : offset // 4 + tokens * top_k].reshape(tokens, top_k).copy()
+            for graph in looked_up
             for offset, tokens in self.slots[id(graph)]
         ]
 
@@ -170,8 +176,7 @@ class _PinnedRouting:
                     f"pinned routes {ids.shape}, router logits {router_logits.shape}"
                 )
             own, _ = self._original(router_logits, top_k, normalize)
-            shifted = np.exp(router_logits - router_logits.max(axis=-1, keepdims=True))
-            probs = shifted / shifted.sum(axis=-1, keepdims=True)
+            probs = reference.router_probabilities(router_logits)
             ordered = np.sort(probs, axis=-1)
             for t in range(ids.shape[0]):
                 self.routes += 1
@@ -268,11 +273,7 @@ def main() -> None:
         top_k = config.num_experts_per_tok
         if args.prefill:
             actual = sim.prompt_logits(tokens)[None]
-            recorded = probe.used
-            prompt_graph = sim._model.graph(len(tokens), predicts=True)
-            if probe.used != recorded:
-                raise RuntimeError("the engine's pass was not the graph this check reads")
-            routes = probe.routes(prompt_graph, top_k)
+            routes = probe.routes(lambda: [sim._model.graph(len(tokens), predicts=True)], top_k)
         elif context is not None:
             context.give_to(sim)
             actual = sim.teacher_forced_logits(context.tokens + tokens, reuse=True)
@@ -284,12 +285,14 @@ def main() -> None:
             stream.close()
             actual = sim._model.verify_logits_view(args.verify + 1).copy()
             passes = [tokens, [first_token, *drafts]]
-            recorded = probe.used
-            prompt_graph = sim._model.graph(len(tokens), predicts=True)
-            verify_graph = sim._model.verify_graph(args.verify + 1, args.verify + 1)
-            if probe.used != recorded:
-                raise RuntimeError("the engine's passes were not the graphs this check reads")
-            routes = probe.routes(prompt_graph, top_k) + probe.routes(verify_graph, top_k)
+            verify_rows = args.verify + 1
+            routes = probe.routes(
+                lambda: [
+                    sim._model.graph(len(tokens), predicts=True),
+                    sim._model.verify_graph(verify_rows, verify_rows),
+                ],
+                top_k,
+            )
         else:
             actual = sim.teacher_forced_logits(tokens)
             passes = [[t] for t in tokens]

@@ -259,7 +259,7 @@ def reference_gdn_chunkwise(
     k = reference.l2_normalize(qkv[:, key_total : 2 * key_total].reshape(heads))
     v = qkv[:, 2 * key_total :].reshape(tokens, num_value_heads, VALUE_HEAD_DIM)
     dt_bias = bf16_to_float32(dt_bias).astype(f64)
-    log_decay = -np.exp(np.asarray(a_log, f64)) * reference.softplus(np.asarray(a, f64) + dt_bias)
+    log_decay = reference.gdn_log_decay(np.asarray(a, f64), np.asarray(a_log, f64), dt_bias)
     beta = reference.sigmoid(np.asarray(b, f64))
     readout, state = reference.gated_delta_chunk(
         np.asarray(state, f64), q, k, v, log_decay, beta, sub_chunk, half_operands

@@ -75,12 +75,16 @@ def causal_conv1d_step(
     return silu(y), rows[1:]
 
 
+def gdn_log_decay(a: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray) -> np.ndarray:
+    """Per value head: log g = -exp(A_log) * softplus(a + dt_bias) (the chunkwise form sums it)."""
+    return -np.exp(A_log) * softplus(a + dt_bias)
+
+
 def gdn_gates(
     a: np.ndarray, b: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per value head: decay `g = exp(-exp(A_log) * softplus(a + dt_bias))`, `beta = sigmoid(b)`."""
-    g = np.exp(-np.exp(A_log) * softplus(a + dt_bias))
-    return g, sigmoid(b)
+    return np.exp(gdn_log_decay(a, A_log, dt_bias)), sigmoid(b)
 
 
 def gated_delta_step(
@@ -158,9 +162,6 @@ class HalfOperands:
 
     scale_rows: int
 
-    def round(self, x: np.ndarray) -> np.ndarray:
-        return x.astype(np.float16).astype(x.dtype)
-
     def range_factor(self, x: np.ndarray, head_axis: int, rows_axis: int) -> np.ndarray:
         """The powers of two for x, broadcastable against it."""
         moved = np.moveaxis(x, (head_axis, rows_axis), (0, -1))
@@ -176,7 +177,7 @@ class HalfOperands:
 
     def round_scaled(self, x: np.ndarray, head_axis: int, rows_axis: int) -> np.ndarray:
         factor = self.range_factor(x, head_axis, rows_axis)
-        return self.round(x * factor) / factor
+        return round_to_half(x * factor) / factor
 
 
 @dataclass(frozen=True)
@@ -279,7 +280,7 @@ def _gated_delta_sub_chunk(
     O [n, Hv, Dv]."""
     n = q.shape[0]
     if half is not None:
-        q, k = half.round(q), half.round(k)
+        q, k = round_to_half(q), round_to_half(k)
     # [i, j, h]: e^(Gamma_i - Gamma_j), used for j <= i only, where it is at most 1 (the decays
     # are), and clamped there above: e^(Gamma_i - Gamma_j) for j > i can overflow in float32.
     decay = np.exp(np.minimum(gamma[:, None, :] - gamma[None, :, :], 0))
@@ -291,7 +292,7 @@ def _gated_delta_sub_chunk(
     p = (decay * np.einsum("ihd,jhd->ijh", q, k) * (below + eye[:, :, None])).transpose(2, 0, 1)
     s = state
     if half is not None:
-        x, p = half.round(x), half.round(p)
+        x, p = round_to_half(x), round_to_half(p)
         s = half.round_scaled(state, head_axis=0, rows_axis=1)
     residual = v - np.exp(gamma)[:, :, None] * np.einsum("thd,hvd->thv", k, s)
     if half is not None:
@@ -301,8 +302,8 @@ def _gated_delta_sub_chunk(
     if half is not None:
         # U and its decayed copy share U's factor, as in the kernel.
         factor = half.range_factor(u, head_axis=1, rows_axis=2)
-        u = half.round(u * factor) / factor
-        u_to_end = half.round(u_to_end * factor) / factor
+        u = round_to_half(u * factor) / factor
+        u_to_end = round_to_half(u_to_end * factor) / factor
     out = np.exp(gamma)[:, :, None] * np.einsum("thd,hvd->thv", q, s)
     out += np.einsum("hij,jhv->ihv", p, u)
     state *= np.exp(gamma[-1])[:, None, None]
@@ -371,14 +372,19 @@ def attention(
     return np.einsum("hqk,hkd->hqd", probs, v)
 
 
+def router_probabilities(router_logits: np.ndarray) -> np.ndarray:
+    """The softmax over all experts that moe_route picks from and weights by."""
+    shifted = np.exp(router_logits - router_logits.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
 def moe_route(
     router_logits: np.ndarray, top_k: int, normalize: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """Softmax over all experts, keep the top_k (ties to the lowest expert id), optionally
     renormalise their weights to sum to 1. router_logits [..., E] -> (ids, weights) [..., top_k].
     """
-    shifted = np.exp(router_logits - router_logits.max(axis=-1, keepdims=True))
-    probs = shifted / shifted.sum(axis=-1, keepdims=True)
+    probs = router_probabilities(router_logits)
     expert_ids = np.argsort(-probs, axis=-1, kind="stable")[..., :top_k]
     weights = np.take_along_axis(probs, expert_ids, axis=-1)
     if normalize:
@@ -642,9 +648,8 @@ class ReferenceModel:
         q = l2_normalize(q.reshape(n_tokens, hk, dk)) * dk**-0.5
         k = l2_normalize(k.reshape(n_tokens, hk, dk))
         v = v.reshape(n_tokens, hv, dv)
-        g, beta = gdn_gates(a, b, A_log, dt_bias)
+        log_decay, beta = gdn_log_decay(a, A_log, dt_bias), sigmoid(b)
         if self.chunks is not None and n_tokens > 1:
-            log_decay = -np.exp(A_log) * softplus(a + dt_bias)
             o, state.recurrent[layer] = gated_delta_chunk(
                 state.recurrent[layer],
                 q,
@@ -659,7 +664,7 @@ class ReferenceModel:
             o = np.empty_like(v)
             for t in range(n_tokens):
                 o[t], state.recurrent[layer] = gated_delta_step(
-                    state.recurrent[layer], q[t], k[t], v[t], g[t], beta[t]
+                    state.recurrent[layer], q[t], k[t], v[t], np.exp(log_decay[t]), beta[t]
                 )
         outputs = gated_rms_norm(o, norm_weight, z, c.rms_norm_eps).reshape(n_tokens, -1)
         return self._linear(prefix + "out_proj", outputs, guarded=True)
