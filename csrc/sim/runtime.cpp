@@ -41,9 +41,7 @@ constinit thread_local Lane* current_lane LILY_SIM_FAST_TLS = nullptr;
 namespace {
 
 constexpr size_t kStackSize = 64 * 1024;
-constexpr size_t kGuardSize = 4096;
 constexpr size_t kStackColours = 64;
-constexpr size_t kStackSlot = kStackSize + kGuardSize;
 constexpr size_t kAltStackSize = 64 * 1024;
 constexpr unsigned kMaxThreadgroupVariables = 64;
 constexpr size_t kUnboundRegion = size_t(64) << 20;
@@ -67,6 +65,24 @@ struct LaneSlot {
 };
 
 enum class Fault : int { none, stack_overflow, unbound_buffer, bad_address, check };
+
+// Fiber stack slots: a guard page, then the stack. Pages are 4 KiB on x86-64 Linux but 16 KiB
+// on Apple silicon (and 64 KiB on some arm64 Linux), and mprotect refuses ranges that do not
+// start on a page: both sizes come from the running system.
+struct StackLayout {
+  size_t guard;  // one page
+  size_t stack;  // kStackSize, rounded up to whole pages
+  size_t slot;
+};
+
+const StackLayout& stack_layout() {
+  static const StackLayout layout = [] {
+    const size_t page = page_size();
+    const size_t stack = (kStackSize + page - 1) / page * page;
+    return StackLayout{page, stack, page + stack};
+  }();
+  return layout;
+}
 
 char* unbound_base() {
   static char* base = [] {
@@ -109,6 +125,16 @@ uint64_t splitmix(uint64_t& state) {
 
 }  // namespace
 
+size_t page_size() {
+  static const size_t page = [] {
+    const long reported = sysconf(_SC_PAGESIZE);
+    if (reported <= 0 || (reported & (reported - 1)) != 0)
+      throw std::runtime_error("sim: the system reports no usable page size");
+    return size_t(reported);
+  }();
+  return page;
+}
+
 void* unbound_buffer(unsigned index) {
   return unbound_base() + index * kUnboundRegion + kUnboundRegion / 2;
 }
@@ -119,7 +145,7 @@ class Worker {
     lanes_.resize(kMaxThreadsPerThreadgroup);
     deferred_.resize(kMaxThreadsPerThreadgroup / kSimdWidth);
     order_.reserve(kMaxThreadsPerThreadgroup);
-    void* stacks = mmap(nullptr, kStackSlot * kMaxThreadsPerThreadgroup, PROT_NONE,
+    void* stacks = mmap(nullptr, stack_layout().slot * kMaxThreadsPerThreadgroup, PROT_NONE,
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (stacks == MAP_FAILED) throw std::runtime_error("sim: cannot reserve fiber stacks");
     stacks_ = static_cast<char*>(stacks);
@@ -127,7 +153,7 @@ class Worker {
     alt_stack_.resize(kAltStackSize);
   }
   ~Worker() {
-    munmap(stacks_, kStackSlot * kMaxThreadsPerThreadgroup);
+    munmap(stacks_, stack_layout().slot * kMaxThreadsPerThreadgroup);
     std::free(memory_);
   }
 
@@ -148,9 +174,10 @@ class Worker {
   FiberContext scheduler;
 
   bool owns_guard(uintptr_t a) const {
+    const StackLayout& layout = stack_layout();
     auto base = reinterpret_cast<uintptr_t>(stacks_);
-    if (a < base || a >= base + kStackSlot * prepared_stacks_) return false;
-    return (a - base) % kStackSlot < kGuardSize;
+    if (a < base || a >= base + layout.slot * prepared_stacks_) return false;
+    return (a - base) % layout.slot < layout.guard;
   }
 
   void* threadgroup_variable(unsigned slot, size_t bytes, size_t align, const char* name,
@@ -205,9 +232,10 @@ thread_local Worker* this_worker LILY_SIM_FAST_TLS = nullptr;
 }
 
 void Worker::prepare_stacks(uint32_t count) {
+  const StackLayout& layout = stack_layout();
   for (; prepared_stacks_ < count; ++prepared_stacks_) {
-    char* slot = stacks_ + prepared_stacks_ * kStackSlot;
-    if (mprotect(slot + kGuardSize, kStackSize, PROT_READ | PROT_WRITE) != 0)
+    char* slot = stacks_ + prepared_stacks_ * layout.slot;
+    if (mprotect(slot + layout.guard, layout.stack, PROT_READ | PROT_WRITE) != 0)
       throw std::runtime_error("sim: cannot map a fiber stack");
     free_stacks_.push_back(int32_t(prepared_stacks_));
   }
@@ -231,7 +259,8 @@ void Worker::lane_main(void* arg) {
 void Worker::start_lane(LaneSlot& s) {
   s.stack = free_stacks_.back();
   free_stacks_.pop_back();
-  char* stack = stacks_ + size_t(s.stack) * kStackSlot + kGuardSize;
+  const StackLayout& layout = stack_layout();
+  char* stack = stacks_ + size_t(s.stack) * layout.slot + layout.guard;
   // Stack tops a whole number of pages apart would all fall in the same few cache sets, and every
   // collective touches every lane's top of stack: start each lane's a different cache line in.
   const size_t colour = size_t(s.stack) % kStackColours * 64;

@@ -38,6 +38,10 @@ struct PreparedDispatch {
 // becomes a KernelError naming the index.
 void* unbound_buffer(unsigned index);
 
+// The running system's page size (sysconf), which every mprotect/madvise/munmap range of the sim
+// is aligned to: 16 KiB on Apple silicon, so never assumed to be 4 KiB.
+size_t page_size();
+
 // The threadgroup memory limit of Apple GPUs.
 static constexpr uint32_t kThreadgroupMemoryLimit = 32 * 1024;
 static constexpr uint32_t kMaxThreadsPerThreadgroup = 1024;

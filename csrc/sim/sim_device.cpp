@@ -170,19 +170,19 @@ class WindowArena {
         groups.push_back({b.host, b.extent, {i}});
       }
     }
-    size_t needed = kGuard;
-    for (const Group& g : groups) needed += round_up(g.bytes + kPage, kPage) + kGuard;
+    size_t needed = guard_;
+    for (const Group& g : groups) needed += round_up(g.bytes + page_, page_) + guard_;
     reserve(needed);
-    size_t cursor = kGuard;
+    size_t cursor = guard_;
     for (const Group& g : groups) {
-      char* start = base_ + cursor + (reinterpret_cast<uintptr_t>(g.host) & (kPage - 1));
-      char* end = base_ + round_up(size_t(start - base_) + g.bytes, kPage);
+      char* start = base_ + cursor + (reinterpret_cast<uintptr_t>(g.host) & (page_ - 1));
+      char* end = base_ + round_up(size_t(start - base_) + g.bytes, page_);
       if (end > base_ + cursor && mprotect(base_ + cursor, size_t(end - (base_ + cursor)),
                                            PROT_READ | PROT_WRITE) != 0)
         throw std::bad_alloc();
       if (g.bytes) std::memcpy(start, g.host, g.bytes);
       for (size_t i : g.members) bindings[i].seen = start + (bindings[i].host - g.host);
-      cursor = size_t(end - base_) + kGuard;
+      cursor = size_t(end - base_) + guard_;
     }
     used_ = cursor;
     std::sort(bindings.begin(), bindings.end(),
@@ -207,15 +207,18 @@ class WindowArena {
   }
 
  private:
-  static constexpr size_t kPage = 4096;
-  static constexpr size_t kGuard = 16 * kPage;
   static constexpr size_t kKeepResident = size_t(64) << 20;
   static size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+  // Windows start on the system's page (mprotect needs that) and keep their host address's
+  // offset within it; the unmapped gap after each is at least 64 KiB, whatever the page size.
+  const size_t page_ = lily_sim::page_size();
+  const size_t guard_ = round_up(size_t(64) << 10, page_);
 
   void reserve(size_t bytes) {
     if (bytes <= reserved_) return;
     if (base_) munmap(base_, reserved_);
-    reserved_ = std::max(round_up(bytes, kPage), size_t(1) << 32);
+    reserved_ = std::max(round_up(bytes, page_), size_t(1) << 32);
     void* p = mmap(nullptr, reserved_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                    -1, 0);
     if (p == MAP_FAILED) {
