@@ -29,6 +29,7 @@ from test_server import RunningServer
 import lily
 from lily.api import Lily
 from lily.server.app import create_app
+from lily.server.routes import ModelNames
 
 MAX_SEQ = 384  # a prompt with tools is about 200 tokens
 MODEL = "demo"
@@ -63,7 +64,10 @@ def recording(served_llm: Lily) -> Iterator[RecordingEngine]:
 
 @pytest.fixture(scope="module")
 def server(served_llm: Lily, recording: RecordingEngine) -> Iterator[RunningServer]:
-    with RunningServer(create_app(served_llm, queue_limit=8)) as s:
+    # Strict model ids, for the 404s checked here (test_server_clients.py checks the default).
+    with RunningServer(
+        create_app(served_llm, queue_limit=8, model_names=ModelNames(strict=True))
+    ) as s:
         yield s
 
 
