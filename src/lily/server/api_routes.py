@@ -57,7 +57,7 @@ def _generation_route(server: Server, api: API) -> Callable[[Request], Awaitable
             body = await _body(server, request)
             # Off the event loop, as the chat route does it: parsing a large body and
             # compiling its output grammar take a while.
-            translation = await asyncio.to_thread(
+            translation = await server.prepare(
                 lambda: api.translate(_parsed(server, body), server.llm, server.limits)
             )
             job, first = await server.run_job(request, translation.request)
@@ -110,12 +110,13 @@ def _count_tokens_route(server: Server) -> Callable[[Request], Awaitable[Respons
             body = await _body(server, request)
 
             def count() -> int:
-                # Rendering and tokenizing touch no engine state: off the loop, not queued.
+                # Rendering and tokenizing touch no engine state: off the loop, not queued for
+                # the engine, but bounded as the other routes' preparation is.
                 params = _parsed(server, body)
                 checked = anthropic_messages.count_tokens_request(params, server.llm, server.limits)
                 return server.llm.chat.completions.count_prompt_tokens(checked)
 
-            return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
+            return JSONResponse({"input_tokens": await server.prepare(count)})
         except Exception as exc:
             return _error_response(api, exc)
 

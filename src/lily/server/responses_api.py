@@ -17,6 +17,7 @@ conversation as items instead).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -303,7 +304,7 @@ def translate(
     chat["stream"] = stream
     if stream is True:
         chat["stream_options"] = {"include_usage": True}  # the final response's usage
-    request = chat_request(chat, llm, limits)
+    request = dataclasses.replace(chat_request(chat, llm, limits), prompt_param="input")
     return ResponsesTranslation(request, params, llm.model_id, summary=summary)
 
 
