@@ -14,6 +14,12 @@
 
 static int misaligned(const void* address) { return ((uintptr_t)address & (XNU_PAGE - 1)) != 0; }
 
+// What XNU answers for a range that does not start on a page.
+static int refuse_misaligned(void) {
+  errno = EINVAL;
+  return -1;
+}
+
 static long (*next_sysconf)(int);
 
 long sysconf(int name) {
@@ -26,20 +32,14 @@ int getpagesize(void) { return (int)XNU_PAGE; }
 
 int mprotect(void* address, size_t length, int protection) {
   static int (*next)(void*, size_t, int);
-  if (misaligned(address)) {
-    errno = EINVAL;
-    return -1;
-  }
+  if (misaligned(address)) return refuse_misaligned();
   if (!next) next = (int (*)(void*, size_t, int))dlsym(RTLD_NEXT, "mprotect");
   return next(address, length, protection);
 }
 
 int madvise(void* address, size_t length, int advice) {
   static int (*next)(void*, size_t, int);
-  if (misaligned(address)) {
-    errno = EINVAL;
-    return -1;
-  }
+  if (misaligned(address)) return refuse_misaligned();
   if (!next) next = (int (*)(void*, size_t, int))dlsym(RTLD_NEXT, "madvise");
   return next(address, length, advice);
 }
@@ -47,10 +47,7 @@ int madvise(void* address, size_t length, int advice) {
 static int (*next_munmap)(void*, size_t);
 
 int munmap(void* address, size_t length) {
-  if (misaligned(address)) {
-    errno = EINVAL;
-    return -1;
-  }
+  if (misaligned(address)) return refuse_misaligned();
   if (!next_munmap) next_munmap = (int (*)(void*, size_t))dlsym(RTLD_NEXT, "munmap");
   return next_munmap(address, length);
 }
