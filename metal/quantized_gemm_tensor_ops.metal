@@ -5,12 +5,15 @@
 // its own, at MSL 4.0, only on macOS 26 with an Apple10 GPU (csrc/metal/metal_device.mm), and
 // runs the simdgroup-matrix kernels everywhere else and whenever this file fails to compile.
 //
-// No macOS 26 SDK was available when this was written: it keeps to what Apple's header
-// documentation of matmul2d and a working public example show (a 4-SIMD-group scope, static
-// descriptors with M 32 or 64, N 64 and K 64, half operands in threadgroup memory, B given
-// transposed, fp32 destination cooperative tensors read back element by element through
-// get_multidimensional_index) and has not been compiled by Apple's compiler. The sim runs this
-// same source on its emulation of those calls (csrc/sim/include/lily_sim_tensor_ops.h).
+// It keeps to what Apple's header documentation of matmul2d and a working public example show (a
+// 4-SIMD-group scope, static descriptors with M 32 or 64, N 64 and K 64, half operands in
+// threadgroup memory, B given transposed, fp32 destination cooperative tensors read back element
+// by element through get_multidimensional_index). Every MetalPerformancePrimitives declaration it
+// uses was checked against the macOS 26.2 SDK's headers (csrc/sim/tensor_ops_declarations.py;
+// tools/check_macos_build.py --mpp-headers): half x half into float is a row of their table, and
+// both products run into destinations made for the same non-const half x half operands, which
+// the header requires. It has not been compiled by Apple's compiler. The sim runs this same
+// source on its emulation of those calls (csrc/sim/include/lily_sim_tensor_ops.h).
 //
 // Per threadgroup of 128 threads: TOKENS (32 or 64) token rows x 128 weight rows, 64 inputs (one
 // quantization group) per stage. Staging is that of quantized_gemm.h (thread t dequantizes

@@ -138,14 +138,17 @@ def test_chip_bandwidth(name, bandwidth):
 
 
 def test_doctor_says_which_gemm_path_runs_and_why():
-    """The sim runs the simdgroup-matrix GEMMs unless opened with tensor_ops, as an M5 would."""
+    """The sim runs the simdgroup-matrix GEMMs unless opened with tensor_ops, and says which Mac
+    each stands for: macOS 26.2 with an Apple10-family GPU picks the tensor ops."""
     plain = next(
         line for line in doctor.system_lines(open_device("sim")) if "prefill gemms" in line
     )
     assert "simdgroup matrix" in plain and "unless opened with tensor_ops" in plain
+    assert "before macOS 26.2 or without an Apple10-family GPU" in plain
     tensor = next(
         line
         for line in doctor.system_lines(open_device("sim", tensor_ops=True))
         if "prefill gemms" in line
     )
     assert "tensor ops" in tensor and "emulation of matmul2d" in tensor
+    assert "macOS 26.2 or later and an Apple10-family GPU" in tensor

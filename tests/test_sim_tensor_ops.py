@@ -2,13 +2,15 @@
 csrc/sim/include/lily_sim_tensor_ops.h) on the test kernel tests/sim_kernels/tensor_ops.metal: a
 product against numpy and the product counter, and the misuses it must refuse as Apple's
 documentation does (shapes, layouts, the execution scope) or as the checking sim does for any
-kernel (a missing barrier, an accumulator never zeroed)."""
+kernel (a missing barrier, an accumulator never zeroed); and, at compile time, the operand types
+Apple's macOS 26.2 header refuses (csrc/sim/tensor_ops_declarations.py holds its table)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, as_float32, float_buffer, sim_device
+from sim_compile import OPERAND_TYPES, sim_compile
 
 from lily.device import Graph, KernelError, MatrixProducts, open_device
 
@@ -72,3 +74,104 @@ def test_unzeroed_accumulator_shows():
     gives NaN, not a plausible product."""
     _, _, out = run_matmul(open_device("sim"), mode=3)
     assert np.all(np.isnan(out))
+
+
+# A kernel for the sim's compile alone (never run): a 32 x 64 x 64 product of tensors over
+# LEFT and RIGHT elements into a destination made for MADE_LEFT x MADE_RIGHT operands.
+TYPED_MATMUL = """
+#include <metal_stdlib>
+#include <metal_tensor>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
+using namespace metal;
+using namespace mpp::tensor_ops;
+
+[[kernel]] void typed_matmul(LEFT* a [[buffer(0)]], RIGHT* b [[buffer(1)]],
+                             device float* out [[buffer(2)]]) {
+  constexpr auto desc = matmul2d_descriptor(32, 64, 64, false, true, false,
+                                            matmul2d_descriptor::mode::multiply);
+  matmul2d<desc, execution_simdgroups<4>> op;
+  auto a_tensor = tensor(a, dextents<int32_t, 2>(64, 32));
+  auto b_tensor = tensor(b, dextents<int32_t, 2>(64, 64));
+  auto made_left = tensor((device MADE_LEFT*)nullptr, dextents<int32_t, 2>(64, 32));
+  auto made_right = tensor((device MADE_RIGHT*)nullptr, dextents<int32_t, 2>(64, 64));
+  auto acc =
+      op.get_destination_cooperative_tensor<decltype(made_left), decltype(made_right), float>();
+  op.run(a_tensor, b_tensor, acc);
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+    if (acc.is_valid_element(i)) out[i] = acc[i];
+  }
+}
+"""
+
+
+def typed_matmul_errors(tmp_path, left: str, right: str, made_left: str, made_right: str):
+    source = tmp_path / "typed_matmul.metal"
+    types = {"MADE_LEFT": made_left, "MADE_RIGHT": made_right, "LEFT": left, "RIGHT": right}
+    text = TYPED_MATMUL
+    for name, value in types.items():
+        text = text.replace(name, value)
+    source.write_text(text)
+    return [error.message for error in sim_compile(source, tmp_path)]
+
+
+def test_legal_mixed_operands_compile(tmp_path):
+    """half x bfloat into float is a row of Apple's table: the emulation takes it when the
+    destination was made for those operand types, in that order."""
+    assert typed_matmul_errors(tmp_path, "device half", "device bfloat", "half", "bfloat") == []
+
+
+@pytest.mark.parametrize(
+    ("left", "right", "made_left", "made_right", "refusal"),
+    [
+        # The operands swapped against the destination's (the mistake llama.cpp's M5 kernels
+        # made): Apple's header static_asserts "Input types must match cooperative tensor types".
+        ("device bfloat", "device half", "half", "bfloat", "Input types must match"),
+        ("device half", "device half", "half", "bfloat", "Input types must match"),
+        # A const operand: the destination records its value type (half), run compares its
+        # element type (const half), and Apple's header refuses it with the same message.
+        ("device const half", "device half", "const half", "half", "Input types must match"),
+        ("constant half", "device half", "half", "half", "Input types must match"),
+    ],
+)
+def test_the_sim_refuses_what_apples_header_refuses(
+    tmp_path, left, right, made_left, made_right, refusal
+):
+    errors = typed_matmul_errors(tmp_path, left, right, made_left, made_right)
+    assert any(refusal in message for message in errors), errors
+
+
+def test_the_sims_operand_types_are_apples_table(tmp_path):
+    """Every float/half/bfloat (A, B, C) combination, one per line: the sim refuses exactly those
+    outside the table tools/check_macos_build.py --mpp-headers holds Apple's header to."""
+    kinds = ("float", "half", "bfloat")
+    combinations = [(a, b, c) for a in kinds for b in kinds for c in kinds]
+    lines = [
+        "#include <metal_stdlib>",
+        "#include <metal_tensor>",
+        "#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>",
+        "using namespace metal;",
+        "using namespace mpp::tensor_ops;",
+        "[[kernel]] void every_type(device float* f [[buffer(0)]], device half* h [[buffer(1)]],",
+        "                           device bfloat* b [[buffer(2)]]) {",
+        "  constexpr auto desc = matmul2d_descriptor(32, 64, 64);",
+        "  matmul2d<desc, execution_simdgroups<4>> op;",
+        "  auto float_tensor = tensor(f, dextents<int32_t, 2>(64, 64));",
+        "  auto half_tensor = tensor(h, dextents<int32_t, 2>(64, 64));",
+        "  auto bfloat_tensor = tensor(b, dextents<int32_t, 2>(64, 64));",
+    ]
+    first = len(lines) + 1
+    lines += [
+        f"  op.get_destination_cooperative_tensor<decltype({a}_tensor), decltype({b}_tensor), {c}>();"
+        for a, b, c in combinations
+    ]
+    lines.append("}")
+    source = tmp_path / "every_type.metal"
+    source.write_text("\n".join(lines) + "\n")
+    refused = {
+        combinations[note.line - first]
+        for error in sim_compile(source, tmp_path)
+        if "outside Apple's table" in error.message
+        for note in error.notes
+        if note.path.endswith(source.name) and note.line >= first
+    }
+    assert refused == set(combinations) - OPERAND_TYPES

@@ -9,10 +9,19 @@ Then the extension module is linked with ld64.lld, as far as the SDK's `.tbd` st
 
     python tools/check_macos_build.py SDK_DIR [--build-dir DIR] [--jobs N]
     python tools/check_macos_build.py --layout-sdk XCODE_FRAMEWORKS_DIR SDK_DIR
+    python tools/check_macos_build.py --mpp-headers HEADERS_DIR [SDK_DIR ...]
 
 The second form lays out an SDK root from a checkout of hexops/xcode-frameworks (commit 8a1cfb3
 holds the macOS 14.2 SDK's Frameworks, include and lib): docs/apple-silicon.md says how to get it.
 Nothing of the SDK is ever committed to this project.
+
+The third form checks the tensor-op kernels against a macOS 26 SDK's MetalPerformancePrimitives
+headers (copy the framework's Headers folder from an SDK: MPPTensorOpsMatMul2d.h and __impl/):
+every declaration metal/quantized_gemm_tensor_ops.metal uses must be there as the sim emulates it
+(the table in csrc/sim/tensor_ops_declarations.py), and the headers' table of float/half/bfloat
+operand types must be the one the sim accepts. It reads declarations only: Apple's Metal compiler
+does not run here, so whether the kernels compile is known on a Mac alone (the device compiles
+them when it opens, and falls back to the simdgroup-matrix kernels if that fails).
 
 Needs: clang >= 17 with lld and the LLVM binutils of the same version (Debian: clang-19, lld-19,
 llvm-19), cmake, ninja, and nanobind importable by this Python (`pip install nanobind ninja`).
@@ -35,6 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "csrc" / "sim"))
+import tensor_ops_declarations as tensor_ops  # noqa: E402
+
 TARGET = "arm64-apple-macos14"
 DEPLOYMENT_TARGET = "14.0"
 
@@ -447,6 +459,60 @@ def python_symbol_list(build: Path) -> Path:
     return Path(found.group(1))
 
 
+# ---- the tensor-op kernels against Apple's MetalPerformancePrimitives headers -----------------
+
+# A row of the operand-type table in MPPTensorOpsMatMul2d.h's opening comment: `//  half  bfloat  float`.
+TYPE_ROW = re.compile(r"^//\s+(\w+)\s+(\w+)\s+(\w+)\s*$", re.MULTILINE)
+FLOAT_KINDS = {"float", "half", "bfloat"}
+
+
+def header_text(headers: Path, name: str) -> str | None:
+    found = sorted(headers.rglob(name))
+    return found[0].read_text(errors="replace") if found else None
+
+
+def check_mpp_headers(headers: Path) -> bool:
+    """Print each declaration of the table with whether the headers under `headers` have it,
+    then the operand-type table against the sim's; True when everything matches."""
+    print(f"MetalPerformancePrimitives headers under {headers}:")
+    texts: dict[str, str | None] = {}
+    passed = True
+    for declaration in tensor_ops.DECLARATIONS:
+        if declaration.header not in texts:
+            texts[declaration.header] = header_text(headers, declaration.header)
+        text = texts[declaration.header]
+        if text is None:
+            found = f"MISSING ({declaration.header} not found)"
+        else:
+            flat = re.sub(r"\s+", " ", text)
+            found = "ok" if re.search(declaration.pattern, flat) else "MISSING"
+        passed &= found == "ok"
+        print(f"  {found:<8} {declaration.header}: {declaration.what}")
+
+    table_text = texts.get(tensor_ops.MATMUL2D_HEADER)
+    if table_text is None:
+        table_text = header_text(headers, tensor_ops.MATMUL2D_HEADER) or ""
+    rows = {
+        row for row in TYPE_ROW.findall(table_text.split("#ifndef", 1)[0]) if set(row) <= FLOAT_KINDS
+    }
+    if rows == tensor_ops.OPERAND_TYPES:
+        print(f"  ok       operand types: the sim accepts the headers' {len(rows)} float rows")
+    else:
+        passed = False
+        for row in sorted(rows - tensor_ops.OPERAND_TYPES):
+            print(f"  DIFFERS  operand types: {' x '.join(row[:2])} -> {row[2]} in the headers only")
+        for row in sorted(tensor_ops.OPERAND_TYPES - rows):
+            print(f"  DIFFERS  operand types: {' x '.join(row[:2])} -> {row[2]} in the sim only")
+    if tensor_ops.KERNEL_OPERAND_TYPES not in rows:
+        passed = False
+        print("  MISSING  the kernels' operand types, " + " x ".join(tensor_ops.KERNEL_OPERAND_TYPES))
+    print(
+        "  (declarations only: Apple's Metal compiler cannot run here, so whether the kernels "
+        "compile is checked on a Mac, when the metal device opens)"
+    )
+    return passed
+
+
 # ---- main -------------------------------------------------------------------------------------
 
 
@@ -460,6 +526,13 @@ def main() -> int:
         metavar=("CHECKOUT", "SDK_DIR"),
         help="lay out an SDK root from a hexops/xcode-frameworks checkout",
     )
+    parser.add_argument(
+        "--mpp-headers",
+        type=Path,
+        metavar="HEADERS_DIR",
+        help="check the tensor-op kernels' declarations against a macOS 26 SDK's "
+        "MetalPerformancePrimitives headers (then build against SDK_DIR, if given)",
+    )
     parser.add_argument("--build-dir", type=Path, help="default: a temporary directory")
     parser.add_argument("--clang", help="the clang++ to use (default: the newest clang++-N >= 17)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
@@ -468,8 +541,16 @@ def main() -> int:
     if args.layout_sdk:
         layout_sdk(args.layout_sdk[0].resolve(), args.layout_sdk[1].resolve())
         return 0
+    headers_passed = True
+    if args.mpp_headers:
+        if not args.mpp_headers.is_dir():
+            sys.exit(f"{args.mpp_headers} is not a directory")
+        headers_passed = check_mpp_headers(args.mpp_headers.resolve())
+        print("\ntensor-op headers check: " + ("PASSED" if headers_passed else "FAILED"))
+        if args.sdk is None:
+            return 0 if headers_passed else 1
     if args.sdk is None:
-        parser.error("give an SDK root (or --layout-sdk)")
+        parser.error("give an SDK root (or --layout-sdk, or --mpp-headers)")
     sdk = args.sdk.resolve()
     check_sdk(sdk)
     for tool in ("cmake", "ninja"):
@@ -486,7 +567,7 @@ def main() -> int:
         compiled &= msl_check_against_sdk(tools, sdk, build)
         linked = link(tools, build) if compiled else False
     print("\nmacOS build check: " + ("PASSED" if compiled and linked else "FAILED"))
-    return 0 if compiled and linked else 1
+    return 0 if compiled and linked and headers_passed else 1
 
 
 if __name__ == "__main__":

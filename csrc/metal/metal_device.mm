@@ -307,10 +307,13 @@ void append_with_includes(const fs::path& file, std::set<fs::path>& seen, std::s
   }
 }
 
-// Metal 4's tensor ops (MSL 4.0) run on Apple10-family GPUs (M5) from macOS 26. The SDKs this
+// Metal 4's tensor ops (MSL 4.0) run on Apple10-family GPUs (M5). Lily uses them from macOS 26.2:
+// the release MPPTensorOpsAvailability.h names for them and MLX requires, and the one whose
+// MetalPerformancePrimitives headers the kernels were checked against (the OS compiles them with
+// its own headers; macOS 26.0's differ, e.g. their operand table has no bfloat). The SDKs this
 // builds against may predate both symbols, so they are spelled by value (MTLLanguageVersion is
-// major << 16 | minor; MTLGPUFamilyAppleN is 1000 + N) and only used behind
-// @available(macOS 26.0, *); with a macOS 26 SDK the values are checked against Apple's.
+// major << 16 | minor; MTLGPUFamilyAppleN is 1000 + N) and only used behind @available; with a
+// macOS 26 SDK the values are checked against Apple's.
 constexpr MTLLanguageVersion kLanguageVersion4_0 = static_cast<MTLLanguageVersion>(4 << 16);
 constexpr MTLGPUFamily kGPUFamilyApple10 = static_cast<MTLGPUFamily>(1010);
 #if LILY_MACOS_26_SDK
@@ -389,7 +392,7 @@ struct TensorOps {
 
 TensorOps load_tensor_ops(id<MTLDevice> device, const KernelSources& sources) {
   const char* fallback = "; the GEMMs run the simdgroup-matrix kernels";
-  if (@available(macOS 26.0, *)) {
+  if (@available(macOS 26.2, *)) {
     if (![device supportsFamily:kGPUFamilyApple10]) {
       return {nil, {false, "Metal 4 tensor ops need an Apple10-family GPU (M5 or later), and \"" +
                                to_std(device.name) + "\" is not one" + fallback}};
@@ -416,10 +419,12 @@ TensorOps load_tensor_ops(id<MTLDevice> device, const KernelSources& sources) {
       }
     }
     return {library,
-            {true, "macOS 26 and an Apple10-family GPU: the GEMMs run Metal 4 tensor ops "
-                   "(matmul2d, compiled at MSL 4.0 when the device opens)"}};
+            {true, "macOS 26.2 or later and an Apple10-family GPU: the GEMMs run Metal 4 "
+                   "tensor ops (matmul2d, compiled at MSL 4.0 when the device opens)"}};
   }
-  return {nil, {false, std::string("Metal 4 tensor ops need macOS 26 or later") + fallback}};
+  return {nil, {false, "Metal 4 tensor ops need macOS 26.2 or later, and this Mac runs " +
+                           to_std([NSProcessInfo processInfo].operatingSystemVersionString) +
+                           fallback}};
 }
 
 // What went wrong in a failed command buffer. After any of these the device refuses new work

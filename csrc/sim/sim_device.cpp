@@ -384,12 +384,16 @@ class SimDevice : public Device {
 
   std::string name() const override { return "sim"; }
 
+  // A Mac picks its path in csrc/metal/metal_device.mm (load_tensor_ops); the sim says which
+  // Mac it stands for.
   GemmPath gemm_path() const override {
     if (tensor_ops_) {
       return {true, "the sim was opened with tensor_ops: the Metal 4 tensor-op kernels, on the "
-                    "sim's emulation of matmul2d"};
+                    "sim's emulation of matmul2d, as a Mac with macOS 26.2 or later and an "
+                    "Apple10-family GPU (M5) runs them"};
     }
-    return {false, "the sim runs the simdgroup-matrix kernels unless opened with tensor_ops"};
+    return {false, "the sim runs the simdgroup-matrix kernels unless opened with tensor_ops, as "
+                   "a Mac does before macOS 26.2 or without an Apple10-family GPU (M5)"};
   }
 
   std::shared_ptr<Buffer> alloc(size_t bytes) override {

@@ -292,7 +292,7 @@ class Device:
     @property
     def tensor_ops(self) -> bool:
         """Whether the prefill GEMMs run the Metal 4 tensor-op kernels
-        (`metal/quantized_gemm_tensor_ops.metal`): on a Mac with macOS 26 and an M5-class GPU
+        (`metal/quantized_gemm_tensor_ops.metal`): on a Mac with macOS 26.2 and an M5-class GPU
         whose compile of them succeeded, or on a sim opened with ``tensor_ops=True``."""
         return bool(self._native.gemm_path[0])
 

@@ -5,8 +5,11 @@
 // includes, as it does every MSL header's).
 //
 // Written from Apple's header documentation of matmul2d (C = A * B + C, the table of operand
-// types) and a working public example of its use; no macOS 26 SDK was at hand, so where Apple
-// leaves something open the emulation takes the strictest reading and says so:
+// types) and a working public example of its use, then checked against the macOS 26.2 SDK's
+// MetalPerformancePrimitives headers (MPPTensorOpsMatMul2d.h and its __impl; what is checked is
+// listed in csrc/sim/tensor_ops_declarations.py, which tools/check_macos_build.py --mpp-headers
+// verifies against a copy of those headers). Where Apple leaves something open the emulation
+// takes the strictest reading and says so:
 //   - tensors are rank 2, built from a pointer and dextents<int32_t, 2>(inner, outer), packed:
 //     element (i0, i1) is data[i1 * extent(0) + i0] (no strides, no slices);
 //   - A is M x K: extents (K, M), or (M, K) with transpose_left; B is K x N: extents (N, K), or
@@ -16,7 +19,13 @@
 //   - M, N and K are static multiples of 8 (no dynamic_extent), so that the product counter can
 //     count 8x8x8 units;
 //   - operand types: float, half and bfloat combinations of Apple's table; the destination is a
-//     cooperative tensor (no tensor C);
+//     cooperative tensor (no tensor C). A destination cooperative tensor is made for the left and
+//     right operand types it is given, and run refuses operands of other types, as Apple's
+//     header does ("Input types must match cooperative tensor types": a half x bfloat run into
+//     a tensor made for bfloat x half does not compile), and a const (or `constant`) operand
+//     never matches (the destination records the operands' value types, without const); extents
+//     are indexed by int;
+//   - run takes its operands by non-const reference, as Apple's does: no temporaries;
 //   - execution_simdgroups<S> with a threadgroup of exactly S SIMD-groups; every lane of each
 //     SIMD-group calls run at the same call site (checked as a SIMD-group collective). The op
 //     does not synchronise SIMD-groups: the kernel's own barriers must order the writes of A and
@@ -39,6 +48,7 @@ LILY_SIM_VARIANT_BEGIN
 template <class IndexType, size_t Rank>
 struct dextents {
   static_assert(Rank == 2, "the sim emulates rank-2 tensors only");
+  using index_type = IndexType;
   IndexType sizes[Rank];
   template <class... I>
   constexpr dextents(I... values) : sizes{IndexType(values)...} {
@@ -54,6 +64,7 @@ template <class ElementType, class Extents, class Descriptor = tensor_inline>
 struct tensor {
   static_assert(std::is_same_v<Descriptor, tensor_inline>,
                 "the sim emulates tensors built from a pointer (tensor_inline) only");
+  using index_type = typename Extents::index_type;
   ElementType* data;
   Extents extents;
   tensor(ElementType* d, Extents e) : data(d), extents(e) {
@@ -91,9 +102,16 @@ struct matmul2d_descriptor {
 };
 
 namespace lily_detail {
-// A tensor's element type without its address space: a prvalue drops the qualifiers.
+// A tensor's element type without its address space or const (its value_type, which is what a
+// destination cooperative tensor records): a prvalue drops the qualifiers.
 template <class Tensor>
 using element_t = std::remove_cvref_t<decltype(+std::declval<Tensor>().data[0])>;
+// Whether a tensor's elements are const (a const pointer, or `constant` memory). Apple's run
+// compares the operand's element type with only the address space removed against the value
+// types its destination recorded, so a const half operand never matches.
+template <class Tensor>
+inline constexpr bool const_elements =
+    std::is_const_v<std::remove_reference_t<decltype(std::declval<Tensor>().data[0])>>;
 
 template <class T>
 inline constexpr bool is_float_kind = std::is_same_v<T, float> || std::is_same_v<T, half> ||
@@ -117,8 +135,9 @@ struct element_index {
 inline uint scope_thread() { return lily_sim::current_lane->thread_index_in_threadgroup; }
 }  // namespace lily_detail
 
-// The destination of a matmul2d<M x N> run by `Threads` threads: this thread's share of C.
-template <class T, int M, int N, int Threads>
+// The destination of a matmul2d<M x N> of Left x Right operands run by `Threads` threads: this
+// thread's share of C.
+template <class Left, class Right, class T, int M, int N, int Threads>
 struct matmul2d_cooperative_tensor {
   static constexpr int capacity = (M * N + Threads - 1) / Threads;
   T elements[capacity];
@@ -163,7 +182,9 @@ struct matmul2d {
                 "matmul2d: the sim emulates M, N and K that are multiples of 8");
 
   template <class A, class B, class C>
-  matmul2d_cooperative_tensor<C, D.m, D.n, threads> get_destination_cooperative_tensor() const {
+  matmul2d_cooperative_tensor<lily_detail::element_t<A>, lily_detail::element_t<B>, C, D.m, D.n,
+                              threads>
+  get_destination_cooperative_tensor() const {
     static_assert(lily_detail::supported_types<lily_detail::element_t<A>,
                                                lily_detail::element_t<B>, C>(),
                   "matmul2d: operand types outside Apple's table (or int8, not emulated)");
@@ -171,11 +192,19 @@ struct matmul2d {
     return {};
   }
 
-  template <class A, class B, class C>
-  void run(const A& a, const B& b, matmul2d_cooperative_tensor<C, D.m, D.n, threads>& c,
+  template <class A, class B, class MadeForLeft, class MadeForRight, class C>
+  void run(A& a, B& b,
+           matmul2d_cooperative_tensor<MadeForLeft, MadeForRight, C, D.m, D.n, threads>& c,
            const char* file = __builtin_FILE(), unsigned line = __builtin_LINE()) const {
     using TA = lily_detail::element_t<A>;
     using TB = lily_detail::element_t<B>;
+    static_assert(std::is_same_v<typename A::index_type, int> &&
+                      std::is_same_v<typename B::index_type, int>,
+                  "matmul2d: Index type must be int");
+    static_assert(std::is_same_v<TA, MadeForLeft> && std::is_same_v<TB, MadeForRight> &&
+                      !lily_detail::const_elements<A> && !lily_detail::const_elements<B>,
+                  "matmul2d: Input types must match cooperative tensor types (the non-const left "
+                  "and right operand types the destination was made for)");
     static_assert(lily_detail::supported_types<TA, TB, C>(),
                   "matmul2d: operand types outside Apple's table (or int8, not emulated)");
     check_scope();

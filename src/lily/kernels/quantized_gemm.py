@@ -16,7 +16,7 @@ Tiles are 8, 16, 32 or 64 token rows by 128 weight rows. `dense_tile_tokens` pic
 GEMMs' size from the chunk's length; the grouped GEMM sizes each expert's tiles by its count on
 the device, and `grouped_tile_tokens` says which tiles that gives (for estimates and tests).
 
-On a device whose `tensor_ops` is set (macOS 26 on an M5, or a sim opened with
+On a device whose `tensor_ops` is set (macOS 26.2 on an M5, or a sim opened with
 ``tensor_ops=True``) the same calls run the Metal 4 tensor-op kernels
 (`metal/quantized_gemm_tensor_ops.metal`): same operands, bindings and grid, 32 or 64 token rows
 per tile (`tensor_tile_tokens`; the grouped GEMM's 8- and 16-row tiles run as 32-row ones).
