@@ -24,6 +24,7 @@ OLDEST_CLANG = 17  # the sim's half/bfloat flags need it (spec/devices.md)
 
 sys.path.insert(0, str(SIM_DIR))
 from msl_check import ClangError, clang_errors  # noqa: E402
+
 # The operand types the sim's tensor-op emulation takes, for the tests that hold it to them.
 from tensor_ops_declarations import OPERAND_TYPES  # noqa: E402, F401
 

@@ -161,7 +161,8 @@ def test_the_sims_operand_types_are_apples_table(tmp_path):
     ]
     first = len(lines) + 1
     lines += [
-        f"  op.get_destination_cooperative_tensor<decltype({a}_tensor), decltype({b}_tensor), {c}>();"
+        f"  op.get_destination_cooperative_tensor<decltype({a}_tensor), "
+        f"decltype({b}_tensor), {c}>();"
         for a, b, c in combinations
     ]
     lines.append("}")

@@ -461,7 +461,8 @@ def python_symbol_list(build: Path) -> Path:
 
 # ---- the tensor-op kernels against Apple's MetalPerformancePrimitives headers -----------------
 
-# A row of the operand-type table in MPPTensorOpsMatMul2d.h's opening comment: `//  half  bfloat  float`.
+# A row of the operand-type table in MPPTensorOpsMatMul2d.h's opening comment:
+# `//  half       bfloat    float`.
 TYPE_ROW = re.compile(r"^//\s+(\w+)\s+(\w+)\s+(\w+)\s*$", re.MULTILINE)
 FLOAT_KINDS = {"float", "half", "bfloat"}
 
@@ -492,20 +493,22 @@ def check_mpp_headers(headers: Path) -> bool:
     table_text = texts.get(tensor_ops.MATMUL2D_HEADER)
     if table_text is None:
         table_text = header_text(headers, tensor_ops.MATMUL2D_HEADER) or ""
-    rows = {
-        row for row in TYPE_ROW.findall(table_text.split("#ifndef", 1)[0]) if set(row) <= FLOAT_KINDS
-    }
+    opening_comment = table_text.split("#ifndef", 1)[0]
+    rows = {row for row in TYPE_ROW.findall(opening_comment) if set(row) <= FLOAT_KINDS}
     if rows == tensor_ops.OPERAND_TYPES:
         print(f"  ok       operand types: the sim accepts the headers' {len(rows)} float rows")
     else:
         passed = False
-        for row in sorted(rows - tensor_ops.OPERAND_TYPES):
-            print(f"  DIFFERS  operand types: {' x '.join(row[:2])} -> {row[2]} in the headers only")
-        for row in sorted(tensor_ops.OPERAND_TYPES - rows):
-            print(f"  DIFFERS  operand types: {' x '.join(row[:2])} -> {row[2]} in the sim only")
+        for where, differing in (
+            ("the headers", rows - tensor_ops.OPERAND_TYPES),
+            ("the sim", tensor_ops.OPERAND_TYPES - rows),
+        ):
+            for a, b, c in sorted(differing):
+                print(f"  DIFFERS  operand types: {a} x {b} -> {c} in {where} only")
     if tensor_ops.KERNEL_OPERAND_TYPES not in rows:
         passed = False
-        print("  MISSING  the kernels' operand types, " + " x ".join(tensor_ops.KERNEL_OPERAND_TYPES))
+        a, b, c = tensor_ops.KERNEL_OPERAND_TYPES
+        print(f"  MISSING  the kernels' operand types, {a} x {b} -> {c}")
     print(
         "  (declarations only: Apple's Metal compiler cannot run here, so whether the kernels "
         "compile is checked on a Mac, when the metal device opens)"
