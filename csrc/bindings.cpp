@@ -1,5 +1,7 @@
 // Python bindings of the device layer (lily._native). Python reaches them only through
 // lily/device.py, which adds argument normalisation and friendlier errors.
+#include <algorithm>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -180,7 +182,7 @@ NB_MODULE(_native, m) {
   m.def(
       "open_sim_device",
       [](const std::string& lane_order, uint64_t seed, unsigned workers, bool execute,
-         const std::string& mode, bool tensor_ops) {
+         const std::string& mode, bool tensor_ops, const std::vector<uint8_t>& matrix_lanes) {
         lily_sim::LaneOrder order;
         if (lane_order == "forward")
           order = lily_sim::LaneOrder::forward;
@@ -199,8 +201,17 @@ NB_MODULE(_native, m) {
           check = lily_sim::CheckMode::check;
         else
           throw std::invalid_argument("mode must be 'off', 'count' or 'check'");
-        return lily::open_sim_device(order, seed, workers, execute, check, tensor_ops);
+        // Empty: Apple's layout; otherwise a permutation of the 32 lanes.
+        lily_sim::MatrixLanes lanes = lily_sim::kAppleMatrixLanes;
+        if (!matrix_lanes.empty()) {
+          std::vector<uint8_t> sorted = matrix_lanes;
+          std::sort(sorted.begin(), sorted.end());
+          if (!std::equal(sorted.begin(), sorted.end(), lanes.begin(), lanes.end()))
+            throw std::invalid_argument("matrix_lanes must be a permutation of the lanes 0..31");
+          std::copy(matrix_lanes.begin(), matrix_lanes.end(), lanes.begin());
+        }
+        return lily::open_sim_device(order, seed, workers, execute, check, tensor_ops, lanes);
       },
       "lane_order"_a, "seed"_a, "workers"_a, "execute"_a = true, "mode"_a = "off",
-      "tensor_ops"_a = false);
+      "tensor_ops"_a = false, "matrix_lanes"_a = std::vector<uint8_t>{});
 }

@@ -189,8 +189,8 @@ inline void qgemm_multiply_stage(threadgroup const half* x_tile, threadgroup con
 }
 
 // Computes the tile into acc[4 i + j]: tokens [8 i, 8 i + 8) x tile weight rows
-// [32 s + 8 j, 32 s + 8 j + 8) for SIMD-group s (lane l holds row qgemm_fragment_row(l), columns
-// qgemm_fragment_col(l) and the one after), in units of 2^e of each row's guard (the caller
+// [32 s + 8 j, 32 s + 8 j + 8) for SIMD-group s (lane l holds row fragment_row(l), columns
+// fragment_col(l) and the one after: common.h), in units of 2^e of each row's guard (the caller
 // multiplies them back).
 //   x_rows[i], x_down[i]: the row of x staged as tile row qgemm_x_tile_row(thread_id, i), or
 //     QGEMM_NO_ROW, and its factor 2^-e (1 unguarded);
@@ -232,10 +232,6 @@ inline void qgemm_tile(device const float* x, uint in_dim, thread const uint* x_
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
-
-// Where lane `lane` holds its 2 elements of an 8x8 fragment (Apple's layout).
-inline uint qgemm_fragment_row(uint lane) { return ((lane / 4) & 4) + (lane / 2) % 4; }
-inline uint qgemm_fragment_col(uint lane) { return ((lane / 4) & 2) * 2 + (lane % 2) * 2; }
 
 // ---- shared by the simdgroup-matrix kernels (quantized_gemm.metal) and the tensor-op ones
 // (quantized_gemm_tensor_ops.metal) ----

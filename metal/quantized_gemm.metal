@@ -36,8 +36,8 @@ template <uint TOKENS>
 inline void qgemm_store_tile(thread simdgroup_float8x8* acc, thread const float* up,
                              device float* out, uint row0, uint count, uint col0, uint columns,
                              uint out_stride, uint lane) {
-  const uint row = qgemm_fragment_row(lane);
-  const uint col = qgemm_fragment_col(lane);
+  const uint row = fragment_row(lane);
+  const uint col = fragment_col(lane);
   for (uint i = 0; i < TOKENS / 8; ++i) {
     const uint r = 8 * i + row;
     for (uint j = 0; j < 4; ++j) {
@@ -97,7 +97,7 @@ void qgemm(constant QGemmParams& p [[buffer(0)]], device const float* x [[buffer
   const uint count = min(TOKENS, p.tokens - m0);
   float up[TOKENS / 8];
   for (uint i = 0; i < TOKENS / 8; ++i) {
-    const uint r = 8 * i + qgemm_fragment_row(lane);
+    const uint r = 8 * i + fragment_row(lane);
     up[i] = p.x_guarded != 0 && r < count ? qgemm_power_of_two(x_exponents[m0 + r]) : 1.0f;
   }
   const uint n = n0 + thread_id;
@@ -142,7 +142,7 @@ inline void qgemm_grouped_tile(constant QGemmGroupedParams& p, device const floa
   qgemm_x_down<TOKENS>(x_exponents, guarded, x_rows, x_down);
   float up[TOKENS / 8];
   for (uint i = 0; i < TOKENS / 8; ++i) {
-    const uint r = 8 * i + qgemm_fragment_row(lane);
+    const uint r = 8 * i + fragment_row(lane);
     const uint a = t.first + r;
     up[i] = guarded && r < t.count
                 ? qgemm_power_of_two(x_exponents[p.gather != 0 ? row_index[a] : a])
@@ -159,8 +159,8 @@ inline void qgemm_grouped_tile(constant QGemmGroupedParams& p, device const floa
   }
   // SIMD-group s holds gate columns 16 s.. in fragments j = 0, 1 and the same up columns in
   // j = 2, 3, element for element.
-  const uint row = qgemm_fragment_row(lane);
-  const uint col = qgemm_fragment_col(lane);
+  const uint row = fragment_row(lane);
+  const uint col = fragment_col(lane);
   for (uint i = 0; i < TOKENS / 8; ++i) {
     const uint r = 8 * i + row;
     for (uint j = 0; j < 2; ++j) {

@@ -1,5 +1,6 @@
-"""`lily doctor` on the sim: the full kernel table passes, and a broken kernel fails its row and
-the exit code (a kernel fault, and a result outside its error bound)."""
+"""`lily doctor` on the sim: the lane-layout self-test and the full kernel table pass, and a
+broken kernel fails its row and the exit code (a kernel fault, and a result outside its error
+bound), as does a GPU whose simdgroup_matrix layout differs (a sim playing one)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from lily.diagnostics.kernel_checks import (
     compare_ulps,
 )
 
+SWAPPED = [6 if lane == 5 else 5 if lane == 6 else lane for lane in range(32)]
+
 
 @pytest.fixture(scope="module")
 def sim():
@@ -36,6 +39,7 @@ def test_every_kernel_passes_on_the_sim(capsys):
     for check in (c.on("sim") for c in CHECKS):
         assert any(check.kernel in row and check.shapes in row for row in rows), check
     assert f"All {len(CHECKS)} kernel checks passed." in out
+    assert "lane layout:       pass" in out
 
 
 def scale_check(factor_expected: float, ulps: float = 1) -> KernelCheck:
@@ -86,6 +90,26 @@ def test_a_kernel_fault_fails_its_row_and_the_exit_code(sim):
     (good,) = [line for line in out.splitlines() if "test_scale_float" in line]
     assert "| pass" in good
     assert "1 of 2 kernel checks FAILED." in out
+
+
+def test_a_gpu_whose_lane_layout_differs_fails_the_report():
+    # The sim playing a GPU whose lanes 5 and 6 trade their simdgroup_matrix elements.
+    swapped = open_device("sim", matrix_lanes=SWAPPED)
+    code, out = report(swapped, [scale_check(3.0)])
+    assert code == 1
+    (line,) = [line for line in out.splitlines() if line.startswith("lane layout:")]
+    assert line.startswith(
+        "lane layout:       FAIL: the sim device lays out simdgroup_matrix fragments differently"
+    )
+    assert "lane 5 element 0 holds (row 3, column 0), not (row 2, column 2)" in line
+    assert "All 1 kernel checks passed." in out
+    assert "The lane-layout self-test FAILED" in out
+
+
+def test_the_lane_layout_self_test_passes_on_the_sim(sim):
+    code, out = report(sim, [scale_check(3.0)])
+    assert code == 0
+    assert "lane layout:       pass" in out
 
 
 def test_a_result_outside_its_bound_fails(sim):

@@ -400,6 +400,7 @@ void Worker::run_threadgroup(const PreparedDispatch& d, uint64_t group, LaneOrde
     l.group = this;
     l.deferred = &deferred_[i / kSimdWidth];
     l.deferred->count[i % kSimdWidth] = 0;
+    l.matrix_lanes = d.matrix_lanes;
     s.state = LaneState::not_started;
   }
 

@@ -25,6 +25,15 @@ enum class LaneOrder { forward, reverse, random };
 
 struct DispatchCheck;
 
+// A simdgroup_matrix layout as a permutation of Apple's (Lane::matrix_lanes).
+using MatrixLanes = std::array<uint8_t, kSimdWidth>;
+constexpr MatrixLanes apple_matrix_lanes() {
+  MatrixLanes lanes{};
+  for (unsigned l = 0; l < kSimdWidth; ++l) lanes[l] = uint8_t(l);
+  return lanes;
+}
+inline constexpr MatrixLanes kAppleMatrixLanes = apple_matrix_lanes();
+
 struct PreparedDispatch {
   const KernelInfo* kernel = nullptr;
   void* buffers[kMaxBufferBindings] = {};  // unbound ones point at unbound_buffer(index)
@@ -32,6 +41,7 @@ struct PreparedDispatch {
   Ids3 threadgroups{1, 1, 1};
   Ids3 threads{1, 1, 1};
   DispatchCheck* check = nullptr;  // set in the count and check modes (check.h)
+  const uint8_t* matrix_lanes = kAppleMatrixLanes.data();
 };
 
 // An address in a PROT_NONE region reserved for buffer index `index`; any access through it

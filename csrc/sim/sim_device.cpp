@@ -367,9 +367,9 @@ class LevelAccesses {
 class SimDevice : public Device {
  public:
   SimDevice(lily_sim::LaneOrder order, uint64_t seed, unsigned workers, bool execute,
-            CheckMode mode, bool tensor_ops)
+            CheckMode mode, bool tensor_ops, const lily_sim::MatrixLanes& matrix_lanes)
       : executor_(order, seed, workers), execute_(execute), mode_(mode), tensor_ops_(tensor_ops),
-        queue_([this] { serve(); }) {
+        matrix_lanes_(matrix_lanes), queue_([this] { serve(); }) {
     const auto& kernels = lily_sim::registry(mode != CheckMode::off);
     for (const auto& k : kernels) kernels_.emplace(k.host_name, &k);
   }
@@ -484,6 +484,7 @@ class SimDevice : public Device {
           level_.clear();
           for (const auto& d : level) {
             auto prepared = prepare(d);
+            prepared.matrix_lanes = matrix_lanes_.data();
             if (execute_) run(d, prepared);
           }
         }
@@ -550,6 +551,7 @@ class SimDevice : public Device {
   uint64_t submitted_ = 0, completed_ = 0;
   bool stopping_ = false;
   bool tensor_ops_;
+  const lily_sim::MatrixLanes matrix_lanes_;
   std::thread queue_;
 };
 
@@ -557,11 +559,12 @@ class SimDevice : public Device {
 
 std::shared_ptr<Device> open_sim_device(lily_sim::LaneOrder order, uint64_t seed,
                                         unsigned workers, bool execute, CheckMode mode,
-                                        bool tensor_ops) {
+                                        bool tensor_ops, const lily_sim::MatrixLanes& matrix_lanes) {
   if (mode != CheckMode::off && lily_sim::registry(true).empty())
     throw std::invalid_argument("this build of the sim has no checked kernels "
                                 "(LILY_SIM_CHECKED_KERNELS was off or unsupported)");
-  return std::make_shared<SimDevice>(order, seed, workers, execute, mode, tensor_ops);
+  return std::make_shared<SimDevice>(order, seed, workers, execute, mode, tensor_ops,
+                                     matrix_lanes);
 }
 
 }  // namespace lily

@@ -13,6 +13,7 @@ import platform
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lily.chat.chat_template import ChatTemplate
 from lily.chat.completions import Chat
@@ -43,6 +44,9 @@ from lily.engine.speculative import DEFAULT_DRAFT_TOKENS, Speculation, check_spe
 from lily.errors import CheckpointError, ContextLengthError, RequestError
 from lily.kernels.attention import check_kv_cache
 from lily.version import __version__
+
+if TYPE_CHECKING:
+    from lily.device import Device
 
 DEVICES = ("auto", "sim", "metal", "reference")
 # Context length when the caller does not choose one: long enough for real conversations, and
@@ -79,9 +83,31 @@ def resolve_device(device: str) -> str:
     return "sim"
 
 
+def _open_device(device: str, fall_back: bool) -> tuple[str, Device]:
+    """The device the engine will run on, and its kind. The metal device is kept only if the
+    lane-layout self-test passes on it (lily.kernels.lane_layout); otherwise the GPU is refused
+    (UnsupportedGPUError), or with `fall_back` (device "auto") the sim is opened instead, which
+    stderr says with the reason."""
+    from lily.device import UnsupportedGPUError, metal_info, open_device
+    from lily.kernels.lane_layout import run_lane_layout_self_test
+
+    opened = open_device(device)
+    if device != "metal":
+        return device, opened
+    mismatch = run_lane_layout_self_test(opened).mismatch()
+    if mismatch is None:
+        return device, opened
+    reason = f'the GPU "{metal_info()["name"]}" {mismatch}'
+    if not fall_back:
+        raise UnsupportedGPUError(f"the metal device cannot run here: {reason}")
+    print(f"lily: {reason}; running on the CPU simulator", file=sys.stderr)
+    return "sim", open_device("sim")
+
+
 def _make_engine(
     checkpoint: Checkpoint,
     device: str,
+    opened: Device | None,
     max_seq: int,
     token_count: int,
     prefill_chunk: int,
@@ -93,7 +119,7 @@ def _make_engine(
     if device == "reference":
         prefix_cache = cache.build(checkpoint, "reference-f32", kv_bytes_per_token(config, 4), 0)
         return ReferenceEngine(checkpoint, max_seq, token_count, prefix_cache)
-    from lily.device import check_memory, open_device
+    from lily.device import check_memory
 
     working = device_bytes(checkpoint, max_seq, prefill_chunk, kv_cache, mtp)
     check_memory(device, working)
@@ -106,7 +132,7 @@ def _make_engine(
     )
     return DeviceEngine(
         checkpoint,
-        open_device(device),
+        opened,
         max_seq,
         token_count,
         prefill_chunk,
@@ -428,9 +454,13 @@ def load(
         raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
     check_speculative(speculative, draft_tokens)
     check_kv_cache(kv_cache)
-    device = resolve_device(device)
+    requested, device = device, resolve_device(device)
     if device == "reference" and kv_cache != "bf16":
         raise ValueError("the reference engine keeps its KV cache in float32: kv_cache='bf16'")
+    # Before any model work: on the metal device this runs the lane-layout self-test.
+    opened = None
+    if device != "reference":
+        device, opened = _open_device(device, fall_back=requested == "auto")
     model_dir = resolve_model(model, revision)
     checkpoint = load_checkpoint(model_dir)
     if max_seq is None:
@@ -473,6 +503,7 @@ def load(
     engine = _make_engine(
         checkpoint,
         device,
+        opened,
         max_seq,
         tokenizer.vocab_size,
         prefill_chunk,

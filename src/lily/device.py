@@ -321,6 +321,7 @@ def open_device(
     check: bool | None = None,
     count_traffic: bool = False,
     tensor_ops: bool = False,
+    matrix_lanes: Sequence[int] | None = None,
 ) -> Device:
     """Open a device: ``sim`` (anywhere) or ``metal`` (macOS builds on Apple silicon; on a GPU
     the kernels cannot run on it raises :class:`UnsupportedGPUError` with the reason).
@@ -333,7 +334,10 @@ def open_device(
     ``count_traffic=True`` only counts traffic (:meth:`Device.traffic`), with bindings used in
     place, which suits a full-size checkpoint. ``tensor_ops=True`` makes the prefill GEMMs run
     the Metal 4 tensor-op kernels, as on an M5, on the sim's emulation of them
-    (:attr:`Device.tensor_ops`); the metal device decides that itself.
+    (:attr:`Device.tensor_ops`); the metal device decides that itself. `matrix_lanes` makes the
+    sim play a GPU whose simdgroup_matrix layout differs from Apple's: its lane l holds the
+    elements Apple's layout gives lane ``matrix_lanes[l]`` (a permutation of 0..31), which the
+    lane-layout self-test (lily.kernels.lane_layout) must catch.
     """
     if kind == "metal":
         return _open_metal()
@@ -346,8 +350,11 @@ def open_device(
     if check is None:
         check = os.environ.get(CHECK_ENV, "") not in ("", "0")
     mode = "check" if check else "count" if count_traffic else "off"
+    lanes = list(matrix_lanes or ())
+    if lanes and sorted(lanes) != list(range(32)):
+        raise ValueError(f"matrix_lanes must be a permutation of 0..31, got {lanes}")
     return Device(
-        _native.open_sim_device(lane_order, seed, workers or 0, execute, mode, tensor_ops)
+        _native.open_sim_device(lane_order, seed, workers or 0, execute, mode, tensor_ops, lanes)
     )
 
 

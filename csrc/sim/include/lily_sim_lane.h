@@ -74,6 +74,9 @@ struct Lane {
   void* const* threadgroup_args;    // by [[threadgroup(n)]] index
   void* group;                      // the runtime's threadgroup state (opaque here)
   DeferredMatrixOps* deferred;      // the simdgroup's queued simdgroup-matrix products
+  // Lane l of a simdgroup holds the simdgroup_matrix elements Apple's layout gives lane
+  // matrix_lanes[l]: l itself, unless the sim plays a GPU that lays fragments out differently.
+  const uint8_t* matrix_lanes;
 };
 
 static constexpr unsigned kMaxBufferBindings = 31;

@@ -1,13 +1,14 @@
 """`lily doctor`: does Lily work on this machine, and how fast are its kernels?
 
 Prints the machine (device, GPU family, macOS, memory and the GPU wired-memory limit, the
-checkpoint), then runs every kernel of metal/ once on the device against its float64 numpy
-reference with the test suite's error bounds (lily.diagnostics.kernel_checks), as a table: kernel,
-shapes,
-largest error, worst error / bound, pass or FAIL. On the metal device the large kernels are run
-again to report their GPU time and achieved bandwidth next to the chip's. On the sim (any
-machine without the metal device) the table checks correctness only, the largest kernels at
-smaller shapes. Exits 1 if a row fails.
+checkpoint) and the lane-layout self-test (does the GPU lay out simdgroup_matrix fragments as
+the kernels assume: lily.kernels.lane_layout), then runs every kernel of metal/ once on the
+device against its float64 numpy reference with the test suite's error bounds
+(lily.diagnostics.kernel_checks), as a table: kernel, shapes, largest error, worst error /
+bound, pass or FAIL. On the metal device the large kernels are run again to report their GPU
+time and achieved bandwidth next to the chip's. On the sim (any machine without the metal
+device) the table checks correctness only, the largest kernels at
+smaller shapes. Exits 1 if the self-test or a row fails.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 from lily.device import Device, metal_info, open_device, physical_memory
 from lily.diagnostics.kernel_checks import CHECKS, Comparison, KernelCheck
 from lily.diagnostics.preflight import GIB
+from lily.kernels.lane_layout import run_lane_layout_self_test
 
 # Apple's published unified-memory bandwidth of each chip, GB/s (the largest configuration's
 # where variants differ, e.g. the binned M3 Max and M4 Max have less). Longest name first.
@@ -152,6 +154,23 @@ def system_lines(device: Device) -> list[str]:
     return lines
 
 
+def lane_layout_line(device: Device) -> tuple[str, bool]:
+    """The report's line on the lane-layout self-test, and whether it passed (an exception
+    fails it)."""
+    try:
+        mismatch = run_lane_layout_self_test(device).mismatch()
+    except Exception as exc:  # noqa: BLE001 - a failing self-test is a line of the report
+        mismatch = f"could not run the self-test: {type(exc).__name__}: {exc}".splitlines()[0]
+    else:
+        if mismatch is not None:
+            info = metal_info() if device.name == "metal" else None
+            gpu = f'the GPU "{info["name"]}"' if info else f"the {device.name} device"
+            mismatch = f"{gpu} {mismatch}"
+    if mismatch is None:
+        return "lane layout:       pass (simdgroup_matrix fragments as metal/common.h says)", True
+    return f"lane layout:       FAIL: {mismatch}", False
+
+
 def format_table(rows: Sequence[Row], device: Device) -> str:
     timed = device.name == "metal"
     bandwidth = None
@@ -199,7 +218,9 @@ def run(
     out = out or sys.stdout
     if system:
         print("\n".join(system_lines(device)), file=out)
-        print(file=out)
+    layout, layout_passed = lane_layout_line(device)
+    print(layout, file=out)
+    print(file=out)
     if device.name == "sim":
         print(
             "Kernels on the sim device (the CPU simulator): correctness only, no timings.",
@@ -224,9 +245,11 @@ def run(
     print(file=out)
     if failed:
         print(f"{len(failed)} of {len(rows)} kernel checks FAILED.", file=out)
-        return 1
-    print(f"All {len(rows)} kernel checks passed.", file=out)
-    return 0
+    else:
+        print(f"All {len(rows)} kernel checks passed.", file=out)
+    if not layout_passed:
+        print("The lane-layout self-test FAILED: the kernels' results are wrong here.", file=out)
+    return 0 if layout_passed and not failed else 1
 
 
 def open_for_doctor(kind: str) -> Device:
