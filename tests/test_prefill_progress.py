@@ -1,19 +1,30 @@
 """Progress on long prompts (issue 28, item 5): the engines tell a `progress` callback how far a
 prompt has been fed, the Python API passes one through (`chat.completions.create(progress=...)`,
-`stream(progress=...)`), and `lily chat` / `lily generate` show it as a line on a terminal."""
+`stream(progress=...)`), and `lily chat` / `lily generate` show it as a line on a terminal. The
+device engine reports, and asks whether to stop, between the command buffers of a chunk (issue
+38), and a stop there leaves the prefix cache right."""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import pytest
+from device_testing import open_test_device
+from tiny_models import tiny_checkpoint
 
 import lily
 from lily.api import Lily
+from lily.checkpoint.loader import Checkpoint, load_checkpoint
 from lily.cli import PrefillProgress
-from lily.errors import RequestError
+from lily.device import Device
+from lily.engine.engine import PIPELINE_DEPTH, DeviceEngine
+from lily.engine.model_graph import layer_flops
+from lily.errors import GenerationCancelled, RequestError
 
+CONTEXT = 256
 LONG = "Tell me everything you know about the history of the river and its bridges. " * 3
 
 
@@ -69,3 +80,86 @@ def test_the_progress_line_shows_after_its_delay_and_is_erased() -> None:
     slow(8, 40)
     slow(40, 40)
     assert quiet.getvalue() == ""
+
+
+# --- between the command buffers of a chunk (issue 38) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint() -> Checkpoint:
+    return load_checkpoint(tiny_checkpoint("small"))
+
+
+class CountingDevice:
+    """The engine's device, counting what is submitted to it."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.submitted = 0
+
+    def submit(self, graph: Any) -> int:
+        self.submitted += 1
+        return self.device.submit(graph)
+
+    def wait(self, ticket: int) -> None:
+        self.device.wait(ticket)
+
+
+def split_engine(checkpoint: Checkpoint, chunk: int = 64) -> tuple[DeviceEngine, int]:
+    """An engine whose `chunk`-token passes are several command buffers (a budget of two
+    layers at the longest context), and how many a chunk has."""
+    c = checkpoint.config
+    budget = 2 * max(layer_flops(c, CONTEXT - chunk, chunk))
+    engine = DeviceEngine(
+        checkpoint, open_test_device(), CONTEXT, c.vocab_size, chunk, command_buffer_flops=budget
+    )
+    buffers = len(engine._model.graph(chunk, predicts=False).command_buffers)
+    assert buffers >= 3
+    return engine, buffers
+
+
+def prompt_of(checkpoint: Checkpoint, length: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, checkpoint.config.vocab_size, length).tolist()
+
+
+def test_progress_is_reported_between_the_command_buffers_of_a_chunk(
+    small_checkpoint: Checkpoint,
+) -> None:
+    engine, buffers = split_engine(small_checkpoint)
+    calls: list[tuple[int, int]] = []
+    prompt = prompt_of(small_checkpoint, 128, seed=1)
+    list(engine.generate(prompt, 1, progress=lambda f, t: calls.append((f, t))))
+    fed = [f for f, _ in calls]
+    assert calls[-1] == (128, 128) and fed == sorted(set(fed))
+    # Two chunks, each reported once per command buffer: mid-chunk counts, not only 64, 128.
+    assert len(calls) == 2 * buffers
+    assert [f for f in fed if 0 < f < 64] and [f for f in fed if 64 < f < 128]
+
+
+def test_a_stop_mid_chunk_runs_no_further_command_buffer_and_the_next_answer_is_right(
+    small_checkpoint: Checkpoint,
+) -> None:
+    engine, buffers = split_engine(small_checkpoint)
+    counting = CountingDevice(engine.device)
+    engine.device = counting
+    prompt = prompt_of(small_checkpoint, 128, seed=2)
+    calls: list[int] = []
+    # Stops once the second chunk has run a command buffer, its snapshot at 64 taken.
+    tokens = engine.generate(
+        prompt, 4, snapshot_at=64, progress=lambda f, t: calls.append(f),
+        should_stop=lambda: bool(calls) and calls[-1] > 64,
+    )  # fmt: skip
+    with pytest.raises(GenerationCancelled):
+        list(tokens)
+    assert calls[-1] < 128
+    # The first chunk whole, then what was in flight when the stop came (the pipeline's two).
+    assert counting.submitted <= buffers + PIPELINE_DEPTH < 2 * buffers
+    # The half-fed chunk left nothing behind: the snapshot at 64 is reused and the answer is
+    # a fresh engine's, as is a prompt that branches off inside the abandoned chunk.
+    assert engine.cached_prefix_length(prompt) == 64
+    branch = prompt[:80] + prompt_of(small_checkpoint, 40, seed=3)
+    fresh, _ = split_engine(small_checkpoint)
+    for again in (prompt, branch):
+        expected = [t.id for t in fresh.generate(again, 6)]
+        assert [t.id for t in engine.generate(again, 6)] == expected

@@ -122,11 +122,16 @@ class DispatchRecord:
 
 
 class Graph:
-    """Dispatches in order, cut into levels by barriers; built once, run many times."""
+    """Dispatches in order, cut into levels by barriers; built once, run many times.
+
+    Each command buffer is also recorded as a graph of its own (`command_buffers`), so that a
+    caller can submit a long pass piece by piece and act between the pieces (report progress,
+    stop when asked) instead of waiting for the whole pass."""
 
     def __init__(self) -> None:
         self._graph = _native.Graph()
         self.dispatches: list[DispatchRecord] = []
+        self._pieces = [_native.Graph()]
 
     def dispatch(
         self,
@@ -180,16 +185,26 @@ class Graph:
             memory.append((index, size))
         grid, group = _size3(threadgroups, "threadgroups"), _size3(threads, "threads")
         self._graph.dispatch(kernel, grid, group, bound, inline, memory, lengths)
+        self._pieces[-1].dispatch(kernel, grid, group, bound, inline, memory, lengths)
         self.dispatches.append(DispatchRecord(kernel.name, grid, group, self.barrier_count))
 
     def barrier(self) -> None:
         """Every later dispatch sees every write of the earlier ones."""
         self._graph.barrier()
+        self._pieces[-1].barrier()
 
     def end_command_buffer(self) -> None:
         """A barrier after which the metal device starts a new command buffer, so that no one
         command buffer of a long pass runs long enough to trip macOS's GPU watchdog."""
         self._graph.end_command_buffer()
+        if self._pieces[-1].dispatch_count:
+            self._pieces.append(_native.Graph())
+
+    @property
+    def command_buffers(self) -> list[CommandBuffer]:
+        """The graph's command buffers in order, each submittable alone: submitted one after
+        the other they run what the whole graph does."""
+        return [CommandBuffer(piece) for piece in self._pieces if piece.dispatch_count]
 
     @property
     def command_buffer_count(self) -> int:
@@ -202,6 +217,13 @@ class Graph:
     @property
     def barrier_count(self) -> int:
         return self._graph.barrier_count
+
+
+@dataclass(frozen=True)
+class CommandBuffer:
+    """One command buffer of a `Graph`, for `Device.submit`."""
+
+    _graph: _native.Graph
 
 
 class Device:
@@ -266,7 +288,7 @@ class Device:
         """Run `graph` and wait for it; raises KernelError if a kernel failed."""
         self._native.run(graph._graph)
 
-    def submit(self, graph: Graph) -> int:
+    def submit(self, graph: Graph | CommandBuffer) -> int:
         """Start running `graph` (graphs run in submission order); returns a ticket."""
         return self._native.submit(graph._graph)
 

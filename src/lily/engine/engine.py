@@ -81,7 +81,7 @@ GREEDY = SamplingParams(temperature=0.0)
 if TYPE_CHECKING:
     from lily.checkpoint.config import ModelConfig
     from lily.checkpoint.loader import Checkpoint
-    from lily.device import Device
+    from lily.device import CommandBuffer, Device
 
 PIPELINE_DEPTH = 2
 
@@ -109,8 +109,8 @@ class Engine(Protocol):
         Closing the iterator stops the generation. The longest cached prefix that `prompt`
         starts with is reused (preferring the sequence last used with `cache_key` among equal
         ones); `snapshot_at` asks for new snapshots after the first that many tokens.
-        `should_stop` is asked before every prefill chunk and every token (also while the
-        caller is not reading); once it returns True the generation raises
+        `should_stop` is asked before every command buffer of a prefill chunk and every token
+        (also while the caller is not reading); once it returns True the generation raises
         GenerationCancelled. `constraint`, if given, is asked for the allowed tokens before
         every draw and told every drawn token (before it is yielded); a mask allowing none of
         the tokens raises NoAllowedTokenError. With drafts it is also asked and told along them,
@@ -120,10 +120,12 @@ class Engine(Protocol):
         `reply_so_far` tokens of `prompt` are the reply so far, when a generation resumes after
         the caller appended to it: the frequency and presence penalties count them as
         generated, so a reply's penalties do not restart. `progress`, if given, is told
-        (prompt tokens fed so far, prompt length) as the prompt is fed, the cached prefix
-        counting as fed; the last call has the two equal. `drafter`, if given, proposes tokens
-        that verify passes check several at a time (speculative decoding,
-        `lily.engine.speculative`); what is generated is the same with or without it."""
+        (prompt tokens fed so far, prompt length) as the prompt is fed, after every command
+        buffer of a chunk (a chunk's tokens count as fed in proportion to its command buffers
+        run), the cached prefix counting as fed; the last call has the two equal. `drafter`,
+        if given, proposes tokens that verify passes check several at a time (speculative
+        decoding, `lily.engine.speculative`); what is generated is the same with or without
+        it."""
         ...
 
     def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
@@ -195,6 +197,30 @@ class _Request:
     bans: np.ndarray | None  # the mask of the tokens the sampling parameters ban
 
 
+@dataclass
+class _Piece:
+    """One command buffer of a pass over positions [start, start + tokens): the `index`-th of
+    `count`; `ticket` once submitted."""
+
+    start: int
+    tokens: int
+    predicts: bool
+    index: int
+    count: int
+    command_buffer: CommandBuffer
+    ticket: int = 0
+
+    @property
+    def last(self) -> bool:
+        return self.index + 1 == self.count
+
+    @property
+    def fed(self) -> int:
+        """How many prompt tokens count as fed once this command buffer has run: its share of
+        the pass (the layer groups are of about equal work)."""
+        return self.start + self.tokens * (self.index + 1) // self.count
+
+
 def _allows(mask: np.ndarray | None, token: int) -> bool:
     return mask is None or bool((mask[token // 32] >> np.uint32(token % 32)) & 1)
 
@@ -245,12 +271,14 @@ class DeviceEngine:
     ) -> None:
         """`token_count`: how many ids the tokenizer can produce; only those are generated.
         `max_chunk`: the most prompt tokens one prefill pass takes. A pass is split into
-        command buffers by layers (`ModelGraph`); `command_buffer_flops`, if given, also
-        keeps a chunk short enough that each layer's estimated work (`layer_flops`, which
-        grows with the context) fits it, so that no command buffer runs long enough to trip
-        the GPU watchdog. `prefix_cache`: which prefixes are kept for reuse (default: in
-        memory, with `default_cache_memory`'s budget). `kv_cache`: the KV cache's format,
-        "bf16" or "int8" (kernels/attention.py). `mtp`: run the checkpoint's
+        command buffers by layers (`ModelGraph`, of at most `command_buffer_flops` when given),
+        submitted one by one: cancellation and progress are checked between them.
+        `command_buffer_flops`, if given, also keeps a chunk short enough that each layer's
+        estimated work (`layer_flops`, which grows with the context) fits it, so that no
+        command buffer runs long enough to trip the GPU watchdog, or, on the sim, to make a
+        stop or a progress report wait long. `prefix_cache`: which prefixes are kept for
+        reuse (default: in memory, with `default_cache_memory`'s budget). `kv_cache`: the KV
+        cache's format, "bf16" or "int8" (kernels/attention.py). `mtp`: run the checkpoint's
         multi-token-prediction head, so that a drafter asking for it (`Speculation.mtp`) gets
         its drafts."""
         self.config = checkpoint.config
@@ -259,7 +287,14 @@ class DeviceEngine:
         self.max_chunk = max_chunk
         self.command_buffer_flops = command_buffer_flops
         self._model = ModelGraph(
-            checkpoint, device, max_seq, token_count, max_chunk, kv_cache, mtp=mtp
+            checkpoint,
+            device,
+            max_seq,
+            token_count,
+            max_chunk,
+            kv_cache,
+            mtp=mtp,
+            command_buffer_flops=command_buffer_flops,
         )
         # Hidden states of the last pass the MTP head has not read yet: (the pass's first
         # position, how many of its rows are right), the rows being `mtp_hidden`'s first; None
@@ -329,6 +364,14 @@ class DeviceEngine:
         for position in range(prompt_length, prompt_length + max_new_tokens - 1):
             yield position, 1, True
 
+    def _pieces(self, passes: Iterator[tuple[int, int, bool]]) -> Iterator[_Piece]:
+        """The command buffers of the passes, in order."""
+        for start, tokens, predicts in passes:
+            graph = self._model.graph(tokens, predicts=predicts)
+            buffers = graph.command_buffers
+            for index, command_buffer in enumerate(buffers):
+                yield _Piece(start, tokens, predicts, index, len(buffers), command_buffer)
+
     def _chunk_end(self, start: int, high: int) -> int:
         """Where the chunk starting at `start` ends: at most `max_chunk` tokens and `high`, and
         the most tokens whose costliest layer fits `command_buffer_flops` (one token at
@@ -389,42 +432,50 @@ class DeviceEngine:
         self._mtp_pending = None
         # Speculating, the passes here stop at the prompt's (predicting the first token).
         plain_tokens = 1 if speculating else max_new_tokens
-        passes = self._passes(first, len(prompt), plain_tokens, snapshots)
+        pieces = self._pieces(self._passes(first, len(prompt), plain_tokens, snapshots))
         generated: list[int] = []
-        # (position after the pass, whether it predicted a token, ticket)
-        in_flight: deque[tuple[int, bool, int]] = deque()
+        in_flight: deque[_Piece] = deque()
         depth = PIPELINE_DEPTH if constraint is None and not head else 1
-        upcoming = next(passes, None)
+        reported = first  # the prompt tokens `progress` was last told are fed
+        upcoming = next(pieces, None)
         try:
             while True:
                 while upcoming is not None and len(in_flight) < depth:
+                    # Asked before every command buffer, so that a stop waits for at most the
+                    # ones in flight, not for a whole chunk.
                     _check_stop(should_stop)
-                    start, tokens, predicts = upcoming
-                    if snapshots and start == snapshots[0]:
+                    start, tokens = upcoming.start, upcoming.tokens
+                    if upcoming.index == 0 and snapshots and start == snapshots[0]:
                         # The state after consuming tokens [0, start): drain, then save.
-                        for _, _, pending in in_flight:
-                            self.device.wait(pending)
+                        for pending in in_flight:
+                            self.device.wait(pending.ticket)
                         self._take_snapshot(prompt[: snapshots.pop(0)])
-                    if predicts and constraint is not None:
+                    if upcoming.index == 0 and upcoming.predicts and constraint is not None:
                         mask = draw_mask(constraint, bans, token_count, start + tokens)
                         write_token_mask(state.token_mask, mask)
-                    graph = self._model.graph(tokens, predicts=predicts)
-                    in_flight.append((start + tokens, predicts, self.device.submit(graph)))
-                    upcoming = next(passes, None)
+                    upcoming.ticket = self.device.submit(upcoming.command_buffer)
+                    in_flight.append(upcoming)
+                    upcoming = next(pieces, None)
                 if not in_flight:
                     break
-                end, predicts, ticket = in_flight.popleft()
-                self.device.wait(ticket)
+                piece = in_flight.popleft()
+                self.device.wait(piece.ticket)
+                end = piece.start + piece.tokens
+                fed = piece.fed
+                if progress is not None and reported < fed <= len(prompt):
+                    progress(fed, len(prompt))
+                    reported = fed
+                if not piece.last:
+                    continue
+                predicts = piece.predicts
                 if head:
-                    # One pass in flight, so (start, tokens) are this chunk's. Each row's next
+                    # One pass in flight, so this is the chunk just fed. Each row's next
                     # token is in the history (the prompt's, or the one the last chunk drew);
                     # the head reads the rows before the next chunk overwrites them, and the
                     # last chunk's when it drafts the first time.
-                    self._mtp_pending = (start, tokens)
+                    self._mtp_pending = (piece.start, piece.tokens)
                     if not predicts:
                         self._mtp_catch_up(draft=False)
-                if progress is not None and end <= len(prompt):
-                    progress(end, len(prompt))
                 if not predicts:
                     continue
                 drawn = self._drawn(end, sampling)
@@ -450,8 +501,8 @@ class DeviceEngine:
         finally:
             # A speculative step may still be running (after a stop token, or when the caller
             # closed the iterator); it only writes state the next generation replaces.
-            for _, _, pending in in_flight:
-                self.device.wait(pending)
+            for pending in in_flight:
+                self.device.wait(pending.ticket)
             self.prefix_cache.end(self._rows)
 
     def _drawn(self, end: int, sampling: SamplingParams) -> GeneratedToken:

@@ -393,15 +393,19 @@ def layer_flops(c: ModelConfig, start: int, tokens: int) -> list[float]:
     return [2.0 * (attention if kind == FULL_ATTENTION else linear) for kind in c.layer_types]
 
 
-def command_buffer_starts(c: ModelConfig, capacity: int, tokens: int) -> set[int]:
+def command_buffer_starts(
+    c: ModelConfig, capacity: int, tokens: int, budget: float | None = None
+) -> set[int]:
     """The layers that start a new command buffer in a pass over `tokens` tokens: layers are
-    grouped, in order, so that no group's estimated work exceeds COMMAND_BUFFER_FLOPS at the
-    longest context the pass can see (a graph is recorded once and replayed at any position).
-    A decode step and a short chunk stay one command buffer; a layer over budget gets one of
-    its own, and the engine keeps a chunk short enough that every layer fits (`DeviceEngine`)."""
+    grouped, in order, so that no group's estimated work exceeds `budget` (default
+    COMMAND_BUFFER_FLOPS) at the longest context the pass can see (a graph is recorded once and
+    replayed at any position). A decode step and a short chunk stay one command buffer; a layer
+    over budget gets one of its own, and the engine keeps a chunk short enough that every layer
+    fits (`DeviceEngine`)."""
+    budget = COMMAND_BUFFER_FLOPS if budget is None else budget
     starts, pending = set(), 0.0
     for i, flops in enumerate(layer_flops(c, max(capacity - tokens, 0), tokens)):
-        if i > 0 and pending + flops > COMMAND_BUFFER_FLOPS:
+        if i > 0 and pending + flops > budget:
             starts.add(i)
             pending = 0.0
         pending += flops
@@ -426,13 +430,16 @@ class ModelGraph:
         max_chunk: int = DEFAULT_MAX_CHUNK,
         kv_cache: str = "bf16",
         mtp: bool = False,
+        command_buffer_flops: float | None = None,
     ) -> None:
         """`token_count`: ids the tokenizer can produce. The lm_head has padding rows past it
         (248320 vs 248077 on the real model) that must never be chosen. `max_chunk`: the most
         tokens one pass may take (1 records only the decode step). `kv_cache`: the KV cache's
         format, "bf16" or "int8". `mtp`: run the checkpoint's multi-token-prediction head
         (`mtp_graph`); every pass then also leaves the final-normed hidden state of each of its
-        tokens in `mtp_hidden` for the head to read."""
+        tokens in `mtp_hidden` for the head to read. `command_buffer_flops`: the most estimated
+        work of one command buffer of a pass (`command_buffer_starts`; default
+        COMMAND_BUFFER_FLOPS)."""
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         attention.check_kv_cache(kv_cache)
@@ -442,6 +449,7 @@ class ModelGraph:
             raise ValueError("the MTP head drafts for verify passes, which need max_chunk >= 2")
         self.kv_cache = kv_cache
         self.mtp = mtp
+        self.command_buffer_flops = command_buffer_flops
         self.config = checkpoint.config
         self.device = device
         self.capacity = capacity
@@ -730,7 +738,9 @@ class _Recorder:
                 eps=c.rms_norm_eps,
             )
             g.barrier()
-        starts_command_buffer = command_buffer_starts(c, self.m.capacity, T)
+        starts_command_buffer = command_buffer_starts(
+            c, self.m.capacity, T, self.m.command_buffer_flops
+        )
         for i, kind in enumerate(c.layer_types):
             if i in starts_command_buffer:
                 g.end_command_buffer()
