@@ -10,6 +10,7 @@ The demo on the sim takes about 0.1 s per token, so answers are a few tokens lon
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from test_api import ROOT, python_blocks, run_python
 from test_server import RunningServer
 
 import lily
+import lily.server.routes
 from lily.api import Lily
 from lily.server.app import create_app
 
@@ -676,6 +678,57 @@ def test_a_silent_stream_gets_keep_alive_comments(
         assert [e.type for e in text][-1] == "message_stop"
         chunks = list(s.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2,
                                                     stream=True))  # fmt: skip
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_stream_and_the_log_show_how_far_the_prompt_is_fed(
+    served_llm: Lily, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Progress reports (here every one, without the usual second between two) go to the log,
+    naming the request's id, and into every API's stream as `: prompt FED/TOTAL tokens`
+    comments before the answer's events; the SDKs read such streams as usual."""
+    monkeypatch.setattr(lily.server.routes, "PROGRESS_INTERVAL_SECONDS", 0.0)
+    caplog.set_level(logging.INFO, logger="lily.server")
+    text = "Tell me about the river and its bridges. " * 4
+    bodies = {
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": text}]},
+        "/v1/completions": {"prompt": text},
+        "/v1/messages": {"messages": [{"role": "user", "content": text}]},
+        "/v1/responses": {"input": text},
+    }
+    with RunningServer(create_app(served_llm)) as s:
+        for path, body in bodies.items():
+            request = {"model": MODEL, "stream": True, "max_tokens": 2, **body}
+            if path == "/v1/responses":
+                request["max_output_tokens"] = request.pop("max_tokens")
+            request_id = f"progress-{path.rsplit('/', 1)[1]}"
+            headers = {"x-request-id": request_id}
+            with httpx.stream(
+                "POST", f"{s.url}{path}", json=request, headers=headers, timeout=60
+            ) as r:
+                lines = [line for line in r.iter_lines() if line]
+            reports = [
+                (i, int(m[1]), int(m[2]))
+                for i, line in enumerate(lines)
+                if (m := re.fullmatch(r": prompt (\d+)/(\d+) tokens", line))
+            ]
+            assert reports, (path, lines)
+            first_event = next(i for i, line in enumerate(lines) if not line.startswith(":"))
+            assert reports[-1][0] < first_event, (path, lines)
+            assert reports[-1][1] == reports[-1][2] > 40, (path, lines)
+            logged = [
+                m.groups()
+                for record in caplog.records
+                if (m := re.fullmatch(rf"id={request_id} prompt: (\d+)/(\d+) tokens fed",
+                                      record.getMessage()))
+            ]  # fmt: skip
+            assert logged == [(str(f), str(t)) for _, f, t in reports], path
+        chunks = list(
+            s.client().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=2,
+                stream=True,
+            )
+        )  # fmt: skip
         assert chunks[-1].choices[0].finish_reason == "length"
 
 

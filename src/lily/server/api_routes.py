@@ -26,6 +26,7 @@ from lily.server.routes import (
     KEEPALIVE,
     KEEPALIVE_COMMENT,
     ClientGone,
+    PromptProgress,
     ShuttingDownError,
     _read_body,
     _shutting_down,
@@ -85,6 +86,8 @@ async def _stream(
         async for event in job.events_after(first, server.keepalive):
             if event is KEEPALIVE:
                 yield KEEPALIVE_COMMENT
+            elif isinstance(event, PromptProgress):
+                yield event.comment
             elif isinstance(event, ShuttingDownError):
                 for data in translation.failed(_shutting_down()):
                     yield data

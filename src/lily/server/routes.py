@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -226,6 +227,43 @@ _DONE = object()
 KEEPALIVE = object()
 # What a stream sends for one: an SSE comment, which clients ignore.
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
+# The least time between two progress reports of one prompt (in the log and the stream): the
+# engine reports after every command buffer, dozens a second on a fast GPU.
+PROGRESS_INTERVAL_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far the engine has fed a stream's prompt: sent as an SSE comment, which clients
+    ignore and a person or a proxy watching the stream can read."""
+
+    fed: int
+    total: int
+
+    @property
+    def comment(self) -> bytes:
+        return f": prompt {self.fed}/{self.total} tokens\n\n".encode()
+
+
+class _ProgressReport:
+    """The `progress` callback of a job: once its prompt has taken PROGRESS_INTERVAL_SECONDS,
+    logs how far it is fed and, for a stream, sends it to the client, at most every
+    PROGRESS_INTERVAL_SECONDS, and when it is done. A prompt fed faster reports nothing."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.last = time.monotonic()
+        self.reported = False
+
+    def __call__(self, fed: int, total: int) -> None:
+        now = time.monotonic()
+        due = now - self.last >= PROGRESS_INTERVAL_SECONDS
+        if not (due or (fed >= total and self.reported)):
+            return
+        self.last, self.reported = now, True
+        logger.info("id=%s prompt: %d/%d tokens fed", self.job.request_id, fed, total)
+        if self.job.request.stream:
+            self.job.emit(PromptProgress(fed, total))
 
 
 @dataclass
@@ -240,6 +278,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Set by the worker once the generation has ended, before its last event (the request log).
     stats: GenerationStats | None = None
+    # The request log's id for the request, which the progress lines in the log name.
+    request_id: str = ""
 
     def emit(self, event: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop has shut down
@@ -376,8 +416,9 @@ class EngineWorker:
             return job.cancelled.is_set() or self._interrupted
 
         try:
+            request = dataclasses.replace(job.request, progress=_ProgressReport(job))
             result = self.llm.chat.completions.run(
-                job.request, default_max_tokens=self.default_max_tokens, should_stop=should_stop
+                request, default_max_tokens=self.default_max_tokens, should_stop=should_stop
             )
             if not job.request.stream:
                 job.stats = self.llm.chat.completions.last_stats
@@ -519,7 +560,11 @@ class Server:
         ChatCompletion, or a stream's first chunk): what the other APIs
         (`lily.server.api_routes`) translate. Raises APIError when the queue is full or the server
         is stopping, the request's own failure, or ClientGone."""
-        job = Job(checked, asyncio.get_running_loop())
+        job = Job(
+            checked,
+            asyncio.get_running_loop(),
+            request_id=getattr(request.state, "request_id", ""),
+        )
         request.state.generation = job  # its stats go into the request's log line
         try:
             self.worker.submit(job)
@@ -576,6 +621,9 @@ class Server:
             async for event in job.events_after(first, self.keepalive):
                 if event is KEEPALIVE:
                     yield KEEPALIVE_COMMENT
+                    continue
+                if isinstance(event, PromptProgress):
+                    yield event.comment
                     continue
                 if isinstance(event, ShuttingDownError):
                     # An orderly end the client can tell from a failure: the error, then the
