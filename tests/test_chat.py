@@ -754,3 +754,91 @@ def test_answers_carry_a_system_fingerprint_of_version_and_checkpoint(
     other = Path(shutil.copytree(demo_dir, tmp_path / "other"))
     (other / "chat_template.jinja").write_text((other / "chat_template.jinja").read_text() + "\n")
     assert system_fingerprint(other) != fingerprint == system_fingerprint(demo_dir)
+
+
+def test_a_call_cut_by_max_tokens_is_reported_not_dropped_nor_streamed_broken(demo_dir, tokenizer):
+    # max_tokens ends the answer inside the integer `days`: "0\n</" must not be sent as its
+    # value, and the call, which cannot be run, is named as cut in both shapes of the answer.
+    text = (
+        "<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n0\n</"
+    )
+    llm, _ = scripted(demo_dir, tokenizer, text, end=False)
+    params = dict(messages=USER, tools=[WEATHER_TOOL], **NO_THINKING)
+    choice = llm.chat.completions.create(**params).choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    cut = choice.incomplete_tool_call
+    assert (cut.index, cut.name, cut.arguments) == (0, "weather", '{"city": "Paris"')
+    assert choice.model_dump()["incomplete_tool_call"]["name"] == "weather"
+    chunks = list(llm.chat.completions.create(stream=True, **params))
+    streamed = "".join(
+        call.function.arguments or ""
+        for chunk in chunks
+        for c in chunk.choices
+        for call in c.delta.tool_calls or []
+    )
+    assert streamed == cut.arguments and json.loads(streamed + "}") == {"city": "Paris"}
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "length"
+    assert last.incomplete_tool_call.id is not None and last.incomplete_tool_call.name == "weather"
+    assert "incomplete_tool_call" not in chunks[0].choices[0].model_dump()  # only when cut
+
+
+def test_an_automatic_reasoning_budget_leaves_the_answer_room(demo_dir, tokenizer):
+    # The engine replays a reply that never closes its think block by itself.
+    llm, _ = scripted(demo_dir, tokenizer, " thinking" * 20, end=False)
+    request = parse_request(
+        {"messages": USER, "max_tokens": 12}, served_model="demo", default_sampling=GREEDY
+    )
+    r = llm.chat.completions.run(request, default_reasoning_budget="auto")
+    assert r.usage.completion_tokens_details.reasoning_tokens == 6
+    assert r.choices[0].message.content  # the answer came after the closed block
+    own_budget = parse_request(
+        {"messages": USER, "max_tokens": 12, "reasoning_budget": 2},
+        served_model="demo",
+        default_sampling=GREEDY,
+    )
+    r = llm.chat.completions.run(own_budget, default_reasoning_budget="auto")
+    assert r.usage.completion_tokens_details.reasoning_tokens == 2
+    r = llm.chat.completions.run(request)  # the Python API's default: no budget
+    assert r.usage.completion_tokens_details.reasoning_tokens == 12
+
+
+def test_messages_name_the_field_they_are_about(demo_dir, tokenizer):
+    llm, _ = scripted(demo_dir, tokenizer, "x")
+    with pytest.raises(RequestError, match=r"^max_tokens must be an integer >= 1$"):
+        llm.chat.completions.create(messages=USER, max_tokens=0)
+    with pytest.raises(RequestError, match=r"^temperature must be a number$"):
+        llm.chat.completions.create(messages=USER, temperature="hot")
+
+
+def test_prediction_counts_are_zero_without_a_prediction(demo_dir, tokenizer):
+    llm, _ = scripted(demo_dir, tokenizer, "x")
+    details = llm.chat.completions.create(
+        messages=USER, max_tokens=2
+    ).usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == 0 and details.rejected_prediction_tokens == 0
+    dumped = details.model_dump()
+    assert dumped["accepted_prediction_tokens"] == dumped["rejected_prediction_tokens"] == 0
+
+
+def test_a_later_system_message_joins_the_first(demo_dir, tokenizer):
+    llm, engine = scripted(demo_dir, tokenizer, "x")
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "Bye"},
+    ]
+    llm.chat.completions.create(messages=messages, max_tokens=1, **NO_THINKING)
+    prompt = tokenizer.decode(engine.requests[-1]["prompt"])
+    assert prompt.startswith("<|im_start|>system\nAnswer in French.<|im_end|>\n")
+    assert prompt.count("<|im_start|>system") == 1
+    llm.chat.completions.create(
+        messages=[{"role": "system", "content": "Be brief."}, *messages],
+        max_tokens=1,
+        **NO_THINKING,
+    )
+    prompt = tokenizer.decode(engine.requests[-1]["prompt"])
+    assert prompt.startswith("<|im_start|>system\nBe brief.\n\nAnswer in French.<|im_end|>\n")
+    assert prompt.count("<|im_start|>system") == 1

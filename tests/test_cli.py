@@ -206,6 +206,29 @@ def test_serve_limits_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
         main(["serve", "--max-tokens-default", "0"])
 
 
+def test_serve_model_names_and_thinking_defaults_reach_the_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lily.server.routes import ModelNames
+
+    calls: list[dict] = []
+    monkeypatch.setattr("lily.server.app.serve", lambda *a, **k: calls.append(k))
+    main(["serve"])
+    names = ["--strict-model-id", "--served-model-name", "a", "--served-model-name", "b"]
+    limits = ["--default-max-tokens", "64", "--reasoning-budget", "16"]
+    main(["serve", *names, "--no-open-model-list", *limits])
+    main(["serve", "--reasoning-budget", "none"])
+    defaults, chosen, unbounded = calls
+    assert defaults["model_names"] == ModelNames() and defaults["open_model_list"] is True
+    assert defaults["default_reasoning_budget"] == "auto"
+    assert chosen["model_names"] == ModelNames(("a", "b"), strict=True)
+    assert chosen["open_model_list"] is False
+    assert chosen["default_max_tokens"] == 64 and chosen["default_reasoning_budget"] == 16
+    assert unbounded["default_reasoning_budget"] is None
+    with pytest.raises(SystemExit):
+        main(["serve", "--reasoning-budget", "-1"])
+
+
 def test_serve_request_bounds_and_timeouts_reach_the_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -32,6 +32,7 @@ from lily.api import Lily
 from lily.errors import RequestError
 from lily.server.app import create_app
 from lily.server.openapi import CHAT_REQUEST_EXAMPLES, openapi_document
+from lily.server.routes import ModelNames
 
 MAX_SEQ = 96
 MODEL = "demo"
@@ -127,7 +128,11 @@ def counting(served_llm: Lily) -> Iterator[CountingEngine]:
 
 @pytest.fixture(scope="module")
 def server(served_llm: Lily, counting: CountingEngine) -> Iterator[RunningServer]:
-    with RunningServer(create_app(served_llm, queue_limit=16, max_body_bytes=64 * 1024)) as s:
+    # Strict model ids, for the 404s checked here (test_server_clients.py checks the default).
+    app = create_app(
+        served_llm, queue_limit=16, max_body_bytes=64 * 1024, model_names=ModelNames(strict=True)
+    )
+    with RunningServer(app) as s:
         yield s
 
 
@@ -601,7 +606,7 @@ def test_unknown_routes_and_methods(server: RunningServer) -> None:
 
 
 def test_api_key(served_llm: Lily) -> None:
-    with RunningServer(create_app(served_llm, api_key="sesame")) as locked:
+    with RunningServer(create_app(served_llm, api_key="sesame", open_model_list=False)) as locked:
         with pytest.raises(openai.AuthenticationError):
             locked.client(api_key="wrong", max_retries=0).models.list()
         response = httpx.get(f"{locked.url}/v1/models")

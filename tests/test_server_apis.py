@@ -31,6 +31,7 @@ import lily
 import lily.server.routes
 from lily.api import Lily
 from lily.server.app import create_app
+from lily.server.routes import ModelNames
 
 MAX_SEQ = 384  # a prompt with tools is about 200 tokens
 MODEL = "demo"
@@ -65,7 +66,10 @@ def recording(served_llm: Lily) -> Iterator[RecordingEngine]:
 
 @pytest.fixture(scope="module")
 def server(served_llm: Lily, recording: RecordingEngine) -> Iterator[RunningServer]:
-    with RunningServer(create_app(served_llm, queue_limit=8)) as s:
+    # Strict model ids, for the 404s checked here (test_server_clients.py checks the default).
+    with RunningServer(
+        create_app(served_llm, queue_limit=8, model_names=ModelNames(strict=True))
+    ) as s:
         yield s
 
 

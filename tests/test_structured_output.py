@@ -614,3 +614,61 @@ def test_a_grammar_taken_back_after_a_lookahead_is_as_before(demo_dir, tokenizer
                  for choice in (got, want)]  # fmt: skip
         assert calls[0] == calls[1]
     assert len(walking.masks) > 100
+
+
+def test_a_format_json_schema_does_not_define_is_an_annotation(llm):
+    schema = {
+        "type": "object",
+        "properties": {
+            "phone": {"type": "string", "format": "phone-number", "maxLength": 12},
+            "format": {"type": "integer", "format": "int32"},  # a property named "format" too
+        },
+        "required": ["phone", "format"],
+        "additionalProperties": False,
+    }
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "contact", "strict": True, "schema": schema},
+    }
+    completion = create(llm, response_format=response_format, seed=0, **NO_THINKING)
+    answer = json.loads(completion.choices[0].message.content)
+    jsonschema.validate(answer, schema)  # (jsonschema ignores such formats too)
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "call",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"number": {"type": "string", "format": "phone-number"}},
+                "required": ["number"],
+            },
+        },
+    }
+    message, finish = _answer(
+        create(llm, tools=[tool], tool_choice="required", **NO_THINKING), False
+    )
+    assert finish == "tool_calls" and message.tool_calls[0].function.name == "call"
+    with pytest.raises(UnsupportedSchemaError):  # a defined format is still held to strict
+        defined = {"type": "string", "format": "date-time"}
+        tool["function"]["parameters"]["properties"]["number"] = defined
+        create(llm, tools=[tool], tool_choice="required", **NO_THINKING)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_that_ends_exactly_at_max_tokens_finishes_with_tool_calls(llm, stream):
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    forced = dict(
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "now"}},
+        parallel_tool_calls=False,
+        seed=0,
+        **NO_THINKING,
+    )
+    whole = create(llm, **forced)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    # Without the end-of-turn token the call is all there is to generate.
+    exact = whole.usage.completion_tokens - 1
+    message, finish = _answer(create(llm, stream=stream, max_tokens=exact, **forced), stream)
+    assert finish == "tool_calls"
+    assert [c.function.name for c in message.tool_calls] == ["now"]

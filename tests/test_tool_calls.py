@@ -166,7 +166,29 @@ def test_a_missing_parameter_end_is_tolerated():
     assert json.loads(calls[0].arguments) == {"limit": 3, "query": "q"}
 
 
-def test_a_call_cut_short_is_closed_with_what_it_has():
+def test_a_call_cut_short_streams_only_whole_parameters():
+    """max_tokens ends the text inside a value ("0\n</" of an integer, the start of its closing
+    tag): that value is not sent, nor a closing brace, so the streamed arguments stay the start
+    of the JSON object the model was writing; the cut call is reported apart from `calls`."""
+    text = (
+        "<tool_call>\n<function=search>\n<parameter=query>\npar\n</parameter>\n"
+        "<parameter=limit>\n0\n</"
+    )
+    for pieces in ([text], list(text)):
+        parser = ToolCallParser(TOOLS, make_id=counting_ids())
+        deltas = [parser.feed(p) for p in pieces] + [parser.flush(cut=True)]
+        streamed = "".join(piece.arguments for d in deltas for piece in d.tool_calls)
+        assert streamed == '{"query": "par"'
+        assert parser.calls == []
+        assert parser.cut is not None and parser.cut.name == "search"
+        assert parser.cut.arguments == streamed and not parser.cut.complete
+    cut_in_the_name = ToolCallParser(TOOLS)
+    assert cut_in_the_name.feed("<tool_call>\n<function=sea").tool_calls == ()
+    assert cut_in_the_name.flush(cut=True).tool_calls == ()  # nothing of it was streamed
+    assert cut_in_the_name.cut is not None and cut_in_the_name.cut.id == ""
+
+
+def test_a_call_the_model_ended_unfinished_is_closed_with_what_it_has():
     text = (
         "<tool_call>\n<function=search>\n<parameter=limit>\n8\n</parameter>\n<parameter=query>\npar"
     )

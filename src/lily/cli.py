@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from lily.api import DEFAULT_MAX_SEQ, DEVICES
+from lily.chat.completions import AUTO_REASONING_BUDGET
 from lily.engine.model_graph import MAX_DRAFT_TOKENS, PREFILL_CHUNKS
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
@@ -413,6 +414,7 @@ def _serve(args: argparse.Namespace) -> int:
     from lily.chat.request_limits import RequestLimits
     from lily.server.api_key import APIKeyError
     from lily.server.app import PortInUseError, serve
+    from lily.server.routes import ModelNames
 
     try:
         serve(
@@ -428,7 +430,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_seq=args.max_seq,
             prefill_chunk=args.prefill_chunk,
             queue_limit=args.queue_limit,
-            default_max_tokens=args.max_tokens_default,
+            default_max_tokens=args.default_max_tokens,
+            default_reasoning_budget=args.reasoning_budget,
             shutdown_grace=args.shutdown_grace,
             log_level=args.log_level,
             escape_special_tokens=args.escape_special_tokens,
@@ -444,6 +447,8 @@ def _serve(args: argparse.Namespace) -> int:
             ),
             header_timeout=args.header_timeout,
             body_timeout=args.body_timeout,
+            model_names=ModelNames(tuple(args.served_model_name), strict=args.strict_model_id),
+            open_model_list=args.open_model_list,
             cache=CacheOptions(
                 args.cache_memory, args.cache_dir, args.cache_disk_size, args.cache_disk_min_tokens
             ),
@@ -455,6 +460,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"lily serve: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _reasoning_budget(text: str) -> int | str | None:
+    if text.lower() == "none":
+        return None
+    if text.lower() == AUTO_REASONING_BUDGET:
+        return AUTO_REASONING_BUDGET
+    return _whole_number(text, 0)
 
 
 _BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -799,18 +812,49 @@ def _parser() -> argparse.ArgumentParser:
         "repeatable (default: no CORS)",
     )
     serve.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another id for the served model, listed by GET /v1/models beside its own; repeatable",
+    )
+    serve.add_argument(
+        "--strict-model-id",
+        action="store_true",
+        help="answer 404 to requests whose model is neither the served id nor a "
+        "--served-model-name (default: any model name is answered by the served model)",
+    )
+    serve.add_argument(
+        "--open-model-list",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve GET /v1/models without the API key, as llama-server and LM Studio do: "
+        "it tells a caller only the model's ids and context length (default: open)",
+    )
+    serve.add_argument(
         "--queue-limit",
         type=_positive_int,
         default=DEFAULT_QUEUE_LIMIT,
         help="requests that may wait while one runs; more get 503 with Retry-After",
     )
     serve.add_argument(
+        "--default-max-tokens",
         "--max-tokens-default",
+        dest="default_max_tokens",
         type=_positive_int,
         default=DEFAULT_MAX_TOKENS,
         metavar="TOKENS",
         help="longest completion of a request that sets no max_tokens (default: "
         f"{DEFAULT_MAX_TOKENS}; never more than the context leaves)",
+    )
+    serve.add_argument(
+        "--reasoning-budget",
+        type=_reasoning_budget,
+        default=AUTO_REASONING_BUDGET,
+        metavar="TOKENS",
+        help="most tokens a request that sets no reasoning_budget thinks before its think "
+        "block is closed: a number, 'auto' (half its completion limit, so that a small "
+        "max_tokens still leaves room for the answer) or 'none' (default: auto)",
     )
     serve.add_argument(
         "--shutdown-grace",

@@ -20,8 +20,12 @@ class RequestError(ValueError):
 
 
 def require(condition: bool, message: str, param: str) -> None:
-    """Raises RequestError(message, param=param) unless `condition` holds."""
+    """Raises RequestError(message, param=param) unless `condition` holds. A message that is
+    only what the value must be ("must be an integer >= 1") gets the field's name in front, so
+    that the Python API's errors name the field as the server's `param` does."""
     if not condition:
+        if message.startswith("must "):
+            message = f"{param} {message}"
         raise RequestError(message, param=param)
 
 

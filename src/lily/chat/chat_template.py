@@ -134,6 +134,22 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def system_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with every system message merged into the first one, in order, joined
+    by a blank line. Agents insert system messages mid-conversation, which Qwen's templates
+    refuse; Ollama renders this model's conversations with one system prompt gathered from all
+    of them, and so does Lily (the instructions keep their order, not their position)."""
+    later = [i for i, m in enumerate(messages) if m.get("role") == "system" and i > 0]
+    if not later:
+        return messages
+    leading = messages[0] if messages[0].get("role") == "system" else {"role": "system"}
+    systems = [leading, *(messages[i] for i in later)]
+    texts = [m["content"] for m in systems if isinstance(m.get("content"), str) and m["content"]]
+    merged = {**leading, "content": "\n\n".join(texts)}
+    rest = [m for m in messages if m.get("role") != "system"]
+    return [merged, *rest]
+
+
 def parse_arguments(text: str) -> dict[str, Any]:
     """Tool-call arguments as OpenAI sends them: a JSON object text (empty means no arguments).
     Raises ChatTemplateRefusedError for anything else."""
@@ -275,7 +291,7 @@ class ChatTemplate:
         variables.update(template_kwargs)
         if enable_thinking is not None:
             variables["enable_thinking"] = enable_thinking
-        variables["messages"] = [self._template_message(m) for m in messages]
+        variables["messages"] = system_first([self._template_message(m) for m in messages])
         variables["tools"] = list(tools) if tools else None
         variables["documents"] = None  # transformers always defines it
         variables["add_generation_prompt"] = add_generation_prompt

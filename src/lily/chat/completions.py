@@ -26,7 +26,7 @@ from lily.chat.request_limits import UNBOUNDED, RequestLimits
 from lily.chat.sampling_fields import ADJUSTMENT_FIELDS, adjustment_fields
 from lily.chat.special_tokens import TemplateInputs, escape_special_tokens
 from lily.chat.stop import StopStringMatcher
-from lily.chat.structured_output import OutputGrammar, output_grammar
+from lily.chat.structured_output import GrammarConstraint, OutputGrammar, output_grammar
 from lily.chat.template_inputs import (
     check_message_fields,
     check_template_kwargs,
@@ -46,6 +46,7 @@ from lily.chat.types import (
     ChoiceLogprobs,
     ChunkChoice,
     CompletionUsage,
+    IncompleteToolCall,
     TopLogprob,
     new_completion_id,
 )
@@ -72,6 +73,10 @@ EXTRA_BODY_PARAMETERS = ("top_k", "min_p", "chat_template_kwargs", "reasoning_bu
 # OpenAI's reasoning efforts: "none" turns thinking off; the model has no finer control, so the
 # others all leave it on (`reasoning_budget` bounds its length).
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# A default reasoning budget that is derived from each request's completion limit: thinking
+# gets at most this share of it, so a small limit still leaves room for an answer.
+AUTO_REASONING_BUDGET = "auto"
+AUTO_REASONING_SHARE = 0.5
 # What a think block ends with when the reasoning budget runs out (as the template renders it).
 THINK_CLOSE = "\n</think>\n\n"
 # What the answer follows: the end of the think block.
@@ -493,10 +498,29 @@ class _TextPipeline:
         self._tools = ToolCallParser(request.tools) if request.tools else None
         self.reasoning_tokens = 0
         self.hit_stop = False
+        # The generation's output grammar (response_format, forced calls), if it has one.
+        self.constraint: GrammarConstraint | None = None
 
     @property
     def tool_calls(self) -> list[ToolCall]:
         return self._tools.calls if self._tools else []
+
+    @property
+    def output_complete(self) -> bool:
+        """Whether the output grammar allows the answer to end here."""
+        return self.constraint is not None and self.constraint.accepting
+
+    @property
+    def cut(self) -> bool:
+        """Whether max_tokens cut a tool call short."""
+        return self._tools is not None and self._tools.cut is not None
+
+    @property
+    def incomplete_tool_call(self) -> IncompleteToolCall | None:
+        """The call max_tokens cut short, once finished (None if none was)."""
+        if self._tools is None or self._tools.cut is None:
+            return None
+        return IncompleteToolCall.from_call(len(self._tools.calls), self._tools.cut)
 
     @property
     def stopped(self) -> bool:
@@ -534,7 +558,8 @@ class _TextPipeline:
         self._route(self._stop.flush(), delta)
         self._split(self._reasoning.flush(), delta)
         if self._tools:
-            self._add_tool_output(self._tools.flush(), delta)
+            # Not stopped: max_tokens ran out, maybe inside a call.
+            self._add_tool_output(self._tools.flush(cut=not self.stopped), delta)
         return delta
 
     def _route(self, text: str, delta: _Delta) -> None:
@@ -596,10 +621,14 @@ class ChatCompletions:
         request: ChatRequest,
         *,
         default_max_tokens: int | None = None,
+        default_reasoning_budget: int | str | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> ChatCompletion | Iterator[ChatCompletionChunk]:
         """Runs a checked request (`parse_request`), as `create` does. Without `max_tokens`
         the completion may fill the context, or stops after `default_max_tokens` if given.
+        A request without `reasoning_budget` thinks for at most `default_reasoning_budget`
+        tokens: a number, `AUTO_REASONING_BUDGET` (half the completion limit, so that the
+        answer has room), or None (no bound: what `create` does).
         `should_stop` is asked before every prefill chunk and every generated token; once it
         returns True the generation stops and GenerationCancelled is raised (by this call, or
         by the stream's iteration)."""
@@ -618,6 +647,11 @@ class ChatCompletions:
             max_tokens = request.max_tokens
         else:
             max_tokens = min(room, default_max_tokens or room)
+        if request.reasoning_budget is None and default_reasoning_budget is not None:
+            budget = default_reasoning_budget
+            if budget == AUTO_REASONING_BUDGET:
+                budget = int(max_tokens * AUTO_REASONING_SHARE)
+            request = dataclasses.replace(request, reasoning_budget=budget)
         if request.output is not None:
             request.output.check(llm.tokenizer, thinking=prompt.thinking)
         choices = self._choices(request, prompt, max_tokens, should_stop)
@@ -831,6 +865,7 @@ class ChatCompletions:
                 thinking=prompt.thinking,
                 max_tokens=max_tokens,
             )
+            pipeline.constraint = constraint
 
         def room() -> int:
             return max_tokens - (len(fed) - len(prompt.tokens))
@@ -876,8 +911,10 @@ class ChatCompletions:
 
     @staticmethod
     def _finish_reason(pipeline: _TextPipeline) -> str:
-        # max_tokens ran out first: any call parsed so far may be cut short, as OpenAI reports.
-        if not pipeline.stopped:
+        # max_tokens ran out first: any call parsed so far may be cut short, as OpenAI reports,
+        # unless the forced calls' grammar says the answer was whole (it ended exactly there).
+        whole = pipeline.output_complete and pipeline.tool_calls and not pipeline.cut
+        if not pipeline.stopped and not whole:
             return "length"
         return "tool_calls" if pipeline.tool_calls else "stop"
 
@@ -916,7 +953,8 @@ class ChatCompletions:
                 content.append(delta.content)
                 logprobs.extend(delta.logprobs)
             # A call cut short by max_tokens may break its schema (a required parameter never
-            # written): it is not returned as if it could be run. (A stream has sent its pieces.)
+            # written): it is not returned as if it could be run, but as `incomplete_tool_call`,
+            # as a stream's last chunk reports it.
             complete = [c for c in pipeline.tool_calls if c.complete]
             calls = [ChatCompletionMessageToolCall.from_call(c) for c in complete]
             text = "".join(content)
@@ -931,6 +969,7 @@ class ChatCompletions:
                     finish_reason=self._finish_reason(pipeline),
                     index=index,
                     stop_sequence=pipeline.stop_sequence,
+                    incomplete_tool_call=pipeline.incomplete_tool_call,
                     logprobs=ChoiceLogprobs(content=logprobs)
                     if request.sampling.top_logprobs is not None
                     else None,
@@ -995,6 +1034,7 @@ class ChatCompletions:
                             delta=ChoiceDelta(),
                             finish_reason=self._finish_reason(pipeline),
                             stop_sequence=pipeline.stop_sequence,
+                            incomplete_tool_call=pipeline.incomplete_tool_call,
                         )
                     )
                 finally:

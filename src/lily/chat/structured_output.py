@@ -98,6 +98,47 @@ RAW_LENGTH_LIMIT = 1000
 _RAW_STRING_CONSTRAINTS = ("pattern", "format", "contentEncoding", "contentMediaType")
 
 
+# The formats JSON Schema (2020-12) defines. Any other `format` is an annotation the schema's
+# author made for their own tools, which JSON Schema validators ignore: so does Lily, instead
+# of refusing the schema. The defined ones are enforced, or refused where they cannot be.
+DEFINED_FORMATS = frozenset(
+    (
+        "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
+        "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid",
+        "uri-template", "json-pointer", "relative-json-pointer", "regex",
+    )
+)  # fmt: skip
+# Keywords whose value is a subschema, a list of them, or a map of names to them.
+_SUBSCHEMA = (
+    "items", "not", "additionalProperties", "if", "then", "else", "contains", "propertyNames",
+    "unevaluatedItems", "unevaluatedProperties", "additionalItems",
+)  # fmt: skip
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def without_unknown_formats(schema: Any) -> Any:
+    """`schema` with every `format` JSON Schema does not define removed (at any depth, only
+    where `format` is a keyword, not a property's name)."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {
+        key: value
+        for key, value in schema.items()
+        if not (key == "format" and isinstance(value, str) and value not in DEFINED_FORMATS)
+    }
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), Mapping):
+            out[key] = without_unknown_formats(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [without_unknown_formats(member) for member in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: without_unknown_formats(sub) for name, sub in out[key].items()}
+    return out
+
+
 class UnsupportedSchemaError(RequestError):
     """A schema the grammar engine cannot enforce (400, naming the keyword when it can)."""
 
@@ -291,6 +332,7 @@ def _json_rule(
     otherwise keywords the engine does not implement are left unchecked. `parts`: where the
     schema's pieces come from in the request (default: all of it from `param`)."""
     options = {**JSON_OPTIONS, "lenient": not strict}
+    schema = without_unknown_formats(schema)
     rule = f"%json {json.dumps({**schema, 'x-guidance': options})}"
     budget.spend(rule, parts or [(param, schema)])
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(f"start: {rule}\n")
@@ -399,6 +441,7 @@ def _value_rule(
     end = f"\n{PARAMETER_END}\n"
     if not isinstance(schema, Mapping):
         schema = {}
+    schema = without_unknown_formats(schema)
     kinds = _json_types(schema)
     if kinds == {"string"}:
         choices = _listed_values(schema)

@@ -51,8 +51,9 @@ MAX_INTEGER_DIGITS = 4300
 @dataclass(frozen=True)
 class ToolCall:
     """One call; `arguments` is the JSON object text of OpenAI's `function.arguments`. A call
-    the text ended before its closing tag (max_tokens) is not `complete`: its arguments are
-    what was written, which may lack required parameters."""
+    the text ended before its closing tag is not `complete`: closed at a stop, its arguments
+    are what was written; cut by max_tokens (`ToolCallParser.cut`), the parameters written
+    in full, without the closing brace."""
 
     id: str
     name: str
@@ -209,6 +210,9 @@ class ToolCallParser:
         self._buffer = ""
         self._after_call = False
         self.calls: list[ToolCall] = []
+        # The call the text ended inside, once flushed (its `id` empty when even its name was
+        # unfinished, so that nothing of it was streamed).
+        self.cut: ToolCall | None = None
         # The call being parsed.
         self._id = ""
         self._name = ""
@@ -223,9 +227,13 @@ class ToolCallParser:
             pass
         return ToolParseDelta("".join(content), _merge(deltas))
 
-    def flush(self) -> ToolParseDelta:
-        """End of stream: held-back content is released and an unfinished call is closed with
-        the parameters it has (an unterminated value runs to the end of the text)."""
+    def flush(self, *, cut: bool = False) -> ToolParseDelta:
+        """End of stream: held-back content is released. An unfinished call the model ended
+        (a stop) is closed with the parameters it has (an unterminated value runs to the end
+        of the text). One the generation `cut` short (max_tokens) streams nothing more: a
+        value or a name that may be unfinished is not sent, nor the closing brace, so what was
+        streamed stays a prefix of the arguments the model was writing; the call is kept in
+        `cut` (its arguments so far), not in `calls`."""
         content: list[str] = []
         deltas: list[ToolCallDelta] = []
         while self._step(content, deltas, final=True):
@@ -233,6 +241,10 @@ class ToolCallParser:
         rest, self._buffer = self._buffer, ""
         if self._state is _State.CONTENT:
             content.append(rest.strip() if self._after_call else rest)
+        elif cut and self._state is _State.FUNCTION_NAME:
+            self.cut = ToolCall("", rest.strip(), "", complete=False)
+        elif cut and self._state is not _State.CALL_OPENED:
+            self.cut = ToolCall(self._id, self._name, self._arguments, complete=False)
         elif self._state is not _State.CALL_OPENED:
             if self._state is _State.FUNCTION_NAME:
                 self._open_function(rest.strip(), deltas)

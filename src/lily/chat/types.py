@@ -24,6 +24,8 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 
 # Marks a field that other APIs' translations read and no dump shows (`field(metadata=...)`).
 INTERNAL = {"internal": True}
+# Marks a Lily extension that dumps show only when it is set.
+EXTENSION = {"omit_none": True}
 
 
 def _dump(value: Any, exclude_none: bool) -> Any:
@@ -34,7 +36,7 @@ def _dump(value: Any, exclude_none: bool) -> Any:
             if f.metadata.get("internal"):
                 continue  # for Lily's other APIs (`INTERNAL`), not part of OpenAI's shape
             item = getattr(value, f.name)
-            if item is None and omit_none:
+            if item is None and (omit_none or f.metadata.get("omit_none")):
                 continue
             out[f.name] = _dump(item, exclude_none)
         return out
@@ -84,11 +86,10 @@ class PromptTokensDetails(OpenAIObject):
 @dataclass
 class CompletionTokensDetails(OpenAIObject):
     reasoning_tokens: int = 0
-    # Set when the request gave a `prediction` (OpenAI's Predicted Outputs): its tokens that
-    # the answer took, and those it did not.
-    accepted_prediction_tokens: int | None = None
-    rejected_prediction_tokens: int | None = None
-    omits_none = True
+    # The tokens of the request's `prediction` (OpenAI's Predicted Outputs) that the answer
+    # took, and those it did not: 0 without a prediction, as OpenAI reports them.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass
@@ -110,7 +111,7 @@ class CompletionUsage(OpenAIObject):
         prediction_tokens: tuple[int, int] | None = None,
     ) -> CompletionUsage:
         """Usage with the total filled in; reasoning tokens are reported when counted, and the
-        (accepted, rejected) tokens of a prediction when one was given."""
+        (accepted, rejected) tokens of a prediction when one was given (else 0 and 0)."""
         details = None
         if reasoning_tokens is not None or prediction_tokens is not None:
             details = CompletionTokensDetails(reasoning_tokens or 0)
@@ -177,6 +178,24 @@ class ChatCompletionMessage(OpenAIObject):
 
 
 @dataclass
+class IncompleteToolCall(OpenAIObject):
+    """A tool call that max_tokens cut short (Lily's extension, on a choice and on a stream's
+    last chunk): it is not in `tool_calls`, since it cannot be run. `index` is the one its
+    streamed pieces had, `arguments` what was streamed of them: the parameters written in full,
+    without the closing brace. `id` is None when even the name was unfinished (nothing of the
+    call was streamed)."""
+
+    index: int
+    id: str | None
+    name: str
+    arguments: str
+
+    @classmethod
+    def from_call(cls, index: int, call: ToolCall) -> IncompleteToolCall:
+        return cls(index=index, id=call.id or None, name=call.name, arguments=call.arguments)
+
+
+@dataclass
 class Choice(OpenAIObject):
     message: ChatCompletionMessage
     finish_reason: FinishReason
@@ -184,6 +203,7 @@ class Choice(OpenAIObject):
     logprobs: ChoiceLogprobs | None = None
     # The stop string that ended the answer (Anthropic's `stop_sequence`); never dumped.
     stop_sequence: str | None = field(default=None, metadata=INTERNAL, repr=False)
+    incomplete_tool_call: IncompleteToolCall | None = field(default=None, metadata=EXTENSION)
 
 
 @dataclass
@@ -248,6 +268,8 @@ class ChunkChoice(OpenAIObject):
     logprobs: ChoiceLogprobs | None = None
     # On the last chunk of a choice: the stop string that ended it; never dumped.
     stop_sequence: str | None = field(default=None, metadata=INTERNAL, repr=False)
+    # On the last chunk of a choice that max_tokens cut inside a tool call.
+    incomplete_tool_call: IncompleteToolCall | None = field(default=None, metadata=EXTENSION)
 
 
 @dataclass

@@ -35,6 +35,9 @@ from lily.server.routes import (
 )
 
 if TYPE_CHECKING:
+    from lily.api import Lily
+    from lily.chat.completions import ChatRequest
+    from lily.chat.request_limits import RequestLimits
     from lily.server.routes import Job, Server
 
 
@@ -49,7 +52,7 @@ async def _body(server: Server, request: Request) -> bytes:
 
 
 def _parsed(server: Server, body: bytes) -> dict[str, Any]:
-    return parse_json_body(body, server.limits)
+    return server.resolve_model(parse_json_body(body, server.limits))
 
 
 def _generation_route(server: Server, api: API) -> Callable[[Request], Awaitable[Response]]:
@@ -105,8 +108,14 @@ async def _stream(
         server.worker.withdraw(job)
 
 
-def _count_tokens_route(server: Server) -> Callable[[Request], Awaitable[Response]]:
-    api = anthropic_messages.API
+def _count_tokens_route(
+    server: Server,
+    api: API,
+    count_request: Callable[[dict[str, Any], Lily, RequestLimits], ChatRequest],
+    answer: Callable[[int], dict[str, Any]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """A route that measures the prompt an API's request would feed: `count_request` translates
+    the body onto the chat path's request, `answer` shapes the count."""
 
     async def endpoint(request: Request) -> Response:
         try:
@@ -114,11 +123,10 @@ def _count_tokens_route(server: Server) -> Callable[[Request], Awaitable[Respons
 
             def count() -> int:
                 # Rendering and tokenizing touch no engine state: off the loop, not queued.
-                params = _parsed(server, body)
-                checked = anthropic_messages.count_tokens_request(params, server.llm, server.limits)
+                checked = count_request(_parsed(server, body), server.llm, server.limits)
                 return server.llm.chat.completions.count_prompt_tokens(checked)
 
-            return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
+            return JSONResponse(answer(await asyncio.to_thread(count)))
         except Exception as exc:
             return _error_response(api, exc)
 
@@ -137,7 +145,26 @@ def api_routes(server: Server) -> list[Route]:
             _generation_route(server, anthropic_messages.API),
             methods=["POST"],
         ),
-        Route("/v1/messages/count_tokens", _count_tokens_route(server), methods=["POST"]),
+        Route(
+            "/v1/messages/count_tokens",
+            _count_tokens_route(
+                server,
+                anthropic_messages.API,
+                anthropic_messages.count_tokens_request,
+                lambda count: {"input_tokens": count},
+            ),
+            methods=["POST"],
+        ),
+        Route(
+            "/v1/responses/input_tokens",
+            _count_tokens_route(
+                server,
+                responses_api.API,
+                responses_api.input_tokens_request,
+                lambda count: {"object": "response.input_tokens", "input_tokens": count},
+            ),
+            methods=["POST"],
+        ),
         Route(
             "/v1/responses",
             _generation_route(server, responses_api.API),

@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from lily.chat.completions import AUTO_REASONING_BUDGET
 from lily.chat.request_limits import RequestLimits
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.speculative import DEFAULT_DRAFT_TOKENS
@@ -48,6 +49,7 @@ from lily.server.routes import (
     APIError,
     ClientGone,
     EngineWorker,
+    ModelNames,
     Server,
     as_api_error,
 )
@@ -89,17 +91,24 @@ def create_app(
     allowed_hosts: Iterable[str] = (),
     cors_origins: Iterable[str] = (),
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    default_reasoning_budget: int | str | None = None,
     limits: RequestLimits | None = None,
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
     keepalive: float | None = DEFAULT_KEEPALIVE_SECONDS,
+    model_names: ModelNames | None = None,
+    open_model_list: bool = True,
 ) -> Starlette:
     """The ASGI app serving `llm`. The worker thread starts and stops with the app's lifespan;
     the caller keeps ownership of `llm` (and closes it). `default_max_tokens` bounds the
-    completions of requests that set no `max_tokens` (None: the rest of the context).
+    completions of requests that set no `max_tokens` (None: the rest of the context);
+    `default_reasoning_budget` the thinking of requests that set no `reasoning_budget`
+    (`ChatCompletions.run`'s; None here, as the Python API, `"auto"` in `lily serve`).
     `limits` bounds the requests' size (default: `RequestLimits()`), `body_timeout` the
     seconds a body may take to arrive (408 after; None: no bound). The headers' timeout is the
     HTTP server's (`serve` sets uvicorn's protocol, `http_protocol`). A stream silent for
     `keepalive` seconds (a long prompt) gets a `: keep-alive` SSE comment (None: never).
+    `model_names` says which `model` names requests may send (default: any, answered by the
+    served model); `open_model_list` serves `GET /v1/models` without the API key.
 
     Requests must name localhost, an IP address or one of `allowed_hosts` in their Host header,
     and POST JSON; pages of `cors_origins` may call it from a browser (see
@@ -111,9 +120,12 @@ def create_app(
         queue_limit=queue_limit,
         max_body_bytes=max_body_bytes,
         default_max_tokens=default_max_tokens,
+        default_reasoning_budget=default_reasoning_budget,
         limits=RequestLimits() if limits is None else limits,
         body_timeout=body_timeout,
         keepalive=keepalive,
+        model_names=model_names,
+        open_model_list=open_model_list,
     )
 
     @contextlib.asynccontextmanager
@@ -264,6 +276,7 @@ def serve(
     queue_limit: int = DEFAULT_QUEUE_LIMIT,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    default_reasoning_budget: int | str | None = AUTO_REASONING_BUDGET,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
     log_level: str = "info",
     escape_special_tokens: bool = False,
@@ -274,6 +287,8 @@ def serve(
     kv_cache: str = "bf16",
     header_timeout: float | None = DEFAULT_HEADER_TIMEOUT,
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+    model_names: ModelNames | None = None,
+    open_model_list: bool = True,
 ) -> None:
     """Loads the model and serves it until SIGINT (Ctrl-C) or SIGTERM. Either drains: no new
     connections, waiting requests get 503 `shutting_down`, the running one gets
@@ -285,7 +300,8 @@ def serve(
     `cache` sizes the prefix cache, in memory and on disk (`lily.load`'s cache arguments);
     `speculative`, `draft_tokens` and `kv_cache` are `lily.load`'s.
     `limits` bounds the requests' size (`lily.chat.request_limits`); a client gets `header_timeout`
-    seconds to send a request's headers and `body_timeout` more for its body (408 after)."""
+    seconds to send a request's headers and `body_timeout` more for its body (408 after).
+    `model_names` and `open_model_list` are `create_app`'s."""
     from lily.api import load
 
     check_port_free(host, port)  # before the load, which can take minutes
@@ -317,8 +333,11 @@ def serve(
             allowed_hosts=allowed_hosts,
             cors_origins=cors_origins,
             default_max_tokens=default_max_tokens,
+            default_reasoning_budget=default_reasoning_budget,
             limits=limits,
             body_timeout=body_timeout,
+            model_names=model_names,
+            open_model_list=open_model_list,
         )
         worker = app.state.server.worker
         config = uvicorn.Config(

@@ -67,6 +67,19 @@ FIELDS = (
     "truncation",
     "include",
 )
+# What `POST /v1/responses/input_tokens` takes: the fields that shape the prompt.
+COUNT_FIELDS = (
+    "model",
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "reasoning",
+    "truncation",
+    "chat_template_kwargs",
+)
 ROLES = {"user": "user", "system": "system", "developer": "developer", "assistant": "assistant"}
 # Content part type -> the roles that may send it.
 TEXT_PARTS = {"input_text": ("user", "system", "developer"), "output_text": ("assistant",)}
@@ -278,12 +291,39 @@ def translate(
             code="unsupported_parameter",
         )
     require(params.get("store") in (None, False), "store must be a boolean", "store")
+    _check_truncation(params)
+    require(params.get("include") in (None, []), "include is not supported", "include")
+    chat, summary = _chat_params(params)
+    stream = params.get("stream", False)
+    chat["stream"] = stream
+    if stream is True:
+        chat["stream_options"] = {"include_usage": True}  # the final response's usage
+    request = chat_request(chat, llm, limits)
+    return ResponsesTranslation(request, params, llm.model_id, summary=summary)
+
+
+def input_tokens_request(
+    params: dict[str, Any], llm: Lily, limits: RequestLimits = UNBOUNDED
+) -> ChatRequest:
+    """The chat request whose prompt `POST /v1/responses/input_tokens` measures: the fields of
+    a response that shape its prompt, translated as `translate` does."""
+    refuse_unknown(params, COUNT_FIELDS)
+    _check_truncation(params)
+    chat, _ = _chat_params(params)
+    return chat_request(chat, llm, limits)
+
+
+def _check_truncation(params: Mapping[str, Any]) -> None:
     require(
         params.get("truncation") in (None, "disabled"),
         "truncation must be disabled (Lily never drops input)",
         "truncation",
     )
-    require(params.get("include") in (None, []), "include is not supported", "include")
+
+
+def _chat_params(params: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The chat-completions fields of a response's prompt and limits, and whether a reasoning
+    summary was asked for."""
     if "input" not in params:
         raise RequestError("input is required", param="input", code="missing_required")
     chat: dict[str, Any] = {name: params[name] for name in CHAT_FIELDS if name in params}
@@ -299,12 +339,7 @@ def translate(
         if form is not None:
             chat["response_format"] = form
     summary = _reasoning(params["reasoning"], chat) if "reasoning" in params else False
-    stream = params.get("stream", False)
-    chat["stream"] = stream
-    if stream is True:
-        chat["stream_options"] = {"include_usage": True}  # the final response's usage
-    request = chat_request(chat, llm, limits)
-    return ResponsesTranslation(request, params, llm.model_id, summary=summary)
+    return chat, summary
 
 
 def _usage(usage: CompletionUsage | None) -> dict[str, Any] | None:

@@ -220,6 +220,22 @@ def parse_json_body(body: bytes, limits: RequestLimits | None = None) -> dict[st
     return {name: value for name, value in document.items() if value is not None}
 
 
+@dataclass(frozen=True)
+class ModelNames:
+    """Which `model` names a request may send. Clients and SDK examples send fixed ids
+    (`gpt-4o`, `claude-...`), so by default any name is answered by the served model, as
+    llama-server does; `strict` answers 404 to names that are neither the served id nor one of
+    `aliases` (which `GET /v1/models` lists beside it)."""
+
+    aliases: tuple[str, ...] = ()
+    strict: bool = False
+
+    def accepts(self, name: str) -> bool:
+        """Whether a request naming `name` is answered by the served model (its own id is
+        checked by the request's validation)."""
+        return not self.strict or name in self.aliases
+
+
 # --- The engine worker ------------------------------------------------------------------------
 
 _DONE = object()
@@ -327,12 +343,20 @@ class ShuttingDownError(Exception):
 class EngineWorker:
     """The one thread that touches the engine: runs jobs one at a time, in arrival order."""
 
-    def __init__(self, llm: Lily, queue_limit: int, *, default_max_tokens: int | None = None):
+    def __init__(
+        self,
+        llm: Lily,
+        queue_limit: int,
+        *,
+        default_max_tokens: int | None = None,
+        default_reasoning_budget: int | str | None = None,
+    ):
         if queue_limit < 1:
             raise ValueError(f"queue_limit must be at least 1, got {queue_limit}")
         self.llm = llm
         self.queue_limit = queue_limit
         self.default_max_tokens = default_max_tokens
+        self.default_reasoning_budget = default_reasoning_budget
         self._waiting: deque[Job] = deque()
         self._changed = threading.Condition()
         self._running: Job | None = None
@@ -418,7 +442,10 @@ class EngineWorker:
         try:
             request = dataclasses.replace(job.request, progress=_ProgressReport(job))
             result = self.llm.chat.completions.run(
-                request, default_max_tokens=self.default_max_tokens, should_stop=should_stop
+                request,
+                default_max_tokens=self.default_max_tokens,
+                default_reasoning_budget=self.default_reasoning_budget,
+                should_stop=should_stop,
             )
             if not job.request.stream:
                 job.stats = self.llm.chat.completions.last_stats
@@ -525,17 +552,27 @@ class Server:
         max_body_bytes: int,
         default_max_tokens: int | None,
         limits: RequestLimits,
+        default_reasoning_budget: int | str | None = None,
         body_timeout: float | None,
         keepalive: float | None = DEFAULT_KEEPALIVE_SECONDS,
+        model_names: ModelNames | None = None,
+        open_model_list: bool = True,
     ):
         self.llm = llm
         self.model_id: str = llm.model_id
+        self.model_names = model_names or ModelNames()
+        self.open_model_list = open_model_list
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.limits = limits
         self.body_timeout = body_timeout
         self.keepalive = keepalive
-        self.worker = EngineWorker(llm, queue_limit, default_max_tokens=default_max_tokens)
+        self.worker = EngineWorker(
+            llm,
+            queue_limit,
+            default_max_tokens=default_max_tokens,
+            default_reasoning_budget=default_reasoning_budget,
+        )
         self.started = int(time.time())
 
     def _check_api_key(self, request: Request) -> None:
@@ -605,7 +642,7 @@ class Server:
         """The body parsed, then the facade's checks (the output grammar compiled), run here so
         that a bad request is refused at once instead of after waiting its turn (the prompt is
         rendered, sized and tokenized on the worker)."""
-        params = parse_chat_request(body, limits=self.limits)
+        params = self.resolve_model(parse_chat_request(body, limits=self.limits))
         return parse_request(
             params,
             served_model=self.model_id,
@@ -639,25 +676,41 @@ class Server:
         finally:
             self.worker.withdraw(job)
 
+    def resolve_model(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The request's fields with its `model` naming the served model when the server
+        accepts the name it sent (`ModelNames.accepts`); a name it refuses is left for the
+        request's validation to answer 404."""
+        model = params.get("model")
+        if isinstance(model, str) and self.model_names.accepts(model):
+            return {**params, "model": self.model_id}
+        return params
+
+    def listed_model_ids(self) -> list[str]:
+        return [self.model_id, *(a for a in self.model_names.aliases if a != self.model_id)]
+
     async def list_models(self, request: Request) -> Response:
-        self._check_api_key(request)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        if not self.open_model_list:
+            self._check_api_key(request)
+        cards = [self._model_card(name) for name in self.listed_model_ids()]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(self, request: Request) -> Response:
-        self._check_api_key(request)
+        if not self.open_model_list:
+            self._check_api_key(request)
         requested = request.path_params["model"]
-        if requested != self.model_id:
+        # A lookup answers for the listed names only, even when requests may name any model.
+        if requested not in self.listed_model_ids():
             raise APIError(
                 404,
                 f"model {requested!r} is not served here; this server runs {self.model_id!r}",
                 param="model",
                 code="model_not_found",
             )
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(requested))
 
-    def _model_card(self) -> dict[str, Any]:
+    def _model_card(self, name: str) -> dict[str, Any]:
         return {
-            "id": self.model_id,
+            "id": name,
             "object": "model",
             "created": self.started,
             "owned_by": "lily",
