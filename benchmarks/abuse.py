@@ -33,7 +33,14 @@ It starts `lily serve --model demo` itself (twice: each run ends by a signal) an
    file's name, a stale temporary file); a new server answers every conversation exactly as the
    first did, without a 5xx, a hang, a traceback or the memory of reading the 1 GiB; then its
    directory is deleted: still answered, and the directory is made again;
-8. one `Lily` object (the Python API, in this process) shared by threads, as a web app's worker
+8. floods of the requests that once tokenized megabytes at leisure: `--flood-clients` bodies of
+   7 MB at once to `/v1/messages/count_tokens`, as a chat `prediction` (n=4) and as a
+   `/v1/completions` prompt, while one ordinary chat request waits its turn: each flood is
+   refused (400 `context_length_exceeded`, or a documented 503) within `--flood-within` seconds,
+   the ordinary request is answered, and the resident memory stays within
+   `--max-flood-rss-mib` of what it was (three 7 MB count_tokens bodies once took 158 MiB to
+   3.5 GiB; a prediction held the engine 70 s, a completions prompt 18-29 s);
+9. one `Lily` object (the Python API, in this process) shared by threads, as a web app's worker
    pool or `asyncio.to_thread` shares it: every thread's generation, streamed or not, and every
    chat completion equal what the same call answers alone; a thread that starts a second
    generation while its own stream is open gets `EngineBusyError`, and its stream goes on.
@@ -109,9 +116,11 @@ class Answer:
 # --- a minimal HTTP/1.1 client on asyncio streams (full control over when to hang up) ------------
 
 
-def _request_head(length: int | None, *, chunked: bool = False) -> bytes:
+def _request_head(
+    length: int | None, *, chunked: bool = False, path: str = "/v1/chat/completions"
+) -> bytes:
     lines = [
-        "POST /v1/chat/completions HTTP/1.1",
+        f"POST {path} HTTP/1.1",
         "Host: 127.0.0.1",
         "Content-Type: application/json",
         "Connection: close",
@@ -324,6 +333,76 @@ class Server:
 
 
 # --- the phases ------------------------------------------------------------------------------
+
+FLOOD_BYTES = 7 * 1024 * 1024
+
+
+def flood_requests() -> dict[str, tuple[str, bytes]]:
+    """Each flood's route and body: 7 MB of text where a prompt or a prediction goes."""
+    text = "lorem ipsum " * (FLOOD_BYTES // 12)
+    messages = [{"role": "user", "content": text}]
+    prediction = {"type": "content", "content": text}
+    return {
+        "count_tokens": (
+            "/v1/messages/count_tokens",
+            json.dumps({"model": "demo", "messages": messages}).encode(),
+        ),
+        "prediction": (
+            "/v1/chat/completions",
+            chat_body("Repeat it.", max_tokens=2, n=4, prediction=prediction),
+        ),
+        "completions": (
+            "/v1/completions",
+            json.dumps({"model": "demo", "prompt": text, "max_tokens": 2}).encode(),
+        ),
+    }
+
+
+async def floods(server: Server, args: argparse.Namespace) -> None:
+    for name, (path, body) in flood_requests().items():
+        before = server.rss_mib()
+        peak = [before]
+
+        async def watch_memory() -> None:
+            while True:
+                peak[0] = max(peak[0], server.rss_mib())
+                await asyncio.sleep(0.1)
+
+        watching = asyncio.ensure_future(watch_memory())
+        started = time.monotonic()
+        try:
+            flood = [
+                exchange(server.port, f"{name} flood", body, head=_request_head(len(body), path=path))
+                for _ in range(args.flood_clients)
+            ]
+            bystander = exchange(server.port, "bystander", chat_body("Hi", max_tokens=2))
+            *answers, ordinary = await asyncio.gather(*flood, bystander)
+        finally:
+            watching.cancel()
+        took = time.monotonic() - started
+        growth = peak[0] - before
+        outcomes = Counter(a.error_code() or a.status for a in answers)
+        print(
+            f"flood {name}: {len(answers)} x 7 MB answered in {took:.1f} s ({dict(outcomes)}), "
+            f"resident memory +{growth:.0f} MiB at its peak, the waiting chat request "
+            f"{ordinary.status}",
+            flush=True,
+        )
+        problems = [
+            f"{name} flood: {a.status} {a.body[:200]!r}"
+            for a in answers
+            if not (a.status == 400 and a.error_code() == "context_length_exceeded")
+            and not (a.status == 503 and a.error_code() in DOCUMENTED_503_CODES)
+            and not (a.status == 503 and b"overloaded_error" in a.body)
+        ]
+        if ordinary.status != 200:
+            problems.append(f"{name} flood: the waiting chat request got {ordinary.status}")
+        if took > args.flood_within:
+            problems.append(f"{name} flood: took {took:.1f} s (> {args.flood_within})")
+        if growth > args.max_flood_rss_mib:
+            problems.append(f"{name} flood: +{growth:.0f} MiB (> {args.max_flood_rss_mib})")
+        if problems:
+            raise Failure("\n".join(problems))
 
 
 async def fixed_seed_answer(server: Server) -> str:
@@ -825,6 +904,14 @@ async def run(args: argparse.Namespace) -> None:
     if args.cache_only:
         await cache_faults(args)
         return
+    if args.floods_only:
+        server = Server(args)
+        try:
+            await server.start()
+            await floods(server, args)
+        finally:
+            server.kill()
+        return
     await asyncio.to_thread(threads_sharing_one_model, args)
     first = Server(args)
     try:
@@ -835,6 +922,7 @@ async def run(args: argparse.Namespace) -> None:
         if await fixed_seed_answer(first) != reference:
             raise Failure("the fixed-seed request was answered differently after the abuse")
         print("fixed seed: the same answer after the abuse", flush=True)
+        await floods(first, args)
         await signal_under_load(first, signal.SIGTERM)
     finally:
         first.kill()
@@ -882,9 +970,23 @@ def main() -> int:
     parser.add_argument(
         "--cache-only", action="store_true", help="only the on-disk prefix cache's cases (7)"
     )
+    parser.add_argument("--floods-only", action="store_true", help="only the floods (8)")
+    parser.add_argument(
+        "--flood-clients", type=int, default=8, help="concurrent 7 MB bodies in each flood"
+    )
+    parser.add_argument(
+        "--flood-within", type=float, default=60.0, help="seconds for each flood's answers"
+    )
+    parser.add_argument(
+        "--max-flood-rss-mib",
+        type=float,
+        default=512.0,
+        help="resident memory a flood may add at its peak",
+    )
     args = parser.parse_args()
     if args.quick:
         args.connections, args.idle_within, args.time_limit = 24, 10.0, 300.0
+        args.flood_clients = 3
     try:
         asyncio.run(asyncio.wait_for(run(args), args.time_limit))
     except Failure as failure:

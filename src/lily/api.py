@@ -493,12 +493,11 @@ def load(
     mtp_head = speculative in ("auto", "mtp") and checkpoint.has_mtp_head
     if prefill_chunk is None:
         prefill_chunk = default_prefill_chunk(checkpoint, device, max_seq, kv_cache, mtp_head)
-    tokenizer = Tokenizer.from_dir(model_dir, config_eos_ids=checkpoint.config.eos_token_ids)
-    if tokenizer.vocab_size > checkpoint.config.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
-            f"{checkpoint.config.vocab_size}: they do not belong together"
-        )
+    tokenizer = Tokenizer.from_dir(
+        model_dir,
+        config_eos_ids=checkpoint.config.eos_token_ids,
+        max_vocab=checkpoint.config.vocab_size,
+    )
     cache = CacheOptions(cache_memory, cache_dir, cache_disk_size, cache_disk_min_tokens)
     engine = _make_engine(
         checkpoint,

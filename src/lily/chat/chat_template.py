@@ -30,7 +30,7 @@ import jinja2.meta
 import jinja2.nodes
 
 from lily.chat.template_budget import BudgetedEnvironment, TemplateLimits, instrument, limited
-from lily.checkpoint.files import read_json_file
+from lily.checkpoint.files import open_regular, read_json_file
 from lily.errors import (
     ChatTemplateError,
     ChatTemplateLimitError,
@@ -46,6 +46,10 @@ __all__ = [
     "TemplateLimits",
     "template_message",
 ]
+
+# The largest chat template accepted: Qwen's is 6 KB, the largest on the Hub tens of KB; a
+# template of hundreds of MB would take minutes and gigabytes to compile.
+MAX_TEMPLATE_BYTES = 1 << 20
 
 # Variables the renderer sets itself; a request's template keywords may not replace them.
 RENDERER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
@@ -180,6 +184,11 @@ class ChatTemplate:
         special_tokens: Mapping[str, str] | None = None,
         limits: TemplateLimits | None = None,
     ) -> None:
+        if len(source) > MAX_TEMPLATE_BYTES:  # characters: at most as many as its bytes
+            raise ChatTemplateError(
+                f"the chat template is {len(source)} characters, more than the "
+                f"{MAX_TEMPLATE_BYTES} bytes a chat template may take"
+            )
         self.source = source
         self.limits = limits or TemplateLimits()
         # bos_token, eos_token, ... are template variables in transformers.
@@ -237,7 +246,17 @@ class ChatTemplate:
         path = model_dir / "chat_template.jinja"
         if path.is_file():
             try:
-                source = path.read_bytes().decode("utf-8")
+                with open_regular(path) as f:
+                    data = f.read(MAX_TEMPLATE_BYTES + 1)
+            except CheckpointError as e:
+                raise ChatTemplateError(str(e)) from None
+            if len(data) > MAX_TEMPLATE_BYTES:
+                raise ChatTemplateError(
+                    f"{path} is larger than {MAX_TEMPLATE_BYTES} bytes, far more than a chat "
+                    "template needs"
+                )
+            try:
+                source = data.decode("utf-8")
             except UnicodeDecodeError:
                 raise ChatTemplateError(f"{path} is not UTF-8 text") from None
             return cls(source, special_tokens=special_tokens, limits=limits)

@@ -112,6 +112,11 @@ class ChatRequest:
     # OpenAI's Predicted Outputs: text the answer is expected to repeat much of, drafted from
     # (`lily.engine.speculative`); None: no prediction.
     prediction: str | None = None
+    # The prediction's token ids, once `ChatCompletions.prepare` has tokenized it.
+    prediction_tokens: tuple[int, ...] | None = None
+    # The field a prompt too long for the context is blamed on: "messages" here, what holds
+    # the prompt in the API a request was translated from ("prompt", "input").
+    prompt_param: str = "messages"
 
 
 class ChatModel(Protocol):
@@ -635,13 +640,16 @@ class ChatCompletions:
         llm = self._llm
         self.last_stats = None
         request.sampling.check_token_ids(llm.tokenizer.vocab_size)
+        request = self.prepare(request)
         prompt = self._prompt(request)
         room = llm.max_seq - len(prompt.tokens)
         if room < 1 or (request.max_tokens is not None and request.max_tokens > room):
             raise ContextLengthError(
                 f"the prompt is {len(prompt.tokens)} tokens and {request.max_tokens or 1} more "
                 f"were asked for, but the context holds {llm.max_seq}",
-                param="messages" if room < 1 or request.max_tokens is None else "max_tokens",
+                param=request.prompt_param
+                if room < 1 or request.max_tokens is None
+                else "max_tokens",
             )
         if request.max_tokens is not None:
             max_tokens = request.max_tokens
@@ -658,6 +666,28 @@ class ChatCompletions:
         if request.stream:
             return self._chunks(request, prompt, choices)
         return self._completion(request, prompt, choices)
+
+    def prepare(self, request: ChatRequest) -> ChatRequest:
+        """`request` with its prediction tokenized, once for all its choices, after refusing
+        by its size one longer than the context (which bounds any answer that could repeat
+        it). It touches no engine state: the server runs it before queueing the request, off
+        the engine's thread; `run` does it when nobody has."""
+        if request.prediction is None or request.prediction_tokens is not None:
+            return request
+        tokenizer, context = self._llm.tokenizer, self._llm.max_seq
+
+        def too_long(size: str) -> ContextLengthError:
+            return ContextLengthError(
+                f"the prediction is {size}, more than the context of {context} tokens can hold",
+                param="prediction",
+            )
+
+        if tokenizer.surely_longer_than(request.prediction, context):
+            raise too_long(f"{len(request.prediction.encode('utf-8', 'surrogatepass'))} bytes")
+        tokens = tokenizer.encode(request.prediction)
+        if len(tokens) > context:
+            raise too_long(f"{len(tokens)} tokens")
+        return dataclasses.replace(request, prediction_tokens=tuple(tokens))
 
     def _choices(
         self,
@@ -705,7 +735,8 @@ class ChatCompletions:
             asked = f" beside max_tokens {request.max_tokens}" if request.max_tokens else ""
             raise ContextLengthError(
                 f"the prompt is {len(text.encode('utf-8', 'surrogatepass'))} bytes, more than "
-                f"the context of {llm.max_seq} tokens can hold{asked}"
+                f"the context of {llm.max_seq} tokens can hold{asked}",
+                param=request.prompt_param,
             )
         # The conversation so far, without the generation prompt: the next turn's prompt
         # starts with it, so the engine snapshots its state there for reuse; and where the
@@ -745,15 +776,20 @@ class ChatCompletions:
 
     def count_prompt_tokens(self, request: ChatRequest) -> int:
         """The length of the prompt `run` would feed for `request`, without running it (no
-        engine state is touched; `count_tokens` of the Anthropic Messages API)."""
+        engine state is touched; `count_tokens` of the Anthropic Messages API). A prompt that
+        surely cannot fit the context is refused by its size, before it is tokenized, as `run`
+        refuses it."""
+        llm = self._llm
         if request.raw_prompt is not None:
-            return len(
-                request.raw_prompt.encode(
-                    self._llm.tokenizer, escape=self._llm.escape_special_tokens
-                )
-            )
+            return len(request.raw_prompt.encode(llm.tokenizer, escape=llm.escape_special_tokens))
         inputs = self._template_inputs(request)
         text = self._render(inputs, add_generation_prompt=True)
+        if llm.tokenizer.surely_longer_than(text, llm.max_seq):
+            raise ContextLengthError(
+                f"the prompt is {len(text.encode('utf-8', 'surrogatepass'))} bytes, more than "
+                f"the context of {llm.max_seq} tokens can hold",
+                param=request.prompt_param,
+            )
         return len(inputs.encode(text))
 
     def _before_last_content(self, inputs: TemplateInputs, conversation: str) -> str | None:
@@ -811,7 +847,7 @@ class ChatCompletions:
         """Yields (delta, pipeline, tokens generated so far); the last delta is the flush.
         Sets `last_stats` when the generation ends (or is closed)."""
         llm = self._llm
-        prediction = llm.tokenizer.encode(request.prediction) if request.prediction else []
+        prediction = list(request.prediction_tokens or ())
         # The prediction is the answer: after the think block (which a template without
         # thinking writes closed in the prompt), so looked up behind the block's end.
         # Only a prediction needs it: a request without one tokenizes nothing but its prompt.

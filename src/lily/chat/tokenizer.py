@@ -23,6 +23,12 @@ from lily.checkpoint.files import read_json_file
 from lily.errors import CheckpointError
 
 
+# The size bound on tokenizer.json (`Tokenizer.from_dir`): Qwen's, 248k ids with their merges
+# and added tokens, takes under 60 bytes per id.
+MIN_TOKENIZER_BYTES = 1 << 20
+MAX_BYTES_PER_TOKEN = 512
+
+
 class TokenizerError(ValueError):
     """The tokenizer files are missing, malformed, or not the byte-level BPE Lily expects."""
 
@@ -113,20 +119,41 @@ class Tokenizer:
             )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, *, config_eos_ids: Sequence[int] = ()) -> Tokenizer:
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        *,
+        config_eos_ids: Sequence[int] = (),
+        max_vocab: int | None = None,
+    ) -> Tokenizer:
         """Load `tokenizer.json` and `tokenizer_config.json` from a checkpoint directory.
 
         `config_eos_ids` are the model config's `eos_token_id` values; they join the
-        tokenizer config's `eos_token` as stop ids.
+        tokenizer config's `eos_token` as stop ids. `max_vocab`: the most ids the model has
+        (its config's `vocab_size`); a tokenizer with more is refused, a file far too large to
+        hold only that many before it is parsed (parsing takes seconds per million entries).
         """
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"no tokenizer.json in {model_dir}")
+        if max_vocab is not None:
+            largest = MIN_TOKENIZER_BYTES + max_vocab * MAX_BYTES_PER_TOKEN
+            if path.stat().st_size > largest:
+                raise TokenizerError(
+                    f"{path} is {path.stat().st_size} bytes, more than a tokenizer of the "
+                    f"model's {max_vocab} ids can take ({largest}): they do not belong together"
+                )
         try:
             backend = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
             raise TokenizerError(f"{path} could not be loaded: {e}") from None
+        vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        if max_vocab is not None and vocab_size > max_vocab:
+            raise TokenizerError(
+                f"the tokenizer has {vocab_size} ids but the model only {max_vocab}: they do "
+                "not belong together"
+            )
         tok_config = _read_json(model_dir / "tokenizer_config.json")
         special = {
             name: content

@@ -35,6 +35,7 @@ The engine saves in the background (`save_in_background`): hashing and writing a
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import json
@@ -196,6 +197,11 @@ class DiskPrefixCache:
         self.min_tokens = min_tokens
         self.layout = layout
         self._key = default_key() if key is None else key
+        # Names depend on the key too: a cache with another key (another `$LILY_CACHE` sharing
+        # this directory) never opens this one's files, so it cannot find them unusable and
+        # delete them. The directory's size bound is shared: each evicts the least recently
+        # used files, whoever wrote them.
+        self._name_salt = hmac.new(self._key, b"prefix file names", hashlib.sha256).digest()
         # What happened, for logs and tests: files read, and files found unusable (deleted).
         self.hits = 0
         self.rejected = 0
@@ -224,7 +230,7 @@ class DiskPrefixCache:
     def _digests(self, tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, str]:
         """The digest of each prefix of `tokens` at `lengths`, hashing `tokens` once."""
         ids = np.asarray(tokens, dtype=np.uint32)
-        digest = hashlib.sha256(self.identity.encode())
+        digest = hashlib.sha256(self.identity.encode() + self._name_salt)
         found, hashed = {}, 0
         for length in sorted(lengths):
             digest.update(ids[hashed:length].tobytes())
@@ -422,32 +428,47 @@ class DiskPrefixCache:
         tag.update(header)
         for array in arrays:
             tag.update(np.ascontiguousarray(array).data)
+        head = MAGIC + tag.digest() + _LENGTH.pack(len(header)) + header
+        try:
+            self._write(path, head, arrays)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # The disk filled up before the cache reached `max_bytes`: the least recently used
+            # files make room for this one, which is tried once more.
+            size = len(head) + sum(np.asarray(a).nbytes for a in arrays)
+            if not self._trim(free=size):
+                raise
+            self._write(path, head, arrays)
+        self._listed = None
+        self._trim()
+
+    def _write(self, path: Path, head: bytes, arrays: list[np.ndarray]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)  # again, if deleted meanwhile
         descriptor, temporary = tempfile.mkstemp(
             prefix=_TEMPORARY_PREFIX, suffix=_TEMPORARY_SUFFIX, dir=self.directory
         )
         try:
             with os.fdopen(descriptor, "wb") as f:
-                f.write(MAGIC + tag.digest() + _LENGTH.pack(len(header)) + header)
+                f.write(head)
                 for array in arrays:
                     f.write(np.ascontiguousarray(array).data)
             os.replace(temporary, path)
         except BaseException:
             _remove(Path(temporary))
             raise
-        self._listed = None
-        self._trim()
 
-    def _trim(self) -> None:
+    def _trim(self, free: int = 0) -> bool:
         """Deletes the least recently used files until the directory fits `max_bytes`
-        (temporary files counted; those of a writer that died deleted). Only names this cache
-        writes are looked at; what cannot be deleted is skipped."""
+        (temporary files counted; those of a writer that died deleted) and at least `free`
+        bytes of them are gone; whether they are. Only names this cache writes are looked at;
+        what cannot be deleted is skipped."""
         files, total, now = [], 0, time.time()
         try:
             with os.scandir(self.directory) as entries:
                 listed = list(entries)
         except OSError:
-            return
+            return False
         for entry in listed:
             temporary = _TEMPORARY.fullmatch(entry.name) is not None
             if not temporary and _NAME.fullmatch(entry.name) is None:
@@ -466,14 +487,17 @@ class DiskPrefixCache:
             total += status.st_size
             if not temporary:
                 files.append((status.st_mtime_ns, status.st_size, path))
+        freed = 0
         for _, size, path in sorted(files, key=lambda f: f[0]):
-            if total <= self.max_bytes:
+            if total <= self.max_bytes and freed >= free:
                 break
             if _remove(path):
                 total -= size
+                freed += size
             else:
                 self._warn(f"trim:{path.name}", "prefix cache: cannot delete %s", path)
         self._listed = None
+        return freed >= free
 
     def _warn(self, what: str, message: str, *args: object) -> None:
         """Logs a warning the first time `what` happens, then only at debug level."""

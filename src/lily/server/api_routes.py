@@ -61,7 +61,7 @@ def _generation_route(server: Server, api: API) -> Callable[[Request], Awaitable
             body = await _body(server, request)
             # Off the event loop, as the chat route does it: parsing a large body and
             # compiling its output grammar take a while.
-            translation = await asyncio.to_thread(
+            translation = await server.prepare(
                 lambda: api.translate(_parsed(server, body), server.llm, server.limits)
             )
             job, first = await server.run_job(request, translation.request)
@@ -122,11 +122,12 @@ def _count_tokens_route(
             body = await _body(server, request)
 
             def count() -> int:
-                # Rendering and tokenizing touch no engine state: off the loop, not queued.
+                # Rendering and tokenizing touch no engine state: off the loop, not queued for
+                # the engine, but bounded as the other routes' preparation is.
                 checked = count_request(_parsed(server, body), server.llm, server.limits)
                 return server.llm.chat.completions.count_prompt_tokens(checked)
 
-            return JSONResponse(answer(await asyncio.to_thread(count)))
+            return JSONResponse(answer(await server.prepare(count)))
         except Exception as exc:
             return _error_response(api, exc)
 

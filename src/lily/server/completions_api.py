@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from lily.chat.request_limits import UNBOUNDED, RequestLimits
 from lily.chat.types import ChoiceLogprobs
-from lily.errors import RequestError
+from lily.errors import ContextLengthError, RequestError
 from lily.server.api_translation import API as APIDescription
 from lily.server.api_translation import chat_request, openai_error_body, refuse_unknown, sse
 
@@ -155,10 +155,29 @@ def translate(
         chat["logprobs"], chat["top_logprobs"] = True, logprobs
     # A stand-in message: the raw prompt replaces the rendered conversation.
     chat["messages"] = [{"role": "user", "content": ""}]
-    request = dataclasses.replace(chat_request(chat, llm, limits), messages=[], raw_prompt=raw)
+    request = chat_request(chat, llm, limits)
+    _refuse_by_size(raw, llm, request.max_tokens)
+    # Tokenized here, off the engine's thread (translations run before the request is queued).
+    tokens = CompletionPrompt(tuple(raw.encode(llm.tokenizer, escape=llm.escape_special_tokens)))
+    request = dataclasses.replace(
+        request, messages=[], raw_prompt=tokens, prompt_param="prompt"
+    )
     return CompletionTranslation(
         request, llm, echo=raw.text(llm.tokenizer) if echo else None, top_logprobs=logprobs
     )
+
+
+def _refuse_by_size(raw: CompletionPrompt, llm: Lily, max_tokens: int | None) -> None:
+    """Refuses a prompt or suffix whose size alone shows it cannot fit the context beside
+    `max_tokens`, before anything tokenizes it (as the chat path refuses its prompt)."""
+    room = llm.max_seq - (max_tokens or 1)
+    for param, text in (("prompt", raw.prompt), ("suffix", raw.suffix)):
+        if isinstance(text, str) and llm.tokenizer.surely_longer_than(text, room):
+            raise ContextLengthError(
+                f"the {param} is {len(text.encode('utf-8', 'surrogatepass'))} bytes, more than "
+                f"the context of {llm.max_seq} tokens can hold beside max_tokens {max_tokens}",
+                param=param,
+            )
 
 
 class CompletionTranslation:

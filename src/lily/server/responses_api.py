@@ -17,6 +17,7 @@ conversation as items instead).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -298,7 +299,7 @@ def translate(
     chat["stream"] = stream
     if stream is True:
         chat["stream_options"] = {"include_usage": True}  # the final response's usage
-    request = chat_request(chat, llm, limits)
+    request = dataclasses.replace(chat_request(chat, llm, limits), prompt_param="input")
     return ResponsesTranslation(request, params, llm.model_id, summary=summary)
 
 
@@ -310,7 +311,7 @@ def input_tokens_request(
     refuse_unknown(params, COUNT_FIELDS)
     _check_truncation(params)
     chat, _ = _chat_params(params)
-    return chat_request(chat, llm, limits)
+    return dataclasses.replace(chat_request(chat, llm, limits), prompt_param="input")
 
 
 def _check_truncation(params: Mapping[str, Any]) -> None:

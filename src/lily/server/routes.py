@@ -37,9 +37,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from lily.api import Lily
 
 logger = logging.getLogger("lily.server")
+T = TypeVar("T")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -82,6 +83,11 @@ SHUTDOWN_MARGIN_SECONDS = 10.0
 # silent client must not hold a connection (and its memory) for ever.
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_BODY_TIMEOUT = 30.0
+# Requests whose body is parsed, rendered and tokenized at once, off the event loop (the engine's
+# worker tokenizes nothing costly): tokenizing a 7 MB body takes about 1 GiB for a while, so
+# without a bound a few concurrent ones took the server from 158 MiB to 3.5 GiB. More wait their
+# turn (up to the queue limit; beyond, 503 queue_full).
+PREPARE_CONCURRENCY = 2
 
 
 # --- Errors ---------------------------------------------------------------------------------
@@ -340,6 +346,43 @@ class ShuttingDownError(Exception):
         super().__init__("the server is shutting down; retry against its next run")
 
 
+class BoundedWork:
+    """Costly work for requests, run in threads at most `concurrency` at a time with at most
+    `waiting` more waiting their turn; beyond, QueueFullError. A slot is freed when its work
+    ends, even when the request that asked for it is gone."""
+
+    def __init__(self, concurrency: int, waiting: int) -> None:
+        self.concurrency = concurrency
+        self.waiting = waiting
+        self._slots = asyncio.Semaphore(concurrency)
+        self._admitted = 0  # running or waiting
+
+    async def run(self, work: Callable[[], T]) -> T:
+        if self._admitted >= self.concurrency + self.waiting:
+            raise QueueFullError(
+                f"the server is busy: {self.waiting} request(s) already waiting to be prepared"
+            )
+        self._admitted += 1
+        try:
+            await self._slots.acquire()
+        except BaseException:
+            self._admitted -= 1
+            raise
+        loop = asyncio.get_running_loop()
+
+        def in_thread() -> T:
+            try:
+                return work()
+            finally:
+                loop.call_soon_threadsafe(self._release)
+
+        return await asyncio.to_thread(in_thread)
+
+    def _release(self) -> None:
+        self._admitted -= 1
+        self._slots.release()
+
+
 class EngineWorker:
     """The one thread that touches the engine: runs jobs one at a time, in arrival order."""
 
@@ -530,6 +573,16 @@ def _sse(data: str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def _queue_full(exc: QueueFullError) -> APIError:
+    return APIError(
+        503,
+        str(exc),
+        error_type="server_error",
+        code="queue_full",
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )
+
+
 def _shutting_down() -> APIError:
     return APIError(
         503,
@@ -573,6 +626,7 @@ class Server:
             default_max_tokens=default_max_tokens,
             default_reasoning_budget=default_reasoning_budget,
         )
+        self.preparing = BoundedWork(PREPARE_CONCURRENCY, queue_limit)
         self.started = int(time.time())
 
     def _check_api_key(self, request: Request) -> None:
@@ -592,6 +646,14 @@ class Server:
                 code="invalid_api_key",
             )
 
+    async def prepare(self, work: Callable[[], T]) -> T:
+        """`work` (parsing, rendering, tokenizing a request) in a thread, within the bound on
+        such work running at once (`PREPARE_CONCURRENCY`): 503 queue_full beyond it."""
+        try:
+            return await self.preparing.run(work)
+        except QueueFullError as exc:
+            raise _queue_full(exc) from None
+
     async def run_job(self, request: Request, checked: ChatRequest) -> tuple[Job, Any]:
         """Queues a checked request for the engine and waits for its first event (a
         ChatCompletion, or a stream's first chunk): what the other APIs
@@ -608,13 +670,7 @@ class Server:
         except ShuttingDownError:
             raise _shutting_down() from None
         except QueueFullError as exc:
-            raise APIError(
-                503,
-                str(exc),
-                error_type="server_error",
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            ) from None
+            raise _queue_full(exc) from None
         first = await _first_event_or_disconnect(request, job, self.worker)
         if isinstance(first, ShuttingDownError):
             raise _shutting_down()
@@ -628,7 +684,7 @@ class Server:
         # Off the event loop, so that /health and the streams being served meanwhile do not
         # stall: parsing a body of megabytes takes tens of ms, compiling its output grammar up
         # to the bound on its size (`RequestLimits`) a good part of a second.
-        checked = await asyncio.to_thread(self._checked_request, body)
+        checked = await self.prepare(lambda: self._checked_request(body))
         job, first = await self.run_job(request, checked)
         if not checked.stream:
             return Response(first.model_dump_json(), media_type="application/json")
@@ -643,13 +699,14 @@ class Server:
         that a bad request is refused at once instead of after waiting its turn (the prompt is
         rendered, sized and tokenized on the worker)."""
         params = self.resolve_model(parse_chat_request(body, limits=self.limits))
-        return parse_request(
+        checked = parse_request(
             params,
             served_model=self.model_id,
             default_sampling=self.llm.default_sampling,
             chat_template=self.llm.chat_template,
             limits=self.limits,
         )
+        return self.llm.chat.completions.prepare(checked)
 
     async def _event_stream(self, job: Job, first: Any) -> AsyncIterator[bytes]:
         """SSE lines for the chunks; when the client disconnects Starlette cancels this
