@@ -358,21 +358,25 @@ def flood_requests() -> dict[str, tuple[str, bytes]]:
     }
 
 
+async def _watch_peak_memory(server: Server, peak: list[float]) -> None:
+    """Keeps `peak[0]` the largest resident memory seen, every 0.1 s until cancelled."""
+    while True:
+        peak[0] = max(peak[0], server.rss_mib())
+        await asyncio.sleep(0.1)
+
+
 async def floods(server: Server, args: argparse.Namespace) -> None:
     for name, (path, body) in flood_requests().items():
         before = server.rss_mib()
         peak = [before]
 
-        async def watch_memory() -> None:
-            while True:
-                peak[0] = max(peak[0], server.rss_mib())
-                await asyncio.sleep(0.1)
-
-        watching = asyncio.ensure_future(watch_memory())
+        watching = asyncio.ensure_future(_watch_peak_memory(server, peak))
         started = time.monotonic()
         try:
             flood = [
-                exchange(server.port, f"{name} flood", body, head=_request_head(len(body), path=path))
+                exchange(
+                    server.port, f"{name} flood", body, head=_request_head(len(body), path=path)
+                )
                 for _ in range(args.flood_clients)
             ]
             bystander = exchange(server.port, "bystander", chat_body("Hi", max_tokens=2))

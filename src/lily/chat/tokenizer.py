@@ -22,7 +22,6 @@ import tokenizers
 from lily.checkpoint.files import read_json_file
 from lily.errors import CheckpointError
 
-
 # The size bound on tokenizer.json (`Tokenizer.from_dir`): Qwen's, 248k ids with their merges
 # and added tokens, takes under 60 bytes per id.
 MIN_TOKENIZER_BYTES = 1 << 20

@@ -159,9 +159,7 @@ def translate(
     _refuse_by_size(raw, llm, request.max_tokens)
     # Tokenized here, off the engine's thread (translations run before the request is queued).
     tokens = CompletionPrompt(tuple(raw.encode(llm.tokenizer, escape=llm.escape_special_tokens)))
-    request = dataclasses.replace(
-        request, messages=[], raw_prompt=tokens, prompt_param="prompt"
-    )
+    request = dataclasses.replace(request, messages=[], raw_prompt=tokens, prompt_param="prompt")
     return CompletionTranslation(
         request, llm, echo=raw.text(llm.tokenizer) if echo else None, top_logprobs=logprobs
     )
