@@ -5,6 +5,7 @@ copy of them)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from sim_compile import OPERAND_TYPES, ROOT
@@ -13,6 +14,8 @@ spec = importlib.util.spec_from_file_location(
     "check_macos_build", ROOT / "tools" / "check_macos_build.py"
 )
 check_macos_build = importlib.util.module_from_spec(spec)
+# dataclasses look their module up in sys.modules while the class body runs.
+sys.modules[spec.name] = check_macos_build
 spec.loader.exec_module(check_macos_build)
 
 
