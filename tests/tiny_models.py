@@ -98,6 +98,23 @@ TINY_SPECS = {
         shared_expert_intermediate_size=64,
         vocab_size=1536,
     ),
+    # "small" where every token uses every expert: no routing decision a rounding could flip,
+    # so two feeds of one prompt that round differently stay within rounding of each other
+    # token after token (tests/test_split_prefill.py).
+    "unrouted": TinySpec(
+        seed=3,
+        hidden_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=4,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        vocab_size=1024,
+    ),
 }
 
 # Prompt length and decode steps of the cached mlx-lm reference run.
@@ -111,7 +128,7 @@ def cache_root() -> Path:
 
 
 def tiny_checkpoint(name: str, aligned: bool = True, mtp_head: bool = False) -> Path:
-    """The directory of the converted 4-bit MLX checkpoint `name` ("small" or "wide").
+    """The directory of the converted 4-bit MLX checkpoint `name` (a key of TINY_SPECS).
 
     mlx writes safetensors without padding, so tensors in mlx-lm's output start at arbitrary
     byte offsets, which Lily's loader refuses. By default the files are rewritten with every
