@@ -31,9 +31,36 @@ target_link_libraries(_native PRIVATE
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/metal/" DESTINATION lily/metal
   FILES_MATCHING PATTERN "*.metal" PATTERN "*.h")
 
-# The kernels use MSL 3.1 (bfloat): the same language version and math mode as the run-time
-# compile in metal_device.mm, so both paths build the same library.
-set(lily_metallib_flags -std=metal3.1 -mmacosx-version-min=14.0 -fno-fast-math)
+# The MSL version and minimum macOS of each kernel file: metal/msl_versions.txt, the one list the
+# macOS workflow's kernel loop reads too. lily.metallib holds the files at the default version
+# (MSL 3.1, bfloat), with the same math mode as the run-time compile in metal_device.mm, so both
+# paths build the same library. A file listed at another version (the tensor-op GEMMs, MSL 4.0,
+# macOS 26) is left out: the device compiles it when it opens, on an M5 only, and falls back to
+# the simdgroup-matrix kernels without it.
+set(lily_msl_versions_file "${PROJECT_SOURCE_DIR}/metal/msl_versions.txt")
+set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${lily_msl_versions_file}")
+file(STRINGS "${lily_msl_versions_file}" lily_msl_lines REGEX "^[^#]")
+set(lily_msl_default "")
+set(lily_msl_other_files "")
+foreach(line IN LISTS lily_msl_lines)
+  if(line MATCHES "^[ \t]*$")
+    continue()
+  endif()
+  if(NOT line MATCHES "^([^ \t]+)[ \t]+([0-9]+\\.[0-9]+)[ \t]+([0-9]+\\.[0-9]+)[ \t]*$")
+    message(FATAL_ERROR "metal/msl_versions.txt: cannot read the line \"${line}\"")
+  endif()
+  if(CMAKE_MATCH_1 STREQUAL "default")
+    set(lily_msl_default "${CMAKE_MATCH_2}")
+    set(lily_msl_default_macos "${CMAKE_MATCH_3}")
+  else()
+    list(APPEND lily_msl_other_files "${CMAKE_MATCH_1}")
+  endif()
+endforeach()
+if(NOT lily_msl_default)
+  message(FATAL_ERROR "metal/msl_versions.txt has no default line")
+endif()
+set(lily_metallib_flags
+  -std=metal${lily_msl_default} -mmacosx-version-min=${lily_msl_default_macos} -fno-fast-math)
 
 execute_process(
   COMMAND xcrun -sdk macosx metal --version
@@ -41,9 +68,9 @@ execute_process(
   OUTPUT_QUIET ERROR_QUIET)
 
 file(GLOB lily_metallib_sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.metal")
-# The tensor-op GEMMs need MSL 4.0 (macOS 26): the device compiles them when it opens, on an M5
-# only, and falls back to the simdgroup-matrix kernels without them.
-list(FILTER lily_metallib_sources EXCLUDE REGEX "/quantized_gemm_tensor_ops\\.metal$")
+foreach(name IN LISTS lily_msl_other_files)
+  list(REMOVE_ITEM lily_metallib_sources "${PROJECT_SOURCE_DIR}/metal/${name}")
+endforeach()
 file(GLOB lily_metallib_headers CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/metal/*.h")
 
 if(lily_metal_toolchain_missing OR NOT lily_metallib_sources)
@@ -78,5 +105,6 @@ else()
     VERBATIM)
   add_custom_target(lily_metallib ALL DEPENDS "${lily_metallib}")
   install(FILES "${lily_metallib}" DESTINATION lily)
-  message(STATUS "Lily: building lily.metallib with xcrun metal")
+  message(STATUS "Lily: building lily.metallib with xcrun metal at MSL ${lily_msl_default} "
+                 "(left to the device: ${lily_msl_other_files})")
 endif()

@@ -141,10 +141,12 @@ NB_MODULE(_native, m) {
            })
       .def(
           "wrap",
-          [](lily::Device& d, uintptr_t address, size_t nbytes, bool writable, nb::object owner) {
-            return d.wrap(reinterpret_cast<void*>(address), nbytes, writable, hold(owner));
+          [](lily::Device& d, uintptr_t address, size_t nbytes, bool writable, nb::object owner,
+             bool file_mapped) {
+            return d.wrap(reinterpret_cast<void*>(address), nbytes, writable, hold(owner),
+                          file_mapped);
           },
-          "address"_a, "nbytes"_a, "writable"_a, "owner"_a)
+          "address"_a, "nbytes"_a, "writable"_a, "owner"_a, "file_mapped"_a)
       .def("kernel", &lily::Device::kernel, "host_name"_a)
       .def("kernel_names", &lily::Device::kernel_names)
       .def("submit", &lily::Device::submit, "graph"_a)
@@ -182,7 +184,8 @@ NB_MODULE(_native, m) {
   m.def(
       "open_sim_device",
       [](const std::string& lane_order, uint64_t seed, unsigned workers, bool execute,
-         const std::string& mode, bool tensor_ops, const std::vector<uint8_t>& matrix_lanes) {
+         const std::string& mode, bool tensor_ops, const std::vector<uint8_t>& matrix_lanes,
+         bool mirror_wrapped) {
         lily_sim::LaneOrder order;
         if (lane_order == "forward")
           order = lily_sim::LaneOrder::forward;
@@ -210,8 +213,10 @@ NB_MODULE(_native, m) {
             throw std::invalid_argument("matrix_lanes must be a permutation of the lanes 0..31");
           std::copy(matrix_lanes.begin(), matrix_lanes.end(), lanes.begin());
         }
-        return lily::open_sim_device(order, seed, workers, execute, check, tensor_ops, lanes);
+        return lily::open_sim_device(order, seed, workers, execute, check, tensor_ops, lanes,
+                                     mirror_wrapped);
       },
       "lane_order"_a, "seed"_a, "workers"_a, "execute"_a = true, "mode"_a = "off",
-      "tensor_ops"_a = false, "matrix_lanes"_a = std::vector<uint8_t>{});
+      "tensor_ops"_a = false, "matrix_lanes"_a = std::vector<uint8_t>{},
+      "mirror_wrapped"_a = false);
 }

@@ -27,6 +27,8 @@ class KernelError : public std::runtime_error {
 
 // Memory both the host and the device address. On Apple silicon it is MTLStorageModeShared, so
 // data() is the same bytes the GPU reads; on the sim it is plain host memory.
+class HostMirror;  // host_mirror.h
+
 class Buffer {
  public:
   virtual ~Buffer() = default;
@@ -35,6 +37,10 @@ class Buffer {
   virtual bool writable() const = 0;
   // The host is given the memory (a numpy view): from now on it may have written any byte.
   virtual void host_access() {}
+  // The bytes kernels bind: data() itself, except for wrapped host memory the device mirrors
+  // (Device::wrap), where data() is the host's memory and this the device's copy of it.
+  virtual void* device_data() { return data(); }
+  virtual HostMirror* mirror() { return nullptr; }
 
   // Tensors inside the buffer (a checkpoint shard's), [offset, offset + bytes): a binding at an
   // offset inside one may touch the rest of that tensor only. Only the sim's checking mode uses
@@ -187,10 +193,14 @@ class Device {
   // Memory whose contents are undefined until a kernel (or the host) writes them. Zeroed like
   // alloc() except on the checking sim, which poisons it and reports reads of unwritten bytes.
   virtual std::shared_ptr<Buffer> alloc_scratch(size_t bytes) { return alloc(bytes); }
-  // Host memory used in place (numpy arrays, the checkpoint's memory maps). `owner` is held
-  // as long as the buffer lives so the memory cannot go away under the device.
+  // Host memory (numpy arrays, the checkpoint's memory maps). `owner` is held as long as the
+  // buffer lives so the memory cannot go away under the device. `file_mapped`: the memory lies
+  // in a memory-mapped file, a page-aligned VM allocation, which the metal device wraps in
+  // place; other memory (malloc'd arrays) it mirrors, copying it in at each submit of a graph
+  // that binds it and back after the graph has finished (host_mirror.h). The sim uses all host
+  // memory in place unless opened to mirror it as the metal device does.
   virtual std::shared_ptr<Buffer> wrap(void* data, size_t bytes, bool writable,
-                                       std::shared_ptr<void> owner) = 0;
+                                       std::shared_ptr<void> owner, bool file_mapped) = 0;
 
   // Throws std::invalid_argument naming the kernel if it does not exist.
   virtual std::shared_ptr<Kernel> kernel(const std::string& host_name) = 0;

@@ -361,6 +361,9 @@ inline MTLSize MTLSizeMake(NSUInteger w, NSUInteger h, NSUInteger d) { return {w
 @property(readonly) NSUInteger maxThreadgroupMemoryLength;
 - (id<MTLCommandQueue>)newCommandQueue;
 - (id<MTLBuffer>)newBufferWithLength:(NSUInteger)length options:(MTLResourceOptions)options;
+- (id<MTLBuffer>)newBufferWithBytes:(const void*)pointer
+                             length:(NSUInteger)length
+                            options:(MTLResourceOptions)options;
 - (id<MTLBuffer>)newBufferWithBytesNoCopy:(void*)pointer
                                    length:(NSUInteger)length
                                   options:(MTLResourceOptions)options

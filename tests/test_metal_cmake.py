@@ -26,7 +26,9 @@ def compilers() -> dict[str, str]:
     pytest.skip("no clang to configure an Objective-C++ project with")
 
 
-def configure(tmp_path: Path, *, require: bool, xcrun: bool) -> subprocess.CompletedProcess:
+def configure(
+    tmp_path: Path, *, require: bool, xcrun: bool, versions: str | None = None
+) -> subprocess.CompletedProcess:
     cmake = shutil.which("cmake")
     if cmake is None:
         pytest.skip("no cmake")
@@ -35,6 +37,11 @@ def configure(tmp_path: Path, *, require: bool, xcrun: bool) -> subprocess.Compl
         (source / directory).mkdir(parents=True)
     shutil.copy(REPO / "cmake" / "metal.cmake", source / "cmake")
     (source / "metal" / "kernel.metal").write_text("")
+    (source / "metal" / "newer.metal").write_text("")
+    # The real list's format, with the stand-in's files.
+    (source / "metal" / "msl_versions.txt").write_text(
+        versions or "# comment\ndefault 3.1 14.0\nnewer.metal 4.0 26.0\n"
+    )
     (source / "csrc" / "metal" / "metal_device.mm").write_text("")
     (source / "module.cpp").write_text("int x;\n")
     (source / "CMakeLists.txt").write_text(
@@ -79,4 +86,21 @@ def test_without_a_toolchain_a_required_metallib_fails_the_build(tmp_path):
 def test_with_a_toolchain_a_required_metallib_is_built(tmp_path):
     result = configure(tmp_path, require=True, xcrun=True)
     assert result.returncode == 0, result.stderr
-    assert "building lily.metallib with xcrun metal" in result.stdout
+    assert "building lily.metallib with xcrun metal at MSL 3.1" in result.stdout
+    assert "(left to the device: newer.metal)" in result.stdout
+    # The metallib's commands: the default-version file at MSL 3.1 for macOS 14, the file listed
+    # at MSL 4.0 not at all.
+    rules = "\n".join(
+        path.read_text(errors="replace")
+        for path in (tmp_path / "build").rglob("*")
+        if path.is_file() and path.suffix in {".make", ".ninja", ""}
+    )
+    assert "-std=metal3.1 -mmacosx-version-min=14.0 -fno-fast-math" in rules
+    assert "kernel.metal" in rules
+    assert "newer.metal" not in rules
+
+
+def test_an_unreadable_version_list_fails_the_build(tmp_path):
+    result = configure(tmp_path, require=False, xcrun=True, versions="default 3.1\n")
+    assert result.returncode != 0
+    assert 'metal/msl_versions.txt: cannot read the line "default 3.1"' in result.stderr

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "device.h"
+#include "host_mirror.h"
 #include "metal/metal_device.h"
 
 // Residency sets and MTLMathMode exist from the macOS 15 SDK on, MTLGPUFamilyApple10 from the
@@ -230,17 +231,20 @@ class Residency {
 class MetalBuffer final : public Buffer {
  public:
   MetalBuffer(id<MTLBuffer> buffer, size_t offset, size_t size, bool writable,
-              std::shared_ptr<Residency> residency)
+              std::shared_ptr<Residency> residency, std::unique_ptr<HostMirror> mirror = nullptr)
       : buffer_(buffer),
         offset_(offset),
         size_(size),
         writable_(writable),
-        residency_(std::move(residency)) {
+        residency_(std::move(residency)),
+        mirror_(std::move(mirror)) {
     residency_->add(buffer_);
   }
   ~MetalBuffer() override { residency_->remove(buffer_); }
 
-  void* data() override { return static_cast<uint8_t*>([buffer_ contents]) + offset_; }
+  void* data() override { return mirror_ ? mirror_->host() : device_data(); }
+  void* device_data() override { return static_cast<uint8_t*>([buffer_ contents]) + offset_; }
+  HostMirror* mirror() override { return mirror_.get(); }
   size_t size() const override { return size_; }
   bool writable() const override { return writable_; }
 
@@ -253,6 +257,7 @@ class MetalBuffer final : public Buffer {
   size_t size_;
   bool writable_;
   std::shared_ptr<Residency> residency_;
+  std::unique_ptr<HostMirror> mirror_;
 };
 
 class MetalKernel final : public Kernel {
@@ -497,20 +502,31 @@ class MetalDevice final : public Device {
   }
 
   std::shared_ptr<Buffer> wrap(void* data, size_t bytes, bool writable,
-                               std::shared_ptr<void> owner) override {
-    // Widen the region to whole pages, as no-copy buffers require. Those pages are mapped:
-    // each holds at least one byte of the region.
+                               std::shared_ptr<void> owner, bool file_mapped) override {
+    // Apple documents newBufferWithBytesNoCopy for "a page-aligned pointer" and a length "that
+    // results in a page-aligned region of memory" of an existing allocation: whole pages of a VM
+    // allocation. A memory-mapped file is one (wrapped in place, widened to whole pages, each
+    // holding a byte of the region); malloc'd memory is not, so it is mirrored in a buffer of
+    // Metal's own, copied in at submit and back after the graph finished (host_mirror.h).
+    if (!file_mapped) {
+      check_length(bytes);
+      id<MTLBuffer> buffer = [device_ newBufferWithBytes:data
+                                                  length:std::max<size_t>(bytes, 1)
+                                                 options:kSharedStorage];
+      if (buffer == nil) throw std::runtime_error("Metal could not copy host memory");
+      auto mirror = std::make_unique<HostMirror>(data, bytes, writable, std::move(owner));
+      return std::make_shared<MetalBuffer>(buffer, 0, bytes, writable, residency_,
+                                           std::move(mirror));
+    }
     const uintptr_t page = uintptr_t(getpagesize());
     const uintptr_t begin = uintptr_t(data);
     const uintptr_t first_page = begin & ~(page - 1);
     const uintptr_t end_page = (begin + std::max<size_t>(bytes, 1) + page - 1) & ~(page - 1);
     check_length(end_page - first_page);
-    // The owner of the memory (a numpy array, a memory map) is released only when Metal frees
-    // the MTLBuffer, which may be after Lily's last reference is gone (a command buffer or the
-    // residency set still holding it). The deallocator may run on any thread, including Metal's
-    // own; releasing a Python owner needs the GIL, so it is released on a dispatch queue rather
-    // than there. If Metal fails to create the buffer, the owner is deliberately leaked: Apple
-    // does not say whether the deallocator runs then.
+    // The map's owner is released when Metal frees the MTLBuffer, maybe after Lily's last
+    // reference (a command buffer or the residency set holding it), on any thread; releasing a
+    // Python owner needs the GIL, so it goes to a dispatch queue. If Metal fails to create the
+    // buffer, the owner is deliberately leaked: Apple does not say whether the deallocator runs.
     auto* held = new std::shared_ptr<void>(std::move(owner));
     void (^release_owner)(void*, NSUInteger) = ^(void*, NSUInteger) {
       dispatch_async(dispatch_get_global_queue(QOS_CLASS_UTILITY, 0), ^{
@@ -523,7 +539,7 @@ class MetalDevice final : public Device {
                                                  deallocator:release_owner];
     if (buffer == nil) {
       throw std::runtime_error("Metal could not wrap " + std::to_string(bytes) +
-                               " bytes of host memory without copying");
+                               " bytes of a memory-mapped file");
     }
     return std::make_shared<MetalBuffer>(buffer, begin - first_page, bytes, writable,
                                          residency_);
@@ -598,6 +614,8 @@ class MetalDevice final : public Device {
       [encoder endEncoding];
       job.commands.push_back(commands);
       if (problem.empty()) {
+        job.mirrored = mirrored_buffers(graph);
+        for (const auto& buffer : job.mirrored) buffer->mirror()->submitted(buffer->device_data());
         residency_->before_submit();
         for (id<MTLCommandBuffer> part : job.commands) [part commit];
       } else {
@@ -639,6 +657,7 @@ class MetalDevice final : public Device {
         }
         if (!failed) last_gpu_seconds_ = gpu_seconds;
       }
+      for (const auto& buffer : job.mirrored) buffer->mirror()->finished(buffer->device_data());
     }
     if (!failure.empty()) {
       if (fault_.empty()) fault_ = failure;
@@ -655,6 +674,7 @@ class MetalDevice final : public Device {
     uint64_t ticket = 0;
     std::vector<std::shared_ptr<Buffer>> buffers;
     std::vector<std::shared_ptr<Kernel>> kernels;
+    std::vector<std::shared_ptr<Buffer>> mirrored;  // host memory mirrored (host_mirror.h)
     std::vector<id<MTLCommandBuffer>> commands;
   };
 

@@ -1,5 +1,7 @@
 #include "sim_device.h"
 
+#include "../host_mirror.h"
+
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -50,10 +52,19 @@ class SimBuffer : public Buffer {
   }
   SimBuffer(void* data, size_t bytes, bool writable, std::shared_ptr<void> owner)
       : data_(data), size_(bytes), writable_(writable), owner_(std::move(owner)) {}
+  // Host memory mirrored as the metal device mirrors memory that is not a file mapping: the
+  // kernels see a copy of it in memory of the sim's own (host_mirror.h).
+  SimBuffer(std::unique_ptr<HostMirror> mirror, size_t bytes, bool writable) : SimBuffer(bytes) {
+    writable_ = writable;
+    mirror_ = std::move(mirror);
+    std::memcpy(data_, mirror_->host(), bytes);
+  }
   ~SimBuffer() override {
     if (mapped_) munmap(data_, size_);
   }
-  void* data() override { return data_; }
+  void* data() override { return mirror_ ? mirror_->host() : data_; }
+  void* device_data() override { return data_; }
+  HostMirror* mirror() override { return mirror_.get(); }
   size_t size() const override { return size_; }
   bool writable() const override { return writable_; }
   void host_access() override { host_defined_ = true; }
@@ -68,6 +79,7 @@ class SimBuffer : public Buffer {
   bool writable_;
   bool mapped_ = false;
   std::shared_ptr<void> owner_;
+  std::unique_ptr<HostMirror> mirror_;
 };
 
 class SimKernel : public Kernel {
@@ -119,7 +131,7 @@ lily_sim::PreparedDispatch prepare(const Dispatch& d) {
       throw KernelError(where + "offset beyond the end of buffer " + std::to_string(b.index));
     if (b.length != kUnknownLength && b.length > b.buffer->size() - b.offset)
       throw KernelError(where + "length beyond the end of buffer " + std::to_string(b.index));
-    p.buffers[b.index] = static_cast<char*>(b.buffer->data()) + b.offset;
+    p.buffers[b.index] = static_cast<char*>(b.buffer->device_data()) + b.offset;
   }
   for (const auto& b : d.bytes) {
     check_index(b.index, lily_sim::kMaxBufferBindings);
@@ -367,9 +379,11 @@ class LevelAccesses {
 class SimDevice : public Device {
  public:
   SimDevice(lily_sim::LaneOrder order, uint64_t seed, unsigned workers, bool execute,
-            CheckMode mode, bool tensor_ops, const lily_sim::MatrixLanes& matrix_lanes)
+            CheckMode mode, bool tensor_ops, const lily_sim::MatrixLanes& matrix_lanes,
+            bool mirror_wrapped)
       : executor_(order, seed, workers), execute_(execute), mode_(mode), tensor_ops_(tensor_ops),
-        matrix_lanes_(matrix_lanes), queue_([this] { serve(); }) {
+        mirror_wrapped_(mirror_wrapped), matrix_lanes_(matrix_lanes),
+        queue_([this] { serve(); }) {
     const auto& kernels = lily_sim::registry(mode != CheckMode::off);
     for (const auto& k : kernels) kernels_.emplace(k.host_name, &k);
   }
@@ -403,7 +417,11 @@ class SimDevice : public Device {
     return std::make_shared<SimBuffer>(bytes, mode_ == CheckMode::check);
   }
   std::shared_ptr<Buffer> wrap(void* data, size_t bytes, bool writable,
-                               std::shared_ptr<void> owner) override {
+                               std::shared_ptr<void> owner, bool file_mapped) override {
+    if (mirror_wrapped_ && !file_mapped) {
+      auto mirror = std::make_unique<HostMirror>(data, bytes, writable, std::move(owner));
+      return std::make_shared<SimBuffer>(std::move(mirror), bytes, writable);
+    }
     return std::make_shared<SimBuffer>(data, bytes, writable, std::move(owner));
   }
 
@@ -424,7 +442,9 @@ class SimDevice : public Device {
     {
       std::lock_guard lock(mutex_);
       ticket = ++submitted_;
-      queue_jobs_.push_back({ticket, graph});
+      queue_jobs_.push_back({ticket, graph, mirrored_buffers(graph)});
+      for (const auto& buffer : queue_jobs_.back().mirrored)
+        buffer->mirror()->submitted(buffer->device_data());
       finished.swap(finished_);
     }
     work_.notify_one();
@@ -464,6 +484,7 @@ class SimDevice : public Device {
   struct Job {
     uint64_t ticket;
     Graph graph;
+    std::vector<std::shared_ptr<Buffer>> mirrored;  // host memory the device mirrors
   };
 
   // The queue thread: runs graphs in submission order. It never releases a Graph itself, since
@@ -494,6 +515,9 @@ class SimDevice : public Device {
       {
         std::lock_guard lock(mutex_);
         if (!error.empty()) errors_[job.ticket] = error;
+        for (const auto& buffer : job.mirrored)
+          buffer->mirror()->finished(buffer->device_data());
+        job.mirrored.clear();
         completed_ = job.ticket;
         finished_.push_back(std::move(job.graph));
       }
@@ -551,6 +575,7 @@ class SimDevice : public Device {
   uint64_t submitted_ = 0, completed_ = 0;
   bool stopping_ = false;
   bool tensor_ops_;
+  const bool mirror_wrapped_;
   const lily_sim::MatrixLanes matrix_lanes_;
   std::thread queue_;
 };
@@ -559,12 +584,13 @@ class SimDevice : public Device {
 
 std::shared_ptr<Device> open_sim_device(lily_sim::LaneOrder order, uint64_t seed,
                                         unsigned workers, bool execute, CheckMode mode,
-                                        bool tensor_ops, const lily_sim::MatrixLanes& matrix_lanes) {
+                                        bool tensor_ops, const lily_sim::MatrixLanes& matrix_lanes,
+                                        bool mirror_wrapped) {
   if (mode != CheckMode::off && lily_sim::registry(true).empty())
     throw std::invalid_argument("this build of the sim has no checked kernels "
                                 "(LILY_SIM_CHECKED_KERNELS was off or unsupported)");
   return std::make_shared<SimDevice>(order, seed, workers, execute, mode, tensor_ops,
-                                     matrix_lanes);
+                                     matrix_lanes, mirror_wrapped);
 }
 
 }  // namespace lily

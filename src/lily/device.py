@@ -25,6 +25,7 @@ executes, by operand type (:meth:`Device.matrix_products`).
 from __future__ import annotations
 
 import difflib
+import mmap
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -252,8 +253,16 @@ class Device:
         return self._native.alloc_scratch(nbytes)
 
     def wrap(self, array: np.ndarray, regions: Iterable[tuple[int, int]] | None = None) -> Buffer:
-        """The array's memory as a buffer, without copying; the array is kept alive.
+        """The array's memory as a buffer; the array is kept alive.
 
+        An array inside a memory-mapped file (a checkpoint shard) is used in place. Any other
+        array (numpy's own memory, from malloc) the metal device mirrors, since Metal wraps only
+        whole-page VM allocations without copying: the array is copied to the device when a
+        graph binding it is submitted (unless an earlier such graph is still running) and, if
+        writable, the kernels' writes are copied back once the graph has finished, so the array
+        shows them after ``run``/``wait`` as before. Do not write such an array while a graph
+        that binds it runs. The sim uses every array in place unless opened with
+        ``mirror_wrapped=True``, which mirrors them as the metal device does.
         Read-only arrays (and read-only memory maps) give buffers kernels must not write.
         `regions`: ``(byte_offset, nbytes)`` of tensors inside the array (a checkpoint shard's):
         the checking sim holds a binding that starts inside one to that tensor's end.
@@ -263,7 +272,9 @@ class Device:
         if not array.flags.c_contiguous:
             raise ValueError("wrap needs a C-contiguous array")
         address = array.__array_interface__["data"][0]
-        buffer = self._native.wrap(address, array.nbytes, bool(array.flags.writeable), array)
+        buffer = self._native.wrap(
+            address, array.nbytes, bool(array.flags.writeable), array, in_mapped_file(array)
+        )
         for offset, nbytes in regions or ():
             if offset < 0 or nbytes < 0 or offset + nbytes > array.nbytes:
                 raise ValueError(f"region {nbytes} bytes at {offset} outside the array")
@@ -333,6 +344,17 @@ class Device:
         return {kernel: MatrixProducts(*counts) for kernel, *counts in counted}
 
 
+def in_mapped_file(array: np.ndarray) -> bool:
+    """Whether the array's memory lies in a memory-mapped file (an ``mmap.mmap``, which
+    ``np.memmap`` and the checkpoint's shards use), which the metal device wraps in place."""
+    owner: object = array
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    if isinstance(owner, memoryview):
+        owner = owner.obj
+    return isinstance(owner, mmap.mmap)
+
+
 def open_device(
     kind: str = "sim",
     *,
@@ -344,6 +366,7 @@ def open_device(
     count_traffic: bool = False,
     tensor_ops: bool = False,
     matrix_lanes: Sequence[int] | None = None,
+    mirror_wrapped: bool = False,
 ) -> Device:
     """Open a device: ``sim`` (anywhere) or ``metal`` (macOS builds on Apple silicon; on a GPU
     the kernels cannot run on it raises :class:`UnsupportedGPUError` with the reason).
@@ -359,7 +382,9 @@ def open_device(
     (:attr:`Device.tensor_ops`); the metal device decides that itself. `matrix_lanes` makes the
     sim play a GPU whose simdgroup_matrix layout differs from Apple's: its lane l holds the
     elements Apple's layout gives lane ``matrix_lanes[l]`` (a permutation of 0..31), which the
-    lane-layout self-test (lily.kernels.lane_layout) must catch.
+    lane-layout self-test (lily.kernels.lane_layout) must catch. ``mirror_wrapped=True`` makes
+    the sim mirror wrapped arrays that are not in a memory-mapped file as the metal device does
+    (:meth:`Device.wrap`), instead of using them in place.
     """
     if kind == "metal":
         return _open_metal()
@@ -376,7 +401,9 @@ def open_device(
     if lanes and sorted(lanes) != list(range(32)):
         raise ValueError(f"matrix_lanes must be a permutation of 0..31, got {lanes}")
     return Device(
-        _native.open_sim_device(lane_order, seed, workers or 0, execute, mode, tensor_ops, lanes)
+        _native.open_sim_device(
+            lane_order, seed, workers or 0, execute, mode, tensor_ops, lanes, mirror_wrapped
+        )
     )
 
 
