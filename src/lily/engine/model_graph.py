@@ -64,7 +64,7 @@ from lily.kernels.gdn_out_proj import record_gdn_out_proj
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
 from lily.kernels.moe_chunk import MoeChunkScratch, moe_chunk_scratch_bytes, record_moe_chunk
 from lily.kernels.norm import FoldedNorm, record_add_rms_norm, record_rms_norm
-from lily.kernels.quant_weight import GROUP_SIZE, QuantWeight, wrap_quant_weight
+from lily.kernels.quant_weight import GROUP_SIZE, QuantWeight, copy_quant_weight
 from lily.kernels.quantized import MAX_TOKENS as GEMV_MAX_TOKENS
 from lily.kernels.quantized import record_qgemv
 from lily.kernels.quantized_gemm import record_qgemm, record_qgemm_row_exponents
@@ -566,10 +566,10 @@ class ModelGraph:
         groups = h // GROUP_SIZE
         weight, scales = tensors[MTP_FC + ".weight"], tensors[MTP_FC + ".scales"]
         biases = tensors[MTP_FC + ".biases"]
-        self.mtp_fc_embedding = wrap_quant_weight(
+        self.mtp_fc_embedding = copy_quant_weight(
             dev, weight[:, :words], scales[:, :groups], biases[:, :groups]
         )
-        self.mtp_fc_hidden = wrap_quant_weight(
+        self.mtp_fc_hidden = copy_quant_weight(
             dev, weight[:, words:], scales[:, groups:], biases[:, groups:]
         )
 

@@ -11,7 +11,9 @@ import numpy as np
 from lily.kernels import BufferRef, require_aligned
 
 if TYPE_CHECKING:
-    from lily.device import Device
+    from collections.abc import Callable
+
+    from lily.device import Buffer, Device
 
 # Weights share one scale and bias per this many inputs (MLX's group size).
 GROUP_SIZE = 64
@@ -47,15 +49,39 @@ class QuantWeight:
 def wrap_quant_weight(
     device: Device, weight: np.ndarray, scales: np.ndarray, biases: np.ndarray
 ) -> QuantWeight:
-    """Binds numpy arrays of an MLX-quantized triple (scales/biases as raw bf16 uint16) in place.
-    A leading axis on all three is a stack of experts."""
+    """Binds numpy arrays of an MLX-quantized triple (scales/biases as raw bf16 uint16) in place
+    (`Device.wrap`). A leading axis on all three is a stack of experts."""
+    return _quant_weight(device.wrap, weight, scales, biases)
+
+
+def copy_quant_weight(
+    device: Device, weight: np.ndarray, scales: np.ndarray, biases: np.ndarray
+) -> QuantWeight:
+    """An MLX-quantized triple copied once into buffers of the device's own: for weights the
+    engine derives from the checkpoint's (a slice of a stored matrix), which the metal device
+    could not bind in place and would otherwise mirror at every pass (`Device.wrap`)."""
+
+    def copied(array: np.ndarray) -> Buffer:
+        buffer = device.alloc(array.nbytes)
+        buffer.numpy()[:] = array.reshape(-1).view(np.uint8)
+        return buffer
+
+    return _quant_weight(copied, weight, scales, biases)
+
+
+def _quant_weight(
+    bind: Callable[[np.ndarray], Buffer],
+    weight: np.ndarray,
+    scales: np.ndarray,
+    biases: np.ndarray,
+) -> QuantWeight:
     in_dim = scales.shape[-1] * GROUP_SIZE
     bits = weight.shape[-1] * 32 // in_dim
     experts = weight.shape[0] if weight.ndim == 3 else 1
     return QuantWeight(
-        weight=device.wrap(np.ascontiguousarray(weight, dtype=np.uint32)),
-        scales=device.wrap(np.ascontiguousarray(scales, dtype=np.uint16)),
-        biases=device.wrap(np.ascontiguousarray(biases, dtype=np.uint16)),
+        weight=bind(np.ascontiguousarray(weight, dtype=np.uint32)),
+        scales=bind(np.ascontiguousarray(scales, dtype=np.uint16)),
+        biases=bind(np.ascontiguousarray(biases, dtype=np.uint16)),
         rows=weight.shape[-2],
         in_dim=in_dim,
         bits=bits,
