@@ -11,6 +11,7 @@ from lily.kernels import (
     gdn,
     gdn_out_proj,
     gemm,
+    lane_layout,
     moe,
     moe_chunk,
     quantized_gemm,
@@ -58,6 +59,7 @@ EXACT_THREADS = {
     "gdn_out_proj_8": gdn_out_proj.THREADS_PER_THREADGROUP,
     "gemm_nt_float": gemm.THREADS_PER_THREADGROUP,
     "gemm_nt_bfloat": gemm.THREADS_PER_THREADGROUP,
+    "lane_layout_self_test": lane_layout.THREADS,
     "moe_route": moe.SIMD_WIDTH,
     "moe_sort_by_expert": moe_chunk.SORT_THREADS,
     **{

@@ -328,9 +328,9 @@ def test_full_queue_answers_503_and_a_leaving_client_frees_the_engine(
             assert refused.value.response.headers["retry-after"].isdigit()
             assert refused.value.body["code"] == "queue_full"
             # A request the facade refuses is answered at once, even with the queue full.
-            with pytest.raises(openai.NotFoundError):
+            with pytest.raises(openai.BadRequestError):
                 small.client(max_retries=0).chat.completions.create(
-                    model="elsewhere", messages=user("Hi")
+                    model=MODEL, messages=user("Hi"), temperature=-1
                 )
         # The long stream's client has gone: its generation stops, the waiting one runs.
         waiting.join(60)

@@ -30,6 +30,7 @@ from test_server import RunningServer
 import lily
 import lily.server.routes
 from lily.api import Lily
+from lily.chat.completions import AUTO_REASONING_BUDGET
 from lily.server.app import create_app
 from lily.server.routes import ModelNames
 
@@ -685,12 +686,22 @@ def test_a_silent_stream_gets_keep_alive_comments(
         assert chunks[-1].choices[0].finish_reason == "length"
 
 
+# The lines (events and their data) each API's stream opens with before the prompt is fed.
+OPENING_LINES = {
+    "/v1/chat/completions": 1,
+    "/v1/completions": 0,
+    "/v1/messages": 2,
+    "/v1/responses": 4,
+}
+
+
 def test_a_stream_and_the_log_show_how_far_the_prompt_is_fed(
     served_llm: Lily, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Progress reports (here every one, without the usual second between two) go to the log,
     naming the request's id, and into every API's stream as `: prompt FED/TOTAL tokens`
-    comments before the answer's events; the SDKs read such streams as usual."""
+    comments after the events that open the stream and before the answer's; the SDKs read such
+    streams as usual."""
     monkeypatch.setattr(lily.server.routes, "PROGRESS_INTERVAL_SECONDS", 0.0)
     caplog.set_level(logging.INFO, logger="lily.server")
     text = "Tell me about the river and its bridges. " * 4
@@ -705,7 +716,7 @@ def test_a_stream_and_the_log_show_how_far_the_prompt_is_fed(
             request = {"model": MODEL, "stream": True, "max_tokens": 2, **body}
             if path == "/v1/responses":
                 request["max_output_tokens"] = request.pop("max_tokens")
-            request_id = f"progress-{path.rsplit('/', 1)[1]}"
+            request_id = "progress" + path.replace("/", "-")
             headers = {"x-request-id": request_id}
             with httpx.stream(
                 "POST", f"{s.url}{path}", json=request, headers=headers, timeout=60
@@ -717,8 +728,12 @@ def test_a_stream_and_the_log_show_how_far_the_prompt_is_fed(
                 if (m := re.fullmatch(r": prompt (\d+)/(\d+) tokens", line))
             ]
             assert reports, (path, lines)
-            first_event = next(i for i, line in enumerate(lines) if not line.startswith(":"))
-            assert reports[-1][0] < first_event, (path, lines)
+            events = [i for i, line in enumerate(lines) if not line.startswith(":")]
+            # After the lines each API opens every stream with (a role chunk, message_start,
+            # response.created and in_progress), before the answer's.
+            opening = events[: OPENING_LINES[path]]
+            answer = events[OPENING_LINES[path]]
+            assert all(o < i < answer for i, _, _ in reports for o in opening), (path, lines)
             assert reports[-1][1] == reports[-1][2] > 40, (path, lines)
             logged = [
                 m.groups()
@@ -741,12 +756,15 @@ def test_a_stream_and_the_log_show_how_far_the_prompt_is_fed(
 DOCS_MARK = "# runs against: lily serve --model demo"
 
 
-def test_the_server_page_examples_run_against_a_demo_server(server: RunningServer) -> None:
-    """docs/server.md's client snippets, each run as written but for the server's address."""
+def test_the_server_page_examples_run_against_a_demo_server(served_llm: Lily) -> None:
+    """docs/server.md's client snippets, each run as written but for the server's address,
+    against a server with `lily serve`'s defaults (thinking takes at most half of a limit)."""
     blocks = [b for b in python_blocks(ROOT / "docs" / "server.md") if b.startswith(DOCS_MARK)]
     assert len(blocks) >= 1
-    for block in blocks:
-        assert "http://127.0.0.1:8000" in block
-        done = run_python(block.replace("http://127.0.0.1:8000", server.url))
-        assert done.returncode == 0, f"{block}\n{done.stderr}"
-        assert done.stdout.strip(), block
+    app = create_app(served_llm, default_reasoning_budget=AUTO_REASONING_BUDGET)
+    with RunningServer(app) as server:
+        for block in blocks:
+            assert "http://127.0.0.1:8000" in block
+            done = run_python(block.replace("http://127.0.0.1:8000", server.url))
+            assert done.returncode == 0, f"{block}\n{done.stderr}"
+            assert done.stdout.strip(), block

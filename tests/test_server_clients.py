@@ -44,7 +44,10 @@ def post(server: RunningServer, path: str, body: dict, key: str = "sesame") -> h
 def test_any_model_id_is_answered_by_the_served_model(server: RunningServer) -> None:
     client = server.client(api_key="sesame", max_retries=0)
     answer = client.chat.completions.create(
-        model="gpt-4o", messages=[{"role": "user", "content": "Hi"}], max_tokens=1, **NO_THINKING
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=1,
+        extra_body=NO_THINKING,
     )
     assert answer.model == "demo"
     message = post(
