@@ -22,6 +22,7 @@ from device_testing import open_test_device
 from test_validate import real_config_json
 from tiny_models import echo_head_checkpoint, tiny_checkpoint
 
+import lily.engine.engine
 from lily.checkpoint.config import parse_config
 from lily.checkpoint.loader import load_checkpoint
 from lily.engine.constraint import mask_from_tokens
@@ -30,6 +31,8 @@ from lily.engine.model_graph import MAX_DRAFT_TOKENS, verify_cost_ratio
 from lily.engine.sampling import SamplingParams
 from lily.engine.speculative import (
     AUTO_IDLE_LOOKUPS,
+    AUTO_MAX_LOSS,
+    AUTO_PASSES,
     NgramIndex,
     SourceCounts,
     Speculation,
@@ -134,6 +137,17 @@ def test_auto_weighs_tokens_per_pass_against_what_a_pass_costs(cost, kept):
         spec.verified([3, 1], 1)
     assert drafted == [2, 2, 2, 2]
     assert spec.exhausted is not kept
+
+
+def test_auto_gives_up_a_source_once_trying_it_lost_more_than_it_may():
+    """A pass that accepts nothing and costs 4 decode steps (a verify pass on the sim) loses 3:
+    more than AUTO_MAX_LOSS, so the source is dropped after that one pass, not AUTO_PASSES."""
+    spec = Speculation(draft_tokens=2, ngram=True, auto=True, pass_cost=lambda drafts: 4.0)
+    context = [1, 2, 3, 1, 2]
+    assert spec.draft(context, 8) == [3, 1]
+    spec.verified([3, 1], 0)
+    assert AUTO_MAX_LOSS <= 4.0 - 1 and AUTO_PASSES > 1
+    assert spec.exhausted and spec.draft(context, 8) == []
 
 
 def test_the_cost_of_a_verify_pass_grows_with_its_drafts_on_the_real_model():
@@ -331,6 +345,55 @@ def test_auto_decodes_pipelined_once_lookup_gave_up(engine, plain, monkeypatch):
     assert drafter.exhausted and len(switched) == 1
     position, count = switched[0]
     assert position + 1 - len(prompt) + count == ANSWER  # the rest of the answer, pipelined
+
+
+def test_a_pass_is_charged_its_measured_time_once_the_engine_decoded_plainly(checkpoint, plain):
+    """Until a generation has decoded plainly (pipelined) long enough to time a step, a verify
+    pass is charged the model's estimate; then its own wall time, drafting included, in
+    steps. Under a clock where every step takes 1 s and a verify pass 3 s, a pass costs 3."""
+    prompt, answer, _, _ = plain
+    engine = _engine(checkpoint)
+    assert engine.pass_cost(4) == verify_cost_ratio(checkpoint.config, 4)
+    clock = _FakeClock()
+    engine.device = clock.timed(engine.device)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lily.engine.engine.time, "perf_counter", clock.now)
+        list(engine.generate(prompt, 12))  # plain: every step takes 1 s
+        assert engine.pass_cost(4) == verify_cost_ratio(checkpoint.config, 4)  # no pass yet
+        clock.run_seconds = 3.0  # device.run: a verify pass
+        drafter = _Scripted(engine, prompt, answer, right=4)
+        list(engine.generate(prompt, 6, drafter=drafter))
+    assert drafter.outcomes
+    assert engine.pass_cost(4) == pytest.approx(3.0)
+
+
+class _FakeClock:
+    """A clock that moves only when the device works: 1 s per waited-for submission (a
+    pipelined step), `run_seconds` per synchronous run (a verify or a catch-up pass)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.run_seconds = 1.0
+
+    def now(self) -> float:
+        return self.seconds
+
+    def timed(self, device):
+        clock = self
+
+        class Timed:
+            def __getattr__(self, name):
+                return getattr(device, name)
+
+            def wait(self, ticket):
+                clock.seconds += 1.0
+                return device.wait(ticket)
+
+            def run(self, graph):
+                clock.seconds += clock.run_seconds
+                return device.run(graph)
+
+        return Timed()
 
 
 def test_verify_passes_stay_within_the_chunk_length(checkpoint, plain):

@@ -7,7 +7,6 @@ with lily.load("demo") as llm:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import platform
 import sys
@@ -271,8 +270,15 @@ class Lily:
             prediction=prediction,
             anchor=anchor,
             auto=self.speculative == "auto",
-            pass_cost=functools.partial(verify_cost_ratio, self.config),
+            pass_cost=self._pass_cost,
         )
+
+    def _pass_cost(self, drafts: int) -> float:
+        """What "auto" charges a verify pass of `drafts` drafts, in decode steps: measured on
+        a device engine (`DeviceEngine.pass_cost`), else the model's estimate."""
+        if isinstance(self.engine, DeviceEngine):
+            return self.engine.pass_cost(drafts)
+        return verify_cost_ratio(self.config, drafts)
 
     def drafter(self, speculation: Speculation) -> Speculation | None:
         """What the engine drafts from: nothing when speculative decoding is off (a

@@ -24,6 +24,7 @@ within what memory, is `prefix_cache.PrefixCache`'s policy.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from lily.engine.model_graph import (
     device_bytes,
     kv_cache_bytes_per_token,
     layer_flops,
+    verify_cost_ratio,
 )
 from lily.engine.prefix_cache import Arrays, PrefixCache, PrefixMatch, default_cache_memory
 from lily.engine.reference import ReferenceModel, ReferenceState
@@ -225,6 +227,29 @@ def _allows(mask: np.ndarray | None, token: int) -> bool:
     return mask is None or bool((mask[token // 32] >> np.uint32(token % 32)) & 1)
 
 
+class _StepClock:
+    """The wall time of pipelined decode steps, from the tokens they yield: the steady rate
+    between the first and the last, once there are STEADY_STEPS of them (the first steps of a
+    generation still share the pipeline with the prompt's last chunk)."""
+
+    STEADY_STEPS = 8
+
+    def __init__(self) -> None:
+        self._first = self._last = 0.0
+        self._steps = 0
+
+    def tick(self) -> None:
+        self._last = time.perf_counter()
+        if self._steps == 0:
+            self._first = self._last
+        self._steps += 1
+
+    def seconds_per_step(self) -> float | None:
+        if self._steps < self.STEADY_STEPS:
+            return None
+        return (self._last - self._first) / (self._steps - 1)
+
+
 class _DeviceRows:
     """The device's KV cache arrays through their host-visible views (the sim's and Metal's
     buffers are shared memory): [num_kv_heads, capacity, head_dim] bf16 bits each, or
@@ -312,7 +337,20 @@ class DeviceEngine:
         prefix_cache.set_layout(kv_cache, self._rows.copy_out(0), recurrent)
         # Prompt tokens fed through the model by `generate`, over the engine's life.
         self.prompt_tokens_fed = 0
+        # Measured: a pipelined decode step's wall time (the latest generation's that decoded
+        # plainly long enough), and the last verify pass's with its drafting (`pass_cost`).
+        self._step_seconds: float | None = None
+        self._pass_seconds: float | None = None
         self.lock = EngineLock()  # one thread at a time (lock.py)
+
+    def pass_cost(self, drafts: int) -> float:
+        """What the last verify pass (of `drafts` drafts) cost, in decode steps: its measured
+        wall time, drafting included, against a pipelined decode step's, once this engine has
+        decoded plainly; until then the model's estimate (`model_graph.verify_cost_ratio`),
+        which leaves the drafting out. What "auto" weighs a pass's tokens against."""
+        if self._step_seconds is None or self._pass_seconds is None:
+            return verify_cost_ratio(self.config, drafts)
+        return self._pass_seconds / self._step_seconds
 
     def _start(
         self,
@@ -437,6 +475,7 @@ class DeviceEngine:
         in_flight: deque[_Piece] = deque()
         depth = PIPELINE_DEPTH if constraint is None and not head else 1
         reported = first  # the prompt tokens `progress` was last told are fed
+        clock = _StepClock()
         upcoming = next(pieces, None)
         try:
             while True:
@@ -482,6 +521,8 @@ class DeviceEngine:
                 if constraint is not None:
                     constraint.consume(drawn.id)
                 generated.append(drawn.id)
+                if depth == PIPELINE_DEPTH and piece.start >= len(prompt):
+                    clock.tick()
                 yield drawn
                 if drawn.id in stop_token_ids:
                     return
@@ -503,6 +544,7 @@ class DeviceEngine:
             # closed the iterator); it only writes state the next generation replaces.
             for pending in in_flight:
                 self.device.wait(pending.ticket)
+            self._step_seconds = clock.seconds_per_step() or self._step_seconds
             self.prefix_cache.end(self._rows)
 
     def _drawn(self, end: int, sampling: SamplingParams) -> GeneratedToken:
@@ -569,6 +611,7 @@ class DeviceEngine:
                 count = request.max_new_tokens - len(generated)
                 yield from self._decode(last, count, request, should_stop)
                 return
+            started = time.perf_counter()
             drafts = []
             if limit > 0 and rejections < 2:
                 drafts = [int(t) for t in drafter.draft(tokens, limit)][:limit]
@@ -604,6 +647,7 @@ class DeviceEngine:
                     if not any(t in request.stop_token_ids for t in chosen[:-1]):
                         constraint.consume(chosen[-1])
                         told += 1
+                self._pass_seconds = time.perf_counter() - started
                 drafter.verified(drafts, len(chosen) - 1)
                 # The rows up to the last accepted draft's are right, rejected or not: the
                 # model's own token follows them.
@@ -716,6 +760,7 @@ class DeviceEngine:
         step[TOKEN] = model.history_view()[position]
         in_flight: deque[tuple[int, int]] = deque()  # (position after the step, ticket)
         submitted = 0
+        clock = _StepClock()
         try:
             while True:
                 while submitted < count and len(in_flight) < PIPELINE_DEPTH:
@@ -727,12 +772,14 @@ class DeviceEngine:
                 end, ticket = in_flight.popleft()
                 device.wait(ticket)
                 drawn = self._drawn(end, request.sampling)
+                clock.tick()
                 yield drawn
                 if drawn.id in request.stop_token_ids:
                     return
         finally:
             for _, pending in in_flight:
                 device.wait(pending)
+            self._step_seconds = clock.seconds_per_step() or self._step_seconds
 
     @holds_engine
     def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:

@@ -45,6 +45,9 @@ LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 4
 # "auto" judges a source after this many verify passes: it drops it when they yielded fewer
 # tokens than they cost in decode steps (`Speculation.pass_cost`).
 AUTO_PASSES = 4
+# ... and before that as soon as its passes cost this many decode steps more than they yielded:
+# what trying a source may lose (a pass with nothing accepted costs the sim about 4 steps).
+AUTO_MAX_LOSS = 2.0
 # ... and drops prompt lookup after this many lookups in a row found nothing: a generation that
 # drafts runs one pass at a time, and one that never drafts is better off pipelined.
 AUTO_IDLE_LOOKUPS = 32
@@ -198,8 +201,13 @@ class Speculation:
         if not self.auto:
             return True
         counts = self.counts[source]
+        if counts.passes == 0:
+            return True
         yielded = counts.accepted + counts.passes  # each pass adds the model's own token
-        return counts.passes < AUTO_PASSES or yielded >= self._costs[source]
+        cost = self._costs[source]
+        if cost - yielded >= AUTO_MAX_LOSS:
+            return False
+        return counts.passes < AUTO_PASSES or yielded >= cost
 
     def _lookup_enabled(self) -> bool:
         if self.auto and self._idle_lookups >= AUTO_IDLE_LOOKUPS:
