@@ -46,7 +46,8 @@ LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 4
 # tokens than they cost in decode steps (`Speculation.pass_cost`).
 AUTO_PASSES = 4
 # ... and before that as soon as its passes cost this many decode steps more than they yielded:
-# what trying a source may lose (a pass with nothing accepted costs the sim about 4 steps).
+# what trying a source may lose (a pass of the demo's head, accepting nothing, measured 3 to 12
+# steps on the sim).
 AUTO_MAX_LOSS = 2.0
 # ... and drops prompt lookup after this many lookups in a row found nothing: a generation that
 # drafts runs one pass at a time, and one that never drafts is better off pipelined.
