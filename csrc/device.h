@@ -112,6 +112,12 @@ struct Dispatch {
 class Graph {
  public:
   void dispatch(Dispatch d) {
+    for (const auto& binding : d.buffers) {
+      if (binding.buffer->mirror() != nullptr &&
+          std::find(mirrored_.begin(), mirrored_.end(), binding.buffer) == mirrored_.end()) {
+        mirrored_.push_back(binding.buffer);
+      }
+    }
     if (levels_.empty()) levels_.emplace_back();
     levels_.back().push_back(std::move(d));
   }
@@ -126,6 +132,9 @@ class Graph {
     }
   }
   const std::vector<std::vector<Dispatch>>& levels() const { return levels_; }
+  // The buffers over host memory a device mirrors (host_mirror.h) that the graph binds, each
+  // once: gathered while recording, so that a submit does not walk every binding.
+  const std::vector<std::shared_ptr<Buffer>>& mirrored() const { return mirrored_; }
   // Whether the level starts a new command buffer (level 0 always starts the first one).
   bool starts_command_buffer(size_t level) const {
     return std::find(buffer_starts_.begin(), buffer_starts_.end(), level) !=
@@ -150,6 +159,7 @@ class Graph {
  private:
   std::vector<std::vector<Dispatch>> levels_;
   std::vector<size_t> buffer_starts_;  // levels after a command-buffer boundary
+  std::vector<std::shared_ptr<Buffer>> mirrored_;
 };
 
 // What one dispatch read and wrote of each buffer binding: distinct bytes (the sim's counting and

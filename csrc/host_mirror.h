@@ -5,7 +5,6 @@
 
 #include <cstring>
 #include <memory>
-#include <set>
 #include <vector>
 
 #include "device.h"
@@ -41,21 +40,5 @@ class HostMirror {
   std::shared_ptr<void> owner_;  // keeps the host memory alive
   unsigned in_flight_ = 0;
 };
-
-// The mirrored buffers a graph binds, each once.
-inline std::vector<std::shared_ptr<Buffer>> mirrored_buffers(const Graph& graph) {
-  std::vector<std::shared_ptr<Buffer>> out;
-  std::set<const Buffer*> seen;
-  for (const auto& level : graph.levels()) {
-    for (const auto& dispatch : level) {
-      for (const auto& binding : dispatch.buffers) {
-        if (binding.buffer->mirror() != nullptr && seen.insert(binding.buffer.get()).second) {
-          out.push_back(binding.buffer);
-        }
-      }
-    }
-  }
-  return out;
-}
 
 }  // namespace lily

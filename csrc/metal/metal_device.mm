@@ -614,7 +614,7 @@ class MetalDevice final : public Device {
       [encoder endEncoding];
       job.commands.push_back(commands);
       if (problem.empty()) {
-        job.mirrored = mirrored_buffers(graph);
+        job.mirrored = graph.mirrored();
         for (const auto& buffer : job.mirrored) buffer->mirror()->submitted(buffer->device_data());
         residency_->before_submit();
         for (id<MTLCommandBuffer> part : job.commands) [part commit];

@@ -442,7 +442,7 @@ class SimDevice : public Device {
     {
       std::lock_guard lock(mutex_);
       ticket = ++submitted_;
-      queue_jobs_.push_back({ticket, graph, mirrored_buffers(graph)});
+      queue_jobs_.push_back({ticket, graph, graph.mirrored()});
       for (const auto& buffer : queue_jobs_.back().mirrored)
         buffer->mirror()->submitted(buffer->device_data());
       finished.swap(finished_);
