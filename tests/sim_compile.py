@@ -60,14 +60,26 @@ def shown(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def run_prepass(source: Path, translated: Path) -> subprocess.CompletedProcess[str]:
+def cmake_list(name: str) -> list[str]:
+    """The items of CMakeLists.txt's `set(<name> ...)`, its comments left out: the flag lists
+    the build compiles with, for tests that must use the same."""
+    text = re.sub(r"#[^\n]*", "", (ROOT / "CMakeLists.txt").read_text())
+    match = re.search(rf"\bset\({name}\s([^)]*)\)", text)
+    assert match, f"no set({name} ...) in CMakeLists.txt"
+    return match.group(1).split()
+
+
+def run_prepass(
+    source: Path, translated: Path, compiler: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """Pre-pass `source` as CMakeLists.txt does (from the repository root, on relative paths, so
-    diagnostics name `metal/x.metal:line`), writing `translated`."""
+    diagnostics name `metal/x.metal:line`), writing `translated`. `compiler` is the C++ compiler
+    the pre-pass runs (the build's own: clang() unless given)."""
     command = [
         sys.executable,
         str(SIM_DIR / "prepass.py"),
         "--clang",
-        clang(),
+        compiler or clang(),
         "--include-dir",
         str(SIM_INCLUDE),
         "-I",
@@ -80,10 +92,10 @@ def run_prepass(source: Path, translated: Path) -> subprocess.CompletedProcess[s
     return subprocess.run(command, capture_output=True, text=True, check=False, cwd=ROOT)
 
 
-def prepass(source: Path, out_dir: Path) -> Path:
-    """Pre-pass `source` and return the C++ file it wrote."""
+def prepass(source: Path, out_dir: Path, compiler: str | None = None) -> Path:
+    """Pre-pass `source` (with `compiler`, as run_prepass) and return the C++ file it wrote."""
     translated = out_dir / (source.stem + ".cpp")
-    result = run_prepass(source, translated)
+    result = run_prepass(source, translated, compiler)
     if result.returncode != 0:
         pytest.fail(f"the sim pre-pass failed on {source.name}:\n{result.stderr}")
     return translated

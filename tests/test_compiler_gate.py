@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from sim_compile import cmake_list
 
 REPO = Path(__file__).resolve().parent.parent
 CMAKE = shutil.which("cmake")
@@ -70,10 +71,7 @@ def test_supported_compilers_pass(tmp_path, compiler_id, version):
 
 def checked_flags() -> list[str]:
     """The checked build's flags as CMakeLists.txt lists them (Linux)."""
-    text = (REPO / "CMakeLists.txt").read_text()
-    body = re.search(r"set\(LILY_SIM_CHECKED_FLAGS\n(.*?)\)\n", text, re.S).group(1)
-    body = re.sub(r"#.*", "", body)
-    return body.split()
+    return cmake_list("LILY_SIM_CHECKED_FLAGS")
 
 
 def clang() -> str:
@@ -116,6 +114,7 @@ def probe(tmp_path: Path, cases: dict[str, list[str]]) -> dict[str, bool]:
 def test_the_checked_build_probe_fails_on_a_flag_the_compiler_rejects(tmp_path):
     flags = checked_flags()
     assert "-fsanitize=thread" in flags and "-DLILY_SIM_CHECKED=1" in flags
+    assert "-mllvm=-tsan-instrument-memintrinsics=1" in flags  # past the list's comment
     results = probe(
         tmp_path,
         {
