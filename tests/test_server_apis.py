@@ -30,6 +30,7 @@ from test_server import RunningServer
 import lily
 import lily.server.routes
 from lily.api import Lily
+from lily.chat.completions import AUTO_REASONING_BUDGET
 from lily.server.app import create_app
 from lily.server.routes import ModelNames
 
@@ -741,12 +742,16 @@ def test_a_stream_and_the_log_show_how_far_the_prompt_is_fed(
 DOCS_MARK = "# runs against: lily serve --model demo"
 
 
-def test_the_server_page_examples_run_against_a_demo_server(server: RunningServer) -> None:
-    """docs/server.md's client snippets, each run as written but for the server's address."""
+def test_the_server_page_examples_run_against_a_demo_server(served_llm: Lily) -> None:
+    """docs/server.md's client snippets, each run as written but for the server's address,
+    against a server set up as `lily serve --model demo` sets it up (its reasoning budget of
+    half the limit leaves the answer room: without it the 16 tokens are all thinking)."""
     blocks = [b for b in python_blocks(ROOT / "docs" / "server.md") if b.startswith(DOCS_MARK)]
     assert len(blocks) >= 1
-    for block in blocks:
-        assert "http://127.0.0.1:8000" in block
-        done = run_python(block.replace("http://127.0.0.1:8000", server.url))
-        assert done.returncode == 0, f"{block}\n{done.stderr}"
-        assert done.stdout.strip(), block
+    app = create_app(served_llm, default_reasoning_budget=AUTO_REASONING_BUDGET)
+    with RunningServer(app) as server:
+        for block in blocks:
+            assert "http://127.0.0.1:8000" in block
+            done = run_python(block.replace("http://127.0.0.1:8000", server.url))
+            assert done.returncode == 0, f"{block}\n{done.stderr}"
+            assert done.stdout.strip(), block
