@@ -36,7 +36,8 @@ It starts `lily serve --model demo` itself (twice: each run ends by a signal) an
 8. floods of the requests that once tokenized megabytes at leisure: `--flood-clients` bodies of
    7 MB at once to `/v1/messages/count_tokens`, as a chat `prediction` (n=4) and as a
    `/v1/completions` prompt, while one ordinary chat request waits its turn: each flood is
-   refused (400 `context_length_exceeded`, or a documented 503) within `--flood-within` seconds,
+   refused (400 `context_length_exceeded`, Anthropic's `invalid_request_error` saying so for
+   count_tokens, or a documented 503) within `--flood-within` seconds,
    the ordinary request is answered, and the resident memory stays within
    `--max-flood-rss-mib` of what it was (three 7 MB count_tokens bodies once took 158 MiB to
    3.5 GiB; a prediction held the engine 70 s, a completions prompt 18-29 s);
@@ -365,6 +366,21 @@ async def _watch_peak_memory(server: Server, peak: list[float]) -> None:
         await asyncio.sleep(0.1)
 
 
+def _refused_as_too_long(answer: Answer) -> bool:
+    """A 400 for a prompt the context cannot hold: OpenAI's `context_length_exceeded` code, or
+    Anthropic's shape (`/v1/messages/count_tokens`), which has no code: an
+    `invalid_request_error` whose message says the context cannot hold the prompt."""
+    if answer.status != 400:
+        return False
+    if answer.error_code() == "context_length_exceeded":
+        return True
+    try:
+        error = json.loads(answer.body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return error.get("type") == "invalid_request_error" and "context" in error.get("message", "")
+
+
 async def floods(server: Server, args: argparse.Namespace) -> None:
     for name, (path, body) in flood_requests().items():
         before = server.rss_mib()
@@ -395,7 +411,7 @@ async def floods(server: Server, args: argparse.Namespace) -> None:
         problems = [
             f"{name} flood: {a.status} {a.body[:200]!r}"
             for a in answers
-            if not (a.status == 400 and a.error_code() == "context_length_exceeded")
+            if not _refused_as_too_long(a)
             and not (a.status == 503 and a.error_code() in DOCUMENTED_503_CODES)
             and not (a.status == 503 and b"overloaded_error" in a.body)
         ]

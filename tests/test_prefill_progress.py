@@ -21,8 +21,10 @@ from lily.checkpoint.loader import Checkpoint, load_checkpoint
 from lily.cli import PrefillProgress
 from lily.device import Device
 from lily.engine.engine import PIPELINE_DEPTH, DeviceEngine
-from lily.engine.model_graph import layer_flops
+from lily.engine.model_graph import SIM_COMMAND_BUFFER_FLOPS, layer_flops
+from lily.engine.sampling import SamplingParams
 from lily.errors import GenerationCancelled, RequestError
+from lily.kernels.gdn import CHUNK_SUB_CHUNK
 
 CONTEXT = 256
 LONG = "Tell me everything you know about the history of the river and its bridges. " * 3
@@ -163,3 +165,32 @@ def test_a_stop_mid_chunk_runs_no_further_command_buffer_and_the_next_answer_is_
     for again in (prompt, branch):
         expected = [t.id for t in fresh.generate(again, 6)]
         assert [t.id for t in engine.generate(again, 6)] == expected
+
+
+# --- on the sim, with what lily.load sets up (issue 38's acceptance) -------------------------
+
+
+def test_the_sim_reports_progress_and_can_stop_within_a_long_prompts_first_chunk() -> None:
+    """`lily.load` on the sim cuts command buffers (and chunks) by SIM_COMMAND_BUFFER_FLOPS:
+    a long prompt is reported every few dozen tokens from its start, not once per
+    4,096-token chunk (over a minute on the sim), and the chunks, cut at whole GDN sub-chunks,
+    compute every bit as one chunk would."""
+    prompt = np.random.default_rng(5).integers(0, 4000, 300).tolist()
+    with lily.load("demo", device="sim", max_seq=512, cache_memory=0) as llm:
+        engine = llm.engine
+        assert isinstance(engine, DeviceEngine)
+        assert engine.command_buffer_flops == SIM_COMMAND_BUFFER_FLOPS
+        fed: list[int] = []
+        params = SamplingParams(temperature=0, top_logprobs=2)
+        cut = list(engine.generate(prompt, 3, sampling=params, progress=lambda f, t: fed.append(f)))
+        assert fed[0] <= 64 and max(np.diff([0, *fed])) <= 64 and fed[-1] == len(prompt)
+        ends, start = [], 0
+        while start < len(prompt):
+            start = engine._chunk_end(start, len(prompt))
+            ends.append(start)
+        assert len(ends) > 1 and all(end % CHUNK_SUB_CHUNK == 0 for end in ends[:-1])
+        engine.command_buffer_flops = None  # one chunk, as the sim ran before
+        assert engine.cached_prefix_length(prompt) == 0
+        whole = list(engine.generate(prompt, 3, sampling=params))
+    assert [t.id for t in cut] == [t.id for t in whole]
+    assert [t.logprobs for t in cut] == [t.logprobs for t in whole]

@@ -134,3 +134,49 @@ def test_a_small_output_limit_leaves_room_for_an_answer(server: RunningServer) -
     assert "message" in kinds, response
     if response["status"] == "incomplete":
         assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+REMOTE_REF = "https://example.com/schemas/city.json"
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_remote_ref_in_a_tool_schema_is_refused_by_every_api_naming_the_tool(
+    server: RunningServer, choice: str
+) -> None:
+    """Lily fetches no schema: a `$ref` outside the schema is refused before the engine, in the
+    same words whether the model may call the tool (`auto`, whose arguments the schema types)
+    or must (whose grammar needs it), by chat, Messages and Responses alike."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"anyOf": [{"type": "null"}, {"$ref": REMOTE_REF}]}},
+    }
+    user = [{"role": "user", "content": "Weather?"}]
+    requests = {
+        "/v1/chat/completions": {
+            "messages": user,
+            "max_tokens": 1,
+            "tools": [{"type": "function", "function": {"name": "weather", "parameters": schema}}],
+            "tool_choice": choice,
+        },
+        "/v1/messages": {
+            "model": "demo",
+            "max_tokens": 1,
+            "messages": user,
+            "tools": [{"name": "weather", "input_schema": schema}],
+            "tool_choice": {"type": "auto" if choice == "auto" else "any"},
+        },
+        "/v1/responses": {
+            "input": "Weather?",
+            "max_output_tokens": 16,
+            "tools": [{"type": "function", "name": "weather", "parameters": schema}],
+            "tool_choice": choice,
+        },
+    }
+    for path, body in requests.items():
+        refused = post(server, path, body)
+        assert refused.status_code == 400, (path, refused.text)
+        error = refused.json()["error"]
+        assert "tool 'weather'" in error["message"] and REMOTE_REF in error["message"], path
+        assert "$defs" in error["message"] and "registry" not in error["message"], path
+        if path != "/v1/messages":  # (Anthropic's errors carry no param; it leads the message)
+            assert error["param"] == "tools[0].function.parameters.properties.city.anyOf[1].$ref"

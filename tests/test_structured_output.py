@@ -655,6 +655,39 @@ def test_a_format_json_schema_does_not_define_is_an_annotation(llm):
         create(llm, tools=[tool], tool_choice="required", **NO_THINKING)
 
 
+def test_a_remote_ref_is_refused_up_front_naming_its_owner(llm):
+    remote = "other.json#/$defs/id"
+    schema = {"type": "object", "properties": {"id": {"items": {"$ref": remote}}}}
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": schema}}
+    for choice in ("auto", "required", "none"):
+        with pytest.raises(RequestError) as refused:
+            create(llm, tools=[tool], tool_choice=choice, **NO_THINKING)
+        assert refused.value.param == "tools[0].function.parameters.properties.id.items.$ref"
+        assert str(refused.value).startswith(f"tool 'lookup': the $ref {remote!r} points outside")
+    response_format = {"type": "json_schema", "json_schema": {"name": "row", "schema": schema}}
+    with pytest.raises(RequestError) as refused:
+        create(llm, response_format=response_format, **NO_THINKING)
+    assert refused.value.param == "response_format.json_schema.schema.properties.id.items.$ref"
+    assert str(refused.value).startswith("response format 'row': the $ref")
+    # A property named "$ref" and a `const` holding one are no references.
+    named = {"type": "object", "properties": {"$ref": {"const": {"$ref": remote}}}}
+    tool["function"]["parameters"] = named
+    create(llm, tools=[tool], tool_choice="auto", **NO_THINKING)
+    # A reference inside the schema is followed.
+    local = {
+        "type": "object",
+        "properties": {"id": {"$ref": "#/$defs/id"}},
+        "required": ["id"],
+        "$defs": {"id": {"type": "integer", "minimum": 1, "maximum": 9}},
+    }
+    tool["function"]["parameters"] = local
+    message, finish = _answer(
+        create(llm, tools=[tool], tool_choice="required", seed=0, **NO_THINKING), False
+    )
+    assert finish == "tool_calls"
+    assert json.loads(message.tool_calls[0].function.arguments)["id"] in range(1, 10)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_call_that_ends_exactly_at_max_tokens_finishes_with_tool_calls(llm, stream):
     tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}

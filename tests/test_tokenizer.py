@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import random
+import subprocess
+import sys
 import sysconfig
 import threading
 import time
@@ -242,6 +244,25 @@ def test_a_huge_text_is_surely_longer_without_tokenizing(demo):
     assert demo.max_token_bytes == max(len(demo.token_bytes(i)) for i in range(demo.vocab_size))
     assert demo.surely_longer_than(text, 10_000)  # 1 MiB, each token at most 64 bytes
     assert not demo.surely_longer_than("short", 2)
+
+
+def test_the_size_check_of_a_huge_text_takes_the_memory_of_a_copy_of_it() -> None:
+    """Normalizing a 7 MB text to size it (count_tokens floods) once took 280 MiB for a while
+    (the tokenizer's normalizer keeps an alignment per byte); Python's NFC takes a copy's worth.
+    Measured in a fresh process, whose peak resident memory is this call's alone."""
+    code = (
+        "import resource, sys\n"
+        "from lily.chat.tokenizer import Tokenizer\n"
+        "tok = Tokenizer.from_dir(sys.argv[1])\n"
+        "text = 'lorem ipsum ' * 600_000\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "assert tok.surely_longer_than(text, 256)\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(DEMO_DIR)], capture_output=True, text=True, check=True
+    )
+    assert int(run.stdout) < 64, f"{run.stdout} MiB"
 
 
 def test_tokenizing_lets_other_threads_run(demo):

@@ -32,6 +32,7 @@ from lily.engine.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv
 from lily.engine.model_graph import (
     COMMAND_BUFFER_FLOPS,
     PREFILL_CHUNKS,
+    SIM_COMMAND_BUFFER_FLOPS,
     device_bytes,
     kv_cache_bytes_per_token,
     verify_cost_ratio,
@@ -122,8 +123,8 @@ def _make_engine(
 
     working = device_bytes(checkpoint, max_seq, prefill_chunk, kv_cache, mtp)
     check_memory(device, working)
-    # The sim has no watchdog: its chunks are cut by length only.
-    command_buffer_flops = COMMAND_BUFFER_FLOPS if device == "metal" else None
+    # Metal: the GPU watchdog; the sim: a stop and a progress report within a second.
+    command_buffer_flops = COMMAND_BUFFER_FLOPS if device == "metal" else SIM_COMMAND_BUFFER_FLOPS
     # With the MTP head the saved states hold its KV rows too: another layout on disk.
     layout = f"device-{kv_cache}" + ("-mtp" if mtp else "")
     prefix_cache = cache.build(

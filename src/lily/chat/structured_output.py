@@ -38,6 +38,12 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import numpy as np
 
+from lily.chat.template_inputs import (
+    SUBSCHEMA_KEYWORDS,
+    SUBSCHEMA_LIST_KEYWORDS,
+    SUBSCHEMA_MAP_KEYWORDS,
+    refuse_remote_refs,
+)
 from lily.chat.tool_calls import (
     FUNCTION_END,
     FUNCTION_START,
@@ -45,6 +51,7 @@ from lily.chat.tool_calls import (
     PARAMETER_START,
     TOOL_CALL_END,
     TOOL_CALL_START,
+    follow_local_refs,
 )
 from lily.engine.model_graph import MAX_DRAFT_TOKENS
 from lily.errors import RequestError
@@ -108,13 +115,6 @@ DEFINED_FORMATS = frozenset(
         "uri-template", "json-pointer", "relative-json-pointer", "regex",
     )
 )  # fmt: skip
-# Keywords whose value is a subschema, a list of them, or a map of names to them.
-_SUBSCHEMA = (
-    "items", "not", "additionalProperties", "if", "then", "else", "contains", "propertyNames",
-    "unevaluatedItems", "unevaluatedProperties", "additionalItems",
-)  # fmt: skip
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def without_unknown_formats(schema: Any) -> Any:
@@ -127,13 +127,13 @@ def without_unknown_formats(schema: Any) -> Any:
         for key, value in schema.items()
         if not (key == "format" and isinstance(value, str) and value not in DEFINED_FORMATS)
     }
-    for key in _SUBSCHEMA:
+    for key in SUBSCHEMA_KEYWORDS:
         if isinstance(out.get(key), Mapping):
             out[key] = without_unknown_formats(out[key])
-    for key in _SUBSCHEMA_LISTS:
+    for key in SUBSCHEMA_LIST_KEYWORDS:
         if isinstance(out.get(key), list):
             out[key] = [without_unknown_formats(member) for member in out[key]]
-    for key in _SUBSCHEMA_MAPS:
+    for key in SUBSCHEMA_MAP_KEYWORDS:
         if isinstance(out.get(key), Mapping):
             out[key] = {name: without_unknown_formats(sub) for name, sub in out[key].items()}
     return out
@@ -317,6 +317,7 @@ def _response_format(value: Any, budget: _GrammarBudget) -> str | None:
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise RequestError("json_schema.strict must be a boolean", param=f"{param}.strict")
+    refuse_remote_refs(schema, f"{param}.schema", f"response format {spec['name']!r}")
     return _json_rule(schema, strict=bool(strict), param=f"{param}.schema", budget=budget)
 
 
@@ -398,7 +399,12 @@ def _tool_rules(tools: Sequence[Mapping[str, Any]], budget: _GrammarBudget) -> s
         for j, (key, schema) in enumerate(properties.items()):
             value = f"value_{i}_{j}"
             rule = _value_rule(
-                schema, definitions, strict, f"{param}.properties.{key}", param, budget
+                follow_local_refs(schema, parameters) if isinstance(schema, Mapping) else schema,
+                definitions,
+                strict,
+                f"{param}.properties.{key}",
+                param,
+                budget,
             )
             if isinstance(rule, _RawText):
                 # A lazy lexeme: the value ends at the first `</parameter>` line.

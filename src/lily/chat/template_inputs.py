@@ -83,6 +83,16 @@ _SCHEMA_NUMBERS = (
     "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
 )  # fmt: skip
 _SCHEMA_DEPTH = 64
+# Keywords whose value is a subschema, a list of them, or a map of names to them (JSON Schema
+# 2020-12 and the draft-07 spellings).
+SUBSCHEMA_KEYWORDS = (
+    "items", "not", "additionalProperties", "if", "then", "else", "contains", "propertyNames",
+    "unevaluatedItems", "unevaluatedProperties", "additionalItems",
+)  # fmt: skip
+SUBSCHEMA_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+SUBSCHEMA_MAP_KEYWORDS = (
+    "properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+)  # fmt: skip
 
 
 def check_tool_schemas(tools: Sequence[Mapping[str, Any]]) -> None:
@@ -100,6 +110,7 @@ def check_tool_schemas(tools: Sequence[Mapping[str, Any]]) -> None:
         parameters = tool["function"].get("parameters")
         if isinstance(parameters, Mapping):
             check_schema_shape(parameters, where)
+            refuse_remote_refs(parameters, where, f"tool {name!r}")
         if parameters is None:
             continue
         if not isinstance(parameters, Mapping):
@@ -156,6 +167,36 @@ def check_schema_shape(schema: Any, where: str, depth: int = 0) -> None:
     for key in ("items", "not", "if", "then", "else", "additionalProperties", "contains"):
         if key in schema:
             check_schema_shape(schema[key], f"{where}.{key}", depth + 1)
+
+
+def refuse_remote_refs(schema: Any, where: str, owner: str) -> None:
+    """Every `$ref` in `schema` points inside it (`#`, `#/$defs/...`): Lily fetches no schema
+    from elsewhere, and a reference it cannot resolve would leave what it stands for unchecked
+    in one case (a tool the model may call: its arguments are typed by the schema) and refuse
+    the request in another (a forced call or a `json_schema` answer, whose grammar needs it).
+    RequestError naming `owner` (the tool, or the response format) and the `$ref`'s place."""
+    if not isinstance(schema, Mapping):
+        return
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+        raise RequestError(
+            f"{owner}: the $ref {ref!r} points outside the schema, and Lily fetches no schema "
+            "from elsewhere; put the referenced schema under $defs and refer to it as "
+            "'#/$defs/NAME'",
+            param=f"{where}.$ref",
+            code="unsupported_schema",
+        )
+    for key in SUBSCHEMA_KEYWORDS:
+        if isinstance(schema.get(key), Mapping):
+            refuse_remote_refs(schema[key], f"{where}.{key}", owner)
+    for key in SUBSCHEMA_LIST_KEYWORDS:
+        if isinstance(schema.get(key), list):
+            for j, member in enumerate(schema[key]):
+                refuse_remote_refs(member, f"{where}.{key}[{j}]", owner)
+    for key in SUBSCHEMA_MAP_KEYWORDS:
+        if isinstance(schema.get(key), Mapping):
+            for name, sub in schema[key].items():
+                refuse_remote_refs(sub, f"{where}.{key}.{name}", owner)
 
 
 def check_template_kwargs(kwargs: Mapping[str, Any], template: ChatTemplate | None) -> None:

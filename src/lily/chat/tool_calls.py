@@ -165,7 +165,8 @@ def convert_parameter(text: str, schema: Mapping[str, Any] | None) -> Any:
 
 
 def _parameter_schemas(tools: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Function name -> {parameter name: schema}, from OpenAI tools (or bare function dicts)."""
+    """Function name -> {parameter name: schema}, from OpenAI tools (or bare function dicts),
+    local `$ref`s followed (`follow_local_refs`)."""
     schemas = {}
     for tool in tools:
         function = tool.get("function", tool)
@@ -174,9 +175,54 @@ def _parameter_schemas(tools: Iterable[Mapping[str, Any]]) -> dict[str, dict[str
         if not isinstance(properties, Mapping):
             properties = {}  # a malformed schema types nothing: every value stays text
         schemas[function.get("name")] = {
-            name: schema for name, schema in properties.items() if isinstance(schema, Mapping)
+            name: follow_local_refs(schema, parameters)
+            for name, schema in properties.items()
+            if isinstance(schema, Mapping)
         }
     return schemas
+
+
+# How many `$ref`s in a row `follow_local_refs` follows (a loop stops there).
+_REF_HOPS = 8
+
+
+def follow_local_refs(schema: Mapping[str, Any], root: Any, hops: int = _REF_HOPS) -> Mapping:
+    """`schema` with its `$ref` into `root` (a JSON pointer such as `#/$defs/NAME`) replaced
+    by the schema it points to, the other keywords beside the `$ref` kept over it, and the
+    same for the members of its `anyOf`/`oneOf`: what a parameter's type is read from, by the
+    output grammar and by this parser alike. A reference that points nowhere is left as it
+    is (requests refuse any other kind up front)."""
+    while hops > 0 and isinstance(schema.get("$ref"), str):
+        target = _json_pointer(root, schema["$ref"])
+        if not isinstance(target, Mapping):
+            break
+        schema = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+        hops -= 1
+    for key in ("anyOf", "oneOf"):
+        members = schema.get(key)
+        if hops > 0 and isinstance(members, list):
+            followed = [
+                follow_local_refs(m, root, hops - 1) if isinstance(m, Mapping) else m
+                for m in members
+            ]
+            schema = {**schema, key: followed}
+    return schema
+
+
+def _json_pointer(root: Any, ref: str) -> Any:
+    """What `ref` (`#`, `#/a/b`) points to in `root`, or None."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 class _State(Enum):

@@ -68,6 +68,7 @@ from lily.engine.sampling import (
 from lily.engine.speculative import Drafter, Speculation
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
 from lily.kernels.attention import row_bytes
+from lily.kernels.gdn import CHUNK_SUB_CHUNK
 from lily.kernels.sampling import (
     NO_TOKEN,
     read_logprobs,
@@ -413,7 +414,8 @@ class DeviceEngine:
     def _chunk_end(self, start: int, high: int) -> int:
         """Where the chunk starting at `start` ends: at most `max_chunk` tokens and `high`, and
         the most tokens whose costliest layer fits `command_buffer_flops` (one token at
-        least)."""
+        least), rounded down to whole GDN sub-chunks (CHUNK_SUB_CHUNK tokens) when there are
+        any: such a cut changes no bit of what the prompt computes."""
         tokens = min(self.max_chunk, high - start)
         budget = self.command_buffer_flops
 
@@ -428,7 +430,7 @@ class DeviceEngine:
                     fits = middle
                 else:
                     over = middle
-            tokens = fits
+            tokens = fits - fits % CHUNK_SUB_CHUNK if fits >= CHUNK_SUB_CHUNK else fits
         return start + tokens
 
     @holds_engine_while_generating

@@ -105,6 +105,12 @@ DEFAULT_MAX_CHUNK = PREFILL_CHUNKS[0]
 # work, a second or less on the slowest supported GPU (an 8-core M1: 2.6 TFLOPS fp32 peak, taken
 # as 2e12 for our kernels). An estimate, not a measurement: no Mac has run it yet.
 COMMAND_BUFFER_FLOPS = 2.0e12
+# The sim has no watchdog, but cancellation and prompt progress are checked between command
+# buffers, and the sim is about a thousand times slower: the demo model runs about 1.2e9
+# estimated flops a second on a loaded 2-core x86 machine, so command buffers of at most this
+# much work take well under a second there (a 4,096-token chunk in one command buffer took
+# over a minute before its first progress report).
+SIM_COMMAND_BUFFER_FLOPS = 5.0e8
 # The most drafted tokens one verify pass checks; its logits rows are one more (the last
 # accepted token's prediction comes first).
 MAX_DRAFT_TOKENS = MAX_DRAFTS
