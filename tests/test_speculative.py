@@ -96,14 +96,14 @@ def test_auto_stops_drafting_from_a_source_that_does_not_pay():
     spec = Speculation(draft_tokens=2, ngram=True, auto=True, pass_cost=_flat_cost)
     context = [1, 2, 3, 1, 2]
     for _ in range(4):
-        assert spec.draft(context, 8) == [3, 1]
-        spec.verified([3, 1], 0)  # 1 token per pass, for 1.5 steps' time
+        assert spec.draft(context, 8) == [3]  # nothing kept: one draft a pass
+        spec.verified([3], 0)  # 1 token per pass, for 1.5 steps' time
     assert spec.draft(context, 8) == []
     assert spec.exhausted
     paying = Speculation(draft_tokens=2, ngram=True, auto=True, pass_cost=_flat_cost)
     for _ in range(6):
-        assert paying.draft(context, 8) == [3, 1]
-        paying.verified([3, 1], 1)  # 2 tokens per pass
+        drafts = paying.draft(context, 8)
+        paying.verified(drafts, 1)  # 2 tokens per pass
     assert not paying.exhausted
     # Lookups that keep finding nothing end it too; a prediction is never dropped.
     idle = Speculation(draft_tokens=2, ngram=True, auto=True, pass_cost=_flat_cost)
@@ -133,9 +133,8 @@ def test_auto_weighs_tokens_per_pass_against_what_a_pass_costs(cost, kept):
     spec = Speculation(draft_tokens=2, ngram=True, auto=True, pass_cost=pass_cost)
     context = [1, 2, 3, 1, 2]
     for _ in range(4):
-        assert spec.draft(context, 8) == [3, 1]
-        spec.verified([3, 1], 1)
-    assert drafted == [2, 2, 2, 2]
+        spec.verified(spec.draft(context, 8), 1)
+    assert drafted == [1, 2, 2, 2]  # one draft first, two once the first was kept
     assert spec.exhausted is not kept
 
 
@@ -144,10 +143,25 @@ def test_auto_gives_up_a_source_once_trying_it_lost_more_than_it_may():
     more than AUTO_MAX_LOSS, so the source is dropped after that one pass, not AUTO_PASSES."""
     spec = Speculation(draft_tokens=2, ngram=True, auto=True, pass_cost=lambda drafts: 4.0)
     context = [1, 2, 3, 1, 2]
-    assert spec.draft(context, 8) == [3, 1]
-    spec.verified([3, 1], 0)
+    assert spec.draft(context, 8) == [3]
+    spec.verified([3], 0)
     assert AUTO_MAX_LOSS <= 4.0 - 1 and AUTO_PASSES > 1
     assert spec.exhausted and spec.draft(context, 8) == []
+
+
+def test_auto_drafts_one_token_first_and_more_as_drafts_are_kept():
+    """A source's first pass under auto drafts one token; all kept doubles the next pass's
+    drafts, up to draft_tokens; some kept gives one more than were kept. Without auto, every
+    pass drafts as many as it can."""
+    spec = Speculation(draft_tokens=4, ngram=True, auto=True, pass_cost=_flat_cost)
+    context = [1, 2, 3, 4, 5, 6, 1, 2]
+    sizes = []
+    for accepted in (1, 2, 4, 1, 2):
+        drafts = spec.draft(context, 8)
+        sizes.append(len(drafts))
+        spec.verified(drafts, min(accepted, len(drafts)))
+    assert sizes == [1, 2, 4, 4, 2]
+    assert Speculation(draft_tokens=4, ngram=True).draft(context, 8) == [3, 4, 5, 6]
 
 
 def test_the_cost_of_a_verify_pass_grows_with_its_drafts_on_the_real_model():

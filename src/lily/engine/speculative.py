@@ -49,6 +49,10 @@ AUTO_PASSES = 4
 # what trying a source may lose (a pass of the demo's head, accepting nothing, measured 3 to 12
 # steps on the sim).
 AUTO_MAX_LOSS = 2.0
+# ... and lets the head or prompt lookup draft one token in its first pass, then twice as many
+# after a pass that kept all it drafted (up to `draft_tokens`), one more than it kept after
+# one that did not: a source that does not pay costs a pass of one draft, not of all of them.
+AUTO_FIRST_DRAFTS = 1
 # ... and drops prompt lookup after this many lookups in a row found nothing: a generation that
 # drafts runs one pass at a time, and one that never drafts is better off pipelined.
 AUTO_IDLE_LOOKUPS = 32
@@ -183,6 +187,7 @@ class Speculation:
     _drafted_from: int = 0
     _index: NgramIndex = field(default_factory=lambda: NgramIndex(LOOKUP_MIN_N, LOOKUP_MAX_N))
     _idle_lookups: int = 0  # prompt lookups in a row that found nothing
+    _limits: dict[str, int] = field(default_factory=dict)  # under auto: the next pass's drafts
 
     def __post_init__(self) -> None:
         if self.auto and self.pass_cost is None:
@@ -235,23 +240,33 @@ class Speculation:
                 return drafts
         if self._head_enabled():
             assert self.head is not None
-            drafts = self.head(limit)
+            drafts = self.head(self._limit("mtp", limit))
             if drafts:
                 self._last_source = "mtp"
                 return drafts
         if self._lookup_enabled():
-            drafts = self._index.draft(tokens, limit)
+            drafts = self._index.draft(tokens, self._limit("ngram", limit))
             self._idle_lookups = 0 if drafts else self._idle_lookups + 1
             if drafts:
                 self._last_source = "ngram"
                 return drafts
         return []
 
+    def _limit(self, source: str, limit: int) -> int:
+        """How many drafts `source` may make now: under auto, as far as it has earned."""
+        if not self.auto:
+            return limit
+        return min(limit, self._limits.get(source, AUTO_FIRST_DRAFTS))
+
     def verified(self, drafted: Sequence[int], accepted: int) -> None:
         if self._last_source is None:
             return
         if self._last_source == "prediction":
             self._pointer = self._drafted_from + accepted
+        elif self.auto:
+            kept_all = accepted == len(drafted)
+            grown = 2 * len(drafted) if kept_all else accepted + 1
+            self._limits[self._last_source] = max(1, min(self.draft_tokens, grown))
         counts = self.counts[self._last_source]
         if self.pass_cost is not None:
             cost = self._costs.get(self._last_source, 0.0)
