@@ -81,6 +81,12 @@ def clang() -> str:
     pytest.skip("no clang++")
 
 
+def configure(source: Path, build: Path, compiler: str) -> subprocess.CompletedProcess:
+    """CMake's configure of `source` into `build` with `compiler` as the C++ compiler."""
+    command = [CMAKE, "-S", str(source), "-B", str(build), f"-DCMAKE_CXX_COMPILER={compiler}"]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
 def probe(tmp_path: Path, cases: dict[str, list[str]]) -> dict[str, bool]:
     source = tmp_path / "project"
     source.mkdir()
@@ -93,19 +99,7 @@ def probe(tmp_path: Path, cases: dict[str, list[str]]) -> dict[str, bool]:
         "project(probe LANGUAGES CXX)\n"
         f'include("{REPO / "cmake" / "compiler.cmake"}")\n' + calls
     )
-    result = subprocess.run(
-        [
-            CMAKE,
-            "-S",
-            str(source),
-            "-B",
-            str(tmp_path / "build"),
-            f"-DCMAKE_CXX_COMPILER={clang()}",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = configure(source, tmp_path / "build", clang())
     assert result.returncode == 0, result.stderr
     found = dict(re.findall(r"-- (\w+)=(\w*)", result.stdout))
     return {name: found[name] in {"1", "ON", "TRUE"} for name in cases}
@@ -133,19 +127,6 @@ old_clang = shutil.which("clang++-16")
 
 @pytest.mark.skipif(old_clang is None, reason="no clang++-16 here to configure with")
 def test_the_project_refuses_clang_16(tmp_path):
-    result = subprocess.run(
-        [
-            CMAKE,
-            "-S",
-            str(REPO),
-            "-B",
-            str(tmp_path / "build"),
-            f"-DCMAKE_CXX_COMPILER={old_clang}",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    line = refusal(result)
+    line = refusal(configure(REPO, tmp_path / "build", old_clang))
     assert line.startswith("Lily needs clang 17 or later as the C++ compiler (Debian: clang-19); ")
     assert "found clang 16." in line
