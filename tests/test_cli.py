@@ -27,6 +27,7 @@ import lily.engine.engine
 from lily.api import Lily
 from lily.checkpoint.loader import DEFAULT_REPO, DEFAULT_REVISION
 from lily.cli import BENCH_DECODE_STEPS, ChatSession, main, synthetic_prompt
+from lily.engine.speculative import PredictedTokens
 
 GREEDY = {"temperature": 0, "max_tokens": 3}
 
@@ -376,8 +377,8 @@ def test_bench_speculative_counts_add_up_and_leave_the_tokens_unchanged(
     wrong = [(t + 1) % 4096 if i % 5 == 4 else t for i, t in enumerate(plain)]
     original = Lily.speculation
 
-    def with_prediction(self: Lily, prediction: Any = (), anchor: Any = ()) -> Any:
-        return original(self, prediction=wrong, anchor=prompt)
+    def with_prediction(self: Lily, prediction: Any = None) -> Any:
+        return original(self, prediction=PredictedTokens(wrong, prompt))
 
     monkeypatch.setattr(Lily, "speculation", with_prediction)
     runs.clear()

@@ -23,7 +23,7 @@ from lily.engine.model_graph import kv_cache_bytes_per_token
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.reference import ReferenceModel
 from lily.engine.sampling import SamplingParams
-from lily.engine.speculative import Speculation
+from lily.engine.speculative import PredictedTokens, Speculation
 
 MARGIN = 1e-2
 TOLERANCE = 1e-2
@@ -120,7 +120,7 @@ def test_the_verify_pass_reads_the_int8_cache():
     assert decided >= steps // 2, "the plain answer is undecided too early to test"
     wrong = [(t + 1) % vocab if i % 3 == 2 else t for i, t in enumerate(plain)]
     for prediction in (plain, wrong):
-        drafter = Speculation(draft_tokens=4, prediction=prediction, anchor=prompt[-2:])
+        drafter = Speculation(draft_tokens=4, prediction=PredictedTokens(prediction, prompt[-2:]))
         tokens = [t.id for t in engine.generate(prompt, steps, drafter=drafter)]
         assert tokens[:decided] == plain[:decided]
         assert drafter.accepted_prediction_tokens > 0

@@ -7,14 +7,17 @@ of a model loaded with speculative="off"."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import pytest
 from test_server import RunningServer
 
 import lily
+from lily.api import Lily
 from lily.chat.completions import parse_request
 from lily.engine.sampling import SamplingParams
+from lily.engine.speculative import PredictedTokens, SourceCounts, Speculation
 from lily.errors import RequestError, UnsupportedParameterError
 from lily.server.app import create_app
 
@@ -54,11 +57,9 @@ def test_a_prediction_equal_to_the_answer_is_accepted_almost_whole(plain, drafti
     r = _answer(drafting, prediction={"type": "content", "content": content})
     assert r.choices[0].message == expected.choices[0].message
     details = r.usage.completion_tokens_details
-    predicted = len(drafting.tokenizer.encode(content))
-    # Each verify pass yields one token besides its drafts (and the first token comes from
-    # the prompt's pass): 6 drafts a pass leave at most 12 of 16 tokens to accept.
-    assert details.accepted_prediction_tokens >= 10
-    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == predicted
+    # OpenAI's counts: every token of the prediction appeared in the answer.
+    assert details.accepted_prediction_tokens == len(drafting.tokenizer.encode(content))
+    assert details.rejected_prediction_tokens == 0
     # Without a prediction none of its tokens were taken or left, as OpenAI reports it.
     unpredicted = expected.usage.model_dump()["completion_tokens_details"]
     assert (
@@ -244,13 +245,54 @@ def test_the_prediction_follows_a_think_block_closed_by_the_reasoning_budget(pla
     assert got.usage.completion_tokens_details.accepted_prediction_tokens > 0
 
 
-def test_speculative_off_counts_the_prediction_as_rejected(plain, expected):
+def test_speculative_off_counts_the_prediction_as_drafting_does(plain, drafting, expected):
     content = expected.choices[0].message.content
-    r = _answer(plain, prediction={"type": "content", "content": content})
-    assert r.choices[0].message == expected.choices[0].message
-    details = r.usage.completion_tokens_details
-    assert details.accepted_prediction_tokens == 0
-    assert details.rejected_prediction_tokens == len(plain.tokenizer.encode(content))
+    edited = content[: len(content) // 2] + "~~~" + content[len(content) // 2 + 3 :]
+    for prediction in (content, edited):
+        params = {"prediction": {"type": "content", "content": prediction}}
+        off, on = _answer(plain, **params), _answer(drafting, **params)
+        assert off.choices[0].message == expected.choices[0].message
+        counts = off.usage.completion_tokens_details
+        assert counts == on.usage.completion_tokens_details
+        total = counts.accepted_prediction_tokens + counts.rejected_prediction_tokens
+        assert total == len(plain.tokenizer.encode(prediction))
+        assert (counts.rejected_prediction_tokens == 0) == (prediction == content)
+
+
+# An answer of the demo that the tokenizer spells in other tokens than the model did (it
+# starts inside a UTF-8 character and writes tokens the tokenizer would merge).
+RESPELLED = [{"role": "user", "content": "Write a poem about the sea."}]
+
+
+def test_a_prediction_spelled_in_other_tokens_is_drafted_from_its_text(
+    plain, drafting, monkeypatch
+):
+    want = _answer(plain, messages=RESPELLED, max_tokens=48)
+    content = want.choices[0].message.content
+    by_ids = drafting.tokenizer.encode(content)
+    passes: dict[str, SourceCounts] = {}
+    original = Lily.speculation
+
+    def counted(name: str, prediction_of: Any) -> None:
+        def speculation(self: Lily, prediction: Any = None) -> Speculation:
+            made = original(self, prediction_of(prediction))
+            passes[name] = made.counts["prediction"]
+            return made
+
+        monkeypatch.setattr(Lily, "speculation", speculation)
+        got = _answer(
+            drafting,
+            messages=RESPELLED,
+            max_tokens=48,
+            prediction={"type": "content", "content": content},
+        )
+        assert got.choices[0].message == want.choices[0].message
+
+    counted("text", lambda prediction: prediction)
+    counted("token ids", lambda _: PredictedTokens(by_ids, drafting.tokenizer.encode("</think>")))
+    # Lined up on text, the passes keep more of the prediction than lined up on token ids.
+    assert passes["text"].accepted > passes["token ids"].accepted
+    assert passes["text"].accepted >= 0.6 * 48
 
 
 def test_sampled_answers_with_a_prediction_are_reproducible(drafting, expected):

@@ -34,6 +34,7 @@ from lily.engine.speculative import (
     AUTO_MAX_LOSS,
     AUTO_PASSES,
     NgramIndex,
+    PredictedTokens,
     SourceCounts,
     Speculation,
     check_speculative,
@@ -73,7 +74,9 @@ def test_the_ngram_index_drafts_what_lookup_finds_as_the_context_grows():
 
 
 def test_speculation_prefers_the_prediction_and_counts_per_source():
-    spec = Speculation(draft_tokens=3, ngram=True, prediction=[10, 11, 12, 13], anchor=[1, 2])
+    spec = Speculation(
+        draft_tokens=3, ngram=True, prediction=PredictedTokens([10, 11, 12, 13], [1, 2])
+    )
     assert spec.draft([7, 1, 2], 8) == [10, 11, 12]
     spec.verified([10, 11, 12], 2)
     assert spec.draft([7, 1, 2, 10, 11, 5], 8) == []  # lost: "11 5" is in neither
@@ -112,7 +115,9 @@ def test_auto_stops_drafting_from_a_source_that_does_not_pay():
         assert idle.draft(unseen, 8) == []
         unseen.append(token)
     assert idle.exhausted and idle.draft([1, 2, 1], 8) == []
-    prediction = Speculation(ngram=True, auto=True, prediction=[5], pass_cost=_flat_cost)
+    prediction = Speculation(
+        ngram=True, auto=True, prediction=PredictedTokens([5]), pass_cost=_flat_cost
+    )
     assert not prediction.exhausted
     assert not Speculation(ngram=True).exhausted
     with pytest.raises(ValueError, match="give pass_cost"):
@@ -334,7 +339,7 @@ def test_prompt_lookup_and_a_prediction_give_plain_decoding(engine, plain):
     # A random model's answer hardly ever repeats the prompt, so lookup rarely drafts here
     # (test_lookup_* cover what it drafts); whatever it drafts must not change the answer.
     _same_as_plain(tokens, plain)
-    predicted = Speculation(draft_tokens=8, prediction=answer, anchor=prompt[-2:])
+    predicted = Speculation(draft_tokens=8, prediction=PredictedTokens(answer, prompt[-2:]))
     tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=predicted)]
     _same_as_plain(tokens, plain)
     # The answer as the prediction: accepted whole (the first token is the prompt's own pass,
@@ -458,7 +463,7 @@ def test_a_prediction_drives_each_outcome_and_gives_plain_decoding(checkpoint, e
                                                                   outcome):  # fmt: skip
     prompt, answer, _, decided = plain
     prediction, accepted = _predictions(checkpoint, answer)[outcome]
-    drafter = Recording(draft_tokens=4, prediction=prediction, anchor=prompt[-2:])
+    drafter = Recording(draft_tokens=4, prediction=PredictedTokens(prediction, prompt[-2:]))
     tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
     _same_as_plain(tokens, plain)
     assert drafter.outcomes[0] == (4, accepted)
@@ -474,7 +479,7 @@ def test_a_rejection_right_after_a_prefix_cache_restore(checkpoint, plain, sourc
         drafter = _Scripted(engine, prompt, answer, right=0)
     else:
         prediction, _ = _predictions(checkpoint, answer)["all rejected"]
-        drafter = Recording(draft_tokens=4, prediction=prediction, anchor=prompt[-2:])
+        drafter = Recording(draft_tokens=4, prediction=PredictedTokens(prediction, prompt[-2:]))
     tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
     _same_as_plain(tokens, plain)
     assert drafter.outcomes[0] == (4, 0)

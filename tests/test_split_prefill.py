@@ -28,7 +28,7 @@ from tiny_models import tiny_checkpoint
 from lily.checkpoint.loader import load_checkpoint
 from lily.engine.engine import DeviceEngine
 from lily.engine.sampling import SamplingParams
-from lily.engine.speculative import Speculation
+from lily.engine.speculative import PredictedTokens, Speculation
 from lily.kernels.gdn import CHUNK_SUB_CHUNK
 
 MAX_SEQ = 400
@@ -76,7 +76,7 @@ def _prediction(answer: list[int] | None, prompt: list[int]) -> Speculation | No
     where the drafts run past the answer."""
     if answer is None:
         return None
-    return Speculation(draft_tokens=4, prediction=answer, anchor=prompt[-2:])
+    return Speculation(draft_tokens=4, prediction=PredictedTokens(answer, prompt[-2:]))
 
 
 def _unsplit_and_split(checkpoint, kv_cache, drafts, length, cut, restore=True):

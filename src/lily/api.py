@@ -40,7 +40,12 @@ from lily.engine.model_graph import (
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 from lily.engine.sampling import SamplingParams
-from lily.engine.speculative import DEFAULT_DRAFT_TOKENS, Speculation, check_speculative
+from lily.engine.speculative import (
+    DEFAULT_DRAFT_TOKENS,
+    Prediction,
+    Speculation,
+    check_speculative,
+)
 from lily.errors import CheckpointError, ContextLengthError, RequestError
 from lily.kernels.attention import check_kv_cache
 from lily.version import __version__
@@ -258,18 +263,14 @@ class Lily:
     def max_seq(self) -> int:
         return self.engine.max_seq
 
-    def speculation(
-        self, prediction: Sequence[int] = (), anchor: Sequence[int] = ()
-    ) -> Speculation:
+    def speculation(self, prediction: Prediction | None = None) -> Speculation:
         """The drafting of one generation under this model's `speculative` mode: the MTP head
-        or prompt lookup (unless "off"), and the `prediction`'s tokens, looked up behind
-        `anchor`."""
+        or prompt lookup (unless "off"), and the client's `prediction`."""
         return Speculation(
             draft_tokens=self.draft_tokens,
             mtp=self.mtp_head and self.speculative in ("auto", "mtp"),
             ngram=self.speculative == "ngram" or (self.speculative == "auto" and not self.mtp_head),
             prediction=prediction,
-            anchor=anchor,
             auto=self.speculative == "auto",
             pass_cost=self._pass_cost,
         )

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from lily.chat.chat_template import template_message
 from lily.chat.choices import choice_count, choice_sampling
 from lily.chat.detokenize import IncrementalDecoder
+from lily.chat.prediction import PredictedText
 from lily.chat.reasoning import ReasoningParser
 from lily.chat.request_limits import UNBOUNDED, RequestLimits
 from lily.chat.sampling_fields import ADJUSTMENT_FIELDS, adjustment_fields
@@ -52,7 +53,7 @@ from lily.chat.types import (
 )
 from lily.chat.unused_fields import UNUSED_FIELDS, check_unused_fields
 from lily.engine.sampling import GeneratedToken, SamplingParams
-from lily.engine.speculative import Speculation
+from lily.engine.speculative import Prediction, Speculation
 from lily.errors import (
     ContextLengthError,
     ModelNotFoundError,
@@ -79,8 +80,6 @@ AUTO_REASONING_BUDGET = "auto"
 AUTO_REASONING_SHARE = 0.5
 # What a think block ends with when the reasoning budget runs out (as the template renders it).
 THINK_CLOSE = "\n</think>\n\n"
-# What the answer follows: the end of the think block.
-THINK_END = "</think>\n\n"
 # Stands for a message's content when finding where it starts in the rendered conversation.
 CONTENT_MARKER = "\ue000lily-content\ue000"
 
@@ -112,8 +111,9 @@ class ChatRequest:
     # OpenAI's Predicted Outputs: text the answer is expected to repeat much of, drafted from
     # (`lily.engine.speculative`); None: no prediction.
     prediction: str | None = None
-    # The prediction's token ids, once `ChatCompletions.prepare` has tokenized it.
-    prediction_tokens: tuple[int, ...] | None = None
+    # The prediction's tokens as the spans of its text they spell, once
+    # `ChatCompletions.prepare` has tokenized it.
+    prediction_spans: tuple[tuple[int, int], ...] | None = None
     # The field a prompt too long for the context is blamed on: "messages" here, what holds
     # the prompt in the API a request was translated from ("prompt", "input").
     prompt_param: str = "messages"
@@ -137,9 +137,7 @@ class ChatModel(Protocol):
     @property
     def max_seq(self) -> int: ...
 
-    def speculation(
-        self, prediction: Sequence[int] = (), anchor: Sequence[int] = ()
-    ) -> Speculation: ...
+    def speculation(self, prediction: Prediction | None = None) -> Speculation: ...
 
     def drafter(self, speculation: Speculation) -> Speculation | None: ...
 
@@ -672,7 +670,7 @@ class ChatCompletions:
         by its size one longer than the context (which bounds any answer that could repeat
         it). It touches no engine state: the server runs it before queueing the request, off
         the engine's thread; `run` does it when nobody has."""
-        if request.prediction is None or request.prediction_tokens is not None:
+        if request.prediction is None or request.prediction_spans is not None:
             return request
         tokenizer, context = self._llm.tokenizer, self._llm.max_seq
 
@@ -684,10 +682,10 @@ class ChatCompletions:
 
         if tokenizer.surely_longer_than(request.prediction, context):
             raise too_long(f"{len(request.prediction.encode('utf-8', 'surrogatepass'))} bytes")
-        tokens = tokenizer.encode(request.prediction)
-        if len(tokens) > context:
-            raise too_long(f"{len(tokens)} tokens")
-        return dataclasses.replace(request, prediction_tokens=tuple(tokens))
+        spans = tokenizer.token_spans(request.prediction)
+        if len(spans) > context:
+            raise too_long(f"{len(spans)} tokens")
+        return dataclasses.replace(request, prediction_spans=tuple(spans))
 
     def _choices(
         self,
@@ -847,34 +845,39 @@ class ChatCompletions:
         """Yields (delta, pipeline, tokens generated so far); the last delta is the flush.
         Sets `last_stats` when the generation ends (or is closed)."""
         llm = self._llm
-        prediction = list(request.prediction_tokens or ())
-        # The prediction is the answer: after the think block (which a template without
-        # thinking writes closed in the prompt), so looked up behind the block's end.
-        # Only a prediction needs it: a request without one tokenizes nothing but its prompt.
-        anchored = prediction and request.raw_prompt is None
-        anchor = llm.tokenizer.encode(THINK_END) if anchored else []
-        speculation = llm.speculation(prediction, anchor)
+        prediction = None
+        if request.prediction is not None and request.prediction_spans is not None:
+            prediction = PredictedText(
+                llm.tokenizer,
+                request.prediction,
+                request.prediction_spans,
+                reply_start=len(prompt.tokens),
+                thinking=prompt.thinking,
+            )
+        speculation = llm.speculation(prediction)
         pipeline = _TextPipeline(llm, request, prompt.thinking, speculation)
         tokens = self._tokens(request, prompt, max_tokens, pipeline, should_stop)
-        started, first_token_s, produced = time.perf_counter(), None, 0
+        started, first_token_s, reply = time.perf_counter(), None, []
         try:
             for token, forced in tokens:
                 if first_token_s is None:
                     first_token_s = time.perf_counter() - started
-                produced += 1
-                yield pipeline.feed(token, forced=forced), pipeline, produced
+                reply.append(token.id)
+                yield pipeline.feed(token, forced=forced), pipeline, len(reply)
                 if pipeline.stopped:
                     break
         finally:
             tokens.close()
+            if prediction is not None:
+                prediction.read(reply)  # its counts cover the whole reply, drafted or not
             self.last_stats = GenerationStats(
                 prompt_tokens=len(prompt.tokens),
                 cached_tokens=prompt.cached,
-                generated_tokens=produced,
+                generated_tokens=len(reply),
                 first_token_s=first_token_s,
                 total_s=time.perf_counter() - started,
             )
-        yield pipeline.finish(), pipeline, produced
+        yield pipeline.finish(), pipeline, len(reply)
 
     def _tokens(
         self,

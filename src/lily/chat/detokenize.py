@@ -32,6 +32,11 @@ class IncrementalDecoder:
             return ""
         return self._utf8.decode(self._tokenizer.token_bytes(token_id))
 
+    @property
+    def pending(self) -> bool:
+        """Whether bytes of an incomplete character are held back."""
+        return bool(self._utf8.getstate()[0])
+
     def flush(self) -> str:
         """End of stream: bytes of a character that never completed become U+FFFD."""
         return self._utf8.decode(b"", final=True)

@@ -188,6 +188,11 @@ class Tokenizer:
         """Token ids of `text`; added tokens written in the text become their ids; no BOS."""
         return self._encoding(text).ids
 
+    def token_spans(self, text: str) -> list[tuple[int, int]]:
+        """The character span of `text` each of its tokens spells (a character split across
+        tokens gives each of them its span)."""
+        return list(self._encoding(text).offsets)
+
     def encode_split(self, text: str, at: int) -> tuple[list[int], int | None]:
         """Token ids of `text`, and how many of them spell exactly `text[:at]` (None when a
         token straddles that character offset): one tokenization for a prompt and a prefix."""

@@ -144,6 +144,70 @@ class Drafter(Protocol):
         ...
 
 
+class Prediction(Protocol):
+    """A client's guess at the reply (OpenAI's Predicted Outputs) as a draft source: it drafts
+    where the reply so far lines up with the guess, nothing elsewhere. `PredictedTokens` lines
+    them up by token ids; the chat layer's `PredictedText` by text."""
+
+    @property
+    def token_count(self) -> int:
+        """The prediction's length in tokens, which OpenAI's accepted and rejected counts share."""
+        ...
+
+    @property
+    def appeared_tokens(self) -> int:
+        """OpenAI's accepted prediction tokens: those that appeared in the reply so far."""
+        ...
+
+    def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens of the prediction expected after `tokens` (the prompt and the
+        reply so far); none where the reply does not line up with it."""
+        ...
+
+    def verified(self, accepted: int) -> None:
+        """The last drafts' outcome: the first `accepted` were accepted."""
+        ...
+
+
+@dataclass
+class PredictedTokens:
+    """A prediction as token ids, lined up with the reply by looking the reply's last tokens up
+    in `anchor` + `prediction` (the anchor: the tokens that precede the prediction in the
+    reply, e.g. the end of the think block)."""
+
+    prediction: Sequence[int]
+    anchor: Sequence[int] = ()
+    _corpus: list[int] = field(default_factory=list)
+    # Where in anchor + prediction the reply is expected to continue.
+    _pointer: int = 0
+    _drafted_from: int = 0
+    _accepted: int = 0
+
+    def __post_init__(self) -> None:
+        self._corpus = [*self.anchor, *self.prediction]
+
+    @property
+    def token_count(self) -> int:
+        return len(self.prediction)
+
+    @property
+    def appeared_tokens(self) -> int:
+        """Those verify passes accepted: the reply's tokens that equal the prediction's where
+        the model's own token continues it too are not counted."""
+        return self._accepted
+
+    def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
+        start, drafts = lookup(
+            tokens, self._corpus, limit, LOOKUP_MIN_N, LOOKUP_MAX_N, self._pointer
+        )
+        self._drafted_from = start
+        return drafts
+
+    def verified(self, accepted: int) -> None:
+        self._pointer = self._drafted_from + accepted
+        self._accepted += accepted
+
+
 @dataclass
 class SourceCounts:
     """One draft source's verified tokens over a generation."""
@@ -156,7 +220,7 @@ class SourceCounts:
 @dataclass
 class Speculation:
     """The drafter of one generation: the MTP head when `mtp`, prompt lookup when `ngram`, the
-    client's `prediction` (token ids) when given, at most `draft_tokens` per pass. Prediction
+    client's `prediction` when given, at most `draft_tokens` per pass. Prediction
     drafts come first: they are the client's knowledge of the answer; then the head's, then
     lookup's. With `auto`, the head or prompt lookup stops for the rest of the generation once,
     after its first AUTO_PASSES passes, its passes have yielded fewer tokens (accepted drafts
@@ -171,20 +235,13 @@ class Speculation:
     mtp: bool = False
     head: Callable[[int], list[int]] | None = None
     ngram: bool = False
-    prediction: Sequence[int] = ()
-    # The tokens that precede the prediction in the output (e.g. the end of the think block):
-    # looking the output's tail up in anchor + prediction finds where the prediction starts.
-    anchor: Sequence[int] = ()
+    prediction: Prediction | None = None
     auto: bool = False
     # Decode steps' time a verify pass of n drafts costs; "auto" needs it.
     pass_cost: Callable[[int], float] | None = None
     counts: dict[str, SourceCounts] = field(default_factory=dict)
     _costs: dict[str, float] = field(default_factory=dict)  # each source's passes' total cost
     _last_source: str | None = None
-    _corpus: list[int] = field(default_factory=list)
-    # Where in anchor + prediction the output is expected to continue.
-    _pointer: int = 0
-    _drafted_from: int = 0
     _index: NgramIndex = field(default_factory=lambda: NgramIndex(LOOKUP_MIN_N, LOOKUP_MAX_N))
     _idle_lookups: int = 0  # prompt lookups in a row that found nothing
     _limits: dict[str, int] = field(default_factory=dict)  # under auto: the next pass's drafts
@@ -192,8 +249,7 @@ class Speculation:
     def __post_init__(self) -> None:
         if self.auto and self.pass_cost is None:
             raise ValueError("auto drafting weighs what passes cost: give pass_cost")
-        self._corpus = [*self.anchor, *self.prediction]
-        if self.prediction:
+        if self.prediction is not None:
             self.counts["prediction"] = SourceCounts()
         if self.mtp:
             self.counts["mtp"] = SourceCounts()
@@ -226,18 +282,16 @@ class Speculation:
     @property
     def exhausted(self) -> bool:
         """Whether nothing will be drafted for the rest of the generation."""
-        return not self.prediction and not self._head_enabled() and not self._lookup_enabled()
+        return self.prediction is None and not self._head_enabled() and not self._lookup_enabled()
 
     def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
         limit = min(limit, self.draft_tokens)
         self._last_source = None
-        if "prediction" in self.counts:
-            start, drafts = lookup(
-                tokens, self._corpus, limit, LOOKUP_MIN_N, LOOKUP_MAX_N, self._pointer
-            )
+        if self.prediction is not None:
+            drafts = self.prediction.draft(tokens, limit)
             if drafts:
-                self._last_source, self._drafted_from = "prediction", start
-                return drafts
+                self._last_source = "prediction"
+                return drafts[:limit]
         if self._head_enabled():
             assert self.head is not None
             drafts = self.head(self._limit("mtp", limit))
@@ -262,7 +316,8 @@ class Speculation:
         if self._last_source is None:
             return
         if self._last_source == "prediction":
-            self._pointer = self._drafted_from + accepted
+            assert self.prediction is not None
+            self.prediction.verified(accepted)
         elif self.auto:
             kept_all = accepted == len(drafted)
             grown = 2 * len(drafted) if kept_all else accepted + 1
@@ -292,11 +347,12 @@ class Speculation:
 
     @property
     def accepted_prediction_tokens(self) -> int:
-        counts = self.counts.get("prediction")
-        return 0 if counts is None else counts.accepted
+        """OpenAI's count: the prediction's tokens that appeared in the completion."""
+        return 0 if self.prediction is None else self.prediction.appeared_tokens
 
     @property
     def rejected_prediction_tokens(self) -> int:
-        """OpenAI's count: the prediction's tokens that did not appear in the completion (here:
-        that no verify pass accepted)."""
-        return max(0, len(self.prediction) - self.accepted_prediction_tokens)
+        """OpenAI's count: the prediction's tokens that did not appear in the completion."""
+        if self.prediction is None:
+            return 0
+        return max(0, self.prediction.token_count - self.accepted_prediction_tokens)
