@@ -520,7 +520,7 @@ class EngineWorker:
                 should_stop=should_stop,
             )
             if not job.request.stream:
-                job.stats = self.llm.chat.completions.last_stats
+                job.stats = self._report_generation(job)
                 job.emit(result)
                 return
             try:
@@ -528,18 +528,24 @@ class EngineWorker:
                     job.emit(chunk)
             finally:
                 result.close()
-            job.stats = self.llm.chat.completions.last_stats
+            job.stats = self._report_generation(job)
             job.emit(_DONE)
         except GenerationCancelled:
+            self._report_generation(job)
             if not job.cancelled.is_set():  # the shutdown, not the client, stopped it
                 job.emit(ShuttingDownError())
         except Exception as exc:  # the request fails; the worker and the engine go on
+            self._report_generation(job)
             job.emit(exc)
-        finally:
-            # Also a cancelled or failed generation's tokens: the engine did that work.
-            stats = self.llm.chat.completions.last_stats
-            if stats is not None and self.generation_ended is not None:
-                self.generation_ended(stats, time.perf_counter() - job.queued_at)
+
+    def _report_generation(self, job: Job) -> GenerationStats | None:
+        """The stats of the job's generation, if one ran, told to `generation_ended`: before
+        the job's last event, so that a client reading the metrics after its answer sees it
+        counted; also for a cancelled or failed generation, whose tokens the engine did make."""
+        stats = self.llm.chat.completions.last_stats
+        if stats is not None and self.generation_ended is not None:
+            self.generation_ended(stats, time.perf_counter() - job.queued_at)
+        return stats
 
 
 # --- HTTP -------------------------------------------------------------------------------------
