@@ -636,7 +636,10 @@ def test_documented_examples_are_answered(server: RunningServer, name: str) -> N
         "POST", f"{server.url}/v1/chat/completions", json=body, timeout=60
     ) as response:
         assert response.status_code == 200
-        events = [line[len("data: ") :] for line in response.iter_lines() if line]
+        # Comments (`: prompt 30/30 tokens` when the prompt took over a second) are not events.
+        events = [
+            line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")
+        ]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
     assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)

@@ -449,6 +449,7 @@ def _serve(args: argparse.Namespace) -> int:
             body_timeout=args.body_timeout,
             model_names=ModelNames(tuple(args.served_model_name), strict=args.strict_model_id),
             open_model_list=args.open_model_list,
+            open_metrics=args.open_metrics,
             cache=CacheOptions(
                 args.cache_memory, args.cache_dir, args.cache_disk_size, args.cache_disk_min_tokens
             ),
@@ -830,6 +831,13 @@ def _parser() -> argparse.ArgumentParser:
         default=True,
         help="serve GET /v1/models without the API key, as llama-server and LM Studio do: "
         "it tells a caller only the model's ids and context length (default: open)",
+    )
+    serve.add_argument(
+        "--open-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve GET /metrics (Prometheus) without the API key, as vLLM does: it tells a "
+        "caller only counts and timings, never a request's content (default: open)",
     )
     serve.add_argument(
         "--queue-limit",

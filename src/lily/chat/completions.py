@@ -451,6 +451,9 @@ class GenerationStats:
     generated_tokens: int
     first_token_s: float | None  # from the start of the generation; None: no token
     total_s: float
+    # Speculative decoding's tokens: drafted by any source, and accepted by verify passes.
+    drafted_tokens: int = 0
+    accepted_drafts: int = 0
 
     @property
     def decode_tokens_per_second(self) -> float | None:
@@ -714,6 +717,8 @@ class ChatCompletions:
             stats[0],
             generated_tokens=sum(s.generated_tokens for s in stats),
             total_s=sum(s.total_s for s in stats),
+            drafted_tokens=sum(s.drafted_tokens for s in stats),
+            accepted_drafts=sum(s.accepted_drafts for s in stats),
         )
 
     def _prompt(self, request: ChatRequest) -> _Prompt:
@@ -870,12 +875,15 @@ class ChatCompletions:
             tokens.close()
             if prediction is not None:
                 prediction.read(reply)  # its counts cover the whole reply, drafted or not
+            drafts = speculation.total
             self.last_stats = GenerationStats(
                 prompt_tokens=len(prompt.tokens),
                 cached_tokens=prompt.cached,
                 generated_tokens=len(reply),
                 first_token_s=first_token_s,
                 total_s=time.perf_counter() - started,
+                drafted_tokens=drafts.drafted,
+                accepted_drafts=drafts.accepted,
             )
         yield pipeline.finish(), pipeline, len(reply)
 

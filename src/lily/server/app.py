@@ -34,6 +34,7 @@ from lily.engine.speculative import DEFAULT_DRAFT_TOKENS
 from lily.server.api_key import resolve_api_key
 from lily.server.api_routes import api_routes
 from lily.server.http_guard import GuardPolicy, HTTPGuard, bound_host_names
+from lily.server.metrics import RequestMetrics
 from lily.server.request_log import RequestLog
 from lily.server.routes import (
     DEFAULT_BODY_TIMEOUT,
@@ -97,6 +98,7 @@ def create_app(
     keepalive: float | None = DEFAULT_KEEPALIVE_SECONDS,
     model_names: ModelNames | None = None,
     open_model_list: bool = True,
+    open_metrics: bool = True,
 ) -> Starlette:
     """The ASGI app serving `llm`. The worker thread starts and stops with the app's lifespan;
     the caller keeps ownership of `llm` (and closes it). `default_max_tokens` bounds the
@@ -108,7 +110,8 @@ def create_app(
     HTTP server's (`serve` sets uvicorn's protocol, `http_protocol`). A stream silent for
     `keepalive` seconds (a long prompt) gets a `: keep-alive` SSE comment (None: never).
     `model_names` says which `model` names requests may send (default: any, answered by the
-    served model); `open_model_list` serves `GET /v1/models` without the API key.
+    served model); `open_model_list` serves `GET /v1/models` without the API key,
+    `open_metrics` `GET /metrics` (the app's own registry: `app.state.server.metrics`).
 
     Requests must name localhost, an IP address or one of `allowed_hosts` in their Host header,
     and POST JSON; pages of `cors_origins` may call it from a browser (see
@@ -126,6 +129,7 @@ def create_app(
         keepalive=keepalive,
         model_names=model_names,
         open_model_list=open_model_list,
+        open_metrics=open_metrics,
     )
 
     @contextlib.asynccontextmanager
@@ -141,6 +145,8 @@ def create_app(
         Route("/v1/models", _guarded(server.list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", _guarded(server.get_model), methods=["GET"]),
         Route("/health", _guarded(server.health), methods=["GET"]),
+        Route("/ready", _guarded(server.ready), methods=["GET"]),
+        Route("/metrics", _guarded(server.prometheus_metrics), methods=["GET"]),
         Route("/openapi.json", _guarded(server.openapi), methods=["GET"]),
     ]
     # The other APIs (Anthropic Messages, OpenAI Responses, legacy completions), each
@@ -150,8 +156,13 @@ def create_app(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
-        # The request log outermost: refused requests are logged and carry an id too.
-        middleware=[Middleware(RequestLog), Middleware(HTTPGuard, policy=guard)],
+        # The request log and the metrics outside the guard: refused requests are logged,
+        # carry an id and are counted too.
+        middleware=[
+            Middleware(RequestLog),
+            Middleware(RequestMetrics, metrics=server.metrics, routes=routes),
+            Middleware(HTTPGuard, policy=guard),
+        ],
     )
     app.state.server = server
     return app
@@ -289,6 +300,7 @@ def serve(
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
     model_names: ModelNames | None = None,
     open_model_list: bool = True,
+    open_metrics: bool = True,
 ) -> None:
     """Loads the model and serves it until SIGINT (Ctrl-C) or SIGTERM. Either drains: no new
     connections, waiting requests get 503 `shutting_down`, the running one gets
@@ -301,7 +313,7 @@ def serve(
     `speculative`, `draft_tokens` and `kv_cache` are `lily.load`'s.
     `limits` bounds the requests' size (`lily.chat.request_limits`); a client gets `header_timeout`
     seconds to send a request's headers and `body_timeout` more for its body (408 after).
-    `model_names` and `open_model_list` are `create_app`'s."""
+    `model_names`, `open_model_list` and `open_metrics` are `create_app`'s."""
     from lily.api import load
 
     check_port_free(host, port)  # before the load, which can take minutes
@@ -338,6 +350,7 @@ def serve(
             body_timeout=body_timeout,
             model_names=model_names,
             open_model_list=open_model_list,
+            open_metrics=open_metrics,
         )
         worker = app.state.server.worker
         config = uvicorn.Config(

@@ -263,6 +263,19 @@ def _error_response(description: str) -> dict[str, Any]:
     }
 
 
+# The body of `GET /ready`, both when ready and when not (then with `reason` and `message`).
+_READINESS = {
+    "type": "object",
+    "required": ["status", "waiting", "queue_limit"],
+    "properties": {
+        "status": {"type": "string", "enum": ["ready", "unavailable"]},
+        "reason": {"type": "string", "enum": ["starting", "shutting_down", "queue_full"]},
+        "message": _STRING,
+        "waiting": {"type": "integer", "minimum": 0},
+        "queue_limit": {"type": "integer", "minimum": 1},
+    },
+}
+
 # One server-sent event of a stream.
 _SSE_EVENT = {
     "type": "object",
@@ -409,6 +422,42 @@ def openapi_document() -> dict[str, Any]:
                             "description": "Server status",
                             "content": {"application/json": {"schema": json_object}},
                         }
+                    },
+                }
+            },
+            "/ready": {
+                "get": {
+                    "operationId": "ready",
+                    "summary": "Readiness: whether a request sent now would be taken (never "
+                    "needs the API key)",
+                    "responses": {
+                        "200": {
+                            "description": "Ready: a request would be queued for the engine",
+                            "content": {"application/json": {"schema": _READINESS}},
+                        },
+                        "503": {
+                            "description": "Not ready: starting, shutting down, or the queue "
+                            "is full (`reason`); retry after Retry-After seconds",
+                            "content": {"application/json": {"schema": _READINESS}},
+                        },
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "summary": "Load and work counters in Prometheus's text format "
+                    "(OpenMetrics when the Accept header asks for it); open unless the server "
+                    "runs with --no-open-metrics",
+                    "responses": {
+                        "200": {
+                            "description": "The series listed in docs/server.md",
+                            "content": {
+                                "text/plain": {"schema": _STRING},
+                                "application/openmetrics-text": {"schema": _STRING},
+                            },
+                        },
+                        "401": errors["401"],
                     },
                 }
             },

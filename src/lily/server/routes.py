@@ -1,7 +1,9 @@
 """`lily serve`: the OpenAI chat-completions API over HTTP, on one engine.
 
 Routes: `POST /v1/chat/completions` (JSON, or server-sent events ending in `data: [DONE]`),
-`GET /v1/models`, `GET /v1/models/{model}`, `GET /health`, and `GET /openapi.json` describing them.
+`GET /v1/models`, `GET /v1/models/{model}`, `GET /health` (liveness), `GET /ready` (readiness:
+503 when a request would not be taken now), `GET /metrics` (Prometheus, `lily.server.metrics`),
+and `GET /openapi.json` describing them.
 The legacy completions, Anthropic Messages and OpenAI Responses APIs are translations onto the
 same request model, served by `lily.server.api_routes` through `Server.run_job`.
 
@@ -48,6 +50,7 @@ from lily.chat.completions import ChatRequest, GenerationStats, parse_request
 from lily.chat.request_limits import RequestLimits
 from lily.errors import ChatTemplateLimitError, GenerationCancelled, RequestError
 from lily.server.api_key import bearer_key_matches
+from lily.server.metrics import ServerMetrics
 from lily.server.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
 
 if TYPE_CHECKING:
@@ -302,6 +305,8 @@ class Job:
     stats: GenerationStats | None = None
     # The request log's id for the request, which the progress lines in the log name.
     request_id: str = ""
+    # When it was made, just before joining the queue: the start of its time to first token.
+    queued_at: float = field(default_factory=time.perf_counter)
 
     def emit(self, event: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop has shut down
@@ -357,8 +362,13 @@ class BoundedWork:
         self._slots = asyncio.Semaphore(concurrency)
         self._admitted = 0  # running or waiting
 
+    @property
+    def full(self) -> bool:
+        """Whether `run` would refuse work now."""
+        return self._admitted >= self.concurrency + self.waiting
+
     async def run(self, work: Callable[[], T]) -> T:
-        if self._admitted >= self.concurrency + self.waiting:
+        if self.full:
             raise QueueFullError(
                 f"the server is busy: {self.waiting} request(s) already waiting to be prepared"
             )
@@ -384,7 +394,9 @@ class BoundedWork:
 
 
 class EngineWorker:
-    """The one thread that touches the engine: runs jobs one at a time, in arrival order."""
+    """The one thread that touches the engine: runs jobs one at a time, in arrival order.
+    `generation_ended(stats, seconds)` is told of each generation when it ends (finished,
+    stopped or cancelled), `seconds` after its job was queued; it runs on the worker's thread."""
 
     def __init__(
         self,
@@ -393,6 +405,7 @@ class EngineWorker:
         *,
         default_max_tokens: int | None = None,
         default_reasoning_budget: int | str | None = None,
+        generation_ended: Callable[[GenerationStats, float], None] | None = None,
     ):
         if queue_limit < 1:
             raise ValueError(f"queue_limit must be at least 1, got {queue_limit}")
@@ -400,6 +413,7 @@ class EngineWorker:
         self.queue_limit = queue_limit
         self.default_max_tokens = default_max_tokens
         self.default_reasoning_budget = default_reasoning_budget
+        self.generation_ended = generation_ended
         self._waiting: deque[Job] = deque()
         self._changed = threading.Condition()
         self._running: Job | None = None
@@ -418,6 +432,21 @@ class EngineWorker:
         return len(self._waiting)
 
     @property
+    def started(self) -> bool:
+        """Whether the thread has been started (the app's lifespan starts it)."""
+        return self._thread.ident is not None
+
+    @property
+    def stopping(self) -> bool:
+        """Whether `stop` has been called: no job is accepted any more."""
+        return self._stopping
+
+    @property
+    def full(self) -> bool:
+        """Whether `submit` would refuse a job for want of room in the queue."""
+        return len(self._waiting) >= self.queue_limit
+
+    @property
     def busy(self) -> bool:
         return self._running is not None
 
@@ -425,7 +454,7 @@ class EngineWorker:
         with self._changed:
             if self._stopping:
                 raise ShuttingDownError
-            if len(self._waiting) >= self.queue_limit:
+            if self.full:
                 raise QueueFullError(
                     f"the server is busy: {self.queue_limit} request(s) already waiting"
                 )
@@ -491,7 +520,7 @@ class EngineWorker:
                 should_stop=should_stop,
             )
             if not job.request.stream:
-                job.stats = self.llm.chat.completions.last_stats
+                job.stats = self._report_generation(job)
                 job.emit(result)
                 return
             try:
@@ -499,13 +528,24 @@ class EngineWorker:
                     job.emit(chunk)
             finally:
                 result.close()
-            job.stats = self.llm.chat.completions.last_stats
+            job.stats = self._report_generation(job)
             job.emit(_DONE)
         except GenerationCancelled:
+            self._report_generation(job)
             if not job.cancelled.is_set():  # the shutdown, not the client, stopped it
                 job.emit(ShuttingDownError())
         except Exception as exc:  # the request fails; the worker and the engine go on
+            self._report_generation(job)
             job.emit(exc)
+
+    def _report_generation(self, job: Job) -> GenerationStats | None:
+        """The stats of the job's generation, if one ran, told to `generation_ended`: before
+        the job's last event, so that a client reading the metrics after its answer sees it
+        counted; also for a cancelled or failed generation, whose tokens the engine did make."""
+        stats = self.llm.chat.completions.last_stats
+        if stats is not None and self.generation_ended is not None:
+            self.generation_ended(stats, time.perf_counter() - job.queued_at)
+        return stats
 
 
 # --- HTTP -------------------------------------------------------------------------------------
@@ -610,6 +650,7 @@ class Server:
         keepalive: float | None = DEFAULT_KEEPALIVE_SECONDS,
         model_names: ModelNames | None = None,
         open_model_list: bool = True,
+        open_metrics: bool = True,
     ):
         self.llm = llm
         self.model_id: str = llm.model_id
@@ -620,11 +661,18 @@ class Server:
         self.limits = limits
         self.body_timeout = body_timeout
         self.keepalive = keepalive
+        self.open_metrics = open_metrics
+        self.metrics = ServerMetrics(
+            waiting=lambda: self.worker.waiting,
+            active=lambda: int(self.worker.busy),
+            queue_limit=queue_limit,
+        )
         self.worker = EngineWorker(
             llm,
             queue_limit,
             default_max_tokens=default_max_tokens,
             default_reasoning_budget=default_reasoning_budget,
+            generation_ended=self.metrics.generation_ended,
         )
         self.preparing = BoundedWork(PREPARE_CONCURRENCY, queue_limit)
         self.started = int(time.time())
@@ -786,6 +834,39 @@ class Server:
                 "completed": self.worker.completed,
             }
         )
+
+    def unready_reason(self) -> tuple[str, str] | None:
+        """Why a request sent now would not be taken (a code and a sentence), or None."""
+        if self.worker.stopping:
+            return "shutting_down", str(ShuttingDownError())
+        if not self.worker.started:
+            return "starting", "the engine's worker has not started (the app's lifespan runs it)"
+        if self.worker.full:
+            waiting = self.worker.queue_limit
+            return "queue_full", f"{waiting} request(s) already wait for the engine"
+        if self.preparing.full:
+            return "queue_full", "the requests being prepared for the engine fill their queue"
+        return None
+
+    async def ready(self, request: Request) -> Response:
+        """Readiness: 200 when a request sent now would be queued for the engine, else 503
+        saying why. `/health` is liveness: 200 whenever the process answers."""
+        state = {"waiting": self.worker.waiting, "queue_limit": self.worker.queue_limit}
+        unready = self.unready_reason()
+        if unready is None:
+            return JSONResponse({"status": "ready", **state})
+        reason, message = unready
+        return JSONResponse(
+            {"status": "unavailable", "reason": reason, "message": message, **state},
+            status_code=503,
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
+
+    async def prometheus_metrics(self, request: Request) -> Response:
+        if not self.open_metrics:
+            self._check_api_key(request)
+        body, content_type = self.metrics.exposition(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi_document())
