@@ -82,10 +82,11 @@ void gdn_out_proj(constant GdnOutProjParams& p [[buffer(0)]],
       }
     }
   }
+  static_assert(kOutProjRowsPerSimdgroup == 4, "simd_sum_rows reduces four rows");
+  const float4 totals = simd_sum_rows(acc);
   for (uint r = 0; r < kOutProjRowsPerSimdgroup; ++r) {
-    const float total = simd_sum(acc[r]);
     // Each row is read and written by the one lane that owns it.
-    if (lane == 0) residual[row0 + r] += total;
+    if (lane == 0) residual[row0 + r] += totals[r];
   }
 }
 

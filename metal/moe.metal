@@ -184,9 +184,11 @@ template <uint BITS, bool NORMED, bool ROUTES>
   }
   const float scale = NORMED ? folded_inv_rms(squares, p.in_dim, p.eps) : 1.0f;
   device float* out = h + slot * p.expert_rows + row0;
+  static_assert(MOE_ROWS_PER_SIMDGROUP == 4, "simd_sum_rows reduces four rows");
+  const float4 gates = simd_sum_rows(gate_acc), ups = simd_sum_rows(up_acc);
   for (uint r = 0; r < MOE_ROWS_PER_SIMDGROUP; ++r) {
-    const float g = simd_sum(gate_acc[r]) * scale;
-    const float u = simd_sum(up_acc[r]) * scale;
+    const float g = gates[r] * scale;
+    const float u = ups[r] * scale;
     if (lane == 0 && r < count) out[r] = silu(g) * u;
   }
 }
@@ -269,8 +271,9 @@ template <uint BITS>
     }
   }
 
+  const float4 totals = simd_sum_rows(acc);
   for (uint r = 0; r < MOE_ROWS_PER_SIMDGROUP; ++r) {
-    const float total = simd_sum(acc[r]);
+    const float total = totals[r];
     // Each row is read and written by the one lane that owns it, so accumulating is race-free.
     if (lane == 0 && r < count) out[row0 + r] = p.accumulate != 0 ? out[row0 + r] + total : total;
   }

@@ -82,6 +82,14 @@ inline float qdot_chunk(QuantMatrix m, uint in_dim, uint row, uint k, thread con
 // row, an in-bounds read of cached data, and the caller drops their results.
 inline uint clamped_row(uint row0, uint count, uint r) { return row0 + min(r, count - 1); }
 
+// The SIMD-group's sums of four rows' partial dot products, in one reduction of a float4: each
+// component is what simd_sum of that row alone gives, in a quarter of the exchanges (on the sim
+// each exchange is a rendezvous of the SIMD-group's 32 fibers, which dominated verify passes).
+// Every GEMV-shaped kernel reduces its rows through this, so a row's sum is the same in all.
+inline float4 simd_sum_rows(thread const float* acc) {
+  return simd_sum(float4(acc[0], acc[1], acc[2], acc[3]));
+}
+
 // This lane's partial dot products of rows [row0, row0 + count) with x in acc[0, count);
 // 1 <= count <= R. The caller reduces acc across the SIMD-group. Lanes walk the input in chunks
 // strided by the SIMD-group width, so an input dimension that is not a multiple of 32 chunks just

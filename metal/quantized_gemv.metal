@@ -17,9 +17,10 @@
 // Verify passes (speculative decoding: the last accepted token and up to 8 drafts) run the same
 // projections over a few tokens. Decode-sized work is bound by reading the weights, so
 // `qgemv_tokens` reads each weight once for all of them: x is [tokens, in_dim], each projection's
-// y is [tokens, rows], and a SIMD-group keeps its rows' codes of a chunk in registers while it
-// walks the tokens. The token loop has a compile-time trip count (QGEMV_MAX_TOKENS) so that
-// acc[] stays in registers; tokens past p.tokens are skipped, uniformly for the SIMD-group.
+// y is [tokens, rows], and a SIMD-group decodes its rows' codes of a chunk once, into registers
+// (4 rows x 32 floats at 4 bits), and walks the tokens over them. The token loop has a
+// compile-time trip count (QGEMV_MAX_TOKENS) so that acc[] stays in registers; tokens past
+// p.tokens are skipped, uniformly for the SIMD-group.
 //
 // The decode step's very first GEMV (layer 0's in_proj_qkv|z|a|b, or q|k|v) also folds the
 // embedding lookup: `qgemv_embedded_*` reads x as the embedding row of the token at the step's
@@ -90,8 +91,10 @@ template <bool NORMED>
 inline void qgemv_store(constant QGemvParams& p, QGemvTarget t, thread const float* acc,
                         float inv_rms, device const bfloat* conv_weight,
                         device float* conv_window, uint lane) {
+  static_assert(QGEMV_ROWS_PER_SIMDGROUP == 4, "simd_sum_rows reduces four rows");
+  const float4 totals = simd_sum_rows(acc);
   for (uint r = 0; r < QGEMV_ROWS_PER_SIMDGROUP; ++r) {
-    float total = simd_sum(acc[r]);
+    float total = totals[r];
     if (NORMED) total *= inv_rms;
     if (lane == 0 && r < t.count) {
       const uint row = t.row0 + r;
@@ -137,20 +140,27 @@ template <uint BITS, typename T, bool NORMED>
   qgemv_store<NORMED>(p, t, acc, inv_rms, conv_weight, conv_window, lane);
 }
 
-// sum over one chunk of (scale * code + bias) * x for one row whose 16 bytes of codes are loaded:
-// qdot_chunk's arithmetic, in its order, on codes already in registers.
+// One chunk of one row's codes (16 bytes), each code as a float: decoded once, then used for
+// every token of a verify pass (the shift, mask and conversion would otherwise cost three of
+// every four instructions per weight and token).
 template <uint BITS>
-inline float qdot_loaded(uint4 codes, float scale, float bias, thread const float* xs,
-                         float xsum) {
+inline void decode_codes(uint4 codes, thread float* decoded) {
   constexpr uint per_word = 32 / BITS;
   constexpr uint mask = (1u << BITS) - 1u;
-  float dot = 0.0f;
   for (uint w = 0; w < 4; ++w) {
-    const uint packed = codes[w];
     for (uint j = 0; j < per_word; ++j) {
-      dot += float((packed >> (j * BITS)) & mask) * xs[w * per_word + j];
+      decoded[w * per_word + j] = float((codes[w] >> (j * BITS)) & mask);
     }
   }
+}
+
+// sum over one chunk of (scale * code + bias) * x for one row whose codes are decoded:
+// qdot_chunk's arithmetic, in its order, so each token's rows are the single-token GEMV's.
+template <uint BITS>
+inline float qdot_decoded(thread const float* decoded, float scale, float bias,
+                          thread const float* xs, float xsum) {
+  float dot = 0.0f;
+  for (uint i = 0; i < quant_chunk(BITS); ++i) dot += decoded[i] * xs[i];
   return scale * dot + bias * xsum;
 }
 
@@ -182,12 +192,13 @@ template <uint BITS>
     for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) acc[r][n] = 0.0f;
   }
   for (uint k = lane * chunk; k < p.in_dim; k += SIMD_WIDTH * chunk) {
-    uint4 codes[R];
+    float decoded[R][chunk];
     float scales[R], biases[R];
     for (uint r = 0; r < R; ++r) {
       const ulong row = clamped_row(t.row0, t.count, r);
-      codes[r] = *reinterpret_cast<device const uint4*>(t.m.weight + row * words_per_row +
-                                                        k * BITS / 32);
+      decode_codes<BITS>(*reinterpret_cast<device const uint4*>(t.m.weight + row * words_per_row +
+                                                                k * BITS / 32),
+                         decoded[r]);
       const ulong group = row * groups_per_row + k / QUANT_GROUP_SIZE;
       scales[r] = float(t.m.scales[group]);
       biases[r] = float(t.m.biases[group]);
@@ -197,16 +208,17 @@ template <uint BITS>
       float xs[chunk];
       const float xsum = load_chunk<BITS>(x + ulong(n) * p.in_dim, k, xs);
       for (uint r = 0; r < R; ++r) {
-        acc[r][n] += qdot_loaded<BITS>(codes[r], scales[r], biases[r], xs, xsum);
+        acc[r][n] += qdot_decoded<BITS>(decoded[r], scales[r], biases[r], xs, xsum);
       }
     }
   }
   const uint rows = p.rows[t.proj];
   for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) {
     if (n >= p.tokens) break;
+    const float token_acc[R] = {acc[0][n], acc[1][n], acc[2][n], acc[3][n]};
+    const float4 total = simd_sum_rows(token_acc);
     for (uint r = 0; r < R; ++r) {
-      const float total = simd_sum(acc[r][n]);
-      if (lane == 0 && r < t.count) t.y[ulong(n) * rows + t.row0 + r] = total;
+      if (lane == 0 && r < t.count) t.y[ulong(n) * rows + t.row0 + r] = total[r];
     }
   }
 }
