@@ -127,3 +127,11 @@ def test_too_many_pixels_are_refused_from_the_header() -> None:
 def test_an_extreme_aspect_ratio_is_refused() -> None:
     with pytest.raises(ImageShapeError):
         preprocess_image(encoded(402, 2, "RGB"))
+
+
+def test_the_config_reads_the_pixel_budget_from_size() -> None:
+    # preprocessor_config.json's `size` holds pixel counts under edge-named keys.
+    raw = {"size": {"shortest_edge": 4096, "longest_edge": 1_048_576}, "patch_size": 14}
+    config = ProcessorConfig.from_json(raw)
+    assert (config.min_pixels, config.max_pixels, config.patch_size) == (4096, 1_048_576, 14)
+    assert config.factor == 28
