@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +72,7 @@ class ImageLimits:
     pixel count from its header (a small file can declare a huge image)."""
 
     max_bytes: int = 20 * 2**20
+    # Below Pillow's own decompression-bomb warning (about 89 M pixels).
     max_pixels: int = 40_000_000
 
 
@@ -121,10 +121,9 @@ def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
             f"at most {limits.max_pixels} pixels are accepted"
         )
     try:
-        with warnings.catch_warnings():
-            # Our own pixel bound is the one that applies.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image.load()
+        image.load()
+    except Image.DecompressionBombError as error:  # a limit raised past Pillow's own
+        raise ImageTooLargeError(str(error)) from None
     except (OSError, ValueError, SyntaxError, EOFError) as error:
         raise TruncatedImageError(str(error)) from None
     if "A" in image.getbands() or image.info.get("transparency") is not None:

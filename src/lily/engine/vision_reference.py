@@ -42,6 +42,7 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 
 def gelu_erf(x: np.ndarray) -> np.ndarray:
+    # numpy has no erf; math.erf per element is slow but exact, which a reference wants.
     erf = np.vectorize(math.erf, otypes=[np.float64])(x / math.sqrt(2)).astype(x.dtype)
     return 0.5 * x * (1 + erf)
 
@@ -96,7 +97,9 @@ def interpolated_position_embedding(
     return np.tile(block_order(resampled, merge), (t, 1))
 
 
-def rotary_angles(grid_thw: tuple[int, int, int], merge: int, head_dim: int, theta: float):
+def rotary_angles(
+    grid_thw: tuple[int, int, int], merge: int, head_dim: int, theta: float
+) -> np.ndarray:
     """Each patch's rotary angles [t*h*w, head_dim / 2]: the first half rotates by its patch row,
     the second by its patch column, each over head_dim / 4 frequencies theta^(-2i / (head_dim /
     2)). Frames share positions (no temporal rotary inside the tower)."""
