@@ -13,6 +13,7 @@ from tiny_models import TINY_VISION, tiny_checkpoint
 
 from lily.chat.images import ImagePatches, ProcessorConfig, preprocess_image
 from lily.checkpoint.loader import load_checkpoint
+from lily.checkpoint.quant import dequantize, quantize
 from lily.checkpoint.vision import VISION_PREFIX, parse_vision_config, vision_weights
 from lily.engine.vision_reference import (
     VisionTower,
@@ -112,6 +113,24 @@ def test_the_loader_keeps_skipping_the_tower() -> None:
     assert checkpoint.tensors["vision_tower.patch_embed.proj.weight"].shape == (
         config.hidden_size, config.temporal_patch_size, config.patch_size, config.patch_size, 3,
     )  # fmt: skip
+
+
+def test_a_quantized_projection_is_dequantized() -> None:
+    # mlx-vlm's converter leaves the tower in bf16, but a checkpoint converted with another
+    # predicate carries a (weight, scales, biases) triple: the config's 4-bit group-64 applies.
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    tensors = dict(checkpoint.tensors)
+    path = "vision_tower.blocks.0.mlp.linear_fc1"
+    plain = vision_weights(tensors, checkpoint.config)["blocks.0.mlp.linear_fc1.weight"]
+    triple = quantize(plain, 4, 64)
+    tensors[f"{path}.weight"], tensors[f"{path}.scales"], tensors[f"{path}.biases"] = triple
+    weights = vision_weights(tensors, checkpoint.config)
+    assert not any(name.endswith((".scales", ".biases")) for name in weights)
+    np.testing.assert_array_equal(
+        weights["blocks.0.mlp.linear_fc1.weight"], dequantize(*triple, 4, 64)
+    )
+    step = np.abs(plain).max() * 2 / 15
+    np.testing.assert_allclose(weights["blocks.0.mlp.linear_fc1.weight"], plain, atol=step)
 
 
 def test_the_position_grid_at_its_own_size_is_the_table_in_block_order() -> None:
