@@ -4,8 +4,11 @@ A checkpoint is made the way spec/testing.md describes: a random model in the or
 Face layout (nested `text_config`, fused expert tensors, zero-centred norms stored as w), then
 `mlx_lm convert -q --q-group-size 64 --q-bits 4`, which renames the tensors, bakes 1+w into the
 norms, stores conv1d as [C, K, 1] and makes the router and shared-expert gates 8-bit, exactly as
-in the real file. The weights are deliberately not "nice": norms are non-identity so that a
-(1+w)-versus-w mistake shows, and GDN decay parameters span a realistic range.
+in the real file. mlx-lm drops the vision tower, so a small random one is then added to the same
+shard as mlx-vlm's converter writes the real one (`vision_tower.*`, bf16, not quantized, the
+patch embedding's kernel channels-last; docs/vision.md), with its `vision_config`. The weights
+are deliberately not "nice": norms are non-identity so that a (1+w)-versus-w mistake shows, and
+GDN decay parameters span a realistic range.
 
 Everything is cached under `LILY_TEST_CACHE` (default `~/.cache/lily-tests`), keyed by a hash of
 the generator parameters and the mlx / mlx-lm versions. Builds happen in a temporary directory
@@ -42,7 +45,7 @@ from lily.checkpoint.mtp import (
 from lily.checkpoint.quant import dequantize, float32_to_bf16, pack_codes
 
 # Bump when the generator changes in a way its parameters do not capture.
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,26 @@ TINY_SPECS = {
 # feeds of one prompt that round differently stay within rounding of each other token after
 # token (tests/test_split_prefill.py).
 TINY_SPECS["unrouted"] = replace(TINY_SPECS["small"], seed=3, num_experts=4, num_experts_per_tok=4)
+
+
+@dataclass(frozen=True)
+class TinyVision:
+    """The tiny vision tower every tiny checkpoint carries (its output size is the checkpoint's
+    hidden size). Patch, frame and merge sizes are the real model's, so the preprocessor's
+    output feeds it; an 8 x 8 position grid still makes every image interpolate it."""
+
+    depth: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    intermediate_size: int = 96
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 64
+    in_channels: int = 3
+
+
+TINY_VISION = TinyVision()
 
 # Prompt length and decode steps of the cached mlx-lm reference run.
 REFERENCE_PROMPT_TOKENS = 40
@@ -211,6 +234,40 @@ def _build_checkpoint(spec: TinySpec, out: Path) -> None:
         check=True,
         capture_output=True,
     )  # fmt: skip
+    _add_vision_tower(spec, out)
+
+
+def _add_vision_tower(spec: TinySpec, out: Path) -> None:
+    """Adds the converted random tower to mlx-lm's shard, written by mlx as mlx-vlm writes the
+    real checkpoint's (the language model's tensors stay the same bytes)."""
+    import mlx.core as mx
+
+    shard = out / "model.safetensors"
+    tensors, metadata = mx.load(str(shard), return_metadata=True)
+    vision = converted_vision_tensors(_hf_vision_tensors(spec))
+    tensors.update({name: mx.array(value).astype(mx.bfloat16) for name, value in vision.items()})
+    mx.save_safetensors(str(shard), tensors, metadata)
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({name: shard.name for name in vision})
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    index_path.write_text(json.dumps(index, indent=4))
+    config = json.loads((out / "config.json").read_text())
+    config.update(_hf_vision_fields(spec))
+    (out / "config.json").write_text(json.dumps(config, indent=4))
+
+
+def converted_vision_tensors(hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Original-layout `model.visual.*` tensors as mlx-vlm's converter stores them: renamed to
+    `vision_tower.*`, the patch embedding's 3-D convolution kernel moved from [D, C, T, P, P] to
+    channels-last [D, T, P, P, C]."""
+    out = {}
+    for name, value in hf.items():
+        converted = name.replace("model.visual.", "vision_tower.", 1)
+        if converted == "vision_tower.patch_embed.proj.weight":
+            value = value.transpose(0, 2, 3, 4, 1)
+        out[converted] = np.ascontiguousarray(value)
+    return out
 
 
 def _layer_types(spec: TinySpec) -> list[str]:
@@ -263,6 +320,81 @@ def _hf_config(spec: TinySpec) -> dict:
         "text_config": text,
         "tie_word_embeddings": False,
         "eos_token_id": eos,
+    }
+
+
+def _hf_vision_fields(spec: TinySpec) -> dict:
+    """`vision_config` and the vision token ids, laid out after <|endoftext|> as in the real
+    vocabulary (docs/vision.md)."""
+    v = TINY_VISION
+    end_of_text = spec.vocab_size - 64
+    return {
+        "vision_config": {
+            "model_type": "qwen3_5_moe",
+            "deepstack_visual_indexes": [],
+            "depth": v.depth,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": v.hidden_size,
+            "in_channels": v.in_channels,
+            "intermediate_size": v.intermediate_size,
+            "num_heads": v.num_heads,
+            "num_position_embeddings": v.num_position_embeddings,
+            "out_hidden_size": spec.hidden_size,
+            "patch_size": v.patch_size,
+            "spatial_merge_size": v.spatial_merge_size,
+            "temporal_patch_size": v.temporal_patch_size,
+        },
+        "vision_start_token_id": end_of_text + 9,
+        "vision_end_token_id": end_of_text + 10,
+        "image_token_id": end_of_text + 12,
+        "video_token_id": end_of_text + 13,
+    }
+
+
+def _hf_vision_tensors(spec: TinySpec) -> dict[str, np.ndarray]:
+    """The random tower under the original names and layouts (`model.visual.*`), from its own
+    generator so that the language model's weights are the draws they always were."""
+    rng = np.random.default_rng(spec.seed + 700)
+    v = TINY_VISION
+    d, merged = v.hidden_size, v.hidden_size * v.spatial_merge_size**2
+
+    def dense(out_dim: int, in_dim: int) -> dict[str, np.ndarray]:
+        return {
+            "weight": rng.normal(0, in_dim**-0.5, (out_dim, in_dim)).astype(np.float32),
+            "bias": rng.normal(0, 0.1, out_dim).astype(np.float32),
+        }
+
+    def layer_norm(dim: int) -> dict[str, np.ndarray]:
+        return {
+            "weight": (1 + rng.normal(0, 0.1, dim)).astype(np.float32),
+            "bias": rng.normal(0, 0.1, dim).astype(np.float32),
+        }
+
+    kernel = (d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    patch_values = int(np.prod(kernel[1:]))
+    positions = rng.normal(0, 0.5, (v.num_position_embeddings, d)).astype(np.float32)
+    modules = {
+        "patch_embed.proj": {
+            "weight": rng.normal(0, patch_values**-0.5, kernel).astype(np.float32),
+            "bias": rng.normal(0, 0.1, d).astype(np.float32),
+        },
+        "pos_embed": {"weight": positions},
+    }
+    for i in range(v.depth):
+        block = f"blocks.{i}."
+        modules[block + "norm1"] = layer_norm(d)
+        modules[block + "attn.qkv"] = dense(3 * d, d)
+        modules[block + "attn.proj"] = dense(d, d)
+        modules[block + "norm2"] = layer_norm(d)
+        modules[block + "mlp.linear_fc1"] = dense(v.intermediate_size, d)
+        modules[block + "mlp.linear_fc2"] = dense(d, v.intermediate_size)
+    modules["merger.norm"] = layer_norm(d)
+    modules["merger.linear_fc1"] = dense(merged, merged)
+    modules["merger.linear_fc2"] = dense(spec.hidden_size, merged)
+    return {
+        f"model.visual.{module}.{part}": value
+        for module, parts in modules.items()
+        for part, value in parts.items()
     }
 
 

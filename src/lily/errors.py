@@ -116,3 +116,40 @@ class ChatTemplateLimitError(ChatTemplateError):
 class GenerationCancelled(Exception):
     """The caller's `should_stop` asked a generation to stop (its client left, or the server
     is shutting down); the engine stopped at a prefill chunk or token boundary and is free."""
+
+
+class ImageError(RequestError):
+    """An image in a request that Lily will not encode (HTTP 400). The subclasses say why."""
+
+    def __init__(self, message: str, *, code: str, param: str = "messages"):
+        super().__init__(message, param=param, code=code)
+
+
+class NotAnImageError(ImageError):
+    """The bytes are in no image format the decoder reads."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"not a readable image: {detail}", code="invalid_image")
+
+
+class TruncatedImageError(ImageError):
+    """The image's header was read but its data ends early or is corrupt."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"the image is truncated or corrupt: {detail}", code="invalid_image")
+
+
+class ImageTooLargeError(ImageError):
+    """The encoded image has more bytes, or the decoded one more pixels, than the limits allow
+    (checked before the pixels are decoded)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code="image_too_large")
+
+
+class ImageShapeError(ImageError):
+    """The image's sides are too unequal for the patch grid (the reference processor's bound
+    on the aspect ratio)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code="invalid_image_shape")
