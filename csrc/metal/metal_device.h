@@ -26,6 +26,7 @@ struct KernelSources {
 struct DeviceInfo {
   std::string name;                        // e.g. "Apple M2 Pro"
   std::string gpu_family;                  // "apple7" (M1) .. "apple10" (M5), or "none"
+  uint32_t gpu_core_count = 0;             // GPU cores from the I/O Registry; 0 if unknown
   bool supported = false;                  // the kernels can run here (family, Metal 3, macOS)
   std::string unsupported_reason;          // why not, when !supported
   uint64_t recommended_working_set = 0;    // bytes; recommendedMaxWorkingSetSize
