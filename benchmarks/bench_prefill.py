@@ -252,7 +252,11 @@ def whole_prompt_report(checkpoint, context: int, levels: int) -> None:
         (gpu, path)
         for gpu in prefill_model.GPUS
         for path in (
-            (prefill_model.TILED_ATTENTION_TENSOR, prefill_model.LEAN)
+            (
+                prefill_model.TENSOR_ATTENTION,
+                prefill_model.TILED_ATTENTION_TENSOR,
+                prefill_model.LEAN,
+            )
             if gpu.tensor_units
             else (prefill_model.TILED_ATTENTION,)
         )

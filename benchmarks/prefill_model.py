@@ -117,6 +117,10 @@ TENSOR_OPS = Path("tensor ops", TENSOR_GEMM, ATTENTION, True, False, 32, 4, True
 # Issue 40's items 1 (128-row query tiles, GQA heads together; tensor ops on an M5, simdgroup
 # matrices elsewhere) and 2 (half activations), at the same efficiencies: not built.
 TILED_ATTENTION = Path("128-row attention tiles", HALF_GEMM, ATTENTION, False, False, 128, 4, False)
+# Tensor-op attention on today's 32-row tiles: the cache reads, not the products, bound it.
+TENSOR_ATTENTION = Path(
+    "tensor ops, 32-row tensor-op attention", TENSOR_GEMM, ATTENTION, True, True, 32, 4, False
+)
 TILED_ATTENTION_TENSOR = Path(
     "tensor ops, 128-row tensor-op attention", TENSOR_GEMM, ATTENTION, True, True, 128, 4, False
 )

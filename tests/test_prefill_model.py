@@ -104,3 +104,25 @@ def test_the_report_has_a_line_per_mac_in_the_issues_form(real, capsys):
     assert "chunks of 4096..4096 tokens (1)" in out
     assert "not built (issue 40), estimate: M5 Max" in out
     assert "reference engine 5,724, mlx-lm 5,166 tok/s" in out
+
+
+def test_tensor_op_attention_on_32_row_tiles_waits_on_the_cache(real):
+    # A 4,096-token chunk at 28k of context on an M5 Max: 32-row threadgroups read 644 GB of
+    # K and V (1.3 s at 80% of 614 GB/s) for 2.8 s of simdgroup products, or 0.7 s of
+    # tensor-op ones, so moving attention to the tensor units pays only with taller tiles.
+    m5_max = prefill_model.GPUS[2]
+    weights = chunk_weights(4096)[0]
+
+    def attention_seconds(path) -> float:
+        work = prefill_model.groups(real, 28672, 4096, weights, 1.1, path, False)
+        return prefill_model.seconds(real, m5_max, path, work, 600, 1, 4096)["chunk attention"]
+
+    cache = prefill_model.kv_bytes(real, 28672, 4096, 32)
+    assert 640e9 < cache < 650e9
+    assert attention_seconds(prefill_model.TENSOR_ATTENTION) == pytest.approx(cache / (0.8 * 614e9))
+    assert attention_seconds(prefill_model.SIMDGROUP) > attention_seconds(
+        prefill_model.TENSOR_ATTENTION
+    )
+    assert attention_seconds(prefill_model.TILED_ATTENTION_TENSOR) < 0.6 * attention_seconds(
+        prefill_model.TENSOR_ATTENTION
+    )
