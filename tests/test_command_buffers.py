@@ -199,3 +199,17 @@ def test_a_mac_the_budget_cannot_place_gets_the_slowest_gpus_budget():
 def test_the_sims_budget_is_unchanged():
     # A thousand times smaller: a command buffer of the demo well under a second on the sim.
     assert SIM_COMMAND_BUFFER_FLOPS == 5.0e8
+
+
+def test_the_metal_device_gets_the_budget_of_the_gpu_it_reports(monkeypatch):
+    monkeypatch.setattr(
+        "lily.device.metal_info", lambda: {"name": "Apple M5 Max", "gpu_core_count": 40}
+    )
+    assert api._metal_budget() == pytest.approx(1.0 * 0.4 * 18.4e12)
+    # A native module built before the core count was reported: as few cores as any supported
+    # GPU has (7) at the generation's clock.
+    monkeypatch.setattr("lily.device.metal_info", lambda: {"name": "Apple M5 Max"})
+    assert api._metal_budget() == pytest.approx(0.4 * 7 * 256 * 18.4e12 / (40 * 256))
+    # No metal device info at all: the slowest supported GPU's budget.
+    monkeypatch.setattr("lily.device.metal_info", lambda: None)
+    assert api._metal_budget() == pytest.approx(COMMAND_BUFFER_FLOPS)

@@ -105,8 +105,9 @@ def _open_device(device: str, fall_back: bool) -> tuple[str, Device]:
 
 
 def _metal_budget() -> float:
-    """The most estimated work of one command buffer on this Mac's GPU (its name and core
-    count; a native module without the core count gets the slowest GPU's budget)."""
+    """The most estimated work of one command buffer on this Mac's GPU, by its name and core
+    count (`command_buffer_budget`; a native module that does not report the count gets the
+    fewest cores of a supported GPU)."""
     from lily.device import metal_info
 
     info = metal_info() or {}
