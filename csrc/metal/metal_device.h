@@ -38,6 +38,9 @@ struct DeviceInfo {
 // Describes the system default Metal device. Throws std::runtime_error if there is none.
 DeviceInfo device_info();
 
+// The GPU's core count, which Metal does not give (gpu_core_count.cpp); 0 when unknown.
+uint32_t gpu_core_count();
+
 // Opens the system default device and loads the kernel library. Throws std::runtime_error with a
 // clear message if the GPU or macOS is too old, or with the compiler's log if the kernels fail
 // to compile.

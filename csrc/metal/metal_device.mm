@@ -8,7 +8,6 @@
 // Compiled with ARC (-fobjc-arc): Objective-C objects held in C++ members and containers are
 // strong references, released by the C++ destructors.
 #import <Foundation/Foundation.h>
-#import <IOKit/IOKitLib.h>
 #import <Metal/Metal.h>
 
 #include <sys/sysctl.h>
@@ -92,29 +91,6 @@ std::string gpu_family(id<MTLDevice> device) {
   if ([device supportsFamily:MTLGPUFamilyApple8]) return "apple8";
   if ([device supportsFamily:MTLGPUFamilyApple7]) return "apple7";
   return "none";
-}
-
-// The GPU's core count, which Metal does not expose: the `gpu-core-count` property of the GPU
-// driver's AGXAccelerator service in the I/O Registry (where System Information reads it; MLX's
-// device_info and fastfetch read the same key). 0 when the registry does not have it.
-uint32_t gpu_core_count() {
-  uint32_t cores = 0;
-  io_service_t service = IOServiceGetMatchingService(kIOMainPortDefault,
-                                                     IOServiceMatching("AGXAccelerator"));
-  if (service == IO_OBJECT_NULL) return 0;
-  CFTypeRef property = IORegistryEntryCreateCFProperty(service, CFSTR("gpu-core-count"),
-                                                       kCFAllocatorDefault, 0);
-  if (property != nullptr) {
-    int64_t value = 0;
-    if (CFGetTypeID(property) == CFNumberGetTypeID() &&
-        CFNumberGetValue(static_cast<CFNumberRef>(property), kCFNumberSInt64Type, &value) &&
-        value > 0 && value < INT32_MAX) {
-      cores = static_cast<uint32_t>(value);
-    }
-    CFRelease(property);
-  }
-  IOObjectRelease(service);
-  return cores;
 }
 
 // The kernels use simdgroup_matrix and bfloat (MSL 3.1): an Apple7-family GPU (M1 or later)
