@@ -201,9 +201,9 @@ def graph_report(checkpoint, tokens: int, context: int) -> None:
     print(f"weights per chunk     {total / 1e9:.3f} GB, {total / tokens / 1e6:.2f} MB per token")
     gdn_layers = sum(1 for t in c.layer_types if t != FULL_ATTENTION)
     print(f"GDN layers            {gdn_layers} (state read and written once per chunk)")
-    for context in (tokens, 4096):
-        flops = pass_flops(c, context - tokens, tokens) / tokens
-        print(f"FLOPs / prompt token  {flops / 1e9:.2f} G (chunk ending at {context})")
+    for end in (tokens, 4096):
+        flops = pass_flops(c, end - tokens, tokens) / tokens
+        print(f"FLOPs / prompt token  {flops / 1e9:.2f} G (chunk ending at {end})")
     chunk = min(DEFAULT_MAX_CHUNK, context)
     executed, useful = matrix_flops_model(c, chunk)
     print(
