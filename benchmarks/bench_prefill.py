@@ -4,11 +4,12 @@ Two parts:
 - **graph** (any checkpoint; the sim records and checks but does not execute): dispatches and
   barrier levels of a prefill chunk next to the decode step's, the weight bytes one chunk reads
   (each weight once per chunk; the routed experts some token of the chunk chose, by the expected
-  count for uniform routing) and per prompt token, the FLOPs per prompt token, and a roofline
-  estimate of prefill time per kernel group on an M1 Pro, an M4 Max and an M5 Max at 4k and 32k
-  context, along fp32 tiles, today's half tiles and the M5's
-  tensor ops (`prefill_model.py`: a model from assumed GPU figures, not a measurement; say so
-  when quoting it);
+  count for uniform routing) and per prompt token, the FLOPs per prompt token, and the
+  whole-prompt average of a `--context`-token prompt on an M1 Pro, an M4 Max and an M5 Max
+  (with and without its tensor ops), chunk by chunk at the chunk lengths each Mac's
+  command-buffer budget gives, beside the anchors' published whole-prompt averages, then what
+  issue 40's unbuilt kernels would give (`prefill_model.py`: a model from published GPU figures
+  and assumed efficiencies, not a measurement; say so when quoting it);
 - **time** (small checkpoints, e.g. the demo, on the sim): a prompt prefilled as one chunk
   against the same prompt fed one token per step through the decode graph (final norm, lm_head
   and sampler included: how every prompt went before batched prefill), and, for reference,
@@ -16,7 +17,7 @@ Two parts:
 
 Both print `executed/useful matrix FLOPs R`: the multiply-adds the quantized GEMMs execute (token
 tiles padded to 8, 16, 32 or 64 rows, weight tiles to 128) over those the chunk needs. The graph
-report models it for the chunk that ends at `--context` (uniform random routing, the tiles
+report models it for a chunk of `--context` tokens, 4,096 at most (uniform random routing, the tiles
 `grouped_tile_tokens` gives each expert); `--mma` measures it.
 
 - **mma** (`--mma`, small checkpoints on the sim): one prefill chunk run on the sim, with the
@@ -30,6 +31,8 @@ Usage:
     python benchmarks/bench_prefill.py demo --mma --no-time          # graph + counted products
     python benchmarks/bench_prefill.py demo --mma --no-time --tensor-ops  # ... on tensor ops
     python benchmarks/bench_prefill.py SYNTH_DIR --no-time [--context 4096]  # the real dims
+
+SYNTH_DIR: a full-size random checkpoint (benchmarks/make_synthetic_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -42,17 +45,10 @@ import prefill_model
 
 from lily.checkpoint.config import FULL_ATTENTION
 from lily.checkpoint.loader import load_checkpoint, resolve_model
-from lily.checkpoint.validate import expected_layout
+from lily.checkpoint.validate import claims_real_model, expected_layout
 from lily.device import MatrixProducts, open_device
 from lily.engine.engine import DeviceEngine
-from lily.engine.model_graph import (
-    COMMAND_BUFFER_FLOPS,
-    DEFAULT_MAX_CHUNK,
-    ModelGraph,
-    command_buffer_starts,
-    layer_flops,
-    pass_flops,
-)
+from lily.engine.model_graph import DEFAULT_MAX_CHUNK, ModelGraph, pass_flops
 from lily.kernels.quantized_gemm import (
     WEIGHT_ROWS_PER_TILE,
     dense_tile_tokens,
@@ -63,16 +59,6 @@ EMBEDDING = "language_model.model.embed_tokens"
 LM_HEAD = "language_model.lm_head"
 # Multiply-adds of one 8x8x8 simdgroup-matrix product.
 PRODUCT_MACS = 512
-
-
-def chunk_at(c, context: int) -> int:
-    """Tokens of the longest prefill chunk ending at `context` that the engine runs on Metal
-    where the memory allows the longest chunk (DEFAULT_MAX_CHUNK; `lily.load` takes a shorter
-    one on a Mac whose memory does not): its costliest layer within COMMAND_BUFFER_FLOPS."""
-    tokens = min(DEFAULT_MAX_CHUNK, context)
-    while tokens > 1 and max(layer_flops(c, context - tokens, tokens)) > COMMAND_BUFFER_FLOPS:
-        tokens -= 1
-    return tokens
 
 
 def dense_projections(c) -> list[tuple[int, int, int]]:
@@ -215,44 +201,84 @@ def graph_report(checkpoint, tokens: int, context: int) -> None:
     print(f"weights per chunk     {total / 1e9:.3f} GB, {total / tokens / 1e6:.2f} MB per token")
     gdn_layers = sum(1 for t in c.layer_types if t != FULL_ATTENTION)
     print(f"GDN layers            {gdn_layers} (state read and written once per chunk)")
-    for context in (tokens, 4096):
-        flops = pass_flops(c, context - tokens, tokens) / tokens
-        print(f"FLOPs / prompt token  {flops / 1e9:.2f} G (chunk ending at {context})")
-    chunk = chunk_at(c, context)
+    for end in (tokens, 4096):
+        flops = pass_flops(c, end - tokens, tokens) / tokens
+        print(f"FLOPs / prompt token  {flops / 1e9:.2f} G (chunk ending at {end})")
+    chunk = min(DEFAULT_MAX_CHUNK, context)
     executed, useful = matrix_flops_model(c, chunk)
-    print(f"chunk tokens {chunk} (the longest chunk ending at {context} the engine runs on Metal)")
     print(
-        f"executed/useful matrix FLOPs {executed / useful:.3f} (quantized GEMMs, expert tiles "
-        f"included; modelled, uniform routing)"
+        f"executed/useful matrix FLOPs {executed / useful:.3f} (a chunk of {chunk} tokens: "
+        f"quantized GEMMs, expert tiles included; modelled, uniform routing)"
     )
-    levels = chunk_graph.barrier_count + 1
-    for at in sorted({context, 4096, 32768}):
-        estimate_report(checkpoint, at, levels)
+    whole_prompt_report(checkpoint, context, chunk_graph.barrier_count + 1)
 
 
-def estimate_report(checkpoint, context: int, levels: int) -> None:
-    """prefill_model's time for the chunk ending at `context` on each GPU and kernel path."""
+# The anchors' whole-prompt averages for the real model on an M5 Max at 4k and 32k, as their
+# authors publish them (docs/benchmarks.md, "Prefill").
+ANCHORS = {
+    4096: "reference engine 5,724, mlx-lm 5,166",
+    32768: "reference engine 3,928, mlx-lm 3,964",
+}
+
+
+def whole_prompt_report(checkpoint, context: int, levels: int) -> None:
+    """prefill_model's whole-prompt average over a prompt of `context` tokens on each Mac, along
+    today's kernels (with and without the M5's tensor ops), then along issue 40's unbuilt ones."""
     c = checkpoint.config
-    tokens = chunk_at(c, context)
-    executed, useful = matrix_flops_model(c, tokens)
-    work = prefill_model.groups(
-        c, context, tokens, weight_bytes_per_chunk(checkpoint, tokens), executed / useful
-    )
-    buffers = len(command_buffer_starts(c, context, tokens)) + 1
+    ratios: dict[int, float] = {}
+
+    def chunk_weights(tokens: int) -> tuple[dict[str, float], float]:
+        # The tile padding changes slowly with the chunk: one sample per 64 tokens.
+        key = max(64, round(tokens / 64) * 64)
+        if key not in ratios:
+            executed, useful = matrix_flops_model(c, key)
+            ratios[key] = executed / useful
+        return weight_bytes_per_chunk(checkpoint, tokens), ratios[key]
+
     print(
-        f"estimated prefill, chunk of {tokens} ending at {context}, {buffers} command buffers "
-        "(a MODEL from assumed GPU figures, not a measurement; benchmarks/prefill_model.py):"
+        f"whole-prompt estimates at {context} tokens: prompt tokens over the sum of the chunks' "
+        "times, chunks cut by each Mac's command-buffer budget (a MODEL from published GPU "
+        "figures and assumed efficiencies, not a measurement: benchmarks/prefill_model.py; "
+        "range: its slow and fast efficiencies)"
     )
-    for gpu in prefill_model.GPUS:
-        for path in prefill_model.PATHS:
-            if path.tensor_ops and gpu.tensor_rate is None:
-                continue
-            times = prefill_model.seconds(c, gpu, path, work, levels, buffers, tokens)
-            parts = ", ".join(f"{name} {t * 1e3:.0f}" for name, t in times.items() if t >= 5e-4)
-            print(
-                f"  {gpu.name:<21} {path.name:<34} {tokens / sum(times.values()):7.0f} tok/s"
-                f"  (ms: {parts})"
+    built = [
+        (gpu, path)
+        for gpu in prefill_model.GPUS
+        for path in (prefill_model.SIMDGROUP, prefill_model.TENSOR_OPS)
+        if gpu.tensor_units or not path.tensor_ops
+    ]
+    # Issue 40's items 1 and 2 as the model sees them: estimates of kernels not built yet.
+    unbuilt = [
+        (gpu, path)
+        for gpu in prefill_model.GPUS
+        for path in (
+            (
+                prefill_model.TENSOR_ATTENTION,
+                prefill_model.TILED_ATTENTION_TENSOR,
+                prefill_model.LEAN,
             )
+            if gpu.tensor_units
+            else (prefill_model.TILED_ATTENTION,)
+        )
+    ]
+    for gpu, path in built + unbuilt:
+        estimate = prefill_model.whole_prompt(c, gpu, path, context, chunk_weights, levels)
+        slow, central, fast = estimate.tokens_per_second
+        chunks = estimate.chunks
+        line = f"{gpu.name} {central:.0f} tok/s ({path.name})"
+        detail = (
+            f"  [range {slow:.0f}-{fast:.0f}; chunks of {max(chunks)}..{min(chunks)} tokens "
+            f"({len(chunks)}); {gpu.command_buffer_flops:.2g} FLOPs per command buffer]"
+        )
+        if path.built:
+            print(f"whole-prompt estimate at {context} tokens: {line}{detail}")
+        else:
+            print(f"  not built (issue 40), estimate: {line}{detail}")
+    if context in ANCHORS and claims_real_model(c):
+        print(
+            f"anchors' published whole-prompt averages at {context} tokens, M5 Max: "
+            f"{ANCHORS[context]} tok/s"
+        )
 
 
 def time_report(checkpoint, tokens: int, repeat: int) -> None:
@@ -302,7 +328,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per arm (best kept)")
     parser.add_argument("--no-time", action="store_true", help="no timed runs")
     parser.add_argument(
-        "--context", type=int, default=4096, help="model the chunk ending at this context"
+        "--context", type=int, default=4096, help="model a whole prompt of this many tokens"
     )
     parser.add_argument(
         "--mma", action="store_true", help="count a chunk's simdgroup-matrix products on the sim"

@@ -1,73 +1,139 @@
-"""A model (not a measurement: nothing here runs on a GPU) of a prefill chunk's time on Apple
-GPUs, per kernel group, for `bench_prefill.py --context`.
+"""A model (not a measurement: nothing here runs on a GPU) of prefill time on Apple GPUs, chunk by
+chunk over a whole prompt, for `bench_prefill.py --context`.
 
-Each group takes the longer of its bytes at the memory bandwidth and its executed FLOPs at the
-rate of its operand type, each at an assumed fraction of peak; the groups run one after another
-(a layer's kernels depend on each other). On top: the Gated DeltaNet scan's serial latency
-(`gdn_scan_model.py`), a drain per barrier level and a gap per command buffer. Every GPU figure
-below is an assumption from public specifications, not a measurement:
+**A chunk.** Its kernel groups run one after another (a layer's kernels depend on each other);
+each takes the longer of its bytes at the memory bandwidth and its executed FLOPs at the rate of
+what runs them. On top: the Gated DeltaNet scan's serial work (`gdn_scan_model.py`), a drain per
+barrier level and a gap per command buffer. The bytes counted:
 
-- bandwidth and the fp32 rate (cores x 128 lanes x 2 x clock) as bench_prefill.py has used;
-  Apple GPUs up to the M4 issue half-precision simdgroup-matrix FMAs at the fp32 rate, so half
-  operands do not raise the peak: they halve threadgroup memory and register traffic, which is
-  what lets the tiles reach a larger fraction of it;
-- the M5's tensor units (Metal 4 tensor ops): Apple describes the M5 GPU's neural accelerators as
-  over 4x the M4's peak GPU compute for AI; taken as 4x the fp32 rate for half operands;
-- efficiencies: fp32 tiles 30% of peak (22.5 KiB of threadgroup memory, single-buffered: the
-  kernels before they took 2-byte operands), half-precision double-buffered tiles 60% (today's
-  GEMMs; MLX's steel GEMMs reach 60-70% on M-series GPUs by their authors' reports), tensor ops
-  50% of their peak; chunk attention (its softmax sits between its two products) 20% of the
-  fp32 rate with fp32 tiles, 40% of its peak with 2-byte operands (today's: half Q K^T, bfloat
-  or half P V); memory 80% of peak bandwidth.
+- weights, each read once per chunk (`bench_prefill.weight_bytes_per_chunk`);
+- the KV cache as `attention_chunk` reads it: a threadgroup takes 32 (token, query head) rows of
+  one KV head (4 tokens, as 8 query heads share a KV head) and streams the K and V rows of every
+  position its last token sees, in 16-key tiles; so each attention layer reads the cache about
+  T / 4 times per KV head, not once. Caches may serve part of it; the model counts it all from
+  memory. A 64- or 128-row query tile (issue 40, item 1: not built) reads it once per 8 or 16
+  tokens;
+- activations: every buffer the pass hands between its dispatches (`activation_widths`, the MoE
+  chunk scratch) written once and read once by each layer that uses it, fp32 today (about 20 MB
+  per token over the 40 layers); half with issue 40's item 2 (not built).
+
+**A whole prompt** is prefilled from position 0 in chunks of up to 4,096 tokens, each the
+longest whose costliest layer fits the Mac's command-buffer budget (`longest_chunk`,
+`command_buffer_budget`): late in a long prompt chunks get shorter and the weights are re-read
+per chunk. Its average is the prompt's tokens over the sum of its chunks' times: what the
+anchors publish (docs/benchmarks.md), so the two compare like with like.
+
+**GPU figures** (published specifications, not measured here): memory bandwidth; the fp32 rate
+cores x 128 lanes x 2 x clock (`command_buffer_budget.fp32_flops`; half-precision simdgroup
+FMAs issue at the same rate up to the M4, Philip Turner's metal-benchmarks); the M5's tensor
+units at 4x that rate for half operands (Apple: the M5 GPU's neural accelerators give over 4x
+the M4's peak GPU compute for AI).
+
+**Efficiencies** are assumptions, given as (slow, central, fast) fractions of the peak rather
+than one figure, so every estimate is a range:
+- quantized GEMMs on half simdgroup tiles 40-60-70%: MLX's authors report its steel GEMMs at
+  60-70% of the M-series peak; ours dequantize 4-bit weights in the loop, hence the low end;
+- tensor-op GEMMs 30-50-60% of the tensor units' peak (never compiled by Apple's compiler yet);
+- chunk attention 25-40-50% of the rate of what runs its products (the online softmax sits
+  between its two products);
+- memory 70-80-85% of peak bandwidth.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gdn_scan_model import Gpu as ScanGpu
 from gdn_scan_model import chunkwise_kernel, per_token_seconds
 
 from lily.checkpoint.config import FULL_ATTENTION, ModelConfig
-from lily.engine.model_graph import token_macs
+from lily.engine.command_buffer_budget import command_buffer_flops, fp32_flops, gpu_clock_hz
+from lily.engine.model_graph import (
+    DEFAULT_MAX_CHUNK,
+    activation_widths,
+    command_buffer_starts,
+    longest_chunk,
+    token_macs,
+)
+from lily.kernels.moe_chunk import moe_chunk_scratch_bytes
 
-MEMORY_EFFICIENCY = 0.8
+SLOW, CENTRAL, FAST = 0, 1, 2
+MEMORY_EFFICIENCY = (0.7, 0.8, 0.85)
 LEVEL_SECONDS = 2e-6  # a memory barrier in a concurrent encoder drains the GPU
 COMMAND_BUFFER_SECONDS = 30e-6  # commit and schedule gap between command buffers
+TENSOR_UNIT_SPEEDUP = 4.0
+# attention_chunk's tiles: (token, query head) rows per threadgroup and keys per staged tile.
+CHUNK_ATTENTION_ROWS = 32
+KEYS_PER_TILE = 16
+# Activations only a GDN layer or only an attention layer passes (the rest every layer does).
+GDN_ACTIVATIONS = ("qkv_projected", "qkv", "z", "a", "b", "gdn_out")
+ATTENTION_ACTIVATIONS = ("q", "k", "v", "queries", "attn_out")
 
 
 @dataclass(frozen=True)
 class Gpu:
-    name: str
+    name: str  # as the tables print it
+    metal_name: str  # as Metal names it, which the command-buffer budget reads
     cores: int
     bandwidth: float  # bytes/s
-    fp32_rate: float  # FLOP/s, simdgroup-matrix
-    tensor_rate: float | None  # FLOP/s with half operands through tensor ops, if the GPU has them
+    tensor_units: bool
+
+    @property
+    def fp32_rate(self) -> float:
+        return fp32_flops(self.metal_name, self.cores)
+
+    @property
+    def command_buffer_flops(self) -> float:
+        return command_buffer_flops(self.metal_name, self.cores)
 
 
 GPUS = (
-    Gpu("M1 Pro (16-core GPU)", 16, 200e9, 5.2e12, None),
-    Gpu("M4 Max (40-core GPU)", 40, 546e9, 16.2e12, None),
-    Gpu("M5 Max (40-core GPU)", 40, 614e9, 18.4e12, 4 * 18.4e12),
+    Gpu("M1 Pro", "Apple M1 Pro", 16, 200e9, False),
+    Gpu("M4 Max", "Apple M4 Max", 40, 546e9, False),
+    Gpu("M5 Max", "Apple M5 Max", 40, 614e9, True),
 )
 
 
 @dataclass(frozen=True)
 class Path:
-    """How the prefill matrix kernels run: operand type and what executes the products."""
+    """How the prefill kernels run: what executes the products, at which efficiencies, the
+    chunk attention's query tile and the activations' element size."""
 
     name: str
-    efficiency: float  # of the GEMMs, against the rate of what runs them
-    attention_efficiency: float  # of chunk attention, likewise
+    gemm_efficiency: tuple[float, float, float]  # of the rate of what runs the GEMMs
+    attention_efficiency: tuple[float, float, float]
     tensor_ops: bool  # the GEMMs run on tensor units
-    attention_tensor_ops: bool  # so does attention's two products
+    attention_tensor_ops: bool  # so do attention's two products
+    query_rows: int  # (token, query head) rows of a chunk-attention threadgroup
+    activation_bytes: int  # per element
+    built: bool  # False: an estimate for kernels that do not exist yet
 
 
-FP32_TILES = Path("fp32 simdgroup tiles", 0.3, 0.2, False, False)
-HALF_TILES = Path("half simdgroup tiles (today)", 0.6, 0.4, False, False)
-TENSOR_GEMMS = Path("tensor-op GEMMs", 0.5, 0.4, True, False)
-TENSOR_ALL = Path("tensor-op GEMMs and attention", 0.5, 0.4, True, True)
-PATHS = (FP32_TILES, HALF_TILES, TENSOR_GEMMS, TENSOR_ALL)
+HALF_GEMM, TENSOR_GEMM, ATTENTION = (0.4, 0.6, 0.7), (0.3, 0.5, 0.6), (0.25, 0.4, 0.5)
+SIMDGROUP = Path("simdgroup tiles", HALF_GEMM, ATTENTION, False, False, 32, 4, True)
+TENSOR_OPS = Path("tensor ops", TENSOR_GEMM, ATTENTION, True, False, 32, 4, True)
+# Issue 40's items 1 (128-row query tiles, GQA heads together; tensor ops on an M5, simdgroup
+# matrices elsewhere) and 2 (half activations), at the same efficiencies: not built.
+TILED_ATTENTION = Path("128-row attention tiles", HALF_GEMM, ATTENTION, False, False, 128, 4, False)
+# Tensor-op attention on today's 32-row tiles: the cache reads, not the products, bound it.
+TENSOR_ATTENTION = Path(
+    "tensor ops, 32-row tensor-op attention", TENSOR_GEMM, ATTENTION, True, True, 32, 4, False
+)
+TILED_ATTENTION_TENSOR = Path(
+    "tensor ops, 128-row tensor-op attention", TENSOR_GEMM, ATTENTION, True, True, 128, 4, False
+)
+LEAN = Path(
+    "tensor ops, tensor-op attention, half activations",
+    TENSOR_GEMM,
+    ATTENTION,
+    True,
+    True,
+    128,
+    2,
+    False,
+)
 
 
 @dataclass(frozen=True)
@@ -75,45 +141,90 @@ class Group:
     name: str
     bytes: float
     flops: float  # executed, not only useful
+    attention: bool = False
+
+
+def kv_bytes(c: ModelConfig, start: int, tokens: int, query_rows: int) -> float:
+    """Bytes of K and V (bf16) the chunk attention of every attention layer reads for a chunk of
+    `tokens` starting at `start`: each threadgroup of `query_rows` rows streams every key its last
+    token sees, rounded up to whole tiles."""
+    group = c.num_attention_heads // c.num_key_value_heads
+    per_threadgroup = max(1, query_rows // group)
+    row = 2 * c.head_dim * 2  # a position's K and V of one KV head
+    total = 0
+    for first in range(0, tokens, per_threadgroup):
+        visible = start + min(first + per_threadgroup, tokens)
+        total += math.ceil(visible / KEYS_PER_TILE) * KEYS_PER_TILE
+    return float(len(c.full_attention_layers) * c.num_key_value_heads * row * total)
+
+
+def activation_traffic(c: ModelConfig, tokens: int, element_bytes: int) -> tuple[float, float]:
+    """(dense, MoE) activation bytes of a chunk: each buffer a layer uses written once and read
+    once. The MoE chunk scratch's few index words are scaled with the rest."""
+    widths = activation_widths(c, max(tokens, 2))
+    shared = sum(w for n, w in widths.items() if n not in GDN_ACTIVATIONS + ATTENTION_ACTIVATIONS)
+    gdn = sum(widths[n] for n in GDN_ACTIVATIONS)
+    attention = sum(widths[n] for n in ATTENTION_ACTIVATIONS)
+    attention_layers = len(c.full_attention_layers)
+    gdn_layers = c.num_hidden_layers - attention_layers
+    per_token = shared * c.num_hidden_layers + gdn * gdn_layers + attention * attention_layers
+    moe_shape = (
+        c.num_experts,
+        c.num_experts_per_tok,
+        c.moe_intermediate_size,
+        c.shared_expert_intermediate_size,
+        c.hidden_size,
+    )
+    moe_per_token = (
+        moe_chunk_scratch_bytes(*moe_shape, 1) - moe_chunk_scratch_bytes(*moe_shape, 0)
+    ) // 4  # 4-byte words
+    dense = 2.0 * element_bytes * per_token * tokens
+    moe = 2.0 * element_bytes * moe_per_token * c.num_hidden_layers * tokens
+    return dense, moe
 
 
 def groups(
     c: ModelConfig,
-    context: int,
+    start: int,
     tokens: int,
     weight_bytes: dict[str, float],
     expert_executed_ratio: float,
+    path: Path,
+    predicts: bool,
 ) -> list[Group]:
-    """The chunk's work per kernel group: a chunk of `tokens` ending at `context`, reading the
-    weights `weight_bytes` names (bench_prefill.weight_bytes_per_chunk), the routed experts
-    executing `expert_executed_ratio` times their useful matrix work (tile padding)."""
+    """The work per kernel group of a chunk of `tokens` starting at `start`, reading the weights
+    `weight_bytes` names (bench_prefill.weight_bytes_per_chunk), the routed experts executing
+    `expert_executed_ratio` times their useful matrix work (tile padding); the lm_head only
+    when the chunk `predicts` (the prompt's last)."""
     macs = token_macs(c)
     attention_layers = len(c.full_attention_layers)
     gdn_layers = c.num_hidden_layers - attention_layers
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    q = c.num_attention_heads * c.head_dim
     projections = gdn_layers * macs.gdn + attention_layers * macs.attention
-    shared, experts = macs.shared, macs.experts
-    start = context - tokens
     contexts = tokens * start + tokens * (tokens + 1) // 2
-    kv_bytes = attention_layers * 2 * kv * 2 * context  # bf16 K and V, read once per layer
-    return [
+    dense_activations, moe_activations = activation_traffic(c, tokens, path.activation_bytes)
+    work = [
         Group(
             "dense projections",
-            weight_bytes.get("projections", 0.0),
-            2.0 * tokens * (projections + c.num_hidden_layers * shared),
+            weight_bytes.get("projections", 0.0) + dense_activations,
+            2.0 * tokens * (projections + c.num_hidden_layers * macs.shared),
         ),
         Group(
             "routed experts",
-            weight_bytes.get("routed experts", 0.0),
-            2.0 * tokens * c.num_hidden_layers * experts * expert_executed_ratio,
+            weight_bytes.get("routed experts", 0.0) + moe_activations,
+            2.0 * tokens * c.num_hidden_layers * macs.experts * expert_executed_ratio,
         ),
-        Group("chunk attention", kv_bytes, 2.0 * attention_layers * 2 * q * contexts),
         Group(
-            "lm_head (1 token)",
-            weight_bytes.get("lm_head", 0.0),
-            2.0 * c.hidden_size * c.vocab_size,
+            "chunk attention",
+            kv_bytes(c, start, tokens, path.query_rows),
+            2.0 * attention_layers * 2 * q * contexts,
+            attention=True,
         ),
     ]
+    if predicts:
+        lm_head = 2.0 * c.hidden_size * c.vocab_size
+        work.append(Group("lm_head (1 token)", weight_bytes.get("lm_head", 0.0), lm_head))
+    return work
 
 
 def seconds(
@@ -124,27 +235,68 @@ def seconds(
     levels: int,
     command_buffers: int,
     tokens: int,
+    case: int = CENTRAL,
 ) -> dict[str, float]:
     """Seconds per kernel group, plus the Gated DeltaNet scan (its products and solve, as
     `gdn_scan_model.py` counts them) and the barrier and command-buffer overheads, for one
-    chunk of `tokens` on `gpu` along `path`."""
-    if path.tensor_ops and gpu.tensor_rate is None:
+    chunk of `tokens` on `gpu` along `path`, at the `case` (SLOW, CENTRAL, FAST) efficiencies."""
+    if path.tensor_ops and not gpu.tensor_units:
         raise ValueError(f"{gpu.name} has no tensor units")
-    bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY
-    matrix_rate = (gpu.tensor_rate if path.tensor_ops else gpu.fp32_rate) * path.efficiency
-    attention_peak = gpu.tensor_rate if path.attention_tensor_ops else gpu.fp32_rate
-    attention_rate = attention_peak * path.attention_efficiency
+    bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY[case]
+    tensor_rate = TENSOR_UNIT_SPEEDUP * gpu.fp32_rate if gpu.tensor_units else 0.0
+    gemm_peak = tensor_rate if path.tensor_ops else gpu.fp32_rate
+    attention_peak = (
+        tensor_rate if path.attention_tensor_ops and gpu.tensor_units else gpu.fp32_rate
+    )
     out = {}
     for group in work:
-        rate = attention_rate if group.name == "chunk attention" else matrix_rate
+        if group.attention:
+            rate = attention_peak * path.attention_efficiency[case]
+        else:
+            rate = gemm_peak * path.gemm_efficiency[case]
         out[group.name] = max(group.bytes / bandwidth, group.flops / rate)
-    clock = gpu.fp32_rate / (gpu.cores * 256)
-    scan_gpu = ScanGpu(gpu.name, gpu.cores, clock, 64 * 1024, 1024)
+    scan_gpu = ScanGpu(gpu.name, gpu.cores, gpu_clock_hz(gpu.metal_name), 64 * 1024, 1024)
     per_token, _, _ = per_token_seconds(chunkwise_kernel(), scan_gpu)
     out["GDN scan"] = per_token * tokens * gdn_layer_count(c)
     out["barrier levels"] = levels * LEVEL_SECONDS
     out["command buffers"] = command_buffers * COMMAND_BUFFER_SECONDS
     return out
+
+
+@dataclass(frozen=True)
+class WholePrompt:
+    tokens_per_second: tuple[float, float, float]  # SLOW, CENTRAL, FAST
+    chunks: list[int]  # tokens of each chunk, in order
+
+
+# A chunk's weight bytes and executed/useful expert ratio, given its token count.
+ChunkWeights = Callable[[int], tuple[dict[str, float], float]]
+
+
+def whole_prompt(
+    c: ModelConfig, gpu: Gpu, path: Path, prompt: int, chunk_weights: ChunkWeights, levels: int
+) -> WholePrompt:
+    """The average over a prompt of `prompt` tokens prefilled from position 0 in chunks of up to
+    DEFAULT_MAX_CHUNK tokens within `gpu`'s command-buffer budget, each chunk's graph recorded
+    for a context of `prompt` (its command buffers) with `levels` barrier levels."""
+    budget = gpu.command_buffer_flops
+    chunks, start = [], 0
+    while start < prompt:
+        tokens = longest_chunk(c, start, min(DEFAULT_MAX_CHUNK, prompt - start), budget)
+        chunks.append(tokens)
+        start += tokens
+    totals = [0.0, 0.0, 0.0]
+    start = 0
+    for tokens in chunks:
+        weights, ratio = chunk_weights(tokens)
+        predicts = start + tokens == prompt
+        work = groups(c, start, tokens, weights, ratio, path, predicts)
+        buffers = len(command_buffer_starts(c, prompt, tokens, budget)) + 1
+        for case in (SLOW, CENTRAL, FAST):
+            totals[case] += sum(seconds(c, gpu, path, work, levels, buffers, tokens, case).values())
+        start += tokens
+    rates = (prompt / totals[SLOW], prompt / totals[CENTRAL], prompt / totals[FAST])
+    return WholePrompt(rates, chunks)
 
 
 def gdn_layer_count(c: ModelConfig) -> int:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import model_decode_attention as decode_model
 from make_synthetic_checkpoint import real_config
-from prefill_model import FP32_TILES, GPUS, MEMORY_EFFICIENCY
+from prefill_model import CENTRAL, GPUS, MEMORY_EFFICIENCY
 
 from lily.checkpoint.config import FULL_ATTENTION, parse_config
 from lily.engine.model_graph import pass_traffic, token_macs, verify_cost_ratio
@@ -50,6 +50,9 @@ ROUTER_BYTES_PER_WEIGHT = 8.5 / 8  # the 8-bit router and shared-expert gate
 # The GEMV-shaped kernels unpack each code once per token: about 4 ALU operations per weight per
 # token (shift, mask, convert, FMA), so many tokens can make them ALU-bound.
 GEMV_OPS_PER_WEIGHT_TOKEN = 4
+# The prefill GEMM's tiles as this model runs them: fp32 simdgroup tiles at 30% of the fp32 peak
+# (what prefill_model.py assumed for them before the GEMMs took 2-byte operands).
+FP32_TILE_EFFICIENCY = 0.3
 
 CAPACITY = 262144
 CONTEXTS = (512, 4096, 32768)
@@ -130,8 +133,8 @@ def main() -> None:
         gemv_ops = traffic.gemv_ops
         times = []
         for gpu in GPUS:
-            bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY
-            rate = gpu.fp32_rate * FP32_TILES.efficiency
+            bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY[CENTRAL]
+            rate = gpu.fp32_rate * FP32_TILE_EFFICIENCY
             before = max(gb / bandwidth, tiles / rate)
             after = max(gb / bandwidth, gemv_ops / gpu.fp32_rate)
             times.append(f"{gpu.name.split(' (')[0]} {before * 1e3:6.1f} -> {after * 1e3:5.1f}")

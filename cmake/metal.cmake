@@ -1,8 +1,9 @@
 # The Metal device, for Apple platforms only: included from CMakeLists.txt after the _native
 # target exists.
 #
-# * compiles csrc/metal/metal_device.mm (Objective-C++, ARC) into _native and links Metal,
-#   Foundation and CoreGraphics; defines LILY_METAL so that bindings.cpp can expose the device;
+# * compiles csrc/metal/metal_device.mm (Objective-C++, ARC) and gpu_core_count.cpp into _native
+#   and links Metal, IOKit, Foundation and CoreGraphics; defines LILY_METAL so that bindings.cpp
+#   can expose the device;
 # * installs metal/*.metal and metal/*.h as lily/metal/ (compiled at first run without a metallib);
 # * when Xcode's Metal toolchain is installed (`xcrun metal`), compiles metal/*.metal into
 #   lily.metallib and installs it beside the module. Without the toolchain (Command Line Tools
@@ -17,15 +18,17 @@ option(LILY_REQUIRE_METALLIB
   "Fail the build when lily.metallib cannot be built (no xcrun metal) instead of leaving the kernels to a first-run compile"
   OFF)
 
-target_sources(_native PRIVATE "${PROJECT_SOURCE_DIR}/csrc/metal/metal_device.mm")
+target_sources(_native PRIVATE "${PROJECT_SOURCE_DIR}/csrc/metal/metal_device.mm"
+  "${PROJECT_SOURCE_DIR}/csrc/metal/gpu_core_count.cpp")
 set_source_files_properties("${PROJECT_SOURCE_DIR}/csrc/metal/metal_device.mm"
   PROPERTIES COMPILE_OPTIONS "-fobjc-arc")
 set_target_properties(_native PROPERTIES OBJCXX_STANDARD 20 OBJCXX_STANDARD_REQUIRED ON)
 target_compile_definitions(_native PRIVATE LILY_METAL=1)
 # Apple documents that MTLCreateSystemDefaultDevice returns a device on macOS only when the
-# program links CoreGraphics, which a Python extension does not do by itself.
+# program links CoreGraphics, which a Python extension does not do by itself. IOKit: the GPU's
+# core count (gpu_core_count.cpp).
 target_link_libraries(_native PRIVATE
-  "-framework Metal" "-framework Foundation" "-framework CoreGraphics")
+  "-framework Metal" "-framework Foundation" "-framework CoreGraphics" "-framework IOKit")
 
 # The .metal sources ship in the package: without a prebuilt metallib the device compiles them.
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/metal/" DESTINATION lily/metal

@@ -160,6 +160,7 @@ NB_MODULE(_native, m) {
     nb::dict d;
     d["name"] = info.name;
     d["gpu_family"] = info.gpu_family;
+    d["gpu_core_count"] = info.gpu_core_count;
     d["supported"] = info.supported;
     d["unsupported_reason"] = info.unsupported_reason;
     d["recommended_working_set"] = info.recommended_working_set;

@@ -17,13 +17,16 @@ from lily.checkpoint.config import FULL_ATTENTION, LINEAR_ATTENTION
 from lily.checkpoint.loader import load_checkpoint
 from lily.device import Graph
 from lily.engine import model_graph
+from lily.engine.command_buffer_budget import command_buffer_flops
 from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import (
     COMMAND_BUFFER_FLOPS,
     PREFILL_CHUNKS,
+    SIM_COMMAND_BUFFER_FLOPS,
     command_buffer_starts,
     device_bytes,
     layer_flops,
+    longest_chunk,
 )
 
 
@@ -91,8 +94,9 @@ def test_the_real_models_passes_are_grouped_within_the_budget(checkpoint):
         assert all(
             groups[k] + flops[bounds[k + 1]] > COMMAND_BUFFER_FLOPS for k in range(len(groups) - 1)
         )
-    # 4,096 tokens at 32k context are about 40 TFLOP: at least 20 command buffers.
-    assert len(command_buffer_starts(c, capacity, 4096)) + 1 >= 20
+    # 4,096 tokens at 32k context are about 40 TFLOP: at least 40 command buffers at the
+    # slowest GPU's budget (0.9 TFLOP).
+    assert len(command_buffer_starts(c, capacity, 4096)) + 1 >= 40
 
 
 def test_a_split_pass_computes_what_one_command_buffer_does(checkpoint, monkeypatch):
@@ -136,3 +140,76 @@ def test_the_default_chunk_is_the_longest_the_memory_allows(checkpoint, monkeypa
     assert api.default_prefill_chunk(with_head, "metal", 8192, mtp=True) == 512
     monkeypatch.undo()
     assert api.default_prefill_chunk(checkpoint, "sim", 8192) == PREFILL_CHUNKS[0]
+
+
+# The real model's work per token and layer, written out from its dims (model.md) rather than
+# taken from token_macs: d = 2048, 16 query heads and 2 KV heads of 256 dims, 256 experts of
+# 512 rows (8 chosen), a shared expert of 512 rows.
+_D, _Q, _KV = 2048, 16 * 256, 2 * 256
+_ATTENTION_LAYER_MACS = _D * (2 * _Q + 2 * _KV) + _Q * _D  # q with its gate, k, v, o
+_MOE_MACS = _D * (256 + 1) + 3 * _D * 512 + 8 * 3 * _D * 512  # router, shared, chosen experts
+
+
+def chunk_by_hand(budget: float, start: int) -> int:
+    """The longest chunk starting at `start` whose attention layer (the costliest) fits
+    `budget`: 2 x (T (attention + MoE) + 2 q (T start + T (T + 1) / 2)) <= budget solved for
+    T, in whole 16-token GDN sub-chunks, at most 4,096."""
+    a = 2.0 * _Q  # of T^2
+    b = 2.0 * (_ATTENTION_LAYER_MACS + _MOE_MACS) + 4.0 * _Q * start + 2.0 * _Q  # of T
+    tokens = int((-b + (b * b + 4 * a * budget) ** 0.5) / (2 * a))
+    return min(4096, tokens - tokens % 16)
+
+
+@pytest.mark.parametrize(
+    ("name", "cores", "clock"),
+    [("Apple M1", 8, 2.6e12 / (8 * 256)), ("Apple M5 Max", 40, 18.4e12 / (40 * 256))],
+)
+def test_each_mac_gets_a_second_of_its_own_gpu_per_command_buffer(checkpoint, name, cores, clock):
+    """The budget is a second at 40% of the GPU's fp32 peak (cores x 128 lanes x 2 x clock),
+    and the engine's chunks at 4k, 32k and 128k of context are the longest it fits: short on
+    an 8-core M1 late in a long prompt, 4,096 tokens on an M5 Max until well past 32k."""
+    c = real_dims(checkpoint.config)
+    budget = 1.0 * 0.4 * cores * 128 * 2 * clock
+    assert command_buffer_flops(name, cores) == pytest.approx(budget)
+    chunks = [longest_chunk(c, start, 4096, budget) for start in (4096, 32768, 131072)]
+    assert chunks == [chunk_by_hand(budget, start) for start in (4096, 32768, 131072)]
+    if cores == 8:
+        assert chunks[0] == 4096 and chunks[2] < 500
+    else:
+        assert chunks[:2] == [4096, 4096] and 3000 < chunks[2] < 4096
+    # No layer of those chunks is over budget, and one more sub-chunk would put one over.
+    for start, tokens in zip((4096, 32768, 131072), chunks, strict=True):
+        assert max(layer_flops(c, start, tokens)) <= budget
+        if tokens < 4096:
+            assert max(layer_flops(c, start, tokens + 16)) > budget
+
+
+def test_a_mac_the_budget_cannot_place_gets_the_slowest_gpus_budget():
+    seven_core_m1 = 1.0 * 0.4 * 7 * 256 * 2.6e12 / (8 * 256)
+    assert command_buffer_flops("", 0) == pytest.approx(seven_core_m1)
+    assert pytest.approx(seven_core_m1) == model_graph.COMMAND_BUFFER_FLOPS
+    # A generation without a published clock takes the one before it (an M3 an M2's).
+    m2_clock = 3.6e12 / (10 * 256)
+    assert command_buffer_flops("Apple M3 Pro", 18) == pytest.approx(0.4 * 18 * 256 * m2_clock)
+    assert command_buffer_flops("Apple M9 Ultra", 80) == pytest.approx(
+        0.4 * 80 * 256 * 18.4e12 / (40 * 256)
+    )
+
+
+def test_the_sims_budget_is_unchanged():
+    # A thousand times smaller: a command buffer of the demo well under a second on the sim.
+    assert SIM_COMMAND_BUFFER_FLOPS == 5.0e8
+
+
+def test_the_metal_device_gets_the_budget_of_the_gpu_it_reports(monkeypatch):
+    monkeypatch.setattr(
+        "lily.device.metal_info", lambda: {"name": "Apple M5 Max", "gpu_core_count": 40}
+    )
+    assert api._metal_budget() == pytest.approx(1.0 * 0.4 * 18.4e12)
+    # A native module built before the core count was reported: as few cores as any supported
+    # GPU has (7) at the generation's clock.
+    monkeypatch.setattr("lily.device.metal_info", lambda: {"name": "Apple M5 Max"})
+    assert api._metal_budget() == pytest.approx(0.4 * 7 * 256 * 18.4e12 / (40 * 256))
+    # No metal device info at all: the slowest supported GPU's budget.
+    monkeypatch.setattr("lily.device.metal_info", lambda: None)
+    assert api._metal_budget() == pytest.approx(COMMAND_BUFFER_FLOPS)

@@ -26,6 +26,7 @@ struct KernelSources {
 struct DeviceInfo {
   std::string name;                        // e.g. "Apple M2 Pro"
   std::string gpu_family;                  // "apple7" (M1) .. "apple10" (M5), or "none"
+  uint32_t gpu_core_count = 0;             // GPU cores from the I/O Registry; 0 if unknown
   bool supported = false;                  // the kernels can run here (family, Metal 3, macOS)
   std::string unsupported_reason;          // why not, when !supported
   uint64_t recommended_working_set = 0;    // bytes; recommendedMaxWorkingSetSize
@@ -36,6 +37,9 @@ struct DeviceInfo {
 
 // Describes the system default Metal device. Throws std::runtime_error if there is none.
 DeviceInfo device_info();
+
+// The GPU's core count, which Metal does not give (gpu_core_count.cpp); 0 when unknown.
+uint32_t gpu_core_count();
 
 // Opens the system default device and loads the kernel library. Throws std::runtime_error with a
 // clear message if the GPU or macOS is too old, or with the compiler's log if the kernels fail

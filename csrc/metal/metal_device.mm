@@ -778,6 +778,7 @@ DeviceInfo device_info() {
     id<MTLDevice> device = default_device();
     info.name = to_std(device.name);
     info.gpu_family = gpu_family(device);
+    info.gpu_core_count = gpu_core_count();
     info.unsupported_reason = unsupported_reason(device);
     info.supported = info.unsupported_reason.empty();
     info.recommended_working_set = device.recommendedMaxWorkingSetSize;

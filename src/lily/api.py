@@ -28,9 +28,9 @@ from lily.checkpoint.loader import (
     resolve_model,
 )
 from lily.checkpoint.validate import claims_real_model
+from lily.engine.command_buffer_budget import command_buffer_flops
 from lily.engine.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
 from lily.engine.model_graph import (
-    COMMAND_BUFFER_FLOPS,
     PREFILL_CHUNKS,
     SIM_COMMAND_BUFFER_FLOPS,
     device_bytes,
@@ -109,6 +109,16 @@ def _open_device(device: str, fall_back: bool) -> tuple[str, Device]:
     return "sim", open_device("sim")
 
 
+def _metal_budget() -> float:
+    """The most estimated work of one command buffer on this Mac's GPU, by its name and core
+    count (`command_buffer_budget`; a native module that does not report the count gets the
+    fewest cores of a supported GPU)."""
+    from lily.device import metal_info
+
+    info = metal_info() or {}
+    return command_buffer_flops(info.get("name", ""), info.get("gpu_core_count", 0))
+
+
 def _make_engine(
     checkpoint: Checkpoint,
     device: str,
@@ -128,8 +138,9 @@ def _make_engine(
 
     working = device_bytes(checkpoint, max_seq, prefill_chunk, kv_cache, mtp)
     check_memory(device, working)
-    # Metal: the GPU watchdog; the sim: a stop and a progress report within a second.
-    command_buffer_flops = COMMAND_BUFFER_FLOPS if device == "metal" else SIM_COMMAND_BUFFER_FLOPS
+    # Metal: the GPU watchdog, at this Mac's estimated speed; the sim: a stop and a progress
+    # report within a second.
+    command_buffer_flops = _metal_budget() if device == "metal" else SIM_COMMAND_BUFFER_FLOPS
     # With the MTP head the saved states hold its KV rows too: another layout on disk.
     layout = f"device-{kv_cache}" + ("-mtp" if mtp else "")
     prefix_cache = cache.build(

@@ -655,7 +655,9 @@ def _gpu_lines() -> list[str]:
         info = _native.metal_device_info()
     except RuntimeError as exc:
         return [*lines, f"metal:           unavailable ({exc})"]
-    lines.append(f"gpu:             {info['name']}, family {info['gpu_family']}")
+    cores = info.get("gpu_core_count", 0)
+    core_text = f", {cores} cores" if cores else ""
+    lines.append(f"gpu:             {info['name']}, family {info['gpu_family']}{core_text}")
     lines.append(f"macOS:           {info['os_version']}")
     if info.get("recommended_working_set"):
         lines.append(f"gpu working set: {_gib(info['recommended_working_set'])} recommended")

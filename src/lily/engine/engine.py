@@ -52,7 +52,7 @@ from lily.engine.model_graph import (
     ModelGraph,
     device_bytes,
     kv_cache_bytes_per_token,
-    layer_flops,
+    longest_chunk,
     verify_cost_ratio,
 )
 from lily.engine.prefix_cache import Arrays, PrefixCache, PrefixMatch, default_cache_memory
@@ -68,7 +68,6 @@ from lily.engine.sampling import (
 from lily.engine.speculative import Drafter, Speculation
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
 from lily.kernels.attention import row_bytes
-from lily.kernels.gdn import CHUNK_SUB_CHUNK
 from lily.kernels.sampling import (
     NO_TOKEN,
     read_logprobs,
@@ -412,26 +411,10 @@ class DeviceEngine:
                 yield _Piece(start, tokens, predicts, index, len(buffers), command_buffer)
 
     def _chunk_end(self, start: int, high: int) -> int:
-        """Where the chunk starting at `start` ends: at most `max_chunk` tokens and `high`, and
-        the most tokens whose costliest layer fits `command_buffer_flops` (one token at
-        least), rounded down to whole GDN sub-chunks (CHUNK_SUB_CHUNK tokens) when there are
-        any: such a cut changes no bit of what the prompt computes."""
-        tokens = min(self.max_chunk, high - start)
-        budget = self.command_buffer_flops
-
-        def costliest_layer(n: int) -> float:
-            return max(layer_flops(self.config, start, n))
-
-        if budget is not None and costliest_layer(tokens) > budget:
-            fits, over = 1, tokens  # layer_flops grows with tokens: bisect
-            while over - fits > 1:
-                middle = (fits + over) // 2
-                if costliest_layer(middle) <= budget:
-                    fits = middle
-                else:
-                    over = middle
-            tokens = fits - fits % CHUNK_SUB_CHUNK if fits >= CHUNK_SUB_CHUNK else fits
-        return start + tokens
+        """Where the chunk starting at `start` ends: at most `max_chunk` tokens and `high`,
+        within `command_buffer_flops` (`longest_chunk`)."""
+        most = min(self.max_chunk, high - start)
+        return start + longest_chunk(self.config, start, most, self.command_buffer_flops)
 
     @holds_engine_while_generating
     def generate(

@@ -49,12 +49,14 @@ from lily.checkpoint.mtp import (
     MTP_NORM_HIDDEN,
 )
 from lily.device import Graph
+from lily.engine.command_buffer_budget import command_buffer_flops
 from lily.engine.device_weights import DeviceWeights
 from lily.kernels import BufferRef, attention, offset_by
 from lily.kernels.conv1d import FoldedConvStep, record_conv1d_chunk, window_bytes
 from lily.kernels.copy import record_copy
 from lily.kernels.embedding import EmbeddedInput, record_embedding
 from lily.kernels.gdn import (
+    CHUNK_SUB_CHUNK,
     record_gdn_chunk,
     record_gdn_gated_norm,
     record_gdn_step,
@@ -100,11 +102,9 @@ EMBED_TOKENS = MODEL + "embed_tokens"
 # 4,096 tokens for the real model), so `lily.load` takes the longest the memory allows.
 PREFILL_CHUNKS = (4096, 2048, 1024, 512)
 DEFAULT_MAX_CHUNK = PREFILL_CHUNKS[0]
-# macOS's GPU watchdog can end a command buffer that runs for seconds on a Mac driving a display
-# (`ImpactingInteractivity`). A pass is split into command buffers of at most this much estimated
-# work, a second or less on the slowest supported GPU (an 8-core M1: 2.6 TFLOPS fp32 peak, taken
-# as 2e12 for our kernels). An estimate, not a measurement: no Mac has run it yet.
-COMMAND_BUFFER_FLOPS = 2.0e12
+# The default budget of a command buffer's estimated work: the slowest supported GPU's
+# (`command_buffer_budget`); `lily.load` gives the metal device its own Mac's.
+COMMAND_BUFFER_FLOPS = command_buffer_flops("", 0)
 # The sim has no watchdog, but cancellation and prompt progress are checked between command
 # buffers, and the sim is about a thousand times slower: the demo model runs about 1.2e9
 # estimated flops a second on a loaded 2-core x86 machine, so command buffers of at most this
@@ -168,7 +168,7 @@ _CHUNK_ONLY_ACTIVATIONS = (
 )
 
 
-def _activation_widths(c: ModelConfig, max_chunk: int) -> dict[str, int]:
+def activation_widths(c: ModelConfig, max_chunk: int) -> dict[str, int]:
     """fp32 elements per token of each activation passed between the dispatches of passes of
     up to `max_chunk` tokens."""
     q_heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -210,7 +210,7 @@ def _moe_shape(c: ModelConfig) -> tuple[int, int, int, int]:
 
 class _Scratch:
     """Activations passed between the dispatches of one pass, reused by every layer and sized
-    for the longest chunk: [max_chunk, width] fp32 each (widths in `_activation_widths`). The
+    for the longest chunk: [max_chunk, width] fp32 each (widths in `activation_widths`). The
     chunk-only ones are None when max_chunk is 1."""
 
     residual: Buffer
@@ -234,7 +234,7 @@ class _Scratch:
     def __init__(self, c: ModelConfig, device: Device, max_chunk: int, capacity: int) -> None:
         for name in _CHUNK_ONLY_ACTIVATIONS:
             setattr(self, name, None)
-        for name, width in _activation_widths(c, max_chunk).items():
+        for name, width in activation_widths(c, max_chunk).items():
             setattr(self, name, device.alloc(4 * width * max_chunk))
         q_heads = c.num_attention_heads
         # The decode attention's grid covers the capacity; its partials are sized for that grid
@@ -261,7 +261,7 @@ class _Scratch:
 
 def scratch_bytes(c: ModelConfig, max_chunk: int) -> int:
     """What the per-pass scratch of a ModelGraph allocates for chunks of up to `max_chunk`."""
-    activations = 4 * max_chunk * sum(_activation_widths(c, max_chunk).values())
+    activations = 4 * max_chunk * sum(activation_widths(c, max_chunk).values())
     chunk_moe = moe_chunk_scratch_bytes(*_moe_shape(c), c.hidden_size, max_chunk)
     sampler = 4 * c.vocab_size + sample_partials_bytes(c.vocab_size)
     return activations + (chunk_moe if max_chunk > 1 else 0) + sampler
@@ -416,6 +416,27 @@ def command_buffer_starts(
             pending = 0.0
         pending += flops
     return starts
+
+
+def longest_chunk(c: ModelConfig, start: int, most: int, budget: float | None) -> int:
+    """Tokens of the chunk starting at `start`: at most `most`, and the most whose costliest
+    layer fits `budget` (one token at least), rounded down to whole GDN sub-chunks
+    (CHUNK_SUB_CHUNK tokens) when there are any: such a cut changes no bit of what the prompt
+    computes. No budget: `most`."""
+
+    def costliest_layer(n: int) -> float:
+        return max(layer_flops(c, start, n))
+
+    if budget is None or costliest_layer(most) <= budget:
+        return most
+    fits, over = 1, most  # layer_flops grows with tokens: bisect
+    while over - fits > 1:
+        middle = (fits + over) // 2
+        if costliest_layer(middle) <= budget:
+            fits = middle
+        else:
+            over = middle
+    return fits - fits % CHUNK_SUB_CHUNK if fits >= CHUNK_SUB_CHUNK else fits
 
 
 def pass_flops(c: ModelConfig, start: int, tokens: int) -> float:

@@ -1,0 +1,128 @@
+"""benchmarks/prefill_model.py, the prefill cost model, and bench_prefill.py's whole-prompt
+report: the KV cache and activation traffic as the kernels move them (counted by hand here from
+the real model's dims), prompts cut into the chunks each Mac's budget allows, and the report's
+lines."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import bench_prefill  # noqa: E402
+import make_synthetic_checkpoint  # noqa: E402
+import prefill_model  # noqa: E402
+
+from lily.checkpoint.config import parse_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def real():
+    return parse_config(make_synthetic_checkpoint.real_config())
+
+
+def test_chunk_attention_reads_the_cache_once_per_threadgroup(real):
+    # 8 tokens from position 100: 32-row threadgroups hold 4 tokens (8 query heads share a KV
+    # head), so two per KV head, whose last tokens see 104 and 108 positions: 112 keys each in
+    # 16-key tiles. A key is K and V of 256 bf16 dims (1,024 B); 2 KV heads, 10 layers.
+    assert prefill_model.kv_bytes(real, 100, 8, 32) == (112 + 112) * 1024 * 2 * 10
+    # A 128-row tile holds all 8 tokens: one read of 112 keys.
+    assert prefill_model.kv_bytes(real, 100, 8, 128) == 112 * 1024 * 2 * 10
+    # Late in a long prompt the cache is read a quarter as many times per token as there are
+    # tokens: 1,024 threadgroups per KV head for 4,096 tokens.
+    reads = prefill_model.kv_bytes(real, 28672, 4096, 32) / (1024 * 2 * 10)
+    assert 1024 * 28672 < reads < 1024 * 32768
+
+
+def test_activations_are_written_and_read_once_per_layer(real):
+    # fp32 floats per token: every layer's residual, normed, mixer and MoE outputs (4 x 2048)
+    # and a guard exponent; a GDN layer's qkv twice (8192), z and its output (4096), a and b
+    # (32); an attention layer's q with its gate (8192), k and v (512), queries and output
+    # (4096).
+    dense = (4 * 2048 + 1) * 40 + (2 * 8192 + 2 * 4096 + 2 * 32) * 30
+    dense += (8192 + 2 * 512 + 2 * 4096) * 10
+    # The MoE chunk scratch per token and layer: 256 + 2 + 5 x 8 index words, and 8 expert
+    # rows of 512 + 2048 floats, 2 x 512 shared rows and the 2048-wide output.
+    moe = (256 + 2 + 5 * 8 + 8 * (512 + 2048) + 2 * 512 + 2048) * 40
+    assert prefill_model.activation_traffic(real, 10, 4) == (2 * 4 * dense * 10, 2 * 4 * moe * 10)
+    assert prefill_model.activation_traffic(real, 10, 2) == (2 * 2 * dense * 10, 2 * 2 * moe * 10)
+    # About 17.5 MB per token in fp32, the ~20 MB issue 40 counts.
+    assert 17e6 < 8 * (dense + moe) < 18e6
+
+
+def chunk_weights(tokens: int) -> tuple[dict[str, float], float]:
+    return {"projections": 1e9, "routed experts": 1.8e10, "lm_head": 5e8}, 1.1
+
+
+def test_a_whole_prompt_runs_in_the_chunks_its_macs_budget_allows(real):
+    m1_pro, _, m5_max = prefill_model.GPUS
+    short = prefill_model.whole_prompt(
+        real, m1_pro, prefill_model.SIMDGROUP, 131072, chunk_weights, 600
+    )
+    long = prefill_model.whole_prompt(
+        real, m5_max, prefill_model.SIMDGROUP, 131072, chunk_weights, 600
+    )
+    for estimate in (short, long):
+        assert sum(estimate.chunks) == 131072
+        assert max(estimate.chunks) == 4096
+        slow, central, fast = estimate.tokens_per_second
+        assert slow < central < fast
+    # Late in the prompt a 16-core M1 Pro's budget (2.1 TFLOP) allows a few hundred tokens
+    # a chunk, a 40-core M5 Max's (7.4) about 3,000.
+    assert short.chunks[-1] < 500 < 2900 < long.chunks[-1]
+    assert len(short.chunks) > len(long.chunks)
+
+    # The tensor ops speed the GEMMs up, and a 4k prompt more than a 128k one, whose time is
+    # mostly chunk attention.
+    def speed_up(prompt: int) -> float:
+        rates = [
+            prefill_model.whole_prompt(real, m5_max, path, prompt, chunk_weights, 600)
+            for path in (prefill_model.SIMDGROUP, prefill_model.TENSOR_OPS)
+        ]
+        return rates[1].tokens_per_second[1] / rates[0].tokens_per_second[1]
+
+    assert speed_up(4096) > 2 > speed_up(131072) > 1
+
+
+def test_the_report_has_a_line_per_mac_in_the_issues_form(real, capsys):
+    bench_prefill.whole_prompt_report(types.SimpleNamespace(config=real), 4096, 600)
+    out = capsys.readouterr().out
+    lines = re.findall(
+        r"^whole-prompt estimate at 4096 tokens: (.+?) (\d+) tok/s \((.+?)\)", out, re.M
+    )
+    assert [(mac, kernels) for mac, _, kernels in lines] == [
+        ("M1 Pro", "simdgroup tiles"),
+        ("M4 Max", "simdgroup tiles"),
+        ("M5 Max", "simdgroup tiles"),
+        ("M5 Max", "tensor ops"),
+    ]
+    assert "chunks of 4096..4096 tokens (1)" in out
+    assert "not built (issue 40), estimate: M5 Max" in out
+    assert "reference engine 5,724, mlx-lm 5,166 tok/s" in out
+
+
+def test_tensor_op_attention_on_32_row_tiles_waits_on_the_cache(real):
+    # A 4,096-token chunk at 28k of context on an M5 Max: 32-row threadgroups read 644 GB of
+    # K and V (1.3 s at 80% of 614 GB/s) for 2.8 s of simdgroup products, or 0.7 s of
+    # tensor-op ones, so moving attention to the tensor units pays only with taller tiles.
+    m5_max = prefill_model.GPUS[2]
+    weights = chunk_weights(4096)[0]
+
+    def attention_seconds(path) -> float:
+        work = prefill_model.groups(real, 28672, 4096, weights, 1.1, path, False)
+        return prefill_model.seconds(real, m5_max, path, work, 600, 1, 4096)["chunk attention"]
+
+    cache = prefill_model.kv_bytes(real, 28672, 4096, 32)
+    assert 640e9 < cache < 650e9
+    assert attention_seconds(prefill_model.TENSOR_ATTENTION) == pytest.approx(cache / (0.8 * 614e9))
+    assert attention_seconds(prefill_model.SIMDGROUP) > attention_seconds(
+        prefill_model.TENSOR_ATTENTION
+    )
+    assert attention_seconds(prefill_model.TILED_ATTENTION_TENSOR) < 0.6 * attention_seconds(
+        prefill_model.TENSOR_ATTENTION
+    )
