@@ -191,6 +191,65 @@ def reference_gdn_readout(
     return reference.gated_delta_step(np.asarray(state, f64), q, k, v, g, beta)
 
 
+def reference_gdn_tokens(
+    state, qkv, a, b, *, a_log, dt_bias, num_key_heads, num_value_heads, candidates
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """gdn_tokens in float64: (readouts [tokens, Hv*Dv], the state after the tokens before the
+    last `candidates`, and those candidates' (keys [c, Hk, Dk] normalised, deltas [c, Hv, Dv],
+    decays [c, Hv])): the recurrence token after token, each candidate's update
+    S <- g S + delta k^T kept instead of applied to the state returned."""
+    from lily.kernels.gdn import KEY_HEAD_DIM
+
+    f64 = np.float64
+    key_total = num_key_heads * KEY_HEAD_DIM
+    state = np.asarray(state, f64)
+    tokens = len(qkv)
+    readouts, kept, keys, deltas, decays = [], state, [], [], []
+    key_head = np.arange(num_value_heads) // (num_value_heads // num_key_heads)
+    for t in range(tokens):
+        if t == tokens - candidates:
+            kept = state
+        readout, new_state = reference_gdn_readout(
+            state,
+            qkv[t],
+            a[t],
+            b[t],
+            a_log=a_log,
+            dt_bias=dt_bias,
+            num_key_heads=num_key_heads,
+            num_value_heads=num_value_heads,
+        )
+        readouts.append(readout.reshape(-1))
+        if t >= tokens - candidates:
+            k = np.asarray(qkv[t][key_total : 2 * key_total], f64).reshape(num_key_heads, -1)
+            k = reference.l2_normalize(k)
+            g, _ = reference.gdn_gates(
+                np.asarray(a[t], f64),
+                np.asarray(b[t], f64),
+                np.asarray(a_log, f64),
+                bf16_to_float32(dt_bias).astype(f64),
+            )
+            keys.append(k)
+            decays.append(g)
+            # S' = g S + delta k^T: delta is what the update adds along each head's key.
+            deltas.append(
+                np.einsum("hvk,hk->hv", new_state - g[:, None, None] * state, k[key_head])
+            )
+        state = new_state
+    return np.stack(readouts), kept, (np.stack(keys), np.stack(deltas), np.stack(decays))
+
+
+def reference_gdn_commit(state, keys, deltas, decays, kept: int) -> np.ndarray:
+    """gdn_commit in float64: the first kept + 1 updates reference_gdn_tokens returns, applied to
+    `state` [Hv, Dv, Dk] (S <- g S + delta k^T)."""
+    state = np.asarray(state, np.float64)
+    num_value_heads, num_key_heads = state.shape[0], keys.shape[1]
+    key_head = np.arange(num_value_heads) // (num_value_heads // num_key_heads)
+    for k, delta, g in zip(keys[: kept + 1], deltas[: kept + 1], decays[: kept + 1], strict=True):
+        state = g[:, None, None] * state + delta[:, :, None] * k[key_head][:, None, :]
+    return state
+
+
 def reference_gdn_token(
     state, qkv, z, a, b, *, a_log, dt_bias, norm_weight, num_key_heads, num_value_heads, eps
 ) -> tuple[np.ndarray, np.ndarray]:
