@@ -10,6 +10,12 @@ its arithmetic, while on a GPU a pass of a few tokens costs about what a decode 
 (reading the weights). Every arm is warmed up first (graphs are recorded on first use) and
 must give the same answer.
 
+It first prints what a verify pass of the full-size graph (the real model's config.json, as
+make_synthetic_checkpoint.py writes it) moves of the recurrent state, per k drafts: the bytes
+copied (a backup or a restore: none since the pass keeps its candidates' updates, issue 39),
+read and written (`model_graph.verify_state_traffic`). That part is arithmetic on the shapes,
+not a measurement.
+
 Usage:
     python benchmarks/bench_speculative.py [--model demo] [--tokens 48] [--draft-tokens 8]
         [--json-schema]
@@ -20,7 +26,11 @@ from __future__ import annotations
 import argparse
 import time
 
+from make_synthetic_checkpoint import real_config
+
 import lily
+from lily.checkpoint.config import parse_config
+from lily.engine.model_graph import MAX_DRAFT_TOKENS, verify_state_traffic
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -56,6 +66,17 @@ ORDER_FORMAT = {
 }
 
 
+def print_state_traffic() -> None:
+    c = parse_config(real_config())
+    print("full-size graph, recurrent state per verify pass (k drafts, T = k + 1 tokens):")
+    for k in range(1, MAX_DRAFT_TOKENS + 1):
+        traffic = verify_state_traffic(c, k + 1, k + 1)
+        print(
+            f"  k = {k}: copied {traffic.copied / 1e6:.0f} MB, read {traffic.read / 1e6:.0f} MB, "
+            f"written {traffic.written / 1e6:.0f} MB"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo")
@@ -65,6 +86,7 @@ def main() -> None:
         "--json-schema", action="store_true", help="answer under a json_schema response_format"
     )
     args = parser.parse_args()
+    print_state_traffic()
     # Loaded with the head when there is one ("auto"), so that its arm can run too.
     with lily.load(
         args.model, device="sim", max_seq=512, speculative="auto", draft_tokens=args.draft_tokens

@@ -215,7 +215,7 @@ static_assert(kValueDim % kStepRowsPerThreadgroup == 0, "a head splits into whol
 // counted the kept drafts n, gdn_commit applies the first n + 1 candidates' updates to the state
 // (S <- g S + delta k^T, gdn_apply_update), leaving it bit for bit as the step kernel, token after
 // token, would have. A pass thus reads the state twice and writes it once, whatever T, where a
-// copy into a backup and back cost two reads and two writes more.
+// backup copy and the chunk kernel's update moved it four times (six with a rejection's restore).
 
 struct GdnTokensParams {
   uint num_key_heads;

@@ -381,7 +381,7 @@ def test_a_pass_is_charged_its_measured_time_once_the_engine_decoded_plainly(che
 
 class _FakeClock:
     """A clock that moves only when the device works: 1 s per waited-for submission (a
-    pipelined step), `run_seconds` per synchronous run (a verify or a catch-up pass)."""
+    pipelined step), `run_seconds` per synchronous run (a verify pass or a plain step)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0

@@ -169,8 +169,8 @@ def _candidate_bytes(c: ModelConfig, candidates: int) -> int:
 def verify_bytes(c: ModelConfig, token_count: int) -> int:
     """What verify passes allocate on first use: the rows' logits, the sampler's partials for
     one draw per row, the rows' token masks, the draws, the acceptance, and each GDN layer's
-    record of the candidate positions (`_candidate_bytes`; 5.6 MiB on the real model, where a
-    copy of the recurrent state would take 63 MB)."""
+    record of the candidate positions (`_candidate_bytes`; 16.7 MiB on the real model, where a
+    copy of the recurrent state takes 63 MiB)."""
     rows = MAX_DRAFT_TOKENS + 1
     logits = 4 * rows * c.vocab_size
     sampler = sample_partials_bytes(token_count, rows) + token_mask_bytes(token_count, rows)
@@ -194,10 +194,12 @@ def verify_state_traffic(c: ModelConfig, tokens: int, rows: int) -> VerifyStateT
     back only when tokens come before the candidates (tokens > rows; never in the engine, which
     feeds one waiting token); each candidate's update (key, deltas, decay) is written once;
     gdn_commit reads the state and those updates and writes the state once. The conv's windows
-    are read, their tails written and read back. Nothing is copied: on the real model 189 MB
-    (three state-sized transfers) at any T, where the backup and restore it replaces cost
-    252 MB (backup read and written, the chunk's read and write) and 378 MB after a rejection,
-    before the re-feed of the accepted tokens."""
+    are read, their tails written and read back (counted whole: the commits read fewer).
+    Nothing is copied: on the real model 205, 209 and 212 MB at T = 2, 3 and 4 (the GDN state,
+    63 MB, read twice and written once; 3.4 MB more per candidate), where the backup and
+    restore this replaces moved 264 MB (the state, 66 MB with the windows, read and written by
+    the backup and by the chunk kernels) and 395 MB after a rejection, before the re-feed of
+    the accepted tokens."""
     gdn = _gdn_layers(c)
     state = gdn * state_bytes(c.linear_num_value_heads)
     windows = gdn * window_bytes(c.linear_conv_dim)
