@@ -161,9 +161,14 @@ def _gdn_layers(c: ModelConfig) -> int:
 
 def _candidate_bytes(c: ModelConfig, candidates: int) -> int:
     """One GDN layer's record of a verify pass's candidate positions: the GDN's updates
-    (`VerifyUpdates`) and the conv's tail, each starting 16-byte aligned."""
+    (`VerifyUpdates`), then the conv's tail from `_tail_offset`."""
+    return _tail_offset(c, candidates) + tail_bytes(c.linear_conv_dim, candidates)
+
+
+def _tail_offset(c: ModelConfig, candidates: int) -> int:
+    """Where the conv's tail starts in a layer's record: after the updates, 16-byte aligned."""
     updates = verify_updates_bytes(c.linear_num_key_heads, c.linear_num_value_heads, candidates)
-    return -(-updates // 16) * 16 + tail_bytes(c.linear_conv_dim, candidates)
+    return -(-updates // 16) * 16
 
 
 def verify_bytes(c: ModelConfig, token_count: int) -> int:
@@ -693,10 +698,11 @@ class _VerifyBuffers:
         self.position = device.alloc(4)
         self.accepted = device.alloc(accepted_bytes(MAX_DRAFT_TOKENS))
         # Each GDN layer's record of the candidate positions, for the most rows a pass checks.
-        self.candidate_bytes = _candidate_bytes(c, rows)
-        self.candidates = device.alloc(_gdn_layers(c) * self.candidate_bytes)
+        layer_bytes = _candidate_bytes(c, rows)
+        self.candidates = device.alloc(_gdn_layers(c) * layer_bytes)
         gdn_layers = [i for i, kind in enumerate(c.layer_types) if kind != FULL_ATTENTION]
-        self.slot = {layer: n * self.candidate_bytes for n, layer in enumerate(gdn_layers)}
+        self.slot = {layer: n * layer_bytes for n, layer in enumerate(gdn_layers)}
+        self.tail_offset = _tail_offset(c, rows)
 
     def updates(self, c: ModelConfig, layer: int, rows: int) -> VerifyUpdates:
         """Where GDN layer `layer` keeps its candidates' updates in a pass of `rows` rows."""
@@ -707,12 +713,9 @@ class _VerifyBuffers:
             rows,
         )
 
-    def tail(self, c: ModelConfig, layer: int) -> BufferRef:
-        """Where GDN layer `layer`'s conv leaves its tail (after the updates' most bytes)."""
-        updates = verify_updates_bytes(
-            c.linear_num_key_heads, c.linear_num_value_heads, MAX_DRAFT_TOKENS + 1
-        )
-        return (self.candidates, self.slot[layer] + -(-updates // 16) * 16)
+    def tail(self, layer: int) -> BufferRef:
+        """Where GDN layer `layer`'s conv leaves its tail in any pass."""
+        return (self.candidates, self.slot[layer] + self.tail_offset)
 
 
 class _Recorder:
@@ -965,7 +968,7 @@ class _Recorder:
         )
         g.barrier()
         for i, window in state.conv_windows.items():
-            tail = verify.tail(self.c, i)
+            tail = verify.tail(i)
             record_conv1d_commit(
                 g,
                 dev,
@@ -1074,7 +1077,7 @@ class _Recorder:
                 out=s.qkv,
                 channels=c.linear_conv_dim,
                 tokens=T,
-                tail=verify.tail(c, i) if verify else None,
+                tail=verify.tail(i) if verify else None,
                 candidates=self.verify_rows,
             )
         g.barrier()
