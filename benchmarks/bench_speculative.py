@@ -10,6 +10,15 @@ its arithmetic, while on a GPU a pass of a few tokens costs about what a decode 
 (reading the weights). Every arm is warmed up first (graphs are recorded on first use) and
 must give the same answer.
 
+It first prints what a verify pass of the full-size graph (the real model's config.json, as
+make_synthetic_checkpoint.py writes it) moves of the recurrent state, per k drafts: the bytes
+copied (a backup or a restore: none since the pass keeps its candidates' updates, issue 39),
+read and written (`model_graph.verify_state_traffic`). That part is arithmetic on the shapes,
+not a measurement. Each arm's line then gives its host round trips per verify pass, counted:
+the synchronous device runs of the timed request (the MTP head's draft passes, its catch-up
+over the last pass's rows, plain passes where nothing was drafted, the verify passes) over its
+verify passes.
+
 Usage:
     python benchmarks/bench_speculative.py [--model demo] [--tokens 48] [--draft-tokens 8]
         [--json-schema] [--message TEXT]
@@ -23,8 +32,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
+
+from make_synthetic_checkpoint import real_config
 
 import lily
+from lily.checkpoint.config import parse_config
+from lily.device import Device
+from lily.engine.model_graph import MAX_DRAFT_TOKENS, ModelGraph, verify_state_traffic
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 # Mostly text the grammar forces (keys, separators, the rest of an enum value), repeated once per
@@ -59,6 +74,34 @@ ORDER_FORMAT = {
 }
 
 
+def print_state_traffic() -> None:
+    c = parse_config(real_config())
+    print("full-size graph, recurrent state per verify pass (k drafts, T = k + 1 tokens):")
+    for k in range(1, MAX_DRAFT_TOKENS + 1):
+        traffic = verify_state_traffic(c, k + 1, k + 1)
+        print(
+            f"  k = {k}: copied {traffic.copied / 1e6:.0f} MB, read {traffic.read / 1e6:.0f} MB, "
+            f"written {traffic.written / 1e6:.0f} MB"
+        )
+
+
+def count_round_trips(counts: Counter) -> None:
+    """Counts synchronous device runs ("runs") and verify graphs asked for ("verify passes",
+    one per pass: the engine asks for the graph as it submits it) into `counts`."""
+    run, verify_graph = Device.run, ModelGraph.verify_graph
+
+    def counted_run(self, graph):
+        counts["runs"] += 1
+        return run(self, graph)
+
+    def counted_verify_graph(self, tokens, rows):
+        counts["verify passes"] += 1
+        return verify_graph(self, tokens, rows)
+
+    Device.run = counted_run
+    ModelGraph.verify_graph = counted_verify_graph
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo")
@@ -70,6 +113,7 @@ def main() -> None:
     parser.add_argument("--message", default="Hi", help="the user message")
     args = parser.parse_args()
     messages = [{"role": "user", "content": args.message}]
+    print_state_traffic()
     # Loaded with the head when there is one ("auto"), so that its arm can run too.
     with lily.load(
         args.model, device="sim", max_seq=512, speculative="auto", draft_tokens=args.draft_tokens
@@ -86,25 +130,31 @@ def main() -> None:
             "prediction = answer": ("ngram", {"prediction": prediction}),
         }
         results = {}
+        counts: Counter = Counter()
+        count_round_trips(counts)
         for name, (mode, extra) in arms.items():
             llm.speculative = mode
             llm.chat.completions.create(**params, **extra)  # warm-up: records the graphs
+            counts.clear()
             start = time.perf_counter()
             r = llm.chat.completions.create(**params, **extra)
-            results[name] = (time.perf_counter() - start, r)
+            results[name] = (time.perf_counter() - start, r, dict(counts))
         reference = results["no drafts"][1].choices[0].message
         grammar = ", json_schema" if args.json_schema else ""
         print(
             f"model {args.model} on the sim, {args.tokens} tokens{grammar}, k = {args.draft_tokens}"
         )
-        for name, (seconds, r) in results.items():
+        for name, (seconds, r, counted) in results.items():
             details = r.usage.completion_tokens_details
             accepted = details.accepted_prediction_tokens if details else None
             same = "same answer" if r.choices[0].message == reference else "DIFFERENT ANSWER"
+            passes = counted.get("verify passes", 0)
+            trips = f"{counted.get('runs', 0) / passes:.2f}" if passes else "-"
             print(
                 f"  {name:22s} {seconds:7.2f} s  {r.usage.completion_tokens} tokens  "
                 f"cached prompt {r.usage.prompt_tokens_details.cached_tokens}  "
-                f"prediction tokens that appeared {accepted}  {same}"
+                f"prediction tokens that appeared {accepted}  {passes} verify passes, "
+                f"{trips} host round trips each  {same}"
             )
 
 

@@ -28,8 +28,8 @@ that chose it (almost the same bytes: the tokens' experts barely overlap); the g
 reads it once but runs an 8-row tile per expert for its one or two tokens. The bytes and the
 GEMVs' ALU work are `model_graph.pass_traffic`'s; "break-even" is `verify_cost_ratio`, the
 tokens per pass at which a verify pass pays (what speculative="auto" compares a draft source's
-tokens per pass with), on a roofline at the M5 Max's ridge, with the pass's copy of the
-recurrent state into its backup.
+tokens per pass with), on a roofline at the M5 Max's ridge, with what the pass's recurrent
+state moves beyond a decode step's one read and write of it (`verify_state_traffic`).
 
     python benchmarks/verify_pass_model.py
 """

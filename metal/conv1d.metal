@@ -30,6 +30,10 @@ struct Conv1dStepParams {
 struct Conv1dChunkParams {
   uint channels;
   uint tokens;
+  // 0: the window is left after the last token. A verify pass's n > 0 (its candidates + 2, see
+  // conv1d_commit): the window is left alone and the last n rows of "window, then the chunk" go
+  // to `tail`, where conv1d_commit finds the window after any position the acceptance keeps.
+  uint tail_rows;
 };
 
 // Tokens per thread in the chunk kernel: the 3 history rows a thread loads before its first
@@ -55,6 +59,7 @@ inline float conv_input(device const float* x, thread const float* saved, uint c
     device const bfloat* weight [[buffer(2)]],  // [channels, 4, 1] as stored in the checkpoint
     device float* window [[buffer(3)]],         // [3, channels]: oldest row first
     device float* out [[buffer(4)]],            // [tokens, channels]: SiLU(conv)
+    device float* tail [[buffer(5)]],           // [tail_rows, channels]: when tail_rows > 0
     uint2 position [[thread_position_in_grid]]) {
   const uint channels = params.channels;
   const uint tokens = params.tokens;
@@ -84,9 +89,41 @@ inline float conv_input(device const float* x, thread const float* saved, uint c
     history[kHistory - 1] = current;
   }
 
-  if (owns_window) {
+  if (!owns_window) {
+    return;
+  }
+  if (params.tail_rows == 0) {
     for (uint t = 0; t < kHistory; ++t) {
       window[t * channels + channel] = conv_input(x, saved, channels, channel, tokens + t);
     }
+  } else {
+    const uint tail_first = tokens + kHistory - params.tail_rows;
+    for (uint t = 0; t < params.tail_rows; ++t) {
+      tail[t * channels + channel] = conv_input(x, saved, channels, channel, tail_first + t);
+    }
+  }
+}
+
+struct Conv1dCommitParams {
+  uint channels;
+  uint candidates;  // the verify pass's: its tail holds candidates + 2 rows
+};
+
+// After accept_drafts: the window after the verify pass's last waiting token and the accepted[0]
+// drafts after it, rows accepted[0] .. accepted[0] + 2 of the tail conv1d_chunk left. One thread
+// per channel.
+[[kernel]] void conv1d_commit(
+    constant Conv1dCommitParams& params [[buffer(0)]],
+    device const uint* accepted [[buffer(1)]],  // accept_drafts' output: [0] the kept drafts
+    device const float* tail [[buffer(2)]],     // [candidates + 2, channels]
+    device float* window [[buffer(3)]],         // [3, channels]: oldest row first
+    uint channel [[thread_position_in_grid]]) {
+  const uint channels = params.channels;
+  if (channel >= channels) {
+    return;
+  }
+  const uint kept = min(accepted[0], params.candidates - 1);
+  for (uint t = 0; t < kHistory; ++t) {
+    window[t * channels + channel] = tail[(kept + t) * channels + channel];
   }
 }

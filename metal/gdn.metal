@@ -72,8 +72,11 @@ inline GdnGates gdn_gates(float a, float b, float a_log, bfloat dt_bias) {
 // returns the rows' readouts (S q)[row], the same on every lane. The rows' partial dot products
 // are reduced together, one float4 per reduction: two reductions per token rather than two per
 // row, and the rows' dependency chains overlap. Each row's arithmetic is as if done alone.
+// `delta` receives the rows' beta (v - g S k), what the token adds to them along k
+// (gdn_apply_update).
 inline float4 gdn_update_rows(thread float (*s)[kKeyPerLane], thread const float* q,
-                              thread const float* k, GdnGates gates, float4 v) {
+                              thread const float* k, GdnGates gates, float4 v,
+                              thread float4& delta) {
   // Per-row sums in scalars, packed for each reduction: accumulating into a vector's elements by
   // a loop index makes the sim's compiler go through memory.
   float predicted[kRowsPerSimdgroup];
@@ -84,7 +87,7 @@ inline float4 gdn_update_rows(thread float (*s)[kKeyPerLane], thread const float
       predicted[r] += s[r][j] * k[j];
     }
   }
-  const float4 delta =
+  delta =
       gates.beta * (v - simd_sum(float4(predicted[0], predicted[1], predicted[2], predicted[3])));
   float o[kRowsPerSimdgroup];
   for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
@@ -95,6 +98,18 @@ inline float4 gdn_update_rows(thread float (*s)[kKeyPerLane], thread const float
     }
   }
   return simd_sum(float4(o[0], o[1], o[2], o[3]));
+}
+
+// One token's update of this simdgroup's rows from what gdn_update_rows computed for it: the
+// same two statements on the same values, so the rows come out bit for bit as they did there.
+inline void gdn_apply_update(thread float (*s)[kKeyPerLane], thread const float* k, float decay,
+                             float4 delta) {
+  for (uint r = 0; r < kRowsPerSimdgroup; ++r) {
+    for (uint j = 0; j < kKeyPerLane; ++j) {
+      s[r][j] = decay * s[r][j];
+      s[r][j] += delta[r] * k[j];
+    }
+  }
 }
 
 // Which rows of a head a simdgroup owns: first, first + stride, ... (kRowsPerSimdgroup of them).
@@ -180,11 +195,145 @@ static_assert(kValueDim % kStepRowsPerThreadgroup == 0, "a head splits into whol
   float s[kRowsPerSimdgroup][kKeyPerLane];
   load_state_rows(head_state, rows, lane, s);
   const float4 v = load_rows_v(qkv, 0, 0, key_total, head, rows);
-  const float4 o = gdn_update_rows(s, q, k, gates, v);
+  float4 delta;
+  const float4 o = gdn_update_rows(s, q, k, gates, v, delta);
   store_state_rows(s, rows, lane, head_state);
   if (lane == 0) {
     *reinterpret_cast<device float4*>(readout + head * kValueDim + rows.first) = o;
   }
+}
+
+// ---- a verify pass: the state after each position it may keep -----------------------------------
+//
+// A verify pass feeds T tokens of which the last `candidates` end at positions the acceptance
+// (sampling.metal's accept_drafts) chooses among: it keeps the state after the last waiting token
+// plus as many drafts as it accepts. Rather than T states, gdn_tokens keeps what each candidate
+// token adds to the state: its decay g, its normalised key and each row's delta = beta (v - g S k),
+// 4 (Hv + Hk Dk + Hv Dv) bytes a token (24.7 KiB on the real model, whose state is 2 MiB a layer).
+// It runs the step's recurrence token by token, writes the state back after the tokens before the
+// candidates (those are always kept) and the readout of every token; once the acceptance has
+// counted the kept drafts n, gdn_commit applies the first n + 1 candidates' updates to the state
+// (S <- g S + delta k^T, gdn_apply_update), leaving it bit for bit as the step kernel, token after
+// token, would have. A pass thus reads the state twice and writes it once, whatever T, where a
+// backup copy and the chunk kernel's update moved it four times (six with a rejection's restore).
+
+struct GdnTokensParams {
+  uint num_key_heads;
+  uint num_value_heads;
+  uint tokens;
+  uint candidates;  // 1..tokens: the last tokens whose updates go to keys, deltas and decays
+};
+
+// The step's grid and threadgroups (kStepSimdgroups simdgroups of 4 rows).
+[[kernel, max_total_threads_per_threadgroup(kStepSimdgroups * SIMD_WIDTH)]] void gdn_tokens(
+    constant GdnTokensParams& params [[buffer(0)]],
+    device const float* qkv [[buffer(1)]],  // conv output [tokens, q Hk*Dk | k Hk*Dk | v Hv*Dv]
+    device const float* a [[buffer(2)]],    // [tokens, Hv]
+    device const float* b [[buffer(3)]],    // [tokens, Hv]
+    device const float* a_log [[buffer(4)]],     // [Hv]
+    device const bfloat* dt_bias [[buffer(5)]],  // [Hv]
+    device float* state [[buffer(6)]],    // [Hv, Dv, Dk]: left after the tokens before candidates
+    device float* readout [[buffer(7)]],  // [tokens, Hv*Dv]
+    device float* keys [[buffer(8)]],     // [candidates, Hk*Dk]: normalised
+    device float* deltas [[buffer(9)]],   // [candidates, Hv*Dv]
+    device float* decays [[buffer(10)]],  // [candidates, Hv]
+    uint threadgroup_id [[threadgroup_position_in_grid]],
+    uint simd_index [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint parts = kValueDim / kStepRowsPerThreadgroup;
+  const uint head = threadgroup_id / parts;
+  const StateRows rows{(threadgroup_id % parts) * kStepRowsPerThreadgroup +
+                           simd_index * kRowsPerSimdgroup,
+                       1};
+  const uint num_value_heads = params.num_value_heads;
+  const uint heads_per_key = num_value_heads / params.num_key_heads;
+  const uint key_head = head / heads_per_key;
+  const uint key_total = params.num_key_heads * kKeyDim;
+  const uint value_total = num_value_heads * kValueDim;
+  const uint conv_dim = 2 * key_total + value_total;
+  const uint sure = params.tokens - params.candidates;
+  // One simdgroup per key head writes its keys, one per value head its decays.
+  const bool writes_decay = threadgroup_id % parts == 0 && simd_index == 0;
+  const bool writes_keys = writes_decay && head % heads_per_key == 0;
+
+  device float* head_state = state + head * kValueDim * kKeyDim;
+  float s[kRowsPerSimdgroup][kKeyPerLane];
+  load_state_rows(head_state, rows, lane, s);
+  for (uint t = 0; t < params.tokens; ++t) {
+    if (t == sure && sure > 0) {
+      store_state_rows(s, rows, lane, head_state);
+    }
+    device const float* row = qkv + ulong(t) * conv_dim;
+    float q[kKeyPerLane];
+    float k[kKeyPerLane];
+    load_qk(row + key_head * kKeyDim, row + key_total + key_head * kKeyDim, lane, q, k);
+    normalize_qk(q, k);
+    const uint gate = t * num_value_heads + head;
+    const GdnGates gates = gdn_gates(a[gate], b[gate], a_log[head], dt_bias[head]);
+    const float4 v = load_rows_v(qkv, t, conv_dim, key_total, head, rows);
+    float4 delta;
+    const float4 o = gdn_update_rows(s, q, k, gates, v, delta);
+    const ulong value_offset = ulong(t) * value_total + head * kValueDim + rows.first;
+    if (lane == 0) {
+      *reinterpret_cast<device float4*>(readout + value_offset) = o;
+    }
+    if (t < sure) continue;
+    const uint slot = t - sure;
+    if (lane == 0) {
+      *reinterpret_cast<device float4*>(deltas + ulong(slot) * value_total + head * kValueDim +
+                                        rows.first) = delta;
+    }
+    if (writes_keys) {
+      *reinterpret_cast<device float4*>(keys + ulong(slot) * key_total + key_head * kKeyDim +
+                                        kKeyPerLane * lane) = float4(k[0], k[1], k[2], k[3]);
+    }
+    if (writes_decay && lane == 0) {
+      decays[slot * num_value_heads + head] = gates.decay;
+    }
+  }
+}
+
+struct GdnCommitParams {
+  uint num_key_heads;
+  uint num_value_heads;
+  uint candidates;
+};
+
+// After accept_drafts: the first accepted[0] + 1 candidate updates gdn_tokens kept, applied to the
+// state in place. The step's grid; each simdgroup its 4 rows, each lane its 4 key dims of them.
+[[kernel, max_total_threads_per_threadgroup(kStepSimdgroups * SIMD_WIDTH)]] void gdn_commit(
+    constant GdnCommitParams& params [[buffer(0)]],
+    device const uint* accepted [[buffer(1)]],  // accept_drafts' output: [0] the kept drafts
+    device float* state [[buffer(2)]],          // [Hv, Dv, Dk], updated in place
+    device const float* keys [[buffer(3)]],     // gdn_tokens' [candidates, Hk*Dk]
+    device const float* deltas [[buffer(4)]],   // [candidates, Hv*Dv]
+    device const float* decays [[buffer(5)]],   // [candidates, Hv]
+    uint threadgroup_id [[threadgroup_position_in_grid]],
+    uint simd_index [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint parts = kValueDim / kStepRowsPerThreadgroup;
+  const uint head = threadgroup_id / parts;
+  const StateRows rows{(threadgroup_id % parts) * kStepRowsPerThreadgroup +
+                           simd_index * kRowsPerSimdgroup,
+                       1};
+  const uint num_value_heads = params.num_value_heads;
+  const uint key_head = head / (num_value_heads / params.num_key_heads);
+  const uint key_total = params.num_key_heads * kKeyDim;
+  const uint value_total = num_value_heads * kValueDim;
+  const uint updates = min(accepted[0] + 1, params.candidates);
+
+  device float* head_state = state + head * kValueDim * kKeyDim;
+  float s[kRowsPerSimdgroup][kKeyPerLane];
+  load_state_rows(head_state, rows, lane, s);
+  for (uint t = 0; t < updates; ++t) {
+    const float4 k4 = *reinterpret_cast<device const float4*>(
+        keys + ulong(t) * key_total + key_head * kKeyDim + kKeyPerLane * lane);
+    const float k[kKeyPerLane] = {k4[0], k4[1], k4[2], k4[3]};
+    const float4 delta = *reinterpret_cast<device const float4*>(
+        deltas + ulong(t) * value_total + head * kValueDim + rows.first);
+    gdn_apply_update(s, k, decays[t * num_value_heads + head], delta);
+  }
+  store_state_rows(s, rows, lane, head_state);
 }
 
 // ---- the chunk: chunkwise-parallel over sub-chunks of kSubChunk tokens -------------------------

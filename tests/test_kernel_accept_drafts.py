@@ -1,6 +1,6 @@
 """A verify pass's acceptance on the device: the sampler's draw per row (`record_sample` with a
 row stride and the drafts counted for the penalties) and `accept_drafts` (sampling.metal), and
-the recurrent state's backup and restore (`copy.metal`).
+word copies (`copy.metal`).
 
 The numpy reference of the acceptance is the rule itself: the accepted drafts are the longest
 prefix equal to the rows' own tokens, followed by the own token of the first row that differs
@@ -405,14 +405,13 @@ def test_acceptance_launches_are_checked():
         record_accept_drafts(graph, device, drafts=4, **{**kwargs, "accepted": small})
 
 
-# ---- the recurrent state's backup and restore ---------------------------------------------------
+# ---- word copies ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
 @pytest.mark.parametrize("words", [1, 63, 64 * 64 + 5, 3 * 64 * 64])
-def test_copies_and_the_restore_after_a_rejection(lane_order, words):
-    """The backup copies every word of a ragged length at a word offset and nothing past it;
-    the restore copies back only when the accepted count is below the drafts."""
+def test_copies_every_word_and_nothing_past_it(lane_order, words):
+    """A copy of a ragged length to a word offset writes every word and nothing past it."""
     device = sim_device(lane_order)
     rng = np.random.default_rng(words)
     state = device.wrap(rng.integers(0, 2**32, words + 3, dtype=np.uint32))
@@ -422,21 +421,6 @@ def test_copies_and_the_restore_after_a_rejection(lane_order, words):
     copied = backup.numpy().view(np.uint32)
     np.testing.assert_array_equal(copied[4 : 4 + words], original[:words])
     assert not copied[:4].any() and not copied[4 + words :].any()
-    accepted = device.wrap(np.zeros(2, np.uint32))
-    for count, drafts, restores in ((4, 4, False), (3, 4, True), (0, 1, True), (0, 0, False)):
-        state.numpy().view(np.uint32)[:] = original + 1
-        accepted.numpy().view(np.uint32)[0] = count
-        restore = (accepted, drafts)
-        run(
-            device,
-            lambda g, r=restore: record_copy(
-                g, device, (backup, 16), state, 4 * words, if_rejected=r, threads=64
-            ),
-        )
-        now = state.numpy().view(np.uint32)
-        expected = original[:words] if restores else original[:words] + 1
-        np.testing.assert_array_equal(now[:words], expected)
-        np.testing.assert_array_equal(now[words:], original[words:] + 1)
 
 
 def test_copy_launches_are_checked():

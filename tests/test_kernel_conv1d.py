@@ -1,7 +1,10 @@
 """conv1d_step and conv1d_chunk (metal/conv1d.metal) on the sim against float64 numpy
-references, and the chunk against the same tokens stepped one by one."""
+references, and the chunk against the same tokens stepped one by one; a verify pass's chunk
+(its tail) and conv1d_commit against the window the kept tokens leave."""
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -13,7 +16,9 @@ from lily.engine import reference
 from lily.kernels.conv1d import (
     KERNEL_TAPS,
     record_conv1d_chunk,
+    record_conv1d_commit,
     record_conv1d_step,
+    tail_bytes,
     window_bytes,
 )
 
@@ -241,4 +246,92 @@ def test_chunk_rejects_an_empty_chunk(device) -> None:
             out=buffer,
             channels=64,
             tokens=0,
+        )
+
+
+# ---- a verify pass: the tail and conv1d_commit ---------------------------------------------------
+
+
+def _verify_chunk(device, channels: int, tokens: int, candidates: int, kept: int | None):
+    """conv1d_chunk of a verify pass over a random case, then (unless `kept` is None)
+    conv1d_commit with `kept` accepted drafts: (case, out, window, tail)."""
+    weight_bits, window, x = _chunk_case(channels, tokens, seed=60 + tokens + candidates)
+    out = np.full((tokens, channels), np.nan, dtype=np.float32)
+    window_dev = window.copy()
+    tail = np.full(tail_bytes(channels, candidates) // 4, np.nan, np.float32)
+    buffers = _chunk_buffers(device, x, weight_bits, window_dev, out)
+    tail_dev = device.wrap(tail)
+    graph = Graph()
+    record_conv1d_chunk(
+        graph, device, channels=channels, tokens=tokens, tail=tail_dev, candidates=candidates,
+        **buffers,
+    )  # fmt: skip
+    if kept is not None:
+        graph.barrier()
+        accepted = device.wrap(np.array([kept, 0], np.uint32))
+        record_conv1d_commit(
+            graph,
+            device,
+            accepted=accepted,
+            tail=tail_dev,
+            window=buffers["window"],
+            channels=channels,
+            candidates=candidates,
+        )
+    device.run(graph)
+    return (weight_bits, window, x), out, window_dev, tail.reshape(-1, channels)
+
+
+# (tokens, candidates): the engine's passes (one waiting token and its drafts), tokens before
+# the candidates, and a pass shorter than the window.
+VERIFY_CASES = [(5, 5), (9, 9), (6, 3), (2, 2), (1, 1)]
+
+
+@pytest.mark.parametrize(("tokens", "candidates"), VERIFY_CASES)
+def test_verify_chunk_keeps_the_window_and_writes_the_tail(device, tokens, candidates) -> None:
+    """The outputs are the chunk's; the window is untouched; the tail is the last
+    candidates + 2 rows of (window ++ x), exactly."""
+    channels = 300
+    (weight_bits, window, x), out, window_dev, tail = _verify_chunk(
+        device, channels, tokens, candidates, kept=None
+    )
+    expected, magnitude, _ = _expected_chunk(weight_bits, window, x)
+    assert_within_ulps(out, expected, magnitude + np.abs(expected), 4)
+    np.testing.assert_array_equal(window_dev, window)
+    rows = np.concatenate([window, x])
+    np.testing.assert_array_equal(tail, rows[len(rows) - candidates - 2 :])
+
+
+@pytest.mark.parametrize(("tokens", "candidates"), VERIFY_CASES)
+def test_commit_leaves_the_window_of_the_kept_tokens(device, tokens, candidates) -> None:
+    """For every accepted count n, the window after the commit is the one a chunk of the tokens
+    before the candidates, the first candidate and n more leaves, bit for bit; neighbouring
+    counts leave different windows, so taking the wrong rows fails."""
+    channels = 300
+    windows = []
+    for kept in range(candidates):
+        (weight_bits, window, x), _, window_dev, _ = _verify_chunk(
+            device, channels, tokens, candidates, kept
+        )
+        consumed = tokens - candidates + kept + 1
+        chunk_window = window.copy()
+        out = np.full((consumed, channels), np.nan, dtype=np.float32)
+        buffers = _chunk_buffers(device, x[:consumed].copy(), weight_bits, chunk_window, out)
+        device.run(_record_chunk(device, buffers, channels, consumed))
+        np.testing.assert_array_equal(window_dev, chunk_window)
+        windows.append(window_dev)
+    for earlier, later in itertools.pairwise(windows):
+        assert not np.array_equal(earlier, later)
+
+
+def test_a_tail_needs_candidates(device) -> None:
+    buffers = _chunk_buffers(
+        device, *(np.zeros(s, np.float32) for s in ((3, 8), (8, 4), (3, 8), (3, 8)))
+    )
+    graph = Graph()
+    with pytest.raises(ValueError, match="a tail needs 1 to 3 candidates, got 0"):
+        record_conv1d_chunk(graph, device, channels=8, tokens=3, tail=buffers["out"], **buffers)
+    with pytest.raises(ValueError, match="a tail needs 1 to 3 candidates, got 4"):
+        record_conv1d_chunk(
+            graph, device, channels=8, tokens=3, tail=buffers["out"], candidates=4, **buffers
         )

@@ -10,6 +10,8 @@ reference too (lily.diagnostics.kernel_checks.reference_gdn_chunkwise), checked 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, assert_within_ulps, sim_device
@@ -22,7 +24,9 @@ from lily.diagnostics.kernel_checks import (
     GDN_CHUNK_STATE_TOLERANCE,
     reference_gated_norm,
     reference_gdn_chunkwise,
+    reference_gdn_commit,
     reference_gdn_readout,
+    reference_gdn_tokens,
 )
 from lily.engine.reference import HalfOperands
 from lily.kernels.gdn import (
@@ -30,10 +34,14 @@ from lily.kernels.gdn import (
     CHUNK_SUB_CHUNK,
     KEY_HEAD_DIM,
     VALUE_HEAD_DIM,
+    VerifyUpdates,
     record_gdn_chunk,
+    record_gdn_commit,
     record_gdn_gated_norm,
     record_gdn_step,
+    record_gdn_tokens,
     state_bytes,
+    verify_updates_bytes,
 )
 
 EPS = 1e-6
@@ -478,3 +486,123 @@ def test_chunk_rejects_an_empty_chunk(device) -> None:
     case.tokens = 0
     with pytest.raises(ValueError, match="at least one token"):
         case.record_chunk(Graph(), device, buffers)
+
+
+# ---- a verify pass: gdn_tokens and gdn_commit ----------------------------------------------------
+
+
+def _run_verify(device, case: GdnChunkCase, candidates: int, kept: int | None):
+    """gdn_tokens over the case's tokens with `candidates` candidates, then (unless `kept` is
+    None) gdn_commit with `kept` accepted drafts: (readouts, state, (keys, deltas, decays))."""
+    buffers, readout, state = case.bind(device)
+    hk, hv = case.num_key_heads, case.num_value_heads
+    kept_parts = np.full(verify_updates_bytes(hk, hv, candidates) // 4, np.nan, np.float32)
+    updates = VerifyUpdates(device.wrap(kept_parts), hk, hv, candidates)
+    accepted = device.wrap(np.array([0 if kept is None else kept, 0], np.uint32))
+    graph = Graph()
+    record_gdn_tokens(
+        graph,
+        device,
+        readout=buffers["out"],
+        updates=updates,
+        tokens=case.tokens,
+        **{name: buffers[name] for name in ("qkv", "a", "b", "a_log", "dt_bias", "state")},
+    )
+    if kept is not None:
+        graph.barrier()
+        record_gdn_commit(graph, device, accepted=accepted, state=buffers["state"], updates=updates)
+    device.run(graph)
+    key_words, delta_words = candidates * hk * KEY_HEAD_DIM, candidates * hv * VALUE_HEAD_DIM
+    parts = (
+        kept_parts[:key_words].reshape(candidates, hk, KEY_HEAD_DIM),
+        kept_parts[key_words : key_words + delta_words].reshape(candidates, hv, VALUE_HEAD_DIM),
+        kept_parts[key_words + delta_words :].reshape(candidates, hv),
+    )
+    return readout, state, parts
+
+
+def _stepped_state(device, case: GdnChunkCase, tokens: int) -> np.ndarray:
+    """The state after the case's first `tokens` tokens, one gdn_step each."""
+    first = GdnChunkCase(case.num_key_heads, case.num_value_heads, tokens, seed=0)
+    for name in ("qkv", "z", "a", "b"):
+        setattr(first, name, getattr(case, name)[:tokens].copy())
+    for name in ("a_log", "dt_bias", "norm_weight", "initial_state"):
+        setattr(first, name, getattr(case, name))
+    return first.run_steps(device)[1]
+
+
+# (key heads, value heads, tokens, candidates): the engine's passes (candidates = tokens: one
+# waiting token and its drafts), tokens before the candidates, one token, and the real model.
+VERIFY_CASES = [(2, 4, 5, 5), (2, 4, 6, 3), (1, 4, 1, 1), (16, 32, 4, 4)]
+
+
+@pytest.mark.parametrize(("num_key_heads", "num_value_heads", "tokens", "candidates"), VERIFY_CASES)
+def test_verify_tokens_match_reference(
+    device, num_key_heads: int, num_value_heads: int, tokens: int, candidates: int
+) -> None:
+    """Every token's readout, the state after the tokens before the candidates (untouched when
+    there are none) and the candidates' keys, deltas and decays, against float64."""
+    case = GdnChunkCase(num_key_heads, num_value_heads, tokens, seed=200 + tokens)
+    readout, state, (keys, deltas, decays) = _run_verify(device, case, candidates, kept=None)
+    expected_readouts, expected_state, expected_parts = reference_gdn_tokens(
+        case.initial_state,
+        case.qkv,
+        case.a,
+        case.b,
+        a_log=case.a_log,
+        dt_bias=case.dt_bias,
+        num_key_heads=num_key_heads,
+        num_value_heads=num_value_heads,
+        candidates=candidates,
+    )
+    np.testing.assert_allclose(readout, expected_readouts, rtol=READOUT_RTOL, atol=READOUT_ATOL)
+    if candidates == tokens:
+        np.testing.assert_array_equal(state, case.initial_state)
+    else:
+        np.testing.assert_allclose(state, expected_state, rtol=1e-5, atol=STATE_ATOL)
+    expected_keys, expected_deltas, expected_decays = expected_parts
+    # Unit keys and decays in (0, 1]: a few fp32 roundings; the deltas are differences of
+    # state-sized sums, as the state's entries.
+    np.testing.assert_allclose(keys, expected_keys, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(decays, expected_decays, rtol=1e-5, atol=0)
+    np.testing.assert_allclose(deltas, expected_deltas, rtol=1e-5, atol=STATE_ATOL)
+
+
+@pytest.mark.parametrize(("num_key_heads", "num_value_heads", "tokens", "candidates"), VERIFY_CASES)
+def test_commit_leaves_the_state_of_the_kept_tokens_stepped(
+    device, num_key_heads: int, num_value_heads: int, tokens: int, candidates: int
+) -> None:
+    """For every accepted count n, gdn_tokens then gdn_commit leave bit for bit the state that
+    the tokens before the candidates, the first candidate and n more leave when stepped one by
+    one (gdn_step), and within fp32 rounding the float64 commit's; a neighbouring count's
+    state differs, so taking the wrong candidate fails."""
+    case = GdnChunkCase(num_key_heads, num_value_heads, tokens, seed=300 + tokens)
+    states = []
+    for kept in range(candidates):
+        _, state, parts = _run_verify(device, case, candidates, kept)
+        consumed = tokens - candidates + kept + 1
+        np.testing.assert_array_equal(state, _stepped_state(device, case, consumed))
+        _, before, _ = _run_verify(device, case, candidates, kept=None)
+        expected = reference_gdn_commit(before, *parts, kept)
+        np.testing.assert_allclose(state, expected, rtol=1e-5, atol=STATE_ATOL)
+        states.append(state)
+    for earlier, later in itertools.pairwise(states):
+        assert np.abs(earlier - later).max() > 1e-3
+
+
+def test_commit_takes_no_more_than_the_candidates(device) -> None:
+    """An accepted count past the candidates (never written by accept_drafts) applies them all."""
+    case = GdnChunkCase(2, 4, 3, seed=7)
+    _, state, _ = _run_verify(device, case, 3, kept=7)
+    np.testing.assert_array_equal(state, _stepped_state(device, case, 3))
+
+
+def test_verify_tokens_reject_impossible_candidates(device) -> None:
+    case = GdnChunkCase(2, 4, 3, seed=8)
+    buffers, _, _ = case.bind(device)
+    updates = VerifyUpdates(device.alloc(verify_updates_bytes(2, 4, 4)), 2, 4, 4)
+    inputs = {name: buffers[name] for name in ("qkv", "a", "b", "a_log", "dt_bias", "state")}
+    with pytest.raises(ValueError, match="keeps 1 to 3 candidates, got 4"):
+        record_gdn_tokens(
+            Graph(), device, readout=buffers["out"], updates=updates, tokens=3, **inputs
+        )

@@ -53,6 +53,8 @@ EXACT_THREADS = {
     "attention_chunk": attention.CHUNK_THREADS,
     "attention_chunk_int8": attention.CHUNK_THREADS,
     "gdn_step": gdn.STEP_THREADS_PER_THREADGROUP,
+    "gdn_tokens": gdn.STEP_THREADS_PER_THREADGROUP,
+    "gdn_commit": gdn.STEP_THREADS_PER_THREADGROUP,
     "gdn_chunk": gdn.CHUNK_THREADS_PER_THREADGROUP,
     "gdn_gated_norm": gdn.NORM_THREADS_PER_THREADGROUP,
     "gdn_out_proj_4": gdn_out_proj.THREADS_PER_THREADGROUP,

@@ -64,7 +64,8 @@ def test_device_bytes_covers_what_the_mtp_head_allocates(monkeypatch) -> None:
 
 def test_device_bytes_covers_what_verify_passes_allocate(monkeypatch) -> None:
     """Verify passes allocate their logits rows, the sampler's partials for one draw per row,
-    the draws, the acceptance and the recurrent state's backup at the first one recorded:
+    the draws, the acceptance and each GDN layer's record of the candidate positions at the
+    first one recorded (less than a copy of the recurrent state, which it no longer takes):
     `verify_bytes` covers that, and the preflight's figure covers it beside everything else."""
     from lily.device import Device
     from lily.engine.model_graph import device_bytes, recurrent_state_bytes, verify_bytes
@@ -85,8 +86,37 @@ def test_device_bytes_covers_what_verify_passes_allocate(monkeypatch) -> None:
     model.verify_graph(5, 5)
     added = sum(allocated) - before
     assert recurrent_state_bytes(c) == sum(b.size for b in model.state.recurrent_buffers())
-    assert verify_bytes(c, c.vocab_size) >= added > recurrent_state_bytes(c)
+    assert verify_bytes(c, c.vocab_size) >= added
+    assert added < recurrent_state_bytes(c)
     model.verify_graph(9, 3)
     assert sum(allocated) == before + added  # allocated once, for every verify pass
     weights = sum(shard.size for shard in checkpoint.shards.values())
     assert device_bytes(checkpoint, 64, 16) - weights >= sum(allocated)
+
+
+def test_a_verify_pass_moves_the_state_without_copying_it() -> None:
+    """A verify pass copies no state: each GDN layer runs gdn_tokens and its conv leaves a
+    tail, and after the acceptance one gdn_commit and one conv1d_commit per layer take the
+    state to the accepted position; the state-traffic model says the same (nothing copied,
+    the state read twice and written once when the pass feeds one waiting token)."""
+    from lily.engine.model_graph import recurrent_state_bytes, verify_state_traffic
+
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    c = checkpoint.config
+    model = ModelGraph(checkpoint, open_device("sim", execute=False), 64, c.vocab_size, 16)
+    gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
+    for tokens, rows in ((5, 5), (9, 3)):
+        dispatches = model.verify_graph(tokens, rows).dispatches
+        kernels = [d.kernel for d in dispatches]
+        assert "copy_words" not in kernels and "gdn_chunk" not in kernels
+        for kernel in ("gdn_tokens", "gdn_commit", "conv1d_commit"):
+            assert kernels.count(kernel) == gdn_layers
+        # The commits come after the acceptance, all in one level.
+        accept = kernels.index("accept_drafts")
+        commits = [d for d in dispatches if d.kernel.endswith("_commit")]
+        assert all(kernels.index(d.kernel) > accept for d in commits)
+        assert len({d.level for d in commits}) == 1
+    traffic = verify_state_traffic(c, 5, 5)
+    assert traffic.copied == 0
+    state = recurrent_state_bytes(c)
+    assert 2 * state < traffic.read + traffic.written < 3.5 * state

@@ -191,6 +191,65 @@ def reference_gdn_readout(
     return reference.gated_delta_step(np.asarray(state, f64), q, k, v, g, beta)
 
 
+def reference_gdn_tokens(
+    state, qkv, a, b, *, a_log, dt_bias, num_key_heads, num_value_heads, candidates
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """gdn_tokens in float64: (readouts [tokens, Hv*Dv], the state after the tokens before the
+    last `candidates`, and those candidates' (keys [c, Hk, Dk] normalised, deltas [c, Hv, Dv],
+    decays [c, Hv])): the recurrence token after token, each candidate's update
+    S <- g S + delta k^T kept instead of applied to the state returned."""
+    from lily.kernels.gdn import KEY_HEAD_DIM
+
+    f64 = np.float64
+    key_total = num_key_heads * KEY_HEAD_DIM
+    state = np.asarray(state, f64)
+    tokens = len(qkv)
+    readouts, kept, keys, deltas, decays = [], state, [], [], []
+    key_head = np.arange(num_value_heads) // (num_value_heads // num_key_heads)
+    for t in range(tokens):
+        if t == tokens - candidates:
+            kept = state
+        readout, new_state = reference_gdn_readout(
+            state,
+            qkv[t],
+            a[t],
+            b[t],
+            a_log=a_log,
+            dt_bias=dt_bias,
+            num_key_heads=num_key_heads,
+            num_value_heads=num_value_heads,
+        )
+        readouts.append(readout.reshape(-1))
+        if t >= tokens - candidates:
+            k = np.asarray(qkv[t][key_total : 2 * key_total], f64).reshape(num_key_heads, -1)
+            k = reference.l2_normalize(k)
+            g, _ = reference.gdn_gates(
+                np.asarray(a[t], f64),
+                np.asarray(b[t], f64),
+                np.asarray(a_log, f64),
+                bf16_to_float32(dt_bias).astype(f64),
+            )
+            keys.append(k)
+            decays.append(g)
+            # S' = g S + delta k^T: delta is what the update adds along each head's key.
+            deltas.append(
+                np.einsum("hvk,hk->hv", new_state - g[:, None, None] * state, k[key_head])
+            )
+        state = new_state
+    return np.stack(readouts), kept, (np.stack(keys), np.stack(deltas), np.stack(decays))
+
+
+def reference_gdn_commit(state, keys, deltas, decays, kept: int) -> np.ndarray:
+    """gdn_commit in float64: the first kept + 1 updates reference_gdn_tokens returns, applied to
+    `state` [Hv, Dv, Dk] (S <- g S + delta k^T)."""
+    state = np.asarray(state, np.float64)
+    num_value_heads, num_key_heads = state.shape[0], keys.shape[1]
+    key_head = np.arange(num_value_heads) // (num_value_heads // num_key_heads)
+    for k, delta, g in zip(keys[: kept + 1], deltas[: kept + 1], decays[: kept + 1], strict=True):
+        state = g[:, None, None] * state + delta[:, :, None] * k[key_head][:, None, :]
+    return state
+
+
 def reference_gdn_token(
     state, qkv, z, a, b, *, a_log, dt_bias, norm_weight, num_key_heads, num_value_heads, eps
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -632,6 +691,62 @@ def _gdn(num_key_heads: int, num_value_heads: int):
             )
 
         return Trial(graph, verify, 2 * initial_state.nbytes)
+
+    return prepare
+
+
+def _gdn_verify(num_key_heads: int, num_value_heads: int, tokens: int, kept: int):
+    """A verify pass's gdn_tokens over `tokens` candidates, then gdn_commit of `kept` accepted
+    drafts: the readouts and the state after the kept tokens, with the step's tolerances."""
+    from lily.kernels.gdn import (
+        VerifyUpdates,
+        record_gdn_commit,
+        record_gdn_tokens,
+        verify_updates_bytes,
+    )
+
+    def prepare(device: Device, rng: np.random.Generator) -> Trial:
+        inputs = _gdn_inputs(rng, num_key_heads, num_value_heads, (tokens,))
+        initial_state = inputs["state"].copy()
+        updates_bytes = verify_updates_bytes(num_key_heads, num_value_heads, tokens)
+        updates = VerifyUpdates(
+            device.wrap(np.zeros(updates_bytes // 4, np.float32)),
+            num_key_heads,
+            num_value_heads,
+            tokens,
+        )
+        accepted = device.wrap(np.array([kept, 0], np.uint32))
+        state = device.wrap(inputs["state"])
+        step_inputs = ("qkv", "a", "b", "a_log", "dt_bias")
+        graph = Graph()
+        record_gdn_tokens(
+            graph,
+            device,
+            state=state,
+            readout=device.wrap(inputs["out"]),
+            updates=updates,
+            tokens=tokens,
+            **{name: device.wrap(inputs[name]) for name in step_inputs},
+        )
+        graph.barrier()
+        record_gdn_commit(graph, device, accepted=accepted, state=state, updates=updates)
+
+        def verify() -> Comparison:
+            readouts, _, parts = reference_gdn_tokens(
+                initial_state,
+                *(inputs[name] for name in ("qkv", "a", "b")),
+                a_log=inputs["a_log"],
+                dt_bias=inputs["dt_bias"],
+                num_key_heads=num_key_heads,
+                num_value_heads=num_value_heads,
+                candidates=tokens,
+            )
+            expected_state = reference_gdn_commit(initial_state, *parts, kept)
+            return compare_close(inputs["state"], expected_state, 1e-5, 1e-5).merge(
+                compare_close(inputs["out"], readouts, 1e-5, 2e-7)
+            )
+
+        return Trial(graph, verify, 3 * initial_state.nbytes)
 
     return prepare
 
@@ -1238,6 +1353,65 @@ def _conv1d_chunk(channels: int, tokens: int):
     return prepare
 
 
+def _conv1d_verify(channels: int, tokens: int, kept: int):
+    """A verify pass's conv1d_chunk (its tail) over `tokens` candidates, then conv1d_commit of
+    `kept` accepted drafts: the outputs, and the window after the kept tokens exactly."""
+    from lily.kernels.conv1d import (
+        KERNEL_TAPS,
+        record_conv1d_chunk,
+        record_conv1d_commit,
+        tail_bytes,
+    )
+
+    def prepare(device: Device, rng: np.random.Generator) -> Trial:
+        weight = float32_to_bf16(rng.normal(0, 0.5, (channels, KERNEL_TAPS, 1)).astype(np.float32))
+        window = rng.normal(0, 1, (KERNEL_TAPS - 1, channels)).astype(np.float32)
+        initial_window = window.copy()
+        x = rng.normal(0, 1, (tokens, channels)).astype(np.float32)
+        out = np.full((tokens, channels), np.nan, dtype=np.float32)
+        tail = device.wrap(np.zeros(tail_bytes(channels, tokens) // 4, np.float32))
+        window_buffer = device.wrap(window)
+        graph = Graph()
+        record_conv1d_chunk(
+            graph,
+            device,
+            channels=channels,
+            tokens=tokens,
+            x=device.wrap(x),
+            weight=device.wrap(weight),
+            window=window_buffer,
+            out=device.wrap(out),
+            tail=tail,
+            candidates=tokens,
+        )
+        graph.barrier()
+        record_conv1d_commit(
+            graph,
+            device,
+            accepted=device.wrap(np.array([kept, 0], np.uint32)),
+            tail=tail,
+            window=window_buffer,
+            channels=channels,
+            candidates=tokens,
+        )
+
+        def verify() -> Comparison:
+            taps = bf16_to_float32(weight)[:, :, 0].astype(np.float64)
+            expected_window = initial_window.astype(np.float64)
+            expected = np.empty(out.shape)
+            for t in range(tokens):
+                expected[t], expected_window = reference.causal_conv1d_step(
+                    expected_window, x[t].astype(np.float64), taps
+                )
+            # The window after the waiting token and the kept drafts: their last 3 rows.
+            kept_rows = np.concatenate([initial_window, x[: kept + 1]])[-(KERNEL_TAPS - 1) :]
+            return compare_close(out, expected, 1e-5, 1e-6).merge(compare(window, kept_rows, 0))
+
+        return Trial(graph, verify, 2 * x.nbytes + weight.nbytes)
+
+    return prepare
+
+
 def _gdn_chunk(num_key_heads: int, num_value_heads: int, tokens: int):
     """The chunk kernel then the gated norm, chained as in prefill, against the float64
     recurrence token after token, with the chunk tests' tolerances."""
@@ -1488,6 +1662,17 @@ CHECKS: list[KernelCheck] = [
         ),
     ),
     KernelCheck("conv1d_chunk", "8192 channels, T=64", _conv1d_chunk(8192, 64)),
+    KernelCheck(
+        "conv1d_chunk (tail) + conv1d_commit",
+        "8192 channels, T=5, 2 kept",
+        _conv1d_verify(8192, 5, 2),
+    ),
+    KernelCheck(
+        "gdn_tokens + gdn_commit",
+        "16 key, 32 value heads, T=5, 2 kept",
+        _gdn_verify(16, 32, 5, 2),
+        True,
+    ),
     KernelCheck("gdn_chunk", "16 key, 32 value heads, T=64", _gdn_chunk(16, 32, 64), True),
     KernelCheck(
         "attention prepare+chunk",

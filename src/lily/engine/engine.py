@@ -559,17 +559,14 @@ class DeviceEngine:
         """Decodes after the first generated token with verify passes wherever `drafter` has
         drafts, one pass at a time (the next drafts depend on what this pass accepts).
 
-        The state (conv windows, GDN state) has consumed the tokens before position `fed`; the
-        tokens from `fed` to the newest are in the token history, waiting. A pass without
-        drafts feeds the waiting tokens and samples the next on the device, as the decode step
-        (or a prefill chunk) does. A verify pass feeds them and the drafts, and the device
-        draws a token per row, accepts the drafts the draws agree with and, when it rejects
-        one, puts the recurrent state back as it was before the pass (`ModelGraph.verify_graph`);
-        the host reads only the tokens. After a rejection the accepted tokens wait for the next
-        pass, and the KV rows past them are simply rewritten by it (attention reads only
-        positions before its own). One rejected pass's tokens wait for the next verify pass;
-        after a second rejection in a row the next pass only catches up (drafting nothing), so
-        that a run of rejections does not grow every pass.
+        The state (conv windows, GDN state) has consumed every token but the newest, which
+        waits in the token history. A pass without drafts feeds it and samples the next on the
+        device, as the decode step does. A verify pass feeds it and the drafts, and the device
+        draws a token per row, accepts the drafts the draws agree with and takes the recurrent
+        state to the last accepted one (`ModelGraph.verify_graph`), rejected draft or not; the
+        host reads only the tokens, and the model's own token is the next to wait. The KV rows
+        past it are simply rewritten by the next pass (attention reads only positions before
+        its own).
 
         Under a constraint each row draws under its own mask (`_row_masks`), and the
         constraint, told every draft, takes back those not accepted and is told the model's own
@@ -580,45 +577,45 @@ class DeviceEngine:
         constraint = request.constraint
         history, step = model.history_view(), model.step_view()
         tokens = [*request.prompt, *generated]
-        fed = len(tokens) - 1
-        rejections = 0  # verify passes since the state last consumed every token it was fed
         while len(generated) < request.max_new_tokens:
             _check_stop(should_stop)
-            last = len(tokens) - 1
-            waiting = last - fed + 1
+            last = len(tokens) - 1  # the waiting token's position
             limit = min(
                 request.max_new_tokens - len(generated) - 1,
                 MAX_DRAFT_TOKENS,
-                model.max_chunk - waiting,
+                model.max_chunk - 1,
             )
-            if waiting == 1 and drafter.exhausted and constraint is None:
+            if drafter.exhausted and constraint is None:
                 # Nothing will be drafted again: decode the rest pipelined.
                 count = request.max_new_tokens - len(generated)
                 yield from self._decode(last, count, request, should_stop)
                 return
             started = time.perf_counter()
             drafts = []
-            if limit > 0 and rejections < 2:
+            if limit > 0:
                 drafts = [int(t) for t in drafter.draft(tokens, limit)][:limit]
             drafts, masks = self._row_masks(request, drafts, last + 1)
             # The head reads the last pass's rows before this pass overwrites them.
             self._mtp_catch_up(draft=False)
             history[last + 1 : last + 1 + len(drafts)] = drafts
             # Everything the history holds counts as given: no advance overwrites it.
-            step[POSITION], step[PROMPT_END], step[TOKEN] = fed, last + 1 + len(drafts), tokens[fed]
+            step[POSITION], step[PROMPT_END], step[TOKEN] = (
+                last,
+                last + 1 + len(drafts),
+                tokens[last],
+            )
             if not drafts:
                 if constraint is not None:
                     write_token_mask(model.state.token_mask, masks[0])
-                device.run(model.graph(waiting, predicts=True))
-                self._mtp_pending = None if self._mtp_pending is None else (fed, waiting)
-                fed, rejections = last + 1, 0
+                device.run(model.decode)
+                self._mtp_pending = None if self._mtp_pending is None else (last, 1)
                 produced = [self._drawn(last + 1, request.sampling)]
                 if constraint is not None:
                     constraint.consume(produced[0].id)
                 told = 1
             else:
                 rows = len(drafts) + 1
-                graph = model.verify_graph(waiting + len(drafts), rows)
+                graph = model.verify_graph(rows, rows)
                 model.verify_position_view()[0] = last
                 write_token_masks(model.verify_token_masks, masks, model.token_count)
                 device.run(graph)
@@ -635,14 +632,10 @@ class DeviceEngine:
                 self._pass_seconds = time.perf_counter() - started
                 drafter.verified(drafts, len(chosen) - 1)
                 # The rows up to the last accepted draft's are right, rejected or not: the
-                # model's own token follows them.
+                # model's own token follows them, and the state has consumed them.
                 if self._mtp_pending is not None:
-                    self._mtp_pending = (fed, waiting + len(chosen) - 1)
-                if len(chosen) == rows:
-                    fed, rejections = last + rows, 0
-                else:
-                    rejections += 1  # the pass has restored the recurrent state
-                step[POSITION] = fed
+                    self._mtp_pending = (last, len(chosen))
+                step[POSITION] = last + len(chosen)
                 produced = [
                     GeneratedToken(token, self._logprobs(last + i, request.sampling))
                     for i, token in enumerate(chosen)

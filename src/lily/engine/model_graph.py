@@ -52,15 +52,24 @@ from lily.device import Graph
 from lily.engine.command_buffer_budget import command_buffer_flops
 from lily.engine.device_weights import DeviceWeights
 from lily.kernels import BufferRef, attention, offset_by
-from lily.kernels.conv1d import FoldedConvStep, record_conv1d_chunk, window_bytes
-from lily.kernels.copy import record_copy
+from lily.kernels.conv1d import (
+    FoldedConvStep,
+    record_conv1d_chunk,
+    record_conv1d_commit,
+    tail_bytes,
+    window_bytes,
+)
 from lily.kernels.embedding import EmbeddedInput, record_embedding
 from lily.kernels.gdn import (
     CHUNK_SUB_CHUNK,
+    VerifyUpdates,
     record_gdn_chunk,
+    record_gdn_commit,
     record_gdn_gated_norm,
     record_gdn_step,
+    record_gdn_tokens,
     state_bytes,
+    verify_updates_bytes,
 )
 from lily.kernels.gdn_out_proj import record_gdn_out_proj
 from lily.kernels.moe import MoeScratch, MoeWeights, record_moe
@@ -140,20 +149,72 @@ class SequenceState:
 
 
 def recurrent_state_bytes(c: ModelConfig) -> int:
-    """The conv windows and GDN states of every GDN layer: what a verify pass backs up."""
-    gdn_layers = c.num_hidden_layers - len(c.full_attention_layers)
-    return gdn_layers * (state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim))
+    """The conv windows and GDN states of every GDN layer."""
+    return _gdn_layers(c) * (
+        state_bytes(c.linear_num_value_heads) + window_bytes(c.linear_conv_dim)
+    )
+
+
+def _gdn_layers(c: ModelConfig) -> int:
+    return c.num_hidden_layers - len(c.full_attention_layers)
+
+
+def _candidate_bytes(c: ModelConfig, candidates: int) -> int:
+    """One GDN layer's record of a verify pass's candidate positions: the GDN's updates
+    (`VerifyUpdates`), then the conv's tail from `_tail_offset`."""
+    return _tail_offset(c, candidates) + tail_bytes(c.linear_conv_dim, candidates)
+
+
+def _tail_offset(c: ModelConfig, candidates: int) -> int:
+    """Where the conv's tail starts in a layer's record: after the updates, 16-byte aligned."""
+    updates = verify_updates_bytes(c.linear_num_key_heads, c.linear_num_value_heads, candidates)
+    return -(-updates // 16) * 16
 
 
 def verify_bytes(c: ModelConfig, token_count: int) -> int:
     """What verify passes allocate on first use: the rows' logits, the sampler's partials for
-    one draw per row, the rows' token masks, the draws, the acceptance, and the recurrent
-    state's backup."""
+    one draw per row, the rows' token masks, the draws, the acceptance, and each GDN layer's
+    record of the candidate positions (`_candidate_bytes`; 16.7 MiB on the real model, where a
+    copy of the recurrent state takes 63 MiB)."""
     rows = MAX_DRAFT_TOKENS + 1
     logits = 4 * rows * c.vocab_size
     sampler = sample_partials_bytes(token_count, rows) + token_mask_bytes(token_count, rows)
     sampler += 4 * rows + 4
-    return logits + sampler + accepted_bytes(MAX_DRAFT_TOKENS) + recurrent_state_bytes(c)
+    candidates = _gdn_layers(c) * _candidate_bytes(c, rows)
+    return logits + sampler + accepted_bytes(MAX_DRAFT_TOKENS) + candidates
+
+
+@dataclass(frozen=True)
+class VerifyStateTraffic:
+    """The recurrent state's bytes a verify pass moves beyond its weights and activations."""
+
+    copied: int  # copies of the state (a backup, a restore): none
+    read: int
+    written: int
+
+
+def verify_state_traffic(c: ModelConfig, tokens: int, rows: int) -> VerifyStateTraffic:
+    """What the recurrent state costs a verify pass over `tokens` tokens checking rows - 1
+    drafts (`ModelGraph.verify_graph`): gdn_tokens reads each GDN state once, and writes it
+    back only when tokens come before the candidates (tokens > rows; never in the engine, which
+    feeds one waiting token); each candidate's update (key, deltas, decay) is written once;
+    gdn_commit reads the state and those updates and writes the state once. The conv's windows
+    are read, their tails written and read back (counted whole: the commits read fewer).
+    Nothing is copied: on the real model 205, 209 and 212 MB at T = 2, 3 and 4 (the GDN state,
+    63 MB, read twice and written once; 3.4 MB more per candidate), where the backup and
+    restore this replaces moved 264 MB (the state, 66 MB with the windows, read and written by
+    the backup and by the chunk kernels) and 395 MB after a rejection, before the re-feed of
+    the accepted tokens."""
+    gdn = _gdn_layers(c)
+    state = gdn * state_bytes(c.linear_num_value_heads)
+    windows = gdn * window_bytes(c.linear_conv_dim)
+    candidates = gdn * _candidate_bytes(c, rows)
+    rewritten = state if tokens > rows else 0
+    return VerifyStateTraffic(
+        copied=0,
+        read=2 * state + windows + candidates,
+        written=state + rewritten + windows + candidates,
+    )
 
 
 # Activations only a chunk passes between its dispatches: the decode step folds the norms and
@@ -374,15 +435,17 @@ def pass_traffic(c: ModelConfig, tokens: int) -> PassTraffic:
 def verify_cost_ratio(c: ModelConfig, drafts: int) -> float:
     """How many decode steps' time a verify pass checking `drafts` drafts costs, on a roofline
     at RIDGE_OPS_PER_BYTE: a pass takes max(bytes, ops / RIDGE_OPS_PER_BYTE) byte-times, the
-    verify pass's bytes including its copy of the recurrent state into the backup (read and
-    written; the restore after a rejection is left out). Drafting pays when a pass yields more
-    tokens than this on average."""
+    verify pass's bytes including what its recurrent state moves beyond a decode step's one
+    read and write of it (`verify_state_traffic`). Drafting pays when a pass yields more tokens
+    than this on average."""
 
     def byte_times(tokens: int, extra: float) -> float:
         traffic = pass_traffic(c, tokens)
         return max(traffic.weight_bytes + extra, traffic.gemv_ops / RIDGE_OPS_PER_BYTE)
 
-    return byte_times(drafts + 1, 2.0 * recurrent_state_bytes(c)) / byte_times(1, 0.0)
+    state = verify_state_traffic(c, drafts + 1, drafts + 1)
+    extra = state.read + state.written - 2.0 * recurrent_state_bytes(c)
+    return byte_times(drafts + 1, extra) / byte_times(1, 0.0)
 
 
 def layer_flops(c: ModelConfig, start: int, tokens: int) -> list[float]:
@@ -507,10 +570,13 @@ class ModelGraph:
         the position in `verify_position_view` (the token row 0 consumes). The sampler draws one
         token per row, row g keyed on that position + g and obeying row g's mask in
         `verify_token_masks`, and `accept_drafts` keeps the drafts the draws agree with, for
-        `accepted_tokens` to read; all on the device. The recurrent
-        state is backed up before the layers and restored after the acceptance when a draft
-        was rejected, so that it is then the state before the pass. No step advance: the host
-        points the step buffer at the first token the state has not consumed."""
+        `accepted_tokens` to read; all on the device. The recurrent state is
+        then the state after the last token before the rows' drafts and the accepted drafts:
+        the GDN and conv kernels keep what each of the last `rows` tokens adds to it, and
+        after the acceptance apply as many as it kept (`record_gdn_commit`,
+        `record_conv1d_commit`), so neither a copy of the state nor a re-feed is needed. No
+        step advance: the host points the step buffer at the first token the state has not
+        consumed (the model's own token)."""
         if not 2 <= tokens <= self.max_chunk:
             raise ValueError(f"a verify pass takes 2 to {self.max_chunk} tokens, got {tokens}")
         most = min(tokens, MAX_DRAFT_TOKENS + 1)
@@ -652,7 +718,25 @@ class _VerifyBuffers:
         self.drawn = device.alloc(4 * rows)
         self.position = device.alloc(4)
         self.accepted = device.alloc(accepted_bytes(MAX_DRAFT_TOKENS))
-        self.recurrent_backup = device.alloc(recurrent_state_bytes(c))
+        # Each GDN layer's record of the candidate positions, for the most rows a pass checks.
+        layer_bytes = _candidate_bytes(c, rows)
+        self.candidates = device.alloc(_gdn_layers(c) * layer_bytes)
+        gdn_layers = [i for i, kind in enumerate(c.layer_types) if kind != FULL_ATTENTION]
+        self.slot = {layer: n * layer_bytes for n, layer in enumerate(gdn_layers)}
+        self.tail_offset = _tail_offset(c, rows)
+
+    def updates(self, c: ModelConfig, layer: int, rows: int) -> VerifyUpdates:
+        """Where GDN layer `layer` keeps its candidates' updates in a pass of `rows` rows."""
+        return VerifyUpdates(
+            (self.candidates, self.slot[layer]),
+            c.linear_num_key_heads,
+            c.linear_num_value_heads,
+            rows,
+        )
+
+    def tail(self, layer: int) -> BufferRef:
+        """Where GDN layer `layer`'s conv leaves its tail in any pass."""
+        return (self.candidates, self.slot[layer] + self.tail_offset)
 
 
 class _Recorder:
@@ -746,8 +830,6 @@ class _Recorder:
 
     def record(self) -> Graph:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
-        if self.verify_rows:
-            self.back_up_recurrent_state()
         # At T = 1 layer 0's first GEMV reads the embedding itself (decode_layer_input).
         if not self.folds_norms:
             position = (self.state.step, 0)
@@ -864,17 +946,10 @@ class _Recorder:
         record_qgemv(g, dev, m.mtp_out, [(w.quantized(self.head_weight), m.mtp_logits)])
         return g
 
-    def back_up_recurrent_state(self) -> None:
-        """A verify pass's first dispatches: the conv windows and GDN states into the backup."""
-        backup, offset = self.m._verify_buffers.recurrent_backup, 0
-        for buffer in self.state.recurrent_buffers():
-            record_copy(self.g, self.dev, buffer, (backup, offset), buffer.size)
-            offset += buffer.size
-        self.g.barrier()
-
     def verify_head(self) -> None:
         """The lm_head over the verified rows (the final norm is in `normed`), one GEMV over
-        them; a draw per row; the acceptance; the state's restore if a draft was rejected."""
+        them; a draw per row; the acceptance; then the recurrent state taken to the last
+        accepted position (`verify_graph`)."""
         g, dev, m, state, rows = self.g, self.dev, self.m, self.state, self.verify_rows
         verify = m._verify_buffers
         first = self.hidden_row(self.final_normed, self.tokens - rows)
@@ -913,11 +988,21 @@ class _Recorder:
             accepted=verify.accepted,
         )
         g.barrier()
-        offset, restore = 0, (verify.accepted, rows - 1)
-        for buffer in state.recurrent_buffers():
-            backup = (verify.recurrent_backup, offset)
-            record_copy(g, dev, backup, buffer, buffer.size, if_rejected=restore)
-            offset += buffer.size
+        for i, window in state.conv_windows.items():
+            tail = verify.tail(i)
+            record_conv1d_commit(
+                g,
+                dev,
+                accepted=verify.accepted,
+                tail=tail,
+                window=window,
+                channels=self.c.linear_conv_dim,
+                candidates=rows,
+            )
+            updates = verify.updates(self.c, i, rows)
+            record_gdn_commit(
+                g, dev, accepted=verify.accepted, state=state.recurrent[i], updates=updates
+            )
 
     @property
     def head_weight(self) -> str:
@@ -1002,6 +1087,8 @@ class _Recorder:
         else:
             self.project_normed(i, input_norm, [(qkv_weight, s.qkv_projected), *gates])
             g.barrier()
+            # A verify pass leaves the window to the commit after its acceptance.
+            verify = self.m._verify_buffers if self.verify_rows else None
             record_conv1d_chunk(
                 g,
                 dev,
@@ -1011,12 +1098,17 @@ class _Recorder:
                 out=s.qkv,
                 channels=c.linear_conv_dim,
                 tokens=T,
+                tail=verify.tail(i) if verify else None,
+                candidates=self.verify_rows,
             )
         g.barrier()
-        weights = dict(
+        gates_and_state = dict(
             a_log=w.tensor(prefix + "A_log"),
             dt_bias=w.tensor(prefix + "dt_bias"),
             state=self.state.recurrent[i],
+        )
+        weights = dict(
+            **gates_and_state,
             num_key_heads=c.linear_num_key_heads,
             num_value_heads=c.linear_num_value_heads,
             key_head_dim=c.linear_key_head_dim,
@@ -1036,23 +1128,32 @@ class _Recorder:
                 weight=out_proj,
                 residual=s.residual,
             )
+            return
+        if self.verify_rows:
+            # The step's recurrence over the pass's few tokens, keeping the candidates' updates
+            # for the commit after the acceptance.
+            updates = self.m._verify_buffers.updates(c, i, self.verify_rows)
+            record_gdn_tokens(
+                g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, updates=updates,
+                **gates_and_state,
+            )  # fmt: skip
         else:
             record_gdn_chunk(
                 g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, **weights
             )
-            g.barrier()
-            record_gdn_gated_norm(
-                g,
-                dev,
-                x=s.gdn_out,
-                z=s.z,
-                norm_weight=norm_weight,
-                tokens=T,
-                num_value_heads=c.linear_num_value_heads,
-                norm_eps=c.rms_norm_eps,
-            )
-            g.barrier()
-            self.project_into_residual(s.gdn_out, out_proj)
+        g.barrier()
+        record_gdn_gated_norm(
+            g,
+            dev,
+            x=s.gdn_out,
+            z=s.z,
+            norm_weight=norm_weight,
+            tokens=T,
+            num_value_heads=c.linear_num_value_heads,
+            norm_eps=c.rms_norm_eps,
+        )
+        g.barrier()
+        self.project_into_residual(s.gdn_out, out_proj)
 
     def attention(self, i: int, prefix: str, input_norm: str) -> None:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens

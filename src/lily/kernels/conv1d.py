@@ -3,7 +3,8 @@
 
 The window holds the last 3 pre-conv rows as fp32 [3, channels], oldest first, and is updated in
 place by both kernels, so one buffer per layer carries the convolution state across steps and
-chunks, in any mix.
+chunks, in any mix. A verify pass's chunk leaves it alone and writes its last rows to a tail,
+from which `conv1d_commit` takes the window after the position the acceptance keeps.
 """
 
 from __future__ import annotations
@@ -71,15 +72,22 @@ def record_conv1d_chunk(
     out: BufferRef,
     channels: int,
     tokens: int,
+    tail: BufferRef | None = None,
+    candidates: int = 0,
 ) -> None:
     """The convolution of `tokens` consecutive rows continuing from the window, then SiLU; the
     window is left holding the last 3 rows of (window ++ x), as `tokens` steps would leave it.
+    A verify pass's (`candidates` > 0, its last tokens among which the acceptance chooses where
+    the sequence ends) leaves the window alone and writes the last candidates + 2 rows of
+    (window ++ x) to `tail` [candidates + 2, channels], for `record_conv1d_commit`.
 
     x, out: fp32 [tokens, channels]; weight: bf16 [channels, 4, 1]; window: fp32 [3, channels].
     One dispatch; out must not alias x or the window.
     """
     if tokens <= 0:
         raise ValueError(f"a chunk needs at least one token, not {tokens}")
+    if (tail is None) != (candidates == 0) or not 0 <= candidates <= tokens:
+        raise ValueError(f"a tail needs 1 to {tokens} candidates, got {candidates}")
     graph.dispatch(
         device.kernel("conv1d_chunk"),
         threadgroups=(
@@ -88,6 +96,42 @@ def record_conv1d_chunk(
             1,
         ),
         threads=(THREADS_PER_THREADGROUP, 1, 1),
-        buffers={1: binding(x), 2: binding(weight), 3: binding(window), 4: binding(out)},
-        bytes={0: pack_params("II", channels, tokens)},
+        buffers={
+            1: binding(x),
+            2: binding(weight),
+            3: binding(window),
+            4: binding(out),
+            # Unread without candidates: the window stands in.
+            5: binding(window if tail is None else tail),
+        },
+        bytes={
+            0: pack_params("III", channels, tokens, candidates and candidates + KERNEL_TAPS - 2)
+        },
+    )
+
+
+def tail_bytes(channels: int, candidates: int) -> int:
+    """Size of one layer's tail for a verify pass of `candidates` candidates."""
+    return (candidates + KERNEL_TAPS - 2) * channels * 4
+
+
+def record_conv1d_commit(
+    graph: Graph,
+    device: Device,
+    *,
+    accepted: BufferRef,
+    tail: BufferRef,
+    window: BufferRef,
+    channels: int,
+    candidates: int,
+) -> None:
+    """After `record_accept_drafts`: the window after the verify pass's last waiting token and
+    the accepted drafts, rows n .. n + 2 (n the accepted count) of the tail that
+    `record_conv1d_chunk` wrote."""
+    graph.dispatch(
+        device.kernel("conv1d_commit"),
+        threadgroups=(ceil_div(channels, THREADS_PER_THREADGROUP), 1, 1),
+        threads=(THREADS_PER_THREADGROUP, 1, 1),
+        buffers={1: binding(accepted), 2: binding(tail), 3: binding(window)},
+        bytes={0: pack_params("II", channels, candidates)},
     )

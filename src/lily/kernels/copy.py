@@ -1,5 +1,5 @@
-"""Launching word-for-word copies of device memory (`metal/copy.metal`): a verify pass's backup
-of the recurrent state, and its restore after a rejected draft."""
+"""Launching word-for-word copies of device memory (`metal/copy.metal`), in order with the
+dispatches around them (the benchmarks' and tests' data movement on the device)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,9 @@ def record_copy(
     destination: BufferRef,
     nbytes: int,
     *,
-    if_rejected: tuple[BufferRef, int] | None = None,
     threads: int = COPY_THREADS,
 ) -> None:
-    """destination[:nbytes] = source[:nbytes] (a whole number of 4-byte words). With
-    `if_rejected` = (accepted, drafts), only when the count `record_accept_drafts` wrote to
-    `accepted` is below `drafts`, i.e. when the verify pass rejected a draft."""
+    """destination[:nbytes] = source[:nbytes] (a whole number of 4-byte words)."""
     if nbytes <= 0 or nbytes % 4:
         raise ValueError(f"a copy takes a positive whole number of 4-byte words, got {nbytes} B")
     if threads % 32 or not 32 <= threads <= 1024:
@@ -37,15 +34,10 @@ def record_copy(
         if offset % 4 or buffer.size - offset < nbytes:
             raise ValueError(f"{name} needs {nbytes} bytes at a word offset, got offset {offset}")
     words = nbytes // 4
-    buffers = {1: binding(source), 2: binding(destination)}
-    drafts = 0
-    if if_rejected is not None:
-        accepted, drafts = if_rejected
-        buffers[3] = binding(accepted)
     graph.dispatch(
-        device.kernel("copy_words" if if_rejected is None else "restore_if_rejected"),
+        device.kernel("copy_words"),
         threadgroups=(ceil_div(words, threads * WORDS_PER_THREAD), 1, 1),
         threads=(threads, 1, 1),
-        buffers=buffers,
-        bytes={0: pack_params("II", words, drafts)},
+        buffers={1: binding(source), 2: binding(destination)},
+        bytes={0: pack_params("I", words)},
     )

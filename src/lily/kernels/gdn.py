@@ -5,7 +5,9 @@ One dispatch takes the conv output (q | k | v), a and b of one layer, updates th
 [Hv, Dv, Dk] in place and writes the readout S q [Hv * Dv] per token. Neither kernel applies the
 gated RMSNorm, which needs a whole head while both split a head's rows over threadgroups: after
 a step `gdn_out_proj` applies it as it reads the readout, after a chunk `gdn_gated_norm` does, in
-place. The step runs the recurrence token by token; the chunk runs its chunkwise form
+place. The step runs the recurrence token by token; so does a verify pass's `gdn_tokens`, which
+keeps what its last tokens add to the state instead of writing it, for `gdn_commit` to apply
+as many of them as the acceptance keeps. The chunk runs its chunkwise form
 (`lily.diagnostics.kernel_checks.reference_gdn_chunkwise`): sub-chunks of 16 tokens whose
 products are simdgroup-matrix multiplies, the state carried from one sub-chunk to the next on
 chip.
@@ -13,9 +15,10 @@ chip.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lily.kernels import BufferRef, binding, pack_params, require_aligned
+from lily.kernels import BufferRef, binding, offset_by, pack_params, require_aligned
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -82,6 +85,105 @@ def record_gdn_step(
             for index, ref in enumerate((qkv, a, b, a_log, dt_bias, state, readout), start=1)
         },
         bytes={0: pack_params("II", num_key_heads, num_value_heads)},
+    )
+
+
+@dataclass(frozen=True)
+class VerifyUpdates:
+    """Where `record_gdn_tokens` keeps what each of a verify pass's candidate tokens adds to one
+    layer's state, for `record_gdn_commit`: fp32 keys [candidates, Hk*128] (normalised), deltas
+    [candidates, Hv*128] and decays [candidates, Hv], laid out in that order from `buffer`."""
+
+    buffer: BufferRef
+    num_key_heads: int
+    num_value_heads: int
+    candidates: int
+
+    def parts(self) -> tuple[BufferRef, BufferRef, BufferRef]:
+        keys = self.candidates * self.num_key_heads * KEY_HEAD_DIM * 4
+        deltas = self.candidates * self.num_value_heads * VALUE_HEAD_DIM * 4
+        return (
+            self.buffer,
+            offset_by(self.buffer, keys),
+            offset_by(self.buffer, keys + deltas),
+        )
+
+
+def verify_updates_bytes(num_key_heads: int, num_value_heads: int, candidates: int) -> int:
+    """Size of one layer's `VerifyUpdates`."""
+    per_token = num_key_heads * KEY_HEAD_DIM + num_value_heads * (VALUE_HEAD_DIM + 1)
+    return 4 * candidates * per_token
+
+
+def record_gdn_tokens(
+    graph: Graph,
+    device: Device,
+    *,
+    qkv: BufferRef,
+    a: BufferRef,
+    b: BufferRef,
+    a_log: BufferRef,
+    dt_bias: BufferRef,
+    state: BufferRef,
+    readout: BufferRef,
+    updates: VerifyUpdates,
+    tokens: int,
+) -> None:
+    """A verify pass's `tokens` Gated DeltaNet steps, token by token with the step's
+    arithmetic, up to each token's readout S q; the state is left after the tokens before the
+    last `updates.candidates`, and those candidates' updates go to `updates` for
+    `record_gdn_commit` (gdn.metal's verify section).
+
+    qkv: fp32 conv output [tokens, q Hk*128 | k Hk*128 | v Hv*128]; a, b fp32 [tokens, Hv];
+    a_log fp32 [Hv]; dt_bias bf16 [Hv]; state fp32 [Hv, 128, 128]; readout fp32 [tokens, Hv*128].
+    """
+    hk, hv, candidates = updates.num_key_heads, updates.num_value_heads, updates.candidates
+    _check_heads(hk, hv, KEY_HEAD_DIM, VALUE_HEAD_DIM)
+    if not 1 <= candidates <= tokens:
+        raise ValueError(
+            f"a pass over {tokens} tokens keeps 1 to {tokens} candidates, got {candidates}"
+        )
+    keys, deltas, decays = updates.parts()
+    for ref, what in (
+        (qkv, "GDN qkv"),
+        (state, "GDN state"),
+        (readout, "GDN readout"),
+        (keys, "GDN keys"),
+        (deltas, "GDN deltas"),
+    ):
+        require_aligned(ref, 16, what)
+    refs = (qkv, a, b, a_log, dt_bias, state, readout, keys, deltas, decays)
+    graph.dispatch(
+        device.kernel("gdn_tokens"),
+        threadgroups=(hv * VALUE_HEAD_DIM // STEP_ROWS_PER_THREADGROUP, 1, 1),
+        threads=(STEP_THREADS_PER_THREADGROUP, 1, 1),
+        buffers={index: binding(ref) for index, ref in enumerate(refs, start=1)},
+        bytes={0: pack_params("IIII", hk, hv, tokens, candidates)},
+    )
+
+
+def record_gdn_commit(
+    graph: Graph,
+    device: Device,
+    *,
+    accepted: BufferRef,
+    state: BufferRef,
+    updates: VerifyUpdates,
+) -> None:
+    """After `record_accept_drafts`: the first (accepted count + 1) candidate updates that
+    `record_gdn_tokens` kept, applied to the state in place, which is then the state after the
+    pass's last waiting token and its accepted drafts."""
+    hk, hv = updates.num_key_heads, updates.num_value_heads
+    keys, deltas, decays = updates.parts()
+    for ref, what in ((state, "GDN state"), (keys, "GDN keys"), (deltas, "GDN deltas")):
+        require_aligned(ref, 16, what)
+    refs = (accepted, state, keys, deltas, decays)
+    graph.dispatch(
+        device.kernel("gdn_commit"),
+        threadgroups=(hv * VALUE_HEAD_DIM // STEP_ROWS_PER_THREADGROUP, 1, 1),
+        threads=(STEP_THREADS_PER_THREADGROUP, 1, 1),
+        buffers={index: binding(ref) for index, ref in enumerate(refs, start=1)},
+        bytes={0: pack_params("III", hk, hv, updates.candidates)},
     )
 
 
