@@ -42,7 +42,8 @@ def configure(
     (source / "metal" / "msl_versions.txt").write_text(
         versions or "# comment\ndefault 3.1 14.0\nnewer.metal 4.0 26.0\n"
     )
-    (source / "csrc" / "metal" / "metal_device.mm").write_text("")
+    for device_source in ("metal_device.mm", "gpu_core_count.cpp"):
+        (source / "csrc" / "metal" / device_source).write_text("")
     (source / "module.cpp").write_text("int x;\n")
     (source / "CMakeLists.txt").write_text(
         "cmake_minimum_required(VERSION 3.24)\n"
