@@ -68,6 +68,7 @@ def main() -> None:
     with lily.load(args.model, device="sim", max_seq=512, speculative="off") as llm:
         model = llm.engine._model
         device = llm.engine.device
+        model._graphs.clear()  # loading recorded some: record them again, dispatch by dispatch
         rows = args.drafts + 1
         profile(device, "decode step", lambda: model.graph(1, predicts=True), singles, args.top)
         profile(
