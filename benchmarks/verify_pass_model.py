@@ -47,9 +47,6 @@ from lily.kernels.quantized_gemm import dense_tile_tokens, grouped_tile_tokens
 
 BYTES_PER_WEIGHT = 4.5 / 8  # 4-bit codes, a bf16 scale and bias per 64
 ROUTER_BYTES_PER_WEIGHT = 8.5 / 8  # the 8-bit router and shared-expert gate
-# The GEMV-shaped kernels unpack each code once per token: about 4 ALU operations per weight per
-# token (shift, mask, convert, FMA), so many tokens can make them ALU-bound.
-GEMV_OPS_PER_WEIGHT_TOKEN = 4
 # The prefill GEMM's tiles as this model runs them: fp32 simdgroup tiles at 30% of the fp32 peak
 # (what prefill_model.py assumed for them before the GEMMs took 2-byte operands).
 FP32_TILE_EFFICIENCY = 0.3
@@ -136,7 +133,9 @@ def main() -> None:
             bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY[CENTRAL]
             rate = gpu.fp32_rate * FP32_TILE_EFFICIENCY
             before = max(gb / bandwidth, tiles / rate)
-            after = max(gb / bandwidth, gemv_ops / gpu.fp32_rate)
+            # gemv_ops are instructions (model_graph.pass_traffic): an FMA is two of the
+            # published FLOPs, so the GPU issues fp32_rate / 2 of them a second.
+            after = max(gb / bandwidth, gemv_ops / (gpu.fp32_rate / 2))
             times.append(f"{gpu.name.split(' (')[0]} {before * 1e3:6.1f} -> {after * 1e3:5.1f}")
             weights_seconds[gpu.name.split(" (")[0], tokens] = after
         print(

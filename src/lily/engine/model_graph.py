@@ -387,13 +387,17 @@ def token_macs(c: ModelConfig) -> TokenMacs:
     )
 
 
-# The GEMV-shaped kernels unpack each code once per token they multiply it with: about 4 ALU
-# operations per weight per token (shift, mask, convert, FMA).
-GEMV_OPS_PER_WEIGHT_TOKEN = 4
-# Where an Apple GPU turns from bandwidth- to ALU-bound: fp32 operations per byte read at 80% of
-# the peak bandwidth. 37 on an M5 Max (18.4 TFLOP/s, 614 GB/s), 37 on an M4 Max (16.2, 546), 33
-# on an M1 Pro (5.2, 200): benchmarks/prefill_model.py's figures, published specs.
-RIDGE_OPS_PER_BYTE = 18.4e12 / (0.8 * 614e9)
+# ALU instructions per weight: unpacking a code (shift, mask, convert) and one FMA per token.
+# The decode step's GEMVs and the MoE's few-token path unpack per token (4 per weight and
+# token); `qgemv_tokens` (a verify pass's projections and lm_head) unpacks once for all its
+# tokens (3 + 1 per token).
+UNPACK_OPS_PER_WEIGHT = 3
+FMA_OPS_PER_WEIGHT_TOKEN = 1
+# Where an Apple GPU turns from bandwidth- to ALU-bound: fp32 instructions per byte read at 80%
+# of the peak bandwidth, an FMA being one instruction and two of the published FLOPs. 18.7 on
+# an M5 Max (18.4 TFLOP/s, 614 GB/s), 18.5 on an M4 Max (16.2, 546), 16 on an M1 Pro (5.2,
+# 200): benchmarks/prefill_model.py's figures, published specs.
+RIDGE_OPS_PER_BYTE = 18.4e12 / 2 / (0.8 * 614e9)
 
 
 @dataclass(frozen=True)
@@ -409,7 +413,8 @@ def pass_traffic(c: ModelConfig, tokens: int) -> PassTraffic:
     """A decode step's (1 token) or a verify pass's (2 to 9, run by the GEMV-shaped kernels)
     weight traffic: every projection and the lm_head read once, and each expert some token
     chose read once, at the expected number of distinct experts when each token chooses
-    num_experts_per_tok of num_experts uniformly; the ALU work grows with every token."""
+    num_experts_per_tok of num_experts uniformly; the ALU work grows with every token (the
+    projections' codes unpacked once, the experts' once per token)."""
     macs = token_macs(c)
     layers, d = c.num_hidden_layers, c.hidden_size
     attention_layers = len(c.full_attention_layers)
@@ -428,8 +433,11 @@ def pass_traffic(c: ModelConfig, tokens: int) -> PassTraffic:
     weights = dense + head + layers * distinct * expert
     weight_bytes = weights * bytes_per_weight(LM_HEAD)
     weight_bytes += layers * router * bytes_per_weight(MODEL + "layers.0.mlp.gate")
-    useful = tokens * (dense + head + layers * (router + c.num_experts_per_tok * expert))
-    return PassTraffic(weight_bytes, GEMV_OPS_PER_WEIGHT_TOKEN * useful)
+    projections = dense + head + layers * router
+    experts = layers * c.num_experts_per_tok * expert
+    per_token = UNPACK_OPS_PER_WEIGHT + FMA_OPS_PER_WEIGHT_TOKEN
+    unpacked_once = UNPACK_OPS_PER_WEIGHT + FMA_OPS_PER_WEIGHT_TOKEN * tokens
+    return PassTraffic(weight_bytes, projections * unpacked_once + experts * per_token * tokens)
 
 
 def verify_cost_ratio(c: ModelConfig, drafts: int) -> float:
