@@ -10,7 +10,11 @@ its arithmetic, while on a GPU a pass of a few tokens costs about what a decode 
 (reading the weights). Every arm is warmed up first (graphs are recorded on first use) and
 must give the same answer.
 
-It first prints what a verify pass of the full-size graph (the real model's config.json, as
+It first prints a model of the delivered tok/s on an M4 Max and an M5 Max, plain and with the
+MTP head (k = 1..3) or prompt lookup (k = 4) at per-draft acceptance 0.9 / 0.7 / 0.5
+(`print_mac_estimate`: an estimate from the shapes and published bandwidths, not a
+measurement), the loaded model's levels per decode step and verify pass, and what a verify
+pass of the full-size graph (the real model's config.json, as
 make_synthetic_checkpoint.py writes it) moves of the recurrent state, per k drafts: the bytes
 copied (a backup or a restore: none since the pass keeps its candidates' updates, issue 39),
 read and written (`model_graph.verify_state_traffic`). That part is arithmetic on the shapes,
@@ -35,13 +39,30 @@ import time
 from collections import Counter
 
 from make_synthetic_checkpoint import real_config
+from prefill_model import CENTRAL, GPUS, LEVEL_SECONDS, MEMORY_EFFICIENCY
 
 import lily
 from lily.checkpoint.config import parse_config
 from lily.device import Device
-from lily.engine.model_graph import MAX_DRAFT_TOKENS, ModelGraph, verify_state_traffic
+from lily.engine.model_graph import (
+    MAX_DRAFT_TOKENS,
+    ModelGraph,
+    pass_traffic,
+    recurrent_state_bytes,
+    verify_cost_ratio,
+    verify_state_traffic,
+)
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+# The Mac estimate's inputs: the graphs' levels (issue 39's review counted 253 for the decode
+# step and 408 for a verify pass at the real dims), a 4-bit weight with its bf16 scale and bias
+# per 64, a host round trip per head draft (the review's ~0.95 ms: a command buffer's commit,
+# wait and the host's argmax), per-draft acceptance rates (published first-draft rates for
+# Qwen3.5/3.6 MTP heads are 0.72-0.83: vLLM, vllm-mlx, mlx-lm PR 990, per issue 39).
+DECODE_LEVELS, VERIFY_LEVELS = 253, 408
+BYTES_PER_WEIGHT = 4.5 / 8
+HOST_ROUND_TRIP_S = 0.95e-3
+ACCEPTANCE = (0.9, 0.7, 0.5)
 # Mostly text the grammar forces (keys, separators, the rest of an enum value), repeated once per
 # item: what prompt lookup finds in the answer so far and a grammar lets through.
 ORDER_FORMAT = {
@@ -85,6 +106,50 @@ def print_state_traffic() -> None:
         )
 
 
+def print_levels(model: ModelGraph) -> None:
+    """The levels (barriers) of the loaded model's decode step and verify passes: the demo's
+    8 layers walk the real model's layer pattern, so the ratio is the real graph's too."""
+    decode = model.graph(1, predicts=True).barrier_count
+    drafts = range(1, MAX_DRAFT_TOKENS + 1)
+    verify = {model.verify_graph(k + 1, k + 1).barrier_count for k in drafts}
+    shown = ", ".join(f"{levels} ({levels / decode:.2f}x)" for levels in sorted(verify))
+    print(f"levels: decode step {decode}, verify pass (k = 1..{MAX_DRAFT_TOKENS}) {shown}")
+
+
+def print_mac_estimate() -> None:
+    """A MODEL of the delivered decode speed on a Mac, plain and with drafts, at per-draft
+    acceptance a (each draft kept with probability a once those before it were): a pass of k
+    drafts yields (1 - a^(k+1)) / (1 - a) tokens and costs its verify pass
+    (`verify_cost_ratio` decode steps' bytes, plus the verify graph's extra levels) and, for
+    the MTP head, k head steps (one MTP layer and the lm_head read, and a host round trip for
+    the argmax each, as the engine drafts today)."""
+    c = parse_config(real_config())
+    head = c.vocab_size * c.hidden_size * BYTES_PER_WEIGHT
+    mtp_layer = (pass_traffic(c, 1).weight_bytes - head) / c.num_hidden_layers
+    print(
+        "delivered tok/s on a Mac (a MODEL: weights at 80% of the published bandwidth, "
+        f"{DECODE_LEVELS} / {VERIFY_LEVELS} levels at {LEVEL_SECONDS * 1e6:.0f} us, "
+        f"{HOST_ROUND_TRIP_S * 1e3:.2f} ms per head draft's round trip)"
+    )
+    for gpu in GPUS[1:]:
+        bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY[CENTRAL]
+        step_bytes = pass_traffic(c, 1).weight_bytes + 2 * recurrent_state_bytes(c)
+        step = step_bytes / bandwidth + DECODE_LEVELS * LEVEL_SECONDS
+        print(f"  {gpu.name}: plain {1 / step:.0f}")
+        for source, ks in (("mtp", (1, 2, 3)), ("ngram", (4,))):
+            for k in ks:
+                verify = verify_cost_ratio(c, k) * (step_bytes / bandwidth)
+                verify += VERIFY_LEVELS * LEVEL_SECONDS
+                drafting = 0.0
+                if source == "mtp":
+                    drafting = k * ((mtp_layer + head) / bandwidth + HOST_ROUND_TRIP_S)
+                rates = []
+                for a in ACCEPTANCE:
+                    tokens = (1 - a ** (k + 1)) / (1 - a)
+                    rates.append(f"a={a}: {tokens / (verify + drafting):.0f}")
+                print(f"    {source} k={k}: " + ", ".join(rates))
+
+
 def count_round_trips(counts: Counter) -> None:
     """Counts synchronous device runs ("runs") and verify graphs asked for ("verify passes",
     one per pass: the engine asks for the graph as it submits it) into `counts`."""
@@ -114,10 +179,12 @@ def main() -> None:
     args = parser.parse_args()
     messages = [{"role": "user", "content": args.message}]
     print_state_traffic()
+    print_mac_estimate()
     # Loaded with the head when there is one ("auto"), so that its arm can run too.
     with lily.load(
         args.model, device="sim", max_seq=512, speculative="auto", draft_tokens=args.draft_tokens
     ) as llm:
+        print_levels(llm.engine._model)
         params = dict(messages=messages, max_tokens=args.tokens, temperature=0, **NO_THINKING)
         if args.json_schema:
             params["response_format"] = ORDER_FORMAT
