@@ -82,19 +82,22 @@ class PredictedText:
     def read(self, reply: Sequence[int]) -> None:
         """Follows the reply's tokens past those read already through the prediction."""
         for token in reply[self._read :]:
-            self._follow(self._parser.feed(self._decoder.add(int(token))).content)
-        self._read = max(self._read, len(reply))
+            self._add(token)
 
     def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
         for token in tokens[self._reply_start + self._read :]:
-            self._follow(self._parser.feed(self._decoder.add(int(token))).content)
-            self._read += 1
+            self._add(token)
         if self._at is None or self._decoder.pending or self._parser.in_reasoning:
             return []  # no answer yet, off the prediction, or inside a character
         return self._tokenize_from(self._at, limit)
 
     def verified(self, accepted: int) -> None:
         """Nothing to do: the next `draft` reads the accepted tokens from the reply."""
+
+    def _add(self, token: int) -> None:
+        """One more reply token: its text, as the answer shows it, followed."""
+        self._follow(self._parser.feed(self._decoder.add(int(token))).content)
+        self._read += 1
 
     def _follow(self, piece: str) -> None:
         if not piece:
