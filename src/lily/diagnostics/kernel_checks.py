@@ -1313,17 +1313,37 @@ def _moe_chunk(tokens: int, hidden: int, experts: int, top_k: int, expert_rows: 
     return prepare
 
 
+def _conv1d_inputs(rng: np.random.Generator, channels: int, tokens: int):
+    """A conv1d check's bf16 taps, window and x, and an output buffer of NaNs."""
+    from lily.kernels.conv1d import KERNEL_TAPS
+
+    weight = float32_to_bf16(rng.normal(0, 0.5, (channels, KERNEL_TAPS, 1)).astype(np.float32))
+    window = rng.normal(0, 1, (KERNEL_TAPS - 1, channels)).astype(np.float32)
+    x = rng.normal(0, 1, (tokens, channels)).astype(np.float32)
+    out = np.full((tokens, channels), np.nan, dtype=np.float32)
+    return weight, window, x, out
+
+
+def _conv1d_steps(weight: np.ndarray, window: np.ndarray, x: np.ndarray):
+    """The float64 reference: x's outputs token by token from `window`, and the window after."""
+    taps = bf16_to_float32(weight)[:, :, 0].astype(np.float64)
+    expected_window = window.astype(np.float64)
+    expected = np.empty(x.shape)
+    for t in range(len(x)):
+        expected[t], expected_window = reference.causal_conv1d_step(
+            expected_window, x[t].astype(np.float64), taps
+        )
+    return expected, expected_window
+
+
 def _conv1d_chunk(channels: int, tokens: int):
     """Against `tokens` float64 steps with the step's tolerance: the chunk kernel does the step
     kernel's arithmetic for every output."""
-    from lily.kernels.conv1d import KERNEL_TAPS, record_conv1d_chunk
+    from lily.kernels.conv1d import record_conv1d_chunk
 
     def prepare(device: Device, rng: np.random.Generator) -> Trial:
-        weight = float32_to_bf16(rng.normal(0, 0.5, (channels, KERNEL_TAPS, 1)).astype(np.float32))
-        window = rng.normal(0, 1, (KERNEL_TAPS - 1, channels)).astype(np.float32)
+        weight, window, x, out = _conv1d_inputs(rng, channels, tokens)
         initial_window = window.copy()
-        x = rng.normal(0, 1, (tokens, channels)).astype(np.float32)
-        out = np.full((tokens, channels), np.nan, dtype=np.float32)
         graph = Graph()
         record_conv1d_chunk(
             graph,
@@ -1337,13 +1357,7 @@ def _conv1d_chunk(channels: int, tokens: int):
         )
 
         def verify() -> Comparison:
-            taps = bf16_to_float32(weight)[:, :, 0].astype(np.float64)
-            expected_window = initial_window.astype(np.float64)
-            expected = np.empty(out.shape)
-            for t in range(tokens):
-                expected[t], expected_window = reference.causal_conv1d_step(
-                    expected_window, x[t].astype(np.float64), taps
-                )
+            expected, expected_window = _conv1d_steps(weight, initial_window, x)
             return compare_close(out, expected, 1e-5, 1e-6).merge(
                 compare(window, expected_window.astype(np.float32), 0)
             )
@@ -1364,11 +1378,8 @@ def _conv1d_verify(channels: int, tokens: int, kept: int):
     )
 
     def prepare(device: Device, rng: np.random.Generator) -> Trial:
-        weight = float32_to_bf16(rng.normal(0, 0.5, (channels, KERNEL_TAPS, 1)).astype(np.float32))
-        window = rng.normal(0, 1, (KERNEL_TAPS - 1, channels)).astype(np.float32)
+        weight, window, x, out = _conv1d_inputs(rng, channels, tokens)
         initial_window = window.copy()
-        x = rng.normal(0, 1, (tokens, channels)).astype(np.float32)
-        out = np.full((tokens, channels), np.nan, dtype=np.float32)
         tail = device.wrap(np.zeros(tail_bytes(channels, tokens) // 4, np.float32))
         window_buffer = device.wrap(window)
         graph = Graph()
@@ -1396,13 +1407,7 @@ def _conv1d_verify(channels: int, tokens: int, kept: int):
         )
 
         def verify() -> Comparison:
-            taps = bf16_to_float32(weight)[:, :, 0].astype(np.float64)
-            expected_window = initial_window.astype(np.float64)
-            expected = np.empty(out.shape)
-            for t in range(tokens):
-                expected[t], expected_window = reference.causal_conv1d_step(
-                    expected_window, x[t].astype(np.float64), taps
-                )
+            expected, _ = _conv1d_steps(weight, initial_window, x)
             # The window after the waiting token and the kept drafts: their last 3 rows.
             kept_rows = np.concatenate([initial_window, x[: kept + 1]])[-(KERNEL_TAPS - 1) :]
             return compare_close(out, expected, 1e-5, 1e-6).merge(compare(window, kept_rows, 0))
