@@ -11,10 +11,11 @@ import pytest
 from PIL import Image
 from tiny_models import TINY_VISION, tiny_checkpoint
 
-from lily.chat.images import ImagePatches, ProcessorConfig, preprocess_image
+from lily.chat.images import ProcessorConfig, preprocess_image
 from lily.checkpoint.loader import load_checkpoint
 from lily.checkpoint.quant import dequantize, quantize
 from lily.checkpoint.vision import VISION_PREFIX, parse_vision_config, vision_weights
+from lily.engine.image_input import ImagePatches
 from lily.engine.vision_reference import (
     VisionTower,
     interpolated_position_embedding,

@@ -2,7 +2,7 @@
 and the patch layout, as the checkpoint's reference processor does it (docs/vision.md, "The
 image preprocessor").
 
-An image becomes `ImagePatches`: `pixel_values` [t*h*w, C*T*P*P] (one row per patch of P x P
+An image becomes `ImagePatches` (lily.engine.image_input): `pixel_values` [t*h*w, C*T*P*P] (one row per patch of P x P
 pixels, T frames deep, channel-major inside the row) and `grid_thw` (t, h, w) in patches. A
 still image is one temporal patch: its frame is repeated T times, as the reference does, so the
 same layout serves video later. Rows come in merge-block order: the merge x merge patches that
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from lily.engine.image_input import ImagePatches
 from lily.errors import ImageShapeError, ImageTooLargeError, NotAnImageError, TruncatedImageError
 
 # The reference processor refuses a side more than 200 times the other.
@@ -74,19 +75,6 @@ class ImageLimits:
     max_bytes: int = 20 * 2**20
     # Below Pillow's own decompression-bomb warning (about 89 M pixels).
     max_pixels: int = 40_000_000
-
-
-@dataclass(frozen=True)
-class ImagePatches:
-    pixel_values: np.ndarray  # [t*h*w, C*T*P*P] float32, merge-block order
-    grid_thw: tuple[int, int, int]  # in patches
-    merge_size: int
-
-    @property
-    def num_tokens(self) -> int:
-        """Language-model tokens the image becomes: one per merge block."""
-        t, h, w = self.grid_thw
-        return t * h * w // self.merge_size**2
 
 
 def preprocess_image(
