@@ -2,11 +2,12 @@
 and the patch layout, as the checkpoint's reference processor does it (docs/vision.md, "The
 image preprocessor").
 
-An image becomes `ImagePatches` (lily.engine.image_input): `pixel_values` [t*h*w, C*T*P*P] (one row per patch of P x P
-pixels, T frames deep, channel-major inside the row) and `grid_thw` (t, h, w) in patches. A
-still image is one temporal patch: its frame is repeated T times, as the reference does, so the
-same layout serves video later. Rows come in merge-block order: the merge x merge patches that
-the tower's merger turns into one language-model token are consecutive.
+An image becomes `ImagePatches` (lily.engine.image_input): `pixel_values` [t*h*w, C*T*P*P] (one
+row per patch of P x P pixels, T frames deep, channel-major inside the row) and `grid_thw`
+(t, h, w) in patches. A still image is one temporal patch: its frame is repeated T times, as the
+reference does, so the same layout serves video later. Rows come in merge-block order: the
+merge x merge patches that the tower's merger turns into one language-model token are
+consecutive.
 
 Nothing here accepts images from a request yet: the encoder and the image tokens in the language
 model come first. The limits raise the named errors of lily.errors, which will be 400s.
