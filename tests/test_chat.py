@@ -161,6 +161,10 @@ def test_unsupported_parameters_are_refused_by_name(demo_dir, tokenizer, params,
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content[0].image_url",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
             "messages[0].content[0].type",
         ),
         ({"messages": USER, "temperature": 3}, "temperature"),

@@ -139,8 +139,12 @@ def test_template_refusals_become_chat_template_errors(template):
         template.render([{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="user message is required"):
         template.render([{"role": "system", "content": "x"}])
-    with pytest.raises(ChatTemplateError, match="Only text content"):
-        template.render([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    with pytest.raises(ChatTemplateError, match="Only text and image content"):
+        template.render([{"role": "user", "content": [{"type": "input_audio"}]}])
+    with pytest.raises(ChatTemplateError, match="System message cannot contain images"):
+        template.render(
+            [{"role": "system", "content": [{"type": "image"}]}, {"role": "user", "content": "x"}]
+        )
     with pytest.raises(ChatTemplateError, match="not valid JSON"):
         bad = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
         template.render(

@@ -424,7 +424,9 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
          "top_logprobs"),
         ('{"messages": [{"role": "user"}]}', 400, "messages[0].content"),
         ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
-         "messages[0].content[0].type"),
+         "messages[0].content[0].image_url"),
+        ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+         '{"url": "file:///etc/passwd"}}]}]}', 400, "messages[0].content[0]"),
         ('{"messages": [{"role": "user", "content": "a"}], "top_k": 4294967296}', 400, "top_k"),
         ('{"messages": [{"role": "user", "content": "a"}], "seed": -1}', 400, "seed"),
         ('{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"tools": []}}',

@@ -411,7 +411,7 @@ def test_streamed_forced_tool_call(server: RunningServer) -> None:
     ("body", "status", "kind", "words"),
     [
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-         400, "invalid_request_error", "'image'"),
+         400, "invalid_request_error", "image sources of type None"),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
          400, "invalid_request_error", "'document'"),
         ({"mcp_servers": []}, 400, "invalid_request_error", "mcp_servers"),
@@ -622,6 +622,8 @@ def test_json_schema_text_format_is_enforced(server: RunningServer) -> None:
         ({"store": True}, 400, "store"),
         ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         400, "messages[0].content[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
          400, "input[0].content[0].type"),
         ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),

@@ -32,7 +32,7 @@ import numpy as np
 
 from lily.checkpoint import demo, mtp
 from lily.checkpoint.cache import build_once
-from lily.checkpoint.demo import random_hf_mtp_head, write_safetensors
+from lily.checkpoint.demo import random_hf_mtp_head, random_hf_vision_tower, write_safetensors
 from lily.checkpoint.loader import load_checkpoint, write_aligned_checkpoint
 from lily.checkpoint.mtp import (
     MTP_FC,
@@ -354,48 +354,9 @@ def _hf_vision_fields(spec: TinySpec) -> dict:
 def _hf_vision_tensors(spec: TinySpec) -> dict[str, np.ndarray]:
     """The random tower under the original names and layouts (`model.visual.*`), from its own
     generator so that the language model's weights are the draws they always were."""
-    rng = np.random.default_rng(spec.seed + 700)
-    v = TINY_VISION
-    d, merged = v.hidden_size, v.hidden_size * v.spatial_merge_size**2
-
-    def dense(out_dim: int, in_dim: int) -> dict[str, np.ndarray]:
-        return {
-            "weight": rng.normal(0, in_dim**-0.5, (out_dim, in_dim)).astype(np.float32),
-            "bias": rng.normal(0, 0.1, out_dim).astype(np.float32),
-        }
-
-    def layer_norm(dim: int) -> dict[str, np.ndarray]:
-        return {
-            "weight": (1 + rng.normal(0, 0.1, dim)).astype(np.float32),
-            "bias": rng.normal(0, 0.1, dim).astype(np.float32),
-        }
-
-    kernel = (d, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-    patch_values = int(np.prod(kernel[1:]))
-    positions = rng.normal(0, 0.5, (v.num_position_embeddings, d)).astype(np.float32)
-    modules = {
-        "patch_embed.proj": {
-            "weight": rng.normal(0, patch_values**-0.5, kernel).astype(np.float32),
-            "bias": rng.normal(0, 0.1, d).astype(np.float32),
-        },
-        "pos_embed": {"weight": positions},
-    }
-    for i in range(v.depth):
-        block = f"blocks.{i}."
-        modules[block + "norm1"] = layer_norm(d)
-        modules[block + "attn.qkv"] = dense(3 * d, d)
-        modules[block + "attn.proj"] = dense(d, d)
-        modules[block + "norm2"] = layer_norm(d)
-        modules[block + "mlp.linear_fc1"] = dense(v.intermediate_size, d)
-        modules[block + "mlp.linear_fc2"] = dense(d, v.intermediate_size)
-    modules["merger.norm"] = layer_norm(d)
-    modules["merger.linear_fc1"] = dense(merged, merged)
-    modules["merger.linear_fc2"] = dense(spec.hidden_size, merged)
-    return {
-        f"model.visual.{module}.{part}": value
-        for module, parts in modules.items()
-        for part, value in parts.items()
-    }
+    vision = {**asdict(TINY_VISION), "out_hidden_size": spec.hidden_size}
+    tower = random_hf_vision_tower(vision, np.random.default_rng(spec.seed + 700))
+    return {f"model.visual.{name}": value for name, value in tower.items()}
 
 
 def _hf_tensors(spec: TinySpec) -> dict[str, np.ndarray]:

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 from lily.chat.chat_template import ChatTemplate
 from lily.chat.completions import Chat
 from lily.chat.detokenize import IncrementalDecoder
+from lily.chat.image_sources import ImageAccess
+from lily.chat.images import processor_config
 from lily.chat.stop import StopStringMatcher
 from lily.chat.tokenizer import Tokenizer
 from lily.checkpoint.files import read_json_file
@@ -238,6 +240,7 @@ class Lily:
         speculative: str = "off",
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
         mtp_head: bool = False,
+        fetch_images: bool = False,
     ):
         check_speculative(speculative, draft_tokens)
         self.model_id = model_id
@@ -251,6 +254,11 @@ class Lily:
         # Control tokens written in a request's text are read as plain text
         # (lily.chat.special_tokens).
         self.escape_special_tokens = escape_special_tokens
+        # How images are cut into patches (None: the checkpoint has no vision tower), and what
+        # an image URL may point at in this process's own requests: local files, and http(s)
+        # URLs if `fetch_images` (a server never reads local files; lily.chat.image_sources).
+        self.image_processor = processor_config(model_dir)
+        self.image_access = ImageAccess(files=True, fetch=fetch_images)
         # Speculative decoding (lily.engine.speculative): the mode, the most tokens a pass drafts.
         self.speculative = speculative
         self.draft_tokens = draft_tokens
@@ -433,6 +441,7 @@ def load(
     speculative: str = "auto",
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     kv_cache: str = "bf16",
+    fetch_images: bool = False,
 ) -> Lily:
     """Load a checkpoint and prepare it on a device.
 
@@ -466,6 +475,10 @@ def load(
     with an fp16 scale per 32 dims: 53% of the bytes, so longer contexts fit and long-context
     decode reads less; docs/python-api.md says what it costs in accuracy). The numpy reference
     engine keeps its cache in float32 and takes only "bf16" (its default).
+
+    Images (docs/vision.md) arrive as `image_url` parts: data URLs and local files
+    (`file://...`) always; http(s) URLs are fetched only with `fetch_images=True` (a server
+    started with it fetches any address its clients name).
     """
     if prefill_chunk is not None and (
         isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
@@ -546,4 +559,5 @@ def load(
         speculative=speculative,
         draft_tokens=draft_tokens,
         mtp_head=mtp_head,
+        fetch_images=fetch_images,
     )

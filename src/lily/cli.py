@@ -232,7 +232,8 @@ def _generate(args: argparse.Namespace) -> int:
 # --- chat -------------------------------------------------------------------------------------
 
 CHAT_HELP = (
-    "commands: /reset forgets the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops a reply"
+    "commands: /image PATH attaches an image to your next message, /reset forgets the "
+    "conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops a reply"
 )
 # A line that is one word after a slash is a command, never a message ("/usr/bin is..." is one).
 CHAT_COMMAND = re.compile(r"/[A-Za-z]+")
@@ -281,12 +282,15 @@ class ChatSession:
         *,
         system: str | None = None,
         request: dict[str, Any] | None = None,
+        images: Sequence[Path] = (),
     ):
         self.llm = llm
         self.out = out
         self.system = system
         self.request = request or {}
-        self.history: list[dict[str, str]] = []
+        self.history: list[dict[str, Any]] = []
+        # Images attached to the next message (`--image`, `/image PATH`), as file URLs.
+        self.images = [path.resolve().as_uri() for path in images]
         self.reset()
 
     def reset(self) -> None:
@@ -299,6 +303,9 @@ class ChatSession:
             return True
         if text in ("/exit", "/quit"):
             return False
+        if text.startswith("/image ") or text == "/image":
+            self.attach(Path(text[len("/image") :].strip()).expanduser())
+            return True
         if text == "/reset":
             self.reset()
             self.out.write("[conversation forgotten]\n")
@@ -310,8 +317,22 @@ class ChatSession:
             self.reply(text)
         return True
 
+    def attach(self, path: Path) -> None:
+        if not path.is_file():
+            self.out.write(f"[no image file {str(path)!r}]\n")
+            return
+        self.images.append(path.resolve().as_uri())
+        self.out.write(f"[image {path.name} goes with your next message]\n")
+
     def reply(self, text: str) -> None:
-        self.history.append({"role": "user", "content": text})
+        content: Any = text
+        if self.images:
+            content = [
+                *({"type": "image_url", "image_url": {"url": url}} for url in self.images),
+                {"type": "text", "text": text},
+            ]
+            self.images = []
+        self.history.append({"role": "user", "content": content})
         start = time.perf_counter()
         stream = self.llm.chat.completions.create(
             messages=self.history,
@@ -393,7 +414,9 @@ def _chat(args: argparse.Namespace) -> int:
     from lily.errors import RequestError
 
     with _load(args) as llm:
-        session = ChatSession(llm, sys.stdout, system=args.system, request=_chat_request(args))
+        session = ChatSession(
+            llm, sys.stdout, system=args.system, request=_chat_request(args), images=args.image
+        )
         print(f"[{llm.model_id} on {llm.device}; {CHAT_HELP}]", file=sys.stderr)
         prompt = "> " if sys.stdin.isatty() else ""
         for line in _read_lines(prompt):
@@ -450,6 +473,7 @@ def _serve(args: argparse.Namespace) -> int:
             model_names=ModelNames(tuple(args.served_model_name), strict=args.strict_model_id),
             open_model_list=args.open_model_list,
             open_metrics=args.open_metrics,
+            fetch_images=args.fetch_images,
             cache=CacheOptions(
                 args.cache_memory, args.cache_dir, args.cache_disk_size, args.cache_disk_min_tokens
             ),
@@ -461,6 +485,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"lily serve: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _image_file(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no image file {text!r}")
+    return path
 
 
 def _reasoning_budget(text: str) -> int | str | None:
@@ -743,6 +774,15 @@ def _parser() -> argparse.ArgumentParser:
     _add_speculative_arguments(chat)
     chat.add_argument("--system", default=None, help="a system message that starts the chat")
     chat.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        type=_image_file,
+        metavar="PATH",
+        help="an image file that goes with your first message (PNG, JPEG, WebP, GIF, ...); "
+        "repeatable; /image PATH attaches one later",
+    )
+    chat.add_argument(
         "--max-tokens", type=_positive_int, default=1024, help="longest reply, in tokens"
     )
     chat.add_argument(
@@ -785,6 +825,12 @@ def _parser() -> argparse.ArgumentParser:
         "--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)"
     )
     serve.add_argument("--port", type=_port, default=DEFAULT_PORT, help="TCP port")
+    serve.add_argument(
+        "--fetch-images",
+        action="store_true",
+        help="fetch http(s) image URLs that requests name (default: images come as data URLs "
+        "only); clients can then make the server fetch any address it can reach",
+    )
     key = serve.add_mutually_exclusive_group()
     key.add_argument(
         "--api-key",

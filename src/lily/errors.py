@@ -147,6 +147,51 @@ class ImageTooLargeError(ImageError):
         super().__init__(message, code="image_too_large")
 
 
+class ImageURLError(ImageError):
+    """An image URL Lily will not read: not a data URL, a readable local file (the Python API
+    only) or, with fetching enabled, an http(s) URL; or a data URL that does not decode."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code="invalid_image_url")
+
+
+class ImageFetchError(ImageError):
+    """Fetching an http(s) image URL failed (enabled with `fetch_images`): unreachable, an
+    HTTP error, too slow or too large."""
+
+    def __init__(self, message: str):
+        super().__init__(message, code="image_fetch_failed")
+
+
+class TooManyImagesError(ImageError):
+    """A request holds more images than `ImageLimits.max_images`."""
+
+    def __init__(self, count: int, limit: int):
+        super().__init__(
+            f"the request holds {count} images; at most {limit} are accepted",
+            code="too_many_images",
+        )
+
+
+class ImagePlaceholderError(ImageError):
+    """The rendered prompt does not hold one image placeholder per image."""
+
+    def __init__(self, placeholders: int, images: int):
+        super().__init__(
+            f"the prompt holds {placeholders} image placeholders for {images} images: each "
+            "image part becomes one placeholder, and the text may not write one itself",
+            code="invalid_image_placeholders",
+        )
+
+
+class ImagesUnsupportedError(ImageError):
+    """Images sent to a checkpoint without a vision tower, or where the API has no place
+    for them (a system prompt, a tool result)."""
+
+    def __init__(self, message: str, *, param: str = "messages"):
+        super().__init__(message, code="unsupported_content", param=param)
+
+
 class ImageShapeError(ImageError):
     """The image's sides are too unequal for the patch grid (the reference processor's bound
     on the aspect ratio)."""

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from lily.chat.chat_template import template_message
 from lily.chat.choices import choice_count, choice_sampling
 from lily.chat.detokenize import IncrementalDecoder
+from lily.chat.image_sources import DATA_URLS_ONLY, ImageAccess, ImageSource, read_image_source
+from lily.chat.images import ImageLimits, ProcessorConfig, preprocess_image
 from lily.chat.prediction import PredictedText
 from lily.chat.reasoning import ReasoningParser
 from lily.chat.request_limits import UNBOUNDED, RequestLimits
@@ -52,12 +54,16 @@ from lily.chat.types import (
     new_completion_id,
 )
 from lily.chat.unused_fields import UNUSED_FIELDS, check_unused_fields
+from lily.engine.image_input import ImagePatches
 from lily.engine.sampling import GeneratedToken, SamplingParams
 from lily.engine.speculative import Prediction, Speculation
 from lily.errors import (
     ContextLengthError,
+    ImagePlaceholderError,
+    ImagesUnsupportedError,
     ModelNotFoundError,
     RequestError,
+    TooManyImagesError,
     UnsupportedParameterError,
     require,
 )
@@ -80,6 +86,10 @@ AUTO_REASONING_BUDGET = "auto"
 AUTO_REASONING_SHARE = 0.5
 # What a think block ends with when the reasoning budget runs out (as the template renders it).
 THINK_CLOSE = "\n</think>\n\n"
+# An image part as the chat template is given it, whatever the API called it, and the token the
+# template renders it with (between <|vision_start|> and <|vision_end|>).
+IMAGE_PART = {"type": "image"}
+IMAGE_PAD = "<|image_pad|>"
 # Stands for a message's content when finding where it starts in the rendered conversation.
 CONTENT_MARKER = "\ue000lily-content\ue000"
 
@@ -117,6 +127,12 @@ class ChatRequest:
     # The field a prompt too long for the context is blamed on: "messages" here, what holds
     # the prompt in the API a request was translated from ("prompt", "input").
     prompt_param: str = "messages"
+    # The image parts' URLs, in the order the prompt holds them, and what those URLs may point
+    # at besides data URLs (`lily.chat.image_sources`).
+    images: tuple[ImageSource, ...] = ()
+    image_access: ImageAccess = DATA_URLS_ONLY
+    # The images decoded and cut into patches, once `ChatCompletions.prepare` has read them.
+    image_patches: tuple[ImagePatches, ...] | None = None
 
 
 class ChatModel(Protocol):
@@ -130,6 +146,10 @@ class ChatModel(Protocol):
     escape_special_tokens: bool
     system_fingerprint: str
     config: ModelConfig
+    # How images are cut into patches; None: the checkpoint has no vision tower.
+    image_processor: ProcessorConfig | None
+    # What image URLs in the model's own (Python API) requests may point at.
+    image_access: ImageAccess
 
     @property
     def engine(self) -> Engine: ...
@@ -149,34 +169,69 @@ class RawPrompt(Protocol):
         ...
 
 
-def _text_content(content: Any, param: str) -> str | None:
-    """A message's content as text: a string, None, or a list of text parts (other part types,
-    such as images, are refused: this model runs text only)."""
+def _content(content: Any, param: str, role: str, images: list[ImageSource]) -> Any:
+    """A message's content as the chat template takes it: a string, None, or a list of text
+    parts (joined into one string) and `image_url` parts (then a list of text parts and
+    `IMAGE_PART`s, the image's URL added to `images`). Other part types are refused."""
     if content is None or isinstance(content, str):
         return content
     require(isinstance(content, list), "content must be a string or a list of parts", param)
-    texts = []
+    parts = []
     for i, part in enumerate(content):
-        require(isinstance(part, Mapping), "a content part must be an object", f"{param}[{i}]")
+        where = f"{param}[{i}]"
+        require(isinstance(part, Mapping), "a content part must be an object", where)
         kind = part.get("type")
-        if kind != "text":
+        if kind == "text":
+            require(isinstance(part.get("text"), str), "a text part needs 'text'", where)
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            if role != "user":
+                raise ImagesUnsupportedError(
+                    f"a {role} message cannot hold images; only users' can", param=where
+                )
+            images.append(ImageSource(_image_url(part.get("image_url"), where), where))
+            parts.append(IMAGE_PART)
+        else:
             raise RequestError(
-                f"content parts of type {kind!r} are not supported; Lily runs text only",
-                param=f"{param}[{i}].type",
+                f"content parts of type {kind!r} are not supported; Lily takes 'text' and "
+                "'image_url' parts",
+                param=f"{where}.type",
                 code="unsupported_content",
             )
-        require(isinstance(part.get("text"), str), "a text part needs 'text'", f"{param}[{i}]")
-        texts.append(part["text"])
-    return "".join(texts)
+    if IMAGE_PART in parts:
+        return parts
+    return "".join(part["text"] for part in parts)
 
 
-def _messages(messages: Any, template: ChatTemplate | None) -> list[dict[str, Any]]:
+def _image_url(value: Any, param: str) -> str:
+    """An `image_url` part's {"url": ..., "detail": ...} (or the URL alone): the URL. `detail`
+    is checked but does not change the resolution: the checkpoint's processor decides it."""
+    if isinstance(value, str):
+        return value
+    require(isinstance(value, Mapping), "image_url must be an object with 'url'", param)
+    unknown = sorted(set(value) - {"url", "detail"})
+    if unknown:
+        raise UnsupportedParameterError([f"{param}.image_url.{name}" for name in unknown])
+    require(isinstance(value.get("url"), str), "image_url needs 'url'", f"{param}.image_url")
+    detail = value.get("detail")
+    require(
+        detail in (None, "auto", "low", "high"),
+        "detail must be 'auto', 'low' or 'high'",
+        f"{param}.image_url.detail",
+    )
+    return value["url"]
+
+
+def _messages(
+    messages: Any, template: ChatTemplate | None
+) -> tuple[list[dict[str, Any]], tuple[ImageSource, ...]]:
+    """The checked messages, and their image parts' sources in order."""
     require(
         isinstance(messages, Sequence) and not isinstance(messages, str) and len(messages) > 0,
         "messages must be a non-empty list",
         "messages",
     )
-    checked = []
+    checked, images = [], []
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         require(isinstance(message, Mapping), "a message must be an object", param)
@@ -184,11 +239,11 @@ def _messages(messages: Any, template: ChatTemplate | None) -> list[dict[str, An
         require(role in ROLES, f"role must be one of {', '.join(ROLES)}", f"{param}.role")
         check_message_fields(message, param, template)
         check_tool_calls(message.get("tool_calls"), f"{param}.tool_calls")
-        content = _text_content(message.get("content"), f"{param}.content")
+        content = _content(message.get("content"), f"{param}.content", role, images)
         if content is None and not (role == "assistant" and message.get("tool_calls")):
             raise RequestError("content is required", param=f"{param}.content")
         checked.append({**message, "content": content})
-    return checked
+    return checked, tuple(images)
 
 
 def _stop(stop: Any) -> list[str]:
@@ -254,11 +309,13 @@ def parse_request(
     default_sampling: SamplingParams,
     chat_template: ChatTemplate | None = None,
     limits: RequestLimits = UNBOUNDED,
+    image_access: ImageAccess = DATA_URLS_ONLY,
 ) -> ChatRequest:
     """Checks the keyword arguments of `create` and turns them into a ChatRequest. With the
     checkpoint's `chat_template`, message fields and template keywords are checked against what
     it reads. `limits` bounds the request's size (`lily.chat.request_limits`; the server's), checked
-    before anything whose cost grows with it."""
+    before anything whose cost grows with it. `image_access` says what image URLs other than
+    data URLs may point at (`lily.chat.image_sources`); the images are read by `prepare`."""
     params = dict(params)
     extra = params.pop("extra_body", None) or {}
     require(isinstance(extra, Mapping), "extra_body must be an object", "extra_body")
@@ -404,8 +461,9 @@ def parse_request(
         "prompt_cache_key must be a string",
         "prompt_cache_key",
     )
+    messages, images = _messages(params.get("messages"), chat_template)
     return ChatRequest(
-        messages=_messages(params.get("messages"), chat_template),
+        messages=messages,
         max_tokens=limit,
         stream=stream,
         include_usage=include_usage,
@@ -418,6 +476,8 @@ def parse_request(
         output=output,
         n=choice_count(params.get("n")),
         prediction=_prediction(params.get("prediction")),
+        images=images,
+        image_access=image_access,
     )
 
 
@@ -473,6 +533,8 @@ class _Prompt:
     # starts with one of them).
     snapshot_at: list[int]
     cached: int  # leading tokens whose state the prefix cache already holds
+    # The images whose placeholder runs the tokens hold, in order.
+    images: tuple[ImagePatches, ...] = ()
 
 
 @dataclass
@@ -619,6 +681,7 @@ class ChatCompletions:
             served_model=llm.model_id,
             default_sampling=llm.default_sampling,
             chat_template=llm.chat_template,
+            image_access=llm.image_access,
         )
         return self.run(dataclasses.replace(request, progress=progress))
 
@@ -669,10 +732,12 @@ class ChatCompletions:
         return self._completion(request, prompt, choices)
 
     def prepare(self, request: ChatRequest) -> ChatRequest:
-        """`request` with its prediction tokenized, once for all its choices, after refusing
-        by its size one longer than the context (which bounds any answer that could repeat
-        it). It touches no engine state: the server runs it before queueing the request, off
-        the engine's thread; `run` does it when nobody has."""
+        """`request` with its images read and cut into patches and its prediction tokenized,
+        once for all its choices, after refusing by its size one longer than the context
+        (which bounds any answer that could repeat it). It touches no engine state: the
+        server runs it before queueing the request, off the engine's thread; `run` does it
+        when nobody has."""
+        request = self._read_images(request)
         if request.prediction is None or request.prediction_spans is not None:
             return request
         tokenizer, context = self._llm.tokenizer, self._llm.max_seq
@@ -689,6 +754,32 @@ class ChatCompletions:
         if len(spans) > context:
             raise too_long(f"{len(spans)} tokens")
         return dataclasses.replace(request, prediction_spans=tuple(spans))
+
+    def _read_images(self, request: ChatRequest) -> ChatRequest:
+        """`request` with `image_patches`: each image read from its URL, decoded, resized onto
+        the patch grid (lily.chat.images), every one within the room the context has left."""
+        if not request.images or request.image_patches is not None:
+            return request
+        llm, limits = self._llm, ImageLimits()
+        if llm.image_processor is None:
+            raise ImagesUnsupportedError(
+                f"{llm.model_id} has no vision tower: it reads text only",
+                param=request.images[0].param,
+            )
+        if len(request.images) > limits.max_images:
+            raise TooManyImagesError(len(request.images), limits.max_images)
+        room = llm.max_seq - (request.max_tokens or 1)
+        patches: list[ImagePatches] = []
+        for source in request.images:
+            data = read_image_source(source, request.image_access, limits)
+            try:
+                image = preprocess_image(data, llm.image_processor, limits, max_tokens=room)
+            except RequestError as error:
+                error.param = source.param
+                raise
+            room -= image.num_tokens
+            patches.append(image)
+        return dataclasses.replace(request, image_patches=tuple(patches))
 
     def _choices(
         self,
@@ -756,13 +847,52 @@ class ChatCompletions:
         else:
             starting = [p for p in prefixes if text.startswith(p)]
             tokens, boundaries = llm.tokenizer.encode_splits(text, [len(p) for p in starting])
+        images = request.image_patches or ()
+        if images:
+            tokens, boundaries = self._with_image_tokens(tokens, boundaries, images)
         return _Prompt(
             tokens=tokens,
             # The template opens a think block in the generation prompt when thinking is on.
             thinking=text.rstrip("\n").endswith("<think>"),
             snapshot_at=sorted({b for b in boundaries if b}),
-            cached=llm.engine.cached_prefix_length(tokens, request.prompt_cache_key),
+            cached=llm.engine.cached_prefix_length(
+                tokens, request.prompt_cache_key, **({"images": images} if images else {})
+            ),
+            images=images,
         )
+
+    def _with_image_tokens(
+        self,
+        tokens: list[int],
+        boundaries: Sequence[int | None],
+        images: Sequence[ImagePatches],
+    ) -> tuple[list[int], list[int | None]]:
+        """The prompt with each image's one placeholder (`IMAGE_PAD`, as the template writes
+        it) repeated once per token the image becomes, as the reference processor does, and
+        the boundaries moved with it. A prompt whose placeholders are not one per image (a
+        template that drops a message, a placeholder typed into the text with
+        `escape_special_tokens` off) is refused."""
+        pad = self._llm.tokenizer.token_to_id(IMAGE_PAD)
+        at = [i for i, token in enumerate(tokens) if token == pad]
+        if pad is None or len(at) != len(images):
+            raise ImagePlaceholderError(len(at), len(images))
+        expanded, start = [], 0
+        for position, image in zip(at, images, strict=True):
+            expanded += tokens[start:position]
+            expanded += [pad] * image.num_tokens
+            start = position + 1
+        expanded += tokens[start:]
+
+        def moved(boundary: int | None) -> int | None:
+            if boundary is None:
+                return None
+            return boundary + sum(
+                image.num_tokens - 1
+                for position, image in zip(at, images, strict=True)
+                if position < boundary
+            )
+
+        return expanded, [moved(b) for b in boundaries]
 
     def _raw_prompt(self, request: ChatRequest, raw: RawPrompt) -> _Prompt:
         """A prompt fed as it is: no template, no think block, no message boundaries."""
@@ -793,7 +923,8 @@ class ChatCompletions:
                 f"the context of {llm.max_seq} tokens can hold",
                 param=request.prompt_param,
             )
-        return len(inputs.encode(text))
+        images = self._read_images(request).image_patches or ()
+        return len(inputs.encode(text)) + sum(image.num_tokens - 1 for image in images)
 
     def _before_last_content(self, inputs: TemplateInputs, conversation: str) -> str | None:
         """The rendered conversation up to the content of its last message: what it shares
@@ -944,6 +1075,7 @@ class ChatCompletions:
                 reply_so_far=len(fed) - len(prompt.tokens),
                 **({"progress": request.progress} if request.progress else {}),
                 **({"drafter": drafter} if drafter else {}),
+                **({"images": prompt.images} if prompt.images else {}),
             )
             try:
                 for token in tokens:

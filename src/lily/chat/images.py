@@ -9,8 +9,8 @@ reference does, so the same layout serves video later. Rows come in merge-block 
 merge x merge patches that the tower's merger turns into one language-model token are
 consecutive.
 
-Nothing here accepts images from a request yet: the encoder and the image tokens in the language
-model come first. The limits raise the named errors of lily.errors, which will be 400s.
+The limits raise the named errors of lily.errors (400s); where a request's images come from is
+lily.chat.image_sources.
 """
 
 from __future__ import annotations
@@ -19,13 +19,22 @@ import io
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from lily.checkpoint.files import read_json_file
 from lily.engine.image_input import ImagePatches
-from lily.errors import ImageShapeError, ImageTooLargeError, NotAnImageError, TruncatedImageError
+from lily.errors import (
+    CheckpointError,
+    ContextLengthError,
+    ImageShapeError,
+    ImageTooLargeError,
+    NotAnImageError,
+    TruncatedImageError,
+)
 
 # The reference processor refuses a side more than 200 times the other.
 MAX_ASPECT_RATIO = 200
@@ -76,15 +85,47 @@ class ImageLimits:
     max_bytes: int = 20 * 2**20
     # Below Pillow's own decompression-bomb warning (about 89 M pixels).
     max_pixels: int = 40_000_000
+    # Images in one request (each is also bounded by the context its tokens take).
+    max_images: int = 32
+
+
+def processor_config(model_dir: Path) -> ProcessorConfig | None:
+    """How the checkpoint in `model_dir` cuts images into patches: its preprocessor_config.json,
+    or the defaults (the real model's) if it has a vision tower but not that file; None if its
+    config.json has no vision tower."""
+    config = read_json_file(model_dir / "config.json")
+    if not isinstance(config, dict) or not isinstance(config.get("vision_config"), dict):
+        return None
+    path = model_dir / "preprocessor_config.json"
+    if not path.exists():
+        return ProcessorConfig()
+    raw = read_json_file(path)
+    try:
+        if not isinstance(raw, dict):
+            raise TypeError("not a JSON object")
+        return ProcessorConfig.from_json(raw)
+    except (TypeError, ValueError, AttributeError) as error:
+        raise CheckpointError(f"{path} is not an image processor's config: {error}") from None
 
 
 def preprocess_image(
-    data: bytes, config: ProcessorConfig | None = None, limits: ImageLimits | None = None
+    data: bytes,
+    config: ProcessorConfig | None = None,
+    limits: ImageLimits | None = None,
+    max_tokens: int | None = None,
 ) -> ImagePatches:
-    """The tower's input for one encoded image (PNG, JPEG, WebP, GIF's first frame, ...)."""
+    """The tower's input for one encoded image (PNG, JPEG, WebP, GIF's first frame, ...).
+    An image that would become more than `max_tokens` language-model tokens raises
+    ContextLengthError once its size is known, before its pixels are converted."""
     config = config or ProcessorConfig()
     image = decode_image(data, limits or ImageLimits())
     height, width = resized_size(image.height, image.width, config)
+    tokens = height * width // config.factor**2
+    if max_tokens is not None and tokens > max_tokens:
+        raise ContextLengthError(
+            f"the image is {image.width}x{image.height}, resized to {width}x{height}: "
+            f"{tokens} tokens, more than the {max_tokens} the context has room for"
+        )
     if (height, width) != (image.height, image.width):
         image = image.resize((width, height), resample=Image.Resampling.BICUBIC)
     pixels = normalize(np.asarray(image), config)

@@ -26,6 +26,7 @@ import json
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -87,6 +88,31 @@ TEXT_CONFIG = {
     "eos_token_id": [4002, 4000],
 }
 
+# A small random vision tower of the real layout (docs/vision.md): the real patch, frame and
+# merge sizes, so real images feed it; its output is the demo's hidden size.
+VISION_CONFIG = {
+    "model_type": "qwen3_5_moe",
+    "deepstack_visual_indexes": [],
+    "depth": 2,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_size": 64,
+    "in_channels": 3,
+    "intermediate_size": 96,
+    "num_heads": 4,
+    "num_position_embeddings": 64,
+    "out_hidden_size": TEXT_CONFIG["hidden_size"],
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+# The demo tokenizer's vision tokens.
+VISION_TOKEN_IDS = {
+    "vision_start_token_id": 4009,
+    "vision_end_token_id": 4010,
+    "image_token_id": 4012,
+    "video_token_id": 4013,
+}
+
 README = """\
 # Lily demo model: RANDOM WEIGHTS
 
@@ -143,6 +169,8 @@ def demo_config() -> dict:
         "eos_token_id": TEXT_CONFIG["eos_token_id"],
         "quantization": quantization,
         "quantization_config": quantization,
+        "vision_config": VISION_CONFIG,
+        **VISION_TOKEN_IDS,
         "lily_demo": {
             "random_weights": True,
             "seed": DEMO_SEED,
@@ -226,7 +254,63 @@ def demo_tensors() -> dict[str, np.ndarray]:
     # with or without it.
     hf_head = random_hf_mtp_head(c, np.random.default_rng(DEMO_SEED + 1))
     tensors.update(quantize_mtp_head(hf_head, experts))
+    # So does the vision tower: stored as mlx-vlm's converter stores the real one (bf16, not
+    # quantized, the patch embedding's kernel channels-last).
+    tower = random_hf_vision_tower(VISION_CONFIG, np.random.default_rng(DEMO_SEED + 2))
+    for name, value in tower.items():
+        if name == "patch_embed.proj.weight":
+            value = value.transpose(0, 2, 3, 4, 1)  # [D, C, T, P, P] -> [D, T, P, P, C]
+        bf16(f"vision_tower.{name}", np.ascontiguousarray(value))
     return tensors
+
+
+def random_hf_vision_tower(
+    vision: Mapping[str, Any], rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """A random vision tower for the `vision_config` `vision`, under the original Hugging Face
+    names (without `model.visual.`) and layouts: the patch embedding's kernel [D, C, T, P, P]."""
+    d, depth = int(vision["hidden_size"]), int(vision["depth"])
+    merged = d * int(vision["spatial_merge_size"]) ** 2
+
+    def dense(out_dim: int, in_dim: int) -> dict[str, np.ndarray]:
+        return {
+            "weight": rng.normal(0, in_dim**-0.5, (out_dim, in_dim)).astype(np.float32),
+            "bias": rng.normal(0, 0.1, out_dim).astype(np.float32),
+        }
+
+    def layer_norm(dim: int) -> dict[str, np.ndarray]:
+        return {
+            "weight": (1 + rng.normal(0, 0.1, dim)).astype(np.float32),
+            "bias": rng.normal(0, 0.1, dim).astype(np.float32),
+        }
+
+    patch = int(vision["patch_size"])
+    kernel = (d, int(vision["in_channels"]), int(vision["temporal_patch_size"]), patch, patch)
+    patch_values = int(np.prod(kernel[1:]))
+    positions = rng.normal(0, 0.5, (int(vision["num_position_embeddings"]), d))
+    modules = {
+        "patch_embed.proj": {
+            "weight": rng.normal(0, patch_values**-0.5, kernel).astype(np.float32),
+            "bias": rng.normal(0, 0.1, d).astype(np.float32),
+        },
+        "pos_embed": {"weight": positions.astype(np.float32)},
+    }
+    for i in range(depth):
+        block = f"blocks.{i}."
+        modules[block + "norm1"] = layer_norm(d)
+        modules[block + "attn.qkv"] = dense(3 * d, d)
+        modules[block + "attn.proj"] = dense(d, d)
+        modules[block + "norm2"] = layer_norm(d)
+        modules[block + "mlp.linear_fc1"] = dense(int(vision["intermediate_size"]), d)
+        modules[block + "mlp.linear_fc2"] = dense(d, int(vision["intermediate_size"]))
+    modules["merger.norm"] = layer_norm(d)
+    modules["merger.linear_fc1"] = dense(merged, merged)
+    modules["merger.linear_fc2"] = dense(int(vision["out_hidden_size"]), merged)
+    return {
+        f"{module}.{part}": value
+        for module, parts in modules.items()
+        for part, value in parts.items()
+    }
 
 
 def random_hf_mtp_head(c: Mapping[str, object], rng: np.random.Generator) -> dict[str, np.ndarray]:

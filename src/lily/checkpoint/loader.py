@@ -53,16 +53,17 @@ DEFAULT_REVISION = "38740b847e4cb78f352aba30aa41c76e08e6eb46"
 DEMO = "demo"
 
 # The files besides the weights and config.json that Lily reads from a checkpoint (the
-# tokenizer, the chat template, the sampling defaults): load_checkpoint holds them to the same
-# rules as the rest (lily.checkpoint.files) before anything reads them.
+# tokenizer, the chat template, the sampling defaults, the image processor): load_checkpoint
+# holds them to the same rules as the rest (lily.checkpoint.files) before anything reads them.
 COMPANION_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
     "generation_config.json",
     "special_tokens_map.json",
+    "preprocessor_config.json",
 )
-# Only what Lily reads: weights, config, tokenizer and chat template (not the vision files).
+# Only what Lily reads: weights, config, tokenizer, chat template and image processor.
 DOWNLOAD_PATTERNS = ["*.safetensors", INDEX_FILE, "config.json", *COMPANION_FILES]
 
 LoadLevel = Literal["strict", "family", "auto"]

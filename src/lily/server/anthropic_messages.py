@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lily.chat.request_limits import UNBOUNDED, RequestLimits
-from lily.errors import RequestError, UnsupportedParameterError, require
+from lily.errors import ImagesUnsupportedError, RequestError, UnsupportedParameterError, require
 from lily.server.api_translation import API as APIDescription
 from lily.server.api_translation import chat_request, refuse_unknown, sse
 
@@ -56,6 +56,8 @@ FIELDS = (
 COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config")
 # Accepted on any block or tool: the prefix cache reuses prompts by itself.
 CACHE_CONTROL = "cache_control"
+# The media types the Messages API documents for base64 image sources.
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 # HTTP status -> Anthropic's error type.
 ERROR_TYPES = {
@@ -102,9 +104,11 @@ def _text_of(blocks: Any, param: str) -> str:
 
 
 def _refuse_non_text(kind: Any, param: str) -> None:
-    if kind in ("image", "document", "search_result", "container_upload"):
+    if kind == "image":
+        raise ImagesUnsupportedError("images are taken in a user turn's own blocks", param=param)
+    if kind in ("document", "search_result", "container_upload"):
         raise RequestError(
-            f"content blocks of type {kind!r} are not supported; Lily runs text only",
+            f"content blocks of type {kind!r} are not supported; Lily takes text and images",
             param=f"{param}.type",
             code="unsupported_content",
         )
@@ -113,11 +117,11 @@ def _refuse_non_text(kind: Any, param: str) -> None:
 
 def _user_messages(content: Any, param: str) -> list[dict[str, Any]]:
     """A user turn: its tool results (as tool messages, first, as the chat format needs them
-    right after the assistant's calls), then its text."""
+    right after the assistant's calls), then its text and images (chat `image_url` parts)."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     require(isinstance(content, list), "content must be a string or a list of blocks", param)
-    results, texts = [], []
+    results, parts = [], []
     for i, block in enumerate(content):
         where = f"{param}[{i}]"
         require(isinstance(block, Mapping), "a content block must be an object", where)
@@ -130,14 +134,46 @@ def _user_messages(content: Any, param: str) -> list[dict[str, Any]]:
             if is_error:
                 text = f"Error: {text}"
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+        elif block.get("type") == "image":
+            parts.append(_image_part(block, where))
         else:
             _refuse_non_text(block.get("type"), where)
             _block_fields(block, ("text", "citations"), where)
             require(isinstance(block.get("text"), str), "a text block needs 'text'", where)
-            texts.append(block["text"])
-    if texts or not results:
-        results.append({"role": "user", "content": "".join(texts)})
+            parts.append({"type": "text", "text": block["text"]})
+    if any(part["type"] == "image_url" for part in parts):
+        results.append({"role": "user", "content": parts})
+    elif parts or not results:
+        results.append({"role": "user", "content": "".join(part["text"] for part in parts)})
     return results
+
+
+def _image_part(block: Mapping[str, Any], param: str) -> dict[str, Any]:
+    """An `image` block as a chat `image_url` part: base64 data becomes a data URL."""
+    _block_fields(block, ("source",), param)
+    source = block.get("source")
+    require(isinstance(source, Mapping), "an image block needs 'source'", param)
+    kind = source.get("type")
+    where = f"{param}.source"
+    if kind == "base64":
+        refuse_unknown(source, ("type", "media_type", "data"), prefix=f"{where}.")
+        media_type, data = source.get("media_type"), source.get("data")
+        require(
+            media_type in IMAGE_MEDIA_TYPES,
+            f"media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}",
+            f"{where}.media_type",
+        )
+        require(isinstance(data, str), "a base64 source needs 'data'", where)
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    if kind == "url":
+        refuse_unknown(source, ("type", "url"), prefix=f"{where}.")
+        require(isinstance(source.get("url"), str), "a url source needs 'url'", where)
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise RequestError(
+        f"image sources of type {kind!r} are not supported; send 'base64' (or 'url')",
+        param=f"{where}.type",
+        code="unsupported_content",
+    )
 
 
 def _assistant_message(content: Any, param: str) -> dict[str, Any]:

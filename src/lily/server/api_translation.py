@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from lily.chat.image_sources import ImageAccess
 from lily.chat.request_limits import UNBOUNDED, RequestLimits
 from lily.errors import UnsupportedParameterError
 
@@ -70,7 +71,8 @@ def chat_request(
     params: Mapping[str, Any], llm: Lily, limits: RequestLimits = UNBOUNDED
 ) -> ChatRequest:
     """The chat path's one validation (its bounds and grammar compile included), on a request
-    translated into chat-completions fields."""
+    in chat-completions fields (as sent, or translated from another API). Its image URLs may be
+    data URLs, or http(s) URLs if the model fetches them: never the server's own files."""
     from lily.chat.completions import parse_request
 
     return parse_request(
@@ -79,6 +81,7 @@ def chat_request(
         default_sampling=llm.default_sampling,
         chat_template=llm.chat_template,
         limits=limits,
+        image_access=ImageAccess(files=False, fetch=llm.image_access.fetch),
     )
 
 

@@ -301,6 +301,7 @@ def serve(
     model_names: ModelNames | None = None,
     open_model_list: bool = True,
     open_metrics: bool = True,
+    fetch_images: bool = False,
 ) -> None:
     """Loads the model and serves it until SIGINT (Ctrl-C) or SIGTERM. Either drains: no new
     connections, waiting requests get 503 `shutting_down`, the running one gets
@@ -310,7 +311,8 @@ def serve(
     The API key is `api_key`, else the content of `api_key_file`, else `$LILY_API_KEY`. The Host
     header may name `host` itself besides localhost, IP addresses and `allowed_hosts`.
     `cache` sizes the prefix cache, in memory and on disk (`lily.load`'s cache arguments);
-    `speculative`, `draft_tokens` and `kv_cache` are `lily.load`'s.
+    `speculative`, `draft_tokens`, `kv_cache` and `fetch_images` are `lily.load`'s (with
+    `fetch_images`, the server fetches any http(s) address a client's image part names).
     `limits` bounds the requests' size (`lily.chat.request_limits`); a client gets `header_timeout`
     seconds to send a request's headers and `body_timeout` more for its body (408 after).
     `model_names`, `open_model_list` and `open_metrics` are `create_app`'s."""
@@ -335,6 +337,7 @@ def serve(
         speculative=speculative,
         draft_tokens=draft_tokens,
         kv_cache=kv_cache,
+        fetch_images=fetch_images,
         **vars(cache or CacheOptions()),
     ) as llm:
         app = create_app(

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from lily.chat.request_limits import UNBOUNDED, RequestLimits
-from lily.errors import RequestError, require
+from lily.errors import ImagesUnsupportedError, RequestError, require
 from lily.server.api_translation import API as APIDescription
 from lily.server.api_translation import chat_request, openai_error_body, refuse_unknown, sse
 
@@ -84,25 +84,30 @@ COUNT_FIELDS = (
 ROLES = {"user": "user", "system": "system", "developer": "developer", "assistant": "assistant"}
 # Content part type -> the roles that may send it.
 TEXT_PARTS = {"input_text": ("user", "system", "developer"), "output_text": ("assistant",)}
-REFUSED_PARTS = ("input_image", "input_file", "input_audio")
+REFUSED_PARTS = ("input_file", "input_audio")
 
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _content(content: Any, role: str, param: str) -> str:
+def _content(content: Any, role: str, param: str, *, images: bool = False) -> Any:
+    """A message's content in chat form: its text, or (where `images` allows them and there
+    are some) a list of text and `image_url` parts."""
     if isinstance(content, str):
         return content
     require(isinstance(content, list), "content must be a string or a list of parts", param)
-    texts = []
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
         where = f"{param}[{i}]"
         require(isinstance(part, Mapping), "a content part must be an object", where)
         kind = part.get("type")
+        if kind == "input_image":
+            parts.append(_image_part(part, role, where, images))
+            continue
         if kind in REFUSED_PARTS:
             raise RequestError(
-                f"content parts of type {kind!r} are not supported; Lily runs text only",
+                f"content parts of type {kind!r} are not supported; Lily takes text and images",
                 param=f"{where}.type",
                 code="unsupported_content",
             )
@@ -114,8 +119,28 @@ def _content(content: Any, role: str, param: str) -> str:
         )
         refuse_unknown(part, ("type", "text", "annotations", "logprobs"), f"{where}.")
         require(isinstance(part.get("text"), str), "a text part needs 'text'", where)
-        texts.append(part["text"])
-    return "".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "".join(part["text"] for part in parts)
+
+
+def _image_part(part: Mapping[str, Any], role: str, param: str, allowed: bool) -> dict[str, Any]:
+    """An `input_image` part as a chat `image_url` part."""
+    if not allowed or role != "user":
+        raise ImagesUnsupportedError("only a user message can hold images", param=param)
+    refuse_unknown(part, ("type", "image_url", "file_id", "detail"), f"{param}.")
+    require(
+        part.get("file_id") is None,
+        "input_image's file_id needs a files API, which Lily does not have: send image_url "
+        "(a data URL)",
+        f"{param}.file_id",
+    )
+    require(isinstance(part.get("image_url"), str), "input_image needs 'image_url'", param)
+    image_url = {"url": part["image_url"]}
+    if part.get("detail") is not None:
+        image_url["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": image_url}
 
 
 class _Conversation:
@@ -143,7 +168,7 @@ class _Conversation:
             refuse_unknown(item, ("type", "role", "content", "id", "status", "phase"), f"{param}.")
             role = item.get("role")
             require(role in ROLES, f"role must be one of {', '.join(ROLES)}", f"{param}.role")
-            text = _content(item.get("content"), role, f"{param}.content")
+            text = _content(item.get("content"), role, f"{param}.content", images=True)
             if role == "assistant":
                 message = self._assistant()
                 message["content"] += text
