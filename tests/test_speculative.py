@@ -32,7 +32,9 @@ from lily.engine.sampling import SamplingParams
 from lily.engine.speculative import (
     AUTO_IDLE_LOOKUPS,
     AUTO_MAX_LOSS,
+    AUTO_MAX_REST,
     AUTO_PASSES,
+    DraftingHistory,
     NgramIndex,
     PredictedTokens,
     SourceCounts,
@@ -152,6 +154,60 @@ def test_auto_gives_up_a_source_once_trying_it_lost_more_than_it_may():
     spec.verified([3], 0)
     assert AUTO_MAX_LOSS <= 4.0 - 1 and AUTO_PASSES > 1
     assert spec.exhausted and spec.draft(context, 8) == []
+
+
+def _losing(source: str) -> Speculation:
+    """A generation under auto whose `source` was tried and dropped: its passes kept nothing."""
+    spec = Speculation(draft_tokens=2, auto=True, pass_cost=lambda drafts: 4.0, **{source: True})
+    spec.head = lambda n: [7] * n
+    context = [1, 2, 3, 1, 2]
+    spec.verified(spec.draft(context, 8), 0)
+    assert spec.verdict(source) is False and spec.exhausted
+    return spec
+
+
+def _paying(source: str) -> Speculation:
+    spec = Speculation(draft_tokens=2, auto=True, pass_cost=_flat_cost, **{source: True})
+    spec.head = lambda n: [3] * n
+    for _ in range(AUTO_PASSES):
+        drafts = spec.draft([1, 2, 3, 1, 2], 8)
+        spec.verified(drafts, len(drafts))
+    assert spec.verdict(source) is True
+    return spec
+
+
+@pytest.mark.parametrize("source", ["mtp", "ngram"])
+def test_auto_rests_a_source_that_did_not_pay_for_longer_each_time(source):
+    """A source dropped in one generation sits out the next; dropped again when tried again,
+    the next two; then four. One that paid rests one generation at its next drop."""
+    history = DraftingHistory()
+    assert history.next_generation(None) == frozenset()
+    resting = []
+    for _ in range(3):
+        rest = history.next_generation(_losing(source))
+        assert source in rest
+        while rest:
+            resting.append(rest)
+            rest = history.next_generation(Speculation())  # a generation without it
+        resting.append(None)  # tried again
+    assert [r is None for r in resting] == [False, True, False, False, True] + [False] * 4 + [True]
+    assert history.next_generation(_paying(source)) == frozenset()
+    assert source in history.next_generation(_losing(source))
+    assert history.next_generation(Speculation()) == frozenset()  # one generation's rest
+    # A short generation that never judged the source leaves the history as it was.
+    short = Speculation(draft_tokens=2, auto=True, pass_cost=_flat_cost, **{source: True})
+    assert short.verdict(source) is None
+    assert history.next_generation(short) == frozenset()
+    rests = 0
+    history = DraftingHistory()
+    history.next_generation(_losing(source))
+    for _ in range(12):
+        rest = history.next_generation(_losing(source))
+        while rest:
+            rests += 1
+            rest = history.next_generation(Speculation())
+    assert rests >= AUTO_MAX_REST  # the rest is bounded: the source is tried again
+    assert history._rest[source] == AUTO_MAX_REST
 
 
 def test_auto_drafts_one_token_first_and_more_as_drafts_are_kept():

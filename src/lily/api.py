@@ -44,6 +44,7 @@ from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 from lily.engine.sampling import SamplingParams
 from lily.engine.speculative import (
     DEFAULT_DRAFT_TOKENS,
+    DraftingHistory,
     Prediction,
     Speculation,
     check_speculative,
@@ -265,6 +266,9 @@ class Lily:
         # Whether the engine runs the checkpoint's MTP head, which then drafts instead of
         # prompt lookup ("mtp", or "auto" on a checkpoint with a head).
         self.mtp_head = mtp_head
+        # What "auto" learned of the head and prompt lookup over this model's generations.
+        self._drafting = DraftingHistory()
+        self._last_speculation: Speculation | None = None
         self.config = engine.config
         self.device = device
         self.chat = Chat(self)
@@ -284,15 +288,21 @@ class Lily:
 
     def speculation(self, prediction: Prediction | None = None) -> Speculation:
         """The drafting of one generation under this model's `speculative` mode: the MTP head
-        or prompt lookup (unless "off"), and the client's `prediction`."""
-        return Speculation(
+        or prompt lookup (unless "off"), and the client's `prediction`. Under "auto", a source
+        that did not pay in the generations before may sit this one out (`DraftingHistory`)."""
+        auto = self.speculative == "auto"
+        resting = self._drafting.next_generation(self._last_speculation) if auto else frozenset()
+        speculation = Speculation(
             draft_tokens=self.draft_tokens,
-            mtp=self.mtp_head and self.speculative in ("auto", "mtp"),
-            ngram=self.speculative == "ngram" or (self.speculative == "auto" and not self.mtp_head),
+            mtp=self.mtp_head and self.speculative in ("auto", "mtp") and "mtp" not in resting,
+            ngram=(self.speculative == "ngram" or (auto and not self.mtp_head))
+            and "ngram" not in resting,
             prediction=prediction,
-            auto=self.speculative == "auto",
+            auto=auto,
             pass_cost=self._pass_cost,
         )
+        self._last_speculation = speculation
+        return speculation
 
     def _pass_cost(self, drafts: int) -> float:
         """What "auto" charges a verify pass of `drafts` drafts, in decode steps: measured on

@@ -474,6 +474,7 @@ def _serve(args: argparse.Namespace) -> int:
             open_model_list=args.open_model_list,
             open_metrics=args.open_metrics,
             fetch_images=args.fetch_images,
+            max_body_bytes=args.max_body_bytes,
             cache=CacheOptions(
                 args.cache_memory, args.cache_dir, args.cache_disk_size, args.cache_disk_min_tokens
             ),
@@ -742,6 +743,7 @@ def _parser() -> argparse.ArgumentParser:
         DEFAULT_BODY_TIMEOUT,
         DEFAULT_HEADER_TIMEOUT,
         DEFAULT_HOST,
+        DEFAULT_MAX_BODY_BYTES,
         DEFAULT_MAX_TOKENS,
         DEFAULT_PORT,
         DEFAULT_QUEUE_LIMIT,
@@ -830,6 +832,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fetch http(s) image URLs that requests name (default: images come as data URLs "
         "only); clients can then make the server fetch any address it can reach",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="BYTES",
+        help="largest request body (413 above); images sent as data URLs count 4/3 of their size",
     )
     key = serve.add_mutually_exclusive_group()
     key.add_argument(

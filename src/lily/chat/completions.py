@@ -208,7 +208,9 @@ def _image_url(value: Any, param: str) -> str:
     is checked but does not change the resolution: the checkpoint's processor decides it."""
     if isinstance(value, str):
         return value
-    require(isinstance(value, Mapping), "image_url must be an object with 'url'", param)
+    require(
+        isinstance(value, Mapping), "image_url must be an object with 'url'", f"{param}.image_url"
+    )
     unknown = sorted(set(value) - {"url", "detail"})
     if unknown:
         raise UnsupportedParameterError([f"{param}.image_url.{name}" for name in unknown])

@@ -56,6 +56,12 @@ AUTO_FIRST_DRAFTS = 1
 # ... and drops prompt lookup after this many lookups in a row found nothing: a generation that
 # drafts runs one pass at a time, and one that never drafts is better off pipelined.
 AUTO_IDLE_LOOKUPS = 32
+# ... and carries its verdicts over to a model's later generations (`DraftingHistory`): a source
+# it dropped sits out the next generation, twice as many after each further drop, at most this
+# many. Trying the head is not free even before its first pass (it runs over the whole prompt,
+# and the prompt's chunks run one at a time for it), so a head that never pays on this model's
+# text must not be tried on every request; yet text changes, so it is tried again.
+AUTO_MAX_REST = 32
 
 
 def check_speculative(mode: str, draft_tokens: int) -> None:
@@ -279,6 +285,16 @@ class Speculation:
     def _head_enabled(self) -> bool:
         return self.head is not None and self._pays("mtp")
 
+    def verdict(self, source: str) -> bool | None:
+        """Under auto, whether `source` paid in this generation: False if it was dropped for
+        not paying, True if it paid through its first AUTO_PASSES passes, None if it was not
+        judged (not asked for, or too few passes)."""
+        if not self.auto or source not in self.counts:
+            return None
+        if not self._pays(source):
+            return False
+        return True if self.counts[source].passes >= AUTO_PASSES else None
+
     @property
     def exhausted(self) -> bool:
         """Whether nothing will be drafted for the rest of the generation."""
@@ -356,3 +372,31 @@ class Speculation:
         if self.prediction is None:
             return 0
         return max(0, self.prediction.token_count - self.accepted_prediction_tokens)
+
+
+class DraftingHistory:
+    """What "auto" learned of the head and prompt lookup over one model's generations: a source
+    dropped for not paying sits out the next generation, then twice as many after each further
+    drop (at most AUTO_MAX_REST); one that paid is back to resting one generation at its next
+    drop."""
+
+    def __init__(self) -> None:
+        self._resting: dict[str, int] = {}  # source -> generations it still sits out
+        self._rest: dict[str, int] = {}  # source -> generations its next drop costs it
+
+    def next_generation(self, last: Speculation | None) -> frozenset[str]:
+        """The sources that sit out the next generation, once `last` (the generation before
+        it, None for the first) is counted."""
+        for source in list(self._resting):
+            self._resting[source] -= 1
+            if self._resting[source] == 0:
+                del self._resting[source]
+        for source in ("mtp", "ngram"):
+            verdict = None if last is None else last.verdict(source)
+            if verdict is False:
+                rest = self._rest.get(source, 1)
+                self._resting[source] = rest
+                self._rest[source] = min(2 * rest, AUTO_MAX_REST)
+            elif verdict is True:
+                self._rest.pop(source, None)
+        return frozenset(self._resting)
