@@ -55,13 +55,16 @@ from lily.engine.model_graph import (
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 # The Mac estimate's inputs: the graphs' levels (issue 39's review counted 253 for the decode
-# step and 408 for a verify pass at the real dims), a 4-bit weight with its bf16 scale and bias
-# per 64, a host round trip per head draft (the review's ~0.95 ms: a command buffer's commit,
-# wait and the host's argmax), per-draft acceptance rates (published first-draft rates for
-# Qwen3.5/3.6 MTP heads are 0.72-0.83: vLLM, vllm-mlx, mlx-lm PR 990, per issue 39).
-DECODE_LEVELS, VERIFY_LEVELS = 253, 408
+# step and 408 for a verify pass at the real dims; the head's draft pass is 16 levels per draft,
+# `ModelGraph.mtp_draft_graph` counted on the demo, whose head has the real one's layer walk),
+# a 4-bit weight with its bf16 scale and bias per 64, the GPU idle once per verify pass while
+# the host reads the accepted tokens and encodes the next pass (the review's ~0.7 ms of
+# encoding and Python per pass; the head's drafts are taken on the device in the pass's own
+# submission, so no round trip per draft), per-draft acceptance rates (published first-draft
+# rates for Qwen3.5/3.6 MTP heads are 0.72-0.83: vLLM, vllm-mlx, mlx-lm PR 990, per issue 39).
+DECODE_LEVELS, VERIFY_LEVELS, MTP_LEVELS_PER_DRAFT = 253, 408, 16
 BYTES_PER_WEIGHT = 4.5 / 8
-HOST_ROUND_TRIP_S = 0.95e-3
+PASS_HOST_S = 0.7e-3
 ACCEPTANCE = (0.9, 0.7, 0.5)
 # Mostly text the grammar forces (keys, separators, the rest of an enum value), repeated once per
 # item: what prompt lookup finds in the answer so far and a grammar lets through.
@@ -114,22 +117,30 @@ def print_levels(model: ModelGraph) -> None:
     verify = {model.verify_graph(k + 1, k + 1).barrier_count for k in drafts}
     shown = ", ".join(f"{levels} ({levels / decode:.2f}x)" for levels in sorted(verify))
     print(f"levels: decode step {decode}, verify pass (k = 1..{MAX_DRAFT_TOKENS}) {shown}")
+    if model.mtp:
+        per_draft = (
+            model.mtp_draft_graph(1, 2).barrier_count - model.mtp_draft_graph(1, 1).barrier_count
+        )
+        print(
+            f"levels: the MTP head's drafts, {per_draft} per draft, in the verify pass's submission"
+        )
 
 
 def print_mac_estimate() -> None:
     """A MODEL of the delivered decode speed on a Mac, plain and with drafts, at per-draft
     acceptance a (each draft kept with probability a once those before it were): a pass of k
     drafts yields (1 - a^(k+1)) / (1 - a) tokens and costs its verify pass
-    (`verify_cost_ratio` decode steps' bytes, plus the verify graph's extra levels) and, for
-    the MTP head, k head steps (one MTP layer and the lm_head read, and a host round trip for
-    the argmax each, as the engine drafts today)."""
+    (`verify_cost_ratio` decode steps' bytes, plus the verify graph's extra levels), the
+    host's turn between passes, and, for the MTP head, k head steps (one MTP layer and the
+    lm_head read, and their levels; the argmax on the device)."""
     c = parse_config(real_config())
     head = c.vocab_size * c.hidden_size * BYTES_PER_WEIGHT
     mtp_layer = (pass_traffic(c, 1).weight_bytes - head) / c.num_hidden_layers
     print(
         "delivered tok/s on a Mac (a MODEL: weights at 80% of the published bandwidth, "
         f"{DECODE_LEVELS} / {VERIFY_LEVELS} levels at {LEVEL_SECONDS * 1e6:.0f} us, "
-        f"{HOST_ROUND_TRIP_S * 1e3:.2f} ms per head draft's round trip)"
+        f"{MTP_LEVELS_PER_DRAFT} per head draft, {PASS_HOST_S * 1e3:.2f} ms of host time "
+        "per verify pass)"
     )
     for gpu in GPUS[1:]:
         bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY[CENTRAL]
@@ -139,10 +150,12 @@ def print_mac_estimate() -> None:
         for source, ks in (("mtp", (1, 2, 3)), ("ngram", (4,))):
             for k in ks:
                 verify = verify_cost_ratio(c, k) * (step_bytes / bandwidth)
-                verify += VERIFY_LEVELS * LEVEL_SECONDS
+                verify += VERIFY_LEVELS * LEVEL_SECONDS + PASS_HOST_S
                 drafting = 0.0
                 if source == "mtp":
-                    drafting = k * ((mtp_layer + head) / bandwidth + HOST_ROUND_TRIP_S)
+                    drafting = k * (
+                        (mtp_layer + head) / bandwidth + MTP_LEVELS_PER_DRAFT * LEVEL_SECONDS
+                    )
                 rates = []
                 for a in ACCEPTANCE:
                     tokens = (1 - a ** (k + 1)) / (1 - a)
@@ -151,19 +164,24 @@ def print_mac_estimate() -> None:
 
 
 def count_round_trips(counts: Counter) -> None:
-    """Counts synchronous device runs ("runs") and verify graphs asked for ("verify passes",
-    one per pass: the engine asks for the graph as it submits it) into `counts`."""
-    run, verify_graph = Device.run, ModelGraph.verify_graph
+    """Counts the host's waits for the device ("runs": synchronous runs and waits for submitted
+    work) and verify graphs asked for ("verify passes", one per pass: the engine asks for the
+    graph as it submits it) into `counts`."""
+    run, wait, verify_graph = Device.run, Device.wait, ModelGraph.verify_graph
 
     def counted_run(self, graph):
         counts["runs"] += 1
         return run(self, graph)
 
+    def counted_wait(self, ticket):
+        counts["runs"] += 1
+        return wait(self, ticket)
+
     def counted_verify_graph(self, tokens, rows):
         counts["verify passes"] += 1
         return verify_graph(self, tokens, rows)
 
-    Device.run = counted_run
+    Device.run, Device.wait = counted_run, counted_wait
     ModelGraph.verify_graph = counted_verify_graph
 
 

@@ -949,3 +949,51 @@ struct AcceptShape {
     }
   }
 }
+
+struct DraftShape {
+  uint vocab;     // ids a draft may be (the logits past them pad the lm_head's rows)
+  uint rows;      // rows of the MTP pass that wrote the logits: its last one drafts
+  uint capacity;  // the token history's length
+  uint index;     // which draft of the pass's chain this is: its slot in `drafts`
+};
+
+// The MTP head's greedy draft, on the device, so that the head's passes for several drafts run
+// in one command buffer with no host round trip between them: the argmax of the head's logits
+// (ties to the lowest id, as the host's np.argmax breaks them; NaNs are never chosen, and logits
+// that are all NaN draft token 0: a draft only costs a verify row, it never changes the output)
+// goes into the history after the pass's newest token (and into drafts[index], which the host
+// reads after a verify pass that overwrote the history's rejected drafts), and the head's step
+// moves to that token, where the next chained pass (one row: the head's own output and the
+// draft's embedding) starts.
+[[kernel]] void draft_argmax(constant DraftShape& shape [[buffer(0)]],
+                             device const float* logits [[buffer(1)]],
+                             device uint* step [[buffer(2)]],
+                             device uint* history [[buffer(3)]],
+                             device uint* drafts [[buffer(4)]],
+                             uint thread_id [[thread_index_in_threadgroup]],
+                             uint threads [[threads_per_threadgroup]],
+                             uint simdgroup [[simdgroup_index_in_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float values[SIMD_WIDTH];
+  threadgroup uint indices[SIMD_WIDTH];
+  const uint simdgroups = (threads + SIMD_WIDTH - 1) / SIMD_WIDTH;
+  float best = -INFINITY;
+  uint index = NO_TOKEN;
+  // Each thread's ids ascend, so a later equal value never replaces an earlier one.
+  for (uint i = thread_id; i < shape.vocab; i += threads) {
+    const float value = logits[i];
+    if (!isnan(value) && (index == NO_TOKEN || value > best)) {
+      best = value;
+      index = i;
+    }
+  }
+  const uint winner = group_argmax(best, index, values, indices, simdgroups, simdgroup, lane);
+  if (thread_id == 0) {
+    // The newest token is the pass's last row's next one: position step + rows.
+    const uint newest = step[0] + shape.rows;
+    const uint draft = winner == NO_TOKEN ? 0u : winner;
+    if (newest + 1 < shape.capacity) history[newest + 1] = draft;
+    drafts[shape.index] = draft;
+    step[0] = newest;
+  }
+}

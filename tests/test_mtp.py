@@ -124,6 +124,36 @@ def test_the_heads_pass_is_the_reference_head(name):
         assert np.abs(model.mtp_logits_view() - logits[-1]).max() < LOGIT_TOLERANCE
 
 
+@pytest.mark.parametrize("name", ["small", "demo"])
+def test_drafts_chained_on_the_device_are_the_host_chained_drafts(name):
+    """`mtp_draft_graph`: the head over the prompt's rows then three chained passes, each
+    argmax taken on the device, in one run, drafts what the same passes run one at a time with
+    the host's np.argmax draft, and leaves the head's step at the last draft's token."""
+    path = demo_checkpoint_dir() if name == "demo" else tiny_checkpoint(name, mtp_head=True)
+    checkpoint = load_checkpoint(path)
+    vocab = checkpoint.config.vocab_size
+    model = ModelGraph(checkpoint, open_test_device(), 64, vocab, 32, mtp=True)
+    prompt = np.random.default_rng(5).integers(0, vocab - 64, 13).tolist()
+    n = len(prompt)
+    history, step = model.history_view(), model.step_view()
+    history[:n] = prompt
+    step[:3] = 0, n, prompt[0]
+    model.device.run(model.graph(n, predicts=True))
+    model.mtp_step_view()[0] = 0
+    model.device.run(model.mtp_graph(n, chained=False, head=True))
+    expected = []
+    for position in range(n, n + 4):
+        expected.append(int(np.argmax(model.mtp_logits_view()[: model.token_count])))
+        history[position + 1] = expected[-1]
+        model.mtp_step_view()[0] = position
+        model.device.run(model.mtp_graph(1, chained=True, head=True))
+    history[n + 1 :] = 0
+    model.mtp_step_view()[0] = 0
+    model.device.run(model.mtp_draft_graph(n, 4))
+    assert history[n + 1 : n + 5].tolist() == expected
+    assert model.mtp_step_view()[0] == n + 3
+
+
 def test_an_mtp_graph_needs_a_head_and_verify_passes():
     plain = load_checkpoint(tiny_checkpoint("small"))
     with pytest.raises(ValueError, match="no multi-token-prediction head"):

@@ -65,7 +65,7 @@ from lily.engine.sampling import (
     sampling_distribution,
     top_logprobs,
 )
-from lily.engine.speculative import Drafter, Speculation
+from lily.engine.speculative import Drafter, HeadDrafts, Speculation
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
 from lily.kernels.attention import row_bytes
 from lily.kernels.sampling import (
@@ -499,7 +499,7 @@ class DeviceEngine:
                     # last chunk's when it drafts the first time.
                     self._mtp_pending = (piece.start, piece.tokens)
                     if not predicts:
-                        self._mtp_catch_up(draft=False)
+                        self._mtp_catch_up()
                 if not predicts:
                     continue
                 drawn = self._drawn(end, sampling)
@@ -518,7 +518,10 @@ class DeviceEngine:
                 )
                 if head:
                     assert isinstance(drafter, Speculation)
-                    drafter.head = self._mtp_drafts
+                    # A constraint asks about each draft before the pass: the host takes them.
+                    drafter.head = (
+                        self._mtp_drafts if constraint is not None else self._head_drafts_on_device
+                    )
                 try:
                     yield from self._speculate(request, generated, drafter, should_stop)
                 finally:
@@ -591,20 +594,28 @@ class DeviceEngine:
                 yield from self._decode(last, count, request, should_stop)
                 return
             started = time.perf_counter()
-            drafts = []
-            if limit > 0:
-                drafts = [int(t) for t in drafter.draft(tokens, limit)][:limit]
-            drafts, masks = self._row_masks(request, drafts, last + 1)
-            # The head reads the last pass's rows before this pass overwrites them.
-            self._mtp_catch_up(draft=False)
-            history[last + 1 : last + 1 + len(drafts)] = drafts
+            planned = drafter.draft(tokens, limit) if limit > 0 else []
+            on_device = isinstance(planned, HeadDrafts)
+            if on_device:
+                # The head drafts in this pass's own submission: no constraint to ask, and each
+                # row draws under the bans alone (a draft they rule out is simply not accepted).
+                count = min(len(planned), limit)
+                masks = [draw_mask(None, request.bans, model.token_count, last + 1)] * (count + 1)
+            else:
+                drafts, masks = self._row_masks(
+                    request, [int(t) for t in planned][:limit], last + 1
+                )
+                # The head reads the last pass's rows before this pass overwrites them.
+                self._mtp_catch_up()
+                history[last + 1 : last + 1 + len(drafts)] = drafts
+                count = len(drafts)
             # Everything the history holds counts as given: no advance overwrites it.
             step[POSITION], step[PROMPT_END], step[TOKEN] = (
                 last,
-                last + 1 + len(drafts),
+                last + 1 + count,
                 tokens[last],
             )
-            if not drafts:
+            if not count:
                 if constraint is not None:
                     write_token_mask(model.state.token_mask, masks[0])
                 device.run(model.decode)
@@ -614,14 +625,18 @@ class DeviceEngine:
                     constraint.consume(produced[0].id)
                 told = 1
             else:
-                rows = len(drafts) + 1
+                rows = count + 1
                 graph = model.verify_graph(rows, rows)
                 model.verify_position_view()[0] = last
                 write_token_masks(model.verify_token_masks, masks, model.token_count)
-                device.run(graph)
+                if on_device:
+                    self._submit_head_drafts(last, count)
+                device.wait(device.submit(graph))
                 chosen = model.accepted_tokens()
                 if chosen[-1] == NO_TOKEN:
                     raise NonFiniteLogitsError(last + len(chosen))
+                if on_device:
+                    drafts = [int(t) for t in model.mtp_drafts_view()[:count]]
                 told = len(chosen) - 1  # the accepted drafts, told already
                 if constraint is not None:
                     constraint.rollback(len(drafts) - told)
@@ -686,9 +701,9 @@ class DeviceEngine:
                 break
         return kept, masks
 
-    def _mtp_catch_up(self, draft: bool) -> None:
+    def _mtp_catch_up(self) -> None:
         """Runs the MTP head over the rows of the last pass it has not read (their KV rows are
-        then right for every later draft); with `draft`, through its lm_head for the last."""
+        then right for every later draft)."""
         if self._mtp_pending is None:
             return
         start, rows = self._mtp_pending
@@ -697,31 +712,50 @@ class DeviceEngine:
             return
         model = self._model
         model.mtp_step_view()[0] = start
-        self.device.run(model.mtp_graph(rows, chained=False, head=draft))
+        self.device.run(model.mtp_graph(rows, chained=False, head=False))
 
     def _mtp_drafts(self, limit: int) -> list[int]:
-        """Up to `limit` greedy drafts of the MTP head after the newest token: the head over
-        the last pass's rows predicts the token after the newest; each further draft feeds the
-        head its own output and the draft before (the head's KV rows past the newest token are
-        rewritten by the next catch-up, as the main cache's are)."""
+        """Up to `limit` greedy drafts of the MTP head after the newest token, in one command
+        buffer (`ModelGraph.mtp_draft_graph`): the head over the last pass's rows predicts the
+        token after the newest; each further draft feeds the head its own output and the draft
+        before, the argmaxes taken on the device (the head's KV rows past the newest token are
+        rewritten by the next catch-up, as the main cache's are). The host reads the drafts
+        from the history once, after them all."""
         if self._mtp_pending is None:
             return []
         start, rows = self._mtp_pending
         if rows == 0:
             return []  # read already (only when nothing new was fed): nothing to draft from
         model = self._model
-        history, token_count = model.history_view(), model.token_count
-        self._mtp_catch_up(draft=True)
-        position = start + rows  # the newest token's: the first draft follows it
-        drafts: list[int] = []
-        while True:
-            drafts.append(int(np.argmax(model.mtp_logits_view()[:token_count])))
-            if len(drafts) == limit:
-                return drafts
-            history[position + 1] = drafts[-1]
-            model.mtp_step_view()[0] = position
-            self.device.run(model.mtp_graph(1, chained=True, head=True))
-            position += 1
+        newest = start + rows  # the first draft follows it
+        limit = min(limit, model.capacity - 1 - newest)
+        if limit < 1:
+            return []
+        self._mtp_pending = (start, 0)
+        model.mtp_step_view()[0] = start
+        self.device.run(model.mtp_draft_graph(rows, limit))
+        return [int(t) for t in model.history_view()[newest + 1 : newest + 1 + limit]]
+
+    def _head_drafts_on_device(self, limit: int) -> HeadDrafts | list[int]:
+        """The head's next drafts, to be taken on the device in the verify pass's submission
+        (`_submit_head_drafts`): what `Speculation.head` is when no constraint needs to see each
+        draft before the pass."""
+        if self._mtp_pending is None or self._mtp_pending[1] == 0:
+            return []  # nothing new was fed: nothing to draft from
+        start, rows = self._mtp_pending
+        limit = min(limit, self._model.capacity - 1 - (start + rows))
+        return HeadDrafts(limit) if limit > 0 else []
+
+    def _submit_head_drafts(self, newest: int, count: int) -> None:
+        """Submits the head's `count` drafts after the newest token (`ModelGraph.
+        mtp_draft_graph`), ahead of the verify pass that checks them: the pass reads them from
+        the history the draft pass writes, and nothing waits in between."""
+        pending = self._mtp_pending
+        assert pending is not None and sum(pending) == newest, "the head's rows end at the newest"
+        start, rows = pending
+        self._mtp_pending = (start, 0)
+        self._model.mtp_step_view()[0] = start
+        self.device.submit(self._model.mtp_draft_graph(rows, count))
 
     def _decode(
         self,

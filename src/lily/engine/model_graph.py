@@ -88,6 +88,7 @@ from lily.kernels.sampling import (
     logprob_ring_bytes,
     read_accepted,
     record_accept_drafts,
+    record_draft_argmax,
     record_sample,
     sample_partials_bytes,
     token_mask_bytes,
@@ -641,6 +642,48 @@ class ModelGraph:
             self._mtp_graphs[key] = _Recorder(self, rows, False).record_mtp(chained, head)
         return self._mtp_graphs[key]
 
+    def mtp_draft_graph(self, rows: int, drafts: int) -> Graph:
+        """`drafts` greedy drafts of the MTP head in one command buffer: the head over `rows`
+        rows from `mtp_step_view()[0]` (as `mtp_graph(rows, chained=False, head=True)`), its
+        argmax into the history after the newest token (`record_draft_argmax`, which also moves
+        the head's step to that token), then `drafts - 1` chained passes, each followed by its
+        argmax. The drafts are then in the history from the newest token's position + 1 on, and in
+        `mtp_drafts_view()` (which a verify pass run after it leaves as they were): the host
+        reads them after one round trip instead of one per draft."""
+        if not self.mtp:
+            raise RuntimeError("this ModelGraph was made without the MTP head")
+        if not 1 <= rows <= self.max_chunk or not 1 <= drafts <= MAX_DRAFT_TOKENS:
+            raise ValueError(
+                f"a draft pass takes 1 to {self.max_chunk} rows and 1 to {MAX_DRAFT_TOKENS} drafts"
+            )
+        key = (rows, drafts)
+        if key not in self._mtp_draft_graphs:
+            graph = Graph()
+            for index in range(drafts):
+                tokens = rows if index == 0 else 1
+                recorder = _Recorder(self, tokens, False, graph=graph)
+                recorder.record_mtp(chained=index > 0, head=True)
+                graph.barrier()
+                record_draft_argmax(
+                    graph,
+                    self.device,
+                    logits=self.mtp_logits,
+                    vocab=self.token_count,
+                    rows=tokens,
+                    step=self.mtp_step,
+                    history=self.state.history,
+                    capacity=self.capacity,
+                    drafts=self.mtp_drafts,
+                    index=index,
+                )
+                graph.barrier()
+            self._mtp_draft_graphs[key] = graph
+        return self._mtp_draft_graphs[key]
+
+    def mtp_drafts_view(self) -> np.ndarray:
+        """The last `mtp_draft_graph`'s drafts (uint32 [MAX_DRAFT_TOKENS], the first `drafts`)."""
+        return self.mtp_drafts.numpy().view(np.uint32)
+
     def mtp_step_view(self) -> np.ndarray:
         """The MTP pass's first position (uint32 [1]), written by the host before it submits."""
         return self.mtp_step.numpy().view(np.uint32)
@@ -657,8 +700,10 @@ class ModelGraph:
         self.mtp_hidden = dev.alloc(4 * h * self.max_chunk)
         self.mtp_out = dev.alloc(4 * h)
         self.mtp_step = dev.alloc(4)
+        self.mtp_drafts = dev.alloc(4 * MAX_DRAFT_TOKENS)
         self.mtp_logits = dev.alloc(4 * c.vocab_size)
         self._mtp_graphs: dict[tuple[int, bool, bool], Graph] = {}
+        self._mtp_draft_graphs: dict[tuple[int, int], Graph] = {}
         # fc reads [embedding | hidden]: the halves of its inputs are separate GEMMs over
         # separate activations, so each half's columns are copied out once (they are
         # interleaved row by row in the stored matrix; groups of 64 never straddle the halves).
@@ -751,12 +796,18 @@ class _Recorder:
     """Records one pass over `tokens` tokens: the layer walk, shared by decode and prefill."""
 
     def __init__(
-        self, model: ModelGraph, tokens: int, predicts: bool, verify_rows: int = 0
+        self,
+        model: ModelGraph,
+        tokens: int,
+        predicts: bool,
+        verify_rows: int = 0,
+        graph: Graph | None = None,
     ) -> None:
         self.m, self.c, self.s, self.w = model, model.config, model._scratch, model.weights
         self.dev, self.state = model.device, model.state
         self.tokens, self.predicts, self.verify_rows = tokens, predicts, verify_rows
-        self.g = Graph()
+        # A new graph, or (several passes in one command buffer) the graph being recorded.
+        self.g = Graph() if graph is None else graph
         # Where attention reads its first position: the sequence's step buffer, or the MTP
         # head's own (record_mtp).
         self.step = model.state.step

@@ -135,9 +135,21 @@ class NgramIndex:
         return []
 
 
+@dataclass(frozen=True)
+class HeadDrafts:
+    """`count` drafts of the MTP head that the engine takes on the device, in the verify pass's
+    own submission (`ModelGraph.mtp_draft_graph`): the host learns them after the pass."""
+
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+
 class Drafter(Protocol):
-    def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
-        """Up to `limit` tokens guessed to follow `tokens` (the prompt and the output so far)."""
+    def draft(self, tokens: Sequence[int], limit: int) -> list[int] | HeadDrafts:
+        """Up to `limit` tokens guessed to follow `tokens` (the prompt and the output so far),
+        or the head's drafts the engine is to take on the device."""
         ...
 
     def verified(self, drafted: Sequence[int], accepted: int) -> None:
@@ -234,12 +246,13 @@ class Speculation:
     steps (`model_graph.verify_cost_ratio`: a pass of 4 drafts on the real model pays above
     about 2.3 tokens); lookup also stops once AUTO_IDLE_LOOKUPS lookups in a row found nothing
     (a prediction is never dropped: the client asked for it). The head's drafts come from
-    `head` (up to n greedy drafts after the newest token), which the engine running it sets
-    for the generation; without it the head drafts nothing."""
+    `head` (up to n greedy drafts after the newest token, or `HeadDrafts` the engine takes on
+    the device), which the engine running it sets for the generation; without it the head
+    drafts nothing."""
 
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     mtp: bool = False
-    head: Callable[[int], list[int]] | None = None
+    head: Callable[[int], list[int] | HeadDrafts] | None = None
     ngram: bool = False
     prediction: Prediction | None = None
     auto: bool = False
@@ -300,7 +313,7 @@ class Speculation:
         """Whether nothing will be drafted for the rest of the generation."""
         return self.prediction is None and not self._head_enabled() and not self._lookup_enabled()
 
-    def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
+    def draft(self, tokens: Sequence[int], limit: int) -> list[int] | HeadDrafts:
         limit = min(limit, self.draft_tokens)
         self._last_source = None
         if self.prediction is not None:

@@ -456,3 +456,48 @@ def read_accepted(accepted: Buffer) -> list[int]:
     is `NO_TOKEN` when its row was refused)."""
     words = accepted.numpy()[: accepted_bytes(MAX_DRAFTS)].view(np.uint32)
     return [int(t) for t in words[1 : int(words[0]) + 2]]
+
+
+# One threadgroup reads the head's logits: the most threads Metal allows in one.
+DRAFT_ARGMAX_THREADS = 1024
+
+
+def record_draft_argmax(
+    graph: Graph,
+    device: Device,
+    *,
+    logits: BufferRef,
+    vocab: int,
+    rows: int,
+    step: BufferRef,
+    history: BufferRef,
+    capacity: int,
+    drafts: BufferRef,
+    index: int,
+) -> None:
+    """The MTP head's greedy draft on the device (sampling.metal's `draft_argmax`): after a head
+    pass of `rows` rows from position step[0] (uint32), the argmax of `logits` (float32
+    [vocab], ties to the lowest id, NaN never; 0 if all are NaN) goes into history[step[0] +
+    rows + 1] (uint32 [capacity]; not past it) and drafts[index] (uint32), and step[0] becomes
+    step[0] + rows: the newest token's position, where the next chained head pass starts."""
+    if not 1 <= vocab < 2**32 - 1:
+        raise ValueError(f"vocab must be in [1, 2^32 - 1), got {vocab}")
+    if rows < 1 or not 0 <= index < MAX_DRAFTS:
+        raise ValueError(f"rows must be >= 1 and index in [0, {MAX_DRAFTS}): {rows}, {index}")
+    for name, ref, nbytes in (
+        ("logits", logits, 4 * vocab),
+        ("step", step, 4),
+        ("history", history, 4 * capacity),
+        ("drafts", drafts, 4 * (index + 1)),
+    ):
+        buffer, offset = binding(ref)
+        if buffer.size - offset < nbytes:
+            raise ValueError(f"{name} needs {nbytes} bytes at offset {offset}: too small")
+    threads = min(DRAFT_ARGMAX_THREADS, -(-vocab // 32) * 32)
+    graph.dispatch(
+        device.kernel("draft_argmax"),
+        threadgroups=(1, 1, 1),
+        threads=(threads, 1, 1),
+        buffers={1: binding(logits), 2: binding(step), 3: binding(history), 4: binding(drafts)},
+        bytes={0: pack_params("IIII", vocab, rows, capacity, index)},
+    )
