@@ -1,8 +1,8 @@
 // The vision tower's kernels (docs/vision.md, "The encoder on the device"): LayerNorm with a bias,
-// the linear maps (fp32 activations times the checkpoint's bf16 weights, plus the bias, with a
-// GELU or a residual add as the epilogue), the 2-D rotary embedding, and bidirectional attention
-// over the patches of one frame. Activations stay fp32 throughout; the numpy reference of each is
-// in lily.engine.vision_reference.
+// the position embedding's bilinear resampling, the linear maps (fp32 activations times the
+// checkpoint's bf16 weights, plus the bias, with a GELU or a residual add as the epilogue), the
+// 2-D rotary embedding, and bidirectional attention over the patches of one frame. Activations
+// stay fp32 throughout; the numpy reference of each is in lily.engine.vision_reference.
 #include "common.h"
 
 // ---- LayerNorm --------------------------------------------------------------------------------
@@ -44,6 +44,53 @@ struct VisionLayerNormParams {
   const float inv_std = rsqrt(variance + p.eps);
   for (uint i = thread_id; i < p.dim; i += threads)
     result[i] = (in[i] - mean) * inv_std * float(weight[i]) + float(bias[i]);
+}
+
+// ---- Position embedding ----------------------------------------------------------------------
+
+struct VisionPositionParams {
+  uint height;  // patches
+  uint width;
+  uint merge;  // rows are in merge-block order: merge x merge patches, then the next block
+  uint side;   // the learned table is a side x side grid
+  uint dim;
+};
+
+// out[row] = the learned [side x side, dim] grid resampled bilinearly at the row's patch, corners
+// aligned (patch row i of `height` samples grid row i * (side - 1) / (height - 1)), for each frame
+// alike. The four corners are weighed and summed in the reference's order; the fractions are
+// computed in fp32 (the reference's linspace in fp64: they may differ by an ulp of the position).
+// One threadgroup per row.
+[[kernel]] void vision_position_embedding(constant VisionPositionParams& p [[buffer(0)]],
+                                          device const bfloat* table [[buffer(1)]],
+                                          device float* out [[buffer(2)]],
+                                          uint row [[threadgroup_position_in_grid]],
+                                          uint thread_id [[thread_index_in_threadgroup]],
+                                          uint threads [[threads_per_threadgroup]]) {
+  const uint patch = row % (p.height * p.width);
+  const uint block = patch / (p.merge * p.merge);
+  const uint within = patch % (p.merge * p.merge);
+  const uint blocks_per_row = p.width / p.merge;
+  const uint patch_row = (block / blocks_per_row) * p.merge + within / p.merge;
+  const uint patch_col = (block % blocks_per_row) * p.merge + within % p.merge;
+  const float last = float(p.side - 1);
+  const float y = p.height > 1 ? float(patch_row) * last / float(p.height - 1) : 0.0f;
+  const float x = p.width > 1 ? float(patch_col) * last / float(p.width - 1) : 0.0f;
+  const uint y0 = uint(y);
+  const uint x0 = uint(x);
+  const uint y1 = min(y0 + 1, p.side - 1);
+  const uint x1 = min(x0 + 1, p.side - 1);
+  const float dy = y - float(y0);
+  const float dx = x - float(x0);
+  device const bfloat* t00 = table + ulong(y0 * p.side + x0) * p.dim;
+  device const bfloat* t01 = table + ulong(y0 * p.side + x1) * p.dim;
+  device const bfloat* t10 = table + ulong(y1 * p.side + x0) * p.dim;
+  device const bfloat* t11 = table + ulong(y1 * p.side + x1) * p.dim;
+  device float* target = out + ulong(row) * p.dim;
+  for (uint i = thread_id; i < p.dim; i += threads) {
+    target[i] = float(t00[i]) * (1.0f - dy) * (1.0f - dx) + float(t01[i]) * (1.0f - dy) * dx +
+                float(t10[i]) * dy * (1.0f - dx) + float(t11[i]) * dy * dx;
+  }
 }
 
 // ---- Linear maps ------------------------------------------------------------------------------
@@ -201,12 +248,14 @@ struct VisionRotaryParams {
 
 constexpr constant uint ATTENTION_THREADS = 128;
 constexpr constant uint ATTENTION_SIMDGROUPS = ATTENTION_THREADS / SIMD_WIDTH;
-constexpr constant uint ATTENTION_ROWS_PER_SIMDGROUP = 4;
+constexpr constant uint ATTENTION_ROWS_PER_SIMDGROUP = 8;
 constexpr constant uint ATTENTION_ROWS = ATTENTION_SIMDGROUPS * ATTENTION_ROWS_PER_SIMDGROUP;
 constexpr constant uint ATTENTION_KEYS = SIMD_WIDTH;  // one key per lane in a tile
-// Head dims up to 96 (the real tower's is 72): three output dims per lane.
-constexpr constant uint ATTENTION_MAX_HEAD_DIM = 96;
-constexpr constant uint ATTENTION_DIMS_PER_LANE = ATTENTION_MAX_HEAD_DIM / SIMD_WIDTH;
+// Head dims up to 80 (the real tower's is 72), at most three output dims per lane: the q, k and
+// v tiles of 32 rows then take 30 KiB of threadgroup memory.
+constexpr constant uint ATTENTION_MAX_HEAD_DIM = 80;
+constexpr constant uint ATTENTION_DIMS_PER_LANE =
+    (ATTENTION_MAX_HEAD_DIM + SIMD_WIDTH - 1) / SIMD_WIDTH;
 // Each lane reads its own key's row: one float of padding puts neighbouring lanes' rows in
 // different banks.
 constexpr constant uint ATTENTION_KEY_STRIDE = ATTENTION_MAX_HEAD_DIM + 1;
@@ -216,18 +265,19 @@ struct VisionAttentionParams {
   uint heads;
   uint head_dim;
   float scale;  // 1 / sqrt(head_dim)
-  // The dispatch's first query row in each frame (a multiple of 16): a large image's attention
+  // The dispatch's first query row in each frame (a multiple of 32): a large image's attention
   // is split by query rows across command buffers, each short enough for macOS's watchdog.
   uint first_query;
 };
 
 // out [rows, heads x head_dim] = softmax(q k^T * scale) v per head and frame, with q, k and v
-// read from the fused qkv rows [rows, 3 x heads x head_dim]. A threadgroup takes 16 query rows of
+// read from the fused qkv rows [rows, 3 x heads x head_dim]. A threadgroup takes 32 query rows of
 // one head in one frame (grid: query blocks from first_query x heads x frames) and streams the
 // frame's keys and values through threadgroup memory 32 at a time, with an online softmax: no
 // score matrix is ever stored, so a frame of thousands of patches needs no more memory than a
-// small one. Each SIMD-group owns 4 of the query rows; in a key tile, lane j scores key j, and
-// the lanes split the head's dims to accumulate the weighted values.
+// small one, and every key and value read from memory serves 32 queries. Each SIMD-group owns 8
+// of the query rows; in a key tile, lane j scores key j, and the lanes split the head's dims to
+// accumulate the weighted values.
 [[kernel, max_total_threads_per_threadgroup(ATTENTION_THREADS)]]
 void vision_attention(constant VisionAttentionParams& p [[buffer(0)]],
                       device const float* qkv [[buffer(1)]], device float* out [[buffer(2)]],

@@ -8,6 +8,10 @@ values and every bound below is float32 rounding alone:
   both forms) and adds its own: tanh within a few ulps, the erf approximation within 1.5e-7
   absolute (under 2 ulps of 1), each scaled by |y| / 2, plus the products' roundings: 8 ulps of
   |y| covers both. The residual add is one rounding of |out|.
+- position embedding: the fractions of the bilinear weights are computed in fp32, within 2 ulps
+  of the largest position (side - 1) of the reference's fp64 ones, and each of the four corners'
+  weights moves by at most twice that; the products and sums add 8 roundings. Bound:
+  (4 (side - 1) + 8) ulps of the four corners' sum of magnitudes.
 - LayerNorm: the mean is a fp32 sum (per thread, then the SIMD-group's and the threadgroup's
   partials: per_thread + 64 roundings) of values of mean magnitude mean|x|, so each centred value
   is within that many ulps of mean|x| and of its own rounding; the variance sums the same way and
@@ -47,6 +51,7 @@ from lily.kernels.vision import (
     record_attention,
     record_layer_norm,
     record_linear,
+    record_position_embedding,
     record_rotary,
     rotary_tables,
 )
@@ -83,6 +88,42 @@ def test_layer_norm(lane_order, rows, dim):
     per_thread = -(-dim // threads_for(dim))
     actual = as_float32(out, rows * dim).reshape(rows, dim)
     assert_within_ulps(actual, expected, magnitude + np.abs(b64), per_thread + 64 + 16)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize(
+    ("grid", "side", "dim"),
+    [
+        ((1, 2, 2), 8, 64),  # the tiny tower's smallest image
+        ((1, 4, 6), 8, 64),  # fewer patches than the grid has rows: every one interpolates
+        ((2, 6, 4), 8, 100),  # two frames alike; a ragged width
+        ((1, 16, 22), 8, 64),  # more patches than the grid has rows
+        ((1, 48, 64), 48, 32),  # the real 48 x 48 grid at 768 x 1024 pixels (narrow dim)
+    ],
+    ids=str,
+)
+def test_position_embedding(lane_order, grid, side, dim):
+    rng = np.random.default_rng(side * dim + sum(grid))
+    device = sim_device(lane_order)
+    table = random_bf16(rng, (side * side, dim))
+    rows = math.prod(grid)
+    out = float_buffer(device, rows * dim)
+    run(
+        device,
+        lambda g: record_position_embedding(g, device, device.wrap(table), out, grid, 2, side, dim),
+    )
+    table64 = widened(table)
+    expected = ref.interpolated_position_embedding(table64, grid, 2)
+    # The four corners' magnitudes: the resampling of |table| with every weight 1.
+    corners = np.abs(table64).reshape(side, side, dim)
+    low = [np.linspace(0, side - 1, n).astype(np.int64) for n in grid[1:]]
+    high = [np.minimum(axis + 1, side - 1) for axis in low]
+    magnitude = sum(
+        corners[rows_][:, cols] for rows_ in (low[0], high[0]) for cols in (low[1], high[1])
+    )
+    magnitude = np.tile(ref.block_order(magnitude, 2), (grid[0], 1))
+    actual = as_float32(out, rows * dim).reshape(rows, dim)
+    assert_within_ulps(actual, expected, magnitude, 4 * (side - 1) + 8)
 
 
 def linear_case(rng, m: int, n: int, k: int):
@@ -177,7 +218,7 @@ def test_rotary(lane_order, grid, heads, head_dim):
         (1, 37, 2, 16),  # ragged tiles
         (2, 24, 4, 16),  # two frames: neither attends to the other
         (1, 45, 2, 72),  # the real head dim
-        (1, 100, 1, 72),  # four key tiles, seven query blocks
+        (1, 100, 1, 72),  # four key tiles, four query blocks
     ],
 )
 def test_attention(lane_order, frames, frame, heads, head_dim):
@@ -217,32 +258,32 @@ def test_attention_refuses_a_head_dim_over_its_tile() -> None:
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
 def test_attention_split_by_query_rows_writes_the_same(lane_order) -> None:
-    # Two frames of 40 patches, their query rows in pieces of 16, 16 and the last 8: each
+    # Two frames of 80 patches, their query rows in pieces of 32, 32 and the last 16: each
     # piece writes its rows of both frames and nothing else, exactly what the whole would.
     device = sim_device(lane_order)
-    frames, frame, heads, head_dim = 2, 40, 2, 16
+    frames, frame, heads, head_dim = 2, 80, 2, 16
     rows, width = frames * frame, heads * head_dim
     qkv = device.wrap(np.random.default_rng(4).normal(0, 1, (rows, 3 * width)).astype(np.float32))
     whole = float_buffer(device, rows * width)
     run(device, lambda g: record_attention(g, device, qkv, whole, frames, frame, heads, head_dim))
     pieces = device.alloc(4 * rows * width)  # zeros: a row no piece writes stays zero
-    for queries in (range(16, 32), range(0, 16), range(32, 40)):
+    for queries in (range(32, 64), range(0, 32), range(64, 80)):
         run(
             device,
             lambda g, q=queries: record_attention(
                 g, device, qkv, pieces, frames, frame, heads, head_dim, q
             ),
         )
-        if queries.start == 16:  # the first piece: its rows of each frame and no other
+        if queries.start == 32:  # the first piece: its rows of each frame and no other
             written = as_float32(pieces, rows * width).reshape(frames, frame, width) != 0
-            assert written[:, 16:32].all() and not written[:, :16].any()
-            assert not written[:, 32:].any()
+            assert written[:, 32:64].all() and not written[:, :32].any()
+            assert not written[:, 64:].any()
     np.testing.assert_array_equal(as_float32(pieces, rows * width), as_float32(whole, rows * width))
 
 
-@pytest.mark.parametrize("queries", [range(8, 16), range(0, 20), range(16, 16)])
+@pytest.mark.parametrize("queries", [range(16, 32), range(0, 20), range(32, 32)])
 def test_attention_refuses_queries_off_the_blocks(queries) -> None:
     device = sim_device("forward")
     buffer = float_buffer(device, 40 * 3 * 16)
-    with pytest.raises(ValueError, match="16-row blocks"):
+    with pytest.raises(ValueError, match="32-row blocks"):
         run(device, lambda g: record_attention(g, device, buffer, buffer, 1, 40, 1, 16, queries))

@@ -116,13 +116,13 @@ def test_a_grid_not_of_merge_blocks_is_refused(checkpoint) -> None:
 
 def test_a_small_budget_splits_the_pass_without_changing_it(checkpoint) -> None:
     device = sim_device("forward")
-    image = random_image((1, 6, 10), seed=11)  # 60 patches: 2 row tiles, 4 query blocks
+    image = random_image((1, 6, 10), seed=11)  # 60 patches: 2 row tiles, 2 query blocks
     whole = VisionEncoder.from_checkpoint(device, checkpoint)
     split = VisionEncoder.from_checkpoint(device, checkpoint, command_buffer_flops=1.0)
     assert whole.record(image).graph.command_buffer_count == 1
     # Every piece of work alone: per block, 2 row tiles of each of the 4 linear maps and
-    # 4 query blocks of attention; 2 for the patch embedding, 1 for each of the merger's maps
+    # 2 query blocks of attention; 2 for the patch embedding, 1 for each of the merger's maps
     # (15 tokens, one tile).
-    pieces = 2 + TINY_VISION.depth * (4 * 2 + 4) + 2
+    pieces = 2 + TINY_VISION.depth * (4 * 2 + 2) + 2
     assert split.record(image).graph.command_buffer_count == pieces
     np.testing.assert_array_equal(split.encode(image), whole.encode(image))

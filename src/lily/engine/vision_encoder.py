@@ -3,9 +3,8 @@ model's hidden size, on the kernels of `metal/vision.metal` (docs/vision.md, "Th
 device"). It computes what lily.engine.vision_reference.VisionTower computes, step for step.
 
 The weights are uploaded once, bf16 as the checkpoint stores them; activations are fp32 from
-the patch rows to the output. Two inputs depend only on the weights and the patch grid and are
-computed on the host, per image, with the reference's own functions: the position embedding's
-bilinear resampling and the rotary angles' cos and sin tables.
+the patch rows to the output. The rotary angles depend only on the patch grid: their cos and sin
+tables are computed on the host, per image, with the reference's own function (rotary_angles).
 
 A graph is recorded for each call rather than kept per grid shape: recording the ~8 dispatches
 per block costs microseconds next to the encode itself, and graphs kept per shape would keep the
@@ -24,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
+from lily.checkpoint.quant import float32_to_bf16
 from lily.checkpoint.vision import VISION_PREFIX, VisionConfig, parse_vision_config, vision_weights
 from lily.device import Graph
 from lily.engine.command_buffer_budget import command_buffer_flops
-from lily.engine.vision_reference import interpolated_position_embedding, rotary_angles
+from lily.engine.vision_reference import rotary_angles
 from lily.kernels import offset_by
 from lily.kernels.vision import (
     ATTENTION_ROWS,
@@ -37,6 +36,7 @@ from lily.kernels.vision import (
     record_attention,
     record_layer_norm,
     record_linear,
+    record_position_embedding,
     record_rotary,
     rotary_tables,
 )
@@ -83,12 +83,6 @@ class VisionEncoder:
         self._buffers: dict[str, Buffer] = {}
         for name, value in weights.items():
             bits = value if value.dtype == np.uint16 else float32_to_bf16(value)
-            if name == POSITION_TABLE:
-                # The resampling runs on the host, on the bf16 values widened exactly.
-                self._position_table = bf16_to_float32(bits).reshape(
-                    config.num_position_embeddings, config.hidden_size
-                )
-                continue
             if name == PATCH_WEIGHT:
                 # Stored channels-last [D, T, P, P, C]; the rows are channel-major (C, T, P, P).
                 bits = bits.transpose(0, 4, 1, 2, 3).reshape(config.hidden_size, -1)
@@ -147,10 +141,9 @@ class VisionEncoder:
         merged = d * merge**2  # a merge block's rows concatenated
         eps, budget = c.layer_norm_eps, self.command_buffer_flops
 
-        positions = interpolated_position_embedding(self._position_table, image.grid_thw, merge)
         cos, sin = rotary_tables(rotary_angles(image.grid_thw, merge, c.head_dim, c.rope_theta))
         pixels = self._upload(image.pixel_values.astype(np.float32, copy=False))
-        x = self._upload(positions.astype(np.float32, copy=False))
+        x = self._scratch(rows, d)
         cos_table, sin_table = self._upload(cos), self._upload(sin)
         normed, qkv, mixed = (
             self._scratch(rows, d),
@@ -199,7 +192,10 @@ class VisionEncoder:
             graph.barrier()
 
         def attention() -> None:
-            per_query = 4 * t * frame * d  # q k^T and p v over every head of every frame
+            # q k^T and p v over every head of every frame, counted twice: vision_attention's
+            # scalar products run at about half the rate of the linear maps' simdgroup tiles
+            # (benchmarks/vision_encoder_model.py), and the budget is in the maps' FLOPs.
+            per_query = 2 * 4 * t * frame * d
             piece = max(1, int(budget / per_query) // ATTENTION_ROWS) * ATTENTION_ROWS
             for start in range(0, frame, piece):
                 queries = range(start, min(start + piece, frame))
@@ -210,6 +206,9 @@ class VisionEncoder:
             graph.barrier()
 
         # x = position embedding + patch embedding.
+        side, table = c.position_grid_side, w[POSITION_TABLE]
+        record_position_embedding(graph, self.device, table, x, image.grid_thw, merge, side, d)
+        graph.barrier()
         linear("patch_embed.proj", pixels, x, d, c.patch_values, Epilogue.ADD)
         for i in range(c.depth):
             block = f"blocks.{i}"

@@ -1,5 +1,6 @@
-"""Launching the vision tower's kernels (`metal/vision.metal`): LayerNorm with a bias, the linear
-maps with their epilogues, the 2-D rotary embedding and attention over a frame's patches."""
+"""Launching the vision tower's kernels (`metal/vision.metal`): LayerNorm with a bias, the position
+embedding's resampling, the linear maps with their epilogues, the 2-D rotary embedding and
+attention over a frame's patches."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ if TYPE_CHECKING:
 LINEAR_TILE = 32
 LINEAR_THREADS = 128
 ATTENTION_THREADS = 128
-ATTENTION_ROWS = 16
-ATTENTION_MAX_HEAD_DIM = 96
+ATTENTION_ROWS = 32
+ATTENTION_MAX_HEAD_DIM = 80
 
 
 class Epilogue(enum.IntEnum):
@@ -52,6 +53,29 @@ def record_layer_norm(
         threads=(threads_within(kernel, threads_for(dim)), 1, 1),
         buffers={1: binding(x), 2: binding(weight), 3: binding(bias), 4: binding(out)},
         bytes={0: pack_params("If", dim, eps)},
+    )
+
+
+def record_position_embedding(
+    graph: Graph,
+    device: Device,
+    table: BufferRef,
+    out: BufferRef,
+    grid_thw: tuple[int, int, int],
+    merge: int,
+    side: int,
+    dim: int,
+) -> None:
+    """out [t*h*w, dim] fp32 = the learned [side x side, dim] bf16 grid resampled bilinearly to
+    the h x w patches (corners aligned), in merge-block order, the same for each of t frames."""
+    t, h, w = grid_thw
+    kernel = device.kernel("vision_position_embedding")
+    graph.dispatch(
+        kernel,
+        threadgroups=(t * h * w, 1, 1),
+        threads=(threads_within(kernel, threads_for(dim)), 1, 1),
+        buffers={1: binding(table), 2: binding(out)},
+        bytes={0: pack_params("IIIII", h, w, merge, side, dim)},
     )
 
 
