@@ -1,7 +1,8 @@
 """The vision tower's kernels (`metal/vision.metal`) against the numpy reference's functions
 (lily.engine.vision_reference) in float64, under the three lane orders (the random one on the
 checking sim) at ragged sizes. bf16 weights are widened exactly, so the reference uses the same
-values and every bound below is float32 rounding alone:
+values and every bound below is float32 rounding alone (the linear map's and attention's are
+written in lily.diagnostics.kernel_checks, which `lily doctor` shares):
 
 - linear: a length-k sum accumulated in fp32 is within (k + 8) ulps of sum |x w| (as gemm_nt's);
   the bias add is one more rounding. GELU propagates that error with its slope (at most 1.13 for
@@ -44,6 +45,7 @@ from kernel_testing import (
 )
 
 from lily.checkpoint.quant import bf16_to_float32
+from lily.diagnostics.kernel_checks import vision_attention_bound, vision_linear_bound
 from lily.engine import vision_reference as ref
 from lily.kernels.norm import threads_for
 from lily.kernels.vision import (
@@ -57,7 +59,6 @@ from lily.kernels.vision import (
 )
 
 EPS = 1e-6
-GELU_SLOPE = 1.13  # the largest |d/dy gelu(y)| of both forms
 
 
 def widened(bits: np.ndarray) -> np.ndarray:
@@ -169,16 +170,16 @@ def test_linear(lane_order, m, n, k, epilogue):
         ),  # fmt: skip
     )
     actual = as_float32(out, m * n).reshape(m, n)
-    sum_error = (k + 9) * FLOAT32_EPS * magnitude
+    gelu = epilogue in (Epilogue.GELU_TANH, Epilogue.GELU_ERF)
+    bound = vision_linear_bound(y, magnitude, k, gelu)
     if epilogue == Epilogue.STORE:
-        assert_within(actual, y, sum_error)
+        assert_within(actual, y, bound)
     elif epilogue == Epilogue.ADD:
         expected = residual + y
-        assert_within(actual, expected, sum_error + FLOAT32_EPS * np.abs(expected))
+        assert_within(actual, expected, bound + FLOAT32_EPS * np.abs(expected))
     else:
-        gelu = ref.gelu_tanh if epilogue == Epilogue.GELU_TANH else ref.gelu_erf
-        expected = gelu(y)
-        assert_within(actual, expected, GELU_SLOPE * sum_error + 8 * FLOAT32_EPS * np.abs(y))
+        expected = ref.gelu_tanh(y) if epilogue == Epilogue.GELU_TANH else ref.gelu_erf(y)
+        assert_within(actual, expected, bound)
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
@@ -235,18 +236,11 @@ def test_attention(lane_order, frames, frame, heads, head_dim):
     )
     actual = as_float32(out, rows * heads * head_dim).reshape(rows, heads, head_dim)
     q, k, v = (qkv[:, i].astype(np.float64) for i in range(3))
-    scale = 1 / math.sqrt(head_dim)
     for start in range(0, rows, frame):
         span = slice(start, start + frame)
-        expected = ref.attention(q[span], k[span], v[span])
-        # The reference's own weights give the magnitudes the bound scales with.
-        scores = np.einsum("qhd,khd->hqk", q[span], k[span]) * scale
-        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        weights /= weights.sum(axis=-1, keepdims=True)
-        weighted_v = np.einsum("hqk,khd->qhd", weights, np.abs(v[span]))
-        score_magnitude = np.einsum("qhd,khd->hqk", np.abs(q[span]), np.abs(k[span])).max(-1)
-        ulps = 2 * (head_dim + 2) * score_magnitude.T[..., None] * scale + 2 * frame + 16
-        assert_within(actual[span], expected, ulps * FLOAT32_EPS * weighted_v)
+        expected, bound = vision_attention_bound(q[span], k[span], v[span], 1 / math.sqrt(head_dim))
+        np.testing.assert_allclose(expected, ref.attention(q[span], k[span], v[span]), atol=1e-12)
+        assert_within(actual[span], expected, bound)
 
 
 def test_attention_refuses_a_head_dim_over_its_tile() -> None:
