@@ -6,10 +6,10 @@ The weights are uploaded once, bf16 as the checkpoint stores them; activations a
 the patch rows to the output. The rotary angles depend only on the patch grid: their cos and sin
 tables are computed on the host, per image, with the reference's own function (rotary_angles).
 
-A graph is recorded for each call rather than kept per grid shape: recording the ~8 dispatches
-per block costs microseconds next to the encode itself, and graphs kept per shape would keep the
-activation buffers of every image size seen alive (at full size, hundreds of MB for a large
-image). The graph is cut into command buffers of at most `command_buffer_flops` of estimated
+A graph is recorded for each call rather than kept per grid shape: recording its 8 dispatches
+per block (221 at full size) is cheap next to the encode itself, and graphs kept per shape would
+keep the activation buffers of every image size seen alive (at full size, hundreds of MB for a
+large image). The graph is cut into command buffers of at most `command_buffer_flops` of estimated
 work each, as the prefill's are (lily.engine.command_buffer_budget): attention grows with the
 square of the patches, so a large image's block is split by rows, and its attention by query
 rows, to keep every command buffer far from macOS's GPU watchdog.
