@@ -7,6 +7,7 @@ Usage::
     python benchmarks/vision_encoder_model.py            # the estimate per image size and Mac
     python benchmarks/vision_encoder_model.py --stages   # and each stage's FLOPs and bytes
     python benchmarks/vision_encoder_model.py --host     # and the host's per-image inputs, timed
+    python benchmarks/vision_encoder_model.py --sim      # and a tiny random tower timed on the sim
 
 **The method is prefill_model.py's**: each stage takes the longer of its bytes at the memory
 bandwidth and its FLOPs at the rate of what runs them, with the same GPU figures (`GPUS`:
@@ -25,7 +26,8 @@ than simdgroup matrices: half of prefill_model's chunk-attention efficiencies, 1
 the fp32 rate, is the assumption. The norms and the rotary embedding are bandwidth-bound.
 
 The host computes one per-image input, the rotary cos and sin tables, with numpy; `--host`
-times that on this machine, which is not a Mac.
+times that on this machine, which is not a Mac. `--sim` times the encoder of a tiny random tower
+(the tiny test checkpoints' dims) on the sim device: the CPU's time, which says nothing of a Mac's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ from prefill_model import (
 
 from lily.chat.images import ProcessorConfig, resized_size
 from lily.checkpoint.vision import VisionConfig
+from lily.device import open_device
+from lily.engine.image_input import ImagePatches
+from lily.engine.vision_encoder import VisionEncoder
 from lily.engine.vision_reference import rotary_angles
 from lily.kernels.vision import ATTENTION_ROWS
 
@@ -66,6 +71,19 @@ REAL_TOWER = VisionConfig(
     num_position_embeddings=2304,
 )
 IMAGES = ((448, 448), (1024, 768), (1920, 1080))  # width x height
+# The tiny test checkpoints' tower (tests/tiny_models.py), for --sim.
+TINY_TOWER = VisionConfig(
+    depth=2,
+    hidden_size=64,
+    num_heads=4,
+    intermediate_size=96,
+    patch_size=16,
+    temporal_patch_size=2,
+    spatial_merge_size=2,
+    out_hidden_size=128,
+    num_position_embeddings=64,
+)
+SIM_IMAGES = ((256, 256), (448, 448))
 ATTENTION_EFFICIENCY = tuple(e / 2 for e in (0.25, 0.4, 0.5))
 GEMM_EFFICIENCY = HALF_GEMM
 FP32, BF16 = 4, 2
@@ -157,10 +175,58 @@ def host_inputs_seconds(c: VisionConfig, grid_thw: tuple[int, int, int]) -> floa
     return time.perf_counter() - start
 
 
+def random_weights(c: VisionConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A random tower in the converted checkpoint's layout (docs/vision.md's tensor table)."""
+    d, merged = c.hidden_size, c.hidden_size * c.spatial_merge_size**2
+    p, frames = c.patch_size, c.temporal_patch_size
+
+    def normal(*shape: int, scale: float = 0.1) -> np.ndarray:
+        return rng.normal(0, scale, shape).astype(np.float32)
+
+    weights = {
+        "patch_embed.proj.weight": normal(d, frames, p, p, c.in_channels, scale=0.03),
+        "patch_embed.proj.bias": normal(d),
+        "pos_embed.weight": normal(c.num_position_embeddings, d, scale=0.5),
+    }
+    maps = {"attn.qkv": (3 * d, d), "attn.proj": (d, d)}
+    maps |= {"mlp.linear_fc1": (c.intermediate_size, d), "mlp.linear_fc2": (d, c.intermediate_size)}
+    for i in range(c.depth):
+        for norm in ("norm1", "norm2"):
+            weights[f"blocks.{i}.{norm}.weight"] = 1 + normal(d)
+            weights[f"blocks.{i}.{norm}.bias"] = normal(d)
+        for name, (out, k) in maps.items():
+            weights[f"blocks.{i}.{name}.weight"] = normal(out, k, scale=k**-0.5)
+            weights[f"blocks.{i}.{name}.bias"] = normal(out)
+    weights |= {"merger.norm.weight": 1 + normal(d), "merger.norm.bias": normal(d)}
+    for name, (out, k) in {
+        "linear_fc1": (merged, merged),
+        "linear_fc2": (c.out_hidden_size, merged),
+    }.items():
+        weights[f"merger.{name}.weight"] = normal(out, k, scale=k**-0.5)
+        weights[f"merger.{name}.bias"] = normal(out)
+    return weights
+
+
+def time_on_sim() -> None:
+    rng = np.random.default_rng(0)
+    encoder = VisionEncoder(open_device("sim"), TINY_TOWER, random_weights(TINY_TOWER, rng))
+    print("\nsim (this machine's CPU, not a Mac), the tiny random tower (2 blocks, 64 wide):")
+    for width, height in SIM_IMAGES:
+        grid_thw = grid(width, height)
+        rows = rng.uniform(-1, 1, (math.prod(grid_thw), TINY_TOWER.patch_values))
+        image = ImagePatches(rows.astype(np.float32), grid_thw, TINY_TOWER.spatial_merge_size)
+        encoder.encode(image)  # the first call pays for the kernels' first use
+        start = time.perf_counter()
+        encoder.encode(image)
+        seconds = time.perf_counter() - start
+        print(f"  {width}x{height} ({image.num_tokens} tokens): {seconds * 1e3:.0f} ms on the sim")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", action="store_true", help="print each stage's work")
     parser.add_argument("--host", action="store_true", help="time the host's per-image inputs")
+    parser.add_argument("--sim", action="store_true", help="time a tiny tower on the sim")
     args = parser.parse_args()
     c = REAL_TOWER
     print("A model, not a measurement: no Mac ran this (inputs: prefill_model.py's GPU figures")
@@ -194,6 +260,8 @@ def main() -> None:
         if args.host:
             seconds = host_inputs_seconds(c, grid_thw)
             print(f"host rotary tables, on this machine (not a Mac): {seconds * 1e3:.1f} ms")
+    if args.sim:
+        time_on_sim()
 
 
 if __name__ == "__main__":
