@@ -18,12 +18,12 @@ whole image is one pass; the tower is 852 MiB of bf16), every activation written
 once by each stage that uses it, fp32; attention streams each frame's K and V once per
 threadgroup of 32 query rows and head, all counted from memory (caches may serve part of it).
 
-**Rates.** The linear maps are vision_linear's fp32 simdgroup-matrix tiles: the fp32 rate (fp32
-simdgroup FMAs issue at it on every GPU here; the M5's tensor units are not used by these
-kernels) at prefill_model's GEMM efficiencies (40-60-70%). vision_attention computes both of its
-products with scalar FMAs fed from threadgroup memory (two loads per FMA in the scores) rather
-than simdgroup matrices: half of prefill_model's chunk-attention efficiencies, 12.5-20-25% of
-the fp32 rate, is the assumption. The norms and the rotary embedding are bandwidth-bound.
+**Rates.** Both the linear maps (vision_linear) and attention's two products (vision_attention)
+run on fp32 simdgroup-matrix fragments: the fp32 rate (fp32 simdgroup FMAs issue at it on every
+GPU here; the M5's tensor units are not used by these kernels), the linear maps at
+prefill_model's GEMM efficiencies (40-60-70%), attention at its chunk-attention efficiencies
+(25-40-50%: the online softmax sits between the two products, as in attention_chunk). The norms
+and the rotary embedding are bandwidth-bound.
 
 The host computes one per-image input, the rotary cos and sin tables, with numpy; `--host`
 times that on this machine, which is not a Mac. `--sim` times the encoder of a tiny random tower
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from prefill_model import (
+    ATTENTION,
     CENTRAL,
     COMMAND_BUFFER_SECONDS,
     FAST,
@@ -84,7 +85,7 @@ TINY_TOWER = VisionConfig(
     num_position_embeddings=64,
 )
 SIM_IMAGES = ((256, 256), (448, 448))
-ATTENTION_EFFICIENCY = tuple(e / 2 for e in (0.25, 0.4, 0.5))
+ATTENTION_EFFICIENCY = ATTENTION
 GEMM_EFFICIENCY = HALF_GEMM
 FP32, BF16 = 4, 2
 # Barrier levels per block (norm1, qkv, rotary, attention, proj, norm2, fc1, fc2) and outside
@@ -158,9 +159,8 @@ def stage_seconds(stage: Stage, gpu: Gpu, case: int) -> float:
 
 def image_seconds(c: VisionConfig, grid_thw: tuple[int, int, int], gpu: Gpu, case: int) -> float:
     work = stages(c, grid_thw)
-    # The encoder cuts command buffers at the Mac's budget of estimated FLOPs, attention's
-    # counted twice.
-    flops = sum(s.flops * (2 if s.attention else 1) for s in work)
+    # The encoder cuts command buffers at the Mac's budget of estimated FLOPs.
+    flops = sum(s.flops for s in work)
     command_buffers = math.ceil(flops / gpu.command_buffer_flops)
     levels = LEVELS_PER_BLOCK * c.depth + OTHER_LEVELS
     overhead = levels * LEVEL_SECONDS + command_buffers * COMMAND_BUFFER_SECONDS

@@ -247,18 +247,11 @@ struct VisionRotaryParams {
 // ---- Bidirectional attention over a frame's patches ------------------------------------------
 
 constexpr constant uint ATTENTION_THREADS = 128;
-constexpr constant uint ATTENTION_SIMDGROUPS = ATTENTION_THREADS / SIMD_WIDTH;
-constexpr constant uint ATTENTION_ROWS_PER_SIMDGROUP = 8;
-constexpr constant uint ATTENTION_ROWS = ATTENTION_SIMDGROUPS * ATTENTION_ROWS_PER_SIMDGROUP;
-constexpr constant uint ATTENTION_KEYS = SIMD_WIDTH;  // one key per lane in a tile
-// Head dims up to 80 (the real tower's is 72), at most three output dims per lane: the q, k and
-// v tiles of 32 rows then take 30 KiB of threadgroup memory.
+constexpr constant uint ATTENTION_ROWS = 32;  // query rows of a threadgroup: 8 per SIMD-group
+constexpr constant uint ATTENTION_KEYS = 32;  // keys per staged tile: 4 fragments of 8
+// Head dims that are multiples of 8 up to 80 (the real tower's is 72, the tiny one's 16).
 constexpr constant uint ATTENTION_MAX_HEAD_DIM = 80;
-constexpr constant uint ATTENTION_DIMS_PER_LANE =
-    (ATTENTION_MAX_HEAD_DIM + SIMD_WIDTH - 1) / SIMD_WIDTH;
-// Each lane reads its own key's row: one float of padding puts neighbouring lanes' rows in
-// different banks.
-constexpr constant uint ATTENTION_KEY_STRIDE = ATTENTION_MAX_HEAD_DIM + 1;
+constexpr constant uint ATTENTION_MAX_FRAGMENTS = ATTENTION_MAX_HEAD_DIM / 8;
 
 struct VisionAttentionParams {
   uint frame;  // patches per frame: every patch attends to all of its frame's, none other
@@ -270,14 +263,25 @@ struct VisionAttentionParams {
   uint first_query;
 };
 
+// The softmax works on a lane's own elements of the score fragments (fragment_row, fragment_col
+// in common.h): the four lanes holding a row's elements differ in lane bits 0 and 3.
+inline float vision_row_max(float value) {
+  value = max(value, simd_shuffle_xor(value, 1));
+  return max(value, simd_shuffle_xor(value, 8));
+}
+
+inline float vision_row_sum(float value) {
+  value += simd_shuffle_xor(value, 1);
+  return value + simd_shuffle_xor(value, 8);
+}
+
 // out [rows, heads x head_dim] = softmax(q k^T * scale) v per head and frame, with q, k and v
 // read from the fused qkv rows [rows, 3 x heads x head_dim]. A threadgroup takes 32 query rows of
-// one head in one frame (grid: query blocks from first_query x heads x frames) and streams the
-// frame's keys and values through threadgroup memory 32 at a time, with an online softmax: no
-// score matrix is ever stored, so a frame of thousands of patches needs no more memory than a
-// small one, and every key and value read from memory serves 32 queries. Each SIMD-group owns 8
-// of the query rows; in a key tile, lane j scores key j, and the lanes split the head's dims to
-// accumulate the weighted values.
+// one head in one frame (grid: query blocks from first_query x heads x frames), each SIMD-group 8
+// of them as fragments held in registers, and streams the frame's keys and values through
+// threadgroup memory 32 at a time with an online softmax: no score matrix is ever stored, so a
+// frame of thousands of patches needs no more memory than a small one, and every key and value
+// read serves 32 queries. Both products run on 8x8 fp32 simdgroup matrices.
 [[kernel, max_total_threads_per_threadgroup(ATTENTION_THREADS)]]
 void vision_attention(constant VisionAttentionParams& p [[buffer(0)]],
                       device const float* qkv [[buffer(1)]], device float* out [[buffer(2)]],
@@ -285,8 +289,10 @@ void vision_attention(constant VisionAttentionParams& p [[buffer(0)]],
                       uint thread_id [[thread_index_in_threadgroup]],
                       uint simdgroup [[simdgroup_index_in_threadgroup]],
                       uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float q_tile[ATTENTION_ROWS * ATTENTION_MAX_HEAD_DIM];
-  threadgroup float k_tile[ATTENTION_KEYS * ATTENTION_KEY_STRIDE];
+  // Keys transposed ([dim][key]) so that both operands load as plain fragments; the q rows are
+  // staged through the value tile before the first keys arrive, the output through the key tile
+  // after the last.
+  threadgroup float kt_tile[ATTENTION_MAX_HEAD_DIM * ATTENTION_KEYS];
   threadgroup float v_tile[ATTENTION_KEYS * ATTENTION_MAX_HEAD_DIM];
 
   const uint width = p.heads * p.head_dim;
@@ -294,73 +300,95 @@ void vision_attention(constant VisionAttentionParams& p [[buffer(0)]],
   const ulong frame_start = ulong(group.z) * p.frame;
   const uint query0 = p.first_query + group.x * ATTENTION_ROWS;
   const uint column = group.y * p.head_dim;
+  const uint fragments = p.head_dim / 8;
+  const uint own_rows = simdgroup * 8 * ATTENTION_MAX_HEAD_DIM;  // this SIMD-group's staged rows
 
   // The scale goes on q once rather than on every score; rows past the frame are zeros, scored
   // but never written.
   for (uint e = thread_id; e < ATTENTION_ROWS * p.head_dim; e += ATTENTION_THREADS) {
     const uint r = e / p.head_dim;
     const uint d = e % p.head_dim;
-    q_tile[r * ATTENTION_MAX_HEAD_DIM + d] =
+    v_tile[r * ATTENTION_MAX_HEAD_DIM + d] =
         query0 + r < p.frame ? qkv[(frame_start + query0 + r) * row_stride + column + d] * p.scale
                              : 0.0f;
   }
-
-  float running_max[ATTENTION_ROWS_PER_SIMDGROUP];
-  float running_sum[ATTENTION_ROWS_PER_SIMDGROUP];
-  float acc[ATTENTION_ROWS_PER_SIMDGROUP][ATTENTION_DIMS_PER_LANE];
-  for (uint r = 0; r < ATTENTION_ROWS_PER_SIMDGROUP; ++r) {
-    running_max[r] = -INFINITY;
-    running_sum[r] = 0.0f;
-    for (uint c = 0; c < ATTENTION_DIMS_PER_LANE; ++c) acc[r][c] = 0.0f;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  simdgroup_float8x8 q[ATTENTION_MAX_FRAGMENTS];
+  simdgroup_float8x8 acc[ATTENTION_MAX_FRAGMENTS];
+  for (uint f = 0; f < fragments; ++f) {
+    simdgroup_load(q[f], v_tile + own_rows + f * 8, ATTENTION_MAX_HEAD_DIM);
+    acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
+  // The first value tile overwrites the staged queries other SIMD-groups may still be loading.
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 
+  const uint col = fragment_col(lane);
+  float running_max = -INFINITY;  // of this lane's row
+  float lane_sum = 0.0f;          // of this lane's own elements' weights
   for (uint key0 = 0; key0 < p.frame; key0 += ATTENTION_KEYS) {
     const uint keys = min(ATTENTION_KEYS, p.frame - key0);
-    for (uint e = thread_id; e < keys * p.head_dim; e += ATTENTION_THREADS) {
+    // Keys past the frame are staged as zeros: their scores are masked, their values weigh 0.
+    for (uint e = thread_id; e < ATTENTION_KEYS * p.head_dim; e += ATTENTION_THREADS) {
       const uint j = e / p.head_dim;
       const uint d = e % p.head_dim;
       device const float* source = qkv + (frame_start + key0 + j) * row_stride + column + d;
-      k_tile[j * ATTENTION_KEY_STRIDE + d] = source[width];
-      v_tile[j * ATTENTION_MAX_HEAD_DIM + d] = source[2 * width];
+      kt_tile[d * ATTENTION_KEYS + j] = j < keys ? source[width] : 0.0f;
+      v_tile[j * ATTENTION_MAX_HEAD_DIM + d] = j < keys ? source[2 * width] : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    for (uint r = 0; r < ATTENTION_ROWS_PER_SIMDGROUP; ++r) {
-      threadgroup const float* q = q_tile + (simdgroup * ATTENTION_ROWS_PER_SIMDGROUP + r) *
-                                                ATTENTION_MAX_HEAD_DIM;
-      float score = -INFINITY;
-      if (lane < keys) {
-        threadgroup const float* k = k_tile + lane * ATTENTION_KEY_STRIDE;
-        score = 0.0f;
-        for (uint d = 0; d < p.head_dim; ++d) score += q[d] * k[d];
+    simdgroup_float8x8 scores[4];
+    for (uint kf = 0; kf < 4; ++kf) {
+      scores[kf] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+      for (uint f = 0; f < fragments; ++f) {
+        simdgroup_float8x8 k_frag;
+        simdgroup_load(k_frag, kt_tile + f * 8 * ATTENTION_KEYS + kf * 8, ATTENTION_KEYS);
+        simdgroup_multiply_accumulate(scores[kf], q[f], k_frag, scores[kf]);
       }
-      // Lane 0's key is always inside the frame, so the tile's maximum is finite.
-      const float new_max = max(running_max[r], simd_max(score));
-      const float weight = lane < keys ? exp(score - new_max) : 0.0f;
-      const float correction = exp(running_max[r] - new_max);
-      running_sum[r] = running_sum[r] * correction + simd_sum(weight);
-      running_max[r] = new_max;
-      for (uint c = 0; c < ATTENTION_DIMS_PER_LANE; ++c) acc[r][c] *= correction;
-      for (uint j = 0; j < keys; ++j) {
-        const float weight_j = simd_shuffle(weight, ushort(j));
-        for (uint c = 0; c < ATTENTION_DIMS_PER_LANE; ++c) {
-          const uint d = lane + c * SIMD_WIDTH;
-          if (d < p.head_dim) acc[r][c] += weight_j * v_tile[j * ATTENTION_MAX_HEAD_DIM + d];
-        }
+    }
+    // Every row has a lane holding the tile's first key, inside the frame: the maximum is finite.
+    float tile_max = running_max;
+    for (uint kf = 0; kf < 4; ++kf)
+      for (uint e = 0; e < 2; ++e)
+        tile_max = kf * 8 + col + e < keys ? max(tile_max, scores[kf].thread_elements()[e])
+                                           : tile_max;
+    const float new_max = vision_row_max(tile_max);
+    const float rescale = exp(running_max - new_max);
+    running_max = new_max;
+    lane_sum *= rescale;
+    for (uint kf = 0; kf < 4; ++kf) {
+      for (uint e = 0; e < 2; ++e) {
+        const float weight =
+            kf * 8 + col + e < keys ? exp(scores[kf].thread_elements()[e] - new_max) : 0.0f;
+        scores[kf].thread_elements()[e] = weight;
+        lane_sum += weight;
+      }
+    }
+    for (uint f = 0; f < fragments; ++f) {
+      acc[f].thread_elements() *= rescale;
+      for (uint kf = 0; kf < 4; ++kf) {
+        simdgroup_float8x8 v_frag;
+        simdgroup_load(v_frag, v_tile + kf * 8 * ATTENTION_MAX_HEAD_DIM + f * 8,
+                       ATTENTION_MAX_HEAD_DIM);
+        simdgroup_multiply_accumulate(acc[f], scores[kf], v_frag, acc[f]);
       }
     }
     // The next tile overwrites keys and values other SIMD-groups may still be reading.
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
-  for (uint r = 0; r < ATTENTION_ROWS_PER_SIMDGROUP; ++r) {
-    const uint query = query0 + simdgroup * ATTENTION_ROWS_PER_SIMDGROUP + r;
-    if (query >= p.frame) continue;
-    device float* target = out + (frame_start + query) * width + column;
-    const float inv_sum = 1.0f / running_sum[r];
-    for (uint c = 0; c < ATTENTION_DIMS_PER_LANE; ++c) {
-      const uint d = lane + c * SIMD_WIDTH;
-      if (d < p.head_dim) target[d] = acc[r][c] * inv_sum;
-    }
+  const float inv_sum = 1.0f / vision_row_sum(lane_sum);
+  for (uint f = 0; f < fragments; ++f) {
+    acc[f].thread_elements() *= inv_sum;
+    simdgroup_store(acc[f], kt_tile + own_rows + f * 8, ATTENTION_MAX_HEAD_DIM);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = lane; e < 8 * p.head_dim; e += SIMD_WIDTH) {
+    const uint r = e / p.head_dim;
+    const uint d = e % p.head_dim;
+    const uint query = query0 + simdgroup * 8 + r;
+    if (query < p.frame)
+      out[(frame_start + query) * width + column + d] =
+          kt_tile[own_rows + r * ATTENTION_MAX_HEAD_DIM + d];
   }
 }

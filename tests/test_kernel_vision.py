@@ -243,11 +243,12 @@ def test_attention(lane_order, frames, frame, heads, head_dim):
         assert_within(actual[span], expected, bound)
 
 
-def test_attention_refuses_a_head_dim_over_its_tile() -> None:
+@pytest.mark.parametrize("head_dim", [128, 12])
+def test_attention_refuses_a_head_dim_off_its_fragments(head_dim) -> None:
     device = sim_device("forward")
-    buffer = float_buffer(device, 3 * 128)
-    with pytest.raises(ValueError, match="head dim 128"):
-        run(device, lambda g: record_attention(g, device, buffer, buffer, 1, 1, 1, 128))
+    buffer = float_buffer(device, 3 * head_dim)
+    with pytest.raises(ValueError, match=f"head dim {head_dim}: "):
+        run(device, lambda g: record_attention(g, device, buffer, buffer, 1, 1, 1, head_dim))
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)

@@ -192,10 +192,7 @@ class VisionEncoder:
             graph.barrier()
 
         def attention() -> None:
-            # q k^T and p v over every head of every frame, counted twice: vision_attention's
-            # scalar products run at about half the rate of the linear maps' simdgroup tiles
-            # (benchmarks/vision_encoder_model.py), and the budget is in the maps' FLOPs.
-            per_query = 2 * 4 * t * frame * d
+            per_query = 4 * t * frame * d  # q k^T and p v over every head of every frame
             piece = max(1, int(budget / per_query) // ATTENTION_ROWS) * ATTENTION_ROWS
             for start in range(0, frame, piece):
                 queries = range(start, min(start + piece, frame))

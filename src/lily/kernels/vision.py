@@ -147,8 +147,11 @@ def record_attention(
     `queries`: only these query rows of each frame (all by default), whole blocks of
     ATTENTION_ROWS (the last may end at the frame's end), so that a large image's attention can
     be split across command buffers."""
-    if head_dim > ATTENTION_MAX_HEAD_DIM:
-        raise ValueError(f"head dim {head_dim} is over vision_attention's {ATTENTION_MAX_HEAD_DIM}")
+    if head_dim > ATTENTION_MAX_HEAD_DIM or head_dim % 8:
+        raise ValueError(
+            f"head dim {head_dim}: vision_attention takes multiples of 8 up to "
+            f"{ATTENTION_MAX_HEAD_DIM}"
+        )
     queries = range(frame) if queries is None else queries
     whole_blocks = all(q % ATTENTION_ROWS == 0 for q in (queries.start, queries.stop % frame))
     if not whole_blocks or queries.step != 1 or not 0 <= queries.start < queries.stop <= frame:
