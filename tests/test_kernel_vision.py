@@ -21,9 +21,9 @@ written in lily.diagnostics.kernel_checks, which `lily doctor` shares):
 - rotary: a c - b s from cos and sin rounded once to fp32: 4 ulps of |a| + |b|.
 - attention: each score is a length-head_dim fp32 dot product, within (head_dim + 2) ulps of
   sum |q k| scale, and an error e in scores moves the softmax's weights by at most 2e relatively;
-  the weighted values and the weights' sum are accumulated serially per lane over the frame's
-  keys with a rescale per tile: (2 frame + 16) ulps. All of it relative to the weighted mean of
-  |v|, sum p |v| / sum p.
+  the weighted values and the weights' sum are accumulated over the frame's keys in sequence
+  (8 products per fragment multiply-accumulate), with a rescale per 32-key tile: fewer than
+  2 frame + 16 roundings. All of it relative to the weighted mean of |v|, sum p |v| / sum p.
 """
 
 from __future__ import annotations

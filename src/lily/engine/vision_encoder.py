@@ -2,8 +2,9 @@
 model's hidden size, on the kernels of `metal/vision.metal` (docs/vision.md, "The encoder on the
 device"). It computes what lily.engine.vision_reference.VisionTower computes, step for step.
 
-The weights are uploaded once, bf16 as the checkpoint stores them; activations are fp32 from
-the patch rows to the output. The rotary angles depend only on the patch grid: their cos and sin
+The weights are on the device once, bf16 as the checkpoint stores them (bound where they lie in
+the checkpoint, as the language model's are); activations are fp32 from the patch rows to the
+output. The rotary angles depend only on the patch grid: their cos and sin
 tables are computed on the host, per image, with the reference's own function (rotary_angles).
 
 A graph is recorded for each call rather than kept per grid shape: recording its 8 dispatches
@@ -27,8 +28,9 @@ from lily.checkpoint.quant import float32_to_bf16
 from lily.checkpoint.vision import VISION_PREFIX, VisionConfig, parse_vision_config, vision_weights
 from lily.device import Graph
 from lily.engine.command_buffer_budget import command_buffer_flops
+from lily.engine.device_weights import DeviceWeights
 from lily.engine.vision_reference import rotary_angles
-from lily.kernels import offset_by
+from lily.kernels import BufferRef, offset_by
 from lily.kernels.vision import (
     ATTENTION_ROWS,
     LINEAR_TILE,
@@ -65,28 +67,33 @@ class EncodePass:
 
 class VisionEncoder:
     """`VisionEncoder(device, config, weights).encode(image)`: the tower of one checkpoint on a
-    device. `weights` are the tower's tensors by name without `vision_tower.`, either float32 (as
-    lily.checkpoint.vision.vision_weights gives them; rounded to bf16, which is exact for the
-    bf16 tensors of a converted checkpoint) or raw bf16 bits (uint16). `command_buffer_flops`:
-    the most estimated work of one command buffer (the engine's budget for its Mac)."""
+    device. `weights` are the tower's tensors by name without `vision_tower.`: numpy arrays,
+    float32 (as lily.checkpoint.vision.vision_weights gives them; rounded to bf16, which is exact
+    for the bf16 tensors of a converted checkpoint) or raw bf16 bits (uint16), are uploaded;
+    bf16 tensors already on the device (BufferRefs, as DeviceWeights binds a checkpoint's) are
+    used where they lie. `command_buffer_flops`: the most estimated work of one command buffer
+    (the engine's budget for its Mac)."""
 
     def __init__(
         self,
         device: Device,
         config: VisionConfig,
-        weights: Mapping[str, np.ndarray],
+        weights: Mapping[str, np.ndarray | BufferRef],
         command_buffer_flops: float = DEFAULT_COMMAND_BUFFER_FLOPS,
     ) -> None:
         self.device = device
         self.config = config
         self.command_buffer_flops = command_buffer_flops
-        self._buffers: dict[str, Buffer] = {}
+        self._weights: dict[str, BufferRef] = {}
         for name, value in weights.items():
+            if not isinstance(value, np.ndarray):
+                self._weights[name] = value
+                continue
             bits = value if value.dtype == np.uint16 else float32_to_bf16(value)
             if name == PATCH_WEIGHT:
                 # Stored channels-last [D, T, P, P, C]; the rows are channel-major (C, T, P, P).
                 bits = bits.transpose(0, 4, 1, 2, 3).reshape(config.hidden_size, -1)
-            self._buffers[name] = self._upload(bits)
+            self._weights[name] = self._upload(bits)
 
     @classmethod
     def from_checkpoint(
@@ -96,17 +103,21 @@ class VisionEncoder:
         command_buffer_flops: float = DEFAULT_COMMAND_BUFFER_FLOPS,
     ) -> VisionEncoder:
         """The tower of a loaded checkpoint (lily.checkpoint.loader.load_checkpoint). Its bf16
-        tensors are uploaded from their stored bits; a checkpoint with a quantized projection
-        goes through vision_weights, which dequantizes it."""
+        tensors are bound where they lie in the checkpoint's shards, as the language model's
+        are (DeviceWeights: no copy), except the patch embedding's kernel, which is reordered
+        into a copy of 3.5 MB; a checkpoint with a quantized projection (which mlx-vlm's
+        converter never writes) goes through vision_weights, dequantized, and is uploaded."""
         config = parse_vision_config(checkpoint.config.raw)
-        stored = {
-            name.removeprefix(VISION_PREFIX): tensor
-            for name, tensor in checkpoint.tensors.items()
-            if name.startswith(VISION_PREFIX)
+        names = [name for name in checkpoint.tensors if name.startswith(VISION_PREFIX)]
+        if not all(checkpoint.tensors[name].dtype == np.uint16 for name in names):
+            weights = vision_weights(checkpoint.tensors, checkpoint.config)
+            return cls(device, config, weights, command_buffer_flops)
+        on_device = DeviceWeights(checkpoint, device)
+        bound: dict[str, np.ndarray | BufferRef] = {
+            name.removeprefix(VISION_PREFIX): on_device.tensor(name) for name in names
         }
-        if not all(tensor.dtype == np.uint16 for tensor in stored.values()):
-            stored = vision_weights(checkpoint.tensors, checkpoint.config)
-        return cls(device, config, stored, command_buffer_flops)
+        bound[PATCH_WEIGHT] = checkpoint.tensors[VISION_PREFIX + PATCH_WEIGHT]
+        return cls(device, config, bound, command_buffer_flops)
 
     def _upload(self, array: np.ndarray) -> Buffer:
         data = np.ascontiguousarray(array)
@@ -127,7 +138,7 @@ class VisionEncoder:
 
     def record(self, image: ImagePatches) -> EncodePass:
         """The pass of one image, recorded with its inputs uploaded, not yet run."""
-        c, w = self.config, self._buffers
+        c, w = self.config, self._weights
         t, h, width = image.grid_thw
         rows, frame = t * h * width, h * width
         merge = c.spatial_merge_size
