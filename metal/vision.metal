@@ -27,23 +27,23 @@ struct VisionLayerNormParams {
   // Two scratch arrays, so the second sum needs no barrier after the first one's reads.
   threadgroup float mean_scratch[SIMD_WIDTH];
   threadgroup float variance_scratch[SIMD_WIDTH];
-  device const float* in = x + ulong(row) * p.dim;
+  device const float* row_x = x + ulong(row) * p.dim;
   device float* result = out + ulong(row) * p.dim;
 
   float sum = 0.0f;
-  for (uint i = thread_id; i < p.dim; i += threads) sum += in[i];
+  for (uint i = thread_id; i < p.dim; i += threads) sum += row_x[i];
   const float mean =
       threadgroup_sum(sum, mean_scratch, threads, simdgroup, lane) / float(p.dim);
   float squares = 0.0f;
   for (uint i = thread_id; i < p.dim; i += threads) {
-    const float centred = in[i] - mean;
+    const float centred = row_x[i] - mean;
     squares += centred * centred;
   }
   const float variance =
       threadgroup_sum(squares, variance_scratch, threads, simdgroup, lane) / float(p.dim);
   const float inv_std = rsqrt(variance + p.eps);
   for (uint i = thread_id; i < p.dim; i += threads)
-    result[i] = (in[i] - mean) * inv_std * float(weight[i]) + float(bias[i]);
+    result[i] = (row_x[i] - mean) * inv_std * float(weight[i]) + float(bias[i]);
 }
 
 // ---- Position embedding ----------------------------------------------------------------------
