@@ -16,6 +16,7 @@ from lily.kernels import (
     moe_chunk,
     quantized_gemm,
     threads_within,
+    vision,
 )
 
 
@@ -85,6 +86,8 @@ EXACT_THREADS = {
         for tile in (quantized_gemm.TENSOR_MIN_TILE_TOKENS, quantized_gemm.MAX_TILE_TOKENS)
     },
     "qgemm_row_exponents": quantized_gemm.ROW_EXPONENT_THREADS,
+    "vision_linear": vision.LINEAR_THREADS,
+    "vision_attention": vision.ATTENTION_THREADS,
 }
 
 

@@ -348,6 +348,33 @@ def gdn_out_proj_ulps(in_dim: int, bits: int) -> float:
     return qgemv_ulps(in_dim, bits) + squares / 2 + 2 + 3 + 7
 
 
+# The vision tower's kernels (metal/vision.metal); tests/test_kernel_vision.py gives the reasoning.
+VISION_GELU_SLOPE = 1.13  # the largest |d/dy gelu(y)| of both GELU forms
+
+
+def vision_linear_bound(y, magnitude, k: int, gelu: bool):
+    """vision_linear's bound around the float64 y = x W^T + b (before any GELU): the length-k
+    fp32 sum and the bias within (k + 9) ulps of `magnitude` (sum |x w| + |b|); a GELU carries
+    that with its slope and adds 8 ulps of |y| of its own."""
+    sums = (k + 9) * FLOAT32_EPS * np.asarray(magnitude)
+    return VISION_GELU_SLOPE * sums + 8 * FLOAT32_EPS * np.abs(y) if gelu else sums
+
+
+def vision_attention_bound(q, k, v, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Bidirectional attention of one frame in float64, q/k/v [N, heads, head_dim], and the bound
+    on vision_attention's output: the scores' (head_dim + 2) ulps of sum |q k| scale, doubled
+    through the softmax, plus (2 N + 16) ulps of serial accumulation, all of the weighted mean of
+    |v|."""
+    scores = np.einsum("qhd,khd->hqk", q, k) * scale
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    expected = np.einsum("hqk,khd->qhd", weights, v)
+    weighted_v = np.einsum("hqk,khd->qhd", weights, np.abs(v))
+    score_magnitude = np.einsum("qhd,khd->hqk", np.abs(q), np.abs(k)).max(-1).T[..., None]
+    ulps = 2 * (q.shape[-1] + 2) * score_magnitude * scale + 2 * len(q) + 16
+    return expected, ulps * FLOAT32_EPS * weighted_v
+
+
 # --- comparing -----------------------------------------------------------------------------------
 
 
@@ -1078,6 +1105,129 @@ def _step_advance(capacity: int, prompt: int):
     return prepare
 
 
+# --- the vision tower's kernels -------------------------------------------------------------------
+
+
+def _vision_position_and_norm(grid_thw: tuple[int, int, int], side: int, dim: int):
+    """vision_position_embedding, then vision_layer_norm over its rows (each judged alone)."""
+    from lily.engine import vision_reference as vision
+    from lily.kernels.norm import threads_for
+    from lily.kernels.vision import record_layer_norm, record_position_embedding
+
+    eps = 1e-6
+    rows = int(np.prod(grid_thw))
+
+    def prepare(device: Device, rng: np.random.Generator) -> Trial:
+        table = float32_to_bf16(rng.normal(0, 1, (side * side, dim)).astype(np.float32))
+        weight = float32_to_bf16(rng.normal(1, 0.5, dim).astype(np.float32))
+        bias = float32_to_bf16(rng.normal(0, 0.5, dim).astype(np.float32))
+        positions, normed = floats(device, rows * dim), floats(device, rows * dim)
+        graph = Graph()
+        record_position_embedding(
+            graph, device, device.wrap(table), positions, grid_thw, 2, side, dim
+        )
+        graph.barrier()
+        record_layer_norm(
+            graph, device, positions, device.wrap(weight), device.wrap(bias), normed, rows, dim,
+            eps,
+        )  # fmt: skip
+
+        def verify() -> Comparison:
+            table64 = bf16_to_float32(table).astype(np.float64)
+            expected = vision.interpolated_position_embedding(table64, grid_thw, 2)
+            # Each value is within (4 (side - 1) + 8) ulps of its four corners' magnitudes,
+            # at most 4 max |table|.
+            bound = (4 * (side - 1) + 8) * FLOAT32_EPS * 4 * np.abs(table64).max()
+            result = compare(read_floats(positions, rows * dim).reshape(rows, dim), expected, bound)
+            x = read_floats(positions, rows * dim).reshape(rows, dim).astype(np.float64)
+            w64, b64 = (bf16_to_float32(t).astype(np.float64) for t in (weight, bias))
+            mean = x.mean(axis=-1, keepdims=True)
+            std = np.sqrt(((x - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
+            magnitude = np.abs(w64) * (np.abs(x - mean) + np.abs(x).mean(-1, keepdims=True)) / std
+            per_thread = -(-dim // threads_for(dim))
+            norm = compare_ulps(
+                read_floats(normed, rows * dim).reshape(rows, dim),
+                vision.layer_norm(x, w64, b64, eps),
+                magnitude + np.abs(b64),
+                per_thread + 64 + 16,
+            )
+            return result.merge(norm)
+
+        return Trial(graph, verify, table.nbytes + 12 * rows * dim)
+
+    return prepare
+
+
+def _vision_linear(m: int, n: int, k: int):
+    """vision_linear with the blocks' tanh GELU as its epilogue."""
+    from lily.engine import vision_reference as vision
+    from lily.kernels.vision import Epilogue, record_linear
+
+    def prepare(device: Device, rng: np.random.Generator) -> Trial:
+        x = rng.normal(0, 1, (m, k)).astype(np.float32)
+        weight = float32_to_bf16(rng.normal(0, 1 / np.sqrt(k), (n, k)).astype(np.float32))
+        bias = float32_to_bf16(rng.normal(0, 0.5, n).astype(np.float32))
+        out = floats(device, m * n)
+        graph = Graph()
+        record_linear(
+            graph, device, device.wrap(x), device.wrap(weight), device.wrap(bias), out, m, n, k,
+            Epilogue.GELU_TANH,
+        )  # fmt: skip
+
+        def verify() -> Comparison:
+            x64 = x.astype(np.float64)
+            w64, b64 = (bf16_to_float32(t).astype(np.float64) for t in (weight, bias))
+            y = vision.linear(x64, w64, b64)
+            magnitude = np.abs(x64) @ np.abs(w64).T + np.abs(b64)
+            bound = vision_linear_bound(y, magnitude, k, gelu=True)
+            return compare(read_floats(out, m * n).reshape(m, n), vision.gelu_tanh(y), bound)
+
+        return Trial(graph, verify, x.nbytes + weight.nbytes + 4 * m * n)
+
+    return prepare
+
+
+def _vision_attention(grid_thw: tuple[int, int, int], heads: int, head_dim: int):
+    """vision_rotary on the fused qkv rows, then vision_attention over them."""
+    from lily.engine import vision_reference as vision
+    from lily.kernels.vision import record_attention, record_rotary, rotary_tables
+
+    t, h, w = grid_thw
+    rows, width = t * h * w, heads * head_dim
+
+    def prepare(device: Device, rng: np.random.Generator) -> Trial:
+        qkv = rng.normal(0, 1, (rows, 3, heads, head_dim)).astype(np.float32)
+        angles = vision.rotary_angles(grid_thw, 2, head_dim, 10_000.0)
+        cos, sin = rotary_tables(angles)
+        rotated = device.wrap(qkv.copy())
+        out = floats(device, rows * width)
+        graph = Graph()
+        record_rotary(graph, device, rotated, device.wrap(cos), device.wrap(sin), rows, heads,
+                      head_dim)  # fmt: skip
+        graph.barrier()
+        record_attention(graph, device, rotated, out, t, h * w, heads, head_dim)
+
+        def verify() -> Comparison:
+            q, k, v = (qkv[:, i].astype(np.float64) for i in range(3))
+            q, k = vision.apply_rotary(q, angles), vision.apply_rotary(k, angles)
+            actual = read_floats(out, rows * width).reshape(rows, heads, head_dim)
+            result = Comparison(0.0, 0.0)
+            frame = h * w
+            for start in range(0, rows, frame):
+                span = slice(start, start + frame)
+                expected, bound = vision_attention_bound(
+                    q[span], k[span], v[span], 1 / np.sqrt(head_dim)
+                )
+                # The rotation's 4 ulps of |q| and |k| move the scores within their bound's
+                # doubling; the output is judged on the exactly rotated q and k.
+                result = result.merge(compare(actual[span], expected, 2 * bound))
+            return result
+
+        return Trial(graph, verify, qkv.nbytes * (1 + h * w // 32) + 4 * rows * width)
+
+    return prepare
+
+
 # --- batched prefill's kernels -------------------------------------------------------------------
 
 
@@ -1683,6 +1833,26 @@ CHECKS: list[KernelCheck] = [
         "attention prepare+chunk",
         "16 q, 2 kv heads, T=64 from position 300",
         _attention_chunk(16, 2, 64, 300),
+    ),
+    KernelCheck(
+        "vision_position_embedding + vision_layer_norm",
+        "48x48 grid to 64x48 patches, 1152 wide",
+        _vision_position_and_norm((1, 64, 48), 48, 1152),
+        sim=("8x8 grid to 6x10 patches, 64 wide", _vision_position_and_norm((1, 6, 10), 8, 64)),
+    ),
+    KernelCheck(
+        "vision_linear (tanh GELU)",
+        "1024x4304x1152",
+        _vision_linear(1024, 4304, 1152),
+        True,
+        sim=("37x96x64", _vision_linear(37, 96, 64)),
+    ),
+    KernelCheck(
+        "vision_rotary + vision_attention",
+        "16 heads of 72, 32x32 patches",
+        _vision_attention((1, 32, 32), 16, 72),
+        True,
+        sim=("4 heads of 16, 2 frames of 6x10 patches", _vision_attention((2, 6, 10), 4, 16)),
     ),
     KernelCheck(
         "attention prepare+decode_tokens+combine",
