@@ -52,7 +52,9 @@ from prefill_model import (
 )
 
 from lily.chat.images import ProcessorConfig, resized_size
-from lily.checkpoint.vision import VisionConfig
+from lily.checkpoint.demo import demo_checkpoint_dir
+from lily.checkpoint.loader import load_checkpoint
+from lily.checkpoint.vision import VisionConfig, parse_vision_config
 from lily.device import open_device
 from lily.engine.image_input import ImagePatches
 from lily.engine.vision_encoder import VisionEncoder
@@ -72,18 +74,6 @@ REAL_TOWER = VisionConfig(
     num_position_embeddings=2304,
 )
 IMAGES = ((448, 448), (1024, 768), (1920, 1080))  # width x height
-# The tiny test checkpoints' tower (tests/tiny_models.py), for --sim.
-TINY_TOWER = VisionConfig(
-    depth=2,
-    hidden_size=64,
-    num_heads=4,
-    intermediate_size=96,
-    patch_size=16,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
-    out_hidden_size=128,
-    num_position_embeddings=64,
-)
 SIM_IMAGES = ((256, 256), (448, 448))
 ATTENTION_EFFICIENCY = ATTENTION
 GEMM_EFFICIENCY = HALF_GEMM
@@ -175,46 +165,16 @@ def host_inputs_seconds(c: VisionConfig, grid_thw: tuple[int, int, int]) -> floa
     return time.perf_counter() - start
 
 
-def random_weights(c: VisionConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """A random tower in the converted checkpoint's layout (docs/vision.md's tensor table)."""
-    d, merged = c.hidden_size, c.hidden_size * c.spatial_merge_size**2
-    p, frames = c.patch_size, c.temporal_patch_size
-
-    def normal(*shape: int, scale: float = 0.1) -> np.ndarray:
-        return rng.normal(0, scale, shape).astype(np.float32)
-
-    weights = {
-        "patch_embed.proj.weight": normal(d, frames, p, p, c.in_channels, scale=0.03),
-        "patch_embed.proj.bias": normal(d),
-        "pos_embed.weight": normal(c.num_position_embeddings, d, scale=0.5),
-    }
-    maps = {"attn.qkv": (3 * d, d), "attn.proj": (d, d)}
-    maps |= {"mlp.linear_fc1": (c.intermediate_size, d), "mlp.linear_fc2": (d, c.intermediate_size)}
-    for i in range(c.depth):
-        for norm in ("norm1", "norm2"):
-            weights[f"blocks.{i}.{norm}.weight"] = 1 + normal(d)
-            weights[f"blocks.{i}.{norm}.bias"] = normal(d)
-        for name, (out, k) in maps.items():
-            weights[f"blocks.{i}.{name}.weight"] = normal(out, k, scale=k**-0.5)
-            weights[f"blocks.{i}.{name}.bias"] = normal(out)
-    weights |= {"merger.norm.weight": 1 + normal(d), "merger.norm.bias": normal(d)}
-    for name, (out, k) in {
-        "linear_fc1": (merged, merged),
-        "linear_fc2": (c.out_hidden_size, merged),
-    }.items():
-        weights[f"merger.{name}.weight"] = normal(out, k, scale=k**-0.5)
-        weights[f"merger.{name}.bias"] = normal(out)
-    return weights
-
-
 def time_on_sim() -> None:
     rng = np.random.default_rng(0)
-    encoder = VisionEncoder(open_device("sim"), TINY_TOWER, random_weights(TINY_TOWER, rng))
-    print("\nsim (this machine's CPU, not a Mac), the tiny random tower (2 blocks, 64 wide):")
+    demo = load_checkpoint(demo_checkpoint_dir())
+    encoder = VisionEncoder.from_checkpoint(open_device("sim"), demo)
+    tower = parse_vision_config(demo.config.raw)
+    print("\nsim (this machine's CPU, not a Mac), the demo's random tower (2 blocks, 64 wide):")
     for width, height in SIM_IMAGES:
         grid_thw = grid(width, height)
-        rows = rng.uniform(-1, 1, (math.prod(grid_thw), TINY_TOWER.patch_values))
-        image = ImagePatches(rows.astype(np.float32), grid_thw, TINY_TOWER.spatial_merge_size)
+        rows = rng.uniform(-1, 1, (math.prod(grid_thw), tower.patch_values))
+        image = ImagePatches(rows.astype(np.float32), grid_thw, tower.spatial_merge_size)
         encoder.encode(image)  # the first call pays for the kernels' first use
         start = time.perf_counter()
         encoder.encode(image)

@@ -32,6 +32,7 @@ from tiny_models import echo_head_checkpoint, tiny_checkpoint
 import lily
 from lily.checkpoint.demo import demo_checkpoint_dir
 from lily.checkpoint.loader import load_checkpoint
+from lily.device import Graph
 from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import ModelGraph
 from lily.engine.reference import ReferenceModel
@@ -191,21 +192,34 @@ def plain(checkpoint, engine):
 @pytest.fixture
 def head_calls(monkeypatch):
     """Every time the head drafts: (the context it drafts after, its drafts, the recurrent
-    state and the step position then)."""
+    state and the step position then), whether the host takes the drafts (under a constraint)
+    or the device does, in the verify pass's submission."""
     calls = []
-    drafts = DeviceEngine._mtp_drafts
+    host_drafts, device_drafts = DeviceEngine._mtp_drafts, DeviceEngine._submit_head_drafts
 
-    def recording(self, limit):
-        model = self._model
-        start, rows = self._mtp_pending
+    def before(engine) -> tuple[list[int], list[np.ndarray], int]:
+        model = engine._model
+        start, rows = engine._mtp_pending
         context = [int(t) for t in model.history_view()[: start + rows + 1]]
         state = [b.numpy().copy() for b in model.state.recurrent_buffers()]
-        position = int(model.step_view()[POSITION])
-        out = drafts(self, limit)
+        return context, state, int(model.step_view()[POSITION])
+
+    def on_host(self, limit):
+        context, state, position = before(self)
+        out = host_drafts(self, limit)
         calls.append((context, out, state, position))
         return out
 
-    monkeypatch.setattr(DeviceEngine, "_mtp_drafts", recording)
+    def on_device(self, newest, count):
+        context, state, position = before(self)
+        device_drafts(self, newest, count)
+        # Only the recording waits for the drafts before the verify pass is submitted.
+        self.device.wait(self.device.submit(Graph()))
+        drafts = [int(t) for t in self._model.mtp_drafts_view()[:count]]
+        calls.append((context, drafts, state, position))
+
+    monkeypatch.setattr(DeviceEngine, "_mtp_drafts", on_host)
+    monkeypatch.setattr(DeviceEngine, "_submit_head_drafts", on_device)
     return calls
 
 

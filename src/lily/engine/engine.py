@@ -630,8 +630,11 @@ class DeviceEngine:
                 model.verify_position_view()[0] = last
                 write_token_masks(model.verify_token_masks, masks, model.token_count)
                 if on_device:
+                    # Queued behind the head's drafts, which it reads: one wait for both.
                     self._submit_head_drafts(last, count)
-                device.wait(device.submit(graph))
+                    device.wait(device.submit(graph))
+                else:
+                    device.run(graph)
                 chosen = model.accepted_tokens()
                 if chosen[-1] == NO_TOKEN:
                     raise NonFiniteLogitsError(last + len(chosen))
