@@ -28,6 +28,7 @@ from lily.engine.image_tokens import (
     rope_positions,
 )
 from lily.engine.reference import ChunkRounding, ReferenceModel
+from lily.engine.speculative import PredictedTokens, Speculation
 from lily.errors import ImagesNotSupportedError, ImageTokensError
 
 # test_reference.py's bound for the reference against mlx-lm, test_engine.py's and
@@ -261,3 +262,16 @@ def test_the_reference_resumes_inside_an_image_with_the_same_logits(checkpoint) 
     fresh = ReferenceEngine(checkpoint, MAX_SEQ, config.vocab_size)
     whole = fresh.teacher_forced_logits(prompt, images=[WIDE, TALL])
     np.testing.assert_allclose(resumed, whole[inside:], rtol=0, atol=1e-5)
+
+
+def test_verify_passes_after_an_image_yield_the_plain_tokens(checkpoint) -> None:
+    """Drafts checked several at a time after an image rotate by the positions after it too:
+    a prediction of the plain reply is accepted and changes nothing."""
+    config = checkpoint.config
+    prompt = [5, 6, *vision_block(config, WIDE), 20, 21]
+    engine = DeviceEngine(checkpoint, open_test_device(), MAX_SEQ, config.vocab_size, 8)
+    plain = [t.id for t in engine.generate(prompt, 12, images=[WIDE])]
+    drafter = Speculation(draft_tokens=4, prediction=PredictedTokens(plain))
+    drafted = [t.id for t in engine.generate(prompt, 12, images=[WIDE], drafter=drafter)]
+    assert drafted == plain
+    assert drafter.counts["prediction"].accepted >= 6
