@@ -27,6 +27,7 @@ from lily.engine.image_tokens import (
     image_runs,
     rope_positions,
 )
+from lily.engine.prefix_disk import DiskPrefixCache, StateLayout
 from lily.engine.reference import ChunkRounding, ReferenceModel
 from lily.engine.speculative import PredictedTokens, Speculation
 from lily.errors import ImagesNotSupportedError, ImageTokensError
@@ -275,3 +276,20 @@ def test_verify_passes_after_an_image_yield_the_plain_tokens(checkpoint) -> None
     drafted = [t.id for t in engine.generate(prompt, 12, images=[WIDE], drafter=drafter)]
     assert drafted == plain
     assert drafter.counts["prediction"].accepted >= 6
+
+
+def test_the_disk_tier_keeps_and_tells_apart_image_prefixes(checkpoint, tmp_path) -> None:
+    """Image keys are uint32 like token ids: a saved prefix with an image answers a prompt with
+    the same image and not one with other pixels."""
+    config = checkpoint.config
+    disk = DiskPrefixCache(tmp_path, "m", min_tokens=1)
+    rows, state = [np.ones((2, 0, 4), np.uint16)], [np.zeros(8, np.float32)]
+    disk.layout = StateLayout.of("bf16", rows, state)
+    prompt = [5, *vision_block(config, WIDE), 20, 21]
+    saved = cache_tokens(prompt, image_runs(prompt, [WIDE], config))[:-1]
+    disk.save(saved, [np.ones((2, len(saved), 4), np.uint16)], state)
+    same = cache_tokens(prompt, image_runs(prompt, [image(300, 200, seed=1)], config))
+    entry = disk.load_longest(same)
+    assert entry is not None and entry.tokens == saved
+    other = cache_tokens(prompt, image_runs(prompt, [image(300, 200, seed=3)], config))
+    assert disk.load_longest(other) is None
