@@ -1045,11 +1045,15 @@ class ReferenceEngine:
         tokens = [int(t) for t in tokens]
         _check_fits(len(tokens), 0, self.max_seq)
         prompt_images = PromptImages(tokens, images, self.config, self._encoded_images)
-        match = None
         if reuse:
             keys = prompt_images.cache_tokens
-            match = self.prefix_cache.begin(keys, self._rows, reuse=True)
-        state = self._start(match, prompt_images)
+            state = self._start(
+                self.prefix_cache.begin(keys, self._rows, reuse=True), prompt_images
+            )
+        else:
+            # A state of its own: the live one holds the rows of a cached sequence.
+            state = self._model.new_state()
+            state.rope_offset = prompt_images.rope_offset
         logits = self._prefill(tokens, state.position, len(tokens), state, prompt_images)
         return logits.astype(np.float32)
 

@@ -54,13 +54,10 @@ def image_runs(
 ) -> list[ImageRun]:
     """The images' runs in `prompt`, checked against the contract: ImageTokensError if the runs
     of `image_token_id` are not one per image, each exactly the image's length;
-    ImagesNotSupportedError if the model takes no images but some are given."""
+    ImagesNotSupportedError if the model takes no images but some are given. Without images
+    the prompt is text whatever ids it holds, fed exactly as before images existed (an
+    `<|image_pad|>` id is then the text token it is, as mlx-lm feeds it)."""
     if not images:
-        token = config.image_token_id
-        if token is not None and token in prompt:
-            raise ImageTokensError(
-                f"the prompt holds image tokens ({token}) but no image was given with it"
-            )
         return []
     if not config.takes_images:
         raise ImagesNotSupportedError("this model has no vision tower: it cannot take images")
