@@ -165,6 +165,17 @@ inline void stage_share(KvShare share, uint lane, threadgroup uchar* row) {
   }
 }
 
+// Multimodal rotary positions (M-RoPE, docs/vision.md): a token has three positions, temporal,
+// height and width, equal for text. With `table` set, a token's three are row `slot` of the
+// rope-position table [capacity, 3] (the host writes it for every slot a generation uses); without,
+// all three are the slot. Interleaved sections pick the stream per rotary frequency i: height
+// for i % 3 == 1 below height_end, width for i % 3 == 2 below width_end, temporal otherwise.
+struct MropeParams {
+  uint table;
+  uint height_end;
+  uint width_end;
+};
+
 struct AttentionPrepareParams {
   uint num_q_heads;
   uint num_kv_heads;
@@ -172,18 +183,34 @@ struct AttentionPrepareParams {
   uint rotary_dim;      // a multiple of 64 (the host checks; rotate-half needs a multiple of 16)
   float rope_theta;
   float norm_eps;
+  MropeParams mrope;
 };
 
-// cos and sin of the RoPE angles at `position`, entry i for the rotate-half pair of dims i and
-// i + rotary_dim / 2, filled by `threads` threads together; the caller puts a threadgroup barrier
-// between this and the first read. Every kernel rotates with a table from this function, so they
-// all rotate by the same bits.
-inline void fill_rope_table(uint position, uint rotary_dim, float rope_theta, uint thread_id,
-                            uint threads, threadgroup float* cos_table,
-                            threadgroup float* sin_table) {
+inline uint3 rope_positions_of(uint slot, constant MropeParams& mrope,
+                               device const uint* rope_table, uint capacity) {
+  // A slot past the cache (a chunk running past it, a step queued past it) writes no row, so its
+  // rotation only needs to be defined.
+  if (mrope.table == 0 || slot >= capacity) {
+    return uint3(slot);
+  }
+  device const uint* row = rope_table + 3 * ulong(slot);
+  return uint3(row[0], row[1], row[2]);
+}
+
+// cos and sin of the RoPE angles at `positions` (temporal, height, width), entry i for the
+// rotate-half pair of dims i and i + rotary_dim / 2, filled by `threads` threads together; the
+// caller puts a threadgroup barrier between this and the first read. Every kernel rotates with a
+// table from this function, so they all rotate by the same bits; with the three positions equal
+// the angles are those of plain RoPE at that position, bit for bit.
+inline void fill_rope_table(uint3 positions, constant MropeParams& mrope, uint rotary_dim,
+                            float rope_theta, uint thread_id, uint threads,
+                            threadgroup float* cos_table, threadgroup float* sin_table) {
   const float log2_theta = log2(rope_theta);
   for (uint i = thread_id; i < rotary_dim / 2; i += threads) {
     const float inv_freq = exp2(-float(2 * i) / float(rotary_dim) * log2_theta);
+    const uint position = (i % 3 == 1 && i < mrope.height_end)  ? positions.y
+                          : (i % 3 == 2 && i < mrope.width_end) ? positions.z
+                                                                : positions.x;
     const float angle = float(position) * inv_freq;
     // Angles reach the hundreds of thousands of radians; the fast-math versions are only
     // accurate near [-pi, pi], and this runs once per pair and threadgroup, so take the precise
@@ -244,6 +271,7 @@ template <bool kInt8>
     device float* queries [[buffer(7)]],        // [T, Hq, head_dim]: normed, rotated
     device uchar* k_cache [[buffer(8)]],        // [Hkv, cache_capacity] rows
     device uchar* v_cache [[buffer(9)]],        // [Hkv, cache_capacity] rows
+    device const uint* rope_table [[buffer(10)]],  // [cache_capacity, 3] if params.mrope.table
     uint2 group_id [[threadgroup_position_in_grid]],
     uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float rope_cos[kHeadDim / 2];
@@ -258,7 +286,8 @@ template <bool kInt8>
   device const float* src = is_query ? q_proj + q_row : k_proj + kv_row;
   device const bfloat* gain = is_query ? q_norm : k_norm;
 
-  fill_rope_table(position, params.rotary_dim, params.rope_theta, lane, SIMD_WIDTH, rope_cos,
+  fill_rope_table(rope_positions_of(position, params.mrope, rope_table, params.cache_capacity),
+                  params.mrope, params.rotary_dim, params.rope_theta, lane, SIMD_WIDTH, rope_cos,
                   rope_sin);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   float x[kPerLane];
@@ -716,6 +745,7 @@ struct AttentionDecodeFusedParams {
   uint rotary_dim;
   float rope_theta;
   float norm_eps;
+  MropeParams mrope;
 };
 
 // attention_prepare and attention_decode in one dispatch, for the decode step: grid, threads and
@@ -740,6 +770,7 @@ template <bool kInt8>
     device uchar* v_cache [[buffer(8)]],
     device float* partial_out [[buffer(9)]],    // [Hq, num_splits, head_dim]
     device float* partial_stats [[buffer(10)]],  // [Hq, num_splits, 2]: max, sum
+    device const uint* rope_table [[buffer(11)]],  // [cache_capacity, 3] if params.mrope.table
     uint2 group_id [[threadgroup_position_in_grid]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -763,8 +794,9 @@ template <bool kInt8>
   const uint end = min(begin + length, context);
   const bool holds_current = end == context;
 
-  fill_rope_table(position, params.rotary_dim, params.rope_theta, simd_index * SIMD_WIDTH + lane,
-                  kDecodeThreads, rope_cos, rope_sin);
+  fill_rope_table(rope_positions_of(position, params.mrope, rope_table, params.cache_capacity),
+                  params.mrope, params.rotary_dim, params.rope_theta,
+                  simd_index * SIMD_WIDTH + lane, kDecodeThreads, rope_cos, rope_sin);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const uint first_head = kv_head * group;
   for (uint h = simd_index; h < group; h += kDecodeSimdgroups) {

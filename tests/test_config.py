@@ -35,6 +35,23 @@ def test_the_tiny_config_parses(good):
     config = parse_config(good)
     assert config.rms_norm_eps == 1e-6 and config.rope_theta == 1e7
     assert config.num_hidden_layers == 8 and config.eos_token_ids == (962, 960)
+    # The vision ids the tiny checkpoints lay out after <|endoftext|> (960), as the real one.
+    assert (config.vision_start_token_id, config.image_token_id) == (969, 972)
+    assert config.video_token_id == 973 and config.takes_images
+    assert config.mrope_section == (11, 11, 10) and config.mrope_bounds == (33, 30)
+    # 32 rotary frequencies: T H W interleaved, the last two temporal.
+    assert config.rope_streams() == (0, 1, 2) * 10 + (0, 1)
+
+
+def test_a_text_only_config_takes_no_images(good):
+    text_only = json.loads(json.dumps(good))
+    del text_only["vision_config"], text_only["image_token_id"]
+    del text_only["text_config"]["rope_parameters"]["mrope_section"]
+    config = parse_config(text_only)
+    assert not config.takes_images and config.image_token_id is None
+    assert config.mrope_section is None and set(config.rope_streams()) == {0}
+    # Ids without a tower are not enough to take images.
+    assert not parse_config(_with(text_only, "image_token_id", 972)).takes_images
 
 
 T = "text_config/"
@@ -85,6 +102,13 @@ BAD_VALUES = [
     ("quantization/language_model.model.layers.0.mlp.gate/bits", 16),
     ("quantization/mode", ["affine"]),
     (T + "rope_parameters", [10000000]),
+    # Multimodal rotary sections: three counts summing to rotary_dim / 2, interleaved.
+    (T + "rope_parameters/mrope_section", [11, 11, 11]),
+    (T + "rope_parameters/mrope_section", [16, 16]),
+    (T + "rope_parameters/mrope_section", [11, 11, "10"]),
+    (T + "rope_parameters/mrope_interleaved", False),
+    ("image_token_id", 1024),
+    ("vision_start_token_id", -1),
     (T + "rope_parameters/type", {"x": 1}),
     ("text_config", ["not", "an", "object"]),
     ("model_type", 3),

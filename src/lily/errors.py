@@ -198,3 +198,18 @@ class ImageShapeError(ImageError):
 
     def __init__(self, message: str):
         super().__init__(message, code="invalid_image_shape")
+
+
+class ImageTokensError(RequestError):
+    """The prompt's image-token runs do not match the images given with it: one run of
+    `image_token_id` per image, exactly as long as the image has tokens, in the images' order."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="messages", code="image_tokens_mismatch")
+
+
+class ImagesNotSupportedError(RequestError):
+    """Images were given to a model without a vision tower (a text-only checkpoint)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="messages", code="images_not_supported")

@@ -2,7 +2,10 @@
 
 The file is multimodal (top-level `qwen3_5_moe` with the text model under `text_config`);
 mlx-community conversions add a top-level `quantization` block whose extra keys are per-path
-overrides (the router and shared-expert gates are 8-bit). Only the text model is read.
+overrides (the router and shared-expert gates are 8-bit). The text model is read, and what the
+language model needs of the images: the vision token ids (top level) and the multimodal rotary
+sections (`mrope_section`, interleaved; docs/vision.md). A config without `image_token_id` is a
+text-only model.
 
 Every value is checked for its JSON type and range before anything is sized or computed from it
 (`ConfigError` names the key): a size far beyond the real model's, a non-positive epsilon or RoPE
@@ -65,11 +68,39 @@ class ModelConfig:
     # The period of full-attention layers that `layer_types` must follow (validate.py checks).
     full_attention_interval: int = 4
     model_type: str = "qwen3_5_moe"
+    # The vision token ids (None: a text-only model) and the rotary frequencies each of the
+    # three M-RoPE streams (temporal, height, width) takes, interleaved (docs/vision.md).
+    image_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    video_token_id: int | None = None
+    mrope_section: tuple[int, int, int] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the checkpoint has a vision tower and the ids to put its output in a prompt."""
+        return self.image_token_id is not None and isinstance(self.raw.get("vision_config"), dict)
+
+    def rope_streams(self) -> tuple[int, ...]:
+        """For each rotary frequency i (rotary_dim / 2 of them), the M-RoPE stream its angle
+        takes the position from: 1 (height) for i % 3 == 1 below 3 * mrope_section[1], 2 (width)
+        for i % 3 == 2 below 3 * mrope_section[2], else 0 (temporal). All 0 without sections."""
+        height, width = self.mrope_bounds
+        return tuple(
+            1 if i % 3 == 1 and i < height else 2 if i % 3 == 2 and i < width else 0
+            for i in range(self.rotary_dim // 2)
+        )
+
+    @property
+    def mrope_bounds(self) -> tuple[int, int]:
+        """The frequencies below which the height and width streams interleave (0, 0: none)."""
+        if self.mrope_section is None:
+            return 0, 0
+        return 3 * self.mrope_section[1], 3 * self.mrope_section[2]
 
     @property
     def linear_key_dim(self) -> int:
@@ -195,6 +226,34 @@ def _rope(text: _Table) -> tuple[float, float]:
     return theta, factor
 
 
+def _mrope_section(text: _Table, rotary_dim: int) -> tuple[int, int, int] | None:
+    key = "rope_parameters" if text.table.get("rope_parameters") else "rope_scaling"
+    params = text.sub(key)
+    if "mrope_section" not in params.table:
+        return None
+    section = params.table["mrope_section"]
+    if (
+        not isinstance(section, list)
+        or len(section) != 3
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section)
+        or sum(section) != rotary_dim // 2
+    ):
+        raise params.bad(
+            "mrope_section", section, f"three counts summing to rotary_dim / 2 = {rotary_dim // 2}"
+        )
+    # Qwen3.5/3.6 interleave the streams (mlx-vlm and transformers always do for this model);
+    # the chunked layout of older Qwen-VL models is not implemented.
+    if not params.flag("mrope_interleaved", True):
+        raise ConfigError(f"config.json: {params.where}mrope_interleaved false is not supported")
+    return section[0], section[1], section[2]
+
+
+def _token_id(top: _Table, key: str, vocab: int) -> int | None:
+    if top.table.get(key) is None:
+        return None
+    return top.integer(key, 0, vocab - 1)
+
+
 def _layer_types(text: _Table, n_layers: int, interval: int) -> tuple[str, ...]:
     if "layer_types" in text.table:
         types = text.table["layer_types"]
@@ -263,13 +322,14 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     quant, overrides = _quantization(top)
     experts = text.integer("num_experts", 1, MAX_EXPERTS)
     interval = text.integer("full_attention_interval", 1, MAX_LAYERS, 4)
+    head_dim = text.integer("head_dim", 1, MAX_HEAD_DIM, max(hidden // n_heads, 1))
     return ModelConfig(
         hidden_size=hidden,
         num_hidden_layers=n_layers,
         vocab_size=vocab,
         num_attention_heads=n_heads,
         num_key_value_heads=text.integer("num_key_value_heads", 1, MAX_HEADS),
-        head_dim=text.integer("head_dim", 1, MAX_HEAD_DIM, max(hidden // n_heads, 1)),
+        head_dim=head_dim,
         attn_output_gate=text.flag("attn_output_gate", True),
         rope_theta=theta,
         partial_rotary_factor=factor,
@@ -294,6 +354,10 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         quant_overrides=overrides,
         full_attention_interval=interval,
         model_type=top.text("model_type", ""),
+        image_token_id=_token_id(top, "image_token_id", vocab),
+        vision_start_token_id=_token_id(top, "vision_start_token_id", vocab),
+        video_token_id=_token_id(top, "video_token_id", vocab),
+        mrope_section=_mrope_section(text, int(head_dim * factor)),
         raw=raw,
     )
 

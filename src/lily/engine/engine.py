@@ -39,6 +39,8 @@ from lily.engine.constraint import (
     ban_mask,
     draw_mask,
 )
+from lily.engine.image_input import ImagePatches
+from lily.engine.image_tokens import EncodedImages, PromptImages, cache_tokens, image_runs
 from lily.engine.lock import (
     EngineLock,
     holds_engine,
@@ -86,6 +88,9 @@ if TYPE_CHECKING:
     from lily.device import CommandBuffer, Device
 
 PIPELINE_DEPTH = 2
+# Encoded images kept across requests (EncodedImages): a 1024 x 1024 image is 1024 rows, 8 MiB
+# at the real model's hidden size.
+ENCODED_IMAGES_BYTES = 256 << 20
 
 
 class Engine(Protocol):
@@ -105,6 +110,7 @@ class Engine(Protocol):
         reply_so_far: int = 0,
         progress: Callable[[int, int], None] | None = None,
         drafter: Drafter | None = None,
+        images: Sequence[ImagePatches] = (),
     ) -> Iterator[GeneratedToken]:
         """Yields the tokens generated after `prompt`, stopping after a stop token; with
         `sampling.top_logprobs` set, each carries its logprob and that many alternatives.
@@ -127,20 +133,33 @@ class Engine(Protocol):
         run), the cached prefix counting as fed; the last call has the two equal. `drafter`,
         if given, proposes tokens that verify passes check several at a time (speculative
         decoding, `lily.engine.speculative`); what is generated is the same with or without
-        it."""
+        it. `images`: the prompt holds one run of `config.image_token_id` per image, exactly
+        `image.num_tokens` long, in the images' order, whose embeddings become the image's
+        encoded rows (ImageTokensError if the runs do not match, ImagesNotSupportedError for a
+        model without a vision tower; docs/vision.md)."""
         ...
 
-    def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
-        """How many leading tokens of `prompt` the prefix cache would spare `generate` feeding."""
+    def cached_prefix_length(
+        self,
+        prompt: Sequence[int],
+        cache_key: str | None = None,
+        images: Sequence[ImagePatches] = (),
+    ) -> int:
+        """How many leading tokens of `prompt` (with `images`, as `generate` takes them) the
+        prefix cache would spare `generate` feeding."""
         ...
 
-    def teacher_forced_logits(self, tokens: Sequence[int], reuse: bool = False) -> np.ndarray:
+    def teacher_forced_logits(
+        self, tokens: Sequence[int], reuse: bool = False, images: Sequence[ImagePatches] = ()
+    ) -> np.ndarray:
         """Logits [len(tokens), vocab] of a fresh sequence fed `tokens`: row i predicts i + 1.
         With `reuse`, the longest cached prefix of `tokens` is resumed instead of fed, and only
         the rows of the tokens after it are returned."""
         ...
 
-    def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
+    def prompt_logits(
+        self, prompt: Sequence[int], images: Sequence[ImagePatches] = ()
+    ) -> np.ndarray:
         """Logits [vocab] predicting the token after `prompt` in a fresh sequence, computed the
         way `generate` computes its first token (batched prefill on a device)."""
         ...
@@ -167,6 +186,25 @@ def _reply(prompt: list[int], reply_so_far: int) -> list[int]:
             f"reply_so_far must be 0 to {len(prompt)} (the prompt), got {reply_so_far}"
         )
     return prompt[len(prompt) - reply_so_far :]
+
+
+def _numpy_tower_encoder(checkpoint: Checkpoint) -> Callable[[ImagePatches], np.ndarray]:
+    """The numpy vision tower on the checkpoint's weights, as a function of an image (the
+    weights are read on the first image)."""
+    from lily.checkpoint.vision import parse_vision_config, vision_weights
+    from lily.engine.vision_reference import VisionTower
+
+    towers: list[VisionTower] = []
+
+    def encode(image: ImagePatches) -> np.ndarray:
+        if not towers:
+            config = parse_vision_config(checkpoint.config.raw)
+            towers.append(
+                VisionTower(config, vision_weights(checkpoint.tensors, checkpoint.config))
+            )
+        return towers[0](image.pixel_values, image.grid_thw)
+
+    return encode
 
 
 def _check_stop(should_stop: Callable[[], bool] | None) -> None:
@@ -210,6 +248,7 @@ class _Piece:
     index: int
     count: int
     command_buffer: CommandBuffer
+    images: bool = False  # the pass puts staged image rows over its tokens' embeddings
     ticket: int = 0
 
     @property
@@ -335,6 +374,10 @@ class DeviceEngine:
         self.prefix_cache = prefix_cache
         recurrent = [b.numpy() for b in self._model.state.recurrent_buffers()]
         prefix_cache.set_layout(kv_cache, self._rows.copy_out(0), recurrent)
+        self._numpy_tower = _numpy_tower_encoder(checkpoint)
+        self._encoded_images = EncodedImages(self._encode_image, ENCODED_IMAGES_BYTES)
+        # Whether the rope-position table holds every slot's own index (text-only prompts).
+        self._rope_table_is_identity = True
         # Prompt tokens fed through the model by `generate`, over the engine's life.
         self.prompt_tokens_fed = 0
         # Measured: a pipelined decode step's wall time (the latest generation's that decoded
@@ -352,16 +395,53 @@ class DeviceEngine:
             return verify_cost_ratio(self.config, drafts)
         return self._pass_seconds / self._step_seconds
 
+    def _encode_image(self, image: ImagePatches) -> np.ndarray:
+        """The vision tower's rows [num_tokens, hidden] of an image."""
+        # until VisionEncoder lands: the numpy reference tower on the checkpoint's weights.
+        return self._numpy_tower(image)
+
+    def _prompt_images(self, prompt: Sequence[int], images: Sequence[ImagePatches]) -> PromptImages:
+        return PromptImages(prompt, images, self.config, self._encoded_images)
+
+    def _write_rope_table(self, images: PromptImages) -> None:
+        """Every slot's rotary positions for a generation with these images: the prompt's,
+        then each later slot's index plus the offset after the last image (identity for text,
+        rewritten only after a prompt with images changed it)."""
+        model = self._model
+        if model.rope_table is None or (images.positions is None and self._rope_table_is_identity):
+            return
+        table = model.rope_table_view()
+        length = 0 if images.positions is None else images.positions.shape[1]
+        if images.positions is not None:
+            table[:length] = images.positions.T
+        table[length:] = (np.arange(length, model.capacity) + images.rope_offset)[:, None]
+        self._rope_table_is_identity = images.positions is None
+
+    def _stage_images(self, images: PromptImages, start: int, tokens: int) -> bool:
+        """Stages the image rows of the pass over [start, start + tokens), if it has image
+        tokens (no pass may be in flight); returns whether it has."""
+        if not images.touches(start, start + tokens):
+            return False
+        rows = images.rows_in(start, start + tokens)
+        assert rows is not None
+        self._model.stage_image_rows(rows, images.flags_in(start, start + tokens))
+        return True
+
     def _start(
         self,
         tokens: Sequence[int],
         prompt_end: int,
         reuse: bool = False,
         cache_key: str | None = None,
+        images: PromptImages | None = None,
     ) -> int:
-        """Sets the recurrent state (a cached prefix's when `reuse` finds one, else zero) and
-        points the step buffer at the first token to feed; returns that token's position."""
-        match = self.prefix_cache.begin(tokens, self._rows, cache_key, reuse)
+        """Sets the recurrent state (a cached prefix's when `reuse` finds one, else zero), the
+        rope-position table, and points the step buffer at the first token to feed; returns
+        that token's position."""
+        if images is None:
+            images = self._prompt_images(tokens, ())
+        match = self.prefix_cache.begin(images.cache_tokens, self._rows, cache_key, reuse)
+        self._write_rope_table(images)
         start, saved = (0, None) if match is None else (match.length, match.state)
         for i, buffer in enumerate(self._model.state.recurrent_buffers()):
             buffer.numpy()[:] = 0 if saved is None else saved[i]
@@ -378,8 +458,14 @@ class DeviceEngine:
         self.prefix_cache.add_snapshot(tokens, len(tokens), [b.numpy().copy() for b in buffers])
 
     @shares_engine
-    def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
-        return self.prefix_cache.cached_length(prompt, cache_key)
+    def cached_prefix_length(
+        self,
+        prompt: Sequence[int],
+        cache_key: str | None = None,
+        images: Sequence[ImagePatches] = (),
+    ) -> int:
+        keys = cache_tokens(prompt, image_runs(prompt, images, self.config))
+        return self.prefix_cache.cached_length(keys, cache_key)
 
     def _passes(
         self,
@@ -387,28 +473,37 @@ class DeviceEngine:
         prompt_length: int,
         max_new_tokens: int,
         snapshot_at: int | Collection[int] | None,
+        images: PromptImages | None = None,
     ) -> Iterator[tuple[int, int, bool]]:
         """(start, tokens, predicts) of each pass of a generation, in order: prefill chunks
         over positions [first, prompt_length) of at most `max_chunk` tokens, cut at the
         `snapshot_at` positions, the last predicting the first new token; then one decode step
-        per further token."""
+        per further token. A chunk is cut one token short rather than leave a lone image token
+        behind it (a one-token pass cannot take image rows)."""
         cuts = [first, *sorted(_positions(snapshot_at)), prompt_length]
         for low, high in zip(cuts, cuts[1:], strict=False):
             start = low
             while start < high:
                 end = self._chunk_end(start, high)
+                if images and high - end == 1 and end - start > 2 and images.touches(end, high):
+                    end -= 1
                 yield start, end - start, end == prompt_length
                 start = end
         for position in range(prompt_length, prompt_length + max_new_tokens - 1):
             yield position, 1, True
 
-    def _pieces(self, passes: Iterator[tuple[int, int, bool]]) -> Iterator[_Piece]:
+    def _pieces(
+        self, passes: Iterator[tuple[int, int, bool]], images: PromptImages
+    ) -> Iterator[_Piece]:
         """The command buffers of the passes, in order."""
         for start, tokens, predicts in passes:
-            graph = self._model.graph(tokens, predicts=predicts)
+            with_images = images.touches(start, start + tokens)
+            graph = self._model.graph(tokens, predicts=predicts, images=with_images)
             buffers = graph.command_buffers
             for index, command_buffer in enumerate(buffers):
-                yield _Piece(start, tokens, predicts, index, len(buffers), command_buffer)
+                yield _Piece(
+                    start, tokens, predicts, index, len(buffers), command_buffer, with_images
+                )
 
     def _chunk_end(self, start: int, high: int) -> int:
         """Where the chunk starting at `start` ends: at most `max_chunk` tokens and `high`,
@@ -430,10 +525,12 @@ class DeviceEngine:
         reply_so_far: int = 0,
         progress: Callable[[int, int], None] | None = None,
         drafter: Drafter | None = None,
+        images: Sequence[ImagePatches] = (),
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
         reply = _reply(prompt, reply_so_far)
+        prompt_images = self._prompt_images(prompt, images)
         if max_new_tokens == 0:
             return
         state = self._model.state
@@ -442,7 +539,9 @@ class DeviceEngine:
         sampling = sampling.with_seed()
         write_sampling_params(state.sampling_params, sampling)
         write_logit_adjustments(state.adjustments, sampling, prompt, token_count, reply)
-        first = self._start(prompt, prompt_end=len(prompt), reuse=True, cache_key=cache_key)
+        first = self._start(
+            prompt, len(prompt), reuse=True, cache_key=cache_key, images=prompt_images
+        )
         write_token_mask(state.token_mask, bans)
         self.prompt_tokens_fed += len(prompt) - first
         # Only positions inside what this call feeds: the others are saved already.
@@ -455,7 +554,8 @@ class DeviceEngine:
         self._mtp_pending = None
         # Speculating, the passes here stop at the prompt's (predicting the first token).
         plain_tokens = 1 if speculating else max_new_tokens
-        pieces = self._pieces(self._passes(first, len(prompt), plain_tokens, snapshots))
+        passes = self._passes(first, len(prompt), plain_tokens, snapshots, prompt_images)
+        pieces = self._pieces(passes, prompt_images)
         generated: list[int] = []
         in_flight: deque[_Piece] = deque()
         depth = PIPELINE_DEPTH if constraint is None and not head else 1
@@ -473,7 +573,12 @@ class DeviceEngine:
                         # The state after consuming tokens [0, start): drain, then save.
                         for pending in in_flight:
                             self.device.wait(pending.ticket)
-                        self._take_snapshot(prompt[: snapshots.pop(0)])
+                        self._take_snapshot(prompt_images.cache_tokens[: snapshots.pop(0)])
+                    if upcoming.index == 0 and upcoming.images:
+                        # The staged rows are one buffer: the pass before may still read it.
+                        for pending in in_flight:
+                            self.device.wait(pending.ticket)
+                        self._stage_images(prompt_images, start, tokens)
                     if upcoming.index == 0 and upcoming.predicts and constraint is not None:
                         mask = draw_mask(constraint, bans, token_count, start + tokens)
                         write_token_mask(state.token_mask, mask)
@@ -797,19 +902,31 @@ class DeviceEngine:
             self._step_seconds = clock.seconds_per_step() or self._step_seconds
 
     @holds_engine
-    def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
+    def prompt_logits(
+        self, prompt: Sequence[int], images: Sequence[ImagePatches] = ()
+    ) -> np.ndarray:
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), 1, self.max_seq)
+        prompt_images = self._prompt_images(prompt, images)
         write_sampling_params(self._model.state.sampling_params, GREEDY.with_seed())
-        self._start(prompt, prompt_end=len(prompt))
-        for _, tokens, predicts in self._passes(0, len(prompt), 1, None):
-            self.device.run(self._model.graph(tokens, predicts=predicts))
+        self._start(prompt, prompt_end=len(prompt), images=prompt_images)
+        for start, tokens, predicts in self._passes(0, len(prompt), 1, None, prompt_images):
+            with_images = self._stage_images(prompt_images, start, tokens)
+            self.device.run(self._model.graph(tokens, predicts=predicts, images=with_images))
         return self._model.logits_view().copy()
 
     @holds_engine
-    def teacher_forced_logits(self, tokens: Sequence[int], reuse: bool = False) -> np.ndarray:
+    def teacher_forced_logits(
+        self, tokens: Sequence[int], reuse: bool = False, images: Sequence[ImagePatches] = ()
+    ) -> np.ndarray:
         tokens = [int(t) for t in tokens]
         _check_fits(len(tokens), 0, self.max_seq)
+        if images:
+            # Its passes are decode steps, which read the embedding inside their first GEMV.
+            raise ValueError(
+                "teacher_forced_logits takes no images on a device: use prompt_logits, "
+                "generate, or the reference engine"
+            )
         start = self._start(tokens, prompt_end=len(tokens), reuse=reuse)
         logits = np.empty((len(tokens) - start, self.config.vocab_size), np.float32)
         for i in range(len(logits)):
@@ -847,12 +964,24 @@ class ReferenceEngine:
         prefix_cache.set_layout(
             self._model.dtype.name, self._rows.copy_out(0), self._rows.recurrent()
         )
+        self._numpy_tower = _numpy_tower_encoder(checkpoint)
+        self._encoded_images = EncodedImages(self._encode_image, ENCODED_IMAGES_BYTES)
         self.prompt_tokens_fed = 0
         self.lock = EngineLock()  # one thread at a time (lock.py)
 
     @shares_engine
-    def cached_prefix_length(self, prompt: Sequence[int], cache_key: str | None = None) -> int:
-        return self.prefix_cache.cached_length(prompt, cache_key)
+    def cached_prefix_length(
+        self,
+        prompt: Sequence[int],
+        cache_key: str | None = None,
+        images: Sequence[ImagePatches] = (),
+    ) -> int:
+        keys = cache_tokens(prompt, image_runs(prompt, images, self.config))
+        return self.prefix_cache.cached_length(keys, cache_key)
+
+    def _encode_image(self, image: ImagePatches) -> np.ndarray:
+        """The vision tower's rows [num_tokens, hidden] of an image: the numpy reference's."""
+        return self._numpy_tower(image)
 
     @holds_engine_while_generating
     def generate(
@@ -868,30 +997,33 @@ class ReferenceEngine:
         reply_so_far: int = 0,
         progress: Callable[[int, int], None] | None = None,
         drafter: Drafter | None = None,
+        images: Sequence[ImagePatches] = (),
     ) -> Iterator[GeneratedToken]:
         # The reference decodes plainly whatever the drafter: drafting only changes how many
         # tokens a device pass yields, never which.
         prompt = [int(t) for t in prompt]
         _check_fits(len(prompt), max_new_tokens, self.max_seq)
         generated = _reply(prompt, reply_so_far)
+        prompt_images = PromptImages(prompt, images, self.config, self._encoded_images)
         if max_new_tokens == 0:
             return
         _check_stop(should_stop)
         sampling = sampling.with_seed()
         bans = _banned_tokens(sampling, self.token_count)
-        state = self._rows.start(self.prefix_cache.begin(prompt, self._rows, cache_key))
+        keys = prompt_images.cache_tokens
+        state = self._start(self.prefix_cache.begin(keys, self._rows, cache_key), prompt_images)
         start = state.position
         self.prompt_tokens_fed += len(prompt) - start
         for position in self.prefix_cache.snapshot_positions(
             start, len(prompt), _positions(snapshot_at)
         ):
-            self._model.prefill(prompt[start:position], state)
-            self.prefix_cache.add_snapshot(prompt, position, self._rows.recurrent())
+            self._prefill(prompt, start, position, state, prompt_images)
+            self.prefix_cache.add_snapshot(keys, position, self._rows.recurrent())
             start = position
             if progress is not None:
                 progress(position, len(prompt))
             _check_stop(should_stop)
-        logits, state = self._model.prefill(prompt[start:], state)
+        logits = self._prefill(prompt, start, len(prompt), state, prompt_images)
         if progress is not None:
             progress(len(prompt), len(prompt))
         self.prefix_cache.end(self._rows)
@@ -925,17 +1057,47 @@ class ReferenceEngine:
             _check_stop(should_stop)
             next_logits = self._model.decode(token, state)[: self.token_count]
 
+    def _start(self, match: PrefixMatch | None, images: PromptImages) -> ReferenceState:
+        state = self._rows.start(match)
+        state.rope_offset = images.rope_offset
+        return state
+
+    def _prefill(
+        self,
+        prompt: Sequence[int],
+        start: int,
+        end: int,
+        state: ReferenceState,
+        images: PromptImages,
+    ) -> np.ndarray:
+        """Feeds prompt tokens [start, end) with their image rows and rotary positions."""
+        return self._model.prefill(
+            prompt[start:end], state, images.rows_in(start, end), images.positions_in(start, end)
+        )[0]
+
     @holds_engine
-    def teacher_forced_logits(self, tokens: Sequence[int], reuse: bool = False) -> np.ndarray:
+    def teacher_forced_logits(
+        self, tokens: Sequence[int], reuse: bool = False, images: Sequence[ImagePatches] = ()
+    ) -> np.ndarray:
+        tokens = [int(t) for t in tokens]
         _check_fits(len(tokens), 0, self.max_seq)
-        state = None
+        prompt_images = PromptImages(tokens, images, self.config, self._encoded_images)
         if reuse:
-            state = self._rows.start(self.prefix_cache.begin(tokens, self._rows, reuse=True))
-        logits, _ = self._model.prefill(tokens[0 if state is None else state.position :], state)
+            keys = prompt_images.cache_tokens
+            state = self._start(
+                self.prefix_cache.begin(keys, self._rows, reuse=True), prompt_images
+            )
+        else:
+            # A state of its own: the live one holds the rows of a cached sequence.
+            state = self._model.new_state()
+            state.rope_offset = prompt_images.rope_offset
+        logits = self._prefill(tokens, state.position, len(tokens), state, prompt_images)
         return logits.astype(np.float32)
 
-    def prompt_logits(self, prompt: Sequence[int]) -> np.ndarray:
-        return self.teacher_forced_logits(prompt)[-1]
+    def prompt_logits(
+        self, prompt: Sequence[int], images: Sequence[ImagePatches] = ()
+    ) -> np.ndarray:
+        return self.teacher_forced_logits(prompt, images=images)[-1]
 
     @shares_engine
     def close(self) -> None:

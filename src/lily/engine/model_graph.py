@@ -59,6 +59,7 @@ from lily.kernels.conv1d import (
     tail_bytes,
     window_bytes,
 )
+from lily.kernels.copy import record_copy_flagged_rows
 from lily.kernels.embedding import EmbeddedInput, record_embedding
 from lily.kernels.gdn import (
     CHUNK_SUB_CHUNK,
@@ -359,6 +360,9 @@ def device_bytes(
     partials = attention.partial_out_bytes(c.num_attention_heads, splits, attention_tokens)
     partials += attention.partial_stats_bytes(c.num_attention_heads, splits, attention_tokens)
     small = partials + 4 * capacity + (1 << 20)
+    if c.takes_images:
+        # The rope-position table, and the staged image rows of a chunk with their flags.
+        small += attention.rope_table_bytes(capacity) + 4 * (c.hidden_size + 1) * max_chunk
     # Verify passes need chunks of two tokens at least.
     verify = verify_bytes(c, c.vocab_size) if max_chunk > 1 else 0
     recurrent = recurrent_state_bytes(c)
@@ -557,20 +561,47 @@ class ModelGraph:
         self.weights = DeviceWeights(checkpoint, device)
         self.state = self._allocate_state()
         self._scratch = _Scratch(self.config, device, max_chunk, capacity)
-        self._graphs: dict[tuple[int, bool, int], Graph] = {}
+        self._graphs: dict[tuple[int, bool, int, bool], Graph] = {}
         self._verify: _VerifyBuffers | None = None
+        # A model that takes images rotates by the rope-position table (M-RoPE; identity rows
+        # until a prompt with images writes it), and a chunk holding image tokens copies their
+        # rows, staged by the host, over the embeddings (`graph(..., images=True)`).
+        self.rope_table: Buffer | None = None
+        if self.config.takes_images:
+            self.rope_table = device.alloc(attention.rope_table_bytes(capacity))
+            self.rope_table_view()[:] = np.arange(capacity, dtype=np.uint32)[:, None]
+            self.image_rows = device.alloc(4 * self.config.hidden_size * max_chunk)
+            self.image_flags = device.alloc(4 * max_chunk)
         if mtp:
             self._allocate_mtp(checkpoint)
         self.decode = self.graph(1, predicts=True)
 
-    def graph(self, tokens: int, *, predicts: bool) -> Graph:
-        """The pass over `tokens` tokens, recorded on first use."""
+    def graph(self, tokens: int, *, predicts: bool, images: bool = False) -> Graph:
+        """The pass over `tokens` tokens, recorded on first use. With `images` (2 tokens at
+        least: a one-token pass reads its embedding inside its first GEMV), the rows
+        `image_rows_view` flags in `image_flags_view` replace those tokens' embeddings."""
         if not 1 <= tokens <= self.max_chunk:
             raise ValueError(f"a pass takes 1 to {self.max_chunk} tokens, got {tokens}")
-        key = (tokens, predicts, 0)
+        if images and (tokens < 2 or self.rope_table is None):
+            raise ValueError("a pass with image rows takes 2 tokens at least, on a model with them")
+        key = (tokens, predicts, 0, images)
         if key not in self._graphs:
-            self._graphs[key] = _Recorder(self, tokens, predicts).record()
+            self._graphs[key] = _Recorder(self, tokens, predicts, images=images).record()
         return self._graphs[key]
+
+    def rope_table_view(self) -> np.ndarray:
+        """The multimodal rotary positions of each cache slot (uint32 [capacity, 3]: temporal,
+        height, width), written by the host before it submits a generation's first pass."""
+        assert self.rope_table is not None, "a text-only model rotates by the slot"
+        return self.rope_table.numpy().view(np.uint32).reshape(self.capacity, 3)
+
+    def stage_image_rows(self, rows: np.ndarray, flags: np.ndarray) -> None:
+        """The rows an images pass puts over its tokens' embeddings: `flags` [T] marks the
+        tokens, `rows` [flags.sum(), hidden] are theirs in order. No pass may be in flight."""
+        hidden = self.config.hidden_size
+        staged = self.image_rows.numpy().view(np.float32).reshape(self.max_chunk, hidden)
+        staged[: len(flags)][flags] = rows
+        self.image_flags.numpy().view(np.uint32)[: len(flags)] = flags
 
     def verify_graph(self, tokens: int, rows: int) -> Graph:
         """The verify pass of speculative decoding: the pass over `tokens` tokens (2 to
@@ -593,7 +624,7 @@ class ModelGraph:
             raise ValueError(
                 f"a verify pass over {tokens} tokens predicts 1 to {most} rows, got {rows}"
             )
-        key = (tokens, False, rows)
+        key = (tokens, False, rows, False)
         if key not in self._graphs:
             if self._verify is None:
                 self._verify = _VerifyBuffers(self.config, self.device, self.token_count)
@@ -801,11 +832,13 @@ class _Recorder:
         tokens: int,
         predicts: bool,
         verify_rows: int = 0,
+        images: bool = False,
         graph: Graph | None = None,
     ) -> None:
         self.m, self.c, self.s, self.w = model, model.config, model._scratch, model.weights
         self.dev, self.state = model.device, model.state
         self.tokens, self.predicts, self.verify_rows = tokens, predicts, verify_rows
+        self.images = images
         # A new graph, or (several passes in one command buffer) the graph being recorded.
         self.g = Graph() if graph is None else graph
         # Where attention reads its first position: the sequence's step buffer, or the MTP
@@ -895,6 +928,19 @@ class _Recorder:
             embed_tokens = w.quantized(EMBED_TOKENS)
             record_embedding(g, dev, self.state.history, position, embed_tokens, s.residual, T)
             g.barrier()
+            if self.images:
+                # A device copy, not a host one: the residual is this pass's scratch, written
+                # by the lookup just before and in use by the pass in flight ahead of it.
+                record_copy_flagged_rows(
+                    g,
+                    dev,
+                    flags=self.m.image_flags,
+                    staged=self.m.image_rows,
+                    rows=s.residual,
+                    count=T,
+                    row_bytes=4 * c.hidden_size,
+                )
+                g.barrier()
             record_rms_norm(
                 g,
                 dev,
@@ -1242,6 +1288,8 @@ class _Recorder:
             rope_theta=c.rope_theta,
             norm_eps=c.rms_norm_eps,
             head_dim=c.head_dim,
+            rope_table=self.m.rope_table,
+            mrope_bounds=c.mrope_bounds,
             **caches,
             **heads,
         )

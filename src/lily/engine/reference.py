@@ -311,14 +311,28 @@ def _gated_delta_sub_chunk(
     return out
 
 
-def apply_rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) -> np.ndarray:
+def apply_rope(
+    x: np.ndarray,
+    positions: np.ndarray,
+    rotary_dim: int,
+    theta: float,
+    streams: Sequence[int] | None = None,
+) -> np.ndarray:
     """Rotate-half (NeoX) RoPE on the first `rotary_dim` dims of x [..., T, D]; the rest pass.
 
     Dim i of the first half pairs with dim i + rotary_dim/2, at frequency theta^(-2i/rotary_dim).
+    `positions` is [T], or [3, T] multimodal positions (temporal, height, width) with `streams`
+    naming the one each frequency's angle takes (ModelConfig.rope_streams: M-RoPE); with the
+    three equal the angles are plain RoPE's, bit for bit.
     """
     half = rotary_dim // 2
     inv_freq = theta ** (-np.arange(half, dtype=x.dtype) * 2 / rotary_dim)
-    angles = np.asarray(positions, dtype=x.dtype)[:, None] * inv_freq[None, :]  # [T, half]
+    positions = np.asarray(positions)
+    if positions.ndim == 2:
+        per_frequency = positions[np.asarray(streams)].T  # [T, half]
+        angles = per_frequency.astype(x.dtype) * inv_freq[None, :]
+    else:
+        angles = positions.astype(x.dtype)[:, None] * inv_freq[None, :]  # [T, half]
     cos, sin = np.cos(angles), np.sin(angles)
     first, second = x[..., :half], x[..., half:rotary_dim]
     rotated = np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
@@ -409,10 +423,13 @@ class ReferenceState:
     """Everything a decode step carries forward, per layer index.
 
     GDN layers keep the last K-1 pre-convolution rows [K-1, conv_dim] and the recurrent state
-    [Hv, Dv, Dk]; attention layers keep rotated keys and values [Hkv, T, head_dim].
+    [Hv, Dv, Dk]; attention layers keep rotated keys and values [Hkv, T, head_dim]. After an
+    image, a token's rotary positions run ahead of its index by `rope_offset`
+    (lily.engine.image_tokens); 0 for text.
     """
 
     position: int = 0
+    rope_offset: int = 0
     conv_windows: dict[int, np.ndarray] = field(default_factory=dict)
     recurrent: dict[int, np.ndarray] = field(default_factory=dict)
     keys: dict[int, np.ndarray] = field(default_factory=dict)
@@ -474,26 +491,47 @@ class ReferenceModel:
         return state
 
     def prefill(
-        self, tokens: Sequence[int], state: ReferenceState | None = None
+        self,
+        tokens: Sequence[int],
+        state: ReferenceState | None = None,
+        image_rows: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
     ) -> tuple[np.ndarray, ReferenceState]:
         """Run `tokens` after whatever `state` holds (a fresh state if None).
 
         Returns logits [len(tokens), vocab] and the updated state (mutated in place).
+        `image_rows` and `positions` as `hidden_states` takes them.
         """
         if state is None:
             state = self.new_state()
-        hidden = self.hidden_states(tokens, state)
+        hidden = self.hidden_states(tokens, state, image_rows, positions)
         return self._lm_head(hidden), state
 
-    def hidden_states(self, tokens: Sequence[int], state: ReferenceState) -> np.ndarray:
+    def hidden_states(
+        self,
+        tokens: Sequence[int],
+        state: ReferenceState,
+        image_rows: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
+    ) -> np.ndarray:
         """The final-normed hidden states [len(tokens), hidden] of `tokens` after `state` (the
-        rows the lm_head reads, which also feed the MTP head); advances `state`."""
+        rows the lm_head reads, which also feed the MTP head); advances `state`.
+
+        `image_rows` [n, hidden], if given, replace the embeddings of the n tokens that are
+        `image_token_id`, in order; `positions` [3, len(tokens)], if given, are the tokens'
+        multimodal rotary positions (lily.engine.image_tokens), else each token's index plus
+        `state.rope_offset`."""
         tokens = np.asarray(tokens, dtype=np.int64)
         c = self.config
         self._call_tokens = len(tokens)
         x = self._embed(tokens)
+        if image_rows is not None:
+            x[tokens == c.image_token_id] = image_rows
+        if positions is None:
+            positions = state.position + state.rope_offset + np.arange(len(tokens))
         for i, kind in enumerate(c.layer_types):
-            x = self._decoder_layer(f"{MODEL_PREFIX}layers.{i}.", i, kind, x, state, state.position)
+            layer = f"{MODEL_PREFIX}layers.{i}."
+            x = self._decoder_layer(layer, i, kind, x, state, state.position, positions)
         state.position += len(tokens)
         return rms_norm(x, self._float(MODEL_PREFIX + "norm.weight"), c.rms_norm_eps)
 
@@ -563,13 +601,22 @@ class ReferenceModel:
         return generated
 
     def _decoder_layer(
-        self, layer: str, index: int, kind: str, x: np.ndarray, state: ReferenceState, start: int
+        self,
+        layer: str,
+        index: int,
+        kind: str,
+        x: np.ndarray,
+        state: ReferenceState,
+        start: int,
+        positions: np.ndarray | None = None,
     ) -> np.ndarray:
-        """One block over rows at positions [start, start + T): the mixer, then the MoE."""
+        """One block over rows at positions [start, start + T): the mixer, then the MoE.
+        `positions`: the rows' rotary positions, [T] or [3, T] (default: their own)."""
         c = self.config
         mixer_in = rms_norm(x, self._float(layer + "input_layernorm.weight"), c.rms_norm_eps)
         if kind == FULL_ATTENTION:
-            x = x + self._attention(layer + "self_attn.", index, mixer_in, state, start)
+            rope = start + np.arange(len(x)) if positions is None else positions
+            x = x + self._attention(layer + "self_attn.", index, mixer_in, state, start, rope)
         else:
             x = x + self._gated_deltanet(layer + "linear_attn.", index, mixer_in, state)
         moe_in = rms_norm(x, self._float(layer + "post_attention_layernorm.weight"), c.rms_norm_eps)
@@ -670,11 +717,18 @@ class ReferenceModel:
         return self._linear(prefix + "out_proj", outputs, guarded=True)
 
     def _attention(
-        self, prefix: str, layer: int, x: np.ndarray, state: ReferenceState, start: int
+        self,
+        prefix: str,
+        layer: int,
+        x: np.ndarray,
+        state: ReferenceState,
+        start: int,
+        rope: np.ndarray,
     ) -> np.ndarray:
         c = self.config
         n_tokens, d = x.shape[0], c.head_dim
         positions = start + np.arange(n_tokens)
+        streams = c.rope_streams()
         q_and_gate = self._linear(prefix + "q_proj", x).reshape(n_tokens, -1, 2 * d)
         q, gate = q_and_gate[..., :d], q_and_gate[..., d:].reshape(n_tokens, -1)
         k = self._linear(prefix + "k_proj", x).reshape(n_tokens, -1, d)
@@ -682,8 +736,8 @@ class ReferenceModel:
         q = rms_norm(q, self._float(prefix + "q_norm.weight"), c.rms_norm_eps)
         k = rms_norm(k, self._float(prefix + "k_norm.weight"), c.rms_norm_eps)
         # [T, H, D] -> [H, T, D]; the cache holds keys already rotated.
-        q = apply_rope(q.transpose(1, 0, 2), positions, c.rotary_dim, c.rope_theta)
-        k = apply_rope(k.transpose(1, 0, 2), positions, c.rotary_dim, c.rope_theta)
+        q = apply_rope(q.transpose(1, 0, 2), rope, c.rotary_dim, c.rope_theta, streams)
+        k = apply_rope(k.transpose(1, 0, 2), rope, c.rotary_dim, c.rope_theta, streams)
         v = v.transpose(1, 0, 2)
         if self.bf16_kv_cache:
             k, v = round_to_bf16(k).astype(self.dtype), round_to_bf16(v).astype(self.dtype)

@@ -174,18 +174,22 @@ def record_attention_prepare(
     tokens: int = 1,
     kv_cache: str = "bf16",
     head_dim: int = HEAD_DIM,
+    rope_table: BufferRef | None = None,
+    mrope_bounds: tuple[int, int] = (0, 0),
 ) -> None:
     """Normalise and rotate q and k of `tokens` tokens, write the queries, and append k and v to
     the cache; token t is at position step[0] + t.
 
     q_proj fp32 [T, Hq, 2, 256] (query | gate per head); k_proj, v_proj fp32 [T, Hkv, 256];
     q_norm, k_norm bf16 [256] (stored gains); queries fp32 [T, Hq, 256]; caches [Hkv, capacity]
-    rows of the format `kv_cache`. Positions past the capacity are not written.
+    rows of the format `kv_cache`. Positions past the capacity are not written. `rope_table`,
+    if given, is uint32 [capacity, 3]: the multimodal rotary positions of each cache slot, the
+    streams interleaved below `mrope_bounds` (ModelConfig.mrope_bounds); without it a token
+    rotates by its slot.
     """
     _check_heads(num_q_heads, num_kv_heads, head_dim)
     _check_tokens(tokens)
-    if rotary_dim <= 0 or rotary_dim % (2 * SIMD_WIDTH) or rotary_dim > HEAD_DIM:
-        raise ValueError(f"rotary_dim {rotary_dim} must be a positive multiple of 64 up to 256")
+    _check_rope(rotary_dim, capacity, rope_table)
     graph.dispatch(
         device.kernel(_kernel_name("attention_prepare", kv_cache)),
         threadgroups=(num_q_heads + num_kv_heads, tokens, 1),
@@ -200,13 +204,34 @@ def record_attention_prepare(
             7: binding(queries),
             8: binding(k_cache),
             9: binding(v_cache),
+            10: binding(step if rope_table is None else rope_table),
         },
         bytes={
             0: pack_params(
                 "IIIIff", num_q_heads, num_kv_heads, capacity, rotary_dim, rope_theta, norm_eps
             )
+            + _mrope_params(rope_table, mrope_bounds)
         },
     )
+
+
+def rope_table_bytes(capacity: int) -> int:
+    """The rope-position table of `capacity` slots: three uint32 positions each."""
+    return 3 * 4 * capacity
+
+
+def _check_rope(rotary_dim: int, capacity: int, rope_table: BufferRef | None) -> None:
+    if rotary_dim <= 0 or rotary_dim % (2 * SIMD_WIDTH) or rotary_dim > HEAD_DIM:
+        raise ValueError(f"rotary_dim {rotary_dim} must be a positive multiple of 64 up to 256")
+    if rope_table is not None:
+        buffer, offset = binding(rope_table)
+        if buffer.size - offset < rope_table_bytes(capacity):
+            raise ValueError(f"the rope table needs {rope_table_bytes(capacity)} bytes")
+
+
+def _mrope_params(rope_table: BufferRef | None, bounds: tuple[int, int]) -> bytes:
+    """attention.metal's MropeParams."""
+    return pack_params("III", int(rope_table is not None), *bounds)
 
 
 def record_attention_decode(
@@ -320,14 +345,15 @@ def record_attention_decode_fused(
     num_splits: int,
     kv_cache: str = "bf16",
     head_dim: int = HEAD_DIM,
+    rope_table: BufferRef | None = None,
+    mrope_bounds: tuple[int, int] = (0, 0),
 ) -> None:
     """`record_attention_prepare` (one token) then `record_attention_decode`, in one dispatch
     with the same results: the caches get the rotated key and the value at step[0] (unless past
     the capacity), the partials are those of the context including it."""
     _check_heads(num_q_heads, num_kv_heads, head_dim)
     _check_decode(num_q_heads, num_kv_heads, num_splits)
-    if rotary_dim <= 0 or rotary_dim % (2 * SIMD_WIDTH) or rotary_dim > HEAD_DIM:
-        raise ValueError(f"rotary_dim {rotary_dim} must be a positive multiple of 64 up to 256")
+    _check_rope(rotary_dim, capacity, rope_table)
     graph.dispatch(
         device.kernel(_kernel_name("attention_decode_fused", kv_cache)),
         threadgroups=(num_splits, num_kv_heads, 1),
@@ -343,6 +369,7 @@ def record_attention_decode_fused(
             8: binding(v_cache),
             9: binding(partial_out),
             10: binding(partial_stats),
+            11: binding(step if rope_table is None else rope_table),
         },
         bytes={
             0: pack_params(
@@ -356,6 +383,7 @@ def record_attention_decode_fused(
                 rope_theta,
                 norm_eps,
             )
+            + _mrope_params(rope_table, mrope_bounds)
         },
     )
 

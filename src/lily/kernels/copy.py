@@ -41,3 +41,27 @@ def record_copy(
         buffers={1: binding(source), 2: binding(destination)},
         bytes={0: pack_params("I", words)},
     )
+
+
+def record_copy_flagged_rows(
+    graph: Graph,
+    device: Device,
+    *,
+    flags: BufferRef,
+    staged: BufferRef,
+    rows: BufferRef,
+    count: int,
+    row_bytes: int,
+    threads: int = COPY_THREADS,
+) -> None:
+    """rows[t] = staged[t] for each of the first `count` rows whose uint32 flag is non-zero
+    (rows of `row_bytes`, a whole number of words); the other rows are left as they are."""
+    if count <= 0 or row_bytes <= 0 or row_bytes % 4:
+        raise ValueError(f"{count} rows of {row_bytes} B: need rows of a positive word count")
+    graph.dispatch(
+        device.kernel("copy_flagged_rows"),
+        threadgroups=(count, 1, 1),
+        threads=(threads, 1, 1),
+        buffers={1: binding(flags), 2: binding(staged), 3: binding(rows)},
+        bytes={0: pack_params("I", row_bytes // 4)},
+    )
