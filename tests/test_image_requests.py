@@ -31,8 +31,8 @@ from lily.engine.sampling import GeneratedToken
 from lily.errors import (
     ContextLengthError,
     ImageFetchError,
-    ImagePlaceholderError,
     ImagesUnsupportedError,
+    ImageTokensError,
     ImageTooLargeError,
     ImageURLError,
     NotAnImageError,
@@ -497,7 +497,7 @@ def test_refusals_name_the_image(
         create(messages=user_with_images(data_url(png(3000, 3000, flat=True))), max_tokens=2)
     assert caught.value.param == "messages[0].content[0]"
     # A placeholder typed into the text would shift every image (escape_special_tokens off).
-    with pytest.raises(ImagePlaceholderError):
+    with pytest.raises(ImageTokensError):
         create(messages=user_with_images(data_url(png(8, 8)), text="<|image_pad|>"), max_tokens=2)
     assert demo_lily.engine.calls == []
     # A checkpoint without a vision tower refuses images.

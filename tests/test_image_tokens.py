@@ -30,7 +30,7 @@ from lily.engine.image_tokens import (
 from lily.engine.prefix_disk import DiskPrefixCache, StateLayout
 from lily.engine.reference import ChunkRounding, ReferenceModel
 from lily.engine.speculative import PredictedTokens, Speculation
-from lily.errors import ImagesNotSupportedError, ImageTokensError
+from lily.errors import ImagesUnsupportedError, ImageTokensError
 
 # test_reference.py's bound for the reference against mlx-lm, test_engine.py's and
 # test_prefill.py's for the device engine against the reference.
@@ -138,7 +138,7 @@ def test_runs_that_do_not_match_the_images_are_refused(checkpoint) -> None:
     # Without images a prompt is text, whatever ids it holds (fed as before images existed).
     assert image_runs(prompt, [], config) == []
     text_only = dataclasses.replace(config, image_token_id=None)
-    with pytest.raises(ImagesNotSupportedError):
+    with pytest.raises(ImagesUnsupportedError):
         image_runs(prompt, [WIDE, TALL], text_only)
 
 

@@ -9,11 +9,14 @@ The demo on the sim takes about 0.1 s per token, so answers are a few tokens lon
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import logging
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -23,6 +26,7 @@ import pytest
 from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from openai.types import Completion
 from openai.types.responses import Response, ResponseStreamEvent
+from PIL import Image
 from pydantic import TypeAdapter
 from test_api import ROOT, python_blocks, run_python
 from test_server import RunningServer
@@ -742,6 +746,72 @@ def test_a_stream_and_the_log_show_how_far_the_prompt_is_fed(
             )
         )  # fmt: skip
         assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# --- images -----------------------------------------------------------------------------------
+
+
+def test_an_image_reaches_the_model_through_every_api(
+    server: RunningServer, facade: Lily, tmp_path: Path
+) -> None:
+    """One picture, sent as each API sends images (an OpenAI data URL, an Anthropic base64
+    block, a Responses input_image), gets the answer the Python API gives for it read from a
+    file, with the image's tokens counted in the prompt."""
+    picture = io.BytesIO()
+    Image.new("RGB", (100, 60), (200, 120, 30)).save(picture, format="PNG")
+    data = picture.getvalue()
+    encoded = base64.b64encode(data).decode()
+    url = f"data:image/png;base64,{encoded}"
+    (tmp_path / "picture.png").write_bytes(data)
+    question = "What is it?"
+    expected = facade.chat.completions.create(
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": (tmp_path / "picture.png").as_uri()}},
+            {"type": "text", "text": question},
+        ]}],
+        max_tokens=4, reasoning_effort="none", **GREEDY,
+    )  # fmt: skip
+    assert expected.usage.prompt_tokens > 70  # 100 x 60 is scaled up to 320 x 224: 70 tokens
+    chat = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+            {"type": "text", "text": question},
+        ]}],
+        max_tokens=4, reasoning_effort="none", **GREEDY,
+    )  # fmt: skip
+    assert chat.choices[0].message.content == expected.choices[0].message.content
+    assert chat.usage.prompt_tokens == expected.usage.prompt_tokens
+    message = claude(server).messages.create(
+        model=MODEL,
+        max_tokens=4,
+        messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": encoded}},
+            {"type": "text", "text": question},
+        ]}],
+        thinking={"type": "disabled"},
+        extra_body=GREEDY,
+    )  # fmt: skip
+    assert message.content[0].text == expected.choices[0].message.content
+    assert message.usage.input_tokens == expected.usage.prompt_tokens
+    response = server.client().responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": url, "detail": "auto"},
+            {"type": "input_text", "text": question},
+        ]}],
+        max_output_tokens=4, temperature=0, reasoning={"effort": "none"}, store=False,
+    )  # fmt: skip
+    assert response.output_text == expected.choices[0].message.content
+    # A server never reads its own files.
+    r = post(server, "/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": (tmp_path / "picture.png").as_uri()}},
+        ]}],
+    })  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image_url"
 
 
 # --- docs/server.md ----------------------------------------------------------------------------

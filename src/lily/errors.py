@@ -173,17 +173,6 @@ class TooManyImagesError(ImageError):
         )
 
 
-class ImagePlaceholderError(ImageError):
-    """The rendered prompt does not hold one image placeholder per image."""
-
-    def __init__(self, placeholders: int, images: int):
-        super().__init__(
-            f"the prompt holds {placeholders} image placeholders for {images} images: each "
-            "image part becomes one placeholder, and the text may not write one itself",
-            code="invalid_image_placeholders",
-        )
-
-
 class ImagesUnsupportedError(ImageError):
     """Images sent to a checkpoint without a vision tower, or where the API has no place
     for them (a system prompt, a tool result)."""
@@ -206,10 +195,3 @@ class ImageTokensError(RequestError):
 
     def __init__(self, message: str):
         super().__init__(message, param="messages", code="image_tokens_mismatch")
-
-
-class ImagesNotSupportedError(RequestError):
-    """Images were given to a model without a vision tower (a text-only checkpoint)."""
-
-    def __init__(self, message: str):
-        super().__init__(message, param="messages", code="images_not_supported")

@@ -59,8 +59,8 @@ from lily.engine.sampling import GeneratedToken, SamplingParams
 from lily.engine.speculative import Prediction, Speculation
 from lily.errors import (
     ContextLengthError,
-    ImagePlaceholderError,
     ImagesUnsupportedError,
+    ImageTokensError,
     ModelNotFoundError,
     RequestError,
     TooManyImagesError,
@@ -877,7 +877,10 @@ class ChatCompletions:
         pad = self._llm.tokenizer.token_to_id(IMAGE_PAD)
         at = [i for i, token in enumerate(tokens) if token == pad]
         if pad is None or len(at) != len(images):
-            raise ImagePlaceholderError(len(at), len(images))
+            raise ImageTokensError(
+                f"the prompt holds {len(at)} image placeholders for {len(images)} images: each "
+                "image part becomes one placeholder, and the text may not write one itself"
+            )
         expanded, start = [], 0
         for position, image in zip(at, images, strict=True):
             expanded += tokens[start:position]

@@ -68,6 +68,7 @@ from lily.engine.sampling import (
     top_logprobs,
 )
 from lily.engine.speculative import Drafter, HeadDrafts, Speculation
+from lily.engine.vision_encoder import DEFAULT_COMMAND_BUFFER_FLOPS, VisionEncoder
 from lily.errors import ContextLengthError, GenerationCancelled, NonFiniteLogitsError
 from lily.kernels.attention import row_bytes
 from lily.kernels.sampling import (
@@ -135,7 +136,7 @@ class Engine(Protocol):
         decoding, `lily.engine.speculative`); what is generated is the same with or without
         it. `images`: the prompt holds one run of `config.image_token_id` per image, exactly
         `image.num_tokens` long, in the images' order, whose embeddings become the image's
-        encoded rows (ImageTokensError if the runs do not match, ImagesNotSupportedError for a
+        encoded rows (ImageTokensError if the runs do not match, ImagesUnsupportedError for a
         model without a vision tower; docs/vision.md)."""
         ...
 
@@ -374,7 +375,8 @@ class DeviceEngine:
         self.prefix_cache = prefix_cache
         recurrent = [b.numpy() for b in self._model.state.recurrent_buffers()]
         prefix_cache.set_layout(kv_cache, self._rows.copy_out(0), recurrent)
-        self._numpy_tower = _numpy_tower_encoder(checkpoint)
+        self._checkpoint = checkpoint
+        self._vision: VisionEncoder | None = None
         self._encoded_images = EncodedImages(self._encode_image, ENCODED_IMAGES_BYTES)
         # Whether the rope-position table holds every slot's own index (text-only prompts).
         self._rope_table_is_identity = True
@@ -396,9 +398,15 @@ class DeviceEngine:
         return self._pass_seconds / self._step_seconds
 
     def _encode_image(self, image: ImagePatches) -> np.ndarray:
-        """The vision tower's rows [num_tokens, hidden] of an image."""
-        # until VisionEncoder lands: the numpy reference tower on the checkpoint's weights.
-        return self._numpy_tower(image)
+        """The vision tower's rows [num_tokens, hidden] of an image, on the device
+        (`VisionEncoder`, bound to the checkpoint's tower at the first image)."""
+        if self._vision is None:
+            self._vision = VisionEncoder.from_checkpoint(
+                self.device,
+                self._checkpoint,
+                command_buffer_flops=self.command_buffer_flops or DEFAULT_COMMAND_BUFFER_FLOPS,
+            )
+        return self._vision.encode(image)
 
     def _prompt_images(self, prompt: Sequence[int], images: Sequence[ImagePatches]) -> PromptImages:
         return PromptImages(prompt, images, self.config, self._encoded_images)

@@ -23,7 +23,7 @@ import numpy as np
 
 from lily.checkpoint.config import ModelConfig
 from lily.engine.image_input import ImagePatches
-from lily.errors import ImagesNotSupportedError, ImageTokensError
+from lily.errors import ImagesUnsupportedError, ImageTokensError
 
 # Prefix-cache ids of image tokens: above every vocabulary (MAX_VOCAB is 2^24) and within uint32
 # (the disk tier stores ids as uint32).
@@ -54,13 +54,13 @@ def image_runs(
 ) -> list[ImageRun]:
     """The images' runs in `prompt`, checked against the contract: ImageTokensError if the runs
     of `image_token_id` are not one per image, each exactly the image's length;
-    ImagesNotSupportedError if the model takes no images but some are given. Without images
+    ImagesUnsupportedError if the model takes no images but some are given. Without images
     the prompt is text whatever ids it holds, fed exactly as before images existed (an
     `<|image_pad|>` id is then the text token it is, as mlx-lm feeds it)."""
     if not images:
         return []
     if not config.takes_images:
-        raise ImagesNotSupportedError("this model has no vision tower: it cannot take images")
+        raise ImagesUnsupportedError("this model has no vision tower: it cannot take images")
     token = config.image_token_id
     flags = np.asarray(prompt) == token
     edges = np.flatnonzero(np.diff(np.concatenate([[False], flags, [False]]).astype(np.int8)))
