@@ -1084,6 +1084,10 @@ constexpr uint chunk_pieces() {
   return kChunkKeys * kHeadDim / chunk_piece_dims<kInt8>() / kChunkThreads;
 }
 static_assert(chunk_pieces<false>() == 2 && chunk_pieces<true>() == 1, "whole pieces per thread");
+static_assert(2 * (kHeadDim * kKeysStride + kChunkKeys * kValuesStride) +
+                      4 * kChunkKeys * kInt8Groups <=
+                  32 * 1024,
+              "the staged tile fits in 32 KiB of threadgroup memory");
 static_assert(kChunkKeys * kInt8Groups <= kChunkThreads, "one value scale per thread at most");
 
 // P V's operand type: bfloat for a bf16 cache, half for an int8 one (codes, and P times scales).
