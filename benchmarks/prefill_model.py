@@ -3,16 +3,17 @@ chunk over a whole prompt, for `bench_prefill.py --context`.
 
 **A chunk.** Its kernel groups run one after another (a layer's kernels depend on each other);
 each takes the longer of its bytes at the memory bandwidth and its executed FLOPs at the rate of
-what runs them. On top: the Gated DeltaNet scan's serial work (`gdn_scan_model.py`), a drain per
-barrier level and a gap per command buffer. The bytes counted:
+what runs them. Chunk attention's executed FLOPs are its SIMD-groups' (`attention_flops`): 8
+rows by every 16-key tile up to the last position the SIMD-group's last token sees. On top: the
+Gated DeltaNet scan's serial work (`gdn_scan_model.py`), a drain per barrier level and a gap per
+command buffer. The bytes counted:
 
 - weights, each read once per chunk (`bench_prefill.weight_bytes_per_chunk`);
-- the KV cache as `attention_chunk` reads it: a threadgroup takes 32 (token, query head) rows of
-  one KV head (4 tokens, as 8 query heads share a KV head) and streams the K and V rows of every
-  position its last token sees, in 16-key tiles; so each attention layer reads the cache about
-  T / 4 times per KV head, not once. Caches may serve part of it; the model counts it all from
-  memory. A 64- or 128-row query tile (issue 40, item 1: not built) reads it once per 8 or 16
-  tokens;
+- the KV cache as `attention_chunk` reads it: a threadgroup takes 64 (token, query head) rows of
+  one KV head (`CHUNK_ROWS`: 8 tokens, as 8 query heads share a KV head) and streams the K and V
+  rows of every position its last token sees, once, in 16-key tiles; so each attention layer
+  reads the cache about T / 8 times per KV head, not once (T / 4 with the 32-row tiles it had
+  before). Caches may serve part of it; the model counts it all from memory;
 - activations: every buffer the pass hands between its dispatches (`activation_widths`, the MoE
   chunk scratch) written once and read once by each layer that uses it, fp32 today (about 20 MB
   per token over the 40 layers); half with issue 40's item 2 (not built).
@@ -34,8 +35,12 @@ than one figure, so every estimate is a range:
 - quantized GEMMs on half simdgroup tiles 40-60-70%: MLX's authors report its steel GEMMs at
   60-70% of the M-series peak; ours dequantize 4-bit weights in the loop, hence the low end;
 - tensor-op GEMMs 30-50-60% of the tensor units' peak (never compiled by Apple's compiler yet);
-- chunk attention 25-40-50% of the rate of what runs its products (the online softmax sits
-  between its two products);
+- chunk attention 25-40-50% of the rate of what runs its products: the online softmax sits
+  between its two products, and each SIMD-group of `attention_chunk` holds 8 rows, so every K or
+  V fragment it loads from threadgroup memory feeds one product (a GEMM reuses a loaded fragment
+  across a 2x2 or larger block). For comparison, metal-flash-attention's README (Philip Turner)
+  reports its dense FlashAttention forward at 90.5% of the ALU peak on an M1 Max at small head
+  dims, and names register pressure at head dim 256 as its limit; the range stays below that;
 - memory 70-80-85% of peak bandwidth.
 """
 
@@ -57,6 +62,7 @@ from lily.engine.model_graph import (
     longest_chunk,
     token_macs,
 )
+from lily.kernels.attention import CHUNK_ROWS, CHUNK_TILE_KEYS
 from lily.kernels.moe_chunk import moe_chunk_scratch_bytes
 
 SLOW, CENTRAL, FAST = 0, 1, 2
@@ -64,9 +70,8 @@ MEMORY_EFFICIENCY = (0.7, 0.8, 0.85)
 LEVEL_SECONDS = 2e-6  # a memory barrier in a concurrent encoder drains the GPU
 COMMAND_BUFFER_SECONDS = 30e-6  # commit and schedule gap between command buffers
 TENSOR_UNIT_SPEEDUP = 4.0
-# attention_chunk's tiles: (token, query head) rows per threadgroup and keys per staged tile.
-CHUNK_ATTENTION_ROWS = 32
-KEYS_PER_TILE = 16
+# attention_chunk's SIMD-groups: (token, query head) rows each, the products' 8x8 fragments.
+SIMDGROUP_ROWS = 8
 # Activations only a GDN layer or only an attention layer passes (the rest every layer does).
 GDN_ACTIVATIONS = ("qkv_projected", "qkv", "z", "a", "b", "gdn_out")
 ATTENTION_ACTIVATIONS = ("q", "k", "v", "queries", "attn_out")
@@ -112,20 +117,21 @@ class Path:
 
 
 HALF_GEMM, TENSOR_GEMM, ATTENTION = (0.4, 0.6, 0.7), (0.3, 0.5, 0.6), (0.25, 0.4, 0.5)
-SIMDGROUP = Path("simdgroup tiles", HALF_GEMM, ATTENTION, False, False, 32, 4, True)
-TENSOR_OPS = Path("tensor ops", TENSOR_GEMM, ATTENTION, True, False, 32, 4, True)
-# Issue 40's items 1 (128-row query tiles, GQA heads together; tensor ops on an M5, simdgroup
-# matrices elsewhere) and 2 (half activations), at the same efficiencies: not built.
-TILED_ATTENTION = Path("128-row attention tiles", HALF_GEMM, ATTENTION, False, False, 128, 4, False)
-# Tensor-op attention on today's 32-row tiles: the cache reads, not the products, bound it.
+# The built kernels: chunk attention on simdgroup matrices in 64-row tiles on every Mac, the
+# GEMMs on simdgroup matrices or (M5) tensor ops.
+SIMDGROUP = Path("simdgroup tiles", HALF_GEMM, ATTENTION, False, False, CHUNK_ROWS, 4, True)
+TENSOR_OPS = Path("tensor ops", TENSOR_GEMM, ATTENTION, True, False, CHUNK_ROWS, 4, True)
+# Not built: chunk attention's two products on the M5's tensor units (designed in
+# docs/benchmarks.md, "Prefill"), on 64-row tiles and on 128-row ones (which halve the cache
+# reads again), then with issue 40's item 2 (half activations) too; at the same efficiencies.
 TENSOR_ATTENTION = Path(
-    "tensor ops, 32-row tensor-op attention", TENSOR_GEMM, ATTENTION, True, True, 32, 4, False
+    "tensor ops, 64-row tensor-op attention", TENSOR_GEMM, ATTENTION, True, True, 64, 4, False
 )
 TILED_ATTENTION_TENSOR = Path(
     "tensor ops, 128-row tensor-op attention", TENSOR_GEMM, ATTENTION, True, True, 128, 4, False
 )
 LEAN = Path(
-    "tensor ops, tensor-op attention, half activations",
+    "tensor ops, 128-row tensor-op attention, half activations",
     TENSOR_GEMM,
     ATTENTION,
     True,
@@ -144,18 +150,36 @@ class Group:
     attention: bool = False
 
 
+def _tiled_keys(c: ModelConfig, start: int, tokens: int, rows: int) -> int:
+    """Keys summed over the row blocks of one KV head of a chunk of `tokens` starting at
+    `start`: each block of `rows` consecutive (token, query head) rows takes every key its last
+    token sees, rounded up to whole 16-key tiles."""
+    group = c.num_attention_heads // c.num_key_value_heads
+    total_rows = tokens * group
+    total = 0
+    for first in range(0, total_rows, rows):
+        visible = start + (min(first + rows, total_rows) - 1) // group + 1
+        total += math.ceil(visible / CHUNK_TILE_KEYS) * CHUNK_TILE_KEYS
+    return total
+
+
 def kv_bytes(c: ModelConfig, start: int, tokens: int, query_rows: int) -> float:
     """Bytes of K and V (bf16) the chunk attention of every attention layer reads for a chunk of
     `tokens` starting at `start`: each threadgroup of `query_rows` rows streams every key its last
     token sees, rounded up to whole tiles."""
-    group = c.num_attention_heads // c.num_key_value_heads
-    per_threadgroup = max(1, query_rows // group)
     row = 2 * c.head_dim * 2  # a position's K and V of one KV head
-    total = 0
-    for first in range(0, tokens, per_threadgroup):
-        visible = start + min(first + per_threadgroup, tokens)
-        total += math.ceil(visible / KEYS_PER_TILE) * KEYS_PER_TILE
-    return float(len(c.full_attention_layers) * c.num_key_value_heads * row * total)
+    keys = _tiled_keys(c, start, tokens, query_rows)
+    return float(len(c.full_attention_layers) * c.num_key_value_heads * row * keys)
+
+
+def attention_flops(c: ModelConfig, start: int, tokens: int) -> float:
+    """FLOPs the chunk attention of every attention layer executes for a chunk of `tokens`
+    starting at `start`: each SIMD-group multiplies its 8 rows (query rows past a group's or the
+    chunk's end included) by every 16-key tile up to its last token's position, head_dim
+    multiply-adds per row and key for S = Q K^T and as many for P V."""
+    keys = _tiled_keys(c, start, tokens, SIMDGROUP_ROWS)
+    per_kv_head = SIMDGROUP_ROWS * keys * 2 * c.head_dim * 2
+    return float(len(c.full_attention_layers) * c.num_key_value_heads * per_kv_head)
 
 
 def activation_traffic(c: ModelConfig, tokens: int, element_bytes: int) -> tuple[float, float]:
@@ -199,9 +223,7 @@ def groups(
     macs = token_macs(c)
     attention_layers = len(c.full_attention_layers)
     gdn_layers = c.num_hidden_layers - attention_layers
-    q = c.num_attention_heads * c.head_dim
     projections = gdn_layers * macs.gdn + attention_layers * macs.attention
-    contexts = tokens * start + tokens * (tokens + 1) // 2
     dense_activations, moe_activations = activation_traffic(c, tokens, path.activation_bytes)
     work = [
         Group(
@@ -217,7 +239,7 @@ def groups(
         Group(
             "chunk attention",
             kv_bytes(c, start, tokens, path.query_rows),
-            2.0 * attention_layers * 2 * q * contexts,
+            attention_flops(c, start, tokens),
             attention=True,
         ),
     ]

@@ -9,7 +9,8 @@ Attention is modelled apart (second table) with the latency and issue model of
 `model_decode_attention.py` and its assumed clocks, latency and occupancy, at contexts of 512,
 4k and 32k on a cache of 262,144 positions:
 
-- before, `attention_chunk`: ceil(8 T / 32) threadgroups per kv head (4 in all at T = 5), each
+- before, `attention_chunk` as it was then (32-row threadgroups of 4 SIMD-groups; it has 64 rows
+  of 8 now): ceil(8 T / 32) threadgroups per kv head (4 in all at T = 5), each
   of 4 SIMD-groups streaming the whole context alone on a core, 16 keys per iteration: one
   memory round trip (it stages a tile, then computes on it) plus CHUNK_ISSUE lane-instructions
   per SIMD-group, counted from the kernel's code; 2 levels per layer (prepare, chunk);
@@ -42,7 +43,7 @@ from prefill_model import CENTRAL, GPUS, MEMORY_EFFICIENCY
 
 from lily.checkpoint.config import FULL_ATTENTION, parse_config
 from lily.engine.model_graph import pass_traffic, token_macs, verify_cost_ratio
-from lily.kernels.attention import CHUNK_ROWS, MAX_GROUP, decode_splits, split_length
+from lily.kernels.attention import MAX_GROUP, decode_splits, split_length
 from lily.kernels.quantized_gemm import dense_tile_tokens, grouped_tile_tokens
 
 BYTES_PER_WEIGHT = 4.5 / 8  # 4-bit codes, a bf16 scale and bias per 64
@@ -53,11 +54,13 @@ FP32_TILE_EFFICIENCY = 0.3
 
 CAPACITY = 262144
 CONTEXTS = (512, 4096, 32768)
-# attention_chunk per SIMD-group and 16-key iteration: 64 fragment products for S and 64 for
-# P V (16 lane-FMAs each), 512 filling their K and V fragments from threadgroup memory (a load
-# and a widening per element), 384 staging the tile (64 2-byte loads and stores per lane and
-# their indexing), ~40 for the softmax and 64 rescaling the accumulators.
+# attention_chunk as it was (32 rows per threadgroup) per SIMD-group and 16-key iteration: 64
+# fragment products for S and 64 for P V (16 lane-FMAs each), 512 filling their K and V
+# fragments from threadgroup memory (a load and a widening per element), 384 staging the tile
+# (64 2-byte loads and stores per lane and their indexing), ~40 for the softmax and 64 rescaling
+# the accumulators.
 CHUNK_KEYS = 16
+CHUNK_ROWS = 32
 CHUNK_ISSUE = 128 * 16 + 512 + 384 + 40 + 64
 # attention_decode_tokens per SIMD-group and 16-position stage (16 KB of K and V of one kv
 # head): two decode tiles (ISSUE_NEW each, their 16 loads now from threadgroup memory) and a

@@ -1046,13 +1046,24 @@ constexpr constant uint kCombineDims = 64;
 
 // ---- attention for a chunk of prompt tokens ---------------------------------------------------
 //
-// A threadgroup takes 32 consecutive rows of the chunk's (token, query head) pairs of one kv head,
+// A threadgroup takes 64 consecutive rows of the chunk's (token, query head) pairs of one kv head,
 // row = token * group_size + head_in_group, so the query heads that share a kv head share every
-// K/V tile it stages. Its four simdgroups own 8 rows each and keep, in simdgroup_matrix 8x8
-// fragments, their rows' scaled queries and fp32 output accumulators across the full head dim
-// (32 fragments each). Per tile of 16 keys: S = Q K^T (2 fragments per simdgroup), an online
-// softmax on S in registers, O = O * rescale + P V. Query t of the chunk sees positions
-// [0, position + t]; keys past the threadgroup's last visible position are staged as zeros.
+// K/V tile it stages: on the real model (8 query heads per kv head) 8 tokens, so each attention
+// layer reads the cache T / 8 times per kv head for a chunk of T tokens, not T times. Its eight
+// simdgroups own 8 rows each and keep, in simdgroup_matrix 8x8 fragments, their rows' scaled
+// queries and fp32 output accumulators across the full head dim (32 fragments each). Per tile of
+// 16 keys: S = Q K^T (2 fragments per simdgroup), an online softmax on S in registers,
+// O = O * rescale + P V. Query t of the chunk sees positions [0, position + t]: the threadgroup
+// stops at the last tile its last token sees, a simdgroup skips the tiles past its own last
+// token (a tile no row of it sees would multiply by 1 and add zeros: skipping it changes no bit),
+// and the diagonal tiles mask each row's keys past its position. Keys past the threadgroup's
+// last visible position are staged as zeros.
+//
+// The K/V tiles (16 KB of a bf16 cache) are read once per threadgroup with 16-byte loads, each
+// thread two pieces of 8 dims of K and of V (int8: one piece of 16 codes each, and a scale),
+// converted as they are stored to threadgroup memory. The loads of the next tile go to
+// registers before the current tile's products, so they are in flight while the products run:
+// double-buffered in registers, as two threadgroup-memory tiles would need 42.5 KiB.
 //
 // Operands are 2-byte, accumulators fp32 (scores, the softmax and O stay fp32 throughout):
 //
@@ -1082,7 +1093,11 @@ constexpr constant uint kCombineDims = 64;
 //
 // The tiles are staged in the operands' types (20.25 KiB with the padding, and an int8 cache's
 // value scales 0.5 KiB more) and loaded with simdgroup_load.
-constexpr constant uint kChunkSimdgroups = 4;
+//
+// On an M5 the two products could run on Metal 4 tensor ops (matmul2d, as
+// quantized_gemm_tensor_ops.metal does for the GEMMs); that kernel is designed in
+// docs/benchmarks.md ("Prefill") and not built.
+constexpr constant uint kChunkSimdgroups = 8;
 constexpr constant uint kChunkThreads = kChunkSimdgroups * SIMD_WIDTH;
 constexpr constant uint kChunkRows = 8 * kChunkSimdgroups;
 constexpr constant uint kChunkKeys = 16;
@@ -1090,17 +1105,22 @@ constexpr constant uint kChunkKeys = 16;
 constexpr constant uint kKeysStride = kChunkKeys + 8;
 constexpr constant uint kValuesStride = kHeadDim + 8;
 
-// Dim `dim` of a cache row as a float: the bf16 value, or code * its group's fp16 scale (exact
-// in fp32).
+// Dims of one staged piece (16 bytes of a cache row) and the pieces a thread stages per tile,
+// of K and of V each.
 template <bool kInt8>
-inline float cache_value(device const uchar* row, uint dim) {
-  if (kInt8) {
-    const float scale =
-        float(*reinterpret_cast<device const half*>(row + kHeadDim + 2 * (dim / kInt8Group)));
-    return float(*reinterpret_cast<device const char*>(row + dim)) * scale;
-  }
-  return float(reinterpret_cast<device const bfloat*>(row)[dim]);
+constexpr uint chunk_piece_dims() {
+  return kInt8 ? 16 : 8;
 }
+template <bool kInt8>
+constexpr uint chunk_pieces() {
+  return kChunkKeys * kHeadDim / chunk_piece_dims<kInt8>() / kChunkThreads;
+}
+static_assert(chunk_pieces<false>() == 2 && chunk_pieces<true>() == 1, "whole pieces per thread");
+static_assert(2 * (kHeadDim * kKeysStride + kChunkKeys * kValuesStride) +
+                      4 * kChunkKeys * kInt8Groups <=
+                  32 * 1024,
+              "the staged tile fits in 32 KiB of threadgroup memory");
+static_assert(kChunkKeys * kInt8Groups <= kChunkThreads, "one value scale per thread at most");
 
 // P V's operand type: bfloat for a bf16 cache, half for an int8 one (codes, and P times scales).
 template <bool kInt8>
@@ -1114,17 +1134,87 @@ struct ChunkValueType<true> {
 template <bool kInt8>
 using ChunkValue = typename ChunkValueType<kInt8>::type;
 
-// Dim `dim` of a cache row as P V's operand: the bf16 value as stored, or the int8 code.
-template <bool kInt8>
-inline ChunkValue<kInt8> value_operand(device const uchar* row, uint dim) {
-  if (kInt8) {
-    return ChunkValue<kInt8>(float(*reinterpret_cast<device const char*>(row + dim)));
-  }
-  return reinterpret_cast<device const ChunkValue<kInt8>*>(row)[dim];
-}
-
 // Head-dim fragments per int8 scale group.
 constexpr constant uint kFragmentsPerGroup = kInt8Group / 8;
+
+// A thread's share of one K/V tile as loaded from the cache: piece p of K and V is tile piece
+// thread_id + p * kChunkThreads, key piece / pieces_per_row, dims from
+// (piece % pieces_per_row) * piece_dims; int8: its K piece's group scale, and the value scale of
+// key thread_id / 8, group thread_id % 8 (threads below 128). Zeros past the context.
+struct ChunkStage {
+  uint4 key[2];
+  uint4 value[2];
+  float key_scale;
+  float value_scale;
+};
+
+template <bool kInt8>
+inline ChunkStage load_chunk_stage(device const uchar* k_rows, device const uchar* v_rows,
+                                   uint key0, uint context, uint thread_id) {
+  constexpr uint per_row = kHeadDim / chunk_piece_dims<kInt8>();
+  constexpr uint piece_bytes = 16;
+  ChunkStage s;
+  s.key_scale = 0.0f;
+  s.value_scale = 0.0f;
+  for (uint p = 0; p < chunk_pieces<kInt8>(); ++p) {
+    const uint piece = thread_id + p * kChunkThreads;
+    const uint key = key0 + piece / per_row;
+    const ulong at = ulong(key) * kv_row_bytes<kInt8>() + (piece % per_row) * piece_bytes;
+    const bool inside = key < context;
+    s.key[p] = inside ? *reinterpret_cast<device const uint4*>(k_rows + at) : uint4(0);
+    s.value[p] = inside ? *reinterpret_cast<device const uint4*>(v_rows + at) : uint4(0);
+    if (kInt8 && inside) {
+      const uint group = (piece % per_row) * chunk_piece_dims<kInt8>() / kInt8Group;
+      s.key_scale = float(*reinterpret_cast<device const half*>(
+          k_rows + ulong(key) * kInt8RowBytes + kHeadDim + 2 * group));
+    }
+  }
+  if (kInt8 && thread_id < kChunkKeys * kInt8Groups) {
+    const uint key = key0 + thread_id / kInt8Groups;
+    if (key < context) {
+      s.value_scale = float(*reinterpret_cast<device const half*>(
+          v_rows + ulong(key) * kInt8RowBytes + kHeadDim + 2 * (thread_id % kInt8Groups)));
+    }
+  }
+  return s;
+}
+
+// Stores a thread's share of the tile: K transposed, [dim][key], as half (int8: code * scale);
+// V as [key][dim] in P V's operand type (bf16 bits as they are, int8 codes as half); int8, the
+// value scales as [key][group].
+template <bool kInt8>
+inline void store_chunk_stage(thread const ChunkStage& s, uint thread_id,
+                              threadgroup half* keys_t, threadgroup ChunkValue<kInt8>* values,
+                              threadgroup float* value_scales) {
+  constexpr uint dims = chunk_piece_dims<kInt8>();
+  constexpr uint per_row = kHeadDim / dims;
+  for (uint p = 0; p < chunk_pieces<kInt8>(); ++p) {
+    const uint piece = thread_id + p * kChunkThreads;
+    const uint key = piece / per_row;
+    const uint dim0 = (piece % per_row) * dims;
+    threadgroup half* k_column = keys_t + dim0 * kKeysStride + key;
+    threadgroup ChunkValue<kInt8>* v_row = values + key * kValuesStride + dim0;
+    if (kInt8) {
+      for (uint w = 0; w < 4; ++w) {
+        const char4 k_codes = as_type<char4>(s.key[p][w]);
+        const char4 v_codes = as_type<char4>(s.value[p][w]);
+        for (uint b = 0; b < 4; ++b) {
+          k_column[(4 * w + b) * kKeysStride] = half(float(k_codes[b]) * s.key_scale);
+        }
+        reinterpret_cast<threadgroup half4*>(v_row)[w] = half4(float4(v_codes));
+      }
+    } else {
+      for (uint w = 0; w < 4; ++w) {
+        k_column[2 * w * kKeysStride] = half(bf16_low(s.key[p][w]));
+        k_column[(2 * w + 1) * kKeysStride] = half(bf16_high(s.key[p][w]));
+      }
+      *reinterpret_cast<threadgroup uint4*>(v_row) = s.value[p];
+    }
+  }
+  if (kInt8 && thread_id < kChunkKeys * kInt8Groups) {
+    value_scales[thread_id] = s.value_scale;
+  }
+}
 
 struct AttentionChunkParams {
   uint num_q_heads;
@@ -1134,7 +1224,7 @@ struct AttentionChunkParams {
   float scale;
 };
 
-// Grid (ceil(tokens * group_size / 32), num_kv_heads), 128 threads per threadgroup.
+// Grid (ceil(tokens * group_size / 64), num_kv_heads), 256 threads per threadgroup.
 template <bool kInt8>
 [[kernel, max_total_threads_per_threadgroup(kChunkThreads)]] void attention_chunk(
     constant AttentionChunkParams& params [[buffer(0)]],
@@ -1148,9 +1238,10 @@ template <bool kInt8>
     uint thread_id [[thread_index_in_threadgroup]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup half keys_t[kHeadDim * kKeysStride];        // [dim][key]
+  // 16-byte aligned: V rows are stored as uint4 / half4 (kValuesStride halves are 528 bytes).
+  alignas(16) threadgroup half keys_t[kHeadDim * kKeysStride];  // [dim][key]
   // [key][dim] in P V's operand type: bf16 values, or int8 codes in half.
-  threadgroup ushort value_bits[kChunkKeys * kValuesStride];
+  alignas(16) threadgroup ushort value_bits[kChunkKeys * kValuesStride];
   threadgroup ChunkValue<kInt8>* values =
       reinterpret_cast<threadgroup ChunkValue<kInt8>*>(value_bits);
   // int8: the staged values' scales, [key][group]; unused for bf16.
@@ -1162,24 +1253,32 @@ template <bool kInt8>
   const uint frag_row = fragment_row(lane);
   const uint frag_col = fragment_col(lane);
 
+  const uint rows = params.tokens * group_size;
   const uint first_row = group_id.x * kChunkRows;
-  const uint row = first_row + simd_index * 8 + frag_row;
+  const uint simd_first_row = first_row + simd_index * 8;
+  const uint row = simd_first_row + frag_row;
   const uint token = row / group_size;
   const bool row_in_chunk = token < params.tokens;
   const uint q_head = kv_head * group_size + row % group_size;
   // Rows past the chunk (in the last threadgroup) also see the zeros staged past the context:
   // finite, and never stored.
   const uint last_visible = position + token;
-  const uint last_row = min(first_row + kChunkRows, params.tokens * group_size) - 1;
+  const uint last_row = min(first_row + kChunkRows, rows) - 1;
   const uint context = min(position + last_row / group_size + 1, params.cache_capacity);
+  // The keys this simdgroup's rows see (none when all of them are past the chunk): uniform
+  // over the simdgroup, as its products must be.
+  const bool simd_has_rows = simd_first_row < rows;
+  const uint simd_context = position + (min(simd_first_row + 8, rows) - 1) / group_size + 1;
 
   const ulong q_offset = (ulong(token) * params.num_q_heads + q_head) * kHeadDim + frag_col;
   simdgroup_half8x8 q[kHeadFragments];
   simdgroup_float8x8 acc[kHeadFragments];
   for (uint f = 0; f < kHeadFragments; ++f) {
+    const float2 pair = row_in_chunk
+                            ? *reinterpret_cast<device const float2*>(queries + q_offset + 8 * f)
+                            : float2(0.0f);
     for (uint i = 0; i < 2; ++i) {
-      q[f].thread_elements()[i] =
-          half(row_in_chunk ? queries[q_offset + 8 * f + i] * params.scale : 0.0f);
+      q[f].thread_elements()[i] = half(pair[i] * params.scale);
     }
     acc[f] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
@@ -1188,81 +1287,69 @@ template <bool kInt8>
   // row, so the first tile replaces it.
   float running_max = -1.0e30f;
   float lane_sum = 0.0f;  // this lane's share of its row's softmax denominator
-  const ulong head_base = ulong(kv_head) * params.cache_capacity;
+  const ulong head_base = ulong(kv_head) * params.cache_capacity * kv_row_bytes<kInt8>();
+  device const uchar* k_rows = k_cache + head_base;
+  device const uchar* v_rows = v_cache + head_base;
+  ChunkStage stage = load_chunk_stage<kInt8>(k_rows, v_rows, 0, context, thread_id);
   for (uint key0 = 0; key0 < context; key0 += kChunkKeys) {
-    // Zeros past the context: P is 0 there, and 0 * (whatever the cache holds) must stay 0.
-    for (uint e = thread_id; e < kChunkKeys * kHeadDim; e += kChunkThreads) {
-      const uint key = e / kHeadDim;
-      const uint dim = e % kHeadDim;
-      const bool inside = key0 + key < context;
-      const ulong row = (head_base + key0 + key) * kv_row_bytes<kInt8>();
-      keys_t[dim * kKeysStride + key] =
-          half(inside ? cache_value<kInt8>(k_cache + row, dim) : 0.0f);
-      values[key * kValuesStride + dim] =
-          inside ? value_operand<kInt8>(v_cache + row, dim) : ChunkValue<kInt8>(0.0f);
-    }
-    if (kInt8) {
-      for (uint e = thread_id; e < kChunkKeys * kInt8Groups; e += kChunkThreads) {
-        const uint key = e / kInt8Groups;
-        const ulong at =
-            (head_base + key0 + key) * kInt8RowBytes + kHeadDim + 2 * (e % kInt8Groups);
-        value_scales[e] =
-            key0 + key < context ? float(*reinterpret_cast<device const half*>(v_cache + at))
-                                 : 0.0f;
-      }
-    }
+    store_chunk_stage<kInt8>(stage, thread_id, keys_t, values, value_scales);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    simdgroup_float8x8 scores[kChunkKeys / 8];
-    for (uint c = 0; c < kChunkKeys / 8; ++c) {
-      scores[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      for (uint f = 0; f < kHeadFragments; ++f) {
-        simdgroup_half8x8 k_frag;
-        simdgroup_load(k_frag, keys_t + 8 * f * kKeysStride + 8 * c, kKeysStride);
-        simdgroup_multiply_accumulate(scores[c], q[f], k_frag, scores[c]);
-      }
+    if (key0 + kChunkKeys < context) {
+      stage = load_chunk_stage<kInt8>(k_rows, v_rows, key0 + kChunkKeys, context, thread_id);
     }
 
-    float tile_max = running_max;
-    for (uint c = 0; c < kChunkKeys / 8; ++c) {
-      for (uint i = 0; i < 2; ++i) {
-        const bool visible = key0 + 8 * c + frag_col + i <= last_visible;
-        tile_max = visible ? max(tile_max, scores[c].thread_elements()[i]) : tile_max;
-      }
-    }
-    const float new_max = row_max(tile_max);
-    const float rescale = exp(running_max - new_max);
-    running_max = new_max;
-    lane_sum *= rescale;
-    // P in fp32 in `scores`, and as P V's operand (int8: times a group's scales, below).
-    simdgroup_matrix<ChunkValue<kInt8>, 8, 8> probabilities[kChunkKeys / 8];
-    for (uint c = 0; c < kChunkKeys / 8; ++c) {
-      for (uint i = 0; i < 2; ++i) {
-        const bool visible = key0 + 8 * c + frag_col + i <= last_visible;
-        const float p = visible ? exp(scores[c].thread_elements()[i] - running_max) : 0.0f;
-        scores[c].thread_elements()[i] = p;
-        probabilities[c].thread_elements()[i] = ChunkValue<kInt8>(p);
-        lane_sum += float(bfloat(p));
-      }
-    }
-
-    for (uint f = 0; f < kHeadFragments; ++f) {
-      acc[f].thread_elements() *= rescale;
-      if (kInt8 && f % kFragmentsPerGroup == 0) {
-        // A lane's P elements are keys 8 c + frag_col + i.
-        for (uint c = 0; c < kChunkKeys / 8; ++c) {
-          for (uint i = 0; i < 2; ++i) {
-            const uint key = 8 * c + frag_col + i;
-            probabilities[c].thread_elements()[i] = ChunkValue<kInt8>(
-                scores[c].thread_elements()[i] *
-                value_scales[key * kInt8Groups + f / kFragmentsPerGroup]);
-          }
+    if (simd_has_rows && key0 < simd_context) {
+      simdgroup_float8x8 scores[kChunkKeys / 8];
+      for (uint c = 0; c < kChunkKeys / 8; ++c) {
+        scores[c] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+        for (uint f = 0; f < kHeadFragments; ++f) {
+          simdgroup_half8x8 k_frag;
+          simdgroup_load(k_frag, keys_t + 8 * f * kKeysStride + 8 * c, kKeysStride);
+          simdgroup_multiply_accumulate(scores[c], q[f], k_frag, scores[c]);
         }
       }
+
+      float tile_max = running_max;
       for (uint c = 0; c < kChunkKeys / 8; ++c) {
-        simdgroup_matrix<ChunkValue<kInt8>, 8, 8> v_frag;
-        simdgroup_load(v_frag, values + 8 * c * kValuesStride + 8 * f, kValuesStride);
-        simdgroup_multiply_accumulate(acc[f], probabilities[c], v_frag, acc[f]);
+        for (uint i = 0; i < 2; ++i) {
+          const bool visible = key0 + 8 * c + frag_col + i <= last_visible;
+          tile_max = visible ? max(tile_max, scores[c].thread_elements()[i]) : tile_max;
+        }
+      }
+      const float new_max = row_max(tile_max);
+      const float rescale = exp(running_max - new_max);
+      running_max = new_max;
+      lane_sum *= rescale;
+      // P in fp32 in `scores`, and as P V's operand (int8: times a group's scales, below).
+      simdgroup_matrix<ChunkValue<kInt8>, 8, 8> probabilities[kChunkKeys / 8];
+      for (uint c = 0; c < kChunkKeys / 8; ++c) {
+        for (uint i = 0; i < 2; ++i) {
+          const bool visible = key0 + 8 * c + frag_col + i <= last_visible;
+          const float p = visible ? exp(scores[c].thread_elements()[i] - running_max) : 0.0f;
+          scores[c].thread_elements()[i] = p;
+          probabilities[c].thread_elements()[i] = ChunkValue<kInt8>(p);
+          lane_sum += float(bfloat(p));
+        }
+      }
+
+      for (uint f = 0; f < kHeadFragments; ++f) {
+        acc[f].thread_elements() *= rescale;
+        if (kInt8 && f % kFragmentsPerGroup == 0) {
+          // A lane's P elements are keys 8 c + frag_col + i.
+          for (uint c = 0; c < kChunkKeys / 8; ++c) {
+            for (uint i = 0; i < 2; ++i) {
+              const uint key = 8 * c + frag_col + i;
+              probabilities[c].thread_elements()[i] = ChunkValue<kInt8>(
+                  scores[c].thread_elements()[i] *
+                  value_scales[key * kInt8Groups + f / kFragmentsPerGroup]);
+            }
+          }
+        }
+        for (uint c = 0; c < kChunkKeys / 8; ++c) {
+          simdgroup_matrix<ChunkValue<kInt8>, 8, 8> v_frag;
+          simdgroup_load(v_frag, values + 8 * c * kValuesStride + 8 * f, kValuesStride);
+          simdgroup_multiply_accumulate(acc[f], probabilities[c], v_frag, acc[f]);
+        }
       }
     }
     // The next tile overwrites what the other simdgroups may still be reading.
@@ -1274,10 +1361,10 @@ template <bool kInt8>
     const ulong gate_offset =
         (ulong(token) * params.num_q_heads + q_head) * 2 * kHeadDim + kHeadDim + frag_col;
     for (uint f = 0; f < kHeadFragments; ++f) {
-      for (uint i = 0; i < 2; ++i) {
-        out[q_offset + 8 * f + i] = acc[f].thread_elements()[i] / denominator *
-                                    sigmoid(q_proj[gate_offset + 8 * f + i]);
-      }
+      const float2 gate = *reinterpret_cast<device const float2*>(q_proj + gate_offset + 8 * f);
+      const float2 attended = float2(acc[f].thread_elements()[0], acc[f].thread_elements()[1]);
+      *reinterpret_cast<device float2*>(out + q_offset + 8 * f) =
+          attended / denominator * float2(sigmoid(gate[0]), sigmoid(gate[1]));
     }
   }
 }

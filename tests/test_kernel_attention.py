@@ -40,7 +40,7 @@ SENTINEL = np.uint16(0xC0E0)  # -7.0
 BF16_NAN = np.uint16(0x7FC0)
 
 # (q heads, kv heads): the real model, the tiny config, and a group of three query heads (the
-# chunk kernel's 32-row tiles then start in the middle of a token's group).
+# chunk kernel's 64-row tiles and 8-row SIMD-groups then start in the middle of a token's group).
 REAL, TINY, GROUP_OF_3 = (16, 2), (4, 2), (6, 2)
 
 
@@ -620,6 +620,9 @@ class ChunkCase:
         (TINY, 7, 0),
         (TINY, 7, 13),
         (GROUP_OF_3, 64, 0),
+        # The last threadgroup's rows end inside a SIMD-group (69 rows: 64 + 5).
+        (GROUP_OF_3, 23, 41),
+        (REAL, 13, 5),
         (REAL, 64, 100),
         (REAL, 300, 37),
         ((2, 1), 513, 300),
@@ -666,13 +669,18 @@ def test_chunk_holds_values_past_half_range(device) -> None:
 
 
 @pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
-def test_chunk_products_take_2_byte_operands(kv_cache: str) -> None:
-    """S = Q K^T takes half operands, P V bfloat ones (half for an int8 cache): per threadgroup
-    (4 SIMD-groups) and tile of 16 keys, each SIMD-group multiplies 2 x 32 fragments for each.
-    7 tokens of 2 query heads per kv head are 14 rows, one threadgroup per kv head; at position
-    13 they see 20 positions, 2 tiles."""
+@pytest.mark.parametrize(("heads", "tokens", "position"), [(TINY, 7, 13), (REAL, 16, 10)])
+def test_chunk_products_take_2_byte_operands(
+    kv_cache: str, heads: tuple[int, int], tokens: int, position: int
+) -> None:
+    """S = Q K^T takes half operands, P V bfloat ones (half for an int8 cache): per SIMD-group
+    and tile of 16 keys, 2 x 32 fragment products for each, and no products for the tiles past
+    a SIMD-group's last token. TINY: 7 tokens of 2 query heads per kv head are 14 rows, two
+    SIMD-groups of one threadgroup per kv head, both seeing 2 tiles from position 13 (the other
+    six have no rows). REAL: 16 tokens of 8 heads from position 10, two threadgroups per kv
+    head; the SIMD-groups of tokens 0-5 see one tile, the other ten two."""
     device = sim_device("forward")
-    num_q, num_kv, tokens, position = 4, 2, 7, 13
+    num_q, num_kv = heads
     capacity = position + tokens
     cache = np.zeros((num_kv, capacity, row_bytes(kv_cache)), dtype=np.uint8)
     graph = Graph()
@@ -693,7 +701,9 @@ def test_chunk_products_take_2_byte_operands(kv_cache: str) -> None:
     )
     device.matrix_products()  # what earlier runs left
     device.run(graph)
-    per_kernel = num_kv * 2 * 4 * 2 * 32
+    # SIMD-group tiles per kv head, as the docstring counts them.
+    tiles = {(TINY, 7, 13): 2 * 2, (REAL, 16, 10): 6 * 1 + 10 * 2}[(heads, tokens, position)]
+    per_kernel = num_kv * tiles * 2 * 32
     expected = {
         "bf16": {"attention_chunk": MatrixProducts(half=per_kernel, bfloat=per_kernel)},
         "int8": {"attention_chunk_int8": MatrixProducts(half=2 * per_kernel)},

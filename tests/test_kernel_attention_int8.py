@@ -439,7 +439,14 @@ def test_fused_decode_equals_prepare_then_decode(device, heads, position: int, c
 
 @pytest.mark.parametrize(
     ("heads", "tokens", "position"),
-    [(TINY, 1, 0), (TINY, 7, 13), (GROUP_OF_3, 37, 0), (REAL, 9, 100), ((2, 1), 300, 41)],
+    [
+        (TINY, 1, 0),
+        (TINY, 7, 13),
+        (GROUP_OF_3, 37, 0),
+        (REAL, 9, 100),
+        (REAL, 70, 333),
+        ((2, 1), 300, 41),
+    ],
 )
 def test_chunk_matches_reference(device, heads, tokens: int, position: int) -> None:
     """Causal attention of the chunk's queries over the values the int8 cache stands for; the

@@ -31,12 +31,24 @@ def test_chunk_attention_reads_the_cache_once_per_threadgroup(real):
     # head), so two per KV head, whose last tokens see 104 and 108 positions: 112 keys each in
     # 16-key tiles. A key is K and V of 256 bf16 dims (1,024 B); 2 KV heads, 10 layers.
     assert prefill_model.kv_bytes(real, 100, 8, 32) == (112 + 112) * 1024 * 2 * 10
-    # A 128-row tile holds all 8 tokens: one read of 112 keys.
+    # attention_chunk's 64-row tile (or a 128-row one) holds all 8 tokens: one read of 112 keys.
+    assert prefill_model.kv_bytes(real, 100, 8, 64) == 112 * 1024 * 2 * 10
     assert prefill_model.kv_bytes(real, 100, 8, 128) == 112 * 1024 * 2 * 10
-    # Late in a long prompt the cache is read a quarter as many times per token as there are
-    # tokens: 1,024 threadgroups per KV head for 4,096 tokens.
-    reads = prefill_model.kv_bytes(real, 28672, 4096, 32) / (1024 * 2 * 10)
-    assert 1024 * 28672 < reads < 1024 * 32768
+    # Late in a long prompt the cache is read an eighth as many times as there are tokens: 512
+    # threadgroups per KV head for 4,096 tokens.
+    reads = prefill_model.kv_bytes(real, 28672, 4096, 64) / (1024 * 2 * 10)
+    assert 512 * 28672 < reads < 512 * 32768
+
+
+def test_chunk_attention_executes_whole_tiles_per_simdgroup(real):
+    # 8 tokens from position 100: a SIMD-group holds one token's 8 query heads, and token t
+    # sees 101 + t positions, 112 keys in 16-key tiles for every t. Per key and row, 256
+    # multiply-adds for S and 256 for P V; 2 KV heads, 10 layers.
+    executed = 8 * 112 * 8 * 2 * 256 * 2 * 2 * 10
+    assert prefill_model.attention_flops(real, 100, 8) == executed
+    # The useful work, 836 (query token, key) pairs for each of the 16 query heads, is 7% less.
+    useful = (8 * 100 + 36) * 16 * 2 * 256 * 2 * 10
+    assert executed == pytest.approx(useful * 1.0718, rel=1e-4)
 
 
 def test_activations_are_written_and_read_once_per_layer(real):
@@ -106,10 +118,10 @@ def test_the_report_has_a_line_per_mac_in_the_issues_form(real, capsys):
     assert "reference engine 5,724, mlx-lm 5,166 tok/s" in out
 
 
-def test_tensor_op_attention_on_32_row_tiles_waits_on_the_cache(real):
-    # A 4,096-token chunk at 28k of context on an M5 Max: 32-row threadgroups read 644 GB of
-    # K and V (1.3 s at 80% of 614 GB/s) for 2.8 s of simdgroup products, or 0.7 s of
-    # tensor-op ones, so moving attention to the tensor units pays only with taller tiles.
+def test_tensor_op_attention_needs_64_row_tiles(real):
+    # A 4,096-token chunk at 28k of context on an M5 Max: 32-row threadgroups would read 644 GB
+    # of K and V (1.3 s at 80% of 614 GB/s), more than the 0.7 s of tensor-op products; the
+    # 64-row ones read 322 GB (0.66 s), less. On simdgroup matrices the products take 2.8 s.
     m5_max = prefill_model.GPUS[2]
     weights = chunk_weights(4096)[0]
 
@@ -117,12 +129,11 @@ def test_tensor_op_attention_on_32_row_tiles_waits_on_the_cache(real):
         work = prefill_model.groups(real, 28672, 4096, weights, 1.1, path, False)
         return prefill_model.seconds(real, m5_max, path, work, 600, 1, 4096)["chunk attention"]
 
-    cache = prefill_model.kv_bytes(real, 28672, 4096, 32)
-    assert 640e9 < cache < 650e9
-    assert attention_seconds(prefill_model.TENSOR_ATTENTION) == pytest.approx(cache / (0.8 * 614e9))
-    assert attention_seconds(prefill_model.SIMDGROUP) > attention_seconds(
-        prefill_model.TENSOR_ATTENTION
-    )
-    assert attention_seconds(prefill_model.TILED_ATTENTION_TENSOR) < 0.6 * attention_seconds(
-        prefill_model.TENSOR_ATTENTION
-    )
+    def memory_seconds(rows: int) -> float:
+        return prefill_model.kv_bytes(real, 28672, 4096, rows) / (0.8 * 614e9)
+
+    assert 640e9 < prefill_model.kv_bytes(real, 28672, 4096, 32) < 650e9
+    assert 320e9 < prefill_model.kv_bytes(real, 28672, 4096, 64) < 325e9
+    tensor_op = attention_seconds(prefill_model.TENSOR_ATTENTION)
+    assert memory_seconds(64) < tensor_op < memory_seconds(32)
+    assert attention_seconds(prefill_model.SIMDGROUP) == pytest.approx(4 * tensor_op)

@@ -68,9 +68,10 @@ MAX_SPLITS = 128
 MAX_DECODE_TOKENS = 9
 DECODE_TOKENS_MAX_THREADS = MAX_DECODE_TOKENS * SIMD_WIDTH
 # Must match kChunkRows and kChunkThreads in attention.metal: (token, query head) rows per
-# threadgroup of the chunk kernel, and its threads.
-CHUNK_ROWS = 32
-CHUNK_THREADS = 128
+# threadgroup of the chunk kernel (8 tokens of the real model's 8 query heads per kv head, which
+# share every K/V tile the threadgroup reads), and its threads (8 SIMD-groups of 8 rows).
+CHUNK_ROWS = 64
+CHUNK_THREADS = 256
 # kChunkKeys in attention.metal: the positions of one K/V tile of the chunk kernel's online
 # softmax (lily.engine.reference.attention_in_tiles models its rounding per tile).
 CHUNK_TILE_KEYS = 16
