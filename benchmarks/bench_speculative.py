@@ -46,6 +46,7 @@ from lily.checkpoint.config import parse_config
 from lily.device import Device
 from lily.engine.model_graph import (
     MAX_DRAFT_TOKENS,
+    MTP_DRAFT_VOCAB,
     ModelGraph,
     pass_traffic,
     recurrent_state_bytes,
@@ -132,10 +133,12 @@ def print_mac_estimate() -> None:
     drafts yields (1 - a^(k+1)) / (1 - a) tokens and costs its verify pass
     (`verify_cost_ratio` decode steps' bytes, plus the verify graph's extra levels), the
     host's turn between passes, and, for the MTP head, k head steps (one MTP layer and the
-    lm_head read, and their levels; the argmax on the device)."""
+    draft vocabulary's rows of the lm_head read, and their levels; the argmax on the
+    device)."""
     c = parse_config(real_config())
     head = c.vocab_size * c.hidden_size * BYTES_PER_WEIGHT
     mtp_layer = (pass_traffic(c, 1).weight_bytes - head) / c.num_hidden_layers
+    draft_head = min(c.vocab_size, MTP_DRAFT_VOCAB) * c.hidden_size * BYTES_PER_WEIGHT
     print(
         "delivered tok/s on a Mac (a MODEL: weights at 80% of the published bandwidth, "
         f"{DECODE_LEVELS} / {VERIFY_LEVELS} levels at {LEVEL_SECONDS * 1e6:.0f} us, "
@@ -154,7 +157,7 @@ def print_mac_estimate() -> None:
                 drafting = 0.0
                 if source == "mtp":
                     drafting = k * (
-                        (mtp_layer + head) / bandwidth + MTP_LEVELS_PER_DRAFT * LEVEL_SECONDS
+                        (mtp_layer + draft_head) / bandwidth + MTP_LEVELS_PER_DRAFT * LEVEL_SECONDS
                     )
                 rates = []
                 for a in ACCEPTANCE:

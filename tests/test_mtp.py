@@ -155,6 +155,30 @@ def test_drafts_chained_on_the_device_are_the_host_chained_drafts(name):
     assert model.mtp_step_view()[0] == n + 3
 
 
+def test_the_head_drafts_from_its_draft_vocabulary():
+    """With a draft vocabulary of the first 300 ids, the head's lm_head computes only their
+    logits, the same as the whole head's, and drafts the largest of them."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small", mtp_head=True))
+    vocab = checkpoint.config.vocab_size
+    assert vocab > 300
+    prompt = np.random.default_rng(9).integers(0, vocab - 64, 11).tolist()
+    logits = []
+    for draft_vocab in (vocab, 300):
+        model = ModelGraph(
+            checkpoint, open_test_device(), 64, vocab, 32, mtp=True, draft_vocab=draft_vocab
+        )
+        history, step = model.history_view(), model.step_view()
+        history[: len(prompt)] = prompt
+        step[:3] = 0, len(prompt), prompt[0]
+        model.device.run(model.graph(len(prompt), predicts=True))
+        model.mtp_step_view()[0] = 0
+        model.device.run(model.mtp_draft_graph(len(prompt), 1))
+        logits.append(model.mtp_logits_view()[:draft_vocab].copy())
+        drafted = int(model.mtp_drafts_view()[0])
+    np.testing.assert_array_equal(logits[1], logits[0][:300])
+    assert drafted == int(np.argmax(logits[0][:300]))
+
+
 def test_an_mtp_graph_needs_a_head_and_verify_passes():
     plain = load_checkpoint(tiny_checkpoint("small"))
     with pytest.raises(ValueError, match="no multi-token-prediction head"):

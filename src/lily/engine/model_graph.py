@@ -35,7 +35,7 @@ formats of kernels/attention.py) and the GDN state fp32.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -125,6 +125,13 @@ SIM_COMMAND_BUFFER_FLOPS = 5.0e8
 # The most drafted tokens one verify pass checks; its logits rows are one more (the last
 # accepted token's prediction comes first).
 MAX_DRAFT_TOKENS = MAX_DRAFTS
+# The MTP head drafts from the first this many ids of the vocabulary: byte-level BPE numbers its
+# tokens in merge order, so the low ids are the common ones (the real vocabulary's 248,320 ids
+# append rarer, mostly multilingual, tokens), and the head's lm_head, 0.29 GB at the real dims,
+# the largest read of a draft, shrinks to a quarter. A draft is only a proposal: the verify pass
+# reads the whole lm_head, so the output is the same; a token past the draft vocabulary is just
+# never drafted.
+MTP_DRAFT_VOCAB = 65536
 
 
 @dataclass
@@ -534,6 +541,7 @@ class ModelGraph:
         kv_cache: str = "bf16",
         mtp: bool = False,
         command_buffer_flops: float | None = None,
+        draft_vocab: int = MTP_DRAFT_VOCAB,
     ) -> None:
         """`token_count`: ids the tokenizer can produce. The lm_head has padding rows past it
         (248320 vs 248077 on the real model) that must never be chosen. `max_chunk`: the most
@@ -542,7 +550,8 @@ class ModelGraph:
         (`mtp_graph`); every pass then also leaves the final-normed hidden state of each of its
         tokens in `mtp_hidden` for the head to read. `command_buffer_flops`: the most estimated
         work of one command buffer of a pass (`command_buffer_starts`; default
-        COMMAND_BUFFER_FLOPS)."""
+        COMMAND_BUFFER_FLOPS). `draft_vocab`: the head's lm_head reads only the rows of the
+        first that many ids (`MTP_DRAFT_VOCAB`)."""
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         attention.check_kv_cache(kv_cache)
@@ -557,6 +566,7 @@ class ModelGraph:
         self.device = device
         self.capacity = capacity
         self.token_count = token_count
+        self.draft_vocab = min(token_count, draft_vocab)
         self.max_chunk = max_chunk
         self.weights = DeviceWeights(checkpoint, device)
         self.state = self._allocate_state()
@@ -699,7 +709,7 @@ class ModelGraph:
                     graph,
                     self.device,
                     logits=self.mtp_logits,
-                    vocab=self.token_count,
+                    vocab=self.draft_vocab,
                     rows=tokens,
                     step=self.mtp_step,
                     history=self.state.history,
@@ -1048,7 +1058,9 @@ class _Recorder:
             eps=c.rms_norm_eps,
         )
         g.barrier()
-        record_qgemv(g, dev, m.mtp_out, [(w.quantized(self.head_weight), m.mtp_logits)])
+        # Only the draft vocabulary's rows: the verify pass reads the whole lm_head.
+        head = replace(w.quantized(self.head_weight), rows=m.draft_vocab)
+        record_qgemv(g, dev, m.mtp_out, [(head, m.mtp_logits)])
         return g
 
     def verify_head(self) -> None:
