@@ -22,7 +22,7 @@ import binascii
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lily.chat.images import ImageLimits
@@ -38,6 +38,10 @@ class ImageAccess:
 
     files: bool = False  # file:// URLs and local paths
     fetch: bool = False  # http(s) URLs
+
+    def without_files(self) -> ImageAccess:
+        """What a server's requests may read: never its own files."""
+        return replace(self, files=False)
 
 
 # What a server reads unless it fetches: data URLs only.

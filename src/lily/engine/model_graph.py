@@ -361,7 +361,8 @@ def device_bytes(
     if mtp:
         h = c.hidden_size
         fc_halves = 2 * h * (h * 4 // 8 + 2 * 2 * (h // 64))  # 4-bit codes, bf16 scales, biases
-        kv += 4 * h * (max_chunk + 1) + 4 * c.vocab_size + fc_halves + 4
+        # hidden states, output, logits, fc halves, step, the drafts of one draft pass
+        kv += 4 * h * (max_chunk + 1) + 4 * c.vocab_size + fc_halves + 4 + 4 * MAX_DRAFT_TOKENS
     splits = attention.decode_splits(capacity)
     attention_tokens = min(max_chunk, attention.MAX_DECODE_TOKENS)
     partials = attention.partial_out_bytes(c.num_attention_heads, splits, attention_tokens)

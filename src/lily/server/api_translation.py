@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lily.chat.image_sources import ImageAccess
 from lily.chat.request_limits import UNBOUNDED, RequestLimits
 from lily.errors import UnsupportedParameterError
 
@@ -81,7 +80,7 @@ def chat_request(
         default_sampling=llm.default_sampling,
         chat_template=llm.chat_template,
         limits=limits,
-        image_access=ImageAccess(files=False, fetch=llm.image_access.fetch),
+        image_access=llm.image_access.without_files(),
     )
 
 

@@ -46,11 +46,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from lily.chat.completions import ChatRequest, GenerationStats
+from lily.chat.completions import ChatRequest, GenerationStats, parse_request
 from lily.chat.request_limits import RequestLimits
 from lily.errors import ChatTemplateLimitError, GenerationCancelled, RequestError
 from lily.server.api_key import bearer_key_matches
-from lily.server.api_translation import chat_request
 from lily.server.metrics import ServerMetrics
 from lily.server.openapi import CHAT_REQUEST_SCHEMA, json_type_name, openapi_document, validate
 
@@ -748,7 +747,14 @@ class Server:
         that a bad request is refused at once instead of after waiting its turn (the prompt is
         rendered, sized and tokenized on the worker)."""
         params = self.resolve_model(parse_chat_request(body, limits=self.limits))
-        checked = chat_request(params, self.llm, self.limits)
+        checked = parse_request(
+            params,
+            served_model=self.model_id,
+            default_sampling=self.llm.default_sampling,
+            chat_template=self.llm.chat_template,
+            limits=self.limits,
+            image_access=self.llm.image_access.without_files(),
+        )
         return self.llm.chat.completions.prepare(checked)
 
     async def _event_stream(self, job: Job, first: Any) -> AsyncIterator[bytes]:
