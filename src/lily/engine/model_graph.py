@@ -50,6 +50,7 @@ from lily.checkpoint.mtp import (
 )
 from lily.device import Graph
 from lily.engine.command_buffer_budget import command_buffer_flops
+from lily.engine.constraint import mask_words
 from lily.engine.device_weights import DeviceWeights
 from lily.kernels import BufferRef, attention, offset_by
 from lily.kernels.conv1d import (
@@ -336,6 +337,19 @@ def kv_cache_bytes_per_token(c: ModelConfig, kv_cache: str, mtp: bool = False) -
     `mtp`), in the format `kv_cache`."""
     layers = len(c.full_attention_layers) + int(mtp)
     return 2 * layers * attention.cache_bytes(c.num_key_value_heads, 1, kv_cache)
+
+
+def slot_bytes(c: ModelConfig, capacity: int, token_count: int, kv_cache: str = "bf16") -> int:
+    """What one batched-decode slot (`ModelGraph.allocate_slots`) allocates: a whole sequence
+    state for `capacity` tokens (its KV cache, conv windows and GDN states, step, history,
+    logits, sampler settings, log-probability ring, token mask, logit adjustments) and its row
+    of the batched pass's logits."""
+    kv = capacity * kv_cache_bytes_per_token(c, kv_cache)
+    adjustments = 2 * 4 * token_count + 4 * mask_words(token_count)
+    sampler = SAMPLING_PARAMS_BYTES + logprob_ring_bytes(LOGPROB_RING_SLOTS)
+    sampler += token_mask_bytes(token_count) + adjustments
+    small = 4 * STEP_FIELDS + 4 * capacity + 4 + 2 * 4 * c.vocab_size
+    return kv + recurrent_state_bytes(c) + sampler + small
 
 
 def device_bytes(
