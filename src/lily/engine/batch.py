@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from lily.device import Buffer
-from lily.engine.engine import GREEDY, DeviceEngine, _check_fits
+from lily.engine.engine import GREEDY, DeviceEngine, check_fits
 from lily.engine.model_graph import SequenceState
 from lily.engine.sampling import SamplingParams
 from lily.errors import NonFiniteLogitsError
@@ -58,7 +58,7 @@ class BatchedDecoder:
 
     def __init__(self, engine: DeviceEngine, slots: int = DEFAULT_SLOTS) -> None:
         self.engine = engine
-        self._model = engine._model
+        self._model = engine.model_graph
         self._model.allocate_slots(slots)
         self.slots = slots
         self._streams: list[_Stream] = []
@@ -80,7 +80,7 @@ class BatchedDecoder:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if sampling.top_logprobs is not None:
             raise ValueError("batched decode does not report log-probabilities")
-        _check_fits(len(prompt), max_new_tokens, self.engine.max_seq)
+        check_fits(len(prompt), max_new_tokens, self.engine.max_seq)
         taken = {s.slot for s in self._active()}
         free = [i for i in range(self.slots) if i not in taken]
         if not free:

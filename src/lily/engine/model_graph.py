@@ -1405,11 +1405,12 @@ class _Recorder:
                 g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, updates=updates,
                 **gates_and_state,
             )  # fmt: skip
-        elif not self.batch:
+            g.barrier()
+        elif not self.batch:  # a batched pass's GDN steps ran with its convs
             record_gdn_chunk(
                 g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, **weights
             )
-        g.barrier()
+            g.barrier()
         record_gdn_gated_norm(
             g,
             dev,
