@@ -6,15 +6,21 @@ size (default: the demo). Then the same ratio at the real model's dims from
 expected number of distinct experts the streams' tokens choose), since the sim cannot run the
 real model's 19.5 GB in reasonable time.
 
+Then one timed run on the sim (a CPU, so the times say how the work shrinks, not how fast a Mac
+is): 4 requests of `--new-tokens` tokens each, one after another with `DeviceEngine.generate`,
+then the same 4 together with `BatchedDecoder` (each joins after its own prefill, then they
+decode in shared passes).
+
 Each stream's newest token is a different id at position 0, so that the streams route to
 different experts as independent requests would.
 
-    python benchmarks/bench_batched_decode.py [MODEL]
+    python benchmarks/bench_batched_decode.py [MODEL] [--new-tokens 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 from make_synthetic_checkpoint import real_config
@@ -22,6 +28,8 @@ from make_synthetic_checkpoint import real_config
 from lily.checkpoint.config import parse_config
 from lily.checkpoint.loader import load_checkpoint, resolve_model
 from lily.device import Device, Graph, open_device
+from lily.engine.batch import BatchedDecoder
+from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import ModelGraph, pass_traffic
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 
@@ -44,6 +52,7 @@ def weight_bytes(device: Device, graph: Graph) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default="demo", help="checkpoint directory or 'demo'")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens per timed request")
     args = parser.parse_args()
     checkpoint = load_checkpoint(resolve_model(args.model))
     c = checkpoint.config
@@ -75,6 +84,30 @@ def main() -> None:
     for streams in STREAMS:
         per_token = pass_traffic(real, streams).weight_bytes / streams
         print(f"  {streams} streams: {per_token / 1e9:.2f} GB per token ({per_token / one:.2f}x)")
+    time_four_requests(checkpoint, args.new_tokens)
+
+
+def time_four_requests(checkpoint, new_tokens: int) -> None:
+    c = checkpoint.config
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in (12, 20, 28, 36)]
+    max_seq = max(map(len, prompts)) + new_tokens
+    engine = DeviceEngine(checkpoint, open_device("sim"), max_seq, c.vocab_size, max_chunk=64)
+    start = time.perf_counter()
+    alone = [[t.id for t in engine.generate(p, new_tokens)] for p in prompts]
+    sequential = time.perf_counter() - start
+    start = time.perf_counter()
+    batch = BatchedDecoder(engine, slots=len(prompts))
+    streams = [batch.join(p, new_tokens) for p in prompts]
+    while not all(batch.finished(s) for s in streams):
+        batch.step()
+    together = time.perf_counter() - start
+    same = [batch.tokens(s) for s in streams] == alone
+    print(f"4 requests of {new_tokens} tokens on the sim, one run each (measured):")
+    print(f"  one after another: {sequential:.2f} s")
+    ratio = together / sequential
+    print(f"  together:          {together:.2f} s ({ratio:.2f}x), same tokens: {same}")
+    engine.close()
 
 
 if __name__ == "__main__":
