@@ -12,6 +12,7 @@ from tiny_models import tiny_checkpoint
 
 from lily.checkpoint.loader import load_checkpoint
 from lily.engine.batch import BatchedDecoder
+from lily.engine.constraint import mask_from_tokens
 from lily.engine.engine import DeviceEngine
 from lily.engine.sampling import SamplingParams
 
@@ -39,9 +40,24 @@ def _prompts(engine: DeviceEngine, lengths: list[int], seed: int) -> list[list[i
     return [rng.integers(0, engine.config.vocab_size, n).tolist() for n in lengths]
 
 
-def _alone(engine, prompt, tokens, stops=(), sampling=None) -> list[int]:
+def _alone(engine, prompt, tokens, stops=(), sampling=None, constraint=None) -> list[int]:
     kwargs = {} if sampling is None else {"sampling": sampling}
-    return [t.id for t in engine.generate(prompt, tokens, stops, **kwargs)]
+    generated = engine.generate(prompt, tokens, stops, constraint=constraint, **kwargs)
+    return [t.id for t in generated]
+
+
+class FiveTokens:
+    """Allows five random tokens at each draw (a new five each time), and records the draws."""
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        self.vocab, self.rng = vocab, np.random.default_rng(seed)
+        self.consumed: list[int] = []
+
+    def allowed_tokens(self) -> np.ndarray:
+        return mask_from_tokens(sorted(self.rng.choice(self.vocab, 5, replace=False)), self.vocab)
+
+    def consume(self, token: int) -> None:
+        self.consumed.append(token)
 
 
 def _drain(batch: BatchedDecoder, streams: list[int]) -> None:
@@ -98,6 +114,29 @@ def test_seeded_sampling_matches_the_request_alone(engine):
     _drain(batch, ids)
     assert [batch.tokens(s) for s in ids] == expected
     assert expected[0] != _alone(engine, prompts[0], NEW_TOKENS)  # the draws were not greedy
+
+
+def test_each_stream_keeps_its_own_constraint(engine):
+    """Two constrained streams and a free one: the masks change the greedy choice at most
+    steps, so equal tokens mean each row drew under its own stream's mask."""
+    prompts = _prompts(engine, [8, 5, 12], seed=12)
+    vocab = engine.config.vocab_size
+
+    def constraints():
+        return [FiveTokens(vocab, seed=1), None, FiveTokens(vocab, seed=2)]
+
+    expected = [
+        _alone(engine, p, NEW_TOKENS, constraint=c)
+        for p, c in zip(prompts, constraints(), strict=True)
+    ]
+    batch = BatchedDecoder(engine, slots=3)
+    used = constraints()
+    ids = [batch.join(p, NEW_TOKENS, constraint=c) for p, c in zip(prompts, used, strict=True)]
+    _drain(batch, ids)
+    assert [batch.tokens(s) for s in ids] == expected
+    assert used[0].consumed == expected[0] and used[2].consumed == expected[2]
+    free = _alone(engine, prompts[0], NEW_TOKENS)
+    assert sum(a != b for a, b in zip(free, expected[0], strict=True)) > NEW_TOKENS // 2
 
 
 def test_eight_streams(engine):

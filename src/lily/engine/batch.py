@@ -11,12 +11,15 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from lily.device import Buffer
-from lily.engine.engine import GREEDY, DeviceEngine, check_fits
+from lily.engine.constraint import TokenConstraint, draw_mask
+from lily.engine.engine import GREEDY, DeviceEngine, banned_tokens_mask, check_fits
 from lily.engine.model_graph import SequenceState
 from lily.engine.sampling import SamplingParams
 from lily.errors import NonFiniteLogitsError
-from lily.kernels.sampling import NO_TOKEN
+from lily.kernels.sampling import NO_TOKEN, write_token_mask
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 
 DEFAULT_SLOTS = 8
@@ -29,6 +32,8 @@ class _Stream:
     remaining: int  # tokens it may still generate
     stop_token_ids: frozenset[int]
     tokens: list[int] = field(default_factory=list)
+    constraint: TokenConstraint | None = None
+    bans: np.ndarray | None = None  # the tokens its sampling settings ban
 
 
 def _buffers(state: SequenceState) -> list[Buffer]:
@@ -73,9 +78,11 @@ class BatchedDecoder:
         max_new_tokens: int,
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
+        constraint: TokenConstraint | None = None,
     ) -> int:
         """Prefills `prompt` and draws its first token; returns the stream's id. The stream
-        takes a slot unless that first token already ends it."""
+        takes a slot unless that first token already ends it. `constraint` limits each of its
+        draws, asked before every pass and told every token, as in `DeviceEngine.generate`."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if sampling.top_logprobs is not None:
@@ -86,8 +93,11 @@ class BatchedDecoder:
         if not free:
             raise RuntimeError(f"all {self.slots} slots are decoding")
         stops = frozenset(int(t) for t in stop_token_ids)
-        (first,) = self.engine.generate(prompt, 1, stops, sampling)
-        stream = _Stream(free[0], len(prompt), max_new_tokens - 1, stops, [first.id])
+        (first,) = self.engine.generate(prompt, 1, stops, sampling, constraint=constraint)
+        bans = banned_tokens_mask(sampling, self._model.token_count)
+        stream = _Stream(
+            free[0], len(prompt), max_new_tokens - 1, stops, [first.id], constraint, bans
+        )
         self._streams.append(stream)
         if stream.remaining == 0 or first.id in stops:
             stream.slot = None
@@ -105,6 +115,13 @@ class BatchedDecoder:
         if not active:
             return {}
         slots = [s.slot for s in active]
+        for stream in active:
+            if stream.constraint is not None:
+                assert stream.slot is not None
+                mask = draw_mask(
+                    stream.constraint, stream.bans, self._model.token_count, stream.position + 1
+                )
+                write_token_mask(self._model.slots[stream.slot].token_mask, mask)
         self.engine.device.run(self._model.batch_graph(slots))
         drawn: dict[int, int] = {}
         for stream in active:
@@ -115,6 +132,8 @@ class BatchedDecoder:
             if token == NO_TOKEN:
                 raise NonFiniteLogitsError(stream.position)
             stream.tokens.append(token)
+            if stream.constraint is not None:
+                stream.constraint.consume(token)
             stream.remaining -= 1
             if stream.remaining == 0 or token in stream.stop_token_ids:
                 stream.slot = None

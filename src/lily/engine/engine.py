@@ -214,7 +214,7 @@ def _check_stop(should_stop: Callable[[], bool] | None) -> None:
         raise GenerationCancelled("the generation was cancelled")
 
 
-def _banned_tokens(sampling: SamplingParams, token_count: int) -> np.ndarray | None:
+def banned_tokens_mask(sampling: SamplingParams, token_count: int) -> np.ndarray | None:
     """The mask without the tokens `sampling` bans, refusing a logit_bias for an id the
     tokenizer cannot produce."""
     sampling.check_token_ids(token_count)
@@ -549,7 +549,7 @@ class DeviceEngine:
             return
         state = self._model.state
         token_count = self._model.token_count
-        bans = _banned_tokens(sampling, token_count)
+        bans = banned_tokens_mask(sampling, token_count)
         sampling = sampling.with_seed()
         write_sampling_params(state.sampling_params, sampling)
         write_logit_adjustments(state.adjustments, sampling, prompt, token_count, reply)
@@ -1023,7 +1023,7 @@ class ReferenceEngine:
             return
         _check_stop(should_stop)
         sampling = sampling.with_seed()
-        bans = _banned_tokens(sampling, self.token_count)
+        bans = banned_tokens_mask(sampling, self.token_count)
         keys = prompt_images.cache_tokens
         state = self._start(self.prefix_cache.begin(keys, self._rows, cache_key), prompt_images)
         start = state.position
