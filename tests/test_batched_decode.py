@@ -97,6 +97,9 @@ def test_streams_join_and_leave_between_passes(engine):
     assert batch.free_slots == 0
     batch.step()
     assert batch.finished(ids["short"]) and batch.free_slots == 1
+    one = batch.join(late, 1)  # done at its first token: it keeps no slot
+    assert batch.finished(one) and batch.tokens(one) == expected["late"][:1]
+    assert batch.free_slots == 1
     batch.step()
     ids["late"] = batch.join(late, 5)
     _drain(batch, list(ids.values()))
@@ -167,5 +170,15 @@ def test_rows_at_ragged_prompts_under_each_lane_order(lane_order):
         ids = [batch.join(p, 4) for p in prompts]
         _drain(batch, ids)
         assert [batch.tokens(s) for s in ids] == expected
+    finally:
+        engine.close()
+
+
+def test_a_decode_only_engine_has_no_batched_pass():
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    engine = DeviceEngine(checkpoint, open_test_device(), MAX_SEQ, checkpoint.config.vocab_size, 1)
+    try:
+        with pytest.raises(ValueError, match="max_chunk >= 2"):
+            BatchedDecoder(engine, slots=1)
     finally:
         engine.close()

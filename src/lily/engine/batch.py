@@ -57,9 +57,9 @@ def _buffers(state: SequenceState) -> list[Buffer]:
 
 class BatchedDecoder:
     """Up to `slots` sequences of one engine decoded in one pass per step. Runs with the
-    engine's lock held by its user; no other generation may run between `join` and the end of
-    the streams that use its state (they have their own slots, but `join` prefills in the
-    engine's)."""
+    engine's lock held by its user, one decoder per engine at a time (they would share the
+    slots); other generations may run between passes (`join` itself prefills in the engine's
+    state), as the streams own their slots."""
 
     def __init__(self, engine: DeviceEngine, slots: int = DEFAULT_SLOTS) -> None:
         self.engine = engine

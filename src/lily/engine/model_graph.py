@@ -613,6 +613,8 @@ class ModelGraph:
         KV cache at the full capacity, conv windows, GDN states, step, history, sampling
         settings, mask and penalty counts: `slot_bytes`), apart from `state`, which prefills.
         Slots already allocated keep their state."""
+        if self.max_chunk < 2:
+            raise ValueError("batched decode needs max_chunk >= 2 (it uses the chunk activations)")
         most = min(self.max_chunk, GEMV_MAX_TOKENS)
         if not 1 <= count <= most:
             raise ValueError(
