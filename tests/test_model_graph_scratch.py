@@ -9,6 +9,7 @@ can also take chunks (test_prefill.py runs a whole prompt through it).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from tiny_models import tiny_checkpoint
 
 from lily.checkpoint.loader import load_checkpoint
@@ -120,3 +121,23 @@ def test_a_verify_pass_moves_the_state_without_copying_it() -> None:
     assert traffic.copied == 0
     state = recurrent_state_bytes(c)
     assert 2 * state < traffic.read + traffic.written < 3.5 * state
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
+def test_slot_bytes_is_what_each_batched_decode_slot_allocates(monkeypatch, kv_cache) -> None:
+    from lily.device import Device
+    from lily.engine.model_graph import slot_bytes
+
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    c, device = checkpoint.config, open_device("sim", execute=False)
+    graph = ModelGraph(checkpoint, device, 64, c.vocab_size - 3, 16, kv_cache)
+    allocated: list[int] = []
+    original = Device.alloc
+
+    def counting(self, nbytes):
+        allocated.append(nbytes)
+        return original(self, nbytes)
+
+    monkeypatch.setattr(Device, "alloc", counting)
+    graph.allocate_slots(3)
+    assert sum(allocated) == 3 * slot_bytes(c, 64, c.vocab_size - 3, kv_cache)

@@ -168,7 +168,8 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def _check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
+def check_fits(prompt_length: int, max_new_tokens: int, max_seq: int) -> None:
+    """Refuses an empty prompt, a negative budget, and a request longer than the context."""
     if prompt_length == 0:
         raise ValueError("the prompt is empty: give at least one token")
     if max_new_tokens < 0:
@@ -213,7 +214,7 @@ def _check_stop(should_stop: Callable[[], bool] | None) -> None:
         raise GenerationCancelled("the generation was cancelled")
 
 
-def _banned_tokens(sampling: SamplingParams, token_count: int) -> np.ndarray | None:
+def banned_tokens_mask(sampling: SamplingParams, token_count: int) -> np.ndarray | None:
     """The mask without the tokens `sampling` bans, refusing a logit_bias for an id the
     tokenizer cannot produce."""
     sampling.check_token_ids(token_count)
@@ -388,6 +389,11 @@ class DeviceEngine:
         self._pass_seconds: float | None = None
         self.lock = EngineLock()  # one thread at a time (lock.py)
 
+    @property
+    def model_graph(self) -> ModelGraph:
+        """The engine's state and recorded passes (`lily.engine.batch` adds slots to it)."""
+        return self._model
+
     def pass_cost(self, drafts: int) -> float:
         """What the last verify pass (of `drafts` drafts) cost, in decode steps: its measured
         wall time, drafting included, against a pipelined decode step's, once this engine has
@@ -536,14 +542,14 @@ class DeviceEngine:
         images: Sequence[ImagePatches] = (),
     ) -> Iterator[GeneratedToken]:
         prompt = [int(t) for t in prompt]
-        _check_fits(len(prompt), max_new_tokens, self.max_seq)
+        check_fits(len(prompt), max_new_tokens, self.max_seq)
         reply = _reply(prompt, reply_so_far)
         prompt_images = self._prompt_images(prompt, images)
         if max_new_tokens == 0:
             return
         state = self._model.state
         token_count = self._model.token_count
-        bans = _banned_tokens(sampling, token_count)
+        bans = banned_tokens_mask(sampling, token_count)
         sampling = sampling.with_seed()
         write_sampling_params(state.sampling_params, sampling)
         write_logit_adjustments(state.adjustments, sampling, prompt, token_count, reply)
@@ -914,7 +920,7 @@ class DeviceEngine:
         self, prompt: Sequence[int], images: Sequence[ImagePatches] = ()
     ) -> np.ndarray:
         prompt = [int(t) for t in prompt]
-        _check_fits(len(prompt), 1, self.max_seq)
+        check_fits(len(prompt), 1, self.max_seq)
         prompt_images = self._prompt_images(prompt, images)
         write_sampling_params(self._model.state.sampling_params, GREEDY.with_seed())
         self._start(prompt, prompt_end=len(prompt), images=prompt_images)
@@ -928,7 +934,7 @@ class DeviceEngine:
         self, tokens: Sequence[int], reuse: bool = False, images: Sequence[ImagePatches] = ()
     ) -> np.ndarray:
         tokens = [int(t) for t in tokens]
-        _check_fits(len(tokens), 0, self.max_seq)
+        check_fits(len(tokens), 0, self.max_seq)
         if images:
             # Its passes are decode steps, which read the embedding inside their first GEMV.
             raise ValueError(
@@ -1010,14 +1016,14 @@ class ReferenceEngine:
         # The reference decodes plainly whatever the drafter: drafting only changes how many
         # tokens a device pass yields, never which.
         prompt = [int(t) for t in prompt]
-        _check_fits(len(prompt), max_new_tokens, self.max_seq)
+        check_fits(len(prompt), max_new_tokens, self.max_seq)
         generated = _reply(prompt, reply_so_far)
         prompt_images = PromptImages(prompt, images, self.config, self._encoded_images)
         if max_new_tokens == 0:
             return
         _check_stop(should_stop)
         sampling = sampling.with_seed()
-        bans = _banned_tokens(sampling, self.token_count)
+        bans = banned_tokens_mask(sampling, self.token_count)
         keys = prompt_images.cache_tokens
         state = self._start(self.prefix_cache.begin(keys, self._rows, cache_key), prompt_images)
         start = state.position
@@ -1088,7 +1094,7 @@ class ReferenceEngine:
         self, tokens: Sequence[int], reuse: bool = False, images: Sequence[ImagePatches] = ()
     ) -> np.ndarray:
         tokens = [int(t) for t in tokens]
-        _check_fits(len(tokens), 0, self.max_seq)
+        check_fits(len(tokens), 0, self.max_seq)
         prompt_images = PromptImages(tokens, images, self.config, self._encoded_images)
         if reuse:
             keys = prompt_images.cache_tokens

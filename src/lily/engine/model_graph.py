@@ -50,12 +50,14 @@ from lily.checkpoint.mtp import (
 )
 from lily.device import Graph
 from lily.engine.command_buffer_budget import command_buffer_flops
+from lily.engine.constraint import mask_words
 from lily.engine.device_weights import DeviceWeights
 from lily.kernels import BufferRef, attention, offset_by
 from lily.kernels.conv1d import (
     FoldedConvStep,
     record_conv1d_chunk,
     record_conv1d_commit,
+    record_conv1d_step,
     tail_bytes,
     window_bytes,
 )
@@ -344,6 +346,19 @@ def kv_cache_bytes_per_token(c: ModelConfig, kv_cache: str, mtp: bool = False) -
     return 2 * layers * attention.cache_bytes(c.num_key_value_heads, 1, kv_cache)
 
 
+def slot_bytes(c: ModelConfig, capacity: int, token_count: int, kv_cache: str = "bf16") -> int:
+    """What one batched-decode slot (`ModelGraph.allocate_slots`) allocates: a whole sequence
+    state for `capacity` tokens (its KV cache, conv windows and GDN states, step, history,
+    logits, sampler settings, log-probability ring, token mask, logit adjustments) and its row
+    of the batched pass's logits."""
+    kv = capacity * kv_cache_bytes_per_token(c, kv_cache)
+    adjustments = 2 * 4 * token_count + 4 * mask_words(token_count)
+    sampler = SAMPLING_PARAMS_BYTES + logprob_ring_bytes(LOGPROB_RING_SLOTS)
+    sampler += token_mask_bytes(token_count) + adjustments
+    small = 4 * STEP_FIELDS + 4 * capacity + 4 + 2 * 4 * c.vocab_size
+    return kv + recurrent_state_bytes(c) + sampler + small
+
+
 def device_bytes(
     checkpoint: Checkpoint,
     capacity: int,
@@ -573,6 +588,7 @@ class ModelGraph:
         self.state = self._allocate_state()
         self._scratch = _Scratch(self.config, device, max_chunk, capacity)
         self._graphs: dict[tuple[int, bool, int, bool], Graph] = {}
+        self._batch_graphs: dict[tuple[int, ...], Graph] = {}
         self._verify: _VerifyBuffers | None = None
         # A model that takes images rotates by the rope-position table (M-RoPE; identity rows
         # until a prompt with images writes it), and a chunk holding image tokens copies their
@@ -585,6 +601,9 @@ class ModelGraph:
             self.image_flags = device.alloc(4 * max_chunk)
         if mtp:
             self._allocate_mtp(checkpoint)
+        # Batched decode (`batch_graph`): the sequences' own states, and one logits row each.
+        self.slots: list[SequenceState] = []
+        self._batch_logits: Buffer | None = None
         self.decode = self.graph(1, predicts=True)
 
     def graph(self, tokens: int, *, predicts: bool, images: bool = False) -> Graph:
@@ -599,6 +618,39 @@ class ModelGraph:
         if key not in self._graphs:
             self._graphs[key] = _Recorder(self, tokens, predicts, images=images).record()
         return self._graphs[key]
+
+    def allocate_slots(self, count: int) -> None:
+        """At least `count` sequence slots for batched decode, each a whole sequence state (its
+        KV cache at the full capacity, conv windows, GDN states, step, history, sampling
+        settings, mask and penalty counts: `slot_bytes`), apart from `state`, which prefills.
+        Slots already allocated keep their state."""
+        if self.max_chunk < 2:
+            raise ValueError("batched decode needs max_chunk >= 2 (it uses the chunk activations)")
+        most = min(self.max_chunk, GEMV_MAX_TOKENS)
+        if not 1 <= count <= most:
+            raise ValueError(
+                f"batched decode takes 1 to {most} slots (max_chunk {self.max_chunk}), got {count}"
+            )
+        if self.mtp:
+            raise ValueError("batched decode runs without the MTP head")
+        if count <= len(self.slots):
+            return
+        self.slots += [self._allocate_state() for _ in range(count - len(self.slots))]
+        self._batch_logits = self.device.alloc(4 * count * self.config.vocab_size)
+        self._batch_graphs.clear()  # they write the smaller logits buffer
+
+    def batch_graph(self, slots: Sequence[int]) -> Graph:
+        """One decode step of each slot in `slots` in one pass over the weights: row b of the
+        pass is slot slots[b]'s newest token. The projections, the MoE and the lm_head read
+        each weight once for all rows; the conv, the GDN step, attention and the sampler run per
+        row on that slot's own state, each slot's step advancing as a decode step's does."""
+        key = tuple(slots)
+        if not key or len(set(key)) != len(key) or not all(0 <= i < len(self.slots) for i in key):
+            raise ValueError(f"a batched pass takes distinct allocated slots, got {key}")
+        if key not in self._batch_graphs:
+            rows = [self.slots[i] for i in key]
+            self._batch_graphs[key] = _Recorder(self, len(rows), True, batch=rows).record()
+        return self._batch_graphs[key]
 
     def rope_table_view(self) -> np.ndarray:
         """The multimodal rotary positions of each cache slot (uint32 [capacity, 3]: temporal,
@@ -845,8 +897,11 @@ class _Recorder:
         verify_rows: int = 0,
         images: bool = False,
         graph: Graph | None = None,
+        batch: Sequence[SequenceState] = (),
     ) -> None:
         self.m, self.c, self.s, self.w = model, model.config, model._scratch, model.weights
+        # A batched decode pass: row b is the newest token of the sequence in batch[b].
+        self.batch = batch
         self.dev, self.state = model.device, model.state
         self.tokens, self.predicts, self.verify_rows = tokens, predicts, verify_rows
         self.images = images
@@ -868,7 +923,7 @@ class _Recorder:
     def folds_norms(self) -> bool:
         """Whether residual adds and RMSNorms are folded into the GEMVs (the decode step; the
         MTP head's passes use the chunk kernels at any row count)."""
-        return self.tokens == 1 and not self.in_mtp
+        return self.tokens == 1 and not self.in_mtp and not self.batch
 
     def folded_norm(self, weight: str) -> FoldedNorm:
         return FoldedNorm(self.w.tensor(weight), self.c.rms_norm_eps)
@@ -931,14 +986,25 @@ class _Recorder:
         else:
             self.project(x, [(weight, self.s.mixer_out)], self.tokens, guarded=True)
 
+    def row(self, buffer: Buffer, width: int, index: int) -> BufferRef:
+        """Row `index` of a [tokens, width] fp32 activation."""
+        return offset_by(buffer, 4 * width * index)
+
     def record(self) -> Graph:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
         # At T = 1 layer 0's first GEMV reads the embedding itself (decode_layer_input).
-        if not self.folds_norms:
+        if self.batch:
+            embed_tokens = w.quantized(EMBED_TOKENS)
+            for b, seq in enumerate(self.batch):
+                residual = self.hidden_row(s.residual, b)
+                record_embedding(g, dev, seq.history, (seq.step, 0), embed_tokens, residual)
+            g.barrier()
+        elif not self.folds_norms:
             position = (self.state.step, 0)
             embed_tokens = w.quantized(EMBED_TOKENS)
             record_embedding(g, dev, self.state.history, position, embed_tokens, s.residual, T)
             g.barrier()
+        if not self.folds_norms:
             if self.images:
                 # A device copy, not a host one: the residual is this pass's scratch, written
                 # by the lookup just before and in use by the pass in flight ahead of it.
@@ -991,7 +1057,7 @@ class _Recorder:
                 self.add_norm(s.moe_out, f"{MODEL}layers.{i + 1}.input_layernorm.weight", rows=T)
                 g.barrier()
             elif self.predicts or self.verify_rows or self.m.mtp:
-                rows = T if self.m.mtp else self.verify_rows or 1
+                rows = T if self.m.mtp or self.batch else self.verify_rows or 1
                 self.add_norm(
                     s.moe_out, MODEL + "norm.weight", rows, first=T - rows, out=self.final_normed
                 )
@@ -1010,6 +1076,8 @@ class _Recorder:
             )
         if self.verify_rows:
             self.verify_head()
+        elif self.batch:
+            self.batch_head()
         else:
             self.finish()
         return g
@@ -1122,6 +1190,91 @@ class _Recorder:
                 g, dev, accepted=verify.accepted, state=state.recurrent[i], updates=updates
             )
 
+    def batch_head(self) -> None:
+        """The lm_head over every row of a batched pass, one GEMV; then each row's draw with its
+        sequence's settings, mask and penalties, advancing its step as a decode step's does.
+        The draws share the sampler's scratch, so they run one after another."""
+        g, dev, m = self.g, self.dev, self.m
+        assert m._batch_logits is not None
+        head = [(self.w.quantized(self.head_weight), m._batch_logits)]
+        self.project(self.final_normed, head, self.tokens)
+        for b, seq in enumerate(self.batch):
+            g.barrier()
+            record_sample(
+                g,
+                dev,
+                logits=self.row(m._batch_logits, self.c.vocab_size, b),
+                vocab=m.token_count,
+                params=seq.sampling_params,
+                position=(seq.step, 0),
+                predicted=seq.predicted,
+                logprob_ring=seq.logprob_ring,
+                ring_slots=LOGPROB_RING_SLOTS,
+                token_mask=seq.token_mask,
+                adjustments=seq.adjustments,
+                partials=self.s.sample_partials,
+                bookkeeping=StepBookkeeping(seq.history, m.capacity),
+            )
+
+    def batch_gated_deltanet(self, i: int, weights: dict) -> None:
+        """Each row's conv and GDN step on its own sequence's window and state (the decode
+        step's kernels), leaving the readouts for the gated norm over every row."""
+        c, g, dev, s = self.c, self.g, self.dev, self.s
+        conv_weight = weights.pop("conv_weight")
+        for b, seq in enumerate(self.batch):
+            qkv = self.row(s.qkv, c.linear_conv_dim, b)
+            record_conv1d_step(
+                g,
+                dev,
+                x=self.row(s.qkv_projected, c.linear_conv_dim, b),
+                weight=conv_weight,
+                window=seq.conv_windows[i],
+                out=qkv,
+                channels=c.linear_conv_dim,
+            )
+        g.barrier()
+        for b, seq in enumerate(self.batch):
+            heads = c.linear_num_value_heads
+            record_gdn_step(
+                g,
+                dev,
+                qkv=self.row(s.qkv, c.linear_conv_dim, b),
+                a=self.row(s.a, heads, b),
+                b=self.row(s.b, heads, b),
+                readout=self.row(s.gdn_out, c.linear_value_dim, b),
+                **{**weights, "state": seq.recurrent[i]},
+            )
+
+    def batch_attention(self, i: int, prepare: dict, partials: dict) -> None:
+        """Each row's decode attention over its own sequence's KV cache and position (the
+        decode step's kernels); the rows share the partials, so they run one after another."""
+        c, g, dev, s = self.c, self.g, self.dev, self.s
+        q_width = c.num_attention_heads * 2 * c.head_dim
+        kv_width = c.num_key_value_heads * c.head_dim
+        for b, seq in enumerate(self.batch):
+            if b:
+                g.barrier()
+            q_proj = self.row(s.q, q_width, b)
+            rows = dict(
+                q_proj=q_proj,
+                k_proj=self.row(s.k, kv_width, b),
+                v_proj=self.row(s.v, kv_width, b),
+                step=seq.step,
+                k_cache=seq.k_cache[i],
+                v_cache=seq.v_cache[i],
+            )
+            attention.record_attention_decode_fused(g, dev, **{**prepare, **rows}, **partials)
+            g.barrier()
+            attention.record_attention_combine(
+                g,
+                dev,
+                **partials,
+                q_proj=q_proj,
+                step=seq.step,
+                out=self.row(s.attn_out, c.num_attention_heads * c.head_dim, b),
+                num_q_heads=c.num_attention_heads,
+            )
+
     @property
     def head_weight(self) -> str:
         return EMBED_TOKENS if self.c.tie_word_embeddings else LM_HEAD
@@ -1192,7 +1345,7 @@ class _Recorder:
             (w.quantized(prefix + "in_proj_b"), s.b),
         ]
         conv_weight, window = w.tensor(prefix + "conv1d.weight"), self.state.conv_windows[i]
-        if T == 1:
+        if self.folds_norms:
             # The conv step is folded into the projection, which writes the conv's output.
             record_qgemv(
                 g,
@@ -1205,6 +1358,18 @@ class _Recorder:
         else:
             self.project_normed(i, input_norm, [(qkv_weight, s.qkv_projected), *gates])
             g.barrier()
+        if self.batch:
+            weights = dict(
+                conv_weight=conv_weight,
+                a_log=w.tensor(prefix + "A_log"),
+                dt_bias=w.tensor(prefix + "dt_bias"),
+                num_key_heads=c.linear_num_key_heads,
+                num_value_heads=c.linear_num_value_heads,
+                key_head_dim=c.linear_key_head_dim,
+                value_head_dim=c.linear_value_head_dim,
+            )
+            self.batch_gated_deltanet(i, weights)
+        elif not self.folds_norms:
             # A verify pass leaves the window to the commit after its acceptance.
             verify = self.m._verify_buffers if self.verify_rows else None
             record_conv1d_chunk(
@@ -1233,7 +1398,7 @@ class _Recorder:
             value_head_dim=c.linear_value_head_dim,
         )
         norm_weight, out_proj = w.tensor(prefix + "norm.weight"), w.quantized(prefix + "out_proj")
-        if T == 1:
+        if self.folds_norms:
             # The step writes the readout; out_proj applies the gated RMSNorm as it reads it.
             record_gdn_step(g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, **weights)
             g.barrier()
@@ -1255,11 +1420,12 @@ class _Recorder:
                 g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, updates=updates,
                 **gates_and_state,
             )  # fmt: skip
-        else:
+            g.barrier()
+        elif not self.batch:  # a batched pass's GDN steps ran with its convs
             record_gdn_chunk(
                 g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, **weights
             )
-        g.barrier()
+            g.barrier()
         record_gdn_gated_norm(
             g,
             dev,
@@ -1312,7 +1478,9 @@ class _Recorder:
             partial_stats=s.partial_stats,
             num_splits=s.decode_splits,
         )
-        if self.folds_norms:
+        if self.batch:
+            self.batch_attention(i, prepare, partials)
+        elif self.folds_norms:
             attention.record_attention_decode_fused(g, dev, **prepare, **partials)
             g.barrier()
             attention.record_attention_combine(

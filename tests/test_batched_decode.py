@@ -1,0 +1,184 @@
+"""Batched decode (`lily.engine.batch`): several sequences in one pass over the weights, each
+stream's tokens the same as the single-sequence engine's for the same request, across joins
+and leaves. On the sim unless LILY_DEVICE names another device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from device_testing import open_test_device
+from kernel_testing import LANE_ORDERS, sim_device
+from tiny_models import tiny_checkpoint
+
+from lily.checkpoint.loader import load_checkpoint
+from lily.engine.batch import BatchedDecoder
+from lily.engine.constraint import mask_from_tokens
+from lily.engine.engine import DeviceEngine
+from lily.engine.sampling import SamplingParams
+
+MAX_SEQ = 48
+MAX_CHUNK = 16
+NEW_TOKENS = 8
+
+
+def _engine(name: str, device) -> DeviceEngine:
+    checkpoint = load_checkpoint(tiny_checkpoint(name))
+    return DeviceEngine(
+        checkpoint, device, MAX_SEQ, checkpoint.config.vocab_size, max_chunk=MAX_CHUNK
+    )
+
+
+@pytest.fixture(scope="module", params=["small", "wide"])
+def engine(request):
+    engine = _engine(request.param, open_test_device())
+    yield engine
+    engine.close()
+
+
+def _prompts(engine: DeviceEngine, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, engine.config.vocab_size, n).tolist() for n in lengths]
+
+
+def _alone(engine, prompt, tokens, stops=(), sampling=None, constraint=None) -> list[int]:
+    kwargs = {} if sampling is None else {"sampling": sampling}
+    generated = engine.generate(prompt, tokens, stops, constraint=constraint, **kwargs)
+    return [t.id for t in generated]
+
+
+class FiveTokens:
+    """Allows five random tokens at each draw (a new five each time), and records the draws."""
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        self.vocab, self.rng = vocab, np.random.default_rng(seed)
+        self.consumed: list[int] = []
+
+    def allowed_tokens(self) -> np.ndarray:
+        return mask_from_tokens(sorted(self.rng.choice(self.vocab, 5, replace=False)), self.vocab)
+
+    def consume(self, token: int) -> None:
+        self.consumed.append(token)
+
+
+def _drain(batch: BatchedDecoder, streams: list[int]) -> None:
+    while not all(batch.finished(s) for s in streams):
+        batch.step()
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3, 4])
+def test_each_stream_decodes_as_it_would_alone(engine, streams):
+    prompts = _prompts(engine, [5, 11, 3, 14][:streams], seed=streams)
+    expected = [_alone(engine, p, NEW_TOKENS) for p in prompts]
+    batch = BatchedDecoder(engine, slots=streams)
+    ids = [batch.join(p, NEW_TOKENS) for p in prompts]
+    _drain(batch, ids)
+    assert [batch.tokens(s) for s in ids] == expected
+
+
+def test_streams_join_and_leave_between_passes(engine):
+    """One stream ends early (budget), one at a stop token, one joins after two passes into
+    the slot the first one freed; the others are unaffected."""
+    short, stopped, long, late = _prompts(engine, [6, 9, 12, 4], seed=7)
+    stop_at = _alone(engine, stopped, NEW_TOKENS)
+    stop_token = stop_at[3]
+    expected = {
+        "short": _alone(engine, short, 2),
+        "stopped": _alone(engine, stopped, NEW_TOKENS, [stop_token]),
+        "long": _alone(engine, long, NEW_TOKENS),
+        "late": _alone(engine, late, 5),
+    }
+    assert expected["stopped"][-1] == stop_token and len(expected["stopped"]) < NEW_TOKENS
+    batch = BatchedDecoder(engine, slots=3)
+    ids = {
+        "short": batch.join(short, 2),
+        "stopped": batch.join(stopped, NEW_TOKENS, [stop_token]),
+        "long": batch.join(long, NEW_TOKENS),
+    }
+    assert batch.free_slots == 0
+    batch.step()
+    assert batch.finished(ids["short"]) and batch.free_slots == 1
+    one = batch.join(late, 1)  # done at its first token: it keeps no slot
+    assert batch.finished(one) and batch.tokens(one) == expected["late"][:1]
+    assert batch.free_slots == 1
+    batch.step()
+    ids["late"] = batch.join(late, 5)
+    _drain(batch, list(ids.values()))
+    assert {name: batch.tokens(s) for name, s in ids.items()} == expected
+
+
+def test_seeded_sampling_matches_the_request_alone(engine):
+    prompts = _prompts(engine, [7, 10], seed=11)
+    params = [SamplingParams(temperature=1.0, seed=seed) for seed in (3, 4)]
+    expected = [
+        _alone(engine, p, NEW_TOKENS, sampling=s) for p, s in zip(prompts, params, strict=True)
+    ]
+    batch = BatchedDecoder(engine, slots=2)
+    ids = [batch.join(p, NEW_TOKENS, sampling=s) for p, s in zip(prompts, params, strict=True)]
+    _drain(batch, ids)
+    assert [batch.tokens(s) for s in ids] == expected
+    assert expected[0] != _alone(engine, prompts[0], NEW_TOKENS)  # the draws were not greedy
+
+
+def test_each_stream_keeps_its_own_constraint(engine):
+    """Two constrained streams and a free one: the masks change the greedy choice at most
+    steps, so equal tokens mean each row drew under its own stream's mask."""
+    prompts = _prompts(engine, [8, 5, 12], seed=12)
+    vocab = engine.config.vocab_size
+
+    def constraints():
+        return [FiveTokens(vocab, seed=1), None, FiveTokens(vocab, seed=2)]
+
+    expected = [
+        _alone(engine, p, NEW_TOKENS, constraint=c)
+        for p, c in zip(prompts, constraints(), strict=True)
+    ]
+    batch = BatchedDecoder(engine, slots=3)
+    used = constraints()
+    ids = [batch.join(p, NEW_TOKENS, constraint=c) for p, c in zip(prompts, used, strict=True)]
+    _drain(batch, ids)
+    assert [batch.tokens(s) for s in ids] == expected
+    assert used[0].consumed == expected[0] and used[2].consumed == expected[2]
+    free = _alone(engine, prompts[0], NEW_TOKENS)
+    assert sum(a != b for a, b in zip(free, expected[0], strict=True)) > NEW_TOKENS // 2
+
+
+def test_eight_streams(engine):
+    prompts = _prompts(engine, [2 + 3 * i for i in range(8)], seed=8)
+    expected = [_alone(engine, p, 3) for p in prompts]
+    batch = BatchedDecoder(engine, slots=8)
+    ids = [batch.join(p, 3) for p in prompts]
+    _drain(batch, ids)
+    assert [batch.tokens(s) for s in ids] == expected
+
+
+def test_a_join_beyond_the_slots_is_refused(engine):
+    batch = BatchedDecoder(engine, slots=1)
+    batch.join([1, 2, 3], NEW_TOKENS)
+    with pytest.raises(RuntimeError, match="slots are decoding"):
+        batch.join([4, 5, 6], NEW_TOKENS)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_rows_at_ragged_prompts_under_each_lane_order(lane_order):
+    """The per-row dispatches under every lane order, and (random: the checking sim) within
+    the bounds of each row's slice of the activations."""
+    engine = _engine("small", sim_device(lane_order))
+    try:
+        prompts = _prompts(engine, [1, 6, 17], seed=5)
+        expected = [_alone(engine, p, 4) for p in prompts]
+        batch = BatchedDecoder(engine, slots=3)
+        ids = [batch.join(p, 4) for p in prompts]
+        _drain(batch, ids)
+        assert [batch.tokens(s) for s in ids] == expected
+    finally:
+        engine.close()
+
+
+def test_a_decode_only_engine_has_no_batched_pass():
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    engine = DeviceEngine(checkpoint, open_test_device(), MAX_SEQ, checkpoint.config.vocab_size, 1)
+    try:
+        with pytest.raises(ValueError, match="max_chunk >= 2"):
+            BatchedDecoder(engine, slots=1)
+    finally:
+        engine.close()
