@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from PIL import Image
 
 import lily
 import lily.cli
@@ -592,6 +593,21 @@ def test_chat_reads_stdin_until_its_end() -> None:
     assert done.returncode == 0, done.stderr
     assert "[conversation forgotten]" in done.stdout
     assert "Traceback" not in done.stderr
+
+
+def test_chat_takes_an_image_file(tmp_path: Path) -> None:
+    picture = tmp_path / "picture.png"
+    Image.new("RGB", (100, 60), "teal").save(picture)
+    done = run_lily(
+        "chat", "--model", "demo", "--device", "sim", "--temperature", "0", "--max-tokens", "2",
+        "--no-thinking", "--image", str(picture), input="What is it?\n",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    # The image's 70 tokens (100 x 60 is scaled up to 320 x 224) are in the prompt.
+    prompt_tokens = int(re.search(r"\[(\d+) prompt", done.stdout)[1])
+    assert prompt_tokens > 70, done.stdout
+    missing = run_lily("chat", "--model", "demo", "--image", str(tmp_path / "none.png"))
+    assert missing.returncode == 2 and "no image file" in missing.stderr
 
 
 def _free_port() -> int:
