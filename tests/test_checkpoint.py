@@ -276,9 +276,11 @@ def test_repo_download_fetches_only_what_lily_reads(recorded_downloads):
     [(repo, kwargs)] = recorded_downloads
     assert (repo, kwargs["revision"]) == ("someone/some-model", "v1")
     patterns = kwargs["allow_patterns"]
-    for needed in ("model-00001-of-00004.safetensors", "config.json", "tokenizer.json"):
+    # With the image processor's values: Lily reads images (docs/vision.md); not video's.
+    wanted = ("model-00001-of-00004.safetensors", "config.json", "tokenizer.json")
+    for needed in (*wanted, "preprocessor_config.json"):
         assert any(Path(needed).match(p) for p in patterns), needed
-    for unwanted in ("preprocessor_config.json", "README.md", "video_preprocessor_config.json"):
+    for unwanted in ("README.md", "video_preprocessor_config.json"):
         assert not any(Path(unwanted).match(p) for p in patterns), unwanted
 
 
