@@ -378,7 +378,7 @@ class DeviceEngine:
         prefix_cache.set_layout(kv_cache, self._rows.copy_out(0), recurrent)
         self._checkpoint = checkpoint
         self._vision: VisionEncoder | None = None
-        self._encoded_images = EncodedImages(self._encode_image, ENCODED_IMAGES_BYTES)
+        self._encoded_images = EncodedImages(ENCODED_IMAGES_BYTES)
         # Whether the rope-position table holds every slot's own index (text-only prompts).
         self._rope_table_is_identity = True
         # Prompt tokens fed through the model by `generate`, over the engine's life.
@@ -403,6 +403,10 @@ class DeviceEngine:
             return verify_cost_ratio(self.config, drafts)
         return self._pass_seconds / self._step_seconds
 
+    def _image_rows(self, image: ImagePatches) -> np.ndarray:
+        """The image's rows: kept by digest, else encoded."""
+        return self._encoded_images.rows(image, self._encode_image)
+
     def _encode_image(self, image: ImagePatches) -> np.ndarray:
         """The vision tower's rows [num_tokens, hidden] of an image, on the device
         (`VisionEncoder`, bound to the checkpoint's tower at the first image)."""
@@ -415,7 +419,7 @@ class DeviceEngine:
         return self._vision.encode(image)
 
     def _prompt_images(self, prompt: Sequence[int], images: Sequence[ImagePatches]) -> PromptImages:
-        return PromptImages(prompt, images, self.config, self._encoded_images)
+        return PromptImages(prompt, images, self.config, self._image_rows)
 
     def _write_rope_table(self, images: PromptImages) -> None:
         """Every slot's rotary positions for a generation with these images: the prompt's,
@@ -979,7 +983,7 @@ class ReferenceEngine:
             self._model.dtype.name, self._rows.copy_out(0), self._rows.recurrent()
         )
         self._numpy_tower = _numpy_tower_encoder(checkpoint)
-        self._encoded_images = EncodedImages(self._encode_image, ENCODED_IMAGES_BYTES)
+        self._encoded_images = EncodedImages(ENCODED_IMAGES_BYTES)
         self.prompt_tokens_fed = 0
         self.lock = EngineLock()  # one thread at a time (lock.py)
 
@@ -992,6 +996,10 @@ class ReferenceEngine:
     ) -> int:
         keys = cache_tokens(prompt, image_runs(prompt, images, self.config))
         return self.prefix_cache.cached_length(keys, cache_key)
+
+    def _image_rows(self, image: ImagePatches) -> np.ndarray:
+        """The image's rows: kept by digest, else encoded."""
+        return self._encoded_images.rows(image, self._encode_image)
 
     def _encode_image(self, image: ImagePatches) -> np.ndarray:
         """The vision tower's rows [num_tokens, hidden] of an image: the numpy reference's."""
@@ -1018,7 +1026,7 @@ class ReferenceEngine:
         prompt = [int(t) for t in prompt]
         check_fits(len(prompt), max_new_tokens, self.max_seq)
         generated = _reply(prompt, reply_so_far)
-        prompt_images = PromptImages(prompt, images, self.config, self._encoded_images)
+        prompt_images = PromptImages(prompt, images, self.config, self._image_rows)
         if max_new_tokens == 0:
             return
         _check_stop(should_stop)
@@ -1095,7 +1103,7 @@ class ReferenceEngine:
     ) -> np.ndarray:
         tokens = [int(t) for t in tokens]
         check_fits(len(tokens), 0, self.max_seq)
-        prompt_images = PromptImages(tokens, images, self.config, self._encoded_images)
+        prompt_images = PromptImages(tokens, images, self.config, self._image_rows)
         if reuse:
             keys = prompt_images.cache_tokens
             state = self._start(

@@ -175,17 +175,19 @@ class PromptImages:
 class EncodedImages:
     """The vision tower's rows of recent images by digest, least recently used dropped past
     `budget_bytes`: an image is encoded once per request, and a follow-up turn that feeds it
-    again (its prefix evicted) finds it here."""
+    again (its prefix evicted) finds it here. It holds rows only, not the encoder: an engine
+    keeps one, and a reference back to the engine would keep the engine (and its device)
+    alive until the garbage collector's next full pass."""
 
-    def __init__(self, encode: Callable[[ImagePatches], np.ndarray], budget_bytes: int) -> None:
-        self._encode = encode
+    def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
         self._rows: OrderedDict[str, np.ndarray] = OrderedDict()
 
-    def __call__(self, image: ImagePatches) -> np.ndarray:
+    def rows(self, image: ImagePatches, encode: Callable[[ImagePatches], np.ndarray]) -> np.ndarray:
+        """The image's rows, kept or made by `encode`."""
         rows = self._rows.pop(image.digest, None)
         if rows is None:
-            rows = np.ascontiguousarray(self._encode(image), np.float32)
+            rows = np.ascontiguousarray(encode(image), np.float32)
             if rows.shape[0] != image.num_tokens:
                 raise ValueError(f"the tower gave {rows.shape[0]} rows for {image.num_tokens}")
         self._rows[image.digest] = rows
