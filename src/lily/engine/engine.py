@@ -322,7 +322,30 @@ def kv_bytes_per_token(config: ModelConfig, itemsize: int) -> int:
     return 2 * len(config.full_attention_layers) * heads * itemsize
 
 
-class DeviceEngine:
+class _PromptsWithImages:
+    """What both engines do alike with a prompt's images: key the prefix cache by them, and
+    find an image's rows among those kept before encoding it (`_encode_image`, each engine's)."""
+
+    config: ModelConfig
+    prefix_cache: PrefixCache
+    _encoded_images: EncodedImages
+
+    @shares_engine
+    def cached_prefix_length(
+        self,
+        prompt: Sequence[int],
+        cache_key: str | None = None,
+        images: Sequence[ImagePatches] = (),
+    ) -> int:
+        keys = cache_tokens(prompt, image_runs(prompt, images, self.config))
+        return self.prefix_cache.cached_length(keys, cache_key)
+
+    def _image_rows(self, image: ImagePatches) -> np.ndarray:
+        """The image's rows: kept by digest, else encoded."""
+        return self._encoded_images.rows(image, self._encode_image)
+
+
+class DeviceEngine(_PromptsWithImages):
     def __init__(
         self,
         checkpoint: Checkpoint,
@@ -403,10 +426,6 @@ class DeviceEngine:
             return verify_cost_ratio(self.config, drafts)
         return self._pass_seconds / self._step_seconds
 
-    def _image_rows(self, image: ImagePatches) -> np.ndarray:
-        """The image's rows: kept by digest, else encoded."""
-        return self._encoded_images.rows(image, self._encode_image)
-
     def _encode_image(self, image: ImagePatches) -> np.ndarray:
         """The vision tower's rows [num_tokens, hidden] of an image, on the device
         (`VisionEncoder`, bound to the checkpoint's tower at the first image)."""
@@ -474,16 +493,6 @@ class DeviceEngine:
         """Saves the recurrent state; call with no pass in flight."""
         buffers = self._model.state.recurrent_buffers()
         self.prefix_cache.add_snapshot(tokens, len(tokens), [b.numpy().copy() for b in buffers])
-
-    @shares_engine
-    def cached_prefix_length(
-        self,
-        prompt: Sequence[int],
-        cache_key: str | None = None,
-        images: Sequence[ImagePatches] = (),
-    ) -> int:
-        keys = cache_tokens(prompt, image_runs(prompt, images, self.config))
-        return self.prefix_cache.cached_length(keys, cache_key)
 
     def _passes(
         self,
@@ -958,7 +967,7 @@ class DeviceEngine:
         self._model = None  # type: ignore[assignment]
 
 
-class ReferenceEngine:
+class ReferenceEngine(_PromptsWithImages):
     def __init__(
         self,
         checkpoint: Checkpoint,
@@ -986,20 +995,6 @@ class ReferenceEngine:
         self._encoded_images = EncodedImages(ENCODED_IMAGES_BYTES)
         self.prompt_tokens_fed = 0
         self.lock = EngineLock()  # one thread at a time (lock.py)
-
-    @shares_engine
-    def cached_prefix_length(
-        self,
-        prompt: Sequence[int],
-        cache_key: str | None = None,
-        images: Sequence[ImagePatches] = (),
-    ) -> int:
-        keys = cache_tokens(prompt, image_runs(prompt, images, self.config))
-        return self.prefix_cache.cached_length(keys, cache_key)
-
-    def _image_rows(self, image: ImagePatches) -> np.ndarray:
-        """The image's rows: kept by digest, else encoded."""
-        return self._encoded_images.rows(image, self._encode_image)
 
     def _encode_image(self, image: ImagePatches) -> np.ndarray:
         """The vision tower's rows [num_tokens, hidden] of an image: the numpy reference's."""
