@@ -1194,27 +1194,32 @@ class _Recorder:
         """The lm_head over every row of a batched pass, one GEMV; then each row's draw with its
         sequence's settings, mask and penalties, advancing its step as a decode step's does.
         The draws share the sampler's scratch, so they run one after another."""
-        g, dev, m = self.g, self.dev, self.m
+        g, m = self.g, self.m
         assert m._batch_logits is not None
         head = [(self.w.quantized(self.head_weight), m._batch_logits)]
         self.project(self.final_normed, head, self.tokens)
         for b, seq in enumerate(self.batch):
             g.barrier()
-            record_sample(
-                g,
-                dev,
-                logits=self.row(m._batch_logits, self.c.vocab_size, b),
-                vocab=m.token_count,
-                params=seq.sampling_params,
-                position=(seq.step, 0),
-                predicted=seq.predicted,
-                logprob_ring=seq.logprob_ring,
-                ring_slots=LOGPROB_RING_SLOTS,
-                token_mask=seq.token_mask,
-                adjustments=seq.adjustments,
-                partials=self.s.sample_partials,
-                bookkeeping=StepBookkeeping(seq.history, m.capacity),
-            )
+            self.sample_step(seq, self.row(m._batch_logits, self.c.vocab_size, b))
+
+    def sample_step(self, state: SequenceState, logits: BufferRef) -> None:
+        """A decode step's draw for `state` from `logits`, under its own settings and mask, and
+        the step's advance (the single sequence's and each batched row's alike)."""
+        record_sample(
+            self.g,
+            self.dev,
+            logits=logits,
+            vocab=self.m.token_count,
+            params=state.sampling_params,
+            position=(state.step, 0),
+            predicted=state.predicted,
+            logprob_ring=state.logprob_ring,
+            ring_slots=LOGPROB_RING_SLOTS,
+            token_mask=state.token_mask,
+            adjustments=state.adjustments,
+            partials=self.s.sample_partials,
+            bookkeeping=StepBookkeeping(state.history, self.m.capacity),
+        )
 
     def batch_gated_deltanet(self, i: int, weights: dict) -> None:
         """Each row's conv and GDN step on its own sequence's window and state (the decode
@@ -1320,21 +1325,7 @@ class _Recorder:
         else:
             record_qgemv(g, dev, self.hidden_row(self.final_normed, T - 1), head)
         g.barrier()
-        record_sample(
-            g,
-            dev,
-            logits=state.logits,
-            vocab=m.token_count,
-            params=state.sampling_params,
-            position=(state.step, 0),
-            predicted=state.predicted,
-            logprob_ring=state.logprob_ring,
-            ring_slots=LOGPROB_RING_SLOTS,
-            token_mask=state.token_mask,
-            adjustments=state.adjustments,
-            partials=self.s.sample_partials,
-            bookkeeping=StepBookkeeping(state.history, m.capacity),
-        )
+        self.sample_step(state, state.logits)
 
     def gated_deltanet(self, i: int, prefix: str, input_norm: str) -> None:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
