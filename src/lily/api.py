@@ -37,11 +37,13 @@ from lily.engine.model_graph import (
     SIM_COMMAND_BUFFER_FLOPS,
     device_bytes,
     kv_cache_bytes_per_token,
+    slot_bytes,
     verify_cost_ratio,
 )
 from lily.engine.prefix_cache import CacheOptions
 from lily.engine.prefix_disk import DEFAULT_DISK_BYTES, DEFAULT_MIN_TOKENS
 from lily.engine.sampling import SamplingParams
+from lily.engine.scheduler import BatchScheduler
 from lily.engine.speculative import (
     DEFAULT_DRAFT_TOKENS,
     DraftingHistory,
@@ -132,6 +134,7 @@ def _make_engine(
     cache: CacheOptions,
     kv_cache: str = "bf16",
     mtp: bool = False,
+    parallel: int = 1,
 ) -> Engine:
     config = checkpoint.config
     if device == "reference":
@@ -141,6 +144,15 @@ def _make_engine(
 
     working = device_bytes(checkpoint, max_seq, prefill_chunk, kv_cache, mtp)
     check_memory(device, working)
+    per_slot = slot_bytes(config, max_seq, token_count, kv_cache)
+    slots = _parallel_slots(device, working, per_slot, parallel)
+    if slots < parallel:
+        print(
+            f"lily: the memory holds {slots} sequences decoding at once, not {parallel}",
+            file=sys.stderr,
+        )
+    if slots > 1:
+        working += slots * per_slot
     # Metal: the GPU watchdog, at this Mac's estimated speed; the sim: a stop and a progress
     # report within a second.
     command_buffer_flops = _metal_budget() if device == "metal" else SIM_COMMAND_BUFFER_FLOPS
@@ -149,7 +161,7 @@ def _make_engine(
     prefix_cache = cache.build(
         checkpoint, layout, kv_cache_bytes_per_token(config, kv_cache, mtp), working
     )
-    return DeviceEngine(
+    engine = DeviceEngine(
         checkpoint,
         opened,
         max_seq,
@@ -160,6 +172,21 @@ def _make_engine(
         kv_cache,
         mtp=mtp,
     )
+    return BatchScheduler(engine, slots) if slots > 1 else engine
+
+
+def _parallel_slots(device: str, working: int, per_slot: int, parallel: int) -> int:
+    """How many of `parallel` sequences the memory preflight lets decode at once, each slot
+    costing `per_slot` bytes beside the engine's `working` bytes (1: no batching)."""
+    from lily.device import check_memory
+
+    for count in range(parallel, 1, -1):
+        try:
+            check_memory(device, working + count * per_slot)
+        except MemoryError:
+            continue
+        return count
+    return 1
 
 
 def default_prefill_chunk(
@@ -286,6 +313,12 @@ class Lily:
     def max_seq(self) -> int:
         return self.engine.max_seq
 
+    @property
+    def parallel(self) -> int:
+        """How many generations decode at once (`lily.load`'s `parallel`, as memory allows)."""
+        engine = self.engine
+        return engine.slots if isinstance(engine, BatchScheduler) else 1
+
     def speculation(self, prediction: Prediction | None = None) -> Speculation:
         """The drafting of one generation under this model's `speculative` mode: the MTP head
         or prompt lookup (unless "off"), and the client's `prediction`. Under "auto", a source
@@ -307,7 +340,7 @@ class Lily:
     def _pass_cost(self, drafts: int) -> float:
         """What "auto" charges a verify pass of `drafts` drafts, in decode steps: measured on
         a device engine (`DeviceEngine.pass_cost`), else the model's estimate."""
-        if isinstance(self.engine, DeviceEngine):
+        if isinstance(self.engine, (DeviceEngine, BatchScheduler)):
             return self.engine.pass_cost(drafts)
         return verify_cost_ratio(self.config, drafts)
 
@@ -452,6 +485,7 @@ def load(
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     kv_cache: str = "bf16",
     fetch_images: bool = False,
+    parallel: int = 1,
 ) -> Lily:
     """Load a checkpoint and prepare it on a device.
 
@@ -489,6 +523,12 @@ def load(
     Images (docs/vision.md) arrive as `image_url` parts: data URLs and local files
     (`file://...`) always; http(s) URLs are fetched only with `fetch_images=True` (a server
     started with it fetches any address its clients name).
+
+    `parallel`: how many generations decode at once when several threads share this model
+    (continuous batching: one pass over the weights per step for all of them; docs/server.md).
+    Each costs a sequence's state (`max_seq` tokens of KV cache); the memory preflight may
+    allow fewer, which stderr says. Above 1, the MTP head and prompt lookup draft only for a
+    request with a `prediction` (which then runs alone).
     """
     if prefill_chunk is not None and (
         isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
@@ -496,7 +536,11 @@ def load(
         raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
     check_speculative(speculative, draft_tokens)
     check_kv_cache(kv_cache)
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
+        raise ValueError(f"parallel must be a positive int, got {parallel!r}")
     requested, device = device, resolve_device(device)
+    if device == "reference" and parallel > 1:
+        raise ValueError("the reference engine decodes one sequence at a time: parallel=1")
     if device == "reference" and kv_cache != "bf16":
         raise ValueError("the reference engine keeps its KV cache in float32: kv_cache='bf16'")
     # Before any model work: on the metal device this runs the lane-layout self-test.
@@ -521,6 +565,8 @@ def load(
             "reference engine and a prefill_chunk of 1 do not have: use speculative='off' or "
             "'auto'"
         )
+    if parallel > 1 and single_token_passes:
+        raise ValueError("parallel decoding needs a prefill_chunk of at least 2: parallel=1")
     if device == "reference" or single_token_passes:
         speculative = "off"
     if speculative in ("auto", "mtp") and claims_real_model(checkpoint.config):
@@ -551,6 +597,7 @@ def load(
         cache,
         kv_cache,
         mtp_head,
+        parallel,
     )
     # The name clients pass as `model`: the repo id, "demo", or the directory's name.
     if model is None:

@@ -475,6 +475,7 @@ def _serve(args: argparse.Namespace) -> int:
             open_metrics=args.open_metrics,
             fetch_images=args.fetch_images,
             max_body_bytes=args.max_body_bytes,
+            parallel=args.parallel,
             cache=CacheOptions(
                 args.cache_memory, args.cache_dir, args.cache_disk_size, args.cache_disk_min_tokens
             ),
@@ -745,6 +746,7 @@ def _parser() -> argparse.ArgumentParser:
         DEFAULT_HOST,
         DEFAULT_MAX_BODY_BYTES,
         DEFAULT_MAX_TOKENS,
+        DEFAULT_PARALLEL,
         DEFAULT_PORT,
         DEFAULT_QUEUE_LIMIT,
         DEFAULT_SHUTDOWN_GRACE,
@@ -827,6 +829,15 @@ def _parser() -> argparse.ArgumentParser:
         "--host", default=DEFAULT_HOST, help="address to listen on (default: loopback only)"
     )
     serve.add_argument("--port", type=_port, default=DEFAULT_PORT, help="TCP port")
+    serve.add_argument(
+        "--parallel",
+        type=_positive_int,
+        default=DEFAULT_PARALLEL,
+        metavar="N",
+        help="requests decoded at once, in one pass over the weights per token (default: "
+        f"{DEFAULT_PARALLEL}, fewer if memory is short; each holds a context's KV cache); 1 "
+        "answers one at a time and lets the MTP head or prompt lookup draft for every request",
+    )
     serve.add_argument(
         "--fetch-images",
         action="store_true",

@@ -2,23 +2,27 @@
 (`ModelGraph.batch_graph`).
 
 A sequence joins by being prefilled alone (the engine's own `generate`, which also draws its
-first token) and having that state moved into a free slot; it leaves when it draws a stop token
-or reaches its token budget, freeing the slot for the next. Between passes the set of active
-slots may change; each set's graph is recorded on first use."""
+first token) and having that state moved into a free slot; it finishes when it draws a stop
+token or reaches its token budget, or leaves when its caller has gone, freeing the slot for the
+next. Between passes the set of active slots may change; each set's graph is recorded on first
+use."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from lily.device import Buffer
 from lily.engine.constraint import TokenConstraint, draw_mask
 from lily.engine.engine import GREEDY, DeviceEngine, banned_tokens_mask, check_fits
-from lily.engine.model_graph import SequenceState
+from lily.engine.model_graph import ModelGraph, SequenceState
 from lily.engine.sampling import SamplingParams
 from lily.errors import NonFiniteLogitsError
+from lily.kernels.attention import row_bytes
 from lily.kernels.sampling import NO_TOKEN, write_token_mask
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 
@@ -37,8 +41,8 @@ class _Stream:
 
 
 def _buffers(state: SequenceState) -> list[Buffer]:
-    """What a decode step of a sequence reads: everything but its last logits, its last draw
-    and its log-probabilities (which batched decode does not report)."""
+    """What a decode step of a sequence reads besides its KV cache: everything but its last
+    logits, its last draw and its log-probabilities (which batched decode does not report)."""
     adjustments = state.adjustments
     return [
         state.step,
@@ -50,9 +54,14 @@ def _buffers(state: SequenceState) -> list[Buffer]:
         adjustments.prompt_tokens,
         *state.conv_windows.values(),
         *state.recurrent.values(),
-        *state.k_cache.values(),
-        *state.v_cache.values(),
     ]
+
+
+def _kv_rows(model: ModelGraph, state: SequenceState) -> list[np.ndarray]:
+    """The KV cache buffers as [kv_heads, capacity, row bytes] views."""
+    shape = (model.config.num_key_value_heads, model.capacity, row_bytes(model.kv_cache))
+    buffers = [*state.k_cache.values(), *state.v_cache.values()]
+    return [b.numpy().view(np.uint8)[: np.prod(shape)].reshape(shape) for b in buffers]
 
 
 class BatchedDecoder:
@@ -66,7 +75,8 @@ class BatchedDecoder:
         self._model = engine.model_graph
         self._model.allocate_slots(slots)
         self.slots = slots
-        self._streams: list[_Stream] = []
+        self._streams: dict[int, _Stream] = {}
+        self._ids = itertools.count()
 
     @property
     def free_slots(self) -> int:
@@ -79,10 +89,13 @@ class BatchedDecoder:
         stop_token_ids: Collection[int] = (),
         sampling: SamplingParams = GREEDY,
         constraint: TokenConstraint | None = None,
+        **prefill: Any,
     ) -> int:
         """Prefills `prompt` and draws its first token; returns the stream's id. The stream
         takes a slot unless that first token already ends it. `constraint` limits each of its
-        draws, asked before every pass and told every token, as in `DeviceEngine.generate`."""
+        draws, asked before every pass and told every token, as in `DeviceEngine.generate`,
+        which prefills with the `prefill` options it takes (snapshot_at, should_stop,
+        cache_key, reply_so_far, progress, prefill_slices)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if sampling.top_logprobs is not None:
@@ -93,25 +106,33 @@ class BatchedDecoder:
         if not free:
             raise RuntimeError(f"all {self.slots} slots are decoding")
         stops = frozenset(int(t) for t in stop_token_ids)
-        (first,) = self.engine.generate(prompt, 1, stops, sampling, constraint=constraint)
+        (first,) = self.engine.generate(
+            prompt, 1, stops, sampling, constraint=constraint, **prefill
+        )
         bans = banned_tokens_mask(sampling, self._model.token_count)
         stream = _Stream(
             free[0], len(prompt), max_new_tokens - 1, stops, [first.id], constraint, bans
         )
-        self._streams.append(stream)
+        stream_id = next(self._ids)
+        self._streams[stream_id] = stream
         if stream.remaining == 0 or first.id in stops:
             stream.slot = None
-            return len(self._streams) - 1
-        slot = self._model.slots[free[0]]
-        for source, target in zip(_buffers(self._model.state), _buffers(slot), strict=True):
+            return stream_id
+        model, slot = self._model, self._model.slots[free[0]]
+        for source, target in zip(_buffers(model.state), _buffers(slot), strict=True):
             target.numpy()[:] = source.numpy()
+        # Only the rows the prompt filled: a cache holds the whole context.
+        for source, target in zip(_kv_rows(model, model.state), _kv_rows(model, slot), strict=True):
+            target[:, : len(prompt)] = source[:, : len(prompt)]
         step = slot.step.numpy().view("uint32")
         step[POSITION], step[PROMPT_END], step[TOKEN] = len(prompt), len(prompt) + 1, first.id
-        return len(self._streams) - 1
+        return stream_id
 
-    def step(self) -> dict[int, int]:
-        """One pass: each active stream's next token, by stream id."""
-        active = self._active()
+    def step(self, streams: Collection[int] | None = None) -> dict[int, int]:
+        """One pass: each active stream's next token (of `streams` only, if given), by id."""
+        chosen = self._streams if streams is None else {i: self._streams[i] for i in streams}
+        ids = {id(s): i for i, s in chosen.items()}
+        active = [s for s in chosen.values() if s.slot is not None]
         if not active:
             return {}
         slots = [s.slot for s in active]
@@ -137,7 +158,7 @@ class BatchedDecoder:
             stream.remaining -= 1
             if stream.remaining == 0 or token in stream.stop_token_ids:
                 stream.slot = None
-            drawn[self._streams.index(stream)] = token
+            drawn[ids[id(stream)]] = token
         return drawn
 
     def tokens(self, stream: int) -> list[int]:
@@ -147,5 +168,9 @@ class BatchedDecoder:
     def finished(self, stream: int) -> bool:
         return self._streams[stream].slot is None
 
+    def leave(self, stream: int) -> None:
+        """Forgets the stream, finished or not (its caller has gone): its slot is free."""
+        del self._streams[stream]
+
     def _active(self) -> list[_Stream]:
-        return [s for s in self._streams if s.slot is not None]
+        return [s for s in self._streams.values() if s.slot is not None]

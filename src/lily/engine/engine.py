@@ -264,6 +264,17 @@ class _Piece:
         return self.start + self.tokens * (self.index + 1) // self.count
 
 
+@dataclass(frozen=True)
+class PrefillSlices:
+    """How a prefill shares the device with other sequences' decoding (continuous batching,
+    `lily.engine.scheduler`): chunks of at most `tokens`, and `between()` called at each chunk
+    boundary with no pass of this generation in flight (it may run other sequences' passes,
+    which touch none of this sequence's state)."""
+
+    tokens: int
+    between: Callable[[], None]
+
+
 def _allows(mask: np.ndarray | None, token: int) -> bool:
     return mask is None or bool((mask[token // 32] >> np.uint32(token % 32)) & 1)
 
@@ -501,17 +512,19 @@ class DeviceEngine(_PromptsWithImages):
         max_new_tokens: int,
         snapshot_at: int | Collection[int] | None,
         images: PromptImages | None = None,
+        chunk_tokens: int | None = None,
     ) -> Iterator[tuple[int, int, bool]]:
         """(start, tokens, predicts) of each pass of a generation, in order: prefill chunks
         over positions [first, prompt_length) of at most `max_chunk` tokens, cut at the
         `snapshot_at` positions, the last predicting the first new token; then one decode step
         per further token. A chunk is cut one token short rather than leave a lone image token
-        behind it (a one-token pass cannot take image rows)."""
+        behind it (a one-token pass cannot take image rows). `chunk_tokens` caps the chunks
+        further."""
         cuts = [first, *sorted(_positions(snapshot_at)), prompt_length]
         for low, high in zip(cuts, cuts[1:], strict=False):
             start = low
             while start < high:
-                end = self._chunk_end(start, high)
+                end = self._chunk_end(start, min(high, start + (chunk_tokens or high)))
                 if images and high - end == 1 and end - start > 2 and images.touches(end, high):
                     end -= 1
                 yield start, end - start, end == prompt_length
@@ -553,7 +566,10 @@ class DeviceEngine(_PromptsWithImages):
         progress: Callable[[int, int], None] | None = None,
         drafter: Drafter | None = None,
         images: Sequence[ImagePatches] = (),
+        prefill_slices: PrefillSlices | None = None,
     ) -> Iterator[GeneratedToken]:
+        """`Engine.generate`; `prefill_slices`, if given, cuts the prompt's chunks and runs
+        other work between them (`PrefillSlices`)."""
         prompt = [int(t) for t in prompt]
         check_fits(len(prompt), max_new_tokens, self.max_seq)
         reply = _reply(prompt, reply_so_far)
@@ -581,7 +597,14 @@ class DeviceEngine(_PromptsWithImages):
         self._mtp_pending = None
         # Speculating, the passes here stop at the prompt's (predicting the first token).
         plain_tokens = 1 if speculating else max_new_tokens
-        passes = self._passes(first, len(prompt), plain_tokens, snapshots, prompt_images)
+        passes = self._passes(
+            first,
+            len(prompt),
+            plain_tokens,
+            snapshots,
+            prompt_images,
+            None if prefill_slices is None else prefill_slices.tokens,
+        )
         pieces = self._pieces(passes, prompt_images)
         generated: list[int] = []
         in_flight: deque[_Piece] = deque()
@@ -596,6 +619,11 @@ class DeviceEngine(_PromptsWithImages):
                     # ones in flight, not for a whole chunk.
                     _check_stop(should_stop)
                     start, tokens = upcoming.start, upcoming.tokens
+                    if prefill_slices and upcoming.index == 0 and first < start < len(prompt):
+                        # A chunk boundary inside the prompt: drain, then let the others run.
+                        for pending in in_flight:
+                            self.device.wait(pending.ticket)
+                        prefill_slices.between()
                     if upcoming.index == 0 and snapshots and start == snapshots[0]:
                         # The state after consuming tokens [0, start): drain, then save.
                         for pending in in_flight:

@@ -43,6 +43,7 @@ from lily.server.routes import (
     DEFAULT_KEEPALIVE_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_TOKENS,
+    DEFAULT_PARALLEL,
     DEFAULT_PORT,
     DEFAULT_QUEUE_LIMIT,
     DEFAULT_SHUTDOWN_GRACE,
@@ -302,6 +303,7 @@ def serve(
     open_model_list: bool = True,
     open_metrics: bool = True,
     fetch_images: bool = False,
+    parallel: int = DEFAULT_PARALLEL,
 ) -> None:
     """Loads the model and serves it until SIGINT (Ctrl-C) or SIGTERM. Either drains: no new
     connections, waiting requests get 503 `shutting_down`, the running one gets
@@ -311,8 +313,9 @@ def serve(
     The API key is `api_key`, else the content of `api_key_file`, else `$LILY_API_KEY`. The Host
     header may name `host` itself besides localhost, IP addresses and `allowed_hosts`.
     `cache` sizes the prefix cache, in memory and on disk (`lily.load`'s cache arguments);
-    `speculative`, `draft_tokens`, `kv_cache` and `fetch_images` are `lily.load`'s (with
-    `fetch_images`, the server fetches any http(s) address a client's image part names).
+    `speculative`, `draft_tokens`, `kv_cache`, `fetch_images` and `parallel` are `lily.load`'s
+    (with `fetch_images`, the server fetches any http(s) address a client's image part names;
+    `parallel` requests decode at once, `Lily.parallel` as memory allows).
     `limits` bounds the requests' size (`lily.chat.request_limits`); a client gets `header_timeout`
     seconds to send a request's headers and `body_timeout` more for its body (408 after).
     `model_names`, `open_model_list` and `open_metrics` are `create_app`'s."""
@@ -338,6 +341,7 @@ def serve(
         draft_tokens=draft_tokens,
         kv_cache=kv_cache,
         fetch_images=fetch_images,
+        parallel=parallel,
         **vars(cache or CacheOptions()),
     ) as llm:
         app = create_app(

@@ -7,12 +7,13 @@ and `GET /openapi.json` describing them.
 The legacy completions, Anthropic Messages and OpenAI Responses APIs are translations onto the
 same request model, served by `lily.server.api_routes` through `Server.run_job`.
 
-The engine runs one generation at a time and is not thread-safe, so one worker thread owns it and
-takes requests from a bounded first-in first-out queue: requests never interleave, a full queue
+Requests are taken from a bounded first-in first-out queue by `Lily.parallel` worker threads:
+one, on an engine that runs one generation at a time, or one per batched slot, whose
+generations `lily.engine.scheduler` decodes together (continuous batching). A full queue
 answers 503 with `Retry-After`, a client that goes away (streaming or not) has its request
 dropped from the queue or its generation stopped at the next prefill chunk or token, and the
 worker moves on to the next request. On SIGINT/SIGTERM `serve` drains: waiting requests get a
-503, the running one a grace, then a final error event. The HTTP side is Starlette on uvicorn;
+503, the running ones a grace, then a final error event. The HTTP side is Starlette on uvicorn;
 it only parses, checks and relays.
 
 Every failure a client can cause is an OpenAI error object,
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from lily.chat.completions import ChatRequest, GenerationStats, parse_request
+from lily.chat.completions import ChatCompletions, ChatRequest, GenerationStats, parse_request
 from lily.chat.request_limits import RequestLimits
 from lily.errors import ChatTemplateLimitError, GenerationCancelled, RequestError
 from lily.server.api_key import bearer_key_matches
@@ -61,8 +62,10 @@ T = TypeVar("T")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-# Requests allowed to wait while one runs. A full queue answers 503 instead of growing unbounded.
+# Requests allowed to wait while others run. A full queue answers 503 instead of growing unbounded.
 DEFAULT_QUEUE_LIMIT = 64
+# Requests `lily serve` decodes at once (continuous batching), as memory allows.
+DEFAULT_PARALLEL = 4
 # Largest request body accepted (413 above): far more text than any context holds, small enough
 # that a hostile client cannot make the server buffer gigabytes.
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -394,9 +397,10 @@ class BoundedWork:
 
 
 class EngineWorker:
-    """The one thread that touches the engine: runs jobs one at a time, in arrival order.
+    """The threads that run jobs on the engine, in arrival order: one, or as many as the model
+    decodes at once (`Lily.parallel`, continuous batching in `lily.engine.scheduler`).
     `generation_ended(stats, seconds)` is told of each generation when it ends (finished,
-    stopped or cancelled), `seconds` after its job was queued; it runs on the worker's thread."""
+    stopped or cancelled), `seconds` after its job was queued; it runs on the job's thread."""
 
     def __init__(
         self,
@@ -416,25 +420,34 @@ class EngineWorker:
         self.generation_ended = generation_ended
         self._waiting: deque[Job] = deque()
         self._changed = threading.Condition()
-        self._running: Job | None = None
+        self._running: set[Job] = set()
         self._stopping = False
-        # Set once the shutdown grace is over: the running generation stops at its next chunk
+        # Set once the shutdown grace is over: the running generations stop at their next chunk
         # or token (never inside native code, which would abort the process).
         self._interrupted = False
         self.completed = 0
-        self._thread = threading.Thread(target=self._serve, name="lily-engine", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"lily-engine-{i}", daemon=True)
+            for i in range(llm.parallel)
+        ]
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
     @property
+    def running(self) -> int:
+        """Jobs being answered now."""
+        return len(self._running)
+
+    @property
     def started(self) -> bool:
-        """Whether the thread has been started (the app's lifespan starts it)."""
-        return self._thread.ident is not None
+        """Whether the threads have been started (the app's lifespan starts them)."""
+        return self._threads[0].ident is not None
 
     @property
     def stopping(self) -> bool:
@@ -448,7 +461,7 @@ class EngineWorker:
 
     @property
     def busy(self) -> bool:
-        return self._running is not None
+        return bool(self._running)
 
     def submit(self, job: Job) -> None:
         with self._changed:
@@ -470,9 +483,9 @@ class EngineWorker:
                 self._waiting.remove(job)
 
     def stop(self, grace: float = 0.0) -> None:
-        """Refuses new jobs, answers the waiting ones ShuttingDownError, lets the running one
-        go on for `grace` seconds, then interrupts it and waits for the thread to end (at the
-        next chunk or token boundary). Safe to call more than once, from any thread."""
+        """Refuses new jobs, answers the waiting ones ShuttingDownError, lets the running ones
+        go on for `grace` seconds, then interrupts them and waits for the threads to end (at
+        their next chunk or token boundary). Safe to call more than once, from any thread."""
         with self._changed:
             self._stopping = True
             refused = list(self._waiting)
@@ -480,18 +493,23 @@ class EngineWorker:
             self._changed.notify_all()
         for job in refused:
             job.emit(ShuttingDownError())
-        if not self._thread.is_alive():
+        alive = [thread for thread in self._threads if thread.is_alive()]
+        if not alive:
             return
-        self._thread.join(grace)
+        deadline = time.monotonic() + grace
+        for thread in alive:
+            thread.join(max(0.0, deadline - time.monotonic()))
         self._interrupted = True
-        running = self._running
-        if running is not None:
+        with self._changed:
+            running = list(self._running)
+        for job in running:
             # Answered now, with the JSON 503 (or a stream's error event): the engine may be
             # inside a long prefill pass, longer than the server waits before cancelling the
             # connections. The worker stops at its next boundary; what it still emits is
             # read by nobody.
-            running.emit(ShuttingDownError())
-        self._thread.join()
+            job.emit(ShuttingDownError())
+        for thread in alive:
+            thread.join()
 
     def _serve(self) -> None:
         while True:
@@ -500,27 +518,31 @@ class EngineWorker:
                     self._changed.wait()
                 if self._stopping:
                     return  # `stop` answers the jobs still waiting
-                job = self._running = self._waiting.popleft()
+                job = self._waiting.popleft()
+                self._running.add(job)
             try:
                 self._run(job)
             finally:
-                self._running = None
-                self.completed += 1
+                with self._changed:
+                    self._running.discard(job)
+                    self.completed += 1
 
     def _run(self, job: Job) -> None:
         def should_stop() -> bool:
             return job.cancelled.is_set() or self._interrupted
 
+        # Its own, for the stats of its own generation.
+        completions = ChatCompletions(self.llm)
         try:
             request = dataclasses.replace(job.request, progress=_ProgressReport(job))
-            result = self.llm.chat.completions.run(
+            result = completions.run(
                 request,
                 default_max_tokens=self.default_max_tokens,
                 default_reasoning_budget=self.default_reasoning_budget,
                 should_stop=should_stop,
             )
             if not job.request.stream:
-                job.stats = self._report_generation(job)
+                job.stats = self._report_generation(job, completions)
                 job.emit(result)
                 return
             try:
@@ -528,21 +550,21 @@ class EngineWorker:
                     job.emit(chunk)
             finally:
                 result.close()
-            job.stats = self._report_generation(job)
+            job.stats = self._report_generation(job, completions)
             job.emit(_DONE)
         except GenerationCancelled:
-            self._report_generation(job)
+            self._report_generation(job, completions)
             if not job.cancelled.is_set():  # the shutdown, not the client, stopped it
                 job.emit(ShuttingDownError())
         except Exception as exc:  # the request fails; the worker and the engine go on
-            self._report_generation(job)
+            self._report_generation(job, completions)
             job.emit(exc)
 
-    def _report_generation(self, job: Job) -> GenerationStats | None:
+    def _report_generation(self, job: Job, completions: ChatCompletions) -> GenerationStats | None:
         """The stats of the job's generation, if one ran, told to `generation_ended`: before
         the job's last event, so that a client reading the metrics after its answer sees it
         counted; also for a cancelled or failed generation, whose tokens the engine did make."""
-        stats = self.llm.chat.completions.last_stats
+        stats = completions.last_stats
         if stats is not None and self.generation_ended is not None:
             self.generation_ended(stats, time.perf_counter() - job.queued_at)
         return stats
@@ -664,7 +686,7 @@ class Server:
         self.open_metrics = open_metrics
         self.metrics = ServerMetrics(
             waiting=lambda: self.worker.waiting,
-            active=lambda: int(self.worker.busy),
+            active=lambda: self.worker.running,
             queue_limit=queue_limit,
         )
         self.worker = EngineWorker(

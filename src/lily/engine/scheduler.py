@@ -1,0 +1,371 @@
+"""Continuous batching: the generations of many callers (threads) on one device engine at once.
+
+`BatchScheduler` stands in for a `DeviceEngine` (the `Engine` protocol) for callers on any
+thread, such as the server's request threads or a web app's workers sharing one `Lily`. A thread
+of its own owns the engine, and each round of its loop:
+
+- admits the oldest waiting generation: it is prefilled on the engine's sequence state (the
+  prefix cache serves it as for any generation), in chunks of at most `SLICE_TOKENS` tokens
+  with a batched pass of the decoding streams between two chunks, draws its first token, and
+  moves into a free slot of a `BatchedDecoder`;
+- runs one batched pass over the slots whose callers are ready for a token (a caller may be at
+  most `RUN_AHEAD` tokens behind; one with a constraint is told each token before the next
+  draw, so it runs in step with its caller);
+- gives the generation that runs alone (below) its next token.
+
+What a batched pass does not carry runs alone, on the engine's sequence state, one token per
+round between the passes: log-probabilities, a client's prediction (drafts are checked by a
+verify pass, which is a single sequence's), and images (whose rotary table is the engine's
+one, which batched rows read too: such a generation waits for the batch to empty). While one
+runs alone, newcomers wait. The MTP head and prompt lookup do not draft for batched streams:
+a stream decodes one token per pass (docs/server.md says what that costs a lone user).
+
+A decoding stream waits at most one prefill slice (`SLICE_TOKENS` tokens of someone's prompt)
+plus its own pass between two tokens.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from lily.engine.batch import BatchedDecoder
+from lily.engine.engine import GREEDY, DeviceEngine, PrefillSlices, check_fits
+from lily.engine.image_input import ImagePatches
+from lily.engine.sampling import GeneratedToken, SamplingParams
+from lily.engine.speculative import Speculation
+from lily.errors import GenerationCancelled
+
+T = TypeVar("T")
+
+# The most prompt tokens prefilled between two batched passes while streams decode.
+SLICE_TOKENS = 512
+# How many tokens a stream may be drawn ahead of what its caller has taken.
+RUN_AHEAD = 4
+# How often the scheduler asks waiting and paused generations' `should_stop` when idle.
+POLL_SECONDS = 0.05
+
+_END = object()
+
+
+@dataclass(eq=False)
+class _Generation:
+    """One caller's `generate`, as the scheduler's thread sees it."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    stop_token_ids: Collection[int]
+    sampling: SamplingParams
+    options: dict[str, Any]  # the rest of `Engine.generate`'s arguments
+    results: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    asked: int = 0  # tokens the caller has asked for
+    delivered: int = 0
+    closed: bool = False  # the caller closed its iterator
+    stream: int | None = None  # its BatchedDecoder stream, once in a slot
+    alone: Iterator[GeneratedToken] | None = None
+
+    @property
+    def runs_alone(self) -> bool:
+        drafter = self.options.get("drafter")
+        predicted = isinstance(drafter, Speculation) and drafter.prediction is not None
+        return self.sampling.top_logprobs is not None or predicted or self.has_images
+
+    @property
+    def has_images(self) -> bool:
+        return bool(self.options.get("images"))
+
+    @property
+    def ready(self) -> bool:
+        """Whether the caller may be given another token now."""
+        ahead = 1 if self.options.get("constraint") is not None else RUN_AHEAD
+        return not self.closed and self.delivered < self.asked + ahead - 1
+
+    def cancelled(self) -> bool:
+        should_stop = self.options.get("should_stop")
+        return should_stop is not None and should_stop()
+
+    def deliver(self, item: object) -> None:
+        if isinstance(item, GeneratedToken):
+            self.delivered += 1
+        self.results.put(item)
+
+
+class BatchScheduler:
+    """`engine`'s generations, from any threads, batched in up to `slots` slots (see the
+    module's docstring). `close()` stops the scheduler's thread and closes the engine."""
+
+    def __init__(self, engine: DeviceEngine, slots: int) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self.max_seq = engine.max_seq
+        self.slots = slots
+        self._decoder = BatchedDecoder(engine, slots)
+        self._changed = threading.Condition()
+        self._waiting: deque[_Generation] = deque()
+        self._batched: list[_Generation] = []
+        self._alone: _Generation | None = None
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._closing = False
+        self._thread = threading.Thread(target=self._serve, name="lily-batch", daemon=True)
+        self._thread.start()
+
+    @property
+    def active(self) -> int:
+        """Generations past their admission and not ended."""
+        return len(self._batched) + (self._alone is not None)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_token_ids: Collection[int] = (),
+        sampling: SamplingParams = GREEDY,
+        **options: Any,
+    ) -> Iterator[GeneratedToken]:
+        """`Engine.generate`, run by the scheduler's thread among the other callers'."""
+        prompt = [int(t) for t in prompt]
+        check_fits(len(prompt), max_new_tokens, self.max_seq)
+        if max_new_tokens == 0:
+            return
+        generation = _Generation(prompt, max_new_tokens, stop_token_ids, sampling, options)
+        with self._changed:
+            if self._closing:
+                raise RuntimeError("this engine has been closed")
+            self._waiting.append(generation)
+        try:
+            while True:
+                with self._changed:
+                    generation.asked += 1
+                    self._changed.notify()
+                item = generation.results.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            with self._changed:
+                generation.closed = True
+                self._changed.notify()
+
+    def cached_prefix_length(
+        self,
+        prompt: Sequence[int],
+        cache_key: str | None = None,
+        images: Sequence[ImagePatches] = (),
+    ) -> int:
+        return self._call(lambda: self.engine.cached_prefix_length(prompt, cache_key, images))
+
+    def teacher_forced_logits(
+        self, tokens: Sequence[int], reuse: bool = False, images: Sequence[ImagePatches] = ()
+    ) -> np.ndarray:
+        return self._call(lambda: self.engine.teacher_forced_logits(tokens, reuse, images))
+
+    def prompt_logits(
+        self, prompt: Sequence[int], images: Sequence[ImagePatches] = ()
+    ) -> np.ndarray:
+        return self._call(lambda: self.engine.prompt_logits(prompt, images))
+
+    def pass_cost(self, drafts: int) -> float:
+        return self.engine.pass_cost(drafts)
+
+    def close(self) -> None:
+        with self._changed:
+            self._closing = True
+            self._changed.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+        self.engine.close()
+
+    def _call(self, work: Callable[[], T]) -> T:
+        """Runs `work` on the scheduler's thread between two rounds (with no generation running
+        alone, whose state it could touch)."""
+        done: Future = Future()
+        with self._changed:
+            if self._closing:
+                raise RuntimeError("this engine has been closed")
+            self._calls.append((work, done))
+            self._changed.notify()
+        return done.result()
+
+    # --- the scheduler's thread ----------------------------------------------------------
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                with self._changed:
+                    while not self._closing and not self._has_work():
+                        self._changed.wait(POLL_SECONDS)
+                        if self._cancellations():
+                            break
+                    if self._closing:
+                        break
+                self._drop_closed()
+                self._run_calls()
+                self._admit()
+                self._decode()
+        finally:
+            self._end_all(RuntimeError("this engine has been closed"))
+
+    def _can_admit(self) -> bool:
+        """Whether the oldest waiting generation can start now."""
+        if not self._waiting or self._alone is not None:
+            return False
+        generation = self._waiting[0]
+        if generation.runs_alone:
+            # The rotary table is shared: images wait for the batch to empty.
+            return not (generation.has_images and self._batched)
+        return self._decoder.free_slots > 0
+
+    def _has_work(self) -> bool:
+        admissible = self._can_admit()
+        calls = self._calls and self._alone is None
+        ready = any(g.ready for g in self._batched) or (
+            self._alone is not None and self._alone.ready
+        )
+        closed = any(g.closed for g in self._batched) or (
+            self._alone is not None and self._alone.closed
+        )
+        return bool(admissible or calls or ready or closed)
+
+    def _cancellations(self) -> bool:
+        """Whether a waiting or paused generation's caller asked it to stop."""
+        return any(g.cancelled() for g in (*self._waiting, *self._batched)) or (
+            self._alone is not None and self._alone.cancelled()
+        )
+
+    def _drop_closed(self) -> None:
+        for generation in [g for g in self._batched if g.closed]:
+            self._leave(generation)
+        alone = self._alone
+        if alone is not None and alone.closed:
+            self._end_alone()
+        with self._changed:  # callers append to the queue meanwhile
+            cancelled = [g for g in self._waiting if g.cancelled()]
+            for generation in cancelled:
+                self._waiting.remove(generation)
+        for generation in cancelled:
+            generation.deliver(GenerationCancelled())
+
+    def _run_calls(self) -> None:
+        while self._calls and self._alone is None:
+            work, done = self._calls.popleft()
+            try:
+                done.set_result(work())
+            except BaseException as exc:  # the caller's error, raised in the caller's thread
+                done.set_exception(exc)
+
+    def _slices(self) -> PrefillSlices:
+        return PrefillSlices(SLICE_TOKENS, self._batched_pass)
+
+    def _admit(self) -> None:
+        """Starts the oldest waiting generation, if it can start now."""
+        if not self._can_admit():
+            return
+        generation = self._waiting.popleft()
+        if generation.runs_alone:
+            g = generation
+            g.alone = self.engine.generate(
+                g.prompt,
+                g.max_new_tokens,
+                g.stop_token_ids,
+                g.sampling,
+                **g.options,
+                prefill_slices=None if g.has_images else self._slices(),
+            )
+            self._alone = generation
+            return
+        options = {k: v for k, v in generation.options.items() if k not in ("drafter", "images")}
+        try:
+            stream = self._decoder.join(
+                generation.prompt,
+                generation.max_new_tokens,
+                generation.stop_token_ids,
+                generation.sampling,
+                **options,
+                prefill_slices=self._slices(),
+            )
+        except Exception as exc:  # the request's error (cancelled, no allowed token, ...)
+            generation.deliver(exc)
+            return
+        generation.stream = stream
+        (first,) = self._decoder.tokens(stream)
+        generation.deliver(GeneratedToken(first))
+        if self._decoder.finished(stream):
+            self._decoder.leave(stream)
+            generation.deliver(_END)
+        else:
+            self._batched.append(generation)
+
+    def _decode(self) -> None:
+        self._batched_pass()
+        alone = self._alone
+        if alone is None or not alone.ready:
+            return
+        assert alone.alone is not None
+        try:
+            token = next(alone.alone)
+        except StopIteration:
+            self._end_alone()
+        except Exception as exc:
+            self._end_alone(exc)
+        else:
+            alone.deliver(token)
+
+    def _batched_pass(self) -> None:
+        """One batched pass over the streams whose callers are ready for a token."""
+        for generation in [g for g in self._batched if g.cancelled()]:
+            self._leave(generation, GenerationCancelled())
+        ready = {g.stream: g for g in self._batched if g.ready}
+        if not ready:
+            return
+        try:
+            drawn = self._decoder.step(ready)
+        except Exception as exc:  # non-finite logits, a constraint allowing nothing, ...
+            for generation in ready.values():
+                self._leave(generation, exc)
+            return
+        for stream, token in drawn.items():
+            generation = ready[stream]
+            generation.deliver(GeneratedToken(token))
+            if self._decoder.finished(stream):
+                self._leave(generation)
+
+    def _leave(self, generation: _Generation, error: BaseException | None = None) -> None:
+        assert generation.stream is not None
+        self._decoder.leave(generation.stream)
+        self._batched.remove(generation)
+        generation.deliver(_END if error is None else error)
+
+    def _end_alone(self, error: BaseException | None = None) -> None:
+        alone = self._alone
+        assert alone is not None and alone.alone is not None
+        self._alone = None
+        try:
+            alone.alone.close()
+        finally:
+            alone.deliver(_END if error is None else error)
+
+    def _end_all(self, error: BaseException) -> None:
+        with self._changed:
+            waiting, self._waiting = list(self._waiting), deque()
+            calls, self._calls = list(self._calls), deque()
+        for generation in waiting:
+            generation.deliver(error)
+        for _, done in calls:
+            done.set_exception(error)
+        for generation in list(self._batched):
+            self._leave(generation, error)
+        if self._alone is not None:
+            self._end_alone(error)
