@@ -180,12 +180,17 @@ class BatchScheduler:
     def pass_cost(self, drafts: int) -> float:
         return self.engine.pass_cost(drafts)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Stops the scheduler's thread: what runs or waits ends with an error; the engine
+        stays open."""
         with self._changed:
             self._closing = True
             self._changed.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
+
+    def close(self) -> None:
+        self.stop()
         self.engine.close()
 
     def _call(self, work: Callable[[], T]) -> T:

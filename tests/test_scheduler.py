@@ -1,0 +1,187 @@
+"""Continuous batching (`lily.engine.scheduler`): callers on their own threads share one device
+engine, and each gets exactly the tokens the engine gives its request alone. On the sim unless
+LILY_DEVICE names another device."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from device_testing import open_test_device
+from test_batched_decode import FiveTokens
+from tiny_models import tiny_checkpoint
+
+from lily.checkpoint.loader import load_checkpoint
+from lily.engine import scheduler as scheduler_module
+from lily.engine.constraint import NoAllowedTokenError, mask_from_tokens
+from lily.engine.engine import DeviceEngine
+from lily.engine.sampling import SamplingParams
+from lily.engine.scheduler import BatchScheduler
+from lily.errors import GenerationCancelled
+
+MAX_SEQ = 64
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[DeviceEngine]:
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    engine = DeviceEngine(
+        checkpoint, open_test_device(), MAX_SEQ, checkpoint.config.vocab_size, max_chunk=16
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def scheduler(engine: DeviceEngine) -> Iterator[BatchScheduler]:
+    scheduler = BatchScheduler(engine, slots=3)
+    yield scheduler
+    scheduler.stop()
+
+
+def _prompts(engine: DeviceEngine, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, engine.config.vocab_size, n).tolist() for n in lengths]
+
+
+def _ids(tokens: Iterator[Any]) -> list[int]:
+    return [t.id for t in tokens]
+
+
+def _together(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Runs each call on its own thread, all at once; their results in order (or errors)."""
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    return results
+
+
+def test_callers_on_threads_get_their_tokens_alone(engine, scheduler):
+    """More callers than slots, greedy and seeded, one with a stop token, one stepped in lock
+    with a constraint, and one asking for log-probabilities (which runs alone)."""
+    prompts = _prompts(engine, [5, 30, 9, 23, 3, 12], seed=1)
+    seeded = SamplingParams(temperature=1.0, seed=5)
+    logprobs = SamplingParams(temperature=0.0, top_logprobs=2)
+    stop = _ids(engine.generate(prompts[2], NEW_TOKENS))[2]
+    vocab = engine.config.vocab_size
+    requests: list[dict[str, Any]] = [
+        dict(prompt=prompts[0], max_new_tokens=NEW_TOKENS),
+        dict(prompt=prompts[1], max_new_tokens=NEW_TOKENS, sampling=seeded),
+        dict(prompt=prompts[2], max_new_tokens=NEW_TOKENS, stop_token_ids=[stop]),
+        dict(prompt=prompts[3], max_new_tokens=NEW_TOKENS, constraint=FiveTokens(vocab, 1)),
+        dict(prompt=prompts[4], max_new_tokens=NEW_TOKENS, sampling=logprobs),
+        dict(prompt=prompts[5], max_new_tokens=1),
+    ]
+
+    def fresh(request: dict[str, Any]) -> dict[str, Any]:
+        constraint = request.get("constraint")
+        return {**request, "constraint": constraint and FiveTokens(vocab, 1)}
+
+    alone = [list(engine.generate(**fresh(r))) for r in requests]
+    together = _together([lambda r=r: list(scheduler.generate(**fresh(r))) for r in requests])
+    assert [_ids(t) for t in together] == [_ids(t) for t in alone]
+    assert len(together[2]) == 3  # ended at the stop token
+    assert together[4][0].logprobs == alone[4][0].logprobs is not None
+
+
+def test_a_long_prompt_is_prefilled_in_slices_between_the_others_passes(
+    engine, scheduler, monkeypatch
+):
+    """A prompt of 6 slices joins while two streams decode: they get tokens during its
+    prefill, and every stream's tokens are still its own."""
+    monkeypatch.setattr(scheduler_module, "SLICE_TOKENS", 8)
+    short, other, long = _prompts(engine, [4, 6, 48], seed=2)
+    alone = [_ids(engine.generate(p, n)) for p, n in ((short, 30), (other, 30), (long, 4))]
+    got: dict[str, list[int]] = {"short": [], "other": []}
+    tokens_when_long_started: list[int] = []
+    decoding = [scheduler.generate(short, 30), scheduler.generate(other, 30)]
+    got["short"].append(next(decoding[0]).id)
+    got["other"].append(next(decoding[1]).id)
+
+    def read(name: str, tokens: Iterator[Any]) -> None:
+        got[name].extend(t.id for t in tokens)
+
+    readers = [
+        threading.Thread(target=read, args=(name, tokens))
+        for name, tokens in zip(got, decoding, strict=True)
+    ]
+    for reader in readers:
+        reader.start()
+    long_tokens = scheduler.generate(long, 4)
+    tokens_when_long_started.append(len(got["short"]))
+    first = next(long_tokens).id
+    produced_during_prefill = len(got["short"]) - tokens_when_long_started[0]
+    rest = _ids(long_tokens)
+    for reader in readers:
+        reader.join(120)
+    assert [got["short"], got["other"], [first, *rest]] == alone
+    # Five slice boundaries, a pass at each (the streams run at most RUN_AHEAD ahead of
+    # their readers, who read at once); prefilled whole, it gets one or two.
+    assert produced_during_prefill >= 5
+
+
+def test_a_caller_that_closes_or_cancels_frees_its_slot(engine, scheduler):
+    prompts = _prompts(engine, [5, 7, 9, 11], seed=3)
+    closed = scheduler.generate(prompts[0], 40)
+    next(closed)
+    closed.close()
+    stop = threading.Event()
+    cancelled = scheduler.generate(prompts[1], 40, should_stop=stop.is_set)
+    next(cancelled)
+    stop.set()
+    with pytest.raises(GenerationCancelled):
+        list(cancelled)
+    # Three slots, so both freed ones are taken again by these three.
+    expected = [_ids(engine.generate(p, NEW_TOKENS)) for p in prompts[1:]]
+    together = _together([lambda p=p: _ids(scheduler.generate(p, NEW_TOKENS)) for p in prompts[1:]])
+    assert together == expected
+
+
+def test_a_waiting_caller_can_be_cancelled(engine, scheduler):
+    prompts = _prompts(engine, [5, 7, 9, 11], seed=4)
+    running = [scheduler.generate(p, 40) for p in prompts[:3]]
+    for tokens in running:
+        next(tokens)  # the three slots are taken
+    stop = threading.Event()
+    waiting = scheduler.generate(prompts[3], 4, should_stop=stop.is_set)
+    stop.set()
+    with pytest.raises(GenerationCancelled):
+        next(waiting)
+    for tokens in running:
+        tokens.close()
+
+
+def test_engine_errors_reach_their_caller(engine, scheduler):
+    def nothing_allowed() -> Any:
+        class Nothing:
+            def allowed_tokens(self) -> np.ndarray:
+                return mask_from_tokens([], engine.config.vocab_size)
+
+            def consume(self, token: int) -> None:
+                raise AssertionError("no token may be drawn")
+
+        return list(scheduler.generate([1, 2, 3], 3, constraint=Nothing()))
+
+    with pytest.raises(NoAllowedTokenError):
+        nothing_allowed()
+    assert _ids(scheduler.generate([4, 5, 6], 3)) == _ids(engine.generate([4, 5, 6], 3))
+
+
+def test_calls_other_than_generate_run_between_rounds(engine, scheduler):
+    prompt = _prompts(engine, [9], seed=5)[0]
+    np.testing.assert_array_equal(scheduler.prompt_logits(prompt), engine.prompt_logits(prompt))
+    assert scheduler.cached_prefix_length(prompt) == engine.cached_prefix_length(prompt)
