@@ -25,7 +25,10 @@ from lily.server.app import create_app
 MAX_SEQ = 96
 NO_THINKING = {"temperature": 0, "reasoning_effort": "none"}
 CHAT = "/v1/chat/completions"
-HEALTH_FIELDS = {"status", "model", "device", "busy", "waiting", "queue_limit", "completed"}
+HEALTH_FIELDS = {
+    "status", "model", "device", "busy", "running", "parallel", "waiting", "queue_limit",
+    "completed",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

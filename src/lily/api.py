@@ -527,8 +527,8 @@ def load(
     `parallel`: how many generations decode at once when several threads share this model
     (continuous batching: one pass over the weights per step for all of them; docs/server.md).
     Each costs a sequence's state (`max_seq` tokens of KV cache); the memory preflight may
-    allow fewer, which stderr says. Above 1, the MTP head and prompt lookup draft only for a
-    request with a `prediction` (which then runs alone).
+    allow fewer, which stderr says. Above 1 the MTP head is not loaded, and only a request
+    with a `prediction` drafts (it then runs alone, with prompt lookup under "auto"/"ngram").
     """
     if prefill_chunk is not None and (
         isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
@@ -567,9 +567,14 @@ def load(
         )
     if parallel > 1 and single_token_passes:
         raise ValueError("parallel decoding needs a prefill_chunk of at least 2: parallel=1")
+    if parallel > 1 and speculative == "mtp":
+        raise ValueError(
+            "speculative='mtp' drafts for one sequence at a time: use parallel=1, or 'auto' "
+            "(with parallel, only requests with a prediction draft)"
+        )
     if device == "reference" or single_token_passes:
         speculative = "off"
-    if speculative in ("auto", "mtp") and claims_real_model(checkpoint.config):
+    if speculative in ("auto", "mtp") and parallel == 1 and claims_real_model(checkpoint.config):
         # The real model's 4-bit files lack the head: it is fetched and quantized once.
         model_dir, checkpoint = ensure_mtp_head(model_dir, checkpoint, speculative == "mtp")
     if speculative == "mtp" and not checkpoint.has_mtp_head:
@@ -577,8 +582,9 @@ def load(
             f"speculative='mtp' needs the checkpoint's multi-token-prediction head (mtp.*), "
             f"which {model_dir} does not have: use speculative='auto' or 'ngram'"
         )
-    # "auto" drafts with the head when the checkpoint has one.
-    mtp_head = speculative in ("auto", "mtp") and checkpoint.has_mtp_head
+    # "auto" drafts with the head when the checkpoint has one; batched decoding keeps no
+    # head state per sequence, so with `parallel` the head is left out.
+    mtp_head = speculative in ("auto", "mtp") and checkpoint.has_mtp_head and parallel == 1
     if prefill_chunk is None:
         prefill_chunk = default_prefill_chunk(checkpoint, device, max_seq, kv_cache, mtp_head)
     tokenizer = Tokenizer.from_dir(

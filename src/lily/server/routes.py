@@ -294,7 +294,7 @@ class _ProgressReport:
             self.job.emit(PromptProgress(fed, total))
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: the worker keeps the running ones in a set
 class Job:
     """One request for the worker. Its results go back to the event loop through `events`:
     a ChatCompletion, ChatCompletionChunks then `_DONE`, or an exception."""
@@ -852,6 +852,8 @@ class Server:
                 "model": self.model_id,
                 "device": self.llm.device,
                 "busy": self.worker.busy,
+                "running": self.worker.running,
+                "parallel": self.llm.parallel,
                 "waiting": self.worker.waiting,
                 "queue_limit": self.worker.queue_limit,
                 "completed": self.worker.completed,
