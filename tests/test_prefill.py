@@ -196,9 +196,9 @@ def test_chunks_are_bounded_by_their_costliest_layer(checkpoint):
 
 
 def test_prefill_on_tensor_ops_matches_the_reference(checkpoint, reference):
-    """A device that runs the Metal 4 tensor-op GEMMs (the sim's emulation, as an M5 would):
-    the prompt's logits within the tolerance of the reference and of the simdgroup-matrix path,
-    with every GEMM product a tensor-op one."""
+    """A device that runs the Metal 4 tensor ops (the sim's emulation, as an M5 would): the
+    prompt's logits within the tolerance of the reference and of the simdgroup-matrix path,
+    with every GEMM and chunk-attention product a tensor-op one."""
     # Seed 5's prompt holds a routing near-tie (both paths 1.9e-2 from the reference on "small").
     prompt = _prompt(checkpoint.config.vocab_size, 70, 7)
     vocab = checkpoint.config.vocab_size
@@ -209,6 +209,10 @@ def test_prefill_on_tensor_ops_matches_the_reference(checkpoint, reference):
     products = device.matrix_products()
     gemms = {name: p for name, p in products.items() if name.startswith("qgemm")}
     assert gemms and all("tensor" in name and p.tensor_op == p.total for name, p in gemms.items())
+    attention = {name: p for name, p in products.items() if name.startswith("attention")}
+    assert [(name, p.tensor_op == p.total) for name, p in attention.items()] == [
+        ("attention_chunk_tensor", True)
+    ]
     assert np.abs(logits - reference.prompt_logits(prompt)).max() < TOLERANCE
     simdgroup = _device_engine(checkpoint, 48).prompt_logits(prompt)
     assert np.abs(logits - simdgroup).max() < TOLERANCE
