@@ -152,7 +152,7 @@ def useful_macs(c, tokens: int) -> float:
 def mma_report(checkpoint, tokens: int, tensor_ops: bool = False) -> None:
     """One chunk of `tokens` on the sim: the simdgroup-matrix products per prompt token by operand
     type (chunk attention on its own line), and the quantized GEMMs' executed/useful work;
-    `tensor_ops`: with the GEMMs on the Metal 4 tensor-op kernels."""
+    `tensor_ops`: with the GEMMs and chunk attention on the Metal 4 tensor-op kernels."""
     c = checkpoint.config
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, tokens).tolist()
     device = open_device("sim", tensor_ops=tensor_ops)
@@ -175,7 +175,11 @@ def mma_report(checkpoint, tokens: int, tensor_ops: bool = False) -> None:
         f"mma per prompt token: fp32 {total.fp32 / tokens:.0f}, half {total.half / tokens:.0f}, "
         f"bfloat {total.bfloat / tokens:.0f}, tensor-op {total.tensor_op / tokens:.0f}"
     )
-    print(f"  of which chunk attention: fp32 {attention.fp32 / tokens:.0f}")
+    print(
+        f"  of which chunk attention: fp32 {attention.fp32 / tokens:.0f}, half "
+        f"{attention.half / tokens:.0f}, bfloat {attention.bfloat / tokens:.0f}, tensor-op "
+        f"{attention.tensor_op / tokens:.0f}"
+    )
     gemm = sum(p.total for kernel, p in counted.items() if kernel.startswith("qgemm"))
     ratio = gemm * PRODUCT_MACS / useful_macs(c, tokens)
     print(f"executed/useful matrix FLOPs {ratio:.3f} (quantized GEMMs, counted on the sim)")
