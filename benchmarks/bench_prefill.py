@@ -23,8 +23,8 @@ report models it for a chunk of `--context` tokens, 4,096 at most (uniform rando
 - **mma** (`--mma`, small checkpoints on the sim): one prefill chunk run on the sim, with the
   simdgroup-matrix products each kernel executed (the sim's counter, by operand type) per prompt
   token, and executed/useful matrix FLOPs from the counted products of the quantized GEMMs.
-  With `--tensor-ops` the sim runs the Metal 4 tensor-op GEMMs, as an M5 would (their products
-  count under tensor-op).
+  With `--tensor-ops` the sim runs the Metal 4 tensor-op GEMMs and chunk attention, as an M5
+  would (their products count under tensor-op).
 
 Usage:
     python benchmarks/bench_prefill.py demo [--tokens 512]          # graph + time
@@ -152,7 +152,7 @@ def useful_macs(c, tokens: int) -> float:
 def mma_report(checkpoint, tokens: int, tensor_ops: bool = False) -> None:
     """One chunk of `tokens` on the sim: the simdgroup-matrix products per prompt token by operand
     type (chunk attention on its own line), and the quantized GEMMs' executed/useful work;
-    `tensor_ops`: with the GEMMs on the Metal 4 tensor-op kernels."""
+    `tensor_ops`: with the GEMMs and chunk attention on the Metal 4 tensor-op kernels."""
     c = checkpoint.config
     prompt = np.random.default_rng(0).integers(0, c.vocab_size, tokens).tolist()
     device = open_device("sim", tensor_ops=tensor_ops)
@@ -175,7 +175,11 @@ def mma_report(checkpoint, tokens: int, tensor_ops: bool = False) -> None:
         f"mma per prompt token: fp32 {total.fp32 / tokens:.0f}, half {total.half / tokens:.0f}, "
         f"bfloat {total.bfloat / tokens:.0f}, tensor-op {total.tensor_op / tokens:.0f}"
     )
-    print(f"  of which chunk attention: fp32 {attention.fp32 / tokens:.0f}")
+    print(
+        f"  of which chunk attention: fp32 {attention.fp32 / tokens:.0f}, half "
+        f"{attention.half / tokens:.0f}, bfloat {attention.bfloat / tokens:.0f}, tensor-op "
+        f"{attention.tensor_op / tokens:.0f}"
+    )
     gemm = sum(p.total for kernel, p in counted.items() if kernel.startswith("qgemm"))
     ratio = gemm * PRODUCT_MACS / useful_macs(c, tokens)
     print(f"executed/useful matrix FLOPs {ratio:.3f} (quantized GEMMs, counted on the sim)")
@@ -223,7 +227,8 @@ ANCHORS = {
 
 def whole_prompt_report(checkpoint, context: int, levels: int) -> None:
     """prefill_model's whole-prompt average over a prompt of `context` tokens on each Mac, along
-    today's kernels (with and without the M5's tensor ops), then along issue 40's unbuilt ones."""
+    today's kernels (with and without the M5's tensor ops, and on an M5 with an int8 cache,
+    whose chunk attention keeps simdgroup matrices), then along issue 40's unbuilt ones."""
     c = checkpoint.config
     ratios: dict[int, float] = {}
 
@@ -244,21 +249,12 @@ def whole_prompt_report(checkpoint, context: int, levels: int) -> None:
     built = [
         (gpu, path)
         for gpu in prefill_model.GPUS
-        for path in (prefill_model.SIMDGROUP, prefill_model.TENSOR_OPS)
+        for path in (prefill_model.SIMDGROUP, prefill_model.TENSOR_OPS, prefill_model.TENSOR_GEMMS)
         if gpu.tensor_units or not path.tensor_ops
     ]
-    # Tensor-op chunk attention (issue 40, item 1 on an M5) and half activations (item 2) as the
-    # model sees them: estimates of kernels not built yet.
-    unbuilt = [
-        (gpu, path)
-        for gpu in prefill_model.GPUS
-        if gpu.tensor_units
-        for path in (
-            prefill_model.TENSOR_ATTENTION,
-            prefill_model.TILED_ATTENTION_TENSOR,
-            prefill_model.LEAN,
-        )
-    ]
+    # Half activations (issue 40, item 2) as the model sees them: an estimate of kernels not
+    # built yet.
+    unbuilt = [(gpu, prefill_model.LEAN) for gpu in prefill_model.GPUS if gpu.tensor_units]
     for gpu, path in built + unbuilt:
         estimate = prefill_model.whole_prompt(c, gpu, path, context, chunk_weights, levels)
         slow, central, fast = estimate.tokens_per_second
@@ -334,7 +330,8 @@ def main() -> None:
     parser.add_argument(
         "--tensor-ops",
         action="store_true",
-        help="with --mma: the GEMMs on the Metal 4 tensor-op kernels (the sim's emulation)",
+        help="with --mma: the GEMMs and chunk attention on the Metal 4 tensor-op kernels (the "
+        "sim's emulation)",
     )
     args = parser.parse_args()
     checkpoint = load_checkpoint(resolve_model(args.model))

@@ -3,17 +3,27 @@ chunk over a whole prompt, for `bench_prefill.py --context`.
 
 **A chunk.** Its kernel groups run one after another (a layer's kernels depend on each other);
 each takes the longer of its bytes at the memory bandwidth and its executed FLOPs at the rate of
-what runs them. Chunk attention's executed FLOPs are its SIMD-groups' (`attention_flops`): 8
-rows by every 16-key tile up to the last position the SIMD-group's last token sees. On top: the
-Gated DeltaNet scan's serial work (`gdn_scan_model.py`), a drain per barrier level and a gap per
-command buffer. The bytes counted:
+what runs them. Chunk attention's executed FLOPs are those of the kernel that runs
+(`attention_flops`): `attention_chunk`'s SIMD-groups multiply 8 rows by every 16-key tile up to
+the last position the SIMD-group's last token sees; `attention_chunk_tensor`'s threadgroups (the
+M5's tensor ops, a bf16 cache) 64 rows by every 32-key tile up to their last token's. On top:
+the Gated DeltaNet scan's serial work (`gdn_scan_model.py`), a drain per barrier level (the
+tensor-op attention adds one per attention layer, between packing the queries and the kernel)
+and a gap per command buffer. The bytes counted:
 
 - weights, each read once per chunk (`bench_prefill.weight_bytes_per_chunk`);
 - the KV cache as `attention_chunk` reads it: a threadgroup takes 64 (token, query head) rows of
   one KV head (`CHUNK_ROWS`: 8 tokens, as 8 query heads share a KV head) and streams the K and V
   rows of every position its last token sees, once, in 16-key tiles; so each attention layer
   reads the cache about T / 8 times per KV head, not once (T / 4 with the 32-row tiles it had
-  before). Caches may serve part of it; the model counts it all from memory;
+  before). `attention_chunk_tensor` streams it alike (64 rows, 32-key tiles). Caches may serve
+  part of it; the model counts it all from memory;
+- the tensor-op attention's queries (`query_bytes`): packed once per layer (fp32 read, half
+  written and read back), then its 64 x 256 half tile read again by every 32-key tile's
+  S = Q K^T, as matmul2d takes it from device memory (32 KiB, the whole threadgroup memory, so
+  it cannot be staged). Those re-reads equal the K and V bytes; a threadgroup's tile is 32 KiB,
+  ~2.5 MB for the 80 threadgroups of a 40-core GPU, which the model takes as served by the GPU's
+  caches in its central and fast cases and counts from memory in its slow one;
 - activations: every buffer the pass hands between its dispatches (`activation_widths`, the MoE
   chunk scratch) written once and read once by each layer that uses it, fp32 today (about 20 MB
   per token over the 40 layers); half with issue 40's item 2 (not built).
@@ -40,7 +50,12 @@ than one figure, so every estimate is a range:
   V fragment it loads from threadgroup memory feeds one product (a GEMM reuses a loaded fragment
   across a 2x2 or larger block). For comparison, metal-flash-attention's README (Philip Turner)
   reports its dense FlashAttention forward at 90.5% of the ALU peak on an M1 Max at small head
-  dims, and names register pressure at head dim 256 as its limit; the range stays below that;
+  dims, and names register pressure at head dim 256 as its limit; the range stays below that.
+  The same range for `attention_chunk_tensor` on the tensor units: nothing published measures
+  attention on them (Apple's figure is end to end: up to ~4x the M4's time to first token with
+  MLX, Apple Machine Learning Research, "Exploring LLMs with MLX and the Neural Accelerators in
+  the M5 GPU"), and its softmax between the products runs on the ALUs, with 4 barriers per tile
+  and O's 128 fp32 accumulators per thread;
 - memory 70-80-85% of peak bandwidth.
 """
 
@@ -62,7 +77,13 @@ from lily.engine.model_graph import (
     longest_chunk,
     token_macs,
 )
-from lily.kernels.attention import CHUNK_ROWS, CHUNK_TILE_KEYS
+from lily.kernels.attention import (
+    CHUNK_ROWS,
+    CHUNK_TILE_KEYS,
+    TENSOR_CHUNK_ROWS,
+    TENSOR_CHUNK_TILE_KEYS,
+    packed_queries_bytes,
+)
 from lily.kernels.moe_chunk import moe_chunk_scratch_bytes
 
 SLOW, CENTRAL, FAST = 0, 1, 2
@@ -117,28 +138,24 @@ class Path:
 
 
 HALF_GEMM, TENSOR_GEMM, ATTENTION = (0.4, 0.6, 0.7), (0.3, 0.5, 0.6), (0.25, 0.4, 0.5)
-# The built kernels: chunk attention on simdgroup matrices in 64-row tiles on every Mac, the
-# GEMMs on simdgroup matrices or (M5) tensor ops.
+# The built kernels: on every Mac the GEMMs and chunk attention on simdgroup matrices (64-row
+# tiles); on an M5 both on tensor ops with a bf16 cache, and with an int8 cache the GEMMs only
+# (its chunk attention keeps attention_chunk).
 SIMDGROUP = Path("simdgroup tiles", HALF_GEMM, ATTENTION, False, False, CHUNK_ROWS, 4, True)
-TENSOR_OPS = Path("tensor ops", TENSOR_GEMM, ATTENTION, True, False, CHUNK_ROWS, 4, True)
-# Not built: chunk attention's two products on the M5's tensor units (designed in
-# docs/benchmarks.md, "Prefill"), on 64-row tiles and on 128-row ones (which halve the cache
-# reads again), then with issue 40's item 2 (half activations) too; at the same efficiencies.
-TENSOR_ATTENTION = Path(
-    "tensor ops, 64-row tensor-op attention", TENSOR_GEMM, ATTENTION, True, True, 64, 4, False
-)
-TILED_ATTENTION_TENSOR = Path(
-    "tensor ops, 128-row tensor-op attention", TENSOR_GEMM, ATTENTION, True, True, 128, 4, False
-)
-LEAN = Path(
-    "tensor ops, 128-row tensor-op attention, half activations",
+TENSOR_OPS = Path("tensor ops", TENSOR_GEMM, ATTENTION, True, True, TENSOR_CHUNK_ROWS, 4, True)
+TENSOR_GEMMS = Path(
+    "tensor-op GEMMs, simdgroup attention: an int8 cache",
     TENSOR_GEMM,
     ATTENTION,
     True,
-    True,
-    128,
-    2,
     False,
+    CHUNK_ROWS,
+    4,
+    True,
+)
+# Not built: issue 40's item 2 (half activations) on top, at the same efficiencies.
+LEAN = Path(
+    "tensor ops, half activations", TENSOR_GEMM, ATTENTION, True, True, TENSOR_CHUNK_ROWS, 2, False
 )
 
 
@@ -148,38 +165,63 @@ class Group:
     bytes: float
     flops: float  # executed, not only useful
     attention: bool = False
+    # Re-reads the model takes as cache hits, except in its slow case (from memory there).
+    cached_bytes: float = 0.0
 
 
-def _tiled_keys(c: ModelConfig, start: int, tokens: int, rows: int) -> int:
+def _tiled_keys(
+    c: ModelConfig, start: int, tokens: int, rows: int, tile_keys: int = CHUNK_TILE_KEYS
+) -> int:
     """Keys summed over the row blocks of one KV head of a chunk of `tokens` starting at
     `start`: each block of `rows` consecutive (token, query head) rows takes every key its last
-    token sees, rounded up to whole 16-key tiles."""
+    token sees, rounded up to whole tiles of `tile_keys`."""
     group = c.num_attention_heads // c.num_key_value_heads
     total_rows = tokens * group
     total = 0
     for first in range(0, total_rows, rows):
         visible = start + (min(first + rows, total_rows) - 1) // group + 1
-        total += math.ceil(visible / CHUNK_TILE_KEYS) * CHUNK_TILE_KEYS
+        total += math.ceil(visible / tile_keys) * tile_keys
     return total
 
 
-def kv_bytes(c: ModelConfig, start: int, tokens: int, query_rows: int) -> float:
+def kv_bytes(
+    c: ModelConfig, start: int, tokens: int, query_rows: int, tile_keys: int = CHUNK_TILE_KEYS
+) -> float:
     """Bytes of K and V (bf16) the chunk attention of every attention layer reads for a chunk of
     `tokens` starting at `start`: each threadgroup of `query_rows` rows streams every key its last
-    token sees, rounded up to whole tiles."""
+    token sees, rounded up to whole tiles of `tile_keys`."""
     row = 2 * c.head_dim * 2  # a position's K and V of one KV head
-    keys = _tiled_keys(c, start, tokens, query_rows)
+    keys = _tiled_keys(c, start, tokens, query_rows, tile_keys)
     return float(len(c.full_attention_layers) * c.num_key_value_heads * row * keys)
 
 
-def attention_flops(c: ModelConfig, start: int, tokens: int) -> float:
+def attention_flops(c: ModelConfig, start: int, tokens: int, tensor_ops: bool = False) -> float:
     """FLOPs the chunk attention of every attention layer executes for a chunk of `tokens`
-    starting at `start`: each SIMD-group multiplies its 8 rows (query rows past a group's or the
-    chunk's end included) by every 16-key tile up to its last token's position, head_dim
-    multiply-adds per row and key for S = Q K^T and as many for P V."""
-    keys = _tiled_keys(c, start, tokens, SIMDGROUP_ROWS)
-    per_kv_head = SIMDGROUP_ROWS * keys * 2 * c.head_dim * 2
+    starting at `start`, head_dim multiply-adds per row and key for S = Q K^T and as many for
+    P V: `attention_chunk`'s SIMD-groups multiply their 8 rows (query rows past a group's or the
+    chunk's end included) by every 16-key tile up to their last token's position; with
+    `tensor_ops`, `attention_chunk_tensor`'s threadgroups their 64 rows by every 32-key tile."""
+    if tensor_ops:
+        rows, keys = TENSOR_CHUNK_ROWS, TENSOR_CHUNK_TILE_KEYS
+    else:
+        rows, keys = SIMDGROUP_ROWS, CHUNK_TILE_KEYS
+    per_kv_head = rows * _tiled_keys(c, start, tokens, rows, keys) * 2 * c.head_dim * 2
     return float(len(c.full_attention_layers) * c.num_key_value_heads * per_kv_head)
+
+
+def query_bytes(c: ModelConfig, start: int, tokens: int) -> tuple[float, float]:
+    """(memory, re-read) bytes of the tensor-op chunk attention's queries over every attention
+    layer: attention_chunk_queries reads the fp32 queries and writes them as half, padded per
+    KV head to whole 64-row tiles, which attention_chunk_tensor reads back; then every further
+    32-key tile of a threadgroup reads its 64 x 256 half tile again (the re-reads)."""
+    q_heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    packed = packed_queries_bytes(q_heads, kv_heads, tokens)
+    memory = 4 * tokens * q_heads * c.head_dim + 2 * packed
+    tiles = _tiled_keys(c, start, tokens, TENSOR_CHUNK_ROWS, TENSOR_CHUNK_TILE_KEYS)
+    tiles //= TENSOR_CHUNK_TILE_KEYS
+    reads = kv_heads * tiles * TENSOR_CHUNK_ROWS * c.head_dim * 2
+    layers = len(c.full_attention_layers)
+    return float(layers * memory), float(layers * (reads - packed))
 
 
 def activation_traffic(c: ModelConfig, tokens: int, element_bytes: int) -> tuple[float, float]:
@@ -236,13 +278,28 @@ def groups(
             weight_bytes.get("routed experts", 0.0) + moe_activations,
             2.0 * tokens * c.num_hidden_layers * macs.experts * expert_executed_ratio,
         ),
-        Group(
-            "chunk attention",
-            kv_bytes(c, start, tokens, path.query_rows),
-            attention_flops(c, start, tokens),
-            attention=True,
-        ),
     ]
+    if path.attention_tensor_ops:
+        queries, rereads = query_bytes(c, start, tokens)
+        kv = kv_bytes(c, start, tokens, path.query_rows, TENSOR_CHUNK_TILE_KEYS)
+        work.append(
+            Group(
+                "chunk attention",
+                kv + queries,
+                attention_flops(c, start, tokens, tensor_ops=True),
+                attention=True,
+                cached_bytes=rereads,
+            )
+        )
+    else:
+        work.append(
+            Group(
+                "chunk attention",
+                kv_bytes(c, start, tokens, path.query_rows),
+                attention_flops(c, start, tokens),
+                attention=True,
+            )
+        )
     if predicts:
         lm_head = 2.0 * c.hidden_size * c.vocab_size
         work.append(Group("lm_head (1 token)", weight_bytes.get("lm_head", 0.0), lm_head))
@@ -276,7 +333,8 @@ def seconds(
             rate = attention_peak * path.attention_efficiency[case]
         else:
             rate = gemm_peak * path.gemm_efficiency[case]
-        out[group.name] = max(group.bytes / bandwidth, group.flops / rate)
+        nbytes = group.bytes + (group.cached_bytes if case == SLOW else 0.0)
+        out[group.name] = max(nbytes / bandwidth, group.flops / rate)
     scan_gpu = ScanGpu(gpu.name, gpu.cores, gpu_clock_hz(gpu.metal_name), 64 * 1024, 1024)
     per_token, _, _ = per_token_seconds(chunkwise_kernel(), scan_gpu)
     out["GDN scan"] = per_token * tokens * gdn_layer_count(c)
@@ -300,8 +358,11 @@ def whole_prompt(
 ) -> WholePrompt:
     """The average over a prompt of `prompt` tokens prefilled from position 0 in chunks of up to
     DEFAULT_MAX_CHUNK tokens within `gpu`'s command-buffer budget, each chunk's graph recorded
-    for a context of `prompt` (its command buffers) with `levels` barrier levels."""
+    for a context of `prompt` (its command buffers) with `levels` barrier levels on simdgroup
+    attention, one more per attention layer on tensor-op attention."""
     budget = gpu.command_buffer_flops
+    if path.attention_tensor_ops:
+        levels += len(c.full_attention_layers)
     chunks, start = [], 0
     while start < prompt:
         tokens = longest_chunk(c, start, min(DEFAULT_MAX_CHUNK, prompt - start), budget)

@@ -31,12 +31,10 @@
 //
 // A cache array is [num_kv_heads, capacity] rows; 272 is a multiple of 16, so every row of
 // either format starts 16-byte aligned.
+#include "attention_chunk.h"
 #include "common.h"
 
-// Every Qwen3.5/3.6 attention layer has 256-dim heads; a simdgroup covers one row (a head of one
-// token, or one cached position) with 8 contiguous dims per lane, 8 * lane to 8 * lane + 7, so a
-// lane reads its share of a bf16 cache row in one 16-byte load and of an fp32 row in two.
-constexpr constant uint kHeadDim = 256;
+// kHeadDim (256) is in attention_chunk.h: this lane's dims of a row.
 constexpr constant uint kPerLane = kHeadDim / SIMD_WIDTH;
 
 // This lane's 8 dims of an fp32 row (16-byte aligned: rows start at multiples of 256 floats).
@@ -73,8 +71,7 @@ inline void load_threadgroup_row(threadgroup const float* row, uint lane, thread
 
 // ---- the KV cache's row formats ---------------------------------------------------------------
 
-constexpr constant uint kBf16RowBytes = 2 * kHeadDim;
-// Dims per scale of the int8 format, and the scales of a row.
+// (kBf16RowBytes is in attention_chunk.h.) Dims per scale of the int8 format, and the scales of a row.
 constexpr constant uint kInt8Group = 32;
 constexpr constant uint kInt8Groups = kHeadDim / kInt8Group;
 constexpr constant uint kInt8RowBytes = kHeadDim + 2 * kInt8Groups;
@@ -83,11 +80,6 @@ template <bool kInt8>
 constexpr uint kv_row_bytes() {
   return kInt8 ? kInt8RowBytes : kBf16RowBytes;
 }
-
-// One of a word's two bf16 (the even dim in the low half) widened to float: a bf16 is the top
-// half of the float it widens to, so the shifts are exact.
-inline float bf16_low(uint word) { return as_type<float>(word << 16); }
-inline float bf16_high(uint word) { return as_type<float>(word & 0xFFFF0000u); }
 
 // The bf16 bits of this lane's 8 dims, packed as a 16-byte row share.
 inline uint4 pack_bf16(thread const float* x) {
@@ -1094,9 +1086,9 @@ constexpr constant uint kCombineDims = 64;
 // The tiles are staged in the operands' types (20.25 KiB with the padding, and an int8 cache's
 // value scales 0.5 KiB more) and loaded with simdgroup_load.
 //
-// On an M5 the two products could run on Metal 4 tensor ops (matmul2d, as
-// quantized_gemm_tensor_ops.metal does for the GEMMs); that kernel is designed in
-// docs/benchmarks.md ("Prefill") and not built.
+// On an M5 a bf16 cache's chunks run attention_chunk_tensor instead
+// (attention_tensor_ops.metal): the two products on Metal 4 tensor ops. An int8 cache keeps this
+// kernel there too.
 constexpr constant uint kChunkSimdgroups = 8;
 constexpr constant uint kChunkThreads = kChunkSimdgroups * SIMD_WIDTH;
 constexpr constant uint kChunkRows = 8 * kChunkSimdgroups;
@@ -1215,14 +1207,6 @@ inline void store_chunk_stage(thread const ChunkStage& s, uint thread_id,
     value_scales[thread_id] = s.value_scale;
   }
 }
-
-struct AttentionChunkParams {
-  uint num_q_heads;
-  uint num_kv_heads;
-  uint cache_capacity;
-  uint tokens;
-  float scale;
-};
 
 // Grid (ceil(tokens * group_size / 64), num_kv_heads), 256 threads per threadgroup.
 template <bool kInt8>

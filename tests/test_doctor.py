@@ -121,6 +121,18 @@ def test_a_result_outside_its_bound_fails(sim):
     assert ratio > 1000  # a relative error of 1e-3 is thousands of float32 ulps
 
 
+def test_the_chunk_attention_check_runs_the_tensor_op_kernel_where_tensor_ops_run():
+    """On an M5 the doctor's chunk-attention row checks the kernel prefill runs there: the
+    tensor-op one (its packed queries included), within the same bound."""
+    device = open_device("sim", tensor_ops=True)
+    (check,) = [c for c in CHECKS if c.kernel == "attention prepare+chunk"]
+    device.matrix_products()
+    code, out = report(device, [check])
+    assert code == 0, out
+    products = device.matrix_products()
+    assert [name for name in products if name.startswith("attention")] == ["attention_chunk_tensor"]
+
+
 def test_a_missing_kernel_fails_its_row(sim):
     def prepare(device, rng):
         device.kernel("no_such_kernel")

@@ -21,7 +21,9 @@ from lily.kernels.attention import (
     CHUNK_TILE_KEYS,
     HEAD_DIM,
     cache_bytes,
+    chunk_attention_on_tensor_ops,
     decode_splits,
+    packed_queries_bytes,
     partial_out_bytes,
     partial_stats_bytes,
     record_attention_chunk,
@@ -578,7 +580,14 @@ class ChunkCase:
         self.out = np.full((tokens + 1, num_q * HEAD_DIM), np.nan, dtype=np.float32)
 
     def run(self, device) -> None:
+        """On a device with tensor ops, the tensor-op kernels (their packed queries in scratch
+        memory, which the checking sim poisons: every padding row must be written)."""
         num_q, num_kv = self.heads
+        packed = (
+            device.scratch(packed_queries_bytes(num_q, num_kv, self.tokens))
+            if chunk_attention_on_tensor_ops(device)
+            else None
+        )
         graph = Graph()
         record_attention_chunk(
             graph,
@@ -593,18 +602,20 @@ class ChunkCase:
             num_kv_heads=num_kv,
             capacity=self.capacity,
             tokens=self.tokens,
+            packed_queries=packed,
         )
         device.run(graph)
 
-    def expected(self, in_tiles: bool = False) -> np.ndarray:
-        """In float64: exact, or (`in_tiles`) with the kernel's rounding modelled."""
+    def expected(self, in_tiles: bool = False, tile_keys: int = CHUNK_TILE_KEYS) -> np.ndarray:
+        """In float64: exact, or (`in_tiles`) with the kernel's rounding modelled in tiles of
+        `tile_keys` keys."""
         context = self.position + self.tokens
         k = _f64(self.k_cache[:, :context])
         v = _f64(self.v_cache[:, :context])
         q = self.queries.astype(np.float64).transpose(1, 0, 2)
         positions = self.position + np.arange(self.tokens)
         if in_tiles:
-            attended = reference.attention_in_tiles(q, k, v, SCALE, positions, CHUNK_TILE_KEYS)
+            attended = reference.attention_in_tiles(q, k, v, SCALE, positions, tile_keys)
         else:
             attended = reference.attention(q, k, v, SCALE, positions)
         attended = attended.transpose(1, 0, 2)

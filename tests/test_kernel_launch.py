@@ -53,6 +53,8 @@ EXACT_THREADS = {
     "attention_decode_tokens_int8": attention.DECODE_TOKENS_MAX_THREADS,
     "attention_chunk": attention.CHUNK_THREADS,
     "attention_chunk_int8": attention.CHUNK_THREADS,
+    "attention_chunk_queries": attention.SIMD_WIDTH,
+    "attention_chunk_tensor": attention.TENSOR_CHUNK_THREADS,
     "gdn_step": gdn.STEP_THREADS_PER_THREADGROUP,
     "gdn_tokens": gdn.STEP_THREADS_PER_THREADGROUP,
     "gdn_commit": gdn.STEP_THREADS_PER_THREADGROUP,

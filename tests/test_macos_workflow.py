@@ -56,6 +56,7 @@ def test_the_build_reads_the_list():
     versions = msl_versions()
     assert versions["default"] == ("3.1", "14.0")
     assert versions["quantized_gemm_tensor_ops.metal"] == ("4.0", "26.0")
+    assert versions["attention_tensor_ops.metal"] == ("4.0", "26.0")
     for name in versions:
         assert name == "default" or (REPO / "metal" / name).is_file(), name
 
@@ -66,10 +67,13 @@ def test_the_device_compiles_at_the_listed_versions():
     versions = msl_versions()
     major, minor = versions["default"][0].split(".")
     assert f"options.languageVersion = MTLLanguageVersion{major}_{minor};" in source
-    tensor_ops = re.search(r'kTensorOpsSource = "([^"]+)"', source).group(1)
-    major, minor = versions[tensor_ops][0].split(".")
-    assert f"compile_source(device, file, kLanguageVersion{major}_{minor})" in source
-    assert set(versions) == {"default", tensor_ops}
+    listed = re.search(r"kTensorOpsSources = \{([^}]+)\}", source).group(1)
+    tensor_ops = re.findall(r'"([^"]+)"', listed)
+    assert len(tensor_ops) == 2
+    for name in tensor_ops:
+        major, minor = versions[name][0].split(".")
+        assert f"compile_source(device, file, kLanguageVersion{major}_{minor})" in source
+    assert set(versions) == {"default", *tensor_ops}
 
 
 def run_kernel_loop(

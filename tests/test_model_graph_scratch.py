@@ -15,6 +15,7 @@ from tiny_models import tiny_checkpoint
 from lily.checkpoint.loader import load_checkpoint
 from lily.device import open_device
 from lily.engine.model_graph import ModelGraph
+from lily.kernels.attention import packed_queries_bytes
 
 CHUNK_ONLY = ("normed", "mixer_out", "moe_out", "qkv_projected", "queries")
 
@@ -141,3 +142,24 @@ def test_slot_bytes_is_what_each_batched_decode_slot_allocates(monkeypatch, kv_c
     monkeypatch.setattr(Device, "alloc", counting)
     graph.allocate_slots(3)
     assert sum(allocated) == 3 * slot_bytes(c, 64, c.vocab_size - 3, kv_cache)
+
+
+def test_packed_queries_exist_where_chunk_attention_runs_on_tensor_ops() -> None:
+    """The half queries the tensor-op chunk attention packs: allocated for a tensor-op device
+    with a bf16 cache whose passes may take chunks past a verify pass's 9 tokens, sized for the
+    longest chunk; nowhere else (an int8 cache keeps the simdgroup kernel)."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    c = checkpoint.config
+
+    def packed(tensor_ops: bool, max_chunk: int, kv_cache: str = "bf16"):
+        device = open_device("sim", tensor_ops=tensor_ops)
+        model = ModelGraph(
+            checkpoint, device, 64, c.vocab_size, max_chunk=max_chunk, kv_cache=kv_cache
+        )
+        return model._scratch.packed_queries
+
+    heads = (c.num_attention_heads, c.num_key_value_heads)
+    assert packed(True, 16).size == packed_queries_bytes(*heads, 16)
+    assert packed(False, 16) is None
+    assert packed(True, 16, "int8") is None
+    assert packed(True, 9) is None

@@ -195,20 +195,30 @@ def test_chunks_are_bounded_by_their_costliest_layer(checkpoint):
     assert _greedy(bounded, prompt, 4) == _greedy(_device_engine(checkpoint, 512), prompt, 4)
 
 
-def test_prefill_on_tensor_ops_matches_the_reference(checkpoint, reference):
-    """A device that runs the Metal 4 tensor-op GEMMs (the sim's emulation, as an M5 would):
-    the prompt's logits within the tolerance of the reference and of the simdgroup-matrix path,
-    with every GEMM product a tensor-op one."""
-    # Seed 5's prompt holds a routing near-tie (both paths 1.9e-2 from the reference on "small").
-    prompt = _prompt(checkpoint.config.vocab_size, 70, 7)
+# (length, max_chunk, seed); seed 5's 70-token prompt holds a routing near-tie (both paths
+# 1.9e-2 from the reference on "small"), as seed 3's 300-token one does on "wide" (every path
+# 0.21 from it, tensor-op and simdgroup attention 8e-5 apart). 300 tokens in chunks of 100:
+# chunks start inside a 32-key tile and attend over up to 10 of them.
+@pytest.mark.parametrize(("length", "max_chunk", "seed"), [(70, 48, 7), (300, 100, 4)])
+def test_prefill_on_tensor_ops_matches_the_reference(
+    checkpoint, reference, length, max_chunk, seed
+):
+    """A device that runs the Metal 4 tensor ops (the sim's emulation, as an M5 would): the
+    prompt's logits within the tolerance of the reference and of the simdgroup-matrix path,
+    with every GEMM and chunk-attention product a tensor-op one."""
+    prompt = _prompt(checkpoint.config.vocab_size, length, seed)
     vocab = checkpoint.config.vocab_size
     device = open_device("sim", tensor_ops=True)
-    engine = DeviceEngine(checkpoint, device, MAX_SEQ, vocab, 48)
+    engine = DeviceEngine(checkpoint, device, MAX_SEQ, vocab, max_chunk)
     device.matrix_products()
     logits = engine.prompt_logits(prompt)
     products = device.matrix_products()
     gemms = {name: p for name, p in products.items() if name.startswith("qgemm")}
     assert gemms and all("tensor" in name and p.tensor_op == p.total for name, p in gemms.items())
+    attention = {name: p for name, p in products.items() if name.startswith("attention")}
+    assert [(name, p.tensor_op == p.total) for name, p in attention.items()] == [
+        ("attention_chunk_tensor", True)
+    ]
     assert np.abs(logits - reference.prompt_logits(prompt)).max() < TOLERANCE
-    simdgroup = _device_engine(checkpoint, 48).prompt_logits(prompt)
+    simdgroup = _device_engine(checkpoint, max_chunk).prompt_logits(prompt)
     assert np.abs(logits - simdgroup).max() < TOLERANCE

@@ -17,8 +17,9 @@ Nothing of the SDK is ever committed to this project.
 
 The third form checks the tensor-op kernels against a macOS 26 SDK's MetalPerformancePrimitives
 headers (copy the framework's Headers folder from an SDK: MPPTensorOpsMatMul2d.h and __impl/):
-every declaration metal/quantized_gemm_tensor_ops.metal uses must be there as the sim emulates it
-(the table in csrc/sim/tensor_ops_declarations.py), and the headers' table of float/half/bfloat
+every declaration the tensor-op kernels (metal/*_tensor_ops.metal) use must be there as the sim
+emulates it (the table in csrc/sim/tensor_ops_declarations.py), and the headers' table of
+float/half/bfloat
 operand types must be the one the sim accepts. It reads declarations only: Apple's Metal compiler
 does not run here, so whether the kernels compile is known on a Mac alone (the device compiles
 them when it opens, and falls back to the simdgroup-matrix kernels if that fails).
@@ -505,10 +506,10 @@ def check_mpp_headers(headers: Path) -> bool:
         ):
             for a, b, c in sorted(differing):
                 print(f"  DIFFERS  operand types: {a} x {b} -> {c} in {where} only")
-    if tensor_ops.KERNEL_OPERAND_TYPES not in rows:
-        passed = False
-        a, b, c = tensor_ops.KERNEL_OPERAND_TYPES
-        print(f"  MISSING  the kernels' operand types, {a} x {b} -> {c}")
+    for a, b, c in tensor_ops.KERNEL_OPERAND_TYPES:
+        if (a, b, c) not in rows:
+            passed = False
+            print(f"  MISSING  the kernels' operand types, {a} x {b} -> {c}")
     print(
         "  (declarations only: Apple's Metal compiler cannot run here, so whether the kernels "
         "compile is checked on a Mac, when the metal device opens)"

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -325,8 +326,16 @@ constexpr MTLGPUFamily kGPUFamilyApple10 = static_cast<MTLGPUFamily>(1010);
 static_assert(kLanguageVersion4_0 == MTLLanguageVersion4_0, "MSL 4.0's enum value");
 static_assert(kGPUFamilyApple10 == MTLGPUFamilyApple10, "the Apple10 family's enum value");
 #endif
-// The tensor-op GEMMs: compiled on their own at MSL 4.0, never into lily.metallib (MSL 3.1).
-constexpr const char* kTensorOpsSource = "quantized_gemm_tensor_ops.metal";
+// The tensor-op kernels (the prefill GEMMs and chunk attention): each file compiled on its own at
+// MSL 4.0, never into lily.metallib (MSL 3.1). Both or neither: the prefill runs on tensor ops or
+// on simdgroup matrices as a whole.
+constexpr std::array<const char*, 2> kTensorOpsSources = {"quantized_gemm_tensor_ops.metal",
+                                                          "attention_tensor_ops.metal"};
+
+bool is_tensor_ops_source(const fs::path& file) {
+  return std::find(kTensorOpsSources.begin(), kTensorOpsSources.end(),
+                   file.filename().string()) != kTensorOpsSources.end();
+}
 
 // `version`: the MSL version to compile at; the default (0) is the kernels' MSL 3.1.
 id<MTLLibrary> compile_source(id<MTLDevice> device, const fs::path& file,
@@ -375,7 +384,7 @@ std::vector<id<MTLLibrary>> load_libraries(id<MTLDevice> device, const KernelSou
   std::vector<fs::path> files;
   if (fs::is_directory(sources.source_dir)) {
     for (const fs::directory_entry& entry : fs::directory_iterator(sources.source_dir)) {
-      if (entry.path().extension() == ".metal" && entry.path().filename() != kTensorOpsSource)
+      if (entry.path().extension() == ".metal" && !is_tensor_ops_source(entry.path()))
         files.push_back(entry.path());
     }
   }
@@ -389,47 +398,52 @@ std::vector<id<MTLLibrary>> load_libraries(id<MTLDevice> device, const KernelSou
   return libraries;
 }
 
-// The tensor-op GEMM library, when this Mac can run it, and which GEMM path that makes.
+// The tensor-op libraries, when this Mac can run them, and which prefill path that makes.
 struct TensorOps {
-  id<MTLLibrary> library = nil;
+  std::vector<id<MTLLibrary>> libraries;
   GemmPath path;
 };
 
 TensorOps load_tensor_ops(id<MTLDevice> device, const KernelSources& sources) {
-  const char* fallback = "; the GEMMs run the simdgroup-matrix kernels";
+  const char* fallback = "; the prefill runs the simdgroup-matrix kernels";
   if (@available(macOS 26.2, *)) {
     if (![device supportsFamily:kGPUFamilyApple10]) {
-      return {nil, {false, "Metal 4 tensor ops need an Apple10-family GPU (M5 or later), and \"" +
-                               to_std(device.name) + "\" is not one" + fallback}};
+      return {{}, {false, "Metal 4 tensor ops need an Apple10-family GPU (M5 or later), and \"" +
+                              to_std(device.name) + "\" is not one" + fallback}};
     }
-    const fs::path file = fs::path(sources.source_dir) / kTensorOpsSource;
-    if (!fs::exists(file)) {
-      return {nil, {false, "no tensor-op kernel source at \"" + file.string() + "\"" + fallback}};
-    }
-    id<MTLLibrary> library = nil;
-    try {
-      library = compile_source(device, file, kLanguageVersion4_0);
-    } catch (const std::runtime_error& e) {
-      return {nil, {false, std::string(e.what()) + fallback}};
-    }
-    // A library that compiles may still fail to give pipelines (cooperative tensors are new):
-    // build each kernel's now, while the simdgroup kernels can still take over, not at the
-    // first dispatch.
-    for (NSString* name in library.functionNames) {
-      NSError* error = nil;
-      id<MTLFunction> function = [library newFunctionWithName:name];
-      if ([device newComputePipelineStateWithFunction:function error:&error] == nil) {
-        return {nil, {false, "Metal could not build a pipeline for \"" + to_std(name) +
-                                 "\": " + describe(error) + fallback}};
+    std::vector<id<MTLLibrary>> libraries;
+    for (const char* name : kTensorOpsSources) {
+      const fs::path file = fs::path(sources.source_dir) / name;
+      if (!fs::exists(file)) {
+        return {{}, {false, "no tensor-op kernel source at \"" + file.string() + "\"" + fallback}};
       }
+      id<MTLLibrary> library = nil;
+      try {
+        library = compile_source(device, file, kLanguageVersion4_0);
+      } catch (const std::runtime_error& e) {
+        return {{}, {false, std::string(e.what()) + fallback}};
+      }
+      // A library that compiles may still fail to give pipelines (cooperative tensors are new):
+      // build each kernel's now, while the simdgroup kernels can still take over, not at the
+      // first dispatch.
+      for (NSString* function_name in library.functionNames) {
+        NSError* error = nil;
+        id<MTLFunction> function = [library newFunctionWithName:function_name];
+        if ([device newComputePipelineStateWithFunction:function error:&error] == nil) {
+          return {{}, {false, "Metal could not build a pipeline for \"" + to_std(function_name) +
+                                  "\": " + describe(error) + fallback}};
+        }
+      }
+      libraries.push_back(library);
     }
-    return {library,
-            {true, "macOS 26.2 or later and an Apple10-family GPU: the GEMMs run Metal 4 "
-                   "tensor ops (matmul2d, compiled at MSL 4.0 when the device opens)"}};
+    return {libraries,
+            {true, "macOS 26.2 or later and an Apple10-family GPU: the prefill GEMMs and chunk "
+                   "attention run Metal 4 tensor ops (matmul2d, compiled at MSL 4.0 when the "
+                   "device opens)"}};
   }
-  return {nil, {false, "Metal 4 tensor ops need macOS 26.2 or later, and this Mac runs " +
-                           to_std([NSProcessInfo processInfo].operatingSystemVersionString) +
-                           fallback}};
+  return {{}, {false, "Metal 4 tensor ops need macOS 26.2 or later, and this Mac runs " +
+                          to_std([NSProcessInfo processInfo].operatingSystemVersionString) +
+                          fallback}};
 }
 
 // What went wrong in a failed command buffer. After any of these the device refuses new work
@@ -796,7 +810,7 @@ std::shared_ptr<Device> open_device(const KernelSources& sources) {
     if (!reason.empty()) throw std::runtime_error("the metal device cannot run here: " + reason);
     std::vector<id<MTLLibrary>> libraries = load_libraries(device, sources);
     TensorOps tensor_ops = load_tensor_ops(device, sources);
-    if (tensor_ops.library != nil) libraries.push_back(tensor_ops.library);
+    libraries.insert(libraries.end(), tensor_ops.libraries.begin(), tensor_ops.libraries.end());
     return std::make_shared<MetalDevice>(device, std::move(libraries), std::move(tensor_ops.path));
   }
 }

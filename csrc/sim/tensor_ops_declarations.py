@@ -1,4 +1,5 @@
-"""What Lily's tensor-op kernels (metal/quantized_gemm_tensor_ops.metal) take from Apple's
+"""What Lily's tensor-op kernels (metal/quantized_gemm_tensor_ops.metal and
+metal/attention_tensor_ops.metal) take from Apple's
 MetalPerformancePrimitives headers, as the sim emulates it (include/lily_sim_tensor_ops.h): the
 one table of it. tools/check_macos_build.py --mpp-headers checks each entry against a copy of a
 macOS 26 SDK's headers; tests/test_sim_tensor_ops.py holds the sim's emulation to the operand
@@ -29,7 +30,8 @@ class Declaration:
 
 
 # (A, B, C) rows of Apple's table of matmul2d operand types, as far as float, half and bfloat go
-# (the int8 rows are not emulated). The kernels use half x half -> float.
+# (the int8 rows are not emulated). The GEMMs use half x half -> float; chunk attention that for
+# S = Q K^T and bfloat x bfloat -> float for O += P V.
 OPERAND_TYPES: frozenset[tuple[str, str, str]] = frozenset(
     {
         ("half", "half", "half"),
@@ -49,7 +51,10 @@ OPERAND_TYPES: frozenset[tuple[str, str, str]] = frozenset(
         ("half", "bfloat", "float"),
     }
 )
-KERNEL_OPERAND_TYPES = ("half", "half", "float")
+KERNEL_OPERAND_TYPES: tuple[tuple[str, str, str], ...] = (
+    ("half", "half", "float"),
+    ("bfloat", "bfloat", "float"),
+)
 
 DECLARATIONS: tuple[Declaration, ...] = (
     Declaration(
@@ -114,6 +119,18 @@ DECLARATIONS: tuple[Declaration, ...] = (
         "threadgroup half x threadgroup half into a cooperative float destination",
         MATMUL2D_IMPL,
         r"__tensorops_impl_matmul2d_op_run_cooperative_tg_f16_tg_f16_f32\(",
+    ),
+    Declaration(
+        "device half x threadgroup half into a cooperative float destination (chunk attention's "
+        "S = Q K^T: the packed queries are read from device memory)",
+        MATMUL2D_IMPL,
+        r"__tensorops_impl_matmul2d_op_run_cooperative_dv_f16_tg_f16_f32\(",
+    ),
+    Declaration(
+        "threadgroup bfloat x threadgroup bfloat into a cooperative float destination (chunk "
+        "attention's O += P V)",
+        MATMUL2D_IMPL,
+        r"__tensorops_impl_matmul2d_op_run_cooperative_tg_b16_tg_b16_f32\(",
     ),
     Declaration(
         "a destination cooperative tensor's accessors (capacity, validity, coordinates)",

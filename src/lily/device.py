@@ -324,9 +324,10 @@ class Device:
 
     @property
     def tensor_ops(self) -> bool:
-        """Whether the prefill GEMMs run the Metal 4 tensor-op kernels
-        (`metal/quantized_gemm_tensor_ops.metal`): on a Mac with macOS 26.2 and an M5-class GPU
-        whose compile of them succeeded, or on a sim opened with ``tensor_ops=True``."""
+        """Whether the prefill GEMMs and a bf16 cache's chunk attention run the Metal 4
+        tensor-op kernels (`metal/quantized_gemm_tensor_ops.metal`,
+        `metal/attention_tensor_ops.metal`): on a Mac with macOS 26.2 and an M5-class GPU whose
+        compile of them succeeded, or on a sim opened with ``tensor_ops=True``."""
         return bool(self._native.gemm_path[0])
 
     @property
@@ -377,14 +378,14 @@ def open_device(
     slower): out-of-bounds accesses, threadgroup races and reads of unwritten memory raise
     KernelError, and traffic is counted; the default comes from ``LILY_SIM_CHECK``.
     ``count_traffic=True`` only counts traffic (:meth:`Device.traffic`), with bindings used in
-    place, which suits a full-size checkpoint. ``tensor_ops=True`` makes the prefill GEMMs run
-    the Metal 4 tensor-op kernels, as on an M5, on the sim's emulation of them
-    (:attr:`Device.tensor_ops`); the metal device decides that itself. `matrix_lanes` makes the
-    sim play a GPU whose simdgroup_matrix layout differs from Apple's: its lane l holds the
-    elements Apple's layout gives lane ``matrix_lanes[l]`` (a permutation of 0..31), which the
-    lane-layout self-test (lily.kernels.lane_layout) must catch. ``mirror_wrapped=True`` makes
-    the sim mirror wrapped arrays that are not in a memory-mapped file as the metal device does
-    (:meth:`Device.wrap`), instead of using them in place.
+    place, which suits a full-size checkpoint. ``tensor_ops=True`` makes the prefill GEMMs (and
+    chunk attention over a bf16 cache) run the Metal 4 tensor-op kernels, as on an M5, on the
+    sim's emulation of them (:attr:`Device.tensor_ops`); the metal device decides that itself.
+    `matrix_lanes` makes the sim play a GPU whose simdgroup_matrix layout differs from Apple's:
+    its lane l holds the elements Apple's layout gives lane ``matrix_lanes[l]`` (a permutation
+    of 0..31), which the lane-layout self-test (lily.kernels.lane_layout) must catch.
+    ``mirror_wrapped=True`` makes the sim mirror wrapped arrays that are not in a memory-mapped
+    file as the metal device does (:meth:`Device.wrap`), instead of using them in place.
     """
     if kind == "metal":
         return _open_metal()

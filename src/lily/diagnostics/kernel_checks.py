@@ -1627,7 +1627,9 @@ def _attention_chunk(num_q: int, num_kv: int, tokens: int, position: int, multi_
     multi-query decode attention and the combine instead, as in a verify pass."""
     from lily.kernels.attention import (
         HEAD_DIM,
+        chunk_attention_on_tensor_ops,
         decode_splits,
+        packed_queries_bytes,
         partial_out_bytes,
         partial_stats_bytes,
         record_attention_chunk,
@@ -1708,8 +1710,20 @@ def _attention_chunk(num_q: int, num_kv: int, tokens: int, position: int, multi_
                 **partials,
             )
         else:
+            # On tensor ops (an M5), the tensor-op kernel with its packed queries.
+            packed = (
+                device.alloc(packed_queries_bytes(num_q, num_kv, tokens))
+                if chunk_attention_on_tensor_ops(device)
+                else None
+            )
             record_attention_chunk(
-                graph, device, out=device.wrap(out), tokens=tokens, **bound, **heads
+                graph,
+                device,
+                out=device.wrap(out),
+                tokens=tokens,
+                packed_queries=packed,
+                **bound,
+                **heads,
             )
 
         def verify() -> Comparison:

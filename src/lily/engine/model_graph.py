@@ -301,14 +301,24 @@ class _Scratch:
     queries: Buffer | None
     attn_out: Buffer
     guard_exponents: Buffer | None
+    packed_queries: Buffer | None
     decode_splits: int
 
-    def __init__(self, c: ModelConfig, device: Device, max_chunk: int, capacity: int) -> None:
+    def __init__(
+        self, c: ModelConfig, device: Device, max_chunk: int, capacity: int, kv_cache: str
+    ) -> None:
         for name in _CHUNK_ONLY_ACTIVATIONS:
             setattr(self, name, None)
         for name, width in activation_widths(c, max_chunk).items():
             setattr(self, name, device.alloc(4 * width * max_chunk))
         q_heads = c.num_attention_heads
+        # The half queries the tensor-op chunk attention packs per kv head.
+        self.packed_queries = (
+            device.alloc(_packed_queries_bytes(c, max_chunk))
+            if max_chunk > attention.MAX_DECODE_TOKENS
+            and attention.chunk_attention_on_tensor_ops(device, kv_cache)
+            else None
+        )
         # The decode attention's grid covers the capacity; its partials are sized for that grid
         # and, for a verify pass's attention, per token.
         self.decode_splits = splits = attention.decode_splits(capacity)
@@ -331,12 +341,18 @@ class _Scratch:
         )
 
 
+def _packed_queries_bytes(c: ModelConfig, max_chunk: int) -> int:
+    return attention.packed_queries_bytes(c.num_attention_heads, c.num_key_value_heads, max_chunk)
+
+
 def scratch_bytes(c: ModelConfig, max_chunk: int) -> int:
-    """What the per-pass scratch of a ModelGraph allocates for chunks of up to `max_chunk`."""
+    """What the per-pass scratch of a ModelGraph allocates for chunks of up to `max_chunk`, at
+    most: the packed queries of the tensor-op chunk attention are counted on every device."""
     activations = 4 * max_chunk * sum(activation_widths(c, max_chunk).values())
     chunk_moe = moe_chunk_scratch_bytes(*_moe_shape(c), c.hidden_size, max_chunk)
     sampler = 4 * c.vocab_size + sample_partials_bytes(c.vocab_size)
-    return activations + (chunk_moe if max_chunk > 1 else 0) + sampler
+    packed = _packed_queries_bytes(c, max_chunk) if max_chunk > attention.MAX_DECODE_TOKENS else 0
+    return activations + (chunk_moe if max_chunk > 1 else 0) + sampler + packed
 
 
 def kv_cache_bytes_per_token(c: ModelConfig, kv_cache: str, mtp: bool = False) -> int:
@@ -586,7 +602,7 @@ class ModelGraph:
         self.max_chunk = max_chunk
         self.weights = DeviceWeights(checkpoint, device)
         self.state = self._allocate_state()
-        self._scratch = _Scratch(self.config, device, max_chunk, capacity)
+        self._scratch = _Scratch(self.config, device, max_chunk, capacity, kv_cache)
         self._graphs: dict[tuple[int, bool, int, bool], Graph] = {}
         self._batch_graphs: dict[tuple[int, ...], Graph] = {}
         self._verify: _VerifyBuffers | None = None
@@ -1525,6 +1541,7 @@ class _Recorder:
                 capacity=self.m.capacity,
                 head_dim=c.head_dim,
                 tokens=T,
+                packed_queries=s.packed_queries,
                 **caches,
                 **heads,
             )

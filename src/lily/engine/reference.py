@@ -193,7 +193,8 @@ class ChunkRounding:
       bounds them and to half's 11 significant bits at any range where the GEMM's range guard
       scales them (mixer outputs, the SwiGLU's);
     - from `attention_tokens` tokens (None: never) attention is attention_chunk's
-      (attention_in_tiles)."""
+      (attention_in_tiles), in tiles of `attention_tile_keys` keys (the tensor-op kernel's are
+      twice as long)."""
 
     gdn_sub_chunk: int
     gdn_operands: HalfOperands | None
@@ -202,8 +203,9 @@ class ChunkRounding:
     attention_tile_keys: int = 16
 
     @classmethod
-    def of_the_engine(cls) -> ChunkRounding:
-        """The kernels' own settings."""
+    def of_the_engine(cls, tensor_ops: bool = False) -> ChunkRounding:
+        """The kernels' own settings, on a device whose `tensor_ops` is as given (with a bf16
+        cache)."""
         from lily.kernels import attention, gdn, quantized
 
         return cls(
@@ -211,7 +213,9 @@ class ChunkRounding:
             gdn_operands=HalfOperands(gdn.CHUNK_SCALE_ROWS),
             gemm_tokens=quantized.MAX_TOKENS + 1,
             attention_tokens=attention.MAX_DECODE_TOKENS + 1,
-            attention_tile_keys=attention.CHUNK_TILE_KEYS,
+            attention_tile_keys=(
+                attention.TENSOR_CHUNK_TILE_KEYS if tensor_ops else attention.CHUNK_TILE_KEYS
+            ),
         )
 
 

@@ -22,7 +22,11 @@ causal end, reading every cached row once for all T tokens, and `record_attentio
 
 For a chunk of T prompt tokens, two: `record_attention_prepare` with `tokens=T` (token t at
 position + t), then `record_attention_chunk`, causal attention of the T queries over the cache
-with the output gate applied; no scratch.
+with the output gate applied. On a device whose `tensor_ops` is set (an M5, or a sim opened with
+``tensor_ops=True``) a bf16 cache's chunk attention runs on Metal 4 tensor ops
+(`metal/attention_tensor_ops.metal`), in two dispatches: `attention_chunk_queries` packs the
+scaled queries as half per kv head into a scratch buffer (`packed_queries_bytes`), then
+`attention_chunk_tensor`; an int8 cache keeps the simdgroup-matrix kernel there too.
 
 The KV cache of a layer is two arrays (K and V) of [num_kv_heads, capacity] rows in one of two
 formats (`KV_CACHE_TYPES`, attention.metal): "bf16", 256 bf16 values (512 bytes), or "int8", 256
@@ -75,6 +79,12 @@ CHUNK_THREADS = 256
 # kChunkKeys in attention.metal: the positions of one K/V tile of the chunk kernel's online
 # softmax (lily.engine.reference.attention_in_tiles models its rounding per tile).
 CHUNK_TILE_KEYS = 16
+# Must match kTensorChunkRows, kTensorChunkThreads and kTensorChunkKeys in
+# attention_tensor_ops.metal: the tensor-op chunk kernel's rows per threadgroup (and the padding
+# of the packed queries), threads (4 SIMD-groups), and keys per tile.
+TENSOR_CHUNK_ROWS = 64
+TENSOR_CHUNK_THREADS = 128
+TENSOR_CHUNK_TILE_KEYS = 32
 
 
 def decode_splits(capacity: int) -> int:
@@ -423,6 +433,21 @@ def record_attention_combine(
     )
 
 
+def chunk_attention_on_tensor_ops(device: Device, kv_cache: str = "bf16") -> bool:
+    """Whether `record_attention_chunk` records the tensor-op kernels on `device` for a cache of
+    the format `kv_cache` (and so needs `packed_queries`)."""
+    check_kv_cache(kv_cache)
+    return device.tensor_ops and kv_cache == "bf16"
+
+
+def packed_queries_bytes(num_q_heads: int, num_kv_heads: int, tokens: int) -> int:
+    """The scratch the tensor-op chunk attention packs a chunk of `tokens` queries into: half
+    [num_kv_heads, rows, 256], the rows (tokens x query heads per kv head) padded to whole
+    threadgroups of TENSOR_CHUNK_ROWS."""
+    rows = tokens * (num_q_heads // num_kv_heads)
+    return 2 * num_kv_heads * ceil_div(rows, TENSOR_CHUNK_ROWS) * TENSOR_CHUNK_ROWS * HEAD_DIM
+
+
 def record_attention_chunk(
     graph: Graph,
     device: Device,
@@ -439,6 +464,7 @@ def record_attention_chunk(
     tokens: int,
     kv_cache: str = "bf16",
     head_dim: int = HEAD_DIM,
+    packed_queries: BufferRef | None = None,
 ) -> None:
     """Causal attention of a chunk's `tokens` queries, gated: `out = attention * sigmoid(gate)`.
 
@@ -447,23 +473,51 @@ def record_attention_chunk(
     `tokens`) and step[0] + tokens <= capacity. queries fp32 [T, Hq, 256]; q_proj fp32
     [T, Hq, 2, 256], of which the gate halves are read; caches of the format `kv_cache`; out
     fp32 [T, Hq * 256], ready for o_proj. Scale 1/16.
+
+    When `chunk_attention_on_tensor_ops`, the queries are first packed into `packed_queries`
+    (at least `packed_queries_bytes`), then the tensor-op kernel runs, a barrier between them.
     """
     _check_heads(num_q_heads, num_kv_heads, head_dim)
     _check_tokens(tokens)
     rows = tokens * (num_q_heads // num_kv_heads)
+    params = pack_params("IIIIf", num_q_heads, num_kv_heads, capacity, tokens, head_dim**-0.5)
+    caches_and_out = {
+        2: binding(q_proj),
+        3: binding(k_cache),
+        4: binding(v_cache),
+        5: binding(step),
+        6: binding(out),
+    }
+    if not chunk_attention_on_tensor_ops(device, kv_cache):
+        graph.dispatch(
+            device.kernel(_kernel_name("attention_chunk", kv_cache)),
+            threadgroups=(ceil_div(rows, CHUNK_ROWS), num_kv_heads, 1),
+            threads=(CHUNK_THREADS, 1, 1),
+            buffers={1: binding(queries), **caches_and_out},
+            bytes={0: params},
+        )
+        return
+    if packed_queries is None:
+        raise ValueError("chunk attention on tensor ops needs a packed_queries buffer")
+    buffer, offset = binding(packed_queries)
+    needed = packed_queries_bytes(num_q_heads, num_kv_heads, tokens)
+    if buffer.size - offset < needed:
+        raise ValueError(
+            f"packed_queries holds {buffer.size - offset} bytes, {tokens} tokens need {needed}"
+        )
+    tiles = ceil_div(rows, TENSOR_CHUNK_ROWS)
     graph.dispatch(
-        device.kernel(_kernel_name("attention_chunk", kv_cache)),
-        threadgroups=(ceil_div(rows, CHUNK_ROWS), num_kv_heads, 1),
-        threads=(CHUNK_THREADS, 1, 1),
-        buffers={
-            1: binding(queries),
-            2: binding(q_proj),
-            3: binding(k_cache),
-            4: binding(v_cache),
-            5: binding(step),
-            6: binding(out),
-        },
-        bytes={
-            0: pack_params("IIIIf", num_q_heads, num_kv_heads, capacity, tokens, head_dim**-0.5)
-        },
+        device.kernel("attention_chunk_queries"),
+        threadgroups=(tiles * TENSOR_CHUNK_ROWS, num_kv_heads, 1),
+        threads=(SIMD_WIDTH, 1, 1),
+        buffers={1: binding(queries), 2: binding(packed_queries)},
+        bytes={0: params},
+    )
+    graph.barrier()
+    graph.dispatch(
+        device.kernel("attention_chunk_tensor"),
+        threadgroups=(tiles, num_kv_heads, 1),
+        threads=(TENSOR_CHUNK_THREADS, 1, 1),
+        buffers={1: binding(packed_queries), **caches_and_out},
+        bytes={0: params},
     )
