@@ -134,3 +134,35 @@ def test_a_kv_cache_format_is_checked_before_loading() -> None:
 def test_metal_where_there_is_none_is_a_clear_error_before_loading() -> None:
     with pytest.raises(ValueError, match="metal device is not available here.*'sim'"):
         lily.load("demo", device="metal")
+
+
+@pytest.mark.parametrize("parallel", [0, -1, True, 2.0, "4"])
+def test_parallel_is_checked_before_loading(parallel: object) -> None:
+    with pytest.raises(ValueError, match="parallel must be a positive int"):
+        lily.load("no/such-dir/", parallel=parallel)
+
+
+def test_parallel_needs_an_engine_that_can_batch() -> None:
+    with pytest.raises(ValueError, match="reference engine decodes one sequence"):
+        lily.load("no/such-dir/", device="reference", parallel=2)
+    with pytest.raises(ValueError, match="prefill_chunk of at least 2"):
+        lily.load("demo", device="sim", prefill_chunk=1, parallel=2)
+    with pytest.raises(ValueError, match="speculative='mtp' drafts for one sequence"):
+        lily.load("demo", device="sim", speculative="mtp", parallel=2)
+
+
+def test_parallel_slots_are_what_the_memory_preflight_allows(monkeypatch) -> None:
+    """A Mac whose GPU takes the engine and two slots, not four, gets two; the sim has no limit."""
+    import lily.device
+    from lily.api import _parallel_slots
+
+    def check_memory(kind: str, nbytes: int) -> None:
+        if kind == "metal" and nbytes > 1000 + 2 * 300:
+            raise MemoryError("more than Metal recommends")
+
+    monkeypatch.setattr(lily.device, "check_memory", check_memory)
+    assert _parallel_slots("metal", 1000, 300, 4) == 2
+    assert _parallel_slots("metal", 1000, 700, 4) == 1
+    assert _parallel_slots("sim", 1000, 700, 4) == 4
+    with lily.load("demo", device="sim", parallel=3) as llm:
+        assert llm.parallel == 3

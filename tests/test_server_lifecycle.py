@@ -263,7 +263,9 @@ def test_a_signal_drains_the_server_and_exits_cleanly(sig: signal.Signals) -> No
     process = subprocess.Popen(
         [sys.executable, "-m", "lily.cli", "serve", "--model", "demo", "--device", "sim",
          "--port", str(port), "--max-seq", str(MAX_SEQ), "--prefill-chunk", str(CHUNK),
-         "--shutdown-grace", "1", "--log-level", "warning"],
+         "--shutdown-grace", "1", "--log-level", "warning",
+         # One request at a time, so that the second waits (abuse.py drains a batching one).
+         "--parallel", "1"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

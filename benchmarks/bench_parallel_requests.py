@@ -1,0 +1,75 @@
+"""4 demo chat requests one after another against the same 4 at once (threads sharing a model
+loaded with `parallel=4`: continuous batching, `lily.engine.scheduler`), on the sim. One run
+each, both timed; prints the times, their ratio and whether every answer is the same.
+
+The sim is a CPU: the ratio says how much work batching saves, not how fast a Mac is.
+
+    python benchmarks/bench_parallel_requests.py [--max-tokens 32] [--parallel 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from typing import Any
+
+import lily
+
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "What is a hash map?",
+    "Say hello in French.",
+    "Name a color.",
+    "Explain recursion briefly.",
+    "What is 2 + 2?",
+    "Describe a cat.",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--parallel", type=int, default=4)
+    args = parser.parse_args()
+    prompts = PROMPTS[: args.parallel]
+
+    def request(llm: lily.Lily, prompt: str) -> Any:
+        answer = llm.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=args.max_tokens,
+            temperature=0,
+        )
+        message = answer.choices[0].message
+        return message.content, message.reasoning_content, answer.usage.completion_tokens
+
+    with lily.load("demo", device="sim", speculative="off") as llm:
+        request(llm, "warm up")
+        start = time.perf_counter()
+        alone = [request(llm, p) for p in prompts]
+        sequential = time.perf_counter() - start
+    with lily.load("demo", device="sim", parallel=args.parallel) as llm:
+        request(llm, "warm up")
+        together: list[Any] = [None] * len(prompts)
+
+        def ask(i: int) -> None:
+            together[i] = request(llm, prompts[i])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        batched = time.perf_counter() - start
+    tokens = sum(a[2] for a in alone)
+    print(f"{len(prompts)} demo chat requests, {tokens} tokens generated in all, on the sim:")
+    print(f"  one after another (parallel=1, speculative off): {sequential:.2f} s")
+    print(f"  at once (parallel={args.parallel}):                   {batched:.2f} s")
+    print(f"  ratio: {batched / sequential:.2f}x; same answers: {together == alone}")
+
+
+if __name__ == "__main__":
+    main()
