@@ -52,7 +52,7 @@ from lily.device import Graph
 from lily.engine.command_buffer_budget import command_buffer_flops
 from lily.engine.constraint import mask_words
 from lily.engine.device_weights import DeviceWeights
-from lily.kernels import BufferRef, attention, offset_by
+from lily.kernels import BufferRef, RowSlots, attention, binding, offset_by
 from lily.kernels.conv1d import (
     FoldedConvStep,
     record_conv1d_chunk,
@@ -136,11 +136,29 @@ MAX_DRAFT_TOKENS = MAX_DRAFTS
 MTP_DRAFT_VOCAB = 65536
 
 
+class SlotRegion(tuple):
+    """One batched-decode slot's part of a `_SlotPool` buffer: a `(buffer, byte_offset)` pair,
+    which the recorders take as any BufferRef, with a Buffer's `numpy()` and `size`, so that the
+    host reads and writes a slot's state as it does a sequence's own buffers."""
+
+    size: int
+
+    def __new__(cls, buffer: Buffer, offset: int, size: int) -> SlotRegion:
+        region = super().__new__(cls, (buffer, offset))
+        region.size = size
+        return region
+
+    def numpy(self) -> np.ndarray:
+        buffer, offset = self
+        return buffer.numpy()[offset : offset + self.size]
+
+
 @dataclass
 class SequenceState:
-    """Device buffers a pass reads and writes, besides the weights: the sequence's state."""
+    """Device buffers a pass reads and writes, besides the weights: the sequence's state (a
+    batched-decode slot's step, windows, GDN states and caches are `SlotRegion`s)."""
 
-    step: Buffer  # uint32 [position, prompt_end, token]
+    step: Buffer | SlotRegion  # uint32 [position, prompt_end, token]
     history: Buffer  # uint32 [capacity]: prompt then generated ids
     logits: Buffer  # fp32 [vocab]: the last predicting pass's
     predicted: Buffer  # uint32 [1]: the token the last predicting pass sampled
@@ -148,15 +166,56 @@ class SequenceState:
     logprob_ring: Buffer  # per-step log-probabilities, LOGPROB_RING_SLOTS slots
     token_mask: Buffer  # the allowed tokens of the next draw, written by the host before it
     adjustments: LogitAdjustments  # logit bias and penalty inputs, written per generation
-    conv_windows: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [K-1, C]
-    recurrent: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [Hv, Dv, Dk]
-    k_cache: dict[int, Buffer] = field(default_factory=dict)  # attention layer -> KV rows
-    v_cache: dict[int, Buffer] = field(default_factory=dict)
+    # GDN layer -> fp32 [K-1, C]
+    conv_windows: dict[int, Buffer | SlotRegion] = field(default_factory=dict)
+    # GDN layer -> fp32 [Hv, Dv, Dk]
+    recurrent: dict[int, Buffer | SlotRegion] = field(default_factory=dict)
+    # attention layer -> KV rows
+    k_cache: dict[int, Buffer | SlotRegion] = field(default_factory=dict)
+    v_cache: dict[int, Buffer | SlotRegion] = field(default_factory=dict)
 
-    def recurrent_buffers(self) -> list[Buffer]:
+    def recurrent_buffers(self) -> list[Buffer | SlotRegion]:
         """Everything that must start from zero for a new sequence (the KV cache needs no
         clearing: attention reads only positions already written)."""
         return [*self.conv_windows.values(), *self.recurrent.values()]
+
+
+class _SlotPool:
+    """The batched-decode slots' state that the per-row kernels reach through a `RowSlots`
+    table: each kind (the steps, and per layer the conv windows, GDN states, K and V caches) in
+    one buffer holding the slots one after another, slot s at s times one sequence's size."""
+
+    def __init__(self, c: ModelConfig, device: Device, capacity: int, kv_cache: str, count: int):
+        self.count = count
+        self.sizes: dict[tuple[str, int], int] = {("step", 0): 4 * STEP_FIELDS}
+        for i, kind in enumerate(c.layer_types):
+            if kind == FULL_ATTENTION:
+                nbytes = attention.cache_bytes(c.num_key_value_heads, capacity, kv_cache)
+                self.sizes[("k_cache", i)] = self.sizes[("v_cache", i)] = nbytes
+            else:
+                self.sizes[("conv_windows", i)] = window_bytes(c.linear_conv_dim)
+                self.sizes[("recurrent", i)] = state_bytes(c.linear_num_value_heads)
+        self.buffers = {key: device.alloc(count * size) for key, size in self.sizes.items()}
+
+    def copy_from(self, smaller: _SlotPool) -> None:
+        """The slots of a smaller pool keep their state in this one."""
+        for key, buffer in smaller.buffers.items():
+            self.buffers[key].numpy()[: buffer.size] = buffer.numpy()
+
+    def place(self, slot: int, state: SequenceState) -> None:
+        """Points `state`'s step, windows, GDN states and caches at slot `slot`'s regions."""
+        for (kind, layer), size in self.sizes.items():
+            region = SlotRegion(self.buffers[(kind, layer)], slot * size, size)
+            if kind == "step":
+                state.step = region
+            else:
+                getattr(state, kind)[layer] = region
+
+    def step(self) -> Buffer:
+        return self.buffers[("step", 0)]
+
+    def layer(self, kind: str, layer: int) -> Buffer:
+        return self.buffers[(kind, layer)]
 
 
 def recurrent_state_bytes(c: ModelConfig) -> int:
@@ -603,7 +662,9 @@ class ModelGraph:
             self._allocate_mtp(checkpoint)
         # Batched decode (`batch_graph`): the sequences' own states, and one logits row each.
         self.slots: list[SequenceState] = []
+        self._slot_pool: _SlotPool | None = None
         self._batch_logits: Buffer | None = None
+        self._row_slots: dict[tuple[int, ...], RowSlots] = {}
         self.decode = self.graph(1, predicts=True)
 
     def graph(self, tokens: int, *, predicts: bool, images: bool = False) -> Graph:
@@ -623,7 +684,9 @@ class ModelGraph:
         """At least `count` sequence slots for batched decode, each a whole sequence state (its
         KV cache at the full capacity, conv windows, GDN states, step, history, sampling
         settings, mask and penalty counts: `slot_bytes`), apart from `state`, which prefills.
-        Slots already allocated keep their state."""
+        Slots already allocated keep their state. The steps, windows, GDN states and caches of
+        all slots lie in one buffer per kind (`_SlotPool`), where a batched pass's per-row
+        kernels find each row's by its slot."""
         if self.max_chunk < 2:
             raise ValueError("batched decode needs max_chunk >= 2 (it uses the chunk activations)")
         most = min(self.max_chunk, GEMV_MAX_TOKENS)
@@ -635,9 +698,15 @@ class ModelGraph:
             raise ValueError("batched decode runs without the MTP head")
         if count <= len(self.slots):
             return
-        self.slots += [self._allocate_state() for _ in range(count - len(self.slots))]
+        pool = _SlotPool(self.config, self.device, self.capacity, self.kv_cache, count)
+        if self._slot_pool is not None:
+            pool.copy_from(self._slot_pool)
+        self._slot_pool = pool
+        self.slots += [self._allocate_state(pool) for _ in range(count - len(self.slots))]
+        for slot, state in enumerate(self.slots):
+            pool.place(slot, state)
         self._batch_logits = self.device.alloc(4 * count * self.config.vocab_size)
-        self._batch_graphs.clear()  # they write the smaller logits buffer
+        self._batch_graphs.clear()  # they use the smaller pool and logits buffer
 
     def batch_graph(self, slots: Sequence[int]) -> Graph:
         """One decode step of each slot in `slots` in one pass over the weights: row b of the
@@ -648,8 +717,13 @@ class ModelGraph:
         if not key or len(set(key)) != len(key) or not all(0 <= i < len(self.slots) for i in key):
             raise ValueError(f"a batched pass takes distinct allocated slots, got {key}")
         if key not in self._batch_graphs:
+            if key not in self._row_slots:
+                table = self.device.alloc(4 * len(key))
+                table.numpy().view(np.uint32)[:] = key
+                self._row_slots[key] = RowSlots(table, len(key))
             rows = [self.slots[i] for i in key]
-            self._batch_graphs[key] = _Recorder(self, len(rows), True, batch=rows).record()
+            recorder = _Recorder(self, len(rows), True, batch=rows, row_slots=self._row_slots[key])
+            self._batch_graphs[key] = recorder.record()
         return self._batch_graphs[key]
 
     def rope_table_view(self) -> np.ndarray:
@@ -815,10 +889,12 @@ class ModelGraph:
 
     # -- buffers ----------------------------------------------------------------------------
 
-    def _allocate_state(self) -> SequenceState:
+    def _allocate_state(self, pool: _SlotPool | None = None) -> SequenceState:
+        """A sequence's own state, or with `pool` a slot's, whose step, windows, GDN states and
+        caches the pool then places (`_SlotPool.place`)."""
         c, dev = self.config, self.device
         state = SequenceState(
-            step=dev.alloc(4 * STEP_FIELDS),
+            step=pool.step() if pool else dev.alloc(4 * STEP_FIELDS),
             history=dev.alloc(4 * self.capacity),
             logits=dev.alloc(4 * c.vocab_size),
             predicted=dev.alloc(4),
@@ -827,6 +903,8 @@ class ModelGraph:
             token_mask=dev.alloc(token_mask_bytes(self.token_count)),
             adjustments=LogitAdjustments.allocate(dev, self.token_count),
         )
+        if pool:
+            return state
         for i, kind in enumerate(c.layer_types):
             if kind == FULL_ATTENTION:
                 nbytes = attention.cache_bytes(c.num_key_value_heads, self.capacity, self.kv_cache)
@@ -898,10 +976,12 @@ class _Recorder:
         images: bool = False,
         graph: Graph | None = None,
         batch: Sequence[SequenceState] = (),
+        row_slots: RowSlots | None = None,
     ) -> None:
         self.m, self.c, self.s, self.w = model, model.config, model._scratch, model.weights
-        # A batched decode pass: row b is the newest token of the sequence in batch[b].
-        self.batch = batch
+        # A batched decode pass: row b is the newest token of the sequence in batch[b], whose
+        # slot `row_slots` gives the per-row kernels.
+        self.batch, self.row_slots = batch, row_slots
         self.dev, self.state = model.device, model.state
         self.tokens, self.predicts, self.verify_rows = tokens, predicts, verify_rows
         self.images = images
@@ -997,7 +1077,7 @@ class _Recorder:
             embed_tokens = w.quantized(EMBED_TOKENS)
             for b, seq in enumerate(self.batch):
                 residual = self.hidden_row(s.residual, b)
-                record_embedding(g, dev, seq.history, (seq.step, 0), embed_tokens, residual)
+                record_embedding(g, dev, seq.history, seq.step, embed_tokens, residual)
             g.barrier()
         elif not self.folds_norms:
             position = (self.state.step, 0)
@@ -1211,7 +1291,7 @@ class _Recorder:
             logits=logits,
             vocab=self.m.token_count,
             params=state.sampling_params,
-            position=(state.step, 0),
+            position=binding(state.step),
             predicted=state.predicted,
             logprob_ring=state.logprob_ring,
             ring_slots=LOGPROB_RING_SLOTS,
@@ -1222,63 +1302,59 @@ class _Recorder:
         )
 
     def batch_gated_deltanet(self, i: int, weights: dict) -> None:
-        """Each row's conv and GDN step on its own sequence's window and state (the decode
-        step's kernels), leaving the readouts for the gated norm over every row."""
+        """Every row's conv and GDN step, each on its own sequence's window and state (the decode
+        step's kernels, one dispatch each over the rows through the slot table), leaving the
+        readouts for the gated norm over every row."""
         c, g, dev, s = self.c, self.g, self.dev, self.s
-        conv_weight = weights.pop("conv_weight")
-        for b, seq in enumerate(self.batch):
-            qkv = self.row(s.qkv, c.linear_conv_dim, b)
-            record_conv1d_step(
-                g,
-                dev,
-                x=self.row(s.qkv_projected, c.linear_conv_dim, b),
-                weight=conv_weight,
-                window=seq.conv_windows[i],
-                out=qkv,
-                channels=c.linear_conv_dim,
-            )
+        pool = self.m._slot_pool
+        assert pool is not None and self.row_slots is not None
+        record_conv1d_step(
+            g,
+            dev,
+            x=s.qkv_projected,
+            weight=weights.pop("conv_weight"),
+            window=pool.layer("conv_windows", i),
+            out=s.qkv,
+            channels=c.linear_conv_dim,
+            row_slots=self.row_slots,
+        )
         g.barrier()
-        for b, seq in enumerate(self.batch):
-            heads = c.linear_num_value_heads
-            record_gdn_step(
-                g,
-                dev,
-                qkv=self.row(s.qkv, c.linear_conv_dim, b),
-                a=self.row(s.a, heads, b),
-                b=self.row(s.b, heads, b),
-                readout=self.row(s.gdn_out, c.linear_value_dim, b),
-                **{**weights, "state": seq.recurrent[i]},
-            )
+        record_gdn_step(
+            g,
+            dev,
+            qkv=s.qkv,
+            a=s.a,
+            b=s.b,
+            readout=s.gdn_out,
+            state=pool.layer("recurrent", i),
+            row_slots=self.row_slots,
+            **weights,
+        )
 
     def batch_attention(self, i: int, prepare: dict, partials: dict) -> None:
-        """Each row's decode attention over its own sequence's KV cache and position (the
-        decode step's kernels); the rows share the partials, so they run one after another."""
-        c, g, dev, s = self.c, self.g, self.dev, self.s
-        q_width = c.num_attention_heads * 2 * c.head_dim
-        kv_width = c.num_key_value_heads * c.head_dim
-        for b, seq in enumerate(self.batch):
-            if b:
-                g.barrier()
-            q_proj = self.row(s.q, q_width, b)
-            rows = dict(
-                q_proj=q_proj,
-                k_proj=self.row(s.k, kv_width, b),
-                v_proj=self.row(s.v, kv_width, b),
-                step=seq.step,
-                k_cache=seq.k_cache[i],
-                v_cache=seq.v_cache[i],
-            )
-            attention.record_attention_decode_fused(g, dev, **{**prepare, **rows}, **partials)
-            g.barrier()
-            attention.record_attention_combine(
-                g,
-                dev,
-                **partials,
-                q_proj=q_proj,
-                step=seq.step,
-                out=self.row(s.attn_out, c.num_attention_heads * c.head_dim, b),
-                num_q_heads=c.num_attention_heads,
-            )
+        """Every row's decode attention over its own sequence's KV cache and position (the
+        decode step's kernels, one dispatch each over the rows through the slot table)."""
+        g, dev, s = self.g, self.dev, self.s
+        pool = self.m._slot_pool
+        assert pool is not None and self.row_slots is not None
+        rows = dict(
+            step=pool.step(),
+            k_cache=pool.layer("k_cache", i),
+            v_cache=pool.layer("v_cache", i),
+            row_slots=self.row_slots,
+        )
+        attention.record_attention_decode_fused(g, dev, **{**prepare, **rows}, **partials)
+        g.barrier()
+        attention.record_attention_combine(
+            g,
+            dev,
+            **partials,
+            q_proj=s.q,
+            step=pool.step(),
+            out=s.attn_out,
+            num_q_heads=self.c.num_attention_heads,
+            row_slots=self.row_slots,
+        )
 
     @property
     def head_weight(self) -> str:
