@@ -174,6 +174,28 @@ def test_rows_at_ragged_prompts_under_each_lane_order(lane_order):
         engine.close()
 
 
+def test_an_int8_kv_cache_decodes_as_alone():
+    """The per-row attention's int8 entry point, on each row's slot of the int8 caches."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    engine = DeviceEngine(
+        checkpoint,
+        open_test_device(),
+        MAX_SEQ,
+        checkpoint.config.vocab_size,
+        max_chunk=MAX_CHUNK,
+        kv_cache="int8",
+    )
+    try:
+        prompts = _prompts(engine, [9, 3, 14], seed=11)
+        expected = [_alone(engine, p, 6) for p in prompts]
+        batch = BatchedDecoder(engine, slots=3)
+        ids = [batch.join(p, 6) for p in prompts]
+        _drain(batch, ids)
+        assert [batch.tokens(s) for s in ids] == expected
+    finally:
+        engine.close()
+
+
 def test_a_decode_only_engine_has_no_batched_pass():
     checkpoint = load_checkpoint(tiny_checkpoint("small"))
     engine = DeviceEngine(checkpoint, open_test_device(), MAX_SEQ, checkpoint.config.vocab_size, 1)
