@@ -52,7 +52,7 @@ from lily.device import Graph
 from lily.engine.command_buffer_budget import command_buffer_flops
 from lily.engine.constraint import mask_words
 from lily.engine.device_weights import DeviceWeights
-from lily.kernels import BufferRef, RowSlots, attention, binding, offset_by
+from lily.kernels import BufferRef, RowSlots, attention, offset_by
 from lily.kernels.conv1d import (
     FoldedConvStep,
     record_conv1d_chunk,
@@ -182,12 +182,28 @@ class SequenceState:
 
 class _SlotPool:
     """The batched-decode slots' state that the per-row kernels reach through a `RowSlots`
-    table: each kind (the steps, and per layer the conv windows, GDN states, K and V caches) in
-    one buffer holding the slots one after another, slot s at s times one sequence's size."""
+    table: each kind (the steps, histories, predicted tokens, sampler settings,
+    log-probability rings, token masks and logit adjustments, and per layer the conv windows,
+    GDN states, K and V caches) in one buffer holding the slots one after another, slot s at s
+    times one sequence's size of it."""
 
-    def __init__(self, c: ModelConfig, device: Device, capacity: int, kv_cache: str, count: int):
+    def __init__(
+        self, c: ModelConfig, device: Device, capacity: int, token_count: int, kv_cache: str,
+        count: int,
+    ) -> None:  # fmt: skip
         self.count = count
-        self.sizes: dict[tuple[str, int], int] = {("step", 0): 4 * STEP_FIELDS}
+        # (kind, layer or None): one slot's bytes
+        self.sizes: dict[tuple[str, int | None], int] = {
+            ("step", None): 4 * STEP_FIELDS,
+            ("history", None): 4 * capacity,
+            ("predicted", None): 4,
+            ("sampling_params", None): SAMPLING_PARAMS_BYTES,
+            ("logprob_ring", None): logprob_ring_bytes(LOGPROB_RING_SLOTS),
+            ("token_mask", None): token_mask_bytes(token_count),
+            ("bias", None): 4 * token_count,
+            ("counts", None): 4 * token_count,
+            ("prompt_tokens", None): 4 * mask_words(token_count),
+        }
         for i, kind in enumerate(c.layer_types):
             if kind == FULL_ATTENTION:
                 nbytes = attention.cache_bytes(c.num_key_value_heads, capacity, kv_cache)
@@ -202,19 +218,22 @@ class _SlotPool:
         for key, buffer in smaller.buffers.items():
             self.buffers[key].numpy()[: buffer.size] = buffer.numpy()
 
+    def region(self, slot: int, kind: str, layer: int | None = None) -> SlotRegion:
+        size = self.sizes[(kind, layer)]
+        return SlotRegion(self.buffers[(kind, layer)], slot * size, size)
+
     def place(self, slot: int, state: SequenceState) -> None:
-        """Points `state`'s step, windows, GDN states and caches at slot `slot`'s regions."""
-        for (kind, layer), size in self.sizes.items():
-            region = SlotRegion(self.buffers[(kind, layer)], slot * size, size)
-            if kind == "step":
-                state.step = region
-            else:
-                getattr(state, kind)[layer] = region
+        """Points `state`'s buffers, all but its logits, at slot `slot`'s regions."""
+        for kind, layer in self.sizes:
+            if layer is not None:
+                getattr(state, kind)[layer] = self.region(slot, kind, layer)
+            elif kind not in ("bias", "counts", "prompt_tokens"):
+                setattr(state, kind, self.region(slot, kind))
+        state.adjustments = LogitAdjustments(
+            *(self.region(slot, kind) for kind in ("bias", "counts", "prompt_tokens"))
+        )
 
-    def step(self) -> Buffer:
-        return self.buffers[("step", 0)]
-
-    def layer(self, kind: str, layer: int) -> Buffer:
+    def buffer(self, kind: str, layer: int | None = None) -> Buffer:
         return self.buffers[(kind, layer)]
 
 
@@ -409,10 +428,11 @@ def slot_bytes(c: ModelConfig, capacity: int, token_count: int, kv_cache: str = 
     """What one batched-decode slot (`ModelGraph.allocate_slots`) allocates: a whole sequence
     state for `capacity` tokens (its KV cache, conv windows and GDN states, step, history,
     logits, sampler settings, log-probability ring, token mask, logit adjustments) and its row
-    of the batched pass's logits."""
+    of the batched pass's logits and sampler partials."""
     kv = capacity * kv_cache_bytes_per_token(c, kv_cache)
     adjustments = 2 * 4 * token_count + 4 * mask_words(token_count)
     sampler = SAMPLING_PARAMS_BYTES + logprob_ring_bytes(LOGPROB_RING_SLOTS)
+    sampler += sample_partials_bytes(token_count)
     sampler += token_mask_bytes(token_count) + adjustments
     small = 4 * STEP_FIELDS + 4 * capacity + 4 + 2 * 4 * c.vocab_size
     return kv + recurrent_state_bytes(c) + sampler + small
@@ -664,6 +684,7 @@ class ModelGraph:
         self.slots: list[SequenceState] = []
         self._slot_pool: _SlotPool | None = None
         self._batch_logits: Buffer | None = None
+        self._batch_partials: Buffer | None = None
         self._row_slots: dict[tuple[int, ...], RowSlots] = {}
         self.decode = self.graph(1, predicts=True)
 
@@ -698,15 +719,18 @@ class ModelGraph:
             raise ValueError("batched decode runs without the MTP head")
         if count <= len(self.slots):
             return
-        pool = _SlotPool(self.config, self.device, self.capacity, self.kv_cache, count)
+        pool = _SlotPool(
+            self.config, self.device, self.capacity, self.token_count, self.kv_cache, count
+        )
         if self._slot_pool is not None:
             pool.copy_from(self._slot_pool)
         self._slot_pool = pool
-        self.slots += [self._allocate_state(pool) for _ in range(count - len(self.slots))]
         for slot, state in enumerate(self.slots):
             pool.place(slot, state)
+        self.slots += [self._allocate_slot(pool, slot) for slot in range(len(self.slots), count)]
         self._batch_logits = self.device.alloc(4 * count * self.config.vocab_size)
-        self._batch_graphs.clear()  # they use the smaller pool and logits buffer
+        self._batch_partials = self.device.alloc(sample_partials_bytes(self.token_count, count))
+        self._batch_graphs.clear()  # they use the smaller pool, logits and partials
 
     def batch_graph(self, slots: Sequence[int]) -> Graph:
         """One decode step of each slot in `slots` in one pass over the weights: row b of the
@@ -889,12 +913,10 @@ class ModelGraph:
 
     # -- buffers ----------------------------------------------------------------------------
 
-    def _allocate_state(self, pool: _SlotPool | None = None) -> SequenceState:
-        """A sequence's own state, or with `pool` a slot's, whose step, windows, GDN states and
-        caches the pool then places (`_SlotPool.place`)."""
+    def _allocate_state(self) -> SequenceState:
         c, dev = self.config, self.device
         state = SequenceState(
-            step=pool.step() if pool else dev.alloc(4 * STEP_FIELDS),
+            step=dev.alloc(4 * STEP_FIELDS),
             history=dev.alloc(4 * self.capacity),
             logits=dev.alloc(4 * c.vocab_size),
             predicted=dev.alloc(4),
@@ -903,8 +925,6 @@ class ModelGraph:
             token_mask=dev.alloc(token_mask_bytes(self.token_count)),
             adjustments=LogitAdjustments.allocate(dev, self.token_count),
         )
-        if pool:
-            return state
         for i, kind in enumerate(c.layer_types):
             if kind == FULL_ATTENTION:
                 nbytes = attention.cache_bytes(c.num_key_value_heads, self.capacity, self.kv_cache)
@@ -913,6 +933,23 @@ class ModelGraph:
             else:
                 state.conv_windows[i] = dev.alloc(window_bytes(c.linear_conv_dim))
                 state.recurrent[i] = dev.alloc(state_bytes(c.linear_num_value_heads))
+        return state
+
+    def _allocate_slot(self, pool: _SlotPool, slot: int) -> SequenceState:
+        """Slot `slot`'s state: its own logits, the rest in `pool`."""
+        state = SequenceState(
+            step=pool.region(slot, "step"),
+            history=pool.region(slot, "history"),
+            logits=self.device.alloc(4 * self.config.vocab_size),
+            predicted=pool.region(slot, "predicted"),
+            sampling_params=pool.region(slot, "sampling_params"),
+            logprob_ring=pool.region(slot, "logprob_ring"),
+            token_mask=pool.region(slot, "token_mask"),
+            adjustments=LogitAdjustments(
+                *(pool.region(slot, kind) for kind in ("bias", "counts", "prompt_tokens"))
+            ),
+        )
+        pool.place(slot, state)
         return state
 
     def step_view(self) -> np.ndarray:
@@ -1271,16 +1308,34 @@ class _Recorder:
             )
 
     def batch_head(self) -> None:
-        """The lm_head over every row of a batched pass, one GEMV; then each row's draw with its
-        sequence's settings, mask and penalties, advancing its step as a decode step's does.
-        The draws share the sampler's scratch, so they run one after another."""
-        g, m = self.g, self.m
-        assert m._batch_logits is not None
+        """The lm_head over every row of a batched pass, one GEMV; then every row's draw in one
+        sampler pass through the slot table, each with its sequence's settings, mask and
+        penalties, advancing its step as a decode step's does."""
+        g, m, pool = self.g, self.m, self.m._slot_pool
+        assert m._batch_logits is not None and m._batch_partials is not None
+        assert pool is not None and self.row_slots is not None
         head = [(self.w.quantized(self.head_weight), m._batch_logits)]
         self.project(self.final_normed, head, self.tokens)
-        for b, seq in enumerate(self.batch):
-            g.barrier()
-            self.sample_step(seq, self.row(m._batch_logits, self.c.vocab_size, b))
+        g.barrier()
+        record_sample(
+            g,
+            self.dev,
+            logits=m._batch_logits,
+            logits_stride=self.c.vocab_size,
+            vocab=m.token_count,
+            params=pool.buffer("sampling_params"),
+            position=pool.buffer("step"),
+            predicted=pool.buffer("predicted"),
+            logprob_ring=pool.buffer("logprob_ring"),
+            ring_slots=LOGPROB_RING_SLOTS,
+            token_mask=pool.buffer("token_mask"),
+            adjustments=LogitAdjustments(
+                *(pool.buffer(kind) for kind in ("bias", "counts", "prompt_tokens"))
+            ),
+            partials=m._batch_partials,
+            bookkeeping=StepBookkeeping(pool.buffer("history"), m.capacity),
+            row_slots=self.row_slots,
+        )
 
     def sample_step(self, state: SequenceState, logits: BufferRef) -> None:
         """A decode step's draw for `state` from `logits`, under its own settings and mask, and
@@ -1291,7 +1346,7 @@ class _Recorder:
             logits=logits,
             vocab=self.m.token_count,
             params=state.sampling_params,
-            position=binding(state.step),
+            position=(state.step, 0),
             predicted=state.predicted,
             logprob_ring=state.logprob_ring,
             ring_slots=LOGPROB_RING_SLOTS,
@@ -1313,7 +1368,7 @@ class _Recorder:
             dev,
             x=s.qkv_projected,
             weight=weights.pop("conv_weight"),
-            window=pool.layer("conv_windows", i),
+            window=pool.buffer("conv_windows", i),
             out=s.qkv,
             channels=c.linear_conv_dim,
             row_slots=self.row_slots,
@@ -1326,7 +1381,7 @@ class _Recorder:
             a=s.a,
             b=s.b,
             readout=s.gdn_out,
-            state=pool.layer("recurrent", i),
+            state=pool.buffer("recurrent", i),
             row_slots=self.row_slots,
             **weights,
         )
@@ -1338,9 +1393,9 @@ class _Recorder:
         pool = self.m._slot_pool
         assert pool is not None and self.row_slots is not None
         rows = dict(
-            step=pool.step(),
-            k_cache=pool.layer("k_cache", i),
-            v_cache=pool.layer("v_cache", i),
+            step=pool.buffer("step"),
+            k_cache=pool.buffer("k_cache", i),
+            v_cache=pool.buffer("v_cache", i),
             row_slots=self.row_slots,
         )
         attention.record_attention_decode_fused(g, dev, **{**prepare, **rows}, **partials)
@@ -1350,7 +1405,7 @@ class _Recorder:
             dev,
             **partials,
             q_proj=s.q,
-            step=pool.step(),
+            step=pool.buffer("step"),
             out=s.attn_out,
             num_q_heads=self.c.num_attention_heads,
             row_slots=self.row_slots,
