@@ -156,15 +156,17 @@ class SlotRegion(tuple):
 @dataclass
 class SequenceState:
     """Device buffers a pass reads and writes, besides the weights: the sequence's state (a
-    batched-decode slot's step, windows, GDN states and caches are `SlotRegion`s)."""
+    batched-decode slot's, all but its logits, are `SlotRegion`s of its `_SlotPool`)."""
 
     step: Buffer | SlotRegion  # uint32 [position, prompt_end, token]
-    history: Buffer  # uint32 [capacity]: prompt then generated ids
+    history: Buffer | SlotRegion  # uint32 [capacity]: prompt then generated ids
     logits: Buffer  # fp32 [vocab]: the last predicting pass's
-    predicted: Buffer  # uint32 [1]: the token the last predicting pass sampled
-    sampling_params: Buffer  # the sampler's settings, written by the host between generations
-    logprob_ring: Buffer  # per-step log-probabilities, LOGPROB_RING_SLOTS slots
-    token_mask: Buffer  # the allowed tokens of the next draw, written by the host before it
+    predicted: Buffer | SlotRegion  # uint32 [1]: the token the last predicting pass sampled
+    # the sampler's settings, written by the host between generations
+    sampling_params: Buffer | SlotRegion
+    logprob_ring: Buffer | SlotRegion  # per-step log-probabilities, LOGPROB_RING_SLOTS slots
+    # the allowed tokens of the next draw, written by the host before it
+    token_mask: Buffer | SlotRegion
     adjustments: LogitAdjustments  # logit bias and penalty inputs, written per generation
     # GDN layer -> fp32 [K-1, C]
     conv_windows: dict[int, Buffer | SlotRegion] = field(default_factory=dict)
@@ -180,10 +182,15 @@ class SequenceState:
         return [*self.conv_windows.values(), *self.recurrent.values()]
 
 
+# A slot's per-sequence kinds of state in a `_SlotPool`, as SequenceState names them (the
+# adjustments' in LogitAdjustments' order).
+_SEQUENCE_KINDS = ("step", "history", "predicted", "sampling_params", "logprob_ring", "token_mask")
+_ADJUSTMENT_KINDS = ("bias", "counts", "prompt_tokens")
+
+
 class _SlotPool:
-    """The batched-decode slots' state that the per-row kernels reach through a `RowSlots`
-    table: each kind (the steps, histories, predicted tokens, sampler settings,
-    log-probability rings, token masks and logit adjustments, and per layer the conv windows,
+    """The batched-decode slots' state, which the per-row kernels reach through a `RowSlots`
+    table: each kind (`_SEQUENCE_KINDS`, `_ADJUSTMENT_KINDS`, and per layer the conv windows,
     GDN states, K and V caches) in one buffer holding the slots one after another, slot s at s
     times one sequence's size of it."""
 
@@ -191,7 +198,6 @@ class _SlotPool:
         self, c: ModelConfig, device: Device, capacity: int, token_count: int, kv_cache: str,
         count: int,
     ) -> None:  # fmt: skip
-        self.count = count
         # (kind, layer or None): one slot's bytes
         self.sizes: dict[tuple[str, int | None], int] = {
             ("step", None): 4 * STEP_FIELDS,
@@ -222,19 +228,28 @@ class _SlotPool:
         size = self.sizes[(kind, layer)]
         return SlotRegion(self.buffers[(kind, layer)], slot * size, size)
 
+    def sequence_fields(self, slot: int) -> dict:
+        """Slot `slot`'s regions of the per-sequence kinds, by SequenceState's field names."""
+        fields: dict = {kind: self.region(slot, kind) for kind in _SEQUENCE_KINDS}
+        fields["adjustments"] = LogitAdjustments(
+            *(self.region(slot, kind) for kind in _ADJUSTMENT_KINDS)
+        )
+        return fields
+
     def place(self, slot: int, state: SequenceState) -> None:
         """Points `state`'s buffers, all but its logits, at slot `slot`'s regions."""
+        for name, region in self.sequence_fields(slot).items():
+            setattr(state, name, region)
         for kind, layer in self.sizes:
             if layer is not None:
                 getattr(state, kind)[layer] = self.region(slot, kind, layer)
-            elif kind not in ("bias", "counts", "prompt_tokens"):
-                setattr(state, kind, self.region(slot, kind))
-        state.adjustments = LogitAdjustments(
-            *(self.region(slot, kind) for kind in ("bias", "counts", "prompt_tokens"))
-        )
 
     def buffer(self, kind: str, layer: int | None = None) -> Buffer:
+        """Every slot's `kind`, the buffer a per-row kernel binds."""
         return self.buffers[(kind, layer)]
+
+    def adjustments(self) -> LogitAdjustments:
+        return LogitAdjustments(*(self.buffer(kind) for kind in _ADJUSTMENT_KINDS))
 
 
 def recurrent_state_bytes(c: ModelConfig) -> int:
@@ -705,9 +720,9 @@ class ModelGraph:
         """At least `count` sequence slots for batched decode, each a whole sequence state (its
         KV cache at the full capacity, conv windows, GDN states, step, history, sampling
         settings, mask and penalty counts: `slot_bytes`), apart from `state`, which prefills.
-        Slots already allocated keep their state. The steps, windows, GDN states and caches of
-        all slots lie in one buffer per kind (`_SlotPool`), where a batched pass's per-row
-        kernels find each row's by its slot."""
+        Slots already allocated keep their state. Each kind of the slots' state (all but their
+        logits) lies in one buffer (`_SlotPool`), where a batched pass's per-row kernels find
+        each row's by its slot."""
         if self.max_chunk < 2:
             raise ValueError("batched decode needs max_chunk >= 2 (it uses the chunk activations)")
         most = min(self.max_chunk, GEMV_MAX_TOKENS)
@@ -937,18 +952,8 @@ class ModelGraph:
 
     def _allocate_slot(self, pool: _SlotPool, slot: int) -> SequenceState:
         """Slot `slot`'s state: its own logits, the rest in `pool`."""
-        state = SequenceState(
-            step=pool.region(slot, "step"),
-            history=pool.region(slot, "history"),
-            logits=self.device.alloc(4 * self.config.vocab_size),
-            predicted=pool.region(slot, "predicted"),
-            sampling_params=pool.region(slot, "sampling_params"),
-            logprob_ring=pool.region(slot, "logprob_ring"),
-            token_mask=pool.region(slot, "token_mask"),
-            adjustments=LogitAdjustments(
-                *(pool.region(slot, kind) for kind in ("bias", "counts", "prompt_tokens"))
-            ),
-        )
+        logits = self.device.alloc(4 * self.config.vocab_size)
+        state = SequenceState(logits=logits, **pool.sequence_fields(slot))
         pool.place(slot, state)
         return state
 
@@ -1329,9 +1334,7 @@ class _Recorder:
             logprob_ring=pool.buffer("logprob_ring"),
             ring_slots=LOGPROB_RING_SLOTS,
             token_mask=pool.buffer("token_mask"),
-            adjustments=LogitAdjustments(
-                *(pool.buffer(kind) for kind in ("bias", "counts", "prompt_tokens"))
-            ),
+            adjustments=pool.adjustments(),
             partials=m._batch_partials,
             bookkeeping=StepBookkeeping(pool.buffer("history"), m.capacity),
             row_slots=self.row_slots,
@@ -1339,7 +1342,7 @@ class _Recorder:
 
     def sample_step(self, state: SequenceState, logits: BufferRef) -> None:
         """A decode step's draw for `state` from `logits`, under its own settings and mask, and
-        the step's advance (the single sequence's and each batched row's alike)."""
+        the step's advance (a batched pass draws its rows in `batch_head`)."""
         record_sample(
             self.g,
             self.dev,
