@@ -4,16 +4,21 @@ and leaves. On the sim unless LILY_DEVICE names another device."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from device_testing import open_test_device
 from kernel_testing import LANE_ORDERS, sim_device
 from tiny_models import tiny_checkpoint
 
+from lily.checkpoint.config import FULL_ATTENTION
 from lily.checkpoint.loader import load_checkpoint
+from lily.device import open_device
 from lily.engine.batch import BatchedDecoder
 from lily.engine.constraint import mask_from_tokens
 from lily.engine.engine import DeviceEngine
+from lily.engine.model_graph import ModelGraph
 from lily.engine.sampling import SamplingParams
 
 MAX_SEQ = 48
@@ -194,6 +199,26 @@ def test_an_int8_kv_cache_decodes_as_alone():
         assert [batch.tokens(s) for s in ids] == expected
     finally:
         engine.close()
+
+
+def test_each_per_row_stage_is_one_dispatch_over_all_rows():
+    """The conv and GDN steps, attention and the draw run once per layer (the draw once) for
+    every row through the slot table, so a pass has as many levels at 4 rows as at 2."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    c = checkpoint.config
+    model = ModelGraph(checkpoint, open_device("sim", execute=False), MAX_SEQ, c.vocab_size, 8)
+    model.allocate_slots(4)
+    two, four = model.batch_graph([0, 1]), model.batch_graph([3, 1, 0, 2])
+    assert two.barrier_count == four.barrier_count
+    kernels = Counter(d.kernel for d in four.dispatches)
+    attention_layers = c.layer_types.count(FULL_ATTENTION)
+    gdn_layers = len(c.layer_types) - attention_layers
+    assert kernels["conv1d_step_rows"] == kernels["gdn_step_rows"] == gdn_layers
+    assert kernels["attention_decode_fused_rows"] == attention_layers
+    assert kernels["attention_combine_rows"] == attention_layers
+    assert kernels["sample_slices_rows"] == kernels["sample_token_rows"] == 1
+    single = ("conv1d_step", "gdn_step", "attention_decode_fused", "attention_combine")
+    assert not any(kernels[name] for name in (*single, "sample_slices", "sample_token"))
 
 
 def test_a_decode_only_engine_has_no_batched_pass():
