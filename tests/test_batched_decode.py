@@ -221,6 +221,41 @@ def test_each_per_row_stage_is_one_dispatch_over_all_rows():
     assert not any(kernels[name] for name in (*single, "sample_slices", "sample_token"))
 
 
+def _slot_regions(slot) -> list:
+    return [
+        slot.step,
+        *slot.conv_windows.values(),
+        *slot.recurrent.values(),
+        *slot.k_cache.values(),
+        *slot.v_cache.values(),
+    ]
+
+
+def test_more_slots_keep_the_state_of_those_allocated() -> None:
+    """Allocating more slots moves the slots' steps, windows, GDN states and caches into larger
+    buffers (one per kind, which the per-row kernels index by slot): what the first slots held
+    is still theirs, and each slot's region of a kind lies at its index times one slot's size."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    c = checkpoint.config
+    graph = ModelGraph(checkpoint, open_device("sim", execute=False), MAX_SEQ, c.vocab_size, 8)
+    graph.allocate_slots(2)
+    assert len(graph.slots) == 2
+    rng = np.random.default_rng(3)
+    before = []
+    for slot in graph.slots:
+        for region in _slot_regions(slot):
+            region.numpy()[:] = rng.integers(0, 256, region.size, dtype=np.uint8)
+        before.append([region.numpy().copy() for region in _slot_regions(slot)])
+    graph.allocate_slots(4)
+    assert len(graph.slots) == 4
+    for index, slot in enumerate(graph.slots):
+        for region, first in zip(_slot_regions(slot), _slot_regions(graph.slots[0]), strict=True):
+            assert region[0] is first[0] and region[1] == index * region.size
+    for slot, held in zip(graph.slots[:2], before, strict=True):
+        for region, expected in zip(_slot_regions(slot), held, strict=True):
+            np.testing.assert_array_equal(region.numpy(), expected)
+
+
 def test_a_decode_only_engine_has_no_batched_pass():
     checkpoint = load_checkpoint(tiny_checkpoint("small"))
     engine = DeviceEngine(checkpoint, open_test_device(), MAX_SEQ, checkpoint.config.vocab_size, 1)
