@@ -1,6 +1,6 @@
-"""A MODEL (not a measurement; batched decode is not built yet: issue 42) of decoding B streams
-in one pass at the real dims: aggregate tok/s at 1, 2, 4 and 8 streams on the Macs of
-`prefill_model.py`, each stream at the same context.
+"""A MODEL (not a measurement: no Mac ran batched decode) of decoding B streams in one pass at
+the real dims (`ModelGraph.batch_graph`, issue 42): aggregate tok/s at 1, 2, 4 and 8 streams on
+the Macs of `prefill_model.py`, each stream at the same context.
 
 A pass over B streams' newest tokens runs the 40-layer walk a verify pass of B tokens runs
 (the GEMV-shaped kernels: `qgemv_tokens` reads each projection's weights once for all B, the
@@ -16,7 +16,13 @@ So, per pass:
   (an FMA is two FLOPs);
 - time = max(bytes / (bandwidth x memory efficiency), instructions / issue rate) + levels x
   `LEVEL_SECONDS`: 253 levels for the decode step (B = 1) and 408 for a pass of several tokens
-  (the counts issue 39's review gives for the decode and verify graphs).
+  (the counts issue 39's review gives for the decode and verify graphs). The batched pass's
+  per-row stages (conv and GDN steps, attention, sampler) are one dispatch over all rows through
+  the slot table, so its levels do not grow with B: on the demo it records 83 levels at B = 2, 4
+  and 8, against 87 for a verify pass (counted from `Graph.barrier_count`). The last column is
+  the same model with the per-row stages one dispatch per row, as they were before the slot
+  table: the rows' attention and draws then ran one after another, B - 1 more levels for each
+  attention layer's two dispatches and the sampler's two, 22 (B - 1) at the real dims.
 
 Left out: the host's work per pass (sampling is on the device; the host reads B tokens),
 attention's own latency model (`model_decode_attention.py`; at these contexts attention is a
@@ -40,13 +46,21 @@ DECODE_LEVELS = 253
 VERIFY_LEVELS = 408
 
 
-def pass_seconds(c: ModelConfig, gpu, streams: int, context: int, efficiency: int) -> float:
+def serial_row_levels(c: ModelConfig, streams: int) -> int:
+    """The levels a pass had when each row's attention and draw were dispatches of their own,
+    one row after another: two per attention layer and two for the sampler, per extra row."""
+    return (streams - 1) * (2 * len(c.full_attention_layers) + 2)
+
+
+def pass_seconds(
+    c: ModelConfig, gpu, streams: int, context: int, efficiency: int, extra_levels: int = 0
+) -> float:
     traffic = pass_traffic(c, streams)
     per_stream = 2 * recurrent_state_bytes(c) + context * kv_cache_bytes_per_token(c, "bf16")
     moved = traffic.weight_bytes + streams * per_stream
     bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY[efficiency]
     issue_rate = gpu.fp32_rate / 2
-    levels = DECODE_LEVELS if streams == 1 else VERIFY_LEVELS
+    levels = (DECODE_LEVELS if streams == 1 else VERIFY_LEVELS) + extra_levels
     return max(moved / bandwidth, traffic.gemv_ops / issue_rate) + levels * LEVEL_SECONDS
 
 
@@ -57,18 +71,23 @@ def main() -> None:
     c = parse_config(real_config())
     print(
         f"batched decode at the real dims, each stream at {args.context} tokens of context "
-        "(a MODEL, not a measurement: not built yet)"
+        "(a MODEL, not a measurement: no Mac ran it)"
     )
     print(f"{'Mac':8s} {'streams':>7s} {'ms/pass':>8s} {'tok/s each':>11s} "
-          f"{'aggregate tok/s':>16s}  (memory efficiency 0.7-0.85)")  # fmt: skip
+          f"{'aggregate tok/s':>16s}  (memory efficiency 0.7-0.85)  "
+          "one dispatch per row")  # fmt: skip
     for gpu in GPUS:
         for streams in STREAMS:
             central = pass_seconds(c, gpu, streams, args.context, CENTRAL)
             slow = pass_seconds(c, gpu, streams, args.context, SLOW)
             fast = pass_seconds(c, gpu, streams, args.context, FAST)
+            serial = pass_seconds(
+                c, gpu, streams, args.context, CENTRAL, serial_row_levels(c, streams)
+            )
             print(
                 f"{gpu.name:8s} {streams:7d} {central * 1e3:8.2f} {1 / central:11.0f} "
-                f"{streams / central:16.0f}  ({streams / slow:.0f}-{streams / fast:.0f})"
+                f"{streams / central:16.0f}  {f'({streams / slow:.0f}-{streams / fast:.0f})':28s}"
+                f"{streams / serial:22.0f}"
             )
 
 

@@ -33,6 +33,7 @@
 // either format starts 16-byte aligned.
 #include "attention_chunk.h"
 #include "common.h"
+#include "step.h"
 
 // kHeadDim (256) is in attention_chunk.h: this lane's dims of a row.
 constexpr constant uint kPerLane = kHeadDim / SIMD_WIDTH;
@@ -749,7 +750,13 @@ struct AttentionDecodeFusedParams {
 // (exactly as if read from the cache), and appends them to the cache for later steps. No other
 // threadgroup reads that row, so the append needs no barrier before attention, and attention no
 // level after the prepare.
-template <bool kInt8>
+//
+// kRows (attention_decode_fused_rows): a batched decode pass's rows in one dispatch, grid z the
+// row. Row r reads its own q_proj, k_proj and v_proj rows, the step, K and V of sequence slot
+// row_slots[r] (each kind's slots lying one after another in one buffer: kStepFields words and
+// one cache of Hkv * cache_capacity rows per slot), and leaves its partials at row r of
+// [rows, Hq, num_splits], as attention_decode_tokens leaves a token's.
+template <bool kInt8, bool kRows>
 [[kernel, max_total_threads_per_threadgroup(kDecodeThreads)]] void attention_decode_fused(
     constant AttentionDecodeFusedParams& params [[buffer(0)]],
     device const float* q_proj [[buffer(1)]],   // [Hq, 2, head_dim]: query | gate per head
@@ -763,9 +770,25 @@ template <bool kInt8>
     device float* partial_out [[buffer(9)]],    // [Hq, num_splits, head_dim]
     device float* partial_stats [[buffer(10)]],  // [Hq, num_splits, 2]: max, sum
     device const uint* rope_table [[buffer(11)]],  // [cache_capacity, 3] if params.mrope.table
-    uint2 group_id [[threadgroup_position_in_grid]],
+    device const uint* row_slots [[buffer(12)]],   // [rows], kRows only
+    uint3 group_id [[threadgroup_position_in_grid]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
+  if (kRows) {
+    const uint row = group_id.z;
+    const ulong slot = row_slots[row];
+    const ulong cache_bytes = ulong(params.num_kv_heads) * params.cache_capacity *
+                              kv_row_bytes<kInt8>();
+    const ulong q_heads = params.num_q_heads;
+    q_proj += row * q_heads * 2 * kHeadDim;
+    k_proj += row * params.num_kv_heads * kHeadDim;
+    v_proj += row * params.num_kv_heads * kHeadDim;
+    step += slot * kStepFields;
+    k_cache += slot * cache_bytes;
+    v_cache += slot * cache_bytes;
+    partial_out += row * q_heads * params.num_splits * kHeadDim;
+    partial_stats += row * q_heads * params.num_splits * 2;
+  }
   // The group's scaled queries, then the merge's rows; read and written as float4.
   alignas(16) threadgroup float exchange[kMaxGroup * kHeadDim];
   threadgroup float stats[2 * kMaxGroup * kDecodeSimdgroups];
@@ -825,9 +848,13 @@ template <bool kInt8>
 }
 
 template [[host_name("attention_decode_fused")]] [[kernel]]
-    decltype(attention_decode_fused<false>) attention_decode_fused<false>;
+    decltype(attention_decode_fused<false, false>) attention_decode_fused<false, false>;
 template [[host_name("attention_decode_fused_int8")]] [[kernel]]
-    decltype(attention_decode_fused<true>) attention_decode_fused<true>;
+    decltype(attention_decode_fused<true, false>) attention_decode_fused<true, false>;
+template [[host_name("attention_decode_fused_rows")]] [[kernel]]
+    decltype(attention_decode_fused<false, true>) attention_decode_fused<false, true>;
+template [[host_name("attention_decode_fused_rows_int8")]] [[kernel]]
+    decltype(attention_decode_fused<true, true>) attention_decode_fused<true, true>;
 
 // ---- decode of a few tokens: a verify pass's queries over the cached context ------------------
 //
@@ -998,6 +1025,11 @@ constexpr constant uint kCombineDims = 64;
 // the splits the pass's context (step[0] + tokens) reaches are read: the others hold whatever an
 // earlier step (of this sequence or of a longer one before it) left there. A split a token does
 // not see has sum 0 and adds nothing.
+//
+// kRows (attention_combine_rows): the rows of a batched decode pass, T its rows, after
+// attention_decode_fused_rows: row r's context is that of sequence slot row_slots[r], whose step
+// is at kStepFields * row_slots[r] (params.tokens is 1).
+template <bool kRows>
 [[kernel, max_total_threads_per_threadgroup(kCombineDims)]] void attention_combine(
     constant AttentionCombineParams& params [[buffer(0)]],
     device const float* partial_out [[buffer(1)]],
@@ -1005,11 +1037,15 @@ constexpr constant uint kCombineDims = 64;
     device const float* q_proj [[buffer(3)]],  // [T, Hq, 2, head_dim]: the gate halves are read
     device float* out [[buffer(4)]],           // [T, Hq, head_dim]: attention * sigmoid(gate)
     device const uint* step [[buffer(5)]],     // [position, ...]
+    device const uint* row_slots [[buffer(6)]],  // [T], kRows only
     uint3 group_id [[threadgroup_position_in_grid]],
     uint thread_id [[thread_index_in_threadgroup]]) {
   // The token's head: row `head` of [T, Hq] partials, gates and outputs.
   const uint head = group_id.z * params.num_q_heads + group_id.x;
   const uint dim = group_id.y * kCombineDims + thread_id;
+  if (kRows) {
+    step += ulong(row_slots[group_id.z]) * kStepFields;
+  }
   const uint context = step[0] + params.tokens;
   const uint length = split_length(context, params.num_splits);
   const uint splits = (context + length - 1) / length;
@@ -1035,6 +1071,11 @@ constexpr constant uint kCombineDims = 64;
   const float gate = q_proj[head * 2 * kHeadDim + kHeadDim + dim];
   out[head * kHeadDim + dim] = numerator / denominator / (1.0f + exp(-gate));
 }
+
+template [[host_name("attention_combine")]] [[kernel]] decltype(attention_combine<false>)
+    attention_combine<false>;
+template [[host_name("attention_combine_rows")]] [[kernel]] decltype(attention_combine<true>)
+    attention_combine<true>;
 
 // ---- attention for a chunk of prompt tokens ---------------------------------------------------
 //

@@ -27,6 +27,27 @@ struct Conv1dStepParams {
   out[channel] = conv_step_channel(weight, window, channels, channel, x[channel]);
 }
 
+// A batched decode pass's conv steps in one dispatch: grid y is the pass's row, and row r steps
+// its own x and out rows on the window of sequence slot row_slots[r], the windows of all slots
+// lying one after another in one buffer.
+[[kernel]] void conv1d_step_rows(
+    constant Conv1dStepParams& params [[buffer(0)]],
+    device const float* x [[buffer(1)]],        // [rows, channels]
+    device const bfloat* weight [[buffer(2)]],  // [channels, 4, 1] as stored in the checkpoint
+    device float* windows [[buffer(3)]],        // [slots, 3, channels]
+    device float* out [[buffer(4)]],            // [rows, channels]
+    device const uint* row_slots [[buffer(5)]],  // [rows]
+    uint2 position [[thread_position_in_grid]]) {
+  const uint channels = params.channels;
+  const uint channel = position.x;
+  if (channel >= channels) {
+    return;
+  }
+  const ulong row = ulong(position.y) * channels;
+  device float* window = windows + ulong(row_slots[position.y]) * kHistory * channels;
+  out[row + channel] = conv_step_channel(weight, window, channels, channel, x[row + channel]);
+}
+
 struct Conv1dChunkParams {
   uint channels;
   uint tokens;

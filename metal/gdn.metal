@@ -162,21 +162,13 @@ constexpr constant uint kStepSimdgroups = 4;
 constexpr constant uint kStepRowsPerThreadgroup = kStepSimdgroups * kRowsPerSimdgroup;
 static_assert(kValueDim % kStepRowsPerThreadgroup == 0, "a head splits into whole threadgroups");
 
-// Threadgroups of exactly kStepSimdgroups * 32 threads, kValueDim / kStepRowsPerThreadgroup per
-// value head. The state is read and written exactly once; the readout is S q, the gated RMSNorm
-// left to its consumer (gdn_out_proj).
-[[kernel, max_total_threads_per_threadgroup(kStepSimdgroups * SIMD_WIDTH)]] void gdn_step(
-    constant GdnStepParams& params [[buffer(0)]],
-    device const float* qkv [[buffer(1)]],  // conv output: [q Hk*Dk | k Hk*Dk | v Hv*Dv]
-    device const float* a [[buffer(2)]],    // [Hv]
-    device const float* b [[buffer(3)]],    // [Hv]
-    device const float* a_log [[buffer(4)]],     // [Hv]
-    device const bfloat* dt_bias [[buffer(5)]],  // [Hv]
-    device float* state [[buffer(6)]],           // [Hv, Dv, Dk], updated in place
-    device float* readout [[buffer(7)]],         // [Hv*Dv]
-    uint threadgroup_id [[threadgroup_position_in_grid]],
-    uint simd_index [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+// One threadgroup's part of the step: its simdgroups' rows of one value head. The state is read
+// and written exactly once; the readout is S q, the gated RMSNorm left to its consumer.
+inline void gdn_step_rows_of(constant GdnStepParams& params, device const float* qkv,
+                             device const float* a, device const float* b,
+                             device const float* a_log, device const bfloat* dt_bias,
+                             device float* state, device float* readout, uint threadgroup_id,
+                             uint simd_index, uint lane) {
   constexpr uint parts = kValueDim / kStepRowsPerThreadgroup;
   const uint head = threadgroup_id / parts;
   const StateRows rows{(threadgroup_id % parts) * kStepRowsPerThreadgroup +
@@ -201,6 +193,50 @@ static_assert(kValueDim % kStepRowsPerThreadgroup == 0, "a head splits into whol
   if (lane == 0) {
     *reinterpret_cast<device float4*>(readout + head * kValueDim + rows.first) = o;
   }
+}
+
+// Threadgroups of exactly kStepSimdgroups * 32 threads, kValueDim / kStepRowsPerThreadgroup per
+// value head (gdn_out_proj applies the gated RMSNorm to the readout).
+[[kernel, max_total_threads_per_threadgroup(kStepSimdgroups * SIMD_WIDTH)]] void gdn_step(
+    constant GdnStepParams& params [[buffer(0)]],
+    device const float* qkv [[buffer(1)]],  // conv output: [q Hk*Dk | k Hk*Dk | v Hv*Dv]
+    device const float* a [[buffer(2)]],    // [Hv]
+    device const float* b [[buffer(3)]],    // [Hv]
+    device const float* a_log [[buffer(4)]],     // [Hv]
+    device const bfloat* dt_bias [[buffer(5)]],  // [Hv]
+    device float* state [[buffer(6)]],           // [Hv, Dv, Dk], updated in place
+    device float* readout [[buffer(7)]],         // [Hv*Dv]
+    uint threadgroup_id [[threadgroup_position_in_grid]],
+    uint simd_index [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  gdn_step_rows_of(params, qkv, a, b, a_log, dt_bias, state, readout, threadgroup_id,
+                   simd_index, lane);
+}
+
+// A batched decode pass's steps in one dispatch: grid y is the pass's row, and row r steps its
+// own qkv, a, b and readout rows on the state of sequence slot row_slots[r], the states of all
+// slots lying one after another in one buffer.
+[[kernel, max_total_threads_per_threadgroup(kStepSimdgroups * SIMD_WIDTH)]] void gdn_step_rows(
+    constant GdnStepParams& params [[buffer(0)]],
+    device const float* qkv [[buffer(1)]],  // [rows, Hk*Dk + Hk*Dk + Hv*Dv]
+    device const float* a [[buffer(2)]],    // [rows, Hv]
+    device const float* b [[buffer(3)]],    // [rows, Hv]
+    device const float* a_log [[buffer(4)]],     // [Hv]
+    device const bfloat* dt_bias [[buffer(5)]],  // [Hv]
+    device float* states [[buffer(6)]],          // [slots, Hv, Dv, Dk], updated in place
+    device float* readout [[buffer(7)]],         // [rows, Hv*Dv]
+    device const uint* row_slots [[buffer(8)]],  // [rows]
+    uint2 threadgroup_id [[threadgroup_position_in_grid]],
+    uint simd_index [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const uint row = threadgroup_id.y;
+  const uint heads = params.num_value_heads;
+  const ulong value_width = ulong(heads) * kValueDim;
+  const ulong conv_width = 2 * params.num_key_heads * kKeyDim + value_width;
+  device float* state = states + ulong(row_slots[row]) * value_width * kKeyDim;
+  gdn_step_rows_of(params, qkv + row * conv_width, a + row * heads, b + row * heads, a_log,
+                   dt_bias, state, readout + row * value_width, threadgroup_id.x, simd_index,
+                   lane);
 }
 
 // ---- a verify pass: the state after each position it may keep -----------------------------------

@@ -681,10 +681,35 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
   }
 }
 
+// A batched decode pass's draw g (the kernels' kRows entry points, sample_slices_rows and
+// sample_token_rows) is the newest token of sequence slot row_slots[g], and each per-sequence
+// buffer (settings, step, mask, bias, counts, prompt tokens, history, log-probability ring,
+// predicted token) holds the slots one after another: the draw reads and writes its slot's part
+// of each, at these offsets in elements of each. Draw g's logits row and partials are the pass's
+// row g, as any draw's. One sequence's draws (kRows false) are all slot 0's.
+struct SlotParts {
+  uint slot;
+  ulong step;
+  ulong tokens;        // bias, counts
+  ulong prompt_words;  // the prompt tokens' bitmask
+  ulong history;
+  ulong ring_entries;
+};
+
+inline SlotParts slot_parts(constant SampleShape& shape, uint slot) {
+  return SlotParts{slot,
+                   ulong(slot) * kStepFields,
+                   ulong(slot) * shape.vocab,
+                   ulong(slot) * ((shape.vocab + 31) / 32),
+                   ulong(slot) * shape.capacity,
+                   ulong(slot) * shape.ring_slots * LOGPROB_ENTRIES};
+}
+
 // The first dispatch of a draw: grid (slices, draws), each threadgroup reducing one slice of
 // the vocabulary into its SlicePartial.
+template <bool kRows>
 [[kernel]] void sample_slices(constant SampleShape& shape [[buffer(0)]],
-                              device const SamplingParams& params [[buffer(1)]],
+                              device const SamplingParams* all_params [[buffer(1)]],
                               device const float* all_logits [[buffer(2)]],
                               device const uint* step [[buffer(3)]],
                               device SlicePartial* partials [[buffer(4)]],
@@ -693,6 +718,7 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
                               device const uint* counts [[buffer(8)]],
                               device const uint* prompt_tokens [[buffer(9)]],
                               device const uint* history [[buffer(11)]],
+                              device const uint* row_slots [[buffer(12)]],  // [draws], kRows only
                               uint2 group [[threadgroup_position_in_grid]],
                               uint thread_id [[thread_index_in_threadgroup]],
                               uint2 threadgroup_size [[threads_per_threadgroup]],
@@ -707,13 +733,20 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
   const uint simdgroups = (threads + SIMD_WIDTH - 1) / SIMD_WIDTH;
   const uint slice = group.x;
   const uint draw = group.y;
+  const SlotParts part = slot_parts(shape, kRows ? row_slots[draw] : 0);
+  device const SamplingParams& params = all_params[part.slot];
+  step += part.step;
+  bias += part.tokens;
+  counts += part.tokens;
+  prompt_tokens += part.prompt_words;
   const uint begin = min(slice * shape.slice_tokens, vocab - 1);
   const uint end = min(begin + shape.slice_tokens, vocab);
   device SlicePartial& out = partials[draw * min(shape.slices, MAX_SLICES) + slice];
-  // Draw g is for position + g: one dispatch can draw many samples (the tests do).
-  const uint step_position = step[0] + draw;
+  // One sequence's draw g is for position + g: one dispatch can draw many samples (the tests
+  // do); a batched pass's draws are each for its own slot's position.
+  const uint step_position = step[0] + (kRows ? 0 : draw);
   device const float* logits = all_logits + ulong(draw) * shape.logits_stride;
-  device const uint* mask = all_masks + ulong(draw) * shape.mask_stride;
+  device const uint* mask = all_masks + ulong(kRows ? part.slot : draw) * shape.mask_stride;
 
   const Adjustments adjustments =
       draw_adjustments(shape, bias, counts, prompt_tokens, history, step[0], draw);
@@ -818,11 +851,18 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
   }
 }
 
+template [[host_name("sample_slices")]] [[kernel]] decltype(sample_slices<false>)
+    sample_slices<false>;
+template [[host_name("sample_slices_rows")]] [[kernel]] decltype(sample_slices<true>)
+    sample_slices<true>;
+
 // The second dispatch of a draw, one threadgroup each: the token from the slices' partials,
-// written to predicted[draw], then the log-probabilities and, when `shape.bookkeeping` is set
-// (one draw), the token's count for the penalties and the step buffer's advance.
+// written to predicted[draw] (a batched pass's: to its slot's), then the log-probabilities and,
+// when `shape.bookkeeping` is set (one draw, or each of a batched pass's on its own slot), the
+// token's count for the penalties and the step buffer's advance.
+template <bool kRows>
 [[kernel]] void sample_token(constant SampleShape& shape [[buffer(0)]],
-                             device const SamplingParams& params [[buffer(1)]],
+                             device const SamplingParams* all_params [[buffer(1)]],
                              device const float* all_logits [[buffer(2)]],
                              device uint* step [[buffer(3)]],
                              device const SlicePartial* all_partials [[buffer(4)]],
@@ -833,6 +873,7 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
                              device const uint* prompt_tokens [[buffer(9)]],
                              device LogprobEntry* logprob_ring [[buffer(10)]],
                              device uint* history [[buffer(11)]],
+                             device const uint* row_slots [[buffer(12)]],  // [draws], kRows only
                              uint draw [[threadgroup_position_in_grid]],
                              uint thread_id [[thread_index_in_threadgroup]],
                              uint threads [[threads_per_threadgroup]],
@@ -845,10 +886,20 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
   const uint vocab = shape.vocab;
   const uint slices = min(shape.slices, MAX_SLICES);
   const uint simdgroups = (threads + SIMD_WIDTH - 1) / SIMD_WIDTH;
-  const uint step_position = step[0] + draw;
+  const SlotParts part = slot_parts(shape, kRows ? row_slots[draw] : 0);
+  device const SamplingParams& params = all_params[part.slot];
+  step += part.step;
+  bias += part.tokens;
+  counts += part.tokens;
+  prompt_tokens += part.prompt_words;
+  logprob_ring += part.ring_entries;
+  if (kRows) {
+    history += part.history;  // bound with the bookkeeping a batched pass always has
+  }
+  const uint step_position = step[0] + (kRows ? 0 : draw);
   device const SlicePartial* partials = all_partials + draw * slices;
   device const float* logits = all_logits + ulong(draw) * shape.logits_stride;
-  device const uint* mask = all_masks + ulong(draw) * shape.mask_stride;
+  device const uint* mask = all_masks + ulong(kRows ? part.slot : draw) * shape.mask_stride;
 
   const Adjustments adjustments =
       draw_adjustments(shape, bias, counts, prompt_tokens, history, step[0], draw);
@@ -894,18 +945,23 @@ inline void write_logprobs(device const float* logits, uint vocab, uint slice_to
                      lane);
     }
   }
-  if (thread_id == 0) predicted[draw] = chosen;
+  if (thread_id == 0) predicted[kRows ? part.slot : draw] = chosen;
 
   if (shape.bookkeeping != 0) {
     // Every thread has read the step buffer and the counts by now.
     threadgroup_barrier(mem_flags::mem_device);
-    if (thread_id == 0 && draw == 0) {
+    if (thread_id == 0 && (kRows || draw == 0)) {
       // One more occurrence of the drawn token, which the penalties of the next draws read.
       if (params.adjusts != 0 && chosen != NO_TOKEN) counts[min(chosen, vocab - 1)] += 1;
       advance_step(1, shape.capacity, step, history, chosen);
     }
   }
 }
+
+template [[host_name("sample_token")]] [[kernel]] decltype(sample_token<false>)
+    sample_token<false>;
+template [[host_name("sample_token_rows")]] [[kernel]] decltype(sample_token<true>)
+    sample_token<true>;
 
 struct AcceptShape {
   uint drafts;    // k: the verify pass drew k + 1 tokens, one per row

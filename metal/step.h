@@ -9,6 +9,10 @@
 #include <metal_stdlib>
 using namespace metal;
 
+// Words of one step buffer (lily.kernels.step.STEP_FIELDS): batched decode keeps its sequences'
+// steps one after another in one buffer, this far apart.
+constexpr constant uint kStepFields = 3;
+
 // position += count; the token at the new position is the prompt's inside the prompt, else
 // `predicted`, which is appended to the history. One thread.
 inline void advance_step(uint count, uint capacity, device uint* step, device uint* history,

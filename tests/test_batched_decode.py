@@ -4,16 +4,21 @@ and leaves. On the sim unless LILY_DEVICE names another device."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from device_testing import open_test_device
 from kernel_testing import LANE_ORDERS, sim_device
 from tiny_models import tiny_checkpoint
 
+from lily.checkpoint.config import FULL_ATTENTION
 from lily.checkpoint.loader import load_checkpoint
+from lily.device import open_device
 from lily.engine.batch import BatchedDecoder
 from lily.engine.constraint import mask_from_tokens
 from lily.engine.engine import DeviceEngine
+from lily.engine.model_graph import ModelGraph
 from lily.engine.sampling import SamplingParams
 
 MAX_SEQ = 48
@@ -172,6 +177,83 @@ def test_rows_at_ragged_prompts_under_each_lane_order(lane_order):
         assert [batch.tokens(s) for s in ids] == expected
     finally:
         engine.close()
+
+
+def test_an_int8_kv_cache_decodes_as_alone():
+    """The per-row attention's int8 entry point, on each row's slot of the int8 caches."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    engine = DeviceEngine(
+        checkpoint,
+        open_test_device(),
+        MAX_SEQ,
+        checkpoint.config.vocab_size,
+        max_chunk=MAX_CHUNK,
+        kv_cache="int8",
+    )
+    try:
+        prompts = _prompts(engine, [9, 3, 14], seed=11)
+        expected = [_alone(engine, p, 6) for p in prompts]
+        batch = BatchedDecoder(engine, slots=3)
+        ids = [batch.join(p, 6) for p in prompts]
+        _drain(batch, ids)
+        assert [batch.tokens(s) for s in ids] == expected
+    finally:
+        engine.close()
+
+
+def test_each_per_row_stage_is_one_dispatch_over_all_rows():
+    """The conv and GDN steps, attention and the draw run once per layer (the draw once) for
+    every row through the slot table, so a pass has as many levels at 4 rows as at 2."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    c = checkpoint.config
+    model = ModelGraph(checkpoint, open_device("sim", execute=False), MAX_SEQ, c.vocab_size, 8)
+    model.allocate_slots(4)
+    two, four = model.batch_graph([0, 1]), model.batch_graph([3, 1, 0, 2])
+    assert two.barrier_count == four.barrier_count
+    kernels = Counter(d.kernel for d in four.dispatches)
+    attention_layers = c.layer_types.count(FULL_ATTENTION)
+    gdn_layers = len(c.layer_types) - attention_layers
+    assert kernels["conv1d_step_rows"] == kernels["gdn_step_rows"] == gdn_layers
+    assert kernels["attention_decode_fused_rows"] == attention_layers
+    assert kernels["attention_combine_rows"] == attention_layers
+    assert kernels["sample_slices_rows"] == kernels["sample_token_rows"] == 1
+    single = ("conv1d_step", "gdn_step", "attention_decode_fused", "attention_combine")
+    assert not any(kernels[name] for name in (*single, "sample_slices", "sample_token"))
+
+
+def _slot_regions(slot) -> list:
+    return [
+        slot.step,
+        *slot.conv_windows.values(),
+        *slot.recurrent.values(),
+        *slot.k_cache.values(),
+        *slot.v_cache.values(),
+    ]
+
+
+def test_more_slots_keep_the_state_of_those_allocated() -> None:
+    """Allocating more slots moves the slots' steps, windows, GDN states and caches into larger
+    buffers (one per kind, which the per-row kernels index by slot): what the first slots held
+    is still theirs, and each slot's region of a kind lies at its index times one slot's size."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    c = checkpoint.config
+    graph = ModelGraph(checkpoint, open_device("sim", execute=False), MAX_SEQ, c.vocab_size, 8)
+    graph.allocate_slots(2)
+    assert len(graph.slots) == 2
+    rng = np.random.default_rng(3)
+    before = []
+    for slot in graph.slots:
+        for region in _slot_regions(slot):
+            region.numpy()[:] = rng.integers(0, 256, region.size, dtype=np.uint8)
+        before.append([region.numpy().copy() for region in _slot_regions(slot)])
+    graph.allocate_slots(4)
+    assert len(graph.slots) == 4
+    for index, slot in enumerate(graph.slots):
+        for region, first in zip(_slot_regions(slot), _slot_regions(graph.slots[0]), strict=True):
+            assert region[0] is first[0] and region[1] == index * region.size
+    for slot, held in zip(graph.slots[:2], before, strict=True):
+        for region, expected in zip(_slot_regions(slot), held, strict=True):
+            np.testing.assert_array_equal(region.numpy(), expected)
 
 
 def test_a_decode_only_engine_has_no_batched_pass():

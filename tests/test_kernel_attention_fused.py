@@ -30,6 +30,7 @@ from test_kernel_attention import (
 
 from lily.device import Graph
 from lily.engine import reference
+from lily.kernels import RowSlots
 from lily.kernels.attention import (
     HEAD_DIM,
     decode_splits,
@@ -40,6 +41,7 @@ from lily.kernels.attention import (
     record_attention_decode_fused,
     record_attention_prepare,
 )
+from lily.kernels.step import STEP_FIELDS
 
 
 @pytest.fixture(params=LANE_ORDERS)
@@ -230,3 +232,115 @@ def test_a_step_past_the_capacity_writes_nothing(device):
     written_out = partial_out.reshape(num_q, case.splits, -1)[:, :1]
     written_stats = partial_stats.reshape(num_q, case.splits, 2)[:, :1]
     assert np.all(np.isfinite(written_out)) and np.all(np.isfinite(written_stats))
+
+
+def _combine(device, case: FusedCase, partial_out, partial_stats) -> np.ndarray:
+    out = np.full((case.heads[0], HEAD_DIM), np.nan, dtype=np.float32)
+    graph = Graph()
+    record_attention_combine(
+        graph,
+        device,
+        partial_out=device.wrap(partial_out),
+        partial_stats=device.wrap(partial_stats),
+        q_proj=device.wrap(case.q_proj),
+        step=device.wrap(np.array([case.position, 0], dtype=np.uint32)),
+        out=device.wrap(out),
+        num_q_heads=case.heads[0],
+        num_splits=case.splits,
+    )
+    device.run(graph)
+    return out
+
+
+@pytest.mark.parametrize("heads", [REAL, GROUP_OF_3], ids=["real", "group_of_3"])
+def test_rows_attend_each_row_over_its_slots_cache(device, heads):
+    """A batched pass's attention in two dispatches over all rows: row r on the step and caches
+    of slot row_slots[r] (ragged: 3 rows of 4 slots out of order, at different positions; slot
+    1 is no row's and keeps its cache). Each row's partials, appended rows and output equal the
+    one-sequence kernels' on that slot alone, bit for bit (those are checked against float64
+    above)."""
+    capacity, positions, row_slots = 70, [33, 5, 0, 64], [3, 0, 2]
+    cases = [FusedCase(heads, position, capacity) for position in positions]
+    rows = [cases[slot] for slot in row_slots]
+    num_q, num_kv = heads
+    splits = cases[0].splits
+    steps = np.zeros((len(cases), STEP_FIELDS), dtype=np.uint32)
+    steps[:, 0] = positions
+    k_caches = np.stack([case.k_cache for case in cases])
+    v_caches = np.stack([case.v_cache for case in cases])
+    partial_out = np.full(partial_out_bytes(num_q, splits, len(rows)) // 4, np.nan, np.float32)
+    partial_stats = np.full(partial_stats_bytes(num_q, splits, len(rows)) // 4, np.nan, np.float32)
+    out = np.full((len(rows), num_q, HEAD_DIM), np.nan, dtype=np.float32)
+    table = RowSlots(device.wrap(np.array(row_slots, dtype=np.uint32)), len(rows))
+    q_proj = device.wrap(np.stack([case.q_proj for case in rows]))
+    partials = dict(
+        partial_out=device.wrap(partial_out),
+        partial_stats=device.wrap(partial_stats),
+        num_splits=splits,
+    )
+    graph = Graph()
+    record_attention_decode_fused(
+        graph,
+        device,
+        q_proj=q_proj,
+        k_proj=device.wrap(np.stack([case.k_proj for case in rows])),
+        v_proj=device.wrap(np.stack([case.v_proj for case in rows])),
+        q_norm=device.wrap(cases[0].q_norm),
+        k_norm=device.wrap(cases[0].k_norm),
+        step=device.wrap(steps),
+        k_cache=device.wrap(k_caches),
+        v_cache=device.wrap(v_caches),
+        num_q_heads=num_q,
+        num_kv_heads=num_kv,
+        capacity=capacity,
+        rotary_dim=ROTARY_DIM,
+        rope_theta=THETA,
+        norm_eps=EPS,
+        row_slots=table,
+        **partials,
+    )
+    graph.barrier()
+    record_attention_combine(
+        graph,
+        device,
+        q_proj=q_proj,
+        step=device.wrap(steps),
+        out=device.wrap(out),
+        num_q_heads=num_q,
+        row_slots=table,
+        **partials,
+    )
+    device.run(graph)
+
+    row_out = partial_out.reshape(len(rows), -1)
+    row_stats = partial_stats.reshape(len(rows), -1)
+    for row, (slot, case) in enumerate(zip(row_slots, rows, strict=True)):
+        case.q_norm, case.k_norm = cases[0].q_norm, cases[0].k_norm  # the layer's, shared
+        alone_out, alone_stats, alone_k, alone_v = case.run_fused(device)
+        np.testing.assert_array_equal(k_caches[slot], alone_k)
+        np.testing.assert_array_equal(v_caches[slot], alone_v)
+        # Splits past the row's context are left as they were (NaN in both).
+        np.testing.assert_array_equal(row_out[row], alone_out)
+        np.testing.assert_array_equal(row_stats[row], alone_stats)
+        combined = _combine(device, case, alone_out, alone_stats)
+        assert np.all(np.isfinite(combined))
+        np.testing.assert_array_equal(out[row], combined)
+    np.testing.assert_array_equal(k_caches[1], cases[1].k_cache)
+    np.testing.assert_array_equal(v_caches[1], cases[1].v_cache)
+
+
+def test_rows_take_no_more_than_the_partials_hold(device):
+    case = FusedCase(TINY, 3, 8)
+    with pytest.raises(ValueError, match="1 to 9 rows"):
+        record_attention_combine(
+            Graph(),
+            device,
+            partial_out=device.wrap(np.zeros(4, np.float32)),
+            partial_stats=device.wrap(np.zeros(4, np.float32)),
+            q_proj=device.wrap(case.q_proj),
+            step=device.wrap(np.zeros(STEP_FIELDS, np.uint32)),
+            out=device.wrap(np.zeros(4, np.float32)),
+            num_q_heads=TINY[0],
+            num_splits=case.splits,
+            row_slots=RowSlots(device.wrap(np.zeros(10, np.uint32)), 10),
+        )

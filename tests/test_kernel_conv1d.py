@@ -13,6 +13,7 @@ from kernel_testing import LANE_ORDERS, assert_within_ulps, sim_device
 from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
 from lily.device import Graph
 from lily.engine import reference
+from lily.kernels import RowSlots
 from lily.kernels.conv1d import (
     KERNEL_TAPS,
     record_conv1d_chunk,
@@ -335,3 +336,49 @@ def test_a_tail_needs_candidates(device) -> None:
         record_conv1d_chunk(
             graph, device, channels=8, tokens=3, tail=buffers["out"], candidates=4, **buffers
         )
+
+
+@pytest.mark.parametrize(("channels", "row_slots"), [(300, [3, 0, 2]), (1024, [1])])
+def test_rows_step_each_row_on_its_slots_window(device, channels: int, row_slots) -> None:
+    """A batched pass's conv steps in one dispatch: row r on window row_slots[r] of the slots'
+    windows (ragged: slot 1 of 4 is no row's, and keeps its window)."""
+    slots, rows = 4, len(row_slots)
+    rng = np.random.default_rng(channels)
+    weight_bits = float32_to_bf16(rng.normal(0, 0.5, (channels, KERNEL_TAPS, 1)).astype(np.float32))
+    windows = rng.normal(0, 1, (slots, KERNEL_TAPS - 1, channels)).astype(np.float32)
+    x = rng.normal(0, 1, (rows, channels)).astype(np.float32)
+    out = np.full((rows, channels), np.nan, dtype=np.float32)
+    stepped = windows.copy()
+    table = np.array(row_slots, dtype=np.uint32)
+    graph = Graph()
+    record_conv1d_step(
+        graph,
+        device,
+        x=device.wrap(x),
+        weight=device.wrap(weight_bits),
+        window=device.wrap(stepped),
+        out=device.wrap(out),
+        channels=channels,
+        row_slots=RowSlots(device.wrap(table), rows),
+    )
+    device.run(graph)
+
+    weight = bf16_to_float32(weight_bits)[:, :, 0].astype(np.float64)
+    expected_windows = windows.copy()
+    for row, slot in enumerate(row_slots):
+        expected, expected_window = reference.causal_conv1d_step(
+            windows[slot].astype(np.float64), x[row].astype(np.float64), weight
+        )
+        np.testing.assert_allclose(out[row], expected, rtol=1e-5, atol=1e-6)
+        expected_windows[slot] = expected_window
+        # The same arithmetic as the one-sequence kernel on that window: equal bit for bit.
+        alone_window, alone_out = windows[slot].copy(), np.empty(channels, dtype=np.float32)
+        buffers = {
+            "x": device.wrap(x[row].copy()),
+            "weight": device.wrap(weight_bits),
+            "window": device.wrap(alone_window),
+            "out": device.wrap(alone_out),
+        }
+        device.run(_record(device, buffers, channels))
+        np.testing.assert_array_equal(out[row], alone_out)
+    np.testing.assert_array_equal(stepped, expected_windows.astype(np.float32))

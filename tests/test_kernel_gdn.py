@@ -29,6 +29,7 @@ from lily.diagnostics.kernel_checks import (
     reference_gdn_tokens,
 )
 from lily.engine.reference import HalfOperands
+from lily.kernels import RowSlots
 from lily.kernels.gdn import (
     CHUNK_SCALE_ROWS,
     CHUNK_SUB_CHUNK,
@@ -125,6 +126,53 @@ def test_one_step_matches_reference(device, num_key_heads: int, num_value_heads:
     expected_readout, expected_state = case.expected(initial_state)
     np.testing.assert_allclose(case.state, expected_state, rtol=1e-5, atol=STATE_ATOL)
     np.testing.assert_allclose(case.readout, expected_readout, rtol=READOUT_RTOL, atol=READOUT_ATOL)
+
+
+@pytest.mark.parametrize(("num_key_heads", "num_value_heads"), HEADS)
+def test_rows_step_each_row_on_its_slots_state(
+    device, num_key_heads: int, num_value_heads: int
+) -> None:
+    """A batched pass's steps in one dispatch: row r on state row_slots[r] of the slots'
+    states (ragged: 3 rows of 4 slots out of order, slot 1 no row's, which keeps its state)."""
+    row_slots = [2, 0, 3]
+    cases = [GdnCase(device, num_key_heads, num_value_heads, seed=seed) for seed in range(4)]
+    rows = [cases[slot] for slot in row_slots]  # each row's inputs and its slot's state
+    initial = np.stack([case.state for case in cases])
+    states = initial.copy()
+    readout = np.full((len(rows), num_value_heads * VALUE_HEAD_DIM), np.nan, dtype=np.float32)
+    graph = Graph()
+    record_gdn_step(
+        graph,
+        device,
+        qkv=device.wrap(np.stack([case.qkv for case in rows])),
+        a=device.wrap(np.stack([case.a for case in rows])),
+        b=device.wrap(np.stack([case.b for case in rows])),
+        a_log=device.wrap(cases[0].a_log),
+        dt_bias=device.wrap(cases[0].dt_bias),
+        state=device.wrap(states),
+        readout=device.wrap(readout),
+        num_key_heads=num_key_heads,
+        num_value_heads=num_value_heads,
+        row_slots=RowSlots(device.wrap(np.array(row_slots, dtype=np.uint32)), len(rows)),
+    )
+    device.run(graph)
+
+    for row, (slot, case) in enumerate(zip(row_slots, rows, strict=True)):
+        case.a_log, case.dt_bias = cases[0].a_log, cases[0].dt_bias  # the layer's, shared
+        expected_readout, expected_state = case.expected(initial[slot])
+        np.testing.assert_allclose(states[slot], expected_state, rtol=1e-5, atol=STATE_ATOL)
+        np.testing.assert_allclose(
+            readout[row], expected_readout, rtol=READOUT_RTOL, atol=READOUT_ATOL
+        )
+        # The one-sequence kernel on the same inputs and state: equal bit for bit.
+        case.buffers["a_log"], case.buffers["dt_bias"] = (
+            device.wrap(case.a_log),
+            device.wrap(case.dt_bias),
+        )
+        device.run(case.record(device))
+        np.testing.assert_array_equal(states[slot], case.state)
+        np.testing.assert_array_equal(readout[row], case.readout)
+    np.testing.assert_array_equal(states[1], initial[1])
 
 
 def test_replayed_graph_from_zero_state(device) -> None:

@@ -47,7 +47,10 @@ EXACT_THREADS = {
     "attention_decode_int8": attention.DECODE_THREADS,
     "attention_decode_fused": attention.DECODE_THREADS,
     "attention_decode_fused_int8": attention.DECODE_THREADS,
+    "attention_decode_fused_rows": attention.DECODE_THREADS,
+    "attention_decode_fused_rows_int8": attention.DECODE_THREADS,
     "attention_combine": attention.COMBINE_DIMS,
+    "attention_combine_rows": attention.COMBINE_DIMS,
     # One simdgroup per token: its launcher uses 32 per token, up to this.
     "attention_decode_tokens": attention.DECODE_TOKENS_MAX_THREADS,
     "attention_decode_tokens_int8": attention.DECODE_TOKENS_MAX_THREADS,
@@ -56,6 +59,7 @@ EXACT_THREADS = {
     "attention_chunk_queries": attention.SIMD_WIDTH,
     "attention_chunk_tensor": attention.TENSOR_CHUNK_THREADS,
     "gdn_step": gdn.STEP_THREADS_PER_THREADGROUP,
+    "gdn_step_rows": gdn.STEP_THREADS_PER_THREADGROUP,
     "gdn_tokens": gdn.STEP_THREADS_PER_THREADGROUP,
     "gdn_commit": gdn.STEP_THREADS_PER_THREADGROUP,
     "gdn_chunk": gdn.CHUNK_THREADS_PER_THREADGROUP,

@@ -32,6 +32,7 @@ from kernel_testing import FLOAT32_EPS, LANE_ORDERS, assert_within, run, sim_dev
 from lily.device import Graph, open_device
 from lily.engine.constraint import mask_from_tokens
 from lily.engine.sampling import SamplingParams, adjusted_logits
+from lily.kernels import RowSlots
 from lily.kernels.sampling import (
     GATHER_CAPACITY,
     LOGPROB_ENTRIES,
@@ -1141,4 +1142,159 @@ def test_bookkeeping_needs_a_single_draw():
             partials=buffer,
             draws=2,
             bookkeeping=StepBookkeeping(buffer, 16),
+        )
+
+
+# ---- a batched decode pass: one draw per row, each on its own sequence slot ----------------------
+
+ROWS_SLOTS = 4
+ROW_SLOTS = [2, 0, 3]  # slot 1 is no row's
+ROWS_LOGITS_STRIDE = BOOKKEEPING_VOCAB + 5
+ROWS_RING_SLOTS = 4
+SLOT_CASES = {
+    # slot: (settings, step [position, prompt_end, token], generated, prompt, allowed ids)
+    0: (
+        SamplingParams(temperature=0.0, frequency_penalty=0.4, seed=1),
+        [7, 3, 0],
+        [10, 10],
+        [],
+        None,
+    ),
+    1: (SamplingParams(temperature=0.0, seed=2), [1, 0, 0], [], [], None),
+    2: (
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, top_logprobs=2),
+        [2, 5, 0],
+        [],
+        [3, 4],
+        None,
+    ),
+    3: (
+        SamplingParams(temperature=1.0, seed=9, presence_penalty=0.5, logit_bias=((5, 2.0),)),
+        [HISTORY - 1, 0, 0],
+        [5],
+        [6],
+        list(range(0, BOOKKEEPING_VOCAB, 3)),
+    ),
+}
+
+
+class SlotSampler:
+    """One sequence's sampler buffers, as the single-sequence decode step binds them."""
+
+    def __init__(self, device, slot: int) -> None:
+        params, step, generated, prompt, allowed = SLOT_CASES[slot]
+        vocab = BOOKKEEPING_VOCAB
+        self.params = device.alloc(SAMPLING_PARAMS_BYTES)
+        write_sampling_params(self.params, params)
+        self.adjustments = LogitAdjustments.allocate(device, vocab)
+        write_logit_adjustments(self.adjustments, params, prompt, vocab, generated)
+        self.token_mask = device.alloc(token_mask_bytes(vocab))
+        write_token_mask(
+            self.token_mask, None if allowed is None else mask_from_tokens(allowed, vocab)
+        )
+        self.step = device.wrap(np.array(step, dtype=np.uint32))
+        self.history = device.wrap(np.arange(100 * slot, 100 * slot + HISTORY, dtype=np.uint32))
+        self.predicted = device.alloc(4)
+        self.ring = device.alloc(logprob_ring_bytes(ROWS_RING_SLOTS))
+
+    def buffers(self) -> list:
+        a = self.adjustments
+        return [self.params, self.step, self.predicted, self.ring, self.token_mask, a.bias,
+                a.counts, a.prompt_tokens, self.history]  # fmt: skip
+
+    def record(self, graph: Graph, device, logits) -> None:
+        record_sample(
+            graph,
+            device,
+            logits=logits,
+            vocab=BOOKKEEPING_VOCAB,
+            params=self.params,
+            position=self.step,
+            predicted=self.predicted,
+            logprob_ring=self.ring,
+            ring_slots=ROWS_RING_SLOTS,
+            token_mask=self.token_mask,
+            adjustments=self.adjustments,
+            partials=device.scratch(sample_partials_bytes(BOOKKEEPING_VOCAB, slices=3)),
+            slices=3,
+            bookkeeping=StepBookkeeping(self.history, HISTORY),
+        )
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_rows_draw_each_row_as_its_slot_alone(lane_order):
+    """A batched pass's draws in one sampler pass: row r draws for slot ROW_SLOTS[r] (ragged:
+    3 rows of 4 slots out of order) under that slot's settings, mask, adjustments and position,
+    and ends that slot's step. Each slot's buffers afterwards (token, step, history, counts,
+    log-probabilities) equal those the single-sequence draw leaves on the same slot alone, bit
+    for bit; the slot no row draws for is left as it was."""
+    device = sim_device(lane_order)
+    rng = np.random.default_rng(70)
+    logits = rng.normal(0, 2, (len(ROW_SLOTS), ROWS_LOGITS_STRIDE)).astype(np.float32)
+    pooled_slots = [SlotSampler(device, slot) for slot in range(ROWS_SLOTS)]
+    pools = [
+        device.wrap(np.concatenate([slot.buffers()[kind].numpy() for slot in pooled_slots]))
+        for kind in range(len(pooled_slots[0].buffers()))
+    ]
+    params, step, predicted, ring, token_mask, bias, counts, prompt_tokens, history = pools
+    graph = Graph()
+    record_sample(
+        graph,
+        device,
+        logits=device.wrap(logits),
+        logits_stride=ROWS_LOGITS_STRIDE,
+        vocab=BOOKKEEPING_VOCAB,
+        params=params,
+        position=step,
+        predicted=predicted,
+        logprob_ring=ring,
+        ring_slots=ROWS_RING_SLOTS,
+        token_mask=token_mask,
+        adjustments=LogitAdjustments(bias, counts, prompt_tokens),
+        partials=device.scratch(sample_partials_bytes(BOOKKEEPING_VOCAB, len(ROW_SLOTS), 3)),
+        slices=3,
+        bookkeeping=StepBookkeeping(history, HISTORY),
+        row_slots=RowSlots(device.wrap(np.array(ROW_SLOTS, dtype=np.uint32)), len(ROW_SLOTS)),
+    )
+    device.run(graph)
+
+    for slot in range(ROWS_SLOTS):
+        alone = SlotSampler(device, slot)
+        if slot in ROW_SLOTS:
+            row = ROW_SLOTS.index(slot)
+            single = Graph()
+            alone.record(single, device, device.wrap(logits[row, :BOOKKEEPING_VOCAB].copy()))
+            device.run(single)
+        for kind, (pool, expected) in enumerate(zip(pools, alone.buffers(), strict=True)):
+            size = expected.size
+            got = pool.numpy()[slot * size : (slot + 1) * size]
+            np.testing.assert_array_equal(got, expected.numpy(), err_msg=f"slot {slot} {kind}")
+    # The greedy row (slot 0): the largest penalised logit, appended past the prompt.
+    drawn = predicted.numpy().view(np.uint32)
+    penalised = logits[1, :BOOKKEEPING_VOCAB] - np.float32(0.8) * (np.arange(300) == 10)
+    assert drawn[0] == np.argmax(penalised)
+    assert step.numpy().view(np.uint32)[:3].tolist() == [8, 3, drawn[0]]
+    assert drawn[1] == 0  # slot 1 drew nothing
+    assert drawn[3] % 3 == 0  # slot 3's mask
+    assert step.numpy().view(np.uint32)[9] == HISTORY  # slot 3 saturates at the capacity
+
+
+def test_rows_need_the_bookkeeping():
+    device = sim_device("forward")
+    buffer = device.alloc(1 << 16)
+    with pytest.raises(ValueError, match="each end their sequence's decode step"):
+        record_sample(
+            Graph(),
+            device,
+            logits=buffer,
+            vocab=64,
+            params=buffer,
+            position=buffer,
+            predicted=buffer,
+            logprob_ring=buffer,
+            ring_slots=1,
+            token_mask=buffer,
+            adjustments=LogitAdjustments(buffer, buffer, buffer),
+            partials=buffer,
+            row_slots=RowSlots(buffer, 2),
         )

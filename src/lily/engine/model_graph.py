@@ -52,7 +52,7 @@ from lily.device import Graph
 from lily.engine.command_buffer_budget import command_buffer_flops
 from lily.engine.constraint import mask_words
 from lily.engine.device_weights import DeviceWeights
-from lily.kernels import BufferRef, attention, offset_by
+from lily.kernels import BufferRef, RowSlots, attention, offset_by
 from lily.kernels.conv1d import (
     FoldedConvStep,
     record_conv1d_chunk,
@@ -136,27 +136,120 @@ MAX_DRAFT_TOKENS = MAX_DRAFTS
 MTP_DRAFT_VOCAB = 65536
 
 
+class SlotRegion(tuple):
+    """One batched-decode slot's part of a `_SlotPool` buffer: a `(buffer, byte_offset)` pair,
+    which the recorders take as any BufferRef, with a Buffer's `numpy()` and `size`, so that the
+    host reads and writes a slot's state as it does a sequence's own buffers."""
+
+    size: int
+
+    def __new__(cls, buffer: Buffer, offset: int, size: int) -> SlotRegion:
+        region = super().__new__(cls, (buffer, offset))
+        region.size = size
+        return region
+
+    def numpy(self) -> np.ndarray:
+        buffer, offset = self
+        return buffer.numpy()[offset : offset + self.size]
+
+
 @dataclass
 class SequenceState:
-    """Device buffers a pass reads and writes, besides the weights: the sequence's state."""
+    """Device buffers a pass reads and writes, besides the weights: the sequence's state (a
+    batched-decode slot's, all but its logits, are `SlotRegion`s of its `_SlotPool`)."""
 
-    step: Buffer  # uint32 [position, prompt_end, token]
-    history: Buffer  # uint32 [capacity]: prompt then generated ids
+    step: Buffer | SlotRegion  # uint32 [position, prompt_end, token]
+    history: Buffer | SlotRegion  # uint32 [capacity]: prompt then generated ids
     logits: Buffer  # fp32 [vocab]: the last predicting pass's
-    predicted: Buffer  # uint32 [1]: the token the last predicting pass sampled
-    sampling_params: Buffer  # the sampler's settings, written by the host between generations
-    logprob_ring: Buffer  # per-step log-probabilities, LOGPROB_RING_SLOTS slots
-    token_mask: Buffer  # the allowed tokens of the next draw, written by the host before it
+    predicted: Buffer | SlotRegion  # uint32 [1]: the token the last predicting pass sampled
+    # the sampler's settings, written by the host between generations
+    sampling_params: Buffer | SlotRegion
+    logprob_ring: Buffer | SlotRegion  # per-step log-probabilities, LOGPROB_RING_SLOTS slots
+    # the allowed tokens of the next draw, written by the host before it
+    token_mask: Buffer | SlotRegion
     adjustments: LogitAdjustments  # logit bias and penalty inputs, written per generation
-    conv_windows: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [K-1, C]
-    recurrent: dict[int, Buffer] = field(default_factory=dict)  # GDN layer -> fp32 [Hv, Dv, Dk]
-    k_cache: dict[int, Buffer] = field(default_factory=dict)  # attention layer -> KV rows
-    v_cache: dict[int, Buffer] = field(default_factory=dict)
+    # GDN layer -> fp32 [K-1, C]
+    conv_windows: dict[int, Buffer | SlotRegion] = field(default_factory=dict)
+    # GDN layer -> fp32 [Hv, Dv, Dk]
+    recurrent: dict[int, Buffer | SlotRegion] = field(default_factory=dict)
+    # attention layer -> KV rows
+    k_cache: dict[int, Buffer | SlotRegion] = field(default_factory=dict)
+    v_cache: dict[int, Buffer | SlotRegion] = field(default_factory=dict)
 
-    def recurrent_buffers(self) -> list[Buffer]:
+    def recurrent_buffers(self) -> list[Buffer | SlotRegion]:
         """Everything that must start from zero for a new sequence (the KV cache needs no
         clearing: attention reads only positions already written)."""
         return [*self.conv_windows.values(), *self.recurrent.values()]
+
+
+# A slot's per-sequence kinds of state in a `_SlotPool`, as SequenceState names them (the
+# adjustments' in LogitAdjustments' order).
+_SEQUENCE_KINDS = ("step", "history", "predicted", "sampling_params", "logprob_ring", "token_mask")
+_ADJUSTMENT_KINDS = ("bias", "counts", "prompt_tokens")
+
+
+class _SlotPool:
+    """The batched-decode slots' state, which the per-row kernels reach through a `RowSlots`
+    table: each kind (`_SEQUENCE_KINDS`, `_ADJUSTMENT_KINDS`, and per layer the conv windows,
+    GDN states, K and V caches) in one buffer holding the slots one after another, slot s at s
+    times one sequence's size of it."""
+
+    def __init__(
+        self, c: ModelConfig, device: Device, capacity: int, token_count: int, kv_cache: str,
+        count: int,
+    ) -> None:  # fmt: skip
+        # (kind, layer or None): one slot's bytes
+        self.sizes: dict[tuple[str, int | None], int] = {
+            ("step", None): 4 * STEP_FIELDS,
+            ("history", None): 4 * capacity,
+            ("predicted", None): 4,
+            ("sampling_params", None): SAMPLING_PARAMS_BYTES,
+            ("logprob_ring", None): logprob_ring_bytes(LOGPROB_RING_SLOTS),
+            ("token_mask", None): token_mask_bytes(token_count),
+            ("bias", None): 4 * token_count,
+            ("counts", None): 4 * token_count,
+            ("prompt_tokens", None): 4 * mask_words(token_count),
+        }
+        for i, kind in enumerate(c.layer_types):
+            if kind == FULL_ATTENTION:
+                nbytes = attention.cache_bytes(c.num_key_value_heads, capacity, kv_cache)
+                self.sizes[("k_cache", i)] = self.sizes[("v_cache", i)] = nbytes
+            else:
+                self.sizes[("conv_windows", i)] = window_bytes(c.linear_conv_dim)
+                self.sizes[("recurrent", i)] = state_bytes(c.linear_num_value_heads)
+        self.buffers = {key: device.alloc(count * size) for key, size in self.sizes.items()}
+
+    def copy_from(self, smaller: _SlotPool) -> None:
+        """The slots of a smaller pool keep their state in this one."""
+        for key, buffer in smaller.buffers.items():
+            self.buffers[key].numpy()[: buffer.size] = buffer.numpy()
+
+    def region(self, slot: int, kind: str, layer: int | None = None) -> SlotRegion:
+        size = self.sizes[(kind, layer)]
+        return SlotRegion(self.buffers[(kind, layer)], slot * size, size)
+
+    def sequence_fields(self, slot: int) -> dict:
+        """Slot `slot`'s regions of the per-sequence kinds, by SequenceState's field names."""
+        fields: dict = {kind: self.region(slot, kind) for kind in _SEQUENCE_KINDS}
+        fields["adjustments"] = LogitAdjustments(
+            *(self.region(slot, kind) for kind in _ADJUSTMENT_KINDS)
+        )
+        return fields
+
+    def place(self, slot: int, state: SequenceState) -> None:
+        """Points `state`'s buffers, all but its logits, at slot `slot`'s regions."""
+        for name, region in self.sequence_fields(slot).items():
+            setattr(state, name, region)
+        for kind, layer in self.sizes:
+            if layer is not None:
+                getattr(state, kind)[layer] = self.region(slot, kind, layer)
+
+    def buffer(self, kind: str, layer: int | None = None) -> Buffer:
+        """Every slot's `kind`, the buffer a per-row kernel binds."""
+        return self.buffers[(kind, layer)]
+
+    def adjustments(self) -> LogitAdjustments:
+        return LogitAdjustments(*(self.buffer(kind) for kind in _ADJUSTMENT_KINDS))
 
 
 def recurrent_state_bytes(c: ModelConfig) -> int:
@@ -366,10 +459,11 @@ def slot_bytes(c: ModelConfig, capacity: int, token_count: int, kv_cache: str = 
     """What one batched-decode slot (`ModelGraph.allocate_slots`) allocates: a whole sequence
     state for `capacity` tokens (its KV cache, conv windows and GDN states, step, history,
     logits, sampler settings, log-probability ring, token mask, logit adjustments) and its row
-    of the batched pass's logits."""
+    of the batched pass's logits and sampler partials."""
     kv = capacity * kv_cache_bytes_per_token(c, kv_cache)
     adjustments = 2 * 4 * token_count + 4 * mask_words(token_count)
     sampler = SAMPLING_PARAMS_BYTES + logprob_ring_bytes(LOGPROB_RING_SLOTS)
+    sampler += sample_partials_bytes(token_count)
     sampler += token_mask_bytes(token_count) + adjustments
     small = 4 * STEP_FIELDS + 4 * capacity + 4 + 2 * 4 * c.vocab_size
     return kv + recurrent_state_bytes(c) + sampler + small
@@ -619,7 +713,10 @@ class ModelGraph:
             self._allocate_mtp(checkpoint)
         # Batched decode (`batch_graph`): the sequences' own states, and one logits row each.
         self.slots: list[SequenceState] = []
+        self._slot_pool: _SlotPool | None = None
         self._batch_logits: Buffer | None = None
+        self._batch_partials: Buffer | None = None
+        self._row_slots: dict[tuple[int, ...], RowSlots] = {}
         self.decode = self.graph(1, predicts=True)
 
     def graph(self, tokens: int, *, predicts: bool, images: bool = False) -> Graph:
@@ -639,7 +736,9 @@ class ModelGraph:
         """At least `count` sequence slots for batched decode, each a whole sequence state (its
         KV cache at the full capacity, conv windows, GDN states, step, history, sampling
         settings, mask and penalty counts: `slot_bytes`), apart from `state`, which prefills.
-        Slots already allocated keep their state."""
+        Slots already allocated keep their state. Each kind of the slots' state (all but their
+        logits) lies in one buffer (`_SlotPool`), where a batched pass's per-row kernels find
+        each row's by its slot."""
         if self.max_chunk < 2:
             raise ValueError("batched decode needs max_chunk >= 2 (it uses the chunk activations)")
         most = min(self.max_chunk, GEMV_MAX_TOKENS)
@@ -651,9 +750,18 @@ class ModelGraph:
             raise ValueError("batched decode runs without the MTP head")
         if count <= len(self.slots):
             return
-        self.slots += [self._allocate_state() for _ in range(count - len(self.slots))]
+        pool = _SlotPool(
+            self.config, self.device, self.capacity, self.token_count, self.kv_cache, count
+        )
+        if self._slot_pool is not None:
+            pool.copy_from(self._slot_pool)
+        self._slot_pool = pool
+        for slot, state in enumerate(self.slots):
+            pool.place(slot, state)
+        self.slots += [self._allocate_slot(pool, slot) for slot in range(len(self.slots), count)]
         self._batch_logits = self.device.alloc(4 * count * self.config.vocab_size)
-        self._batch_graphs.clear()  # they write the smaller logits buffer
+        self._batch_partials = self.device.alloc(sample_partials_bytes(self.token_count, count))
+        self._batch_graphs.clear()  # they use the smaller pool, logits and partials
 
     def batch_graph(self, slots: Sequence[int]) -> Graph:
         """One decode step of each slot in `slots` in one pass over the weights: row b of the
@@ -664,8 +772,13 @@ class ModelGraph:
         if not key or len(set(key)) != len(key) or not all(0 <= i < len(self.slots) for i in key):
             raise ValueError(f"a batched pass takes distinct allocated slots, got {key}")
         if key not in self._batch_graphs:
+            if key not in self._row_slots:
+                table = self.device.alloc(4 * len(key))
+                table.numpy().view(np.uint32)[:] = key
+                self._row_slots[key] = RowSlots(table, len(key))
             rows = [self.slots[i] for i in key]
-            self._batch_graphs[key] = _Recorder(self, len(rows), True, batch=rows).record()
+            recorder = _Recorder(self, len(rows), True, batch=rows, row_slots=self._row_slots[key])
+            self._batch_graphs[key] = recorder.record()
         return self._batch_graphs[key]
 
     def rope_table_view(self) -> np.ndarray:
@@ -853,6 +966,13 @@ class ModelGraph:
                 state.recurrent[i] = dev.alloc(state_bytes(c.linear_num_value_heads))
         return state
 
+    def _allocate_slot(self, pool: _SlotPool, slot: int) -> SequenceState:
+        """Slot `slot`'s state: its own logits, the rest in `pool`."""
+        logits = self.device.alloc(4 * self.config.vocab_size)
+        state = SequenceState(logits=logits, **pool.sequence_fields(slot))
+        pool.place(slot, state)
+        return state
+
     def step_view(self) -> np.ndarray:
         return self.state.step.numpy().view(np.uint32)
 
@@ -914,10 +1034,12 @@ class _Recorder:
         images: bool = False,
         graph: Graph | None = None,
         batch: Sequence[SequenceState] = (),
+        row_slots: RowSlots | None = None,
     ) -> None:
         self.m, self.c, self.s, self.w = model, model.config, model._scratch, model.weights
-        # A batched decode pass: row b is the newest token of the sequence in batch[b].
-        self.batch = batch
+        # A batched decode pass: row b is the newest token of the sequence in batch[b], whose
+        # slot `row_slots` gives the per-row kernels.
+        self.batch, self.row_slots = batch, row_slots
         self.dev, self.state = model.device, model.state
         self.tokens, self.predicts, self.verify_rows = tokens, predicts, verify_rows
         self.images = images
@@ -1013,7 +1135,7 @@ class _Recorder:
             embed_tokens = w.quantized(EMBED_TOKENS)
             for b, seq in enumerate(self.batch):
                 residual = self.hidden_row(s.residual, b)
-                record_embedding(g, dev, seq.history, (seq.step, 0), embed_tokens, residual)
+                record_embedding(g, dev, seq.history, seq.step, embed_tokens, residual)
             g.barrier()
         elif not self.folds_norms:
             position = (self.state.step, 0)
@@ -1207,20 +1329,36 @@ class _Recorder:
             )
 
     def batch_head(self) -> None:
-        """The lm_head over every row of a batched pass, one GEMV; then each row's draw with its
-        sequence's settings, mask and penalties, advancing its step as a decode step's does.
-        The draws share the sampler's scratch, so they run one after another."""
-        g, m = self.g, self.m
-        assert m._batch_logits is not None
+        """The lm_head over every row of a batched pass, one GEMV; then every row's draw in one
+        sampler pass through the slot table, each with its sequence's settings, mask and
+        penalties, advancing its step as a decode step's does."""
+        g, m, pool = self.g, self.m, self.m._slot_pool
+        assert m._batch_logits is not None and m._batch_partials is not None
+        assert pool is not None and self.row_slots is not None
         head = [(self.w.quantized(self.head_weight), m._batch_logits)]
         self.project(self.final_normed, head, self.tokens)
-        for b, seq in enumerate(self.batch):
-            g.barrier()
-            self.sample_step(seq, self.row(m._batch_logits, self.c.vocab_size, b))
+        g.barrier()
+        record_sample(
+            g,
+            self.dev,
+            logits=m._batch_logits,
+            logits_stride=self.c.vocab_size,
+            vocab=m.token_count,
+            params=pool.buffer("sampling_params"),
+            position=pool.buffer("step"),
+            predicted=pool.buffer("predicted"),
+            logprob_ring=pool.buffer("logprob_ring"),
+            ring_slots=LOGPROB_RING_SLOTS,
+            token_mask=pool.buffer("token_mask"),
+            adjustments=pool.adjustments(),
+            partials=m._batch_partials,
+            bookkeeping=StepBookkeeping(pool.buffer("history"), m.capacity),
+            row_slots=self.row_slots,
+        )
 
     def sample_step(self, state: SequenceState, logits: BufferRef) -> None:
         """A decode step's draw for `state` from `logits`, under its own settings and mask, and
-        the step's advance (the single sequence's and each batched row's alike)."""
+        the step's advance (a batched pass draws its rows in `batch_head`)."""
         record_sample(
             self.g,
             self.dev,
@@ -1238,63 +1376,59 @@ class _Recorder:
         )
 
     def batch_gated_deltanet(self, i: int, weights: dict) -> None:
-        """Each row's conv and GDN step on its own sequence's window and state (the decode
-        step's kernels), leaving the readouts for the gated norm over every row."""
+        """Every row's conv and GDN step, each on its own sequence's window and state (the decode
+        step's kernels, one dispatch each over the rows through the slot table), leaving the
+        readouts for the gated norm over every row."""
         c, g, dev, s = self.c, self.g, self.dev, self.s
-        conv_weight = weights.pop("conv_weight")
-        for b, seq in enumerate(self.batch):
-            qkv = self.row(s.qkv, c.linear_conv_dim, b)
-            record_conv1d_step(
-                g,
-                dev,
-                x=self.row(s.qkv_projected, c.linear_conv_dim, b),
-                weight=conv_weight,
-                window=seq.conv_windows[i],
-                out=qkv,
-                channels=c.linear_conv_dim,
-            )
+        pool = self.m._slot_pool
+        assert pool is not None and self.row_slots is not None
+        record_conv1d_step(
+            g,
+            dev,
+            x=s.qkv_projected,
+            weight=weights.pop("conv_weight"),
+            window=pool.buffer("conv_windows", i),
+            out=s.qkv,
+            channels=c.linear_conv_dim,
+            row_slots=self.row_slots,
+        )
         g.barrier()
-        for b, seq in enumerate(self.batch):
-            heads = c.linear_num_value_heads
-            record_gdn_step(
-                g,
-                dev,
-                qkv=self.row(s.qkv, c.linear_conv_dim, b),
-                a=self.row(s.a, heads, b),
-                b=self.row(s.b, heads, b),
-                readout=self.row(s.gdn_out, c.linear_value_dim, b),
-                **{**weights, "state": seq.recurrent[i]},
-            )
+        record_gdn_step(
+            g,
+            dev,
+            qkv=s.qkv,
+            a=s.a,
+            b=s.b,
+            readout=s.gdn_out,
+            state=pool.buffer("recurrent", i),
+            row_slots=self.row_slots,
+            **weights,
+        )
 
     def batch_attention(self, i: int, prepare: dict, partials: dict) -> None:
-        """Each row's decode attention over its own sequence's KV cache and position (the
-        decode step's kernels); the rows share the partials, so they run one after another."""
-        c, g, dev, s = self.c, self.g, self.dev, self.s
-        q_width = c.num_attention_heads * 2 * c.head_dim
-        kv_width = c.num_key_value_heads * c.head_dim
-        for b, seq in enumerate(self.batch):
-            if b:
-                g.barrier()
-            q_proj = self.row(s.q, q_width, b)
-            rows = dict(
-                q_proj=q_proj,
-                k_proj=self.row(s.k, kv_width, b),
-                v_proj=self.row(s.v, kv_width, b),
-                step=seq.step,
-                k_cache=seq.k_cache[i],
-                v_cache=seq.v_cache[i],
-            )
-            attention.record_attention_decode_fused(g, dev, **{**prepare, **rows}, **partials)
-            g.barrier()
-            attention.record_attention_combine(
-                g,
-                dev,
-                **partials,
-                q_proj=q_proj,
-                step=seq.step,
-                out=self.row(s.attn_out, c.num_attention_heads * c.head_dim, b),
-                num_q_heads=c.num_attention_heads,
-            )
+        """Every row's decode attention over its own sequence's KV cache and position (the
+        decode step's kernels, one dispatch each over the rows through the slot table)."""
+        g, dev, s = self.g, self.dev, self.s
+        pool = self.m._slot_pool
+        assert pool is not None and self.row_slots is not None
+        rows = dict(
+            step=pool.buffer("step"),
+            k_cache=pool.buffer("k_cache", i),
+            v_cache=pool.buffer("v_cache", i),
+            row_slots=self.row_slots,
+        )
+        attention.record_attention_decode_fused(g, dev, **{**prepare, **rows}, **partials)
+        g.barrier()
+        attention.record_attention_combine(
+            g,
+            dev,
+            **partials,
+            q_proj=s.q,
+            step=pool.buffer("step"),
+            out=s.attn_out,
+            num_q_heads=self.c.num_attention_heads,
+            row_slots=self.row_slots,
+        )
 
     @property
     def head_weight(self) -> str:

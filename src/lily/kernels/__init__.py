@@ -11,12 +11,26 @@ A buffer argument is a `BufferRef`: a device Buffer, or a `(Buffer, byte_offset)
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
     from lily.device import Buffer, Kernel
 
 BufferRef = Union["Buffer", tuple["Buffer", int]]
+
+
+@dataclass(frozen=True)
+class RowSlots:
+    """A batched decode pass's per-row table, for the kernels that run every row of the pass in
+    one dispatch on each row's own sequence state: row r of the pass is sequence slot
+    `table[r]`, and each kind of state (conv windows, GDN states, KV caches, steps) holds its
+    slots one after another in one buffer, so that a kernel finds slot s at s times one
+    sequence's size of it."""
+
+    table: BufferRef  # uint32 [rows]
+    rows: int
+
 
 # Activation element types a kernel may be instantiated for, by the name its host name uses.
 _ELEMENT_TYPES = {"float32": "float", "float": "float", "bfloat16": "bfloat", "bfloat": "bfloat"}

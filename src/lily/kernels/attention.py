@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lily.kernels import BufferRef, binding, ceil_div, pack_params
+from lily.kernels import BufferRef, RowSlots, binding, ceil_div, pack_params
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -161,6 +161,14 @@ def _check_decode(num_q_heads: int, num_kv_heads: int, num_splits: int) -> None:
 def _check_tokens(tokens: int) -> None:
     if tokens <= 0:
         raise ValueError(f"a chunk needs at least one token, not {tokens}")
+
+
+def _check_rows(row_slots: RowSlots) -> None:
+    # The rows share the decode partials, which hold MAX_DECODE_TOKENS tokens' at most.
+    if not 1 <= row_slots.rows <= MAX_DECODE_TOKENS:
+        raise ValueError(
+            f"a batched pass takes 1 to {MAX_DECODE_TOKENS} rows, not {row_slots.rows}"
+        )
 
 
 def record_attention_prepare(
@@ -358,30 +366,44 @@ def record_attention_decode_fused(
     head_dim: int = HEAD_DIM,
     rope_table: BufferRef | None = None,
     mrope_bounds: tuple[int, int] = (0, 0),
+    row_slots: RowSlots | None = None,
 ) -> None:
     """`record_attention_prepare` (one token) then `record_attention_decode`, in one dispatch
     with the same results: the caches get the rotated key and the value at step[0] (unless past
-    the capacity), the partials are those of the context including it."""
+    the capacity), the partials are those of the context including it.
+
+    With `row_slots`, every row of a batched pass in one dispatch: q_proj, k_proj and v_proj
+    are [rows, ...]; row r runs on sequence slot s = `row_slots.table[r]`: its step at word
+    STEP_FIELDS * s of `step` and its caches at s * `cache_bytes(...)` of `k_cache` and
+    `v_cache`; it leaves its partials at row r of [rows, Hq, num_splits] (those of
+    `record_attention_decode_tokens`), for `record_attention_combine` with the same
+    `row_slots`."""
     _check_heads(num_q_heads, num_kv_heads, head_dim)
     _check_decode(num_q_heads, num_kv_heads, num_splits)
     _check_rope(rotary_dim, capacity, rope_table)
+    buffers = {
+        1: binding(q_proj),
+        2: binding(k_proj),
+        3: binding(v_proj),
+        4: binding(q_norm),
+        5: binding(k_norm),
+        6: binding(step),
+        7: binding(k_cache),
+        8: binding(v_cache),
+        9: binding(partial_out),
+        10: binding(partial_stats),
+        11: binding(step if rope_table is None else rope_table),
+    }
+    name, rows = "attention_decode_fused", 1
+    if row_slots is not None:
+        _check_rows(row_slots)
+        buffers[12] = binding(row_slots.table)
+        name, rows = "attention_decode_fused_rows", row_slots.rows
     graph.dispatch(
-        device.kernel(_kernel_name("attention_decode_fused", kv_cache)),
-        threadgroups=(num_splits, num_kv_heads, 1),
+        device.kernel(_kernel_name(name, kv_cache)),
+        threadgroups=(num_splits, num_kv_heads, rows),
         threads=(DECODE_THREADS, 1, 1),
-        buffers={
-            1: binding(q_proj),
-            2: binding(k_proj),
-            3: binding(v_proj),
-            4: binding(q_norm),
-            5: binding(k_norm),
-            6: binding(step),
-            7: binding(k_cache),
-            8: binding(v_cache),
-            9: binding(partial_out),
-            10: binding(partial_stats),
-            11: binding(step if rope_table is None else rope_table),
-        },
+        buffers=buffers,
         bytes={
             0: pack_params(
                 "IIIIfIff",
@@ -411,24 +433,35 @@ def record_attention_combine(
     num_q_heads: int,
     num_splits: int,
     tokens: int = 1,
+    row_slots: RowSlots | None = None,
 ) -> None:
     """`out = attention * sigmoid(gate)`, fp32 [T, Hq, 256], gate read from q_proj's
     [T, Hq, 2, 256] second halves, for the partials of `record_attention_decode` (tokens 1) or
     `record_attention_decode_tokens`; `num_splits` is the decode grid's, and only the splits the
-    context step[0] + tokens reaches are read."""
+    context step[0] + tokens reaches are read. With `row_slots` (`tokens` left at 1), the
+    partials of `record_attention_decode_fused` with the same table: T is its rows, and row r's
+    context is that of the step of slot `row_slots.table[r]` in `step`."""
     _check_splits_positive(num_splits)
     _check_tokens(tokens)
+    buffers = {
+        1: binding(partial_out),
+        2: binding(partial_stats),
+        3: binding(q_proj),
+        4: binding(out),
+        5: binding(step),
+    }
+    name, rows = "attention_combine", tokens
+    if row_slots is not None:
+        if tokens != 1:
+            raise ValueError("a batched pass's rows are one token each")
+        _check_rows(row_slots)
+        buffers[6] = binding(row_slots.table)
+        name, rows = "attention_combine_rows", row_slots.rows
     graph.dispatch(
-        device.kernel("attention_combine"),
-        threadgroups=(num_q_heads, HEAD_DIM // COMBINE_DIMS, tokens),
+        device.kernel(name),
+        threadgroups=(num_q_heads, HEAD_DIM // COMBINE_DIMS, rows),
         threads=(COMBINE_DIMS, 1, 1),
-        buffers={
-            1: binding(partial_out),
-            2: binding(partial_stats),
-            3: binding(q_proj),
-            4: binding(out),
-            5: binding(step),
-        },
+        buffers=buffers,
         bytes={0: pack_params("III", num_q_heads, num_splits, tokens)},
     )
 

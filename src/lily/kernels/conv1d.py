@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lily.kernels import BufferRef, binding, ceil_div, pack_params
+from lily.kernels import BufferRef, RowSlots, binding, ceil_div, pack_params
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -46,18 +46,24 @@ def record_conv1d_step(
     window: BufferRef,
     out: BufferRef,
     channels: int,
+    row_slots: RowSlots | None = None,
 ) -> None:
     """`out = silu(conv(window ++ x))` per channel, then shift x into the window.
 
     x, out: fp32 [channels]; weight: bf16 [channels, 4, 1] as stored in the checkpoint;
-    window: fp32 [3, channels].
+    window: fp32 [3, channels]. With `row_slots`, every row of a batched pass in one dispatch:
+    x and out are [rows, channels] and row r steps window slot `row_slots.table[r]` of
+    `window`, fp32 [slots, 3, channels].
     """
     groups = ceil_div(channels, THREADS_PER_THREADGROUP)
+    buffers = {1: binding(x), 2: binding(weight), 3: binding(window), 4: binding(out)}
+    if row_slots is not None:
+        buffers[5] = binding(row_slots.table)
     graph.dispatch(
-        device.kernel("conv1d_step"),
-        threadgroups=(groups, 1, 1),
+        device.kernel("conv1d_step" if row_slots is None else "conv1d_step_rows"),
+        threadgroups=(groups, 1 if row_slots is None else row_slots.rows, 1),
         threads=(THREADS_PER_THREADGROUP, 1, 1),
-        buffers={1: binding(x), 2: binding(weight), 3: binding(window), 4: binding(out)},
+        buffers=buffers,
         bytes={0: pack_params("I", channels)},
     )
 

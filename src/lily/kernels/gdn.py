@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lily.kernels import BufferRef, binding, offset_by, pack_params, require_aligned
+from lily.kernels import BufferRef, RowSlots, binding, offset_by, pack_params, require_aligned
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -65,25 +65,35 @@ def record_gdn_step(
     num_value_heads: int,
     key_head_dim: int = KEY_HEAD_DIM,
     value_head_dim: int = VALUE_HEAD_DIM,
+    row_slots: RowSlots | None = None,
 ) -> None:
     """One Gated DeltaNet step for every value head, up to the readout S q (the gated RMSNorm
     is `record_gdn_out_proj`'s).
 
     qkv: fp32 conv output [q Hk*128 | k Hk*128 | v Hv*128]; a, b fp32 [Hv]; a_log fp32 [Hv];
-    dt_bias bf16 [Hv]; state fp32 [Hv, 128, 128]; readout fp32 [Hv*128].
+    dt_bias bf16 [Hv]; state fp32 [Hv, 128, 128]; readout fp32 [Hv*128]. With `row_slots`,
+    every row of a batched pass in one dispatch: qkv, a, b and readout are [rows, ...] and row r
+    steps state slot `row_slots.table[r]` of `state`, fp32 [slots, Hv, 128, 128].
     """
     _check_heads(num_key_heads, num_value_heads, key_head_dim, value_head_dim)
     # q, k, state rows and the readout are accessed 16 bytes at a time.
     for ref, what in ((qkv, "GDN qkv"), (state, "GDN state"), (readout, "GDN readout")):
         require_aligned(ref, 16, what)
+    buffers = {
+        index: binding(ref)
+        for index, ref in enumerate((qkv, a, b, a_log, dt_bias, state, readout), start=1)
+    }
+    if row_slots is not None:
+        buffers[8] = binding(row_slots.table)
     graph.dispatch(
-        device.kernel("gdn_step"),
-        threadgroups=(num_value_heads * VALUE_HEAD_DIM // STEP_ROWS_PER_THREADGROUP, 1, 1),
+        device.kernel("gdn_step" if row_slots is None else "gdn_step_rows"),
+        threadgroups=(
+            num_value_heads * VALUE_HEAD_DIM // STEP_ROWS_PER_THREADGROUP,
+            1 if row_slots is None else row_slots.rows,
+            1,
+        ),
         threads=(STEP_THREADS_PER_THREADGROUP, 1, 1),
-        buffers={
-            index: binding(ref)
-            for index, ref in enumerate((qkv, a, b, a_log, dt_bias, state, readout), start=1)
-        },
+        buffers=buffers,
         bytes={0: pack_params("II", num_key_heads, num_value_heads)},
     )
 

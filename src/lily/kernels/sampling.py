@@ -89,7 +89,7 @@ import numpy as np
 
 from lily.engine.constraint import mask_from_tokens, mask_words
 from lily.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, token_counts
-from lily.kernels import BufferRef, binding, ceil_div, pack_params, threads_within
+from lily.kernels import BufferRef, RowSlots, binding, ceil_div, pack_params, threads_within
 
 if TYPE_CHECKING:
     from lily.device import Buffer, Device, Graph
@@ -296,6 +296,7 @@ def record_sample(
     logits_stride: int = 0,
     drafts: BufferRef | None = None,
     mask_stride: int = 0,
+    row_slots: RowSlots | None = None,
 ) -> None:
     """predicted[g] (uint32) = the token sampled from `vocab` fp32 logits under the parameters
     in `params` (written by `write_sampling_params`), for g < `draws`. `position` points at the
@@ -314,7 +315,15 @@ def record_sample(
     draw reduce the vocabulary into `partials` (`sample_partials_bytes`), then one of `threads`
     per draw finishes. With `bookkeeping` (one draw, `position` the step buffer itself) the
     finish also counts the drawn token for the penalties (when the request adjusts logits) and
-    does what `lily.kernels.step.record_step_advance` by one would after it."""
+    does what `lily.kernels.step.record_step_advance` by one would after it.
+
+    With `row_slots` (and `bookkeeping`), a batched decode pass's draws, one per row: draw g
+    reads logits row g and is sequence slot s = `row_slots.table[g]`'s draw, each per-sequence
+    argument holding the slots one after another (`params` one SamplingParams each, `position`
+    the step buffers, STEP_FIELDS words each, `predicted` one word, `logprob_ring`, `token_mask`
+    (`token_mask_words(vocab)` each: `mask_stride` is that), the adjustments and the history
+    one each): the draw is slot s's as a decode step's is, at its own position, and ends its
+    step."""
     if not 1 <= vocab < 2**32 - 1:
         raise ValueError(f"vocab must be in [1, 2^32 - 1), got {vocab}")
     for name, count in (("threads", threads), ("slice_threads", slice_threads)):
@@ -322,7 +331,11 @@ def record_sample(
             raise ValueError(f"{name} must be a multiple of 32 in [32, 1024], got {count}")
     if draws < 1 or ring_slots < 1:
         raise ValueError(f"draws and ring_slots must be >= 1, got {draws} and {ring_slots}")
-    if bookkeeping is not None and draws != 1:
+    if row_slots is not None:
+        if bookkeeping is None or drafts is not None:
+            raise ValueError("a batched pass's draws each end their sequence's decode step")
+        draws, mask_stride = row_slots.rows, token_mask_words(vocab)
+    elif bookkeeping is not None and draws != 1:
         raise ValueError(f"bookkeeping ends a decode step: one draw, got {draws}")
     if not (logits_stride == 0 or logits_stride >= vocab):
         raise ValueError(f"logits_stride must be 0 or at least the vocab, got {logits_stride}")
@@ -360,6 +373,8 @@ def record_sample(
     }
     if drafts is not None:
         inputs[11] = binding(drafts)
+    if row_slots is not None:
+        inputs[12] = binding(row_slots.table)
     capacity = 0 if bookkeeping is None else bookkeeping.capacity
     shape = pack_params(
         "IIIIIIIII",
@@ -373,7 +388,8 @@ def record_sample(
         int(drafts is not None),
         mask_stride,
     )
-    spread = device.kernel("sample_slices")
+    rows = "" if row_slots is None else "_rows"
+    spread = device.kernel("sample_slices" + rows)
     graph.dispatch(
         spread,
         threadgroups=(slice_count, draws, 1),
@@ -382,7 +398,7 @@ def record_sample(
         bytes={0: shape},
     )
     graph.barrier()
-    finish = device.kernel("sample_token")
+    finish = device.kernel("sample_token" + rows)
     outputs = {5: binding(predicted), 10: binding(logprob_ring)}
     if bookkeeping is not None:
         outputs[11] = binding(bookkeeping.history)
