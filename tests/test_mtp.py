@@ -30,6 +30,7 @@ from test_speculative import (
 from tiny_models import echo_head_checkpoint, tiny_checkpoint
 
 import lily
+from lily.chat.prediction import PredictedText
 from lily.checkpoint.demo import demo_checkpoint_dir
 from lily.checkpoint.loader import load_checkpoint
 from lily.device import Graph
@@ -351,12 +352,16 @@ def test_auto_drafts_with_the_head_when_the_checkpoint_has_one(tmp_path):
         assert llm.speculative == "auto" and llm.mtp_head
         speculation = llm.speculation()
         assert speculation.mtp and not speculation.ngram and speculation.auto
-        # With a prediction the head sits out: it would run over every pass to draft only
-        # where the prediction has nothing to; "mtp" keeps it.
+        # With a prediction that drafts from the reply's start the head sits out: it would run
+        # over every pass to draft only where the prediction has nothing to. It stays for a
+        # reply that opens with a think block (the prediction drafts only the answer), and
+        # "mtp" keeps it.
         prediction = PredictedTokens([1, 2, 3])
         speculation = llm.speculation(prediction)
         assert not speculation.mtp and speculation.prediction is prediction
         assert llm.speculation().mtp
+        after_thinking = PredictedText(llm.tokenizer, "x", [(0, 1)], reply_start=3, thinking=True)
+        assert llm.speculation(after_thinking).mtp
         llm.speculative = "mtp"
         assert llm.speculation(prediction).mtp
     # A tiny checkpoint without a head, with a chat template so that lily.load takes it.

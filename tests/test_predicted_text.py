@@ -58,6 +58,7 @@ def test_drafts_end_where_the_limit_or_the_prediction_does(tokenizer):
 def test_control_tokens_and_the_think_block_are_not_part_of_the_answer(tokenizer):
     text = "Paris is the capital."
     predicted = _predicted(tokenizer, text, thinking=True)
+    assert not predicted.from_reply_start and _predicted(tokenizer, text).from_reply_start
     reasoning = _ids(tokenizer, "The user asks about Paris is the capital")
     # Inside the think block nothing is drafted, even where the reasoning matches the text.
     assert predicted.draft(PROMPT + reasoning, 4) == []

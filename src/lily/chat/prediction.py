@@ -62,6 +62,7 @@ class PredictedText:
         self._spans = spans
         self._reply_start = reply_start
         self._decoder = IncrementalDecoder(tokenizer)
+        self._thinking = thinking
         self._parser = ReasoningParser(thinking=thinking)
         self._read = 0  # reply tokens turned into answer text so far
         self._answer: list[str] = []  # the answer's text since it last lined up
@@ -74,6 +75,10 @@ class PredictedText:
     @property
     def token_count(self) -> int:
         return len(self._spans)
+
+    @property
+    def from_reply_start(self) -> bool:
+        return not self._thinking  # else nothing is drafted inside the think block
 
     @property
     def appeared_tokens(self) -> int:
