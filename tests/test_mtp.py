@@ -30,6 +30,7 @@ from test_speculative import (
 from tiny_models import echo_head_checkpoint, tiny_checkpoint
 
 import lily
+from lily.chat.prediction import PredictedText
 from lily.checkpoint.demo import demo_checkpoint_dir
 from lily.checkpoint.loader import load_checkpoint
 from lily.device import Graph
@@ -37,7 +38,7 @@ from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import ModelGraph
 from lily.engine.reference import ReferenceModel
 from lily.engine.sampling import SamplingParams
-from lily.engine.speculative import Speculation
+from lily.engine.speculative import PredictedTokens, Speculation
 from lily.kernels.step import POSITION
 
 MAX_SEQ = 256
@@ -351,6 +352,18 @@ def test_auto_drafts_with_the_head_when_the_checkpoint_has_one(tmp_path):
         assert llm.speculative == "auto" and llm.mtp_head
         speculation = llm.speculation()
         assert speculation.mtp and not speculation.ngram and speculation.auto
+        # With a prediction that drafts from the reply's start the head sits out: it would run
+        # over every pass to draft only where the prediction has nothing to. It stays for a
+        # reply that opens with a think block (the prediction drafts only the answer), and
+        # "mtp" keeps it.
+        prediction = PredictedTokens([1, 2, 3])
+        speculation = llm.speculation(prediction)
+        assert not speculation.mtp and speculation.prediction is prediction
+        assert llm.speculation().mtp
+        after_thinking = PredictedText(llm.tokenizer, "x", [(0, 1)], reply_start=3, thinking=True)
+        assert llm.speculation(after_thinking).mtp
+        llm.speculative = "mtp"
+        assert llm.speculation(prediction).mtp
     # A tiny checkpoint without a head, with a chat template so that lily.load takes it.
     without = tmp_path / "small"
     shutil.copytree(tiny_checkpoint("small"), without, copy_function=os.link)

@@ -58,6 +58,7 @@ def test_drafts_end_where_the_limit_or_the_prediction_does(tokenizer):
 def test_control_tokens_and_the_think_block_are_not_part_of_the_answer(tokenizer):
     text = "Paris is the capital."
     predicted = _predicted(tokenizer, text, thinking=True)
+    assert not predicted.from_reply_start and _predicted(tokenizer, text).from_reply_start
     reasoning = _ids(tokenizer, "The user asks about Paris is the capital")
     # Inside the think block nothing is drafted, even where the reasoning matches the text.
     assert predicted.draft(PROMPT + reasoning, 4) == []
@@ -70,22 +71,56 @@ def test_control_tokens_and_the_think_block_are_not_part_of_the_answer(tokenizer
     assert predicted.draft(PROMPT + reply, 2) == tokenizer.encode(" the capital.")[:2]
 
 
-def test_no_draft_inside_a_character_and_replacement_characters_line_up(tokenizer):
-    text = "caf\u00e9 \ufffd ok"
+def _byte(tokenizer: Tokenizer, value: int) -> int:
+    """The token of one byte (not a whole character unless ASCII)."""
+    (token,) = tokenizer.spell_bytes(bytes([value]))
+    return token
+
+
+def test_a_character_the_reply_began_is_drafted_from_its_next_byte(tokenizer):
+    text = "na\u00efve \u00e9t\u00e9"
+    # The prediction spells "ï" as two byte tokens, "é" as one token of both bytes.
+    assert [tokenizer.token_bytes(t) for t in tokenizer.encode(text)][1:3] == [b"\xc3", b"\xaf"]
+    assert tokenizer.token_bytes(tokenizer.encode("\u00e9")[0]) == "\u00e9".encode()
     predicted = _predicted(tokenizer, text)
-    e_acute = "\u00e9".encode()
-    first_byte = [t for t in range(tokenizer.vocab_size) if tokenizer.token_bytes(t) == e_acute[:1]]
-    reply = _ids(tokenizer, "caf") + first_byte
-    assert predicted.draft(PROMPT + reply, 3) == []  # "é" is half written
-    second_byte = [
-        t for t in range(tokenizer.vocab_size) if tokenizer.token_bytes(t) == e_acute[1:]
-    ]
-    reply += second_byte + _ids(tokenizer, " ")
-    assert predicted.draft(PROMPT + reply, 1) == tokenizer.encode("\ufffd")[:1]
-    # A byte that never becomes a character is U+FFFD in the answer, as in the prediction.
-    stray = [t for t in range(tokenizer.vocab_size) if tokenizer.token_bytes(t) == b"\xff"]
-    reply += stray + _ids(tokenizer, " ")
-    assert predicted.draft(PROMPT + reply, 1) == tokenizer.encode("ok")[:1]
+    reply = _ids(tokenizer, "na") + [_byte(tokenizer, 0xC3)]
+    # The prediction's own tokens from there.
+    assert predicted.draft(PROMPT + reply, 3) == tokenizer.encode(text)[2:5]
+    # The reply writes "é" byte by byte where the prediction's token holds both: the draft
+    # is the token of the byte still to come, then the text after the character.
+    reply += _ids(tokenizer, "\u00efve ")[1:] + [_byte(tokenizer, 0xC3)]
+    assert tokenizer.decode(reply).startswith("na\u00efve ")
+    drafts = predicted.draft(PROMPT + reply, 4)
+    assert drafts == [_byte(tokenizer, 0xA9), *tokenizer.encode("t\u00e9")]
+    # Bytes that begin another character than the prediction's: nothing to draft.
+    other = _predicted(tokenizer, text)
+    assert other.draft(PROMPT + _ids(tokenizer, "na") + [_byte(tokenizer, 0xE4)], 3) == []
+
+
+def test_drafts_end_before_a_replacement_character_and_resume_after_it(tokenizer):
+    """U+FFFD in the prediction stands for bytes that were not UTF-8 (the model wrote a stray
+    byte), which its text no longer holds: the drafts stop before it, and once the reply has
+    written a byte there, they continue after it."""
+    text = "ok\ufffd4 block\ufffd\ufffd end"
+    predicted = _predicted(tokenizer, text)
+    reply = _ids(tokenizer, "o")
+    assert predicted.draft(PROMPT + reply, 4) == tokenizer.encode("k")
+    reply += _ids(tokenizer, "k")
+    assert predicted.draft(PROMPT + reply, 4) == []  # the byte there cannot be known
+    # A byte that starts no character is U+FFFD at once.
+    stray = reply + [_byte(tokenizer, 0xB5)]
+    assert predicted.draft(PROMPT + stray, 2) == tokenizer.encode("4 block")[:2]
+    # A byte that starts a character is held back until the next token: that it becomes
+    # U+FFFD is the prediction's guess, and the text after it is drafted.
+    held = _predicted(tokenizer, text)
+    reply += [_byte(tokenizer, 0xEA)]
+    assert held.draft(PROMPT + reply, 2) == tokenizer.encode("4 block")[:2]
+    reply += _ids(tokenizer, "4 block") + [_byte(tokenizer, 0xEA)]
+    assert held.draft(PROMPT + reply, 2) == []  # the second U+FFFD: unknown bytes again
+    reply += [_byte(tokenizer, 0xFF)]  # ends the held byte's U+FFFD and is the second
+    assert held.draft(PROMPT + reply, 2) == tokenizer.encode(" end")[:2]
+    held.read(reply + _ids(tokenizer, " end"))
+    assert held.appeared_tokens == held.token_count
 
 
 def test_after_an_edit_drafting_resumes_where_the_answer_rejoins_the_prediction(tokenizer):

@@ -145,12 +145,15 @@ def test_speculative_drafts_are_counted_as_the_engine_verified_them(
         made.append(inner(*args, **kwargs))
         return made[-1]
 
+    body = {"messages": user("Draft"), "max_tokens": 4, **NO_THINKING}
+    # The answer itself as the prediction: its passes draft (a prediction the answer leaves at
+    # once drafts nothing, and under "auto" the head sits a request with one out).
+    content = chat(server.url, body)["choices"][0]["message"]["content"]
     llm.speculation = recorded  # type: ignore[method-assign]
     try:
         scrape = Scrape(server.url)
-        prediction = {"type": "content", "content": "one two one two one two"}
-        chat(server.url, {"messages": user("Draft"), "max_tokens": 4, "prediction": prediction,
-                          **NO_THINKING})  # fmt: skip
+        prediction = {"type": "content", "content": content}
+        chat(server.url, {**body, "prediction": prediction})
     finally:
         del llm.speculation
     drafted = sum(s.total.drafted for s in made)

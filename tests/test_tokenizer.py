@@ -211,6 +211,17 @@ def test_token_bytes_concatenate_to_the_text(demo):
         demo.token_bytes(10**6)
 
 
+def test_spell_bytes_takes_the_longest_tokens_even_for_part_of_a_character(demo):
+    ids = demo.spell_bytes("\u00e9 the".encode()[1:])  # the end of "é", then text
+    assert [demo.token_bytes(i) for i in ids] == [b"\xa9", b" the"]
+    stray = b"\x9f\x98\x80\xff"  # no token holds more than one of these
+    assert [demo.token_bytes(i) for i in demo.spell_bytes(stray)] == [bytes([b]) for b in stray]
+    # Text that is an added token's is spelled in vocabulary tokens, not as the added token.
+    ids = demo.spell_bytes(b"</think>")
+    assert b"".join(demo.token_bytes(i) for i in ids) == b"</think>" and 4025 not in ids
+    assert demo.spell_bytes(b"") == []
+
+
 def test_token_text_for_logprobs(demo):
     lead = demo.encode("😀")[0]
     assert demo.token_bytes(lead) == b"\xf0"

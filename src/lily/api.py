@@ -322,12 +322,18 @@ class Lily:
     def speculation(self, prediction: Prediction | None = None) -> Speculation:
         """The drafting of one generation under this model's `speculative` mode: the MTP head
         or prompt lookup (unless "off"), and the client's `prediction`. Under "auto", a source
-        that did not pay in the generations before may sit this one out (`DraftingHistory`)."""
+        that did not pay in the generations before may sit this one out (`DraftingHistory`),
+        and the head sits out a generation whose prediction drafts from the reply's start:
+        it would run over every pass's rows (and the prompt's) to draft only where the
+        prediction has nothing to. It stays for a reply that opens with a think block, which
+        a prediction of the answer does not draft."""
         auto = self.speculative == "auto"
         resting = self._drafting.next_generation(self._last_speculation) if auto else frozenset()
+        predicted = prediction is not None and prediction.from_reply_start
+        head_rests = "mtp" in resting or (auto and predicted)
         speculation = Speculation(
             draft_tokens=self.draft_tokens,
-            mtp=self.mtp_head and self.speculative in ("auto", "mtp") and "mtp" not in resting,
+            mtp=self.mtp_head and self.speculative in ("auto", "mtp") and not head_rests,
             ngram=(self.speculative == "ngram" or (auto and not self.mtp_head))
             and "ngram" not in resting,
             prediction=prediction,

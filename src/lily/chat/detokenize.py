@@ -33,9 +33,9 @@ class IncrementalDecoder:
         return self._utf8.decode(self._tokenizer.token_bytes(token_id))
 
     @property
-    def pending(self) -> bool:
-        """Whether bytes of an incomplete character are held back."""
-        return bool(self._utf8.getstate()[0])
+    def pending(self) -> bytes:
+        """The bytes of an incomplete character held back (b"" when none)."""
+        return self._utf8.getstate()[0]
 
     def flush(self) -> str:
         """End of stream: bytes of a character that never completed become U+FFFD."""

@@ -8,9 +8,13 @@ byte the answer shows as U+FFFD. Token ids line up with the prediction's only un
 such difference. Here the reply is turned into the answer's text as the client sees it (the
 incremental detokenizer, then the reasoning parser: control tokens and the think block left
 out), that text is followed through the prediction character by character, and each pass's
-drafts are the tokenization of the prediction's text from that point. Where the answer leaves
-the prediction (an edit), nothing is drafted until its last few characters occur in the
-prediction again, and drafting resumes after them.
+drafts are the tokenization of the prediction's text from that point. Where the reply has
+written the first bytes of a character, the drafts start with the token of the bytes still to
+come. A U+FFFD in the prediction stands for bytes that were not UTF-8, which its text no longer
+holds: the drafts end before it (the pass's own token supplies the byte), and once the reply
+holds a byte there they continue after it. Where the answer leaves the prediction (an edit),
+nothing is drafted until its last few characters occur in the prediction again, and drafting
+resumes after them.
 
 Drafts are only proposals: the verify pass keeps those the model itself would generate, so
 none of this changes the reply, only how many tokens a pass yields.
@@ -32,6 +36,8 @@ REJOIN_LENGTHS = (32, 16, 8)
 # Characters of the prediction tokenized per draft token asked for: tokens of code and prose
 # average 3 to 4 characters; a window that ends inside a token drops that token.
 WINDOW_CHARS_PER_TOKEN = 16
+# How the answer's text and the prediction show bytes that are not UTF-8.
+REPLACEMENT = "\ufffd"
 
 
 class PredictedText:
@@ -56,6 +62,7 @@ class PredictedText:
         self._spans = spans
         self._reply_start = reply_start
         self._decoder = IncrementalDecoder(tokenizer)
+        self._thinking = thinking
         self._parser = ReasoningParser(thinking=thinking)
         self._read = 0  # reply tokens turned into answer text so far
         self._answer: list[str] = []  # the answer's text since it last lined up
@@ -68,6 +75,10 @@ class PredictedText:
     @property
     def token_count(self) -> int:
         return len(self._spans)
+
+    @property
+    def from_reply_start(self) -> bool:
+        return not self._thinking  # else nothing is drafted inside the think block
 
     @property
     def appeared_tokens(self) -> int:
@@ -87,9 +98,15 @@ class PredictedText:
     def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
         for token in tokens[self._reply_start + self._read :]:
             self._add(token)
-        if self._at is None or self._decoder.pending or self._parser.in_reasoning:
-            return []  # no answer yet, off the prediction, or inside a character
-        return self._tokenize_from(self._at, limit)
+        if self._at is None or self._parser.in_reasoning:
+            return []  # off the prediction, or no answer yet
+        at, written = self._at, self._decoder.pending
+        if written and self._text.startswith(REPLACEMENT, at):
+            # The bytes held back begin a character the prediction shows as U+FFFD: they
+            # become it as soon as the next token does not continue them, and the first byte
+            # of any text does not.
+            at, written = at + 1, b""
+        return self._tokenize_from(at, written, limit)
 
     def verified(self, accepted: int) -> None:
         """Nothing to do: the next `draft` reads the accepted tokens from the reply."""
@@ -133,9 +150,28 @@ class PredictedText:
         self._matched[start] += 1
         self._matched[end] -= 1
 
-    def _tokenize_from(self, at: int, limit: int) -> list[int]:
+    def _tokenize_from(self, at: int, written: bytes, limit: int) -> list[int]:
+        """Up to `limit` tokens that spell the prediction from character `at` on, less its
+        first bytes `written` (a character's beginning the reply has written), and end before
+        the next U+FFFD: that stands for bytes the text no longer holds (the model wrote an
+        invalid sequence), which only the model's own token of the pass can supply."""
         end = at + WINDOW_CHARS_PER_TOKEN * (limit + 1)
-        drafts = self._tokenizer.encode(self._text[at:end])
-        if end < len(self._text):
+        unknown = self._text.find(REPLACEMENT, at, end)
+        drafts = self._tokenizer.encode(self._text[at : end if unknown < 0 else unknown])
+        if unknown < 0 and end < len(self._text):
             drafts = drafts[:-1]  # may be the start of a longer token
+        if written:
+            drafts = self._after(written, drafts)
         return drafts[:limit]
+
+    def _after(self, written: bytes, drafts: list[int]) -> list[int]:
+        """`drafts` less the bytes `written` they start with (none when they do not): the
+        token that spells the last of those bytes and more is spelled again from there."""
+        spelled = b""
+        for index, token in enumerate(drafts):
+            spelled += self._tokenizer.token_bytes(token)
+            if len(spelled) >= len(written):
+                if not spelled.startswith(written):
+                    return []
+                return [*self._tokenizer.spell_bytes(spelled[len(written) :]), *drafts[index + 1 :]]
+        return []

@@ -270,6 +270,22 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def spell_bytes(self, data: bytes) -> list[int]:
+        """Vocabulary tokens whose bytes are exactly `data`, each the longest entry that
+        starts the rest: bytes that need not be whole characters (the end of one whose
+        beginning another token wrote), which `encode` cannot take."""
+        ids: list[int] = []
+        while data:
+            for size in range(min(len(data), self.max_token_bytes), 0, -1):
+                token = self._backend.token_to_id(bytes_to_token_string(data[:size]))
+                if token is not None and token not in self._added_text:
+                    break
+            else:  # byte-level BPE vocabularies hold every single byte; this one does not
+                raise TokenizerError(f"no token spells the byte {data[0]:#04x}")
+            ids.append(token)
+            data = data[size:]
+        return ids
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary spelling of an id (byte-level alphabet for BPE tokens)."""
         return self._backend.id_to_token(token_id)

@@ -177,6 +177,12 @@ class Prediction(Protocol):
         """OpenAI's accepted prediction tokens: those that appeared in the reply so far."""
         ...
 
+    @property
+    def from_reply_start(self) -> bool:
+        """Whether it is expected to draft from the reply's first tokens on, rather than only
+        after something it cannot draft (a think block)."""
+        ...
+
     def draft(self, tokens: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` tokens of the prediction expected after `tokens` (the prompt and the
         reply so far); none where the reply does not line up with it."""
@@ -207,6 +213,10 @@ class PredictedTokens:
     @property
     def token_count(self) -> int:
         return len(self.prediction)
+
+    @property
+    def from_reply_start(self) -> bool:
+        return True  # looked up wherever the reply is
 
     @property
     def appeared_tokens(self) -> int:
