@@ -76,6 +76,30 @@ inline float qdot_chunk(QuantMatrix m, uint in_dim, uint row, uint k, thread con
   return float(m.scales[group]) * dot + float(m.biases[group]) * xsum;
 }
 
+// One chunk of one row's codes (16 bytes), each code as a float: decoded once, then used for
+// every token of a verify pass (the shift, mask and conversion would otherwise cost three of
+// every four instructions per weight and token).
+template <uint BITS>
+inline void decode_codes(uint4 codes, thread float* decoded) {
+  constexpr uint per_word = 32 / BITS;
+  constexpr uint mask = (1u << BITS) - 1u;
+  for (uint w = 0; w < 4; ++w) {
+    for (uint j = 0; j < per_word; ++j) {
+      decoded[w * per_word + j] = float((codes[w] >> (j * BITS)) & mask);
+    }
+  }
+}
+
+// sum over one chunk of (scale * code + bias) * x for one row whose codes are decoded:
+// qdot_chunk's arithmetic, in its order, so each token's rows are the single-token GEMV's.
+template <uint BITS>
+inline float qdot_decoded(thread const float* decoded, float scale, float bias,
+                          thread const float* xs, float xsum) {
+  float dot = 0.0f;
+  for (uint i = 0; i < quant_chunk(BITS); ++i) dot += decoded[i] * xs[i];
+  return scale * dot + bias * xsum;
+}
+
 // The row that slot r (< R) of a SIMD-group's rows [row0, row0 + count) computes. The row loops
 // run all R slots, a compile-time trip count that keeps acc[] in registers; the slots past count
 // (only in the last SIMD-group of a matrix whose rows are not a multiple of R) recompute the last
