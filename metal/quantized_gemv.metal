@@ -223,11 +223,13 @@ template <uint BITS, bool NORMED>
       scales[r] = float(t.m.scales[group]);
       biases[r] = float(t.m.biases[group]);
     }
+    float gains[chunk];
+    if (NORMED) load_gains<BITS>(gain, k, gains);
     for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) {
       if (n >= p.tokens) break;
       float xs[chunk];
       device const float* token_x = x + ulong(n) * p.in_dim;
-      const float xsum = NORMED ? load_chunk_gained<BITS>(token_x, gain, k, xs, squares[n])
+      const float xsum = NORMED ? load_chunk_gained<BITS>(token_x, gains, k, xs, squares[n])
                                 : load_chunk<BITS>(token_x, k, xs);
       for (uint r = 0; r < R; ++r) {
         acc[r][n] += qdot_decoded<BITS>(decoded[r], scales[r], biases[r], xs, xsum);
@@ -242,14 +244,17 @@ template <uint BITS, bool NORMED>
   if (convolves && lane == 0) {
     for (uint r = 0; r < t.count; ++r) conv_tail_start(conv, t.row0 + r, history[r]);
   }
+  float inv_rms[QGEMV_MAX_TOKENS];
+  if (NORMED) {
+    folded_inv_rms_rows<QGEMV_MAX_TOKENS>(squares, p.tokens, p.in_dim, p.eps, inv_rms);
+  }
   for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) {
     if (n >= p.tokens) break;
     const float token_acc[R] = {acc[0][n], acc[1][n], acc[2][n], acc[3][n]};
     const float4 totals = simd_sum_rows(token_acc);
-    const float inv_rms = NORMED ? folded_inv_rms(squares[n], p.in_dim, p.eps) : 1.0f;
     for (uint r = 0; r < R; ++r) {
       float total = totals[r];
-      if (NORMED) total *= inv_rms;
+      if (NORMED) total *= inv_rms[n];
       if (lane == 0 && r < t.count) {
         const uint row = t.row0 + r;
         if (convolves) total = conv_tail_step(conv, row, n, history[r], total);
