@@ -142,7 +142,8 @@ def print_full_size_levels(decode: int, verify: dict[int, int]) -> None:
 
 def print_levels(model: ModelGraph) -> None:
     """The levels (barriers) of the loaded model's decode step and verify passes: the demo's
-    8 layers walk the real model's layer pattern, so the ratio is the real graph's too."""
+    8 layers walk the real model's layer pattern, so per layer they are the real graph's (the
+    few levels outside the layers weigh more in the ratio than at 40 layers)."""
     decode = model.graph(1, predicts=True).barrier_count
     drafts = range(1, MAX_DRAFT_TOKENS + 1)
     verify = {model.verify_graph(k + 1, k + 1).barrier_count for k in drafts}
