@@ -10,10 +10,13 @@ its arithmetic, while on a GPU a pass of a few tokens costs about what a decode 
 (reading the weights). Every arm is warmed up first (graphs are recorded on first use) and
 must give the same answer.
 
-It first prints a model of the delivered tok/s on an M4 Max and an M5 Max, plain and with the
-MTP head (k = 1..3) or prompt lookup (k = 4) at per-draft acceptance 0.9 / 0.7 / 0.5
-(`print_mac_estimate`: an estimate from the shapes and published bandwidths, not a
-measurement), the loaded model's levels per decode step and verify pass, and what a verify
+It first prints the levels (dependent dispatch levels: barriers) of the full-size graph's decode
+step and verify passes, recorded on a sim that does not execute them from a checkpoint of the
+real model's layout whose tensors are zeros (make_synthetic_checkpoint.py's `--zeros`: holes,
+no disk); a model of the delivered tok/s on an M4 Max and an M5 Max, plain and with the MTP
+head (k = 1..3) or prompt lookup (k = 4) at per-draft acceptance 0.9 / 0.7 / 0.5
+(`print_mac_estimate`: an estimate from the shapes, those levels and published bandwidths, not
+a measurement), the loaded model's levels per decode step and verify pass, and what a verify
 pass of the full-size graph (the real model's config.json, as
 make_synthetic_checkpoint.py writes it) moves of the recurrent state, per k drafts: the bytes
 copied (a backup or a restore: none since the pass keeps its candidates' updates, issue 39),
@@ -35,15 +38,19 @@ tokenizer would (the prediction is then drafted from its text: docs/python-api.m
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
-from make_synthetic_checkpoint import real_config
+from make_synthetic_checkpoint import real_config, write_checkpoint
 from prefill_model import CENTRAL, GPUS, LEVEL_SECONDS, MEMORY_EFFICIENCY
 
 import lily
+from lily.api import DEFAULT_MAX_SEQ
 from lily.checkpoint.config import parse_config
-from lily.device import Device
+from lily.checkpoint.loader import load_checkpoint
+from lily.device import Device, open_device
 from lily.engine.model_graph import (
     MAX_DRAFT_TOKENS,
     MTP_DRAFT_VOCAB,
@@ -55,15 +62,16 @@ from lily.engine.model_graph import (
 )
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
-# The Mac estimate's inputs: the graphs' levels (issue 39's review counted 253 for the decode
-# step and 408 for a verify pass at the real dims; the head's draft pass is 16 levels per draft,
-# `ModelGraph.mtp_draft_graph` counted on the demo, whose head has the real one's layer walk),
+# The Mac estimate's inputs: the full-size graphs' levels (`full_size_levels`; issue 39's review
+# counted 253 for the decode step and 408 for a verify pass before the verify pass was folded;
+# the head's draft pass is 16 levels per draft, `ModelGraph.mtp_draft_graph` counted on the
+# demo, whose head has the real one's layer walk),
 # a 4-bit weight with its bf16 scale and bias per 64, the GPU idle once per verify pass while
 # the host reads the accepted tokens and encodes the next pass (the review's ~0.7 ms of
 # encoding and Python per pass; the head's drafts are taken on the device in the pass's own
 # submission, so no round trip per draft), per-draft acceptance rates (published first-draft
 # rates for Qwen3.5/3.6 MTP heads are 0.72-0.83: vLLM, vllm-mlx, mlx-lm PR 990, per issue 39).
-DECODE_LEVELS, VERIFY_LEVELS, MTP_LEVELS_PER_DRAFT = 253, 408, 16
+MTP_LEVELS_PER_DRAFT = 16
 BYTES_PER_WEIGHT = 4.5 / 8
 PASS_HOST_S = 0.7e-3
 ACCEPTANCE = (0.9, 0.7, 0.5)
@@ -110,9 +118,32 @@ def print_state_traffic() -> None:
         )
 
 
+def full_size_levels() -> tuple[int, dict[int, int]]:
+    """The levels of the full-size graph's decode step and of its verify pass per k drafts (k + 1
+    tokens and rows), at lily.load's default context: recorded, not run, on the real layout of
+    zeros."""
+    with tempfile.TemporaryDirectory() as directory:
+        write_checkpoint(Path(directory), zeros=True)
+        checkpoint = load_checkpoint(Path(directory))
+        c = checkpoint.config
+        device = open_device("sim", execute=False)
+        model = ModelGraph(
+            checkpoint, device, DEFAULT_MAX_SEQ, c.vocab_size, max_chunk=MAX_DRAFT_TOKENS + 1
+        )
+        decode = model.graph(1, predicts=True).barrier_count
+        drafts = range(1, MAX_DRAFT_TOKENS + 1)
+        return decode, {k: model.verify_graph(k + 1, k + 1).barrier_count for k in drafts}
+
+
+def print_full_size_levels(decode: int, verify: dict[int, int]) -> None:
+    shown = ", ".join(f"k = {k}: {n} ({n / decode:.2f}x)" for k, n in verify.items())
+    print(f"full-size graph, levels: decode step {decode}, verify pass {shown}")
+
+
 def print_levels(model: ModelGraph) -> None:
     """The levels (barriers) of the loaded model's decode step and verify passes: the demo's
-    8 layers walk the real model's layer pattern, so the ratio is the real graph's too."""
+    8 layers walk the real model's layer pattern, so per layer they are the real graph's (the
+    few levels outside the layers weigh more in the ratio than at 40 layers)."""
     decode = model.graph(1, predicts=True).barrier_count
     drafts = range(1, MAX_DRAFT_TOKENS + 1)
     verify = {model.verify_graph(k + 1, k + 1).barrier_count for k in drafts}
@@ -127,7 +158,7 @@ def print_levels(model: ModelGraph) -> None:
         )
 
 
-def print_mac_estimate() -> None:
+def print_mac_estimate(decode_levels: int, verify_levels: dict[int, int]) -> None:
     """A MODEL of the delivered decode speed on a Mac, plain and with drafts, at per-draft
     acceptance a (each draft kept with probability a once those before it were): a pass of k
     drafts yields (1 - a^(k+1)) / (1 - a) tokens and costs its verify pass
@@ -141,19 +172,20 @@ def print_mac_estimate() -> None:
     draft_head = min(c.vocab_size, MTP_DRAFT_VOCAB) * c.hidden_size * BYTES_PER_WEIGHT
     print(
         "delivered tok/s on a Mac (a MODEL: weights at 80% of the published bandwidth, "
-        f"{DECODE_LEVELS} / {VERIFY_LEVELS} levels at {LEVEL_SECONDS * 1e6:.0f} us, "
+        f"{decode_levels} / {max(verify_levels.values())} levels at "
+        f"{LEVEL_SECONDS * 1e6:.0f} us, "
         f"{MTP_LEVELS_PER_DRAFT} per head draft, {PASS_HOST_S * 1e3:.2f} ms of host time "
         "per verify pass)"
     )
     for gpu in GPUS[1:]:
         bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY[CENTRAL]
         step_bytes = pass_traffic(c, 1).weight_bytes + 2 * recurrent_state_bytes(c)
-        step = step_bytes / bandwidth + DECODE_LEVELS * LEVEL_SECONDS
+        step = step_bytes / bandwidth + decode_levels * LEVEL_SECONDS
         print(f"  {gpu.name}: plain {1 / step:.0f}")
         for source, ks in (("mtp", (1, 2, 3)), ("ngram", (4,))):
             for k in ks:
                 verify = verify_cost_ratio(c, k) * (step_bytes / bandwidth)
-                verify += VERIFY_LEVELS * LEVEL_SECONDS + PASS_HOST_S
+                verify += verify_levels[k] * LEVEL_SECONDS + PASS_HOST_S
                 drafting = 0.0
                 if source == "mtp":
                     drafting = k * (
@@ -199,8 +231,10 @@ def main() -> None:
     parser.add_argument("--message", default="Hi", help="the user message")
     args = parser.parse_args()
     messages = [{"role": "user", "content": args.message}]
+    decode_levels, verify_levels = full_size_levels()
+    print_full_size_levels(decode_levels, verify_levels)
     print_state_traffic()
-    print_mac_estimate()
+    print_mac_estimate(decode_levels, verify_levels)
     # Loaded with the head when there is one ("auto"), so that its arm can run too.
     with lily.load(
         args.model, device="sim", max_seq=512, speculative="auto", draft_tokens=args.draft_tokens

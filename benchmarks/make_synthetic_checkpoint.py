@@ -1,6 +1,6 @@
 """Write a full-size random Qwen3.6-35B-A3B checkpoint in the mlx-community 4-bit format.
 
-Usage: python benchmarks/make_synthetic_checkpoint.py OUT_DIR [--seed N] [--shard-gb 5]
+Usage: python benchmarks/make_synthetic_checkpoint.py OUT_DIR [--seed N] [--shard-gb 5] [--zeros]
 
 Exactly the real tensor names, shapes and dtypes (taken from lily.checkpoint.validate's expected
 layout of
@@ -11,6 +11,10 @@ projection on 0 with about 1/sqrt(in_features) spread, norms near 1. Tensors are
 in chunks, so memory stays small whatever the checkpoint size. The output is a deterministic
 function of the seed. Every tensor starts on a 16-byte boundary of its shard, as Lily's
 loader requires.
+
+With `--zeros` (`write_checkpoint(..., zeros=True)`) the shards hold the headers alone and every
+tensor's bytes are a hole of the file, read as zeros: written at once and taking no disk, for
+recording the full-size graphs on a sim that does not execute them (bench_speculative.py).
 """
 
 from __future__ import annotations
@@ -141,7 +145,11 @@ def plan_shards(tensors: list[ExpectedTensor], max_bytes: int) -> list[list[Expe
     return shards
 
 
-def write_shard(path: Path, tensors: list[ExpectedTensor], seed: int, progress: tqdm) -> None:
+def write_shard(
+    path: Path, tensors: list[ExpectedTensor], seed: int, progress: tqdm | None
+) -> None:
+    """The shard's header, then its tensors' random contents, or without `progress` (zeros)
+    the file extended over them unwritten."""
     header: dict[str, object] = {"__metadata__": {"format": "mlx"}}
     offset = 0
     for t in tensors:
@@ -158,10 +166,35 @@ def write_shard(path: Path, tensors: list[ExpectedTensor], seed: int, progress: 
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
+        if progress is None:
+            f.truncate(8 + len(encoded) + offset)
+            return
         for t in tensors:
             for chunk in tensor_chunks(t, seed):
                 f.write(chunk.tobytes())
                 progress.update(chunk.nbytes)
+
+
+def write_checkpoint(
+    out: Path, seed: int = 0, shard_bytes: int = 5 << 30, zeros: bool = False
+) -> tuple[int, int, int]:
+    """The real config's checkpoint in `out`, random or (`zeros`) holes; returns the tensors,
+    bytes and shards written."""
+    config_json = real_config()
+    tensors = sorted(expected_tensors(parse_config(config_json)).values(), key=lambda t: t.name)
+    shards = plan_shards(tensors, shard_bytes)
+    total = sum(nbytes(t) for t in tensors)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config_json, indent=2))
+    weight_map = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=zeros) as progress:
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_shard(out / name, shard, seed, None if zeros else progress)
+            weight_map.update({t.name: name for t in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return len(tensors), total, len(shards)
 
 
 def main() -> None:
@@ -169,25 +202,12 @@ def main() -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard-gb", type=float, default=5.0, help="maximum shard size (GiB)")
+    parser.add_argument("--zeros", action="store_true", help="tensors as holes (zeros)")
     args = parser.parse_args()
-
-    config_json = real_config()
-    tensors = sorted(expected_tensors(parse_config(config_json)).values(), key=lambda t: t.name)
-    shards = plan_shards(tensors, int(args.shard_gb * (1 << 30)))
-    total = sum(nbytes(t) for t in tensors)
-
-    out: Path = args.out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config_json, indent=2))
-    weight_map = {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc="writing") as progress:
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_shard(out / name, shard, args.seed, progress)
-            weight_map.update({t.name: name for t in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
-    print(f"wrote {len(tensors)} tensors, {total / 1e9:.2f} GB in {len(shards)} shards to {out}")
+    count, total, shards = write_checkpoint(
+        args.out_dir, args.seed, int(args.shard_gb * (1 << 30)), args.zeros
+    )
+    print(f"wrote {count} tensors, {total / 1e9:.2f} GB in {shards} shards to {args.out_dir}")
 
 
 if __name__ == "__main__":

@@ -52,5 +52,7 @@ inline float load_chunk_gained(EmbeddedRow<EMBED_BITS> x, device const bfloat* g
       out[v] = float4(values[4 * v], values[4 * v + 1], values[4 * v + 2], values[4 * v + 3]);
     }
   }
-  return gain_chunk<BITS>(values, gain, k, xs, squares);
+  float gains[chunk];
+  load_gains<BITS>(gain, k, gains);
+  return gain_chunk<BITS>(values, gains, xs, squares);
 }

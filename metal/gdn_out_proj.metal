@@ -8,7 +8,8 @@
 // The head's sum of squares is thus each lane's own plus a butterfly of shuffles over that group,
 // the same on each of its lanes and in every SIMD-group. Each input is then normed, gained and
 // gated in the order gdn_gated_rms_norm uses, and the dot products are those of qgemv: only the
-// order of the sum of squares differs from a separate norm.
+// order of the sum of squares differs from a separate norm. A verify pass runs it over its few
+// tokens (gdn_out_proj_tokens), each token's norm folded in alike.
 #include "common.h"
 #include "quantized.h"
 
@@ -19,76 +20,118 @@ constexpr constant uint kOutProjRowsPerSimdgroup = 4;
 // gemv_simdgroups in lily/kernels/quantized.py). No threadgroup memory or barrier depends on it.
 constexpr constant uint kOutProjSimdgroups = 1;
 
+// The most tokens of one gdn_out_proj_tokens dispatch: a verify pass's (QGEMV_MAX_TOKENS).
+constexpr constant uint kOutProjMaxTokens = 9;
+
 struct GdnOutProjParams {
   uint in_dim;  // Hv * Dv
   float eps;    // of the gated RMSNorm
+  uint rows;    // the residual's width (hidden_size): a token's stride in it
+  uint tokens;  // readout, z and residual rows (1 but in gdn_out_proj_tokens)
 };
 
 // Threadgroups of kOutProjSimdgroups SIMD-groups of kOutProjRowsPerSimdgroup rows each; the rows
-// are a whole number of threadgroups.
-template <uint BITS>
+// are a whole number of threadgroups. TOKENS is the most tokens a dispatch takes: 1 for the
+// decode step; a verify pass's few (gdn_out_proj_tokens) read each chunk of codes once, decoded
+// into registers, for all of them (as qgemv_tokens does), each token's rows bit for bit the
+// single-token kernel's.
+template <uint BITS, uint TOKENS>
 [[kernel, max_total_threads_per_threadgroup(kOutProjSimdgroups * SIMD_WIDTH)]]
 void gdn_out_proj(constant GdnOutProjParams& p [[buffer(0)]],
-                  device const float* readout [[buffer(1)]],       // [Hv*Dv]
-                  device const float* z [[buffer(2)]],             // [Hv*Dv]
+                  device const float* readout [[buffer(1)]],       // [tokens, Hv*Dv]
+                  device const float* z [[buffer(2)]],             // [tokens, Hv*Dv]
                   device const bfloat* norm_weight [[buffer(3)]],  // [Dv], a gain
                   device const uint* weight [[buffer(4)]],
                   device const bfloat* scales [[buffer(5)]],
                   device const bfloat* biases [[buffer(6)]],
-                  device float* residual [[buffer(7)]],  // [rows], added to
+                  device float* residual [[buffer(7)]],  // [tokens, rows], added to
                   uint threadgroup_id [[threadgroup_position_in_grid]],
                   uint simdgroup [[simdgroup_index_in_threadgroup]],
                   uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint R = kOutProjRowsPerSimdgroup;
   constexpr uint chunk = quant_chunk(BITS);
   constexpr uint lanes_per_head = kNormedHeadDim / chunk;
   const QuantMatrix m{weight, scales, biases};
-  const uint row0 =
-      (threadgroup_id * kOutProjSimdgroups + simdgroup) * kOutProjRowsPerSimdgroup;
+  const uint row0 = (threadgroup_id * kOutProjSimdgroups + simdgroup) * R;
+  const uint words_per_row = p.in_dim * BITS / 32;
+  const uint groups_per_row = p.in_dim / QUANT_GROUP_SIZE;
 
-  float acc[kOutProjRowsPerSimdgroup];
-  for (uint r = 0; r < kOutProjRowsPerSimdgroup; ++r) acc[r] = 0.0f;
+  float acc[R][TOKENS];
+  for (uint r = 0; r < R; ++r) {
+    for (uint n = 0; n < TOKENS; ++n) acc[r][n] = 0.0f;
+  }
   // Every lane takes every pass, so that the shuffles stay in uniform control flow; a pass past
   // the end of a short input (a model with few heads) idles whole groups of lanes.
   for (uint base = 0; base < p.in_dim; base += SIMD_WIDTH * chunk) {
     const uint k = base + lane * chunk;
     const bool active = k < p.in_dim;
-    float xs[chunk];
-    float squares = 0.0f;
-    if (active) {
-      for (uint i = 0; i < chunk; i += 4) {
-        const float4 o = *reinterpret_cast<device const float4*>(readout + k + i);
-        for (uint j = 0; j < 4; ++j) {
-          xs[i + j] = o[j];
-          squares += o[j] * o[j];
-        }
+    float decoded[R][chunk];
+    float row_scales[R], row_biases[R];
+    if (TOKENS > 1 && active) {
+      for (uint r = 0; r < R; ++r) {
+        const ulong row = row0 + r;
+        decode_codes<BITS>(
+            *reinterpret_cast<device const uint4*>(weight + row * words_per_row + k * BITS / 32),
+            decoded[r]);
+        const ulong group = row * groups_per_row + k / QUANT_GROUP_SIZE;
+        row_scales[r] = float(scales[group]);
+        row_biases[r] = float(biases[group]);
       }
     }
-    for (uint offset = 1; offset < lanes_per_head; offset <<= 1) {
-      squares += simd_shuffle_xor(squares, offset);
-    }
-    if (active) {
-      const float inv_rms = rsqrt(squares / float(kNormedHeadDim) + p.eps);
-      device const bfloat* gain = norm_weight + k % kNormedHeadDim;
-      float xsum = 0.0f;
-      for (uint i = 0; i < chunk; i += 4) {
-        const float4 gate = *reinterpret_cast<device const float4*>(z + k + i);
-        for (uint j = 0; j < 4; ++j) {
-          xs[i + j] = xs[i + j] * inv_rms * float(gain[i + j]) * silu(gate[j]);
-          xsum += xs[i + j];
+    for (uint n = 0; n < TOKENS; ++n) {
+      if (n >= p.tokens) break;
+      device const float* token_readout = readout + ulong(n) * p.in_dim;
+      device const float* token_z = z + ulong(n) * p.in_dim;
+      float xs[chunk];
+      float squares = 0.0f;
+      if (active) {
+        for (uint i = 0; i < chunk; i += 4) {
+          const float4 o = *reinterpret_cast<device const float4*>(token_readout + k + i);
+          for (uint j = 0; j < 4; ++j) {
+            xs[i + j] = o[j];
+            squares += o[j] * o[j];
+          }
         }
       }
-      for (uint r = 0; r < kOutProjRowsPerSimdgroup; ++r) {
-        acc[r] += qdot_chunk<BITS>(m, p.in_dim, row0 + r, k, xs, xsum);
+      for (uint offset = 1; offset < lanes_per_head; offset <<= 1) {
+        squares += simd_shuffle_xor(squares, offset);
+      }
+      if (active) {
+        const float inv_rms = rsqrt(squares / float(kNormedHeadDim) + p.eps);
+        device const bfloat* gain = norm_weight + k % kNormedHeadDim;
+        float xsum = 0.0f;
+        for (uint i = 0; i < chunk; i += 4) {
+          const float4 gate = *reinterpret_cast<device const float4*>(token_z + k + i);
+          for (uint j = 0; j < 4; ++j) {
+            xs[i + j] = xs[i + j] * inv_rms * float(gain[i + j]) * silu(gate[j]);
+            xsum += xs[i + j];
+          }
+        }
+        for (uint r = 0; r < R; ++r) {
+          acc[r][n] += TOKENS > 1
+                           ? qdot_decoded<BITS>(decoded[r], row_scales[r], row_biases[r], xs, xsum)
+                           : qdot_chunk<BITS>(m, p.in_dim, row0 + r, k, xs, xsum);
+        }
       }
     }
   }
-  static_assert(kOutProjRowsPerSimdgroup == 4, "simd_sum_rows reduces four rows");
-  const float4 totals = simd_sum_rows(acc);
-  for (uint r = 0; r < kOutProjRowsPerSimdgroup; ++r) {
-    // Each row is read and written by the one lane that owns it.
-    if (lane == 0) residual[row0 + r] += totals[r];
+  static_assert(R == 4, "simd_sum_rows reduces four rows");
+  for (uint n = 0; n < TOKENS; ++n) {
+    if (n >= p.tokens) break;
+    const float token_acc[R] = {acc[0][n], acc[1][n], acc[2][n], acc[3][n]};
+    const float4 totals = simd_sum_rows(token_acc);
+    for (uint r = 0; r < R; ++r) {
+      // Each row is read and written by the one lane that owns it.
+      if (lane == 0) residual[ulong(n) * p.rows + row0 + r] += totals[r];
+    }
   }
 }
 
-template [[host_name("gdn_out_proj_4")]] [[kernel]] decltype(gdn_out_proj<4>) gdn_out_proj<4>;
-template [[host_name("gdn_out_proj_8")]] [[kernel]] decltype(gdn_out_proj<8>) gdn_out_proj<8>;
+template [[host_name("gdn_out_proj_4")]] [[kernel]] decltype(gdn_out_proj<4, 1>)
+    gdn_out_proj<4, 1>;
+template [[host_name("gdn_out_proj_8")]] [[kernel]] decltype(gdn_out_proj<8, 1>)
+    gdn_out_proj<8, 1>;
+template [[host_name("gdn_out_proj_tokens_4")]] [[kernel]]
+decltype(gdn_out_proj<4, kOutProjMaxTokens>) gdn_out_proj<4, kOutProjMaxTokens>;
+template [[host_name("gdn_out_proj_tokens_8")]] [[kernel]]
+decltype(gdn_out_proj<8, kOutProjMaxTokens>) gdn_out_proj<8, kOutProjMaxTokens>;

@@ -76,6 +76,30 @@ inline float qdot_chunk(QuantMatrix m, uint in_dim, uint row, uint k, thread con
   return float(m.scales[group]) * dot + float(m.biases[group]) * xsum;
 }
 
+// One chunk of one row's codes (16 bytes), each code as a float: decoded once, then used for
+// every token of a verify pass (the shift, mask and conversion would otherwise cost three of
+// every four instructions per weight and token).
+template <uint BITS>
+inline void decode_codes(uint4 codes, thread float* decoded) {
+  constexpr uint per_word = 32 / BITS;
+  constexpr uint mask = (1u << BITS) - 1u;
+  for (uint w = 0; w < 4; ++w) {
+    for (uint j = 0; j < per_word; ++j) {
+      decoded[w * per_word + j] = float((codes[w] >> (j * BITS)) & mask);
+    }
+  }
+}
+
+// sum over one chunk of (scale * code + bias) * x for one row whose codes are decoded:
+// qdot_chunk's arithmetic, in its order, so each token's rows are the single-token GEMV's.
+template <uint BITS>
+inline float qdot_decoded(thread const float* decoded, float scale, float bias,
+                          thread const float* xs, float xsum) {
+  float dot = 0.0f;
+  for (uint i = 0; i < quant_chunk(BITS); ++i) dot += decoded[i] * xs[i];
+  return scale * dot + bias * xsum;
+}
+
 // The row that slot r (< R) of a SIMD-group's rows [row0, row0 + count) computes. The row loops
 // run all R slots, a compile-time trip count that keeps acc[] in registers; the slots past count
 // (only in the last SIMD-group of a matrix whose rows are not a multiple of R) recompute the last
@@ -115,30 +139,37 @@ inline void qgemv_rows(QuantMatrix m, uint in_dim, uint row0, uint count, device
 // no dispatch of its own; each SIMD-group sums the squares in the same order, so all agree.
 // The gain is read as vectors as x is in load_chunk (8-byte aligned).
 //
-// gain_chunk is that step on one chunk of x already loaded as float: every source of a normed
-// GEMV's x (the fp32 residual below, the embedding row in embedding.h) goes through it, so they
-// round alike.
+// gain_chunk is that step on one chunk of x already loaded as float, with the chunk's gains
+// loaded as float (load_gains): every source of a normed GEMV's x (the fp32 residual below, the
+// embedding row in embedding.h) goes through it, so they round alike; a verify pass's GEMV loads
+// a chunk's gains once for all its tokens.
 template <uint BITS>
-inline float gain_chunk(thread const float* values, device const bfloat* gain, uint k,
-                        thread float* xs, thread float& squares) {
+inline void load_gains(device const bfloat* gain, uint k, thread float* gains) {
   device const bfloat4* gain4 = reinterpret_cast<device const bfloat4*>(gain + k);
-  float sum = 0.0f;
   for (uint v = 0; v < quant_chunk(BITS) / 4; ++v) {
-    const bfloat4 loaded_gains = gain4[v];
-    const float4 gains = float4(loaded_gains);
-    for (uint i = 0; i < 4; ++i) {
-      const float value = values[4 * v + i];
-      squares += value * value;
-      xs[4 * v + i] = value * gains[i];
-      sum += xs[4 * v + i];
-    }
+    const bfloat4 loaded = gain4[v];
+    const float4 widened = float4(loaded);
+    for (uint i = 0; i < 4; ++i) gains[4 * v + i] = widened[i];
+  }
+}
+
+template <uint BITS>
+inline float gain_chunk(thread const float* values, thread const float* gains, thread float* xs,
+                        thread float& squares) {
+  float sum = 0.0f;
+  for (uint i = 0; i < quant_chunk(BITS); ++i) {
+    const float value = values[i];
+    squares += value * value;
+    xs[i] = value * gains[i];
+    sum += xs[i];
   }
   return sum;
 }
 
-// One chunk of an fp32 x (the residual) for a normed GEMV, read as float4 vectors.
+// One chunk of an fp32 x (the residual) for a normed GEMV, read as float4 vectors, with the
+// chunk's gains already loaded.
 template <uint BITS>
-inline float load_chunk_gained(device const float* x, device const bfloat* gain, uint k,
+inline float load_chunk_gained(device const float* x, thread const float* gains, uint k,
                                thread float* xs, thread float& squares) {
   device const float4* x4 = reinterpret_cast<device const float4*>(x + k);
   float values[quant_chunk(BITS)];
@@ -146,12 +177,41 @@ inline float load_chunk_gained(device const float* x, device const bfloat* gain,
     const float4 loaded = x4[v];
     for (uint i = 0; i < 4; ++i) values[4 * v + i] = loaded[i];
   }
-  return gain_chunk<BITS>(values, gain, k, xs, squares);
+  return gain_chunk<BITS>(values, gains, xs, squares);
+}
+
+// The same, loading the chunk's gains.
+template <uint BITS>
+inline float load_chunk_gained(device const float* x, device const bfloat* gain, uint k,
+                               thread float* xs, thread float& squares) {
+  float gains[quant_chunk(BITS)];
+  load_gains<BITS>(gain, k, gains);
+  return load_chunk_gained<BITS>(x, gains, k, xs, squares);
 }
 
 // The inverse RMS of x from one lane's partial sum of squares; all lanes of the SIMD-group call it.
 inline float folded_inv_rms(float squares, uint in_dim, float eps) {
   return rsqrt(simd_sum(squares) / float(in_dim) + eps);
+}
+
+// folded_inv_rms of the first `count` of N rows (a verify pass's tokens), four rows per
+// reduction: each component of a float4 simd_sum is what simd_sum of it alone gives (as in
+// simd_sum_rows), so every row's is folded_inv_rms's, bit for bit, in a quarter of the
+// exchanges. Call from uniform control flow within the SIMD-group.
+template <uint N>
+inline void folded_inv_rms_rows(thread const float* squares, uint count, uint in_dim, float eps,
+                                thread float* inv_rms) {
+  for (uint n = 0; n < N; n += 4) {
+    if (n >= count) break;
+    float4 partial = float4(0.0f);
+    for (uint i = 0; i < 4; ++i) {
+      if (n + i < N) partial[i] = squares[n + i];
+    }
+    const float4 sums = simd_sum(partial);
+    for (uint i = 0; i < 4; ++i) {
+      if (n + i < N) inv_rms[n + i] = rsqrt(sums[i] / float(in_dim) + eps);
+    }
+  }
 }
 
 // qgemv_rows on x * gain, also returning this lane's sum of x^2 (for folded_inv_rms). x is an

@@ -20,7 +20,9 @@
 // y is [tokens, rows], and a SIMD-group decodes its rows' codes of a chunk once, into registers
 // (4 rows x 32 floats at 4 bits), and walks the tokens over them. The token loop has a
 // compile-time trip count (QGEMV_MAX_TOKENS) so that acc[] stays in registers; tokens past
-// p.tokens are skipped, uniformly for the SIMD-group.
+// p.tokens are skipped, uniformly for the SIMD-group. A verify pass folds what the decode step
+// folds, per token: `qgemv_tokens_normed_*` norms each token's residual row, `accumulate` adds
+// into the residual rows, and `conv` runs projection 0 through the conv (QGemvConvTail).
 //
 // The decode step's very first GEMV (layer 0's in_proj_qkv|z|a|b, or q|k|v) also folds the
 // embedding lookup: `qgemv_embedded_*` reads x as the embedding row of the token at the step's
@@ -45,6 +47,7 @@ struct QGemvParams {
   uint conv;        // projection 0's outputs go through the conv1d step (conv weight, window)
   uint embed_rows;  // the embedding table's rows (embedded kernels only)
   uint tokens;      // x's rows (qgemv_tokens only; 1 elsewhere)
+  uint conv_tail_rows;  // qgemv_tokens with conv: the rows it leaves in the conv's tail
 };
 
 // The rows one SIMD-group of a dispatch computes: [row0, row0 + count) of projection `proj`,
@@ -140,31 +143,44 @@ template <uint BITS, typename T, bool NORMED>
   qgemv_store<NORMED>(p, t, acc, inv_rms, conv_weight, conv_window, lane);
 }
 
-// One chunk of one row's codes (16 bytes), each code as a float: decoded once, then used for
-// every token of a verify pass (the shift, mask and conversion would otherwise cost three of
-// every four instructions per weight and token).
-template <uint BITS>
-inline void decode_codes(uint4 codes, thread float* decoded) {
-  constexpr uint per_word = 32 / BITS;
-  constexpr uint mask = (1u << BITS) - 1u;
-  for (uint w = 0; w < 4; ++w) {
-    for (uint j = 0; j < per_word; ++j) {
-      decoded[w * per_word + j] = float((codes[w] >> (j * BITS)) & mask);
-    }
+// A verify pass's conv: projection 0's rows of every token leave through the conv and SiLU,
+// token after token from the window, in conv_step_channel's expression. The window stays as it
+// is; the last tail_rows rows of "window, then the tokens' pre-conv rows" go to `tail`, from
+// which conv1d_commit takes the window after the position the acceptance keeps (as conv1d_chunk
+// leaves them). A channel's window, history and tail are touched by the one lane owning its row.
+struct QGemvConvTail {
+  device const bfloat* weight;  // [channels, 4, 1]
+  device const float* window;   // [3, channels]
+  device float* tail;           // [tail_rows, channels]
+  uint tail_first;              // the tail's first row of "window, then the tokens"
+  uint channels;
+};
+
+// A channel's history before the first token: its window, whose rows from tail_first on also
+// open the tail.
+inline void conv_tail_start(QGemvConvTail c, uint channel, thread float* history) {
+  for (uint t = 0; t < kHistory; ++t) {
+    history[t] = c.window[t * c.channels + channel];
+    if (t >= c.tail_first) c.tail[(t - c.tail_first) * c.channels + channel] = history[t];
   }
 }
 
-// sum over one chunk of (scale * code + bias) * x for one row whose codes are decoded:
-// qdot_chunk's arithmetic, in its order, so each token's rows are the single-token GEMV's.
-template <uint BITS>
-inline float qdot_decoded(thread const float* decoded, float scale, float bias,
-                          thread const float* xs, float xsum) {
-  float dot = 0.0f;
-  for (uint i = 0; i < quant_chunk(BITS); ++i) dot += decoded[i] * xs[i];
-  return scale * dot + bias * xsum;
+// Token n's output of one channel from its pre-conv value, which joins the history (and the
+// tail, from tail_first on).
+inline float conv_tail_step(QGemvConvTail c, uint channel, uint n, thread float* history,
+                            float current) {
+  const float out = causal_conv_silu(c.weight + channel * kTaps, history, current);
+  for (uint t = 0; t + 1 < kHistory; ++t) history[t] = history[t + 1];
+  history[kHistory - 1] = current;
+  const uint row = n + kHistory;
+  if (row >= c.tail_first) c.tail[(row - c.tail_first) * c.channels + channel] = current;
+  return out;
 }
 
-template <uint BITS>
+// NORMED: x is [tokens, in_dim] of the un-normed residual and each token's rows are
+// qgemv_normed's for that token, bit for bit (the same sums of squares, products and scaling).
+// `accumulate` adds to y as qgemv does; `conv` runs QGemvConvTail on projection 0.
+template <uint BITS, bool NORMED>
 [[kernel]] void qgemv_tokens(
     constant QGemvParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
     device const uint* w0 [[buffer(2)]], device const bfloat* s0 [[buffer(3)]],
@@ -175,6 +191,8 @@ template <uint BITS>
     device const bfloat* b2 [[buffer(12)]], device float* y2 [[buffer(13)]],
     device const uint* w3 [[buffer(14)]], device const bfloat* s3 [[buffer(15)]],
     device const bfloat* b3 [[buffer(16)]], device float* y3 [[buffer(17)]],
+    device const bfloat* gain [[buffer(18)]], device const bfloat* conv_weight [[buffer(19)]],
+    device const float* conv_window [[buffer(20)]], device float* conv_tail [[buffer(21)]],
     uint threadgroup_id [[threadgroup_position_in_grid]],
     uint simdgroup [[simdgroup_index_in_threadgroup]],
     uint simdgroups [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
@@ -188,8 +206,10 @@ template <uint BITS>
   const uint words_per_row = p.in_dim * BITS / 32;
   const uint groups_per_row = p.in_dim / QUANT_GROUP_SIZE;
   float acc[R][QGEMV_MAX_TOKENS];
-  for (uint r = 0; r < R; ++r) {
-    for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) acc[r][n] = 0.0f;
+  float squares[QGEMV_MAX_TOKENS];
+  for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) {
+    squares[n] = 0.0f;
+    for (uint r = 0; r < R; ++r) acc[r][n] = 0.0f;
   }
   for (uint k = lane * chunk; k < p.in_dim; k += SIMD_WIDTH * chunk) {
     float decoded[R][chunk];
@@ -203,22 +223,44 @@ template <uint BITS>
       scales[r] = float(t.m.scales[group]);
       biases[r] = float(t.m.biases[group]);
     }
+    float gains[chunk];
+    if (NORMED) load_gains<BITS>(gain, k, gains);
     for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) {
       if (n >= p.tokens) break;
       float xs[chunk];
-      const float xsum = load_chunk<BITS>(x + ulong(n) * p.in_dim, k, xs);
+      device const float* token_x = x + ulong(n) * p.in_dim;
+      const float xsum = NORMED ? load_chunk_gained<BITS>(token_x, gains, k, xs, squares[n])
+                                : load_chunk<BITS>(token_x, k, xs);
       for (uint r = 0; r < R; ++r) {
         acc[r][n] += qdot_decoded<BITS>(decoded[r], scales[r], biases[r], xs, xsum);
       }
     }
   }
   const uint rows = p.rows[t.proj];
+  const bool convolves = p.conv != 0 && t.proj == 0;
+  const QGemvConvTail conv{conv_weight, conv_window, conv_tail,
+                           p.tokens + kHistory - p.conv_tail_rows, rows};
+  float history[R][kHistory];
+  if (convolves && lane == 0) {
+    for (uint r = 0; r < t.count; ++r) conv_tail_start(conv, t.row0 + r, history[r]);
+  }
+  float inv_rms[QGEMV_MAX_TOKENS];
+  if (NORMED) {
+    folded_inv_rms_rows<QGEMV_MAX_TOKENS>(squares, p.tokens, p.in_dim, p.eps, inv_rms);
+  }
   for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) {
     if (n >= p.tokens) break;
     const float token_acc[R] = {acc[0][n], acc[1][n], acc[2][n], acc[3][n]};
-    const float4 total = simd_sum_rows(token_acc);
+    const float4 totals = simd_sum_rows(token_acc);
     for (uint r = 0; r < R; ++r) {
-      if (lane == 0 && r < t.count) t.y[ulong(n) * rows + t.row0 + r] = total[r];
+      float total = totals[r];
+      if (NORMED) total *= inv_rms[n];
+      if (lane == 0 && r < t.count) {
+        const uint row = t.row0 + r;
+        if (convolves) total = conv_tail_step(conv, row, n, history[r], total);
+        device float* y = t.y + ulong(n) * rows + row;
+        *y = p.accumulate != 0 ? *y + total : total;
+      }
     }
   }
 }
@@ -271,8 +313,14 @@ template [[host_name("qgemv_8_float")]] [[kernel]] decltype(qgemv<8, float, fals
     qgemv<8, float, false>;
 template [[host_name("qgemv_8_bfloat")]] [[kernel]] decltype(qgemv<8, bfloat, false>)
     qgemv<8, bfloat, false>;
-template [[host_name("qgemv_tokens_4")]] [[kernel]] decltype(qgemv_tokens<4>) qgemv_tokens<4>;
-template [[host_name("qgemv_tokens_8")]] [[kernel]] decltype(qgemv_tokens<8>) qgemv_tokens<8>;
+template [[host_name("qgemv_tokens_4")]] [[kernel]] decltype(qgemv_tokens<4, false>)
+    qgemv_tokens<4, false>;
+template [[host_name("qgemv_tokens_8")]] [[kernel]] decltype(qgemv_tokens<8, false>)
+    qgemv_tokens<8, false>;
+template [[host_name("qgemv_tokens_normed_4")]] [[kernel]] decltype(qgemv_tokens<4, true>)
+    qgemv_tokens<4, true>;
+template [[host_name("qgemv_tokens_normed_8")]] [[kernel]] decltype(qgemv_tokens<8, true>)
+    qgemv_tokens<8, true>;
 // The residual stream is fp32, so only fp32 inputs are ever normed on the fly.
 template [[host_name("qgemv_normed_4_float")]] [[kernel]] decltype(qgemv<4, float, true>)
     qgemv<4, float, true>;

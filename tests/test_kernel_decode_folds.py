@@ -1,7 +1,9 @@
 """The decode step's folds, against float64 numpy on the sim: the residual add + RMSNorm folded
 into the GEMVs (`qgemv_normed_*`: y = W rms_norm(x); `accumulate`: y += W x), and the MoE
 kernels' forms of both (`moe_gate_up_swiglu_normed_4`, `moe_down` with accumulate); the conv1d
-step in the in_proj GEMV's epilogue; routing inside the gate/up kernel (the whole block).
+step in the in_proj GEMV's epilogue; routing inside the gate/up kernel (the whole block), also
+over a verify pass's tokens (each token's block the one-token block's, bit for bit; the GEMVs'
+folds over several tokens are test_kernel_qgemv_tokens.py's).
 
 Error bounds: the GEMV's own bound (test_kernel_quantized.ulps_for) on the magnitude of the
 normed dot products, one more ulp for x * gain, plus the inverse RMS's relative error: a lane's
@@ -305,3 +307,42 @@ def test_moe_block_with_folded_norm_and_residual(lane_order, dims):
     block = as_float32(out, dims.hidden).astype(np.float64) - residual
     expected = as_float32(plain, dims.hidden).astype(np.float64)
     assert_within(block, expected, 1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize("dims", [REAL, TINY], ids=["real", "tiny"])
+def test_moe_block_over_a_verify_pass_folds_each_tokens_norm_and_residual(lane_order, dims):
+    """record_moe over 3 tokens with the norm folded in and the output added to the residual
+    rows: each token's experts, weights and residual row bit for bit the one-token folded
+    block's (the decode step's) for that token."""
+    device = sim_device(lane_order)
+    rng = np.random.default_rng(9)
+    tokens = 3
+    xs, gain = zip(*(residual_and_gain(rng, dims.hidden) for _ in range(tokens)), strict=True)
+    x = np.stack(xs)
+    norm = FoldedNorm(device.wrap(gain[0]), EPS)
+    residual = rng.normal(0, 4, (tokens, dims.hidden)).astype(np.float32)
+    weights = bind(device, dims)
+    shape = (dims.experts, dims.top_k, dims.expert_rows, dims.shared_rows)
+    scratch = MoeScratch.allocate(device, *shape, tokens=tokens)
+    out = device.wrap(residual.copy())
+    run(
+        device,
+        lambda g: record_moe(
+            g, device, device.wrap(x), weights, dims.top_k, scratch, out,
+            norm=norm, accumulate=True, tokens=tokens,
+        ),
+    )  # fmt: skip
+    rows = as_float32(out, tokens * dims.hidden).reshape(tokens, dims.hidden)
+    ids = uint32s(scratch.expert_ids, tokens * dims.top_k).reshape(tokens, dims.top_k)
+    for n in range(tokens):
+        one_scratch, one = MoeScratch.allocate(device, *shape), device.wrap(residual[n].copy())
+        run(
+            device,
+            lambda g, n=n, one=one, one_scratch=one_scratch: record_moe(
+                g, device, device.wrap(x[n].copy()), weights, dims.top_k, one_scratch, one,
+                norm=norm, accumulate=True,
+            ),
+        )  # fmt: skip
+        np.testing.assert_array_equal(ids[n], uint32s(one_scratch.expert_ids, dims.top_k))
+        np.testing.assert_array_equal(rows[n], as_float32(one, dims.hidden))

@@ -1,6 +1,7 @@
 """gdn_out_proj (metal/gdn_out_proj.metal), the decode step's GDN output projection with the
 gated RMSNorm folded in, on the sim against float64 numpy: alone, and after gdn_step as the
-decode step chains them.
+decode step chains them; and over a verify pass's tokens (gdn_out_proj_tokens), each token's
+rows against float64 and bit for bit what the one-token kernel gives for that token.
 
 Error bound alone: the quantized GEMV's (test_kernel_quantized.py) plus the relative error of
 each normed input (kernel_checks.gdn_out_proj_ulps), in ulps of the GEMV's magnitude, and one
@@ -14,6 +15,7 @@ import pytest
 from kernel_testing import (
     FLOAT32_EPS,
     LANE_ORDERS,
+    as_float32,
     assert_within,
     random_quantized,
     reference_qgemv,
@@ -25,7 +27,7 @@ from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16
 from lily.device import Graph
 from lily.diagnostics.kernel_checks import gdn_out_proj_ulps, reference_gated_norm
 from lily.kernels.gdn import VALUE_HEAD_DIM
-from lily.kernels.gdn_out_proj import record_gdn_out_proj
+from lily.kernels.gdn_out_proj import MAX_TOKENS, record_gdn_out_proj
 from lily.kernels.norm import FoldedNorm
 from lily.kernels.quant_weight import wrap_quant_weight
 
@@ -136,6 +138,64 @@ def test_after_gdn_step_matches_the_token_reference(
     case.check(readout, READOUT_ATOL + READOUT_RTOL * np.abs(readout))
 
 
+@pytest.mark.parametrize(
+    ("tokens", "rows", "num_value_heads", "bits"),
+    [(2, 2048, 32, 4), (5, 128, 4, 4), (9, 64, 1, 4), (3, 16, 2, 8)],
+    ids=["real", "tiny", "one-head", "8-bit"],
+)
+def test_a_verify_pass_tokens_each_match_the_one_token_kernel(
+    device, tokens: int, rows: int, num_value_heads: int, bits: int
+) -> None:
+    """Each token's readout and z normed, gated and projected into its own residual row, the
+    weights read once for all tokens: within the float64 bound, and bit for bit the one-token
+    kernel's result for that token (which the decode step runs)."""
+    rng = np.random.default_rng(tokens + rows)
+    case = OutProjCase(device, rows, num_value_heads, bits, seed=rows + num_value_heads)
+    weight, triple, gain, in_dim = case.weight, case.triple, case.gain, case.in_dim
+    # Per token, heads of scales up to 1000x apart (the token's own norm is what counts).
+    scales = np.exp(rng.uniform(np.log(0.03), np.log(30), (tokens, num_value_heads)))
+    readouts = (rng.normal(0, 1, (tokens, in_dim)) * np.repeat(scales, 128, axis=1)).astype(
+        np.float32
+    )
+    zs = rng.normal(0, 1.5, (tokens, in_dim)).astype(np.float32)
+    residuals = rng.normal(0, 1, (tokens, rows)).astype(np.float32)
+    out = device.wrap(residuals.copy())
+    norm = FoldedNorm(device.wrap(gain), EPS)
+    graph = Graph()
+    record_gdn_out_proj(
+        graph,
+        device,
+        readout=device.wrap(readouts),
+        z=device.wrap(zs),
+        norm=norm,
+        weight=weight,
+        residual=out,
+        tokens=tokens,
+    )
+    device.run(graph)
+    got = as_float32(out, tokens * rows).reshape(tokens, rows)
+    for n in range(tokens):
+        x = reference_gated_norm(readouts[n], zs[n], gain, EPS)
+        y, magnitude = reference_qgemv(*triple, bits, x)
+        expected = residuals[n] + y
+        bound = FLOAT32_EPS * (gdn_out_proj_ulps(in_dim, bits) * magnitude + np.abs(expected))
+        assert_within(got[n], expected, bound)
+    for n in (0, tokens - 1):
+        single = device.wrap(residuals[n].copy())
+        one = Graph()
+        record_gdn_out_proj(
+            one,
+            device,
+            readout=device.wrap(readouts[n].copy()),
+            z=device.wrap(zs[n].copy()),
+            norm=norm,
+            weight=weight,
+            residual=single,
+        )
+        device.run(one)
+        np.testing.assert_array_equal(got[n], as_float32(single, rows))
+
+
 def test_rejects_shapes_it_was_not_built_for(device) -> None:
     case = OutProjCase(device, 64, 4, 4, seed=0)
     ragged_rows = wrap_quant_weight(device, *random_quantized(np.random.default_rng(0), 62, 512, 4))
@@ -148,6 +208,8 @@ def test_rejects_shapes_it_was_not_built_for(device) -> None:
         record_gdn_out_proj(Graph(), device, **{**case.buffers, "weight": partial_head})
     with pytest.raises(ValueError, match="z"):
         record_gdn_out_proj(Graph(), device, **{**case.buffers, "z": (case.buffers["z"], 8)})
+    with pytest.raises(ValueError, match=f"1 to {MAX_TOKENS} tokens"):
+        record_gdn_out_proj(Graph(), device, **case.buffers, tokens=MAX_TOKENS + 1)
 
 
 def test_the_real_out_proj_spreads_over_512_threadgroups(device) -> None:

@@ -66,6 +66,8 @@ EXACT_THREADS = {
     "gdn_gated_norm": gdn.NORM_THREADS_PER_THREADGROUP,
     "gdn_out_proj_4": gdn_out_proj.THREADS_PER_THREADGROUP,
     "gdn_out_proj_8": gdn_out_proj.THREADS_PER_THREADGROUP,
+    "gdn_out_proj_tokens_4": gdn_out_proj.THREADS_PER_THREADGROUP,
+    "gdn_out_proj_tokens_8": gdn_out_proj.THREADS_PER_THREADGROUP,
     "gemm_nt_float": gemm.THREADS_PER_THREADGROUP,
     "gemm_nt_bfloat": gemm.THREADS_PER_THREADGROUP,
     "lane_layout_self_test": lane_layout.THREADS,

@@ -163,3 +163,23 @@ def test_packed_queries_exist_where_chunk_attention_runs_on_tensor_ops() -> None
     assert packed(False, 16) is None
     assert packed(True, 16, "int8") is None
     assert packed(True, 9) is None
+
+
+def test_a_verify_pass_is_folded_as_the_decode_step() -> None:
+    """A verify pass of 2 to 9 tokens runs no norm, residual add, conv or gated-norm dispatch of
+    its own (the GEMVs around them fold them per token, as the decode step's do), and has the
+    decode step's levels but for the few it keeps apart: the embedding lookup, attention's
+    prepare in each attention layer, the acceptance and the commit."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    c = checkpoint.config
+    model = ModelGraph(checkpoint, open_device("sim", execute=False), 64, c.vocab_size, 16)
+    decode = model.graph(1, predicts=True).barrier_count
+    apart = 1 + len(c.full_attention_layers) + 2
+    for tokens, rows in ((2, 2), (5, 5), (9, 3)):
+        graph = model.verify_graph(tokens, rows)
+        kernels = {d.kernel for d in graph.dispatches}
+        unfolded = {"rms_norm_float", "add_rms_norm", "conv1d_chunk", "gdn_gated_norm"}
+        assert not kernels & unfolded
+        assert graph.barrier_count == decode + apart
+    # Past the GEMV-shaped kernels' tokens, the prefill chunk's unfolded walk.
+    assert "add_rms_norm" in {d.kernel for d in model.verify_graph(10, 9).dispatches}

@@ -25,7 +25,9 @@ split-context decode kernel. Nor has the decode step an embedding dispatch: laye
 (GDN or attention) reads the token's embedding row from the quantized table itself and writes it
 to the residual (`EmbeddedInput`, `_Recorder.decode_layer_input`). A chunk keeps those
 dispatches: its GEMMs read the normed activations many times over, and its kernels already
-amortise their levels over T tokens.
+amortise their levels over T tokens. A verify pass (at most 9 tokens, through the GEMV-shaped
+kernels) folds them as the decode step does, per token, but for the embedding lookup (one
+dispatch) and attention's prepare (a level before the multi-query attention).
 
 Activations stay fp32 between kernels (decode is bound by reading weights, so this costs nothing
 and keeps the engine close to the reference); the KV cache is bf16 or int8 (`kv_cache`, the
@@ -1059,9 +1061,13 @@ class _Recorder:
 
     @property
     def folds_norms(self) -> bool:
-        """Whether residual adds and RMSNorms are folded into the GEMVs (the decode step; the
-        MTP head's passes use the chunk kernels at any row count)."""
-        return self.tokens == 1 and not self.in_mtp and not self.batch
+        """Whether residual adds and RMSNorms are folded into the GEMVs, and the GDN's conv and
+        gated norm into the projections around them: the decode step, and a verify pass of up
+        to GEMV_MAX_TOKENS tokens, whose GEMV-shaped kernels fold them per token (the MTP
+        head's passes and a batched pass use the chunk kernels)."""
+        if self.in_mtp or self.batch:
+            return False
+        return self.tokens == 1 or (self.verify_rows > 0 and self.tokens <= GEMV_MAX_TOKENS)
 
     def folded_norm(self, weight: str) -> FoldedNorm:
         return FoldedNorm(self.w.tensor(weight), self.c.rms_norm_eps)
@@ -1070,8 +1076,8 @@ class _Recorder:
         """What the first GEMV of `layer` reads at T = 1 (its input norm folded in): the
         residual, or for layer 0 the embedding row of the step's token, which that GEMV reads
         from the table and writes to the residual itself, so the decode step has no embedding
-        dispatch (nor its barrier)."""
-        if layer > 0:
+        dispatch (nor its barrier). A verify pass's tokens are in the residual already."""
+        if layer > 0 or self.tokens > 1:
             return self.s.residual
         return EmbeddedInput(
             tokens=self.state.history,
@@ -1084,12 +1090,12 @@ class _Recorder:
         self, layer: int, norm_weight: str, projections: Sequence[tuple[QuantWeight, BufferRef]]
     ) -> None:
         """Projections of layer `layer`'s normed input: norm_weight's RMSNorm folded into the
-        GEMV at T = 1 (see decode_layer_input); at T > 1 the preceding add_norm (or rms_norm,
-        after the embedding) left it in `normed`."""
+        GEMV when the pass folds norms (see decode_layer_input); otherwise the preceding
+        add_norm (or rms_norm, after the embedding) left it in `normed`."""
         if self.folds_norms:
             x = self.decode_layer_input(layer)
             norm = self.folded_norm(norm_weight)
-            record_qgemv(self.g, self.dev, x, projections, norm=norm)
+            record_qgemv(self.g, self.dev, x, projections, norm=norm, tokens=self.tokens)
         else:
             self.project(self.s.normed, projections, self.tokens)
 
@@ -1116,11 +1122,13 @@ class _Recorder:
             record_qgemm(self.g, self.dev, x, projections, tokens)
 
     def project_into_residual(self, x: BufferRef, weight: QuantWeight) -> None:
-        """The mixer's output projection: added to the residual in place at T = 1, written to
-        `mixer_out` for the following add_norm at T > 1. Its input (attention's output, or the
-        GDN's gated by silu(z)) is not bounded in half: the GEMM takes the range guard."""
+        """The mixer's output projection: added to the residual in place when the pass folds
+        norms, else written to `mixer_out` for the following add_norm. Its input (attention's
+        output, or the GDN's gated by silu(z)) is not bounded in half: the GEMM takes the range
+        guard."""
         if self.folds_norms:
-            record_qgemv(self.g, self.dev, x, [(weight, self.s.residual)], accumulate=True)
+            residual = [(weight, self.s.residual)]
+            record_qgemv(self.g, self.dev, x, residual, accumulate=True, tokens=self.tokens)
         else:
             self.project(x, [(weight, self.s.mixer_out)], self.tokens, guarded=True)
 
@@ -1137,7 +1145,7 @@ class _Recorder:
                 residual = self.hidden_row(s.residual, b)
                 record_embedding(g, dev, seq.history, seq.step, embed_tokens, residual)
             g.barrier()
-        elif not self.folds_norms:
+        elif T > 1:
             position = (self.state.step, 0)
             embed_tokens = w.quantized(EMBED_TOKENS)
             record_embedding(g, dev, self.state.history, position, embed_tokens, s.residual, T)
@@ -1201,14 +1209,15 @@ class _Recorder:
                 )
                 g.barrier()
         if self.folds_norms and self.m.mtp:
-            # The decode step folds the final norm into the lm_head; the MTP head needs it too.
+            # The lm_head reads the residual with the final norm folded in; the MTP head needs
+            # the normed rows too, every token's.
             record_rms_norm(
                 g,
                 dev,
                 s.residual,
                 w.tensor(MODEL + "norm.weight"),
                 self.final_normed,
-                rows=1,
+                rows=T,
                 dim=c.hidden_size,
                 eps=c.rms_norm_eps,
             )
@@ -1276,8 +1285,13 @@ class _Recorder:
         accepted position (`verify_graph`)."""
         g, dev, m, state, rows = self.g, self.dev, self.m, self.state, self.verify_rows
         verify = m._verify_buffers
-        first = self.hidden_row(self.final_normed, self.tokens - rows)
-        self.project(first, [(self.w.quantized(self.head_weight), verify.logits)], rows)
+        head = [(self.w.quantized(self.head_weight), verify.logits)]
+        if self.folds_norms:
+            first = self.hidden_row(self.s.residual, self.tokens - rows)
+            norm = self.folded_norm(MODEL + "norm.weight")
+            record_qgemv(g, dev, first, head, norm=norm, tokens=rows)
+        else:
+            self.project(self.hidden_row(self.final_normed, self.tokens - rows), head, rows)
         g.barrier()
         record_sample(
             g,
@@ -1486,15 +1500,21 @@ class _Recorder:
             (w.quantized(prefix + "in_proj_b"), s.b),
         ]
         conv_weight, window = w.tensor(prefix + "conv1d.weight"), self.state.conv_windows[i]
+        # A verify pass leaves the window to the commit after its acceptance.
+        verify = self.m._verify_buffers if self.verify_rows else None
         if self.folds_norms:
-            # The conv step is folded into the projection, which writes the conv's output.
+            # The conv is folded into the projection, which writes the conv's output.
+            conv = FoldedConvStep(conv_weight, window)
+            if verify:
+                conv = replace(conv, tail=verify.tail(i), candidates=self.verify_rows)
             record_qgemv(
                 g,
                 dev,
                 self.decode_layer_input(i),
                 [(qkv_weight, s.qkv), *gates],
                 norm=self.folded_norm(input_norm),
-                conv=FoldedConvStep(conv_weight, window),
+                conv=conv,
+                tokens=T,
             )
         else:
             self.project_normed(i, input_norm, [(qkv_weight, s.qkv_projected), *gates])
@@ -1511,8 +1531,6 @@ class _Recorder:
             )
             self.batch_gated_deltanet(i, weights)
         elif not self.folds_norms:
-            # A verify pass leaves the window to the commit after its acceptance.
-            verify = self.m._verify_buffers if self.verify_rows else None
             record_conv1d_chunk(
                 g,
                 dev,
@@ -1539,10 +1557,25 @@ class _Recorder:
             value_head_dim=c.linear_value_head_dim,
         )
         norm_weight, out_proj = w.tensor(prefix + "norm.weight"), w.quantized(prefix + "out_proj")
-        if self.folds_norms:
-            # The step writes the readout; out_proj applies the gated RMSNorm as it reads it.
+        if verify:
+            # The step's recurrence over the pass's few tokens, keeping the candidates' updates
+            # for the commit after the acceptance.
+            updates = verify.updates(c, i, self.verify_rows)
+            record_gdn_tokens(
+                g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, updates=updates,
+                **gates_and_state,
+            )  # fmt: skip
+            g.barrier()
+        elif self.folds_norms:
             record_gdn_step(g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, **weights)
             g.barrier()
+        elif not self.batch:  # a batched pass's GDN steps ran with its convs
+            record_gdn_chunk(
+                g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, **weights
+            )
+            g.barrier()
+        if self.folds_norms:
+            # out_proj applies the gated RMSNorm as it reads the readout.
             record_gdn_out_proj(
                 g,
                 dev,
@@ -1551,22 +1584,9 @@ class _Recorder:
                 norm=FoldedNorm(norm_weight, c.rms_norm_eps),
                 weight=out_proj,
                 residual=s.residual,
+                tokens=T,
             )
             return
-        if self.verify_rows:
-            # The step's recurrence over the pass's few tokens, keeping the candidates' updates
-            # for the commit after the acceptance.
-            updates = self.m._verify_buffers.updates(c, i, self.verify_rows)
-            record_gdn_tokens(
-                g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, updates=updates,
-                **gates_and_state,
-            )  # fmt: skip
-            g.barrier()
-        elif not self.batch:  # a batched pass's GDN steps ran with its convs
-            record_gdn_chunk(
-                g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, **weights
-            )
-            g.barrier()
         record_gdn_gated_norm(
             g,
             dev,
@@ -1621,7 +1641,7 @@ class _Recorder:
         )
         if self.batch:
             self.batch_attention(i, prepare, partials)
-        elif self.folds_norms:
+        elif self.folds_norms and T == 1:
             attention.record_attention_decode_fused(g, dev, **prepare, **partials)
             g.barrier()
             attention.record_attention_combine(
@@ -1683,10 +1703,11 @@ class _Recorder:
         self.project_into_residual(s.attn_out, w.quantized(prefix + "o_proj"))
 
     def moe(self, prefix: str, norm_weight: str) -> None:
-        """The MoE block of the post-attention-normed residual: at T = 1 with the norm and the
-        residual add folded in (out is the residual itself); up to a verify pass's size with the
-        same GEMV-shaped kernels, token by token (bound by reading the experts' weights, where
-        the grouped GEMM's tiles would be nearly empty); beyond, the grouped GEMM."""
+        """The MoE block of the post-attention-normed residual: when the pass folds norms (the
+        decode step, a verify pass) with the norm and the residual add folded in (out is the
+        residual itself); up to a verify pass's size with the same GEMV-shaped kernels, token by
+        token (bound by reading the experts' weights, where the grouped GEMM's tiles would be
+        nearly empty); beyond, the grouped GEMM."""
         c, g, dev, s, T = self.c, self.g, self.dev, self.s, self.tokens
         weights = self.moe_weights(prefix)
         if self.folds_norms:
@@ -1701,6 +1722,7 @@ class _Recorder:
                 normalize=c.norm_topk_prob,
                 norm=self.folded_norm(norm_weight),
                 accumulate=True,
+                tokens=T,
             )
         elif T <= GEMV_MAX_TOKENS:
             record_moe(

@@ -25,11 +25,15 @@ CHUNK_TOKENS_PER_THREAD = 16
 
 @dataclass(frozen=True)
 class FoldedConvStep:
-    """The decode step's conv1d folded into the GEMV that produces its input: each output row
-    (channel) goes through the conv and SiLU, shifting the window, as `record_conv1d_step`."""
+    """The conv1d folded into the GEMV that produces its input: each output row (channel) goes
+    through the conv and SiLU. At one token (the decode step) it shifts the window, as
+    `record_conv1d_step`; over a verify pass's tokens it leaves the window alone and writes the
+    tail `record_conv1d_chunk` writes for `candidates`, for `record_conv1d_commit`."""
 
     weight: BufferRef  # bf16 [channels, 4, 1] as stored in the checkpoint
-    window: BufferRef  # fp32 [3, channels], updated in place
+    window: BufferRef  # fp32 [3, channels], updated in place at one token
+    tail: BufferRef | None = None  # fp32 [candidates + 2, channels], over several tokens
+    candidates: int = 0
 
 
 def window_bytes(channels: int) -> int:
@@ -110,15 +114,18 @@ def record_conv1d_chunk(
             # Unread without candidates: the window stands in.
             5: binding(window if tail is None else tail),
         },
-        bytes={
-            0: pack_params("III", channels, tokens, candidates and candidates + KERNEL_TAPS - 2)
-        },
+        bytes={0: pack_params("III", channels, tokens, candidates and tail_rows(candidates))},
     )
+
+
+def tail_rows(candidates: int) -> int:
+    """Rows of a verify pass's tail: the window after any of its `candidates` positions."""
+    return candidates + KERNEL_TAPS - 2
 
 
 def tail_bytes(channels: int, candidates: int) -> int:
     """Size of one layer's tail for a verify pass of `candidates` candidates."""
-    return (candidates + KERNEL_TAPS - 2) * channels * 4
+    return tail_rows(candidates) * channels * 4
 
 
 def record_conv1d_commit(

@@ -253,8 +253,8 @@ def record_moe(
     """The whole block, out = MoE(x), with barriers between its levels (the caller places the
     one before, x ready, and after, out ready); MoE(rms_norm(x)) with `norm`, and out += with
     `accumulate`. With `tokens` (at most the scratch's), x and out are [tokens, hidden]: a
-    verify pass's few tokens, each expert's weights read per token that chose it (no norm can
-    be folded in then)."""
+    verify pass's few tokens, each expert's weights read per token that chose it, the norm and
+    the residual add folded in per token as for one."""
     if not 1 <= tokens <= scratch.tokens:
         raise ValueError(f"the scratch holds 1 to {scratch.tokens} tokens, got {tokens}")
     experts = w.router.rows

@@ -1,5 +1,6 @@
 """Launching the quantized GEMV (`metal/quantized_gemv.metal`): up to four projections that share
-one input, computed in one dispatch, for one token or a verify pass's few."""
+one input, computed in one dispatch, for one token or a verify pass's few, with the norm before
+them, the residual add after them and the GDN's conv folded in as the pass needs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from lily.kernels import (
     pack_params,
     require_aligned,
 )
-from lily.kernels.conv1d import FoldedConvStep
+from lily.kernels.conv1d import FoldedConvStep, tail_rows
 from lily.kernels.embedding import EmbeddedInput
 from lily.kernels.norm import FoldedNorm
 from lily.kernels.quant_weight import QuantWeight
@@ -72,14 +73,17 @@ def record_qgemv(
     """y_i = W_i x (fp32 out) for each `(W_i, y_i)`; all W_i share x's length and bit width.
 
     With `tokens` > 1 (at most MAX_TOKENS), x is fp32 [tokens, in_dim] and each y_i
-    [tokens, W_i.rows]: each weight is read once for all the tokens (no norm, accumulation or
-    conv then; the passes over several tokens do those in their own dispatches).
+    [tokens, W_i.rows]: each weight is read once for all the tokens, and each token's rows are
+    the single-token GEMV's, norm and accumulation included.
 
-    With `norm`, x (fp32) is normed on the fly: y_i = W_i rms_norm(x). With `accumulate`, the
-    result is added to what y_i holds (y_i += W_i x): a residual add folded into the GEMV. With
-    `conv`, y_0 = silu(conv1d step of W_0 x), one channel per row. An `EmbeddedInput` x is the
-    embedding row of a token, read from the table by the GEMV (which also writes it to the
-    input's residual); it needs `norm`, as the first layer's input norm always follows it."""
+    With `norm`, x (fp32) is normed on the fly: y_i = W_i rms_norm(x), per token. With
+    `accumulate`, the result is added to what y_i holds (y_i += W_i x): a residual add folded
+    into the GEMV. With `conv`, y_0 = silu(conv1d of W_0 x), one channel per row: the step
+    shifting the window at one token, and over several (a verify pass) the tokens in turn from
+    the window, which stays as it is, the conv's tail left for `record_conv1d_commit`
+    (`FoldedConvStep`). An `EmbeddedInput` x is the embedding row of a token, read from the
+    table by the GEMV (which also writes it to the input's residual); it needs `norm`, as the
+    first layer's input norm always follows it, and one token."""
     if not 1 <= len(projections) <= MAX_PROJECTIONS:
         raise ValueError(f"between 1 and {MAX_PROJECTIONS} projections, got {len(projections)}")
     first = projections[0][0]
@@ -88,15 +92,14 @@ def record_qgemv(
             raise ValueError("projections sharing one dispatch need the same input and bits")
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"a GEMV takes 1 to {MAX_TOKENS} tokens, got {tokens}")
-    if tokens > 1 and (
-        norm is not None or accumulate or conv is not None or isinstance(x, EmbeddedInput)
-    ):
-        raise ValueError(
-            "a GEMV over several tokens takes a plain fp32 x: no norm, "
-            "accumulation, conv or embedded input"
-        )
+    if tokens > 1 and isinstance(x, EmbeddedInput):
+        raise ValueError("a GEMV over several tokens reads them from x, not the embedding table")
     if tokens > 1 and element_type(x_dtype) != "float":
         raise ValueError("a GEMV over several tokens reads an fp32 x")
+    if conv is not None and (conv.tail is None) != (tokens == 1):
+        raise ValueError("a conv over several tokens leaves a tail (and only then)")
+    if conv is not None and tokens > 1 and not 1 <= conv.candidates <= tokens:
+        raise ValueError(f"a conv's tail needs 1 to {tokens} candidates, got {conv.candidates}")
     rows = [w.rows for w, _ in projections]
     simdgroups = gemv_simdgroups(sum(ceil_div(r, ROWS_PER_SIMDGROUP) for r in rows))
     rows_per_threadgroup = simdgroups * ROWS_PER_SIMDGROUP
@@ -120,7 +123,7 @@ def record_qgemv(
         x = embedded.residual  # bound at x's slot, written with the row
     require_vector_aligned(x, x_dtype, norm)
     params = pack_params(
-        "II4I4IfIIII",
+        "II4I4IfIIIII",
         first.in_dim,
         len(projections),
         *(rows + padding),
@@ -130,13 +133,15 @@ def record_qgemv(
         int(conv is not None),
         embedded.table.rows if embedded is not None else 0,
         tokens,
+        tail_rows(conv.candidates) if conv is not None and conv.tail is not None else 0,
     )
     # Slots a call does not use are bound to x, unread, so every declared buffer is bound.
     buffers = {1: binding(x)}
-    if tokens == 1:
-        buffers[18] = binding(norm.gain if norm is not None else x)
-        buffers[19] = binding(conv.weight if conv is not None else x)
-        buffers[20] = binding(conv.window if conv is not None else x)
+    buffers[18] = binding(norm.gain if norm is not None else x)
+    buffers[19] = binding(conv.weight if conv is not None else x)
+    buffers[20] = binding(conv.window if conv is not None else x)
+    if tokens > 1:
+        buffers[21] = binding(conv.tail if conv is not None and conv.tail is not None else x)
     for i, (weight, out) in enumerate(slots):
         buffers[2 + 4 * i] = binding(weight.weight)
         buffers[3 + 4 * i] = binding(weight.scales)
@@ -150,7 +155,8 @@ def record_qgemv(
         buffers[25] = binding(embedded.table.biases)
         kernel = device.kernel(f"qgemv_embedded_{first.bits}_{embedded.table.bits}")
     elif tokens > 1:
-        kernel = device.kernel(f"qgemv_tokens_{first.bits}")
+        variant = "qgemv_tokens_normed" if norm is not None else "qgemv_tokens"
+        kernel = device.kernel(f"{variant}_{first.bits}")
     else:
         variant = "qgemv_normed" if norm is not None else "qgemv"
         kernel = device.kernel(f"{variant}_{first.bits}_{element_type(x_dtype)}")
