@@ -165,20 +165,37 @@ def test_a_waiting_caller_can_be_cancelled(engine, scheduler):
         tokens.close()
 
 
-def test_engine_errors_reach_their_caller(engine, scheduler):
-    def nothing_allowed() -> Any:
-        class Nothing:
-            def allowed_tokens(self) -> np.ndarray:
-                return mask_from_tokens([], engine.config.vocab_size)
+class AllowsThenNothing:
+    """Allows every token for `draws` draws, then none."""
 
-            def consume(self, token: int) -> None:
-                raise AssertionError("no token may be drawn")
+    def __init__(self, vocab: int, draws: int) -> None:
+        self.vocab, self.draws = vocab, draws
 
-        return list(scheduler.generate([1, 2, 3], 3, constraint=Nothing()))
+    def allowed_tokens(self) -> np.ndarray:
+        self.draws -= 1
+        return mask_from_tokens(range(self.vocab) if self.draws >= 0 else [], self.vocab)
 
-    with pytest.raises(NoAllowedTokenError):
-        nothing_allowed()
-    assert _ids(scheduler.generate([4, 5, 6], 3)) == _ids(engine.generate([4, 5, 6], 3))
+    def consume(self, token: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("draws", [0, 3], ids=["at its prefill", "in a batched pass"])
+def test_an_error_reaches_its_caller_alone(engine, scheduler, draws):
+    """A constraint that runs out of tokens fails its own caller; the stream beside it and the
+    next caller get their tokens alone."""
+    vocab = engine.config.vocab_size
+    beside, failing, after = _prompts(engine, [5, 7, 6], seed=6)
+    expected = [_ids(engine.generate(p, NEW_TOKENS)) for p in (beside, after)]
+
+    def fail() -> list[int]:
+        return _ids(
+            scheduler.generate(failing, NEW_TOKENS, constraint=AllowsThenNothing(vocab, draws))
+        )
+
+    got = _together([lambda: _ids(scheduler.generate(beside, NEW_TOKENS)), fail])
+    assert got[0] == expected[0]
+    assert isinstance(got[1], NoAllowedTokenError)
+    assert _ids(scheduler.generate(after, NEW_TOKENS)) == expected[1]
 
 
 def test_calls_other_than_generate_run_between_rounds(engine, scheduler):

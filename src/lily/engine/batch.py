@@ -38,6 +38,7 @@ class _Stream:
     tokens: list[int] = field(default_factory=list)
     constraint: TokenConstraint | None = None
     bans: np.ndarray | None = None  # the tokens its sampling settings ban
+    error: Exception | None = None  # what ended it, if not a stop token or its budget
 
 
 def _buffers(state: SequenceState) -> list[Buffer]:
@@ -129,21 +130,27 @@ class BatchedDecoder:
         return stream_id
 
     def step(self, streams: Collection[int] | None = None) -> dict[int, int]:
-        """One pass: each active stream's next token (of `streams` only, if given), by id."""
+        """One pass: each active stream's next token (of `streams` only, if given), by id. A
+        stream whose constraint allows no token, or whose logits are not finite, ends instead
+        (`error`); the others go on."""
         chosen = self._streams if streams is None else {i: self._streams[i] for i in streams}
         ids = {id(s): i for i, s in chosen.items()}
         active = [s for s in chosen.values() if s.slot is not None]
-        if not active:
-            return {}
-        slots = [s.slot for s in active]
         for stream in active:
             if stream.constraint is not None:
                 assert stream.slot is not None
-                mask = draw_mask(
-                    stream.constraint, stream.bans, self._model.token_count, stream.position + 1
-                )
+                try:
+                    mask = draw_mask(
+                        stream.constraint, stream.bans, self._model.token_count, stream.position + 1
+                    )
+                except Exception as exc:  # the stream's own grammar failing it
+                    stream.slot, stream.error = None, exc
+                    continue
                 write_token_mask(self._model.slots[stream.slot].token_mask, mask)
-        self.engine.device.run(self._model.batch_graph(slots))
+        active = [s for s in active if s.slot is not None]
+        if not active:
+            return {}
+        self.engine.device.run(self._model.batch_graph([s.slot for s in active]))
         drawn: dict[int, int] = {}
         for stream in active:
             assert stream.slot is not None
@@ -151,7 +158,8 @@ class BatchedDecoder:
             history = self._model.slots[stream.slot].history.numpy().view("uint32")
             token = int(history[stream.position])
             if token == NO_TOKEN:
-                raise NonFiniteLogitsError(stream.position)
+                stream.slot, stream.error = None, NonFiniteLogitsError(stream.position)
+                continue
             stream.tokens.append(token)
             if stream.constraint is not None:
                 stream.constraint.consume(token)
@@ -167,6 +175,10 @@ class BatchedDecoder:
 
     def finished(self, stream: int) -> bool:
         return self._streams[stream].slot is None
+
+    def error(self, stream: int) -> Exception | None:
+        """What ended the stream early (`step`), if anything did."""
+        return self._streams[stream].error
 
     def leave(self, stream: int) -> None:
         """Forgets the stream, finished or not (its caller has gone): its slot is free."""

@@ -335,17 +335,13 @@ class BatchScheduler:
         ready = {g.stream: g for g in self._batched if g.ready}
         if not ready:
             return
-        try:
-            drawn = self._decoder.step(ready)
-        except Exception as exc:  # non-finite logits, a constraint allowing nothing, ...
-            for generation in ready.values():
-                self._leave(generation, exc)
-            return
-        for stream, token in drawn.items():
-            generation = ready[stream]
-            generation.deliver(GeneratedToken(token))
+        drawn = self._decoder.step(ready)
+        for stream, generation in ready.items():
+            if stream in drawn:
+                generation.deliver(GeneratedToken(drawn[stream]))
             if self._decoder.finished(stream):
-                self._leave(generation)
+                # Its stop token, its budget, or its own error (a constraint allowing nothing).
+                self._leave(generation, self._decoder.error(stream))
 
     def _leave(self, generation: _Generation, error: BaseException | None = None) -> None:
         assert generation.stream is not None
