@@ -14,7 +14,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -326,15 +325,19 @@ constexpr MTLGPUFamily kGPUFamilyApple10 = static_cast<MTLGPUFamily>(1010);
 static_assert(kLanguageVersion4_0 == MTLLanguageVersion4_0, "MSL 4.0's enum value");
 static_assert(kGPUFamilyApple10 == MTLGPUFamilyApple10, "the Apple10 family's enum value");
 #endif
-// The tensor-op kernels (the prefill GEMMs and chunk attention): each file compiled on its own at
-// MSL 4.0, never into lily.metallib (MSL 3.1). Both or neither: the prefill runs on tensor ops or
-// on simdgroup matrices as a whole.
-constexpr std::array<const char*, 2> kTensorOpsSources = {"quantized_gemm_tensor_ops.metal",
-                                                          "attention_tensor_ops.metal"};
-
-bool is_tensor_ops_source(const fs::path& file) {
-  return std::find(kTensorOpsSources.begin(), kTensorOpsSources.end(),
-                   file.filename().string()) != kTensorOpsSources.end();
+// The .metal files of `dir`, sorted: the tensor-op kernels (every `*_tensor_ops.metal`, each
+// compiled on its own at MSL 4.0, never into lily.metallib: all or none run), or the others.
+std::vector<fs::path> metal_sources(const std::string& dir, bool tensor_ops) {
+  std::vector<fs::path> files;
+  if (fs::is_directory(dir)) {
+    for (const fs::directory_entry& entry : fs::directory_iterator(dir)) {
+      const fs::path& file = entry.path();
+      const bool tensor_op_file = file.filename().string().ends_with("_tensor_ops.metal");
+      if (file.extension() == ".metal" && tensor_op_file == tensor_ops) files.push_back(file);
+    }
+  }
+  std::sort(files.begin(), files.end());
+  return files;
 }
 
 // `version`: the MSL version to compile at; the default (0) is the kernels' MSL 3.1.
@@ -381,42 +384,36 @@ std::vector<id<MTLLibrary>> load_libraries(id<MTLDevice> device, const KernelSou
     }
     return {library};
   }
-  std::vector<fs::path> files;
-  if (fs::is_directory(sources.source_dir)) {
-    for (const fs::directory_entry& entry : fs::directory_iterator(sources.source_dir)) {
-      if (entry.path().extension() == ".metal" && !is_tensor_ops_source(entry.path()))
-        files.push_back(entry.path());
-    }
-  }
+  const std::vector<fs::path> files = metal_sources(sources.source_dir, false);
   if (files.empty()) {
     throw std::runtime_error("no metallib at \"" + sources.metallib_path +
                              "\" and no .metal sources in \"" + sources.source_dir + "\"");
   }
-  std::sort(files.begin(), files.end());
   std::vector<id<MTLLibrary>> libraries;
   for (const fs::path& file : files) libraries.push_back(compile_source(device, file));
   return libraries;
 }
 
-// The tensor-op libraries, when this Mac can run them, and which prefill path that makes.
+// The tensor-op libraries, when this Mac can run them, and which matrix path that makes.
 struct TensorOps {
   std::vector<id<MTLLibrary>> libraries;
   GemmPath path;
 };
 
 TensorOps load_tensor_ops(id<MTLDevice> device, const KernelSources& sources) {
-  const char* fallback = "; the prefill runs the simdgroup-matrix kernels";
+  const char* fallback = "; the simdgroup-matrix kernels run instead";
   if (@available(macOS 26.2, *)) {
     if (![device supportsFamily:kGPUFamilyApple10]) {
       return {{}, {false, "Metal 4 tensor ops need an Apple10-family GPU (M5 or later), and \"" +
                               to_std(device.name) + "\" is not one" + fallback}};
     }
+    const std::vector<fs::path> files = metal_sources(sources.source_dir, true);
+    if (files.empty()) {
+      return {{}, {false, "no tensor-op kernel sources in \"" + sources.source_dir + "\"" +
+                              fallback}};
+    }
     std::vector<id<MTLLibrary>> libraries;
-    for (const char* name : kTensorOpsSources) {
-      const fs::path file = fs::path(sources.source_dir) / name;
-      if (!fs::exists(file)) {
-        return {{}, {false, "no tensor-op kernel source at \"" + file.string() + "\"" + fallback}};
-      }
+    for (const fs::path& file : files) {
       id<MTLLibrary> library = nil;
       try {
         library = compile_source(device, file, kLanguageVersion4_0);
@@ -424,8 +421,7 @@ TensorOps load_tensor_ops(id<MTLDevice> device, const KernelSources& sources) {
         return {{}, {false, std::string(e.what()) + fallback}};
       }
       // A library that compiles may still fail to give pipelines (cooperative tensors are new):
-      // build each kernel's now, while the simdgroup kernels can still take over, not at the
-      // first dispatch.
+      // build them now, while the simdgroup kernels can still take over.
       for (NSString* function_name in library.functionNames) {
         NSError* error = nil;
         id<MTLFunction> function = [library newFunctionWithName:function_name];
@@ -437,9 +433,8 @@ TensorOps load_tensor_ops(id<MTLDevice> device, const KernelSources& sources) {
       libraries.push_back(library);
     }
     return {libraries,
-            {true, "macOS 26.2 or later and an Apple10-family GPU: the prefill GEMMs and chunk "
-                   "attention run Metal 4 tensor ops (matmul2d, compiled at MSL 4.0 when the "
-                   "device opens)"}};
+            {true, "macOS 26.2 or later and an Apple10-family GPU: the tensor-op kernels run "
+                   "(matmul2d, compiled at MSL 4.0 when the device opens)"}};
   }
   return {{}, {false, "Metal 4 tensor ops need macOS 26.2 or later, and this Mac runs " +
                           to_std([NSProcessInfo processInfo].operatingSystemVersionString) +
