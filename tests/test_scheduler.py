@@ -202,3 +202,21 @@ def test_calls_other_than_generate_run_between_rounds(engine, scheduler):
     prompt = _prompts(engine, [9], seed=5)[0]
     np.testing.assert_array_equal(scheduler.prompt_logits(prompt), engine.prompt_logits(prompt))
     assert scheduler.cached_prefix_length(prompt) == engine.cached_prefix_length(prompt)
+
+
+def test_a_fault_of_the_scheduler_reaches_every_caller(engine, monkeypatch):
+    """Its thread failing (here: the device) ends the callers it serves and refuses later ones,
+    instead of leaving them waiting."""
+    scheduler = BatchScheduler(engine, slots=2)
+    try:
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise OSError("the device is gone")
+
+        monkeypatch.setattr(scheduler._decoder, "step", broken)
+        with pytest.raises(RuntimeError, match="scheduler stopped: OSError"):
+            _ids(scheduler.generate([1, 2, 3], NEW_TOKENS))
+        with pytest.raises(RuntimeError, match="closed"):
+            _ids(scheduler.generate([1, 2, 3], NEW_TOKENS))
+    finally:
+        scheduler.stop()

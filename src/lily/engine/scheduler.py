@@ -207,6 +207,7 @@ class BatchScheduler:
     # --- the scheduler's thread ----------------------------------------------------------
 
     def _serve(self) -> None:
+        error = RuntimeError("this engine has been closed")
         try:
             while True:
                 with self._changed:
@@ -220,8 +221,13 @@ class BatchScheduler:
                 self._run_calls()
                 self._admit()
                 self._decode()
+        except BaseException as exc:  # a fault of its own: every caller hears of it, with its cause
+            error = RuntimeError(f"the batch scheduler stopped: {exc!r}")
+            error.__cause__ = exc
         finally:
-            self._end_all(RuntimeError("this engine has been closed"))
+            with self._changed:
+                self._closing = True  # no later caller waits for a thread that is gone
+            self._end_all(error)
 
     def _can_admit(self) -> bool:
         """Whether the oldest waiting generation can start now."""
