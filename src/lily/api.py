@@ -533,8 +533,12 @@ def load(
     `parallel`: how many generations decode at once when several threads share this model
     (continuous batching: one pass over the weights per step for all of them; docs/server.md).
     Each costs a sequence's state (`max_seq` tokens of KV cache); the memory preflight may
-    allow fewer, which stderr says. Above 1 the MTP head is not loaded, and only a request
-    with a `prediction` drafts (it then runs alone, with prompt lookup under "auto"/"ngram").
+    allow fewer, which stderr says. Batched streams do not draft: a generation drafts (as
+    with `parallel=1`) while it is the only one, and decodes batched from the first pass after
+    another arrives. The MTP head is loaded as with `parallel=1`; under "auto", when the
+    memory would then hold fewer sequences at once than without it, it is left out (stderr
+    says so) and a lone generation drafts with prompt lookup; under "mtp" it stays, and the
+    sequences are fewer. A request with a `prediction` runs alone as a whole.
     """
     if prefill_chunk is not None and (
         isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1
@@ -573,14 +577,9 @@ def load(
         )
     if parallel > 1 and single_token_passes:
         raise ValueError("parallel decoding needs a prefill_chunk of at least 2: parallel=1")
-    if parallel > 1 and speculative == "mtp":
-        raise ValueError(
-            "speculative='mtp' drafts for one sequence at a time: use parallel=1, or 'auto' "
-            "(with parallel, only requests with a prediction draft)"
-        )
     if device == "reference" or single_token_passes:
         speculative = "off"
-    if speculative in ("auto", "mtp") and parallel == 1 and claims_real_model(checkpoint.config):
+    if speculative in ("auto", "mtp") and claims_real_model(checkpoint.config):
         # The real model's 4-bit files lack the head: it is fetched and quantized once.
         model_dir, checkpoint = ensure_mtp_head(model_dir, checkpoint, speculative == "mtp")
     if speculative == "mtp" and not checkpoint.has_mtp_head:
@@ -588,16 +587,35 @@ def load(
             f"speculative='mtp' needs the checkpoint's multi-token-prediction head (mtp.*), "
             f"which {model_dir} does not have: use speculative='auto' or 'ngram'"
         )
-    # "auto" drafts with the head when the checkpoint has one; batched decoding keeps no
-    # head state per sequence, so with `parallel` the head is left out.
-    mtp_head = speculative in ("auto", "mtp") and checkpoint.has_mtp_head and parallel == 1
-    if prefill_chunk is None:
-        prefill_chunk = default_prefill_chunk(checkpoint, device, max_seq, kv_cache, mtp_head)
+    # "auto" drafts with the head when the checkpoint has one.
+    mtp_head = speculative in ("auto", "mtp") and checkpoint.has_mtp_head
     tokenizer = Tokenizer.from_dir(
         model_dir,
         config_eos_ids=checkpoint.config.eos_token_ids,
         max_vocab=checkpoint.config.vocab_size,
     )
+    if mtp_head and speculative == "auto" and parallel > 1:
+        # The head drafts for a lone stream only: it gives way to sequences decoding at once.
+        chunk = prefill_chunk or default_prefill_chunk(checkpoint, device, max_seq, kv_cache)
+        with_head, without = (
+            _parallel_slots(
+                device,
+                device_bytes(checkpoint, max_seq, chunk, kv_cache, head),
+                slot_bytes(checkpoint.config, max_seq, tokenizer.vocab_size, kv_cache),
+                parallel,
+            )
+            for head in (True, False)
+        )
+        if with_head < without:
+            print(
+                f"lily: with the MTP head the memory holds {with_head} sequences decoding at "
+                f"once, without it {without}: loaded without it (a lone request drafts with "
+                "prompt lookup)",
+                file=sys.stderr,
+            )
+            mtp_head = False
+    if prefill_chunk is None:
+        prefill_chunk = default_prefill_chunk(checkpoint, device, max_seq, kv_cache, mtp_head)
     cache = CacheOptions(cache_memory, cache_dir, cache_disk_size, cache_disk_min_tokens)
     engine = _make_engine(
         checkpoint,

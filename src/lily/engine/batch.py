@@ -2,7 +2,9 @@
 (`ModelGraph.batch_graph`).
 
 A sequence joins by being prefilled alone (the engine's own `generate`, which also draws its
-first token) and having that state moved into a free slot; it finishes when it draws a stop
+first token) and having that state moved into a free slot, or, having generated alone on the
+engine's state so far (drafting), by having that state moved between two of its passes
+(`join_from_engine`); it finishes when it draws a stop
 token or reaches its token budget, or leaves when its caller has gone, freeing the slot for the
 next. Between passes the set of active slots may change; each set's graph is recorded on first
 use."""
@@ -59,9 +61,11 @@ def _buffers(state: SequenceState) -> list[Buffer]:
 
 
 def _kv_rows(model: ModelGraph, state: SequenceState) -> list[np.ndarray]:
-    """The KV cache buffers as [kv_heads, capacity, row bytes] views."""
+    """The model's KV cache buffers as [kv_heads, capacity, row bytes] views (not the MTP
+    head's, which slots do not have)."""
     shape = (model.config.num_key_value_heads, model.capacity, row_bytes(model.kv_cache))
-    buffers = [*state.k_cache.values(), *state.v_cache.values()]
+    layers = model.config.full_attention_layers
+    buffers = [*(state.k_cache[i] for i in layers), *(state.v_cache[i] for i in layers)]
     return [b.numpy().view(np.uint8)[: np.prod(shape)].reshape(shape) for b in buffers]
 
 
@@ -119,15 +123,57 @@ class BatchedDecoder:
         if stream.remaining == 0 or first.id in stops:
             stream.slot = None
             return stream_id
-        model, slot = self._model, self._model.slots[free[0]]
+        self._move_into(free[0], len(prompt))
+        return stream_id
+
+    def join_from_engine(
+        self,
+        prompt_length: int,
+        generated: int,
+        max_new_tokens: int,
+        stop_token_ids: Collection[int] = (),
+        sampling: SamplingParams = GREEDY,
+        constraint: TokenConstraint | None = None,
+    ) -> int:
+        """Moves the engine's sequence into a free slot, where it goes on batched; returns the
+        stream's id. The sequence is a generation that ran on the engine's own state
+        (`DeviceEngine.generate`, drafting) and ended by its `pause` after `generated` tokens
+        of its `max_new_tokens` (the newest waits in the history, not yet consumed): the
+        slot takes its KV rows, conv windows, GDN states, token history, sampler settings
+        (its seed among them), mask and penalty counts. Its arguments are the generation's;
+        `constraint` has been told exactly the `generated` tokens. The stream's `tokens` are
+        those it draws from here on."""
+        if not 1 <= generated < max_new_tokens:
+            raise ValueError(
+                f"a generation that paused has 1 to {max_new_tokens - 1} tokens, got {generated}"
+            )
+        if sampling.top_logprobs is not None:
+            raise ValueError("batched decode does not report log-probabilities")
+        taken = {s.slot for s in self._active()}
+        free = [i for i in range(self.slots) if i not in taken]
+        if not free:
+            raise RuntimeError(f"all {self.slots} slots are decoding")
+        newest = prompt_length + generated - 1
+        bans = banned_tokens_mask(sampling, self._model.token_count)
+        stops = frozenset(int(t) for t in stop_token_ids)
+        stream = _Stream(free[0], newest, max_new_tokens - generated, stops, [], constraint, bans)
+        stream_id = next(self._ids)
+        self._streams[stream_id] = stream
+        self._move_into(free[0], newest)
+        return stream_id
+
+    def _move_into(self, slot_index: int, newest: int) -> None:
+        """Copies the engine's sequence state into slot `slot_index`: the token at `newest`
+        (in the history) is the one it has not consumed."""
+        model, slot = self._model, self._model.slots[slot_index]
         for source, target in zip(_buffers(model.state), _buffers(slot), strict=True):
             target.numpy()[:] = source.numpy()
-        # Only the rows the prompt filled: a cache holds the whole context.
+        # Only the rows filled before the newest token: a cache holds the whole context.
         for source, target in zip(_kv_rows(model, model.state), _kv_rows(model, slot), strict=True):
-            target[:, : len(prompt)] = source[:, : len(prompt)]
+            target[:, :newest] = source[:, :newest]
         step = slot.step.numpy().view("uint32")
-        step[POSITION], step[PROMPT_END], step[TOKEN] = len(prompt), len(prompt) + 1, first.id
-        return stream_id
+        token = model.history_view()[newest]
+        step[POSITION], step[PROMPT_END], step[TOKEN] = newest, newest + 1, token
 
     def step(self, streams: Collection[int] | None = None) -> dict[int, int]:
         """One pass: each active stream's next token (of `streams` only, if given), by id. A

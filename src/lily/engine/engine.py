@@ -567,9 +567,15 @@ class DeviceEngine(_PromptsWithImages):
         drafter: Drafter | None = None,
         images: Sequence[ImagePatches] = (),
         prefill_slices: PrefillSlices | None = None,
+        pause: Callable[[], bool] | None = None,
     ) -> Iterator[GeneratedToken]:
         """`Engine.generate`; `prefill_slices`, if given, cuts the prompt's chunks and runs
-        other work between them (`PrefillSlices`)."""
+        other work between them (`PrefillSlices`). `pause`, if given, is asked before each pass
+        that follows the first token of a generation with a `drafter`: once it returns True,
+        the generation ends at the first point where the sequence state holds exactly the
+        tokens yielded, the newest one in the history and not yet consumed (the passes in
+        flight are yielded first). The caller tells such an end from a finished generation by
+        its last token and count; `BatchedDecoder.join_from_engine` goes on from there."""
         prompt = [int(t) for t in prompt]
         check_fits(len(prompt), max_new_tokens, self.max_seq)
         reply = _reply(prompt, reply_so_far)
@@ -683,7 +689,7 @@ class DeviceEngine(_PromptsWithImages):
                         self._mtp_drafts if constraint is not None else self._head_drafts_on_device
                     )
                 try:
-                    yield from self._speculate(request, generated, drafter, should_stop)
+                    yield from self._speculate(request, generated, drafter, should_stop, pause)
                 finally:
                     if head:
                         drafter.head = None
@@ -718,6 +724,7 @@ class DeviceEngine(_PromptsWithImages):
         generated: list[int],
         drafter: Drafter,
         should_stop: Callable[[], bool] | None,
+        pause: Callable[[], bool] | None = None,
     ) -> Iterator[GeneratedToken]:
         """Decodes after the first generated token with verify passes wherever `drafter` has
         drafts, one pass at a time (the next drafts depend on what this pass accepts).
@@ -742,6 +749,8 @@ class DeviceEngine(_PromptsWithImages):
         tokens = [*request.prompt, *generated]
         while len(generated) < request.max_new_tokens:
             _check_stop(should_stop)
+            if pause is not None and pause():
+                return  # between two passes: the newest token waits, as `pause` says
             last = len(tokens) - 1  # the waiting token's position
             limit = min(
                 request.max_new_tokens - len(generated) - 1,
@@ -751,7 +760,7 @@ class DeviceEngine(_PromptsWithImages):
             if drafter.exhausted and constraint is None:
                 # Nothing will be drafted again: decode the rest pipelined.
                 count = request.max_new_tokens - len(generated)
-                yield from self._decode(last, count, request, should_stop)
+                yield from self._decode(last, count, request, should_stop, pause)
                 return
             started = time.perf_counter()
             planned = drafter.draft(tokens, limit) if limit > 0 else []
@@ -926,9 +935,11 @@ class DeviceEngine(_PromptsWithImages):
         count: int,
         request: _Request,
         should_stop: Callable[[], bool] | None,
+        pause: Callable[[], bool] | None = None,
     ) -> Iterator[GeneratedToken]:
         """`count` decode steps from `position` (whose token the history holds and the state
-        has not consumed), two in flight, as `generate` decodes without drafts."""
+        has not consumed), two in flight, as `generate` decodes without drafts; once `pause`
+        says so, none is submitted after those in flight."""
         model, device = self._model, self.device
         step = model.step_view()
         step[POSITION], step[PROMPT_END] = position, position + 1
@@ -940,6 +951,9 @@ class DeviceEngine(_PromptsWithImages):
             while True:
                 while submitted < count and len(in_flight) < PIPELINE_DEPTH:
                     _check_stop(should_stop)
+                    if pause is not None and pause():
+                        count = submitted
+                        break
                     submitted += 1
                     in_flight.append((position + submitted, device.submit(model.decode)))
                 if not in_flight:

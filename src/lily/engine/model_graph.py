@@ -748,8 +748,6 @@ class ModelGraph:
             raise ValueError(
                 f"batched decode takes 1 to {most} slots (max_chunk {self.max_chunk}), got {count}"
             )
-        if self.mtp:
-            raise ValueError("batched decode runs without the MTP head")
         if count <= len(self.slots):
             return
         pool = _SlotPool(
@@ -1052,8 +1050,9 @@ class _Recorder:
         self.step = model.state.step
         self.in_mtp = False
         # Where the final norm leaves the hidden states the lm_head reads: with the MTP head,
-        # every token's, kept for the head's next pass.
-        self.final_normed = model.mtp_hidden if model.mtp else model._scratch.normed
+        # every token's, kept for the head's next pass; not a batched pass's, which the head
+        # does not draft for (and which runs between the passes of a sequence it drafts for).
+        self.final_normed = model.mtp_hidden if model.mtp and not batch else model._scratch.normed
 
     def hidden_row(self, buffer: Buffer, index: int) -> BufferRef:
         """Row `index` of a [tokens, hidden_size] activation."""

@@ -17,8 +17,16 @@ What a batched pass does not carry runs alone, on the engine's sequence state, o
 round between the passes: log-probabilities, a client's prediction (drafts are checked by a
 verify pass, which is a single sequence's), and images (whose rotary table is the engine's
 one, which batched rows read too: such a generation waits for the batch to empty). While one
-runs alone, newcomers wait. The MTP head and prompt lookup do not draft for batched streams:
-a stream decodes one token per pass (docs/server.md says what that costs a lone user).
+runs alone, newcomers wait.
+
+The MTP head and prompt lookup do not draft for batched streams: a stream decodes one token
+per pass. A generation with a drafter that finds nothing else running or waiting therefore
+runs alone too, drafting as with `parallel=1`, until another caller arrives (a generation or
+a call): it is then driven to the end of its current pass (whose tokens the engine has drawn
+already), and its state moves into a slot (`BatchedDecoder.join_from_engine`), where it
+decodes batched for the rest of its answer. It does not go back to drafting when the others
+end: the MTP head's cache lacks the rows of the tokens decoded batched, and filling them
+would mean feeding those tokens again.
 
 A decoding stream waits at most one prefill slice (`SLICE_TOKENS` tokens of someone's prompt)
 plus its own pass between two tokens.
@@ -70,6 +78,13 @@ class _Generation:
     closed: bool = False  # the caller closed its iterator
     stream: int | None = None  # its BatchedDecoder stream, once in a slot
     alone: Iterator[GeneratedToken] | None = None
+    # Whether it runs alone only to draft, and moves into a slot once others arrive.
+    drafts_alone: bool = False
+    last: int | None = None  # the last token delivered
+
+    @property
+    def drafts(self) -> bool:
+        return self.options.get("drafter") is not None
 
     @property
     def runs_alone(self) -> bool:
@@ -91,9 +106,15 @@ class _Generation:
         should_stop = self.options.get("should_stop")
         return should_stop is not None and should_stop()
 
+    @property
+    def finished(self) -> bool:
+        """Whether its last token ended it (a stop token, or its budget)."""
+        return self.delivered == self.max_new_tokens or self.last in self.stop_token_ids
+
     def deliver(self, item: object) -> None:
         if isinstance(item, GeneratedToken):
             self.delivered += 1
+            self.last = item.id
         self.results.put(item)
 
 
@@ -248,7 +269,12 @@ class BatchScheduler:
         closed = any(g.closed for g in self._batched) or (
             self._alone is not None and self._alone.closed
         )
-        return bool(admissible or calls or ready or closed)
+        return bool(admissible or calls or ready or closed or self._others_wait())
+
+    def _others_wait(self) -> bool:
+        """Whether a generation drafting alone must move into a slot: others are waiting."""
+        alone = self._alone
+        return alone is not None and alone.drafts_alone and bool(self._waiting or self._calls)
 
     def _cancellations(self) -> bool:
         """Whether a waiting or paused generation's caller asked it to stop."""
@@ -297,6 +323,20 @@ class BatchScheduler:
             )
             self._alone = generation
             return
+        if generation.drafts and not (self._batched or self._waiting or self._calls):
+            g = generation
+            # Nothing to slice the prefill for: nobody else decodes.
+            g.alone = self.engine.generate(
+                g.prompt,
+                g.max_new_tokens,
+                g.stop_token_ids,
+                g.sampling,
+                **g.options,
+                pause=lambda: bool(self._waiting or self._calls),
+            )
+            g.drafts_alone = True
+            self._alone = generation
+            return
         options = {k: v for k, v in generation.options.items() if k not in ("drafter", "images")}
         try:
             stream = self._decoder.join(
@@ -321,6 +361,9 @@ class BatchScheduler:
 
     def _decode(self) -> None:
         self._batched_pass()
+        if self._others_wait():
+            self._move_alone_into_batch()
+            return
         alone = self._alone
         if alone is None or not alone.ready:
             return
@@ -348,6 +391,37 @@ class BatchScheduler:
             if self._decoder.finished(stream):
                 # Its stop token, its budget, or its own error (a constraint allowing nothing).
                 self._leave(generation, self._decoder.error(stream))
+
+    def _move_alone_into_batch(self) -> None:
+        """Ends the generation drafting alone at its engine's `pause` and moves its state into
+        a slot, unless that end finished it."""
+        alone = self._alone
+        assert alone is not None and alone.alone is not None
+        try:
+            # The rest of its current pass: tokens the engine has drawn (and told its
+            # constraint) already, so they reach its caller ahead of `RUN_AHEAD`.
+            for token in alone.alone:
+                alone.deliver(token)
+        except Exception as exc:
+            self._end_alone(exc)
+            return
+        if alone.finished:
+            self._end_alone()
+            return
+        self._alone, alone.alone = None, None
+        try:
+            alone.stream = self._decoder.join_from_engine(
+                len(alone.prompt),
+                alone.delivered,
+                alone.max_new_tokens,
+                alone.stop_token_ids,
+                alone.sampling,
+                alone.options.get("constraint"),
+            )
+        except Exception as exc:
+            alone.deliver(exc)
+            return
+        self._batched.append(alone)
 
     def _leave(self, generation: _Generation, error: BaseException | None = None) -> None:
         assert generation.stream is not None

@@ -1,0 +1,190 @@
+"""A lone generation drafts on a batching engine (`lily.engine.scheduler`): it runs alone on the
+engine's state with its drafter while nothing else runs, and moves into a batch slot between two
+of its passes when another caller arrives (`BatchedDecoder.join_from_engine`). Every stream's
+tokens are those it gets alone, across the move. On the sim unless LILY_DEVICE names another
+device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from device_testing import open_test_device
+from tiny_models import tiny_checkpoint
+
+from lily.checkpoint.loader import load_checkpoint
+from lily.engine.batch import BatchedDecoder
+from lily.engine.constraint import mask_from_tokens
+from lily.engine.engine import DeviceEngine
+from lily.engine.sampling import SamplingParams
+from lily.engine.scheduler import BatchScheduler
+from lily.engine.speculative import Speculation
+
+MAX_SEQ = 64
+NEW_TOKENS = 14
+# Tokens the lone stream's caller takes before the second caller arrives.
+BEFORE = 4
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[DeviceEngine]:
+    checkpoint = load_checkpoint(tiny_checkpoint("small", mtp_head=True))
+    vocab = checkpoint.config.vocab_size
+    engine = DeviceEngine(checkpoint, open_test_device(), MAX_SEQ, vocab, max_chunk=16, mtp=True)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def scheduler(engine: DeviceEngine) -> Iterator[BatchScheduler]:
+    scheduler = BatchScheduler(engine, slots=2)
+    yield scheduler
+    scheduler.stop()
+
+
+@pytest.fixture
+def moves(monkeypatch) -> list[int]:
+    """How many tokens each stream had when it moved from the engine's state into a slot."""
+    moved: list[int] = []
+    join = BatchedDecoder.join_from_engine
+
+    def recorded(self: BatchedDecoder, prompt_length: int, generated: int, *args: Any) -> int:
+        moved.append(generated)
+        return join(self, prompt_length, generated, *args)
+
+    monkeypatch.setattr(BatchedDecoder, "join_from_engine", recorded)
+    return moved
+
+
+class Alternating:
+    """A constraint whose mask depends on every token told before: it allows the tokens whose
+    parity differs from the sum of those so far, and takes drafts back."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.consumed: list[int] = []
+
+    def allowed_tokens(self) -> np.ndarray:
+        ids = np.arange(self.vocab)
+        return mask_from_tokens(ids[(ids + sum(self.consumed)) % 2 == 1], self.vocab)
+
+    def consume(self, token: int) -> None:
+        assert (token + sum(self.consumed)) % 2 == 1, "told a token its mask rules out"
+        self.consumed.append(token)
+
+    def rollback(self, tokens: int) -> None:
+        del self.consumed[len(self.consumed) - tokens :]
+
+
+class GaveUp:
+    """A drafter that has given up before the first pass: the engine decodes pipelined, two
+    passes in flight, which the move must let finish."""
+
+    exhausted = True
+
+    def draft(self, tokens: Any, limit: int) -> list[int]:
+        return []
+
+    def verified(self, drafted: Any, accepted: int) -> None:
+        raise AssertionError("nothing was drafted")
+
+
+def _prompts(engine: DeviceEngine) -> tuple[list[int], list[int]]:
+    """The first repeats itself, so that prompt lookup finds drafts. The second is longer than
+    the first's answer reaches: generating it alone (last) leaves none of that answer in the
+    engine's token history, where a stream moved with the wrong state could find it."""
+    rng = np.random.default_rng(11)
+    words = rng.integers(0, engine.config.vocab_size, 8).tolist()
+    first = words + words + words[:5]
+    return first, rng.integers(0, engine.config.vocab_size, len(first) + NEW_TOKENS).tolist()
+
+
+def _ids(tokens: Iterator[Any]) -> list[int]:
+    return [t.id for t in tokens]
+
+
+def _drafter(source: str) -> Any:
+    if source == "gave up":
+        return GaveUp()
+    return Speculation(draft_tokens=3, **{source: True})
+
+
+def _joined_mid_answer(
+    scheduler: BatchScheduler, first: dict[str, Any], second: dict[str, Any]
+) -> tuple[list[int], list[int]]:
+    """The first request's tokens and the second's, the second arriving once the first's
+    caller has taken BEFORE tokens."""
+    lone = scheduler.generate(**first)
+    got = [next(lone).id for _ in range(BEFORE)]
+    other = scheduler.generate(**second)
+    got_other = [next(other).id]  # admitted once the first moved into a slot
+    got += _ids(lone)
+    return got, got_other + _ids(other)
+
+
+# The head drafts at every pass; prompt lookup finds nothing in this random model's answer, so
+# its passes are decode steps run one at a time; a drafter that gave up leaves two in flight.
+@pytest.mark.parametrize("source", ["mtp", "ngram", "gave up"])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)],
+    ids=["greedy", "seeded"],
+)
+def test_a_lone_drafting_stream_joined_mid_answer_keeps_its_tokens(
+    engine, scheduler, moves, source, sampling
+):
+    first_prompt, second_prompt = _prompts(engine)
+    other_sampling = SamplingParams(temperature=1.0, seed=4)
+    alone = _ids(engine.generate(first_prompt, NEW_TOKENS, sampling=sampling))
+    other_alone = _ids(engine.generate(second_prompt, NEW_TOKENS, sampling=other_sampling))
+    drafter = _drafter(source)
+    got, got_other = _joined_mid_answer(
+        scheduler,
+        dict(prompt=first_prompt, max_new_tokens=NEW_TOKENS, sampling=sampling, drafter=drafter),
+        dict(prompt=second_prompt, max_new_tokens=NEW_TOKENS, sampling=other_sampling),
+    )
+    assert got == alone
+    assert got_other == other_alone
+    # It moved mid-answer: after the tokens its caller took, before its last.
+    assert len(moves) == 1 and BEFORE <= moves[0] < NEW_TOKENS
+    if source == "mtp":
+        assert drafter.total.passes > 0  # it drafted while alone
+
+
+def test_a_moved_stream_ends_at_its_stop_token_and_keeps_its_constraint(
+    engine, scheduler, moves
+):
+    first_prompt, second_prompt = _prompts(engine)
+    vocab = engine._model.token_count
+    constrained = _ids(engine.generate(first_prompt, NEW_TOKENS, constraint=Alternating(vocab)))
+    stop = constrained[NEW_TOKENS - 3]
+    alone = constrained[: constrained.index(stop) + 1]
+    other_alone = _ids(engine.generate(second_prompt, NEW_TOKENS))
+    constraint = Alternating(vocab)
+    got, got_other = _joined_mid_answer(
+        scheduler,
+        dict(
+            prompt=first_prompt,
+            max_new_tokens=NEW_TOKENS,
+            stop_token_ids=[stop],
+            constraint=constraint,
+            drafter=_drafter("mtp"),
+        ),
+        dict(prompt=second_prompt, max_new_tokens=NEW_TOKENS),
+    )
+    assert got == alone
+    assert constraint.consumed == got  # told each token once, drafts taken back
+    assert got_other == other_alone
+    if len(alone) > BEFORE + 1:  # else the first pass after the arrival ended it
+        assert len(moves) == 1
+
+
+def test_a_lone_stream_that_ends_before_anyone_arrives_never_moves(engine, scheduler, moves):
+    first_prompt, _ = _prompts(engine)
+    alone = _ids(engine.generate(first_prompt, NEW_TOKENS))
+    drafter = _drafter("mtp")
+    got = _ids(scheduler.generate(first_prompt, NEW_TOKENS, drafter=drafter))
+    assert got == alone
+    assert moves == [] and drafter.total.passes > 0
