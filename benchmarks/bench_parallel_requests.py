@@ -2,9 +2,15 @@
 loaded with `parallel=4`: continuous batching, `lily.engine.scheduler`), on the sim. One run
 each, both timed; prints the times, their ratio and whether every answer is the same.
 
+With `--lone`: one request alone on a model loaded with `parallel=4` (where a lone request
+drafts, then moves into a batch slot when another arrives), with `speculative="auto"` against
+`"off"`, the two alternated `--rounds` times (the machine may be shared: alternating spreads
+its load over both); prints each run's time and whether the answers are the same.
+
 The sim is a CPU: the ratio says how much work batching saves, not how fast a Mac is.
 
     python benchmarks/bench_parallel_requests.py [--max-tokens 32] [--parallel 4]
+    python benchmarks/bench_parallel_requests.py --lone [--rounds 3] [--max-tokens 32]
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lily
@@ -28,10 +35,43 @@ PROMPTS = [
 ]
 
 
+def lone_request(request: Callable[[lily.Lily, str], Any], parallel: int, rounds: int) -> None:
+    """One request at a time on a batching model, drafting ("auto") against not ("off")."""
+    prompt = PROMPTS[0]
+    times: dict[str, list[float]] = {"auto": [], "off": []}
+    drafts: list[tuple[int, int]] = []  # each "auto" run's (drafted, accepted)
+    answers: dict[str, Any] = {}
+    models = {
+        mode: lily.load("demo", device="sim", parallel=parallel, speculative=mode) for mode in times
+    }
+    try:
+        for llm in models.values():
+            request(llm, "warm up")
+        for _ in range(rounds):
+            for mode, llm in models.items():
+                start = time.perf_counter()
+                answers[mode] = request(llm, prompt)
+                times[mode].append(time.perf_counter() - start)
+                stats = llm.chat.completions.last_stats
+                if mode == "auto" and stats is not None:
+                    drafts.append((stats.drafted_tokens, stats.accepted_drafts))
+    finally:
+        for llm in models.values():
+            llm.close()
+    print(f"one demo chat request alone on parallel={parallel}, {rounds} alternated rounds:")
+    for mode, measured in times.items():
+        runs = ", ".join(f"{t:.2f}" for t in measured)
+        print(f"  speculative {mode}: {runs} s (best {min(measured):.2f} s)")
+    print(f"  auto's (drafted, accepted) tokens per run: {drafts}")
+    print(f"  same answer: {answers['auto'] == answers['off']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--parallel", type=int, default=4)
+    parser.add_argument("--lone", action="store_true", help="one request, drafting vs not")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     prompts = PROMPTS[: args.parallel]
 
@@ -44,6 +84,10 @@ def main() -> None:
         )
         message = answer.choices[0].message
         return message.content, message.reasoning_content, answer.usage.completion_tokens
+
+    if args.lone:
+        lone_request(request, args.parallel, args.rounds)
+        return
 
     with lily.load("demo", device="sim", speculative="off") as llm:
         request(llm, "warm up")

@@ -147,8 +147,6 @@ def test_parallel_needs_an_engine_that_can_batch() -> None:
         lily.load("no/such-dir/", device="reference", parallel=2)
     with pytest.raises(ValueError, match="prefill_chunk of at least 2"):
         lily.load("demo", device="sim", prefill_chunk=1, parallel=2)
-    with pytest.raises(ValueError, match="speculative='mtp' drafts for one sequence"):
-        lily.load("demo", device="sim", speculative="mtp", parallel=2)
 
 
 def test_parallel_slots_are_what_the_memory_preflight_allows(monkeypatch) -> None:
@@ -166,3 +164,35 @@ def test_parallel_slots_are_what_the_memory_preflight_allows(monkeypatch) -> Non
     assert _parallel_slots("sim", 1000, 700, 4) == 4
     with lily.load("demo", device="sim", parallel=3) as llm:
         assert llm.parallel == 3
+
+
+@pytest.mark.parametrize("speculative", ["auto", "mtp"])
+def test_the_mtp_head_beside_parallel_slots(monkeypatch, capsys, speculative: str) -> None:
+    """With room for the head and the slots, both load; with room for the slots only if the
+    head stays out, "auto" leaves it out (stderr says so) and "mtp" keeps it, with fewer slots."""
+    import lily.device
+    from lily.checkpoint.loader import load_checkpoint, resolve_model
+    from lily.engine.model_graph import device_bytes, slot_bytes
+
+    sizes = dict(max_seq=256, prefill_chunk=64)
+    with lily.load("demo", device="sim", speculative=speculative, parallel=2, **sizes) as llm:
+        assert (llm.mtp_head, llm.parallel) == (True, 2)
+    checkpoint = load_checkpoint(resolve_model("demo", None))
+    without_head = device_bytes(checkpoint, 256, 64, "bf16", mtp=False)
+    per_slot = slot_bytes(checkpoint.config, 256, checkpoint.config.vocab_size)
+    room = without_head + 2 * per_slot
+    assert device_bytes(checkpoint, 256, 64, "bf16", mtp=True) + per_slot < room
+
+    def check_memory(kind: str, nbytes: int) -> None:
+        if nbytes > room:
+            raise MemoryError("more than this Mac has")
+
+    monkeypatch.setattr(lily.device, "check_memory", check_memory)
+    with lily.load("demo", device="sim", speculative=speculative, parallel=2, **sizes) as llm:
+        expected = (False, 2) if speculative == "auto" else (True, 1)
+        assert (llm.mtp_head, llm.parallel) == expected
+    said = capsys.readouterr().err
+    if speculative == "auto":
+        assert "loaded without it" in said
+    else:
+        assert "holds 1 sequences" in said

@@ -6,6 +6,8 @@ device."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -153,9 +155,7 @@ def test_a_lone_drafting_stream_joined_mid_answer_keeps_its_tokens(
         assert drafter.total.passes > 0  # it drafted while alone
 
 
-def test_a_moved_stream_ends_at_its_stop_token_and_keeps_its_constraint(
-    engine, scheduler, moves
-):
+def test_a_moved_stream_ends_at_its_stop_token_and_keeps_its_constraint(engine, scheduler, moves):
     first_prompt, second_prompt = _prompts(engine)
     vocab = engine._model.token_count
     constrained = _ids(engine.generate(first_prompt, NEW_TOKENS, constraint=Alternating(vocab)))
@@ -188,3 +188,41 @@ def test_a_lone_stream_that_ends_before_anyone_arrives_never_moves(engine, sched
     got = _ids(scheduler.generate(first_prompt, NEW_TOKENS, drafter=drafter))
     assert got == alone
     assert moves == [] and drafter.total.passes > 0
+
+
+def test_a_call_moves_the_lone_stream_and_runs(engine, scheduler, moves):
+    """A call that would touch the engine's state (here `prompt_logits`) does not wait for the
+    lone stream's answer: the stream moves into a slot, with the same tokens."""
+    first_prompt, second_prompt = _prompts(engine)
+    alone = _ids(engine.generate(first_prompt, NEW_TOKENS))
+    expected_logits = engine.prompt_logits(second_prompt)
+    lone = scheduler.generate(first_prompt, NEW_TOKENS, drafter=_drafter("mtp"))
+    got = [next(lone).id for _ in range(BEFORE)]
+    np.testing.assert_array_equal(scheduler.prompt_logits(second_prompt), expected_logits)
+    got += _ids(lone)
+    assert got == alone
+    assert len(moves) == 1
+
+
+def test_a_stream_the_pause_ends_while_its_caller_reads_moves_too(
+    engine, scheduler, moves, monkeypatch
+):
+    """A caller may arrive after the scheduler looked for one and before the lone stream's next
+    pass, whose `pause` then ends it: it moves all the same, as its caller reads on."""
+    monkeypatch.setattr(BatchScheduler, "_others_wait", lambda self: False)
+    first_prompt, second_prompt = _prompts(engine)
+    alone = _ids(engine.generate(first_prompt, NEW_TOKENS))
+    other_alone = _ids(engine.generate(second_prompt, NEW_TOKENS))
+    lone = scheduler.generate(first_prompt, NEW_TOKENS, drafter=_drafter("mtp"))
+    got = [next(lone).id for _ in range(BEFORE)]
+    other: list[int] = []
+    reader = threading.Thread(
+        target=lambda: other.extend(_ids(scheduler.generate(second_prompt, NEW_TOKENS)))
+    )
+    reader.start()
+    while not scheduler.waiting:  # the second caller has arrived
+        time.sleep(0.01)
+    got += _ids(lone)
+    reader.join(120)
+    assert got == alone and other == other_alone
+    assert len(moves) == 1

@@ -361,21 +361,28 @@ class BatchScheduler:
 
     def _decode(self) -> None:
         self._batched_pass()
-        if self._others_wait():
-            self._move_alone_into_batch()
-            return
         alone = self._alone
-        if alone is None or not alone.ready:
+        moving = self._others_wait()
+        if alone is None or not (moving or alone.ready):
             return
         assert alone.alone is not None
         try:
-            token = next(alone.alone)
-        except StopIteration:
-            self._end_alone()
+            # Moving, the rest of its current pass: tokens the engine has drawn (and told its
+            # constraint) already, so they reach its caller ahead of `RUN_AHEAD`; its engine's
+            # `pause` then ends it.
+            for token in alone.alone:
+                alone.deliver(token)
+                if not moving:
+                    return
         except Exception as exc:
             self._end_alone(exc)
+            return
+        # A generation drafting alone also ends at its `pause` when another caller arrives
+        # between `_others_wait` and its next token.
+        if alone.drafts_alone and not alone.finished:
+            self._move_into_batch(alone)
         else:
-            alone.deliver(token)
+            self._end_alone()
 
     def _batched_pass(self) -> None:
         """One batched pass over the streams whose callers are ready for a token."""
@@ -392,22 +399,9 @@ class BatchScheduler:
                 # Its stop token, its budget, or its own error (a constraint allowing nothing).
                 self._leave(generation, self._decoder.error(stream))
 
-    def _move_alone_into_batch(self) -> None:
-        """Ends the generation drafting alone at its engine's `pause` and moves its state into
-        a slot, unless that end finished it."""
-        alone = self._alone
-        assert alone is not None and alone.alone is not None
-        try:
-            # The rest of its current pass: tokens the engine has drawn (and told its
-            # constraint) already, so they reach its caller ahead of `RUN_AHEAD`.
-            for token in alone.alone:
-                alone.deliver(token)
-        except Exception as exc:
-            self._end_alone(exc)
-            return
-        if alone.finished:
-            self._end_alone()
-            return
+    def _move_into_batch(self, alone: _Generation) -> None:
+        """Moves the state of the generation that drafted alone, which its engine's `pause`
+        ended before its end, into a slot, where it goes on batched."""
         self._alone, alone.alone = None, None
         try:
             alone.stream = self._decoder.join_from_engine(
