@@ -274,7 +274,12 @@ class BatchScheduler:
     def _others_wait(self) -> bool:
         """Whether a generation drafting alone must move into a slot: others are waiting."""
         alone = self._alone
-        return alone is not None and alone.drafts_alone and bool(self._waiting or self._calls)
+        return alone is not None and alone.drafts_alone and self._others_arrived()
+
+    def _others_arrived(self) -> bool:
+        """Whether a generation or a call waits (what ends a drafting generation's run alone,
+        its engine's `pause`)."""
+        return bool(self._waiting or self._calls)
 
     def _cancellations(self) -> bool:
         """Whether a waiting or paused generation's caller asked it to stop."""
@@ -312,30 +317,13 @@ class BatchScheduler:
             return
         generation = self._waiting.popleft()
         if generation.runs_alone:
-            g = generation
-            g.alone = self.engine.generate(
-                g.prompt,
-                g.max_new_tokens,
-                g.stop_token_ids,
-                g.sampling,
-                **g.options,
-                prefill_slices=None if g.has_images else self._slices(),
-            )
-            self._alone = generation
+            slices = None if generation.has_images else self._slices()
+            self._start_alone(generation, prefill_slices=slices)
             return
-        if generation.drafts and not (self._batched or self._waiting or self._calls):
-            g = generation
-            # Nothing to slice the prefill for: nobody else decodes.
-            g.alone = self.engine.generate(
-                g.prompt,
-                g.max_new_tokens,
-                g.stop_token_ids,
-                g.sampling,
-                **g.options,
-                pause=lambda: bool(self._waiting or self._calls),
-            )
-            g.drafts_alone = True
-            self._alone = generation
+        if generation.drafts and not (self._batched or self._others_arrived()):
+            # Nobody else decodes: no slices for its prefill.
+            generation.drafts_alone = True
+            self._start_alone(generation, pause=self._others_arrived)
             return
         options = {k: v for k, v in generation.options.items() if k not in ("drafter", "images")}
         try:
@@ -358,6 +346,15 @@ class BatchScheduler:
             generation.deliver(_END)
         else:
             self._batched.append(generation)
+
+    def _start_alone(self, generation: _Generation, **how: Any) -> None:
+        """Starts the generation on the engine's sequence state, `how` going to its
+        `DeviceEngine.generate`."""
+        g = generation
+        g.alone = self.engine.generate(
+            g.prompt, g.max_new_tokens, g.stop_token_ids, g.sampling, **g.options, **how
+        )
+        self._alone = generation
 
     def _decode(self) -> None:
         self._batched_pass()
