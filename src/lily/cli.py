@@ -835,8 +835,9 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_PARALLEL,
         metavar="N",
         help="requests decoded at once, in one pass over the weights per token (default: "
-        f"{DEFAULT_PARALLEL}, fewer if memory is short; each holds a context's KV cache); 1 "
-        "answers one at a time and lets the MTP head or prompt lookup draft for every request",
+        f"{DEFAULT_PARALLEL}, fewer if memory is short; each holds a context's KV cache); a "
+        "request alone drafts (the MTP head or prompt lookup) until another arrives; 1 answers "
+        "one at a time, each drafting to its end",
     )
     serve.add_argument(
         "--fetch-images",
