@@ -61,8 +61,9 @@ def _buffers(state: SequenceState) -> list[Buffer]:
 
 
 def _logprobs(slot: SequenceState, stream: _Stream) -> TokenLogprobs | None:
-    """The log-probabilities of the draw of the pass that just consumed the stream's token
-    before its newest (the slot's ring keys them by that position, as a decode step's)."""
+    """The log-probabilities of the stream's newest token, if it asks for them: the slot's ring
+    keys them by the position of the token the pass consumed, the one before, as a decode
+    step's."""
     if stream.top_logprobs is None:
         return None
     (_, logprob), alternatives = read_logprobs(
