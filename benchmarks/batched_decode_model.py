@@ -15,13 +15,15 @@ So, per pass:
   projections, once per token for the experts), issued at half the published fp32 FLOP rate
   (an FMA is two FLOPs);
 - time = max(bytes / (bandwidth x memory efficiency), instructions / issue rate) + levels x
-  `LEVEL_SECONDS`: 253 levels for the decode step (B = 1) and 408 for a pass of several tokens
-  (the counts issue 39's review gives for the decode and verify graphs). The batched pass's
-  per-row stages (conv and GDN steps, attention, sampler) are one dispatch over all rows through
-  the slot table, so its levels do not grow with B: on the demo it records 83 levels at B = 2, 4
-  and 8, against 87 for a verify pass (counted from `Graph.barrier_count`). The last column is
-  the same model with the per-row stages one dispatch per row, as they were before the slot
-  table: the rows' attention and draws then ran one after another, B - 1 more levels for each
+  `LEVEL_SECONDS`: the levels of the decode step (B = 1) and of the batched pass (B > 1),
+  recorded (not run) on the full-size layout (`Graph.barrier_count` + 1), printed first. The
+  batched pass is folded as a verify pass is (norms and residual adds inside the GEMVs and the
+  MoE, the gated norm in the output projection, the final norm in the lm_head) and its per-row
+  stages (embedding lookup, conv and GDN steps, attention, sampler) are one dispatch over all
+  rows through the slot table, so its levels do not grow with B: 284 at the real dims against
+  395 unfolded (this change; the decode step has 253, a verify pass 266). The last column is the
+  same model with the per-row stages one dispatch per row, as they were before the slot table:
+  the rows' attention and draws then ran one after another, B - 1 more levels for each
   attention layer's two dispatches and the sampler's two, 22 (B - 1) at the real dims.
 
 Left out: the host's work per pass (sampling is on the device; the host reads B tokens),
@@ -34,16 +36,39 @@ small share), and any contention between streams' prefill slices and the batch.
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
-from make_synthetic_checkpoint import real_config
+from make_synthetic_checkpoint import real_config, write_checkpoint
 from prefill_model import CENTRAL, FAST, GPUS, LEVEL_SECONDS, MEMORY_EFFICIENCY, SLOW
 
 from lily.checkpoint.config import ModelConfig, parse_config
-from lily.engine.model_graph import kv_cache_bytes_per_token, pass_traffic, recurrent_state_bytes
+from lily.checkpoint.loader import load_checkpoint
+from lily.device import open_device
+from lily.engine.model_graph import (
+    ModelGraph,
+    kv_cache_bytes_per_token,
+    pass_traffic,
+    recurrent_state_bytes,
+)
 
 STREAMS = (1, 2, 4, 8)
-DECODE_LEVELS = 253
-VERIFY_LEVELS = 408
+
+
+def full_size_levels() -> dict[int, int]:
+    """Levels by stream count: the decode step's for 1, the batched pass's beyond, recorded on
+    the full-size layout of zeros."""
+    with tempfile.TemporaryDirectory() as directory:
+        write_checkpoint(Path(directory), zeros=True)
+        checkpoint = load_checkpoint(Path(directory))
+        c = checkpoint.config
+        device = open_device("sim", execute=False)
+        model = ModelGraph(checkpoint, device, 4096, c.vocab_size, max_chunk=max(STREAMS))
+        model.allocate_slots(max(STREAMS))
+        levels = {1: model.decode.barrier_count + 1}
+        for streams in STREAMS[1:]:
+            levels[streams] = model.batch_graph(range(streams)).barrier_count + 1
+        return levels
 
 
 def serial_row_levels(c: ModelConfig, streams: int) -> int:
@@ -53,14 +78,13 @@ def serial_row_levels(c: ModelConfig, streams: int) -> int:
 
 
 def pass_seconds(
-    c: ModelConfig, gpu, streams: int, context: int, efficiency: int, extra_levels: int = 0
+    c: ModelConfig, gpu, streams: int, context: int, efficiency: int, levels: int
 ) -> float:
     traffic = pass_traffic(c, streams)
     per_stream = 2 * recurrent_state_bytes(c) + context * kv_cache_bytes_per_token(c, "bf16")
     moved = traffic.weight_bytes + streams * per_stream
     bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY[efficiency]
     issue_rate = gpu.fp32_rate / 2
-    levels = (DECODE_LEVELS if streams == 1 else VERIFY_LEVELS) + extra_levels
     return max(moved / bandwidth, traffic.gemv_ops / issue_rate) + levels * LEVEL_SECONDS
 
 
@@ -69,6 +93,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096, help="each stream's context")
     args = parser.parse_args()
     c = parse_config(real_config())
+    levels = full_size_levels()
+    shown = ", ".join(f"{n} at {streams}" for streams, n in levels.items())
+    print(f"levels (recorded on the full-size layout) by streams: {shown}")
     print(
         f"batched decode at the real dims, each stream at {args.context} tokens of context "
         "(a MODEL, not a measurement: no Mac ran it)"
@@ -78,12 +105,12 @@ def main() -> None:
           "one dispatch per row")  # fmt: skip
     for gpu in GPUS:
         for streams in STREAMS:
-            central = pass_seconds(c, gpu, streams, args.context, CENTRAL)
-            slow = pass_seconds(c, gpu, streams, args.context, SLOW)
-            fast = pass_seconds(c, gpu, streams, args.context, FAST)
-            serial = pass_seconds(
-                c, gpu, streams, args.context, CENTRAL, serial_row_levels(c, streams)
-            )
+            level = levels[streams]
+            central = pass_seconds(c, gpu, streams, args.context, CENTRAL, level)
+            slow = pass_seconds(c, gpu, streams, args.context, SLOW, level)
+            fast = pass_seconds(c, gpu, streams, args.context, FAST, level)
+            serial_levels = level + serial_row_levels(c, streams)
+            serial = pass_seconds(c, gpu, streams, args.context, CENTRAL, serial_levels)
             print(
                 f"{gpu.name:8s} {streams:7d} {central * 1e3:8.2f} {1 / central:11.0f} "
                 f"{streams / central:16.0f}  {f'({streams / slow:.0f}-{streams / fast:.0f})':28s}"

@@ -1,10 +1,10 @@
 """Weight bytes read per generated token by batched decode (`ModelGraph.batch_graph`) at 1, 2, 4
 and 8 streams against the single-sequence decode step, counted by the counting sim (the distinct
 bytes every dispatch read from the checkpoint's buffers), on a real checkpoint's format at any
-size (default: the demo). Then the same ratio at the real model's dims from
-`model_graph.pass_traffic` (an analytic count: projections and lm_head once per pass, the
-expected number of distinct experts the streams' tokens choose), since the sim cannot run the
-real model's 19.5 GB in reasonable time.
+size (default: the demo), and the levels of its passes. Then the same ratio at the real
+model's dims from `model_graph.pass_traffic` (an analytic count: projections and lm_head once
+per pass, the expected number of distinct experts the streams' tokens choose), since the sim
+cannot run the real model's 19.5 GB in reasonable time.
 
 Then one timed run on the sim (a CPU, so the times say how the work shrinks, not how fast a Mac
 is): 4 requests of `--new-tokens` tokens each, one after another with `DeviceEngine.generate`,
@@ -78,6 +78,12 @@ def main() -> None:
             f"  {streams} streams: {per_token:,.0f} weight bytes per generated token "
             f"({per_token / single:.2f}x), counted"
         )
+    levels = ", ".join(
+        f"{streams}: {graph.batch_graph(range(streams)).barrier_count + 1}" for streams in STREAMS
+    )
+    print(
+        f"  levels: decode step {graph.decode.barrier_count + 1}, batched pass by streams {levels}"
+    )
     real = parse_config(real_config())
     one = pass_traffic(real, 1).weight_bytes
     print("real dims (analytic, pass_traffic: not counted):")

@@ -1,12 +1,12 @@
-"""Where the sim's time goes in one decode step and one verify pass: each dispatch of the demo's
-graphs is also recorded into a graph of its own and timed alone (after the whole graph ran
-once), and the times are summed per kernel.
+"""Where the sim's time goes in one decode step, one verify pass and one batched decode pass:
+each dispatch of the demo's graphs is also recorded into a graph of its own and timed alone
+(after the whole graph ran once), and the times are summed per kernel.
 
 The sim's costs are its own (threads and SIMD collectives more than arithmetic: docs/sim.md),
 so this says what to change to make tests and sim runs faster, not what a Mac spends.
 
 Usage:
-    python benchmarks/profile_sim_graph.py [--model demo] [--drafts 4] [--top 12]
+    python benchmarks/profile_sim_graph.py [--model demo] [--drafts 4] [--rows 4] [--top 12]
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="demo")
     parser.add_argument("--drafts", type=int, default=4, help="the verify pass's drafts")
+    parser.add_argument("--rows", type=int, default=4, help="the batched pass's streams")
     parser.add_argument("--top", type=int, default=12, help="kernels to list per graph")
     args = parser.parse_args()
     singles = record_singles()
@@ -75,6 +76,15 @@ def main() -> None:
             device,
             f"verify pass of {args.drafts} drafts",
             lambda: model.verify_graph(rows, rows),
+            singles,
+            args.top,
+        )
+        # Each slot at position 0 of a zeroed state: a pass's work does not depend on the ids.
+        model.allocate_slots(args.rows)
+        profile(
+            device,
+            f"batched pass of {args.rows} streams",
+            lambda: model.batch_graph(range(args.rows)),
             singles,
             args.top,
         )

@@ -12,6 +12,8 @@ using namespace metal;
 // Words of one step buffer (lily.kernels.step.STEP_FIELDS): batched decode keeps its sequences'
 // steps one after another in one buffer, this far apart.
 constexpr constant uint kStepFields = 3;
+// The word of a step buffer holding the id of the token at its position.
+constexpr constant uint kStepToken = 2;
 
 // position += count; the token at the new position is the prompt's inside the prompt, else
 // `predicted`, which is appended to the history. One thread.
@@ -26,5 +28,5 @@ inline void advance_step(uint count, uint capacity, device uint* step, device ui
   const uint token = next < step[1] ? history[next] : predicted;
   history[next] = token;
   step[0] = next;
-  step[2] = token;
+  step[kStepToken] = token;
 }

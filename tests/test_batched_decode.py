@@ -17,9 +17,9 @@ from lily.checkpoint.loader import load_checkpoint
 from lily.device import open_device
 from lily.engine.batch import BatchedDecoder
 from lily.engine.constraint import mask_from_tokens
-from lily.engine.engine import DeviceEngine
+from lily.engine.engine import GREEDY, DeviceEngine
 from lily.engine.model_graph import ModelGraph
-from lily.engine.sampling import SamplingParams
+from lily.engine.sampling import GeneratedToken, SamplingParams
 
 MAX_SEQ = 48
 MAX_CHUNK = 16
@@ -70,14 +70,20 @@ def _drain(batch: BatchedDecoder, streams: list[int]) -> None:
         batch.step()
 
 
-@pytest.mark.parametrize("streams", [1, 2, 3, 4])
-def test_each_stream_decodes_as_it_would_alone(engine, streams):
-    prompts = _prompts(engine, [5, 11, 3, 14][:streams], seed=streams)
-    expected = [_alone(engine, p, NEW_TOKENS) for p in prompts]
-    batch = BatchedDecoder(engine, slots=streams)
-    ids = [batch.join(p, NEW_TOKENS) for p in prompts]
+def _assert_batched_as_alone(engine: DeviceEngine, prompts: list[list[int]], tokens: int) -> None:
+    """Greedy streams of `prompts` decoded together give each the tokens it gives alone."""
+    expected = [_alone(engine, p, tokens) for p in prompts]
+    batch = BatchedDecoder(engine, slots=len(prompts))
+    ids = [batch.join(p, tokens) for p in prompts]
     _drain(batch, ids)
     assert [batch.tokens(s) for s in ids] == expected
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3, 4])
+def test_each_stream_decodes_as_it_would_alone(engine, streams):
+    _assert_batched_as_alone(
+        engine, _prompts(engine, [5, 11, 3, 14][:streams], streams), NEW_TOKENS
+    )
 
 
 def test_streams_join_and_leave_between_passes(engine):
@@ -124,6 +130,44 @@ def test_seeded_sampling_matches_the_request_alone(engine):
     assert expected[0] != _alone(engine, prompts[0], NEW_TOKENS)  # the draws were not greedy
 
 
+def assert_same_logprobs(batched: list[GeneratedToken], alone: list[GeneratedToken]) -> None:
+    """The same tokens with their logprobs and alternatives, within float tolerance."""
+    assert [t.id for t in batched] == [t.id for t in alone]
+    for ours, theirs in zip(batched, alone, strict=True):
+        assert ours.logprobs is not None and theirs.logprobs is not None
+        assert [token for token, _ in ours.logprobs.top] == [t for t, _ in theirs.logprobs.top]
+        np.testing.assert_allclose(
+            [ours.logprobs.logprob, *(p for _, p in ours.logprobs.top)],
+            [theirs.logprobs.logprob, *(p for _, p in theirs.logprobs.top)],
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
+def test_a_logprobs_stream_reports_them_as_alone(engine):
+    """A stream asking for log-probabilities, beside streams that do not (one of them sampled),
+    gets each token's logprob and top alternatives as the single decode reports them; the
+    others get none."""
+    prompts = _prompts(engine, [6, 13, 9], seed=21)
+    settings = [
+        SamplingParams(top_logprobs=3, temperature=0.0),
+        GREEDY,
+        SamplingParams(temperature=1.0, seed=5),
+    ]
+    expected = [
+        list(engine.generate(p, NEW_TOKENS, sampling=s))
+        for p, s in zip(prompts, settings, strict=True)
+    ]
+    batch = BatchedDecoder(engine, slots=3)
+    ids = [batch.join(p, NEW_TOKENS, sampling=s) for p, s in zip(prompts, settings, strict=True)]
+    _drain(batch, ids)
+    logged, greedy, sampled = (batch.generated(s) for s in ids)
+    assert_same_logprobs(logged, expected[0])
+    assert len({p for t in logged for _, p in t.logprobs.top}) > 3  # they change with the token
+    assert greedy == expected[1] and sampled == expected[2]
+    assert all(t.logprobs is None for t in (*greedy, *sampled))
+
+
 def test_each_stream_keeps_its_own_constraint(engine):
     """Two constrained streams and a free one: the masks change the greedy choice at most
     steps, so equal tokens mean each row drew under its own stream's mask."""
@@ -148,12 +192,7 @@ def test_each_stream_keeps_its_own_constraint(engine):
 
 
 def test_eight_streams(engine):
-    prompts = _prompts(engine, [2 + 3 * i for i in range(8)], seed=8)
-    expected = [_alone(engine, p, 3) for p in prompts]
-    batch = BatchedDecoder(engine, slots=8)
-    ids = [batch.join(p, 3) for p in prompts]
-    _drain(batch, ids)
-    assert [batch.tokens(s) for s in ids] == expected
+    _assert_batched_as_alone(engine, _prompts(engine, [2 + 3 * i for i in range(8)], seed=8), 3)
 
 
 def test_a_join_beyond_the_slots_is_refused(engine):
@@ -169,12 +208,7 @@ def test_rows_at_ragged_prompts_under_each_lane_order(lane_order):
     the bounds of each row's slice of the activations."""
     engine = _engine("small", sim_device(lane_order))
     try:
-        prompts = _prompts(engine, [1, 6, 17], seed=5)
-        expected = [_alone(engine, p, 4) for p in prompts]
-        batch = BatchedDecoder(engine, slots=3)
-        ids = [batch.join(p, 4) for p in prompts]
-        _drain(batch, ids)
-        assert [batch.tokens(s) for s in ids] == expected
+        _assert_batched_as_alone(engine, _prompts(engine, [1, 6, 17], seed=5), 4)
     finally:
         engine.close()
 
@@ -191,19 +225,16 @@ def test_an_int8_kv_cache_decodes_as_alone():
         kv_cache="int8",
     )
     try:
-        prompts = _prompts(engine, [9, 3, 14], seed=11)
-        expected = [_alone(engine, p, 6) for p in prompts]
-        batch = BatchedDecoder(engine, slots=3)
-        ids = [batch.join(p, 6) for p in prompts]
-        _drain(batch, ids)
-        assert [batch.tokens(s) for s in ids] == expected
+        _assert_batched_as_alone(engine, _prompts(engine, [9, 3, 14], seed=11), 6)
     finally:
         engine.close()
 
 
 def test_each_per_row_stage_is_one_dispatch_over_all_rows():
-    """The conv and GDN steps, attention and the draw run once per layer (the draw once) for
-    every row through the slot table, so a pass has as many levels at 4 rows as at 2."""
+    """The embedding lookup, the conv and GDN steps, attention and the draw run once per layer
+    (the lookup and the draw once) for every row through the slot table, so a pass has as many
+    levels at 4 rows as at 2; the norms and residual adds are folded into the GEMVs as in a
+    verify pass (no norm dispatch of their own)."""
     checkpoint = load_checkpoint(tiny_checkpoint("small"))
     c = checkpoint.config
     model = ModelGraph(checkpoint, open_device("sim", execute=False), MAX_SEQ, c.vocab_size, 8)
@@ -217,8 +248,12 @@ def test_each_per_row_stage_is_one_dispatch_over_all_rows():
     assert kernels["attention_decode_fused_rows"] == attention_layers
     assert kernels["attention_combine_rows"] == attention_layers
     assert kernels["sample_slices_rows"] == kernels["sample_token_rows"] == 1
+    assert kernels["embedding_rows_4"] == 1
     single = ("conv1d_step", "gdn_step", "attention_decode_fused", "attention_combine")
     assert not any(kernels[name] for name in (*single, "sample_slices", "sample_token"))
+    unfolded = ("embedding_4", "rms_norm_float", "add_rms_norm", "gdn_gated_norm")
+    assert not any(kernels[name] for name in unfolded)
+    assert kernels["gdn_out_proj_tokens_4"] == gdn_layers
 
 
 def _slot_regions(slot) -> list:

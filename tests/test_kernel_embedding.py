@@ -1,4 +1,5 @@
-"""The quantized embedding gather (`metal/embedding.metal`) against float64 numpy.
+"""The quantized embedding gather (`metal/embedding.metal`), of a run of tokens and of a batched
+pass's rows, against float64 numpy.
 
 Each output is scale * code + bias evaluated in fp32: at most two roundings, so within 2 float32
 ulps of |scale * code| + |bias|.
@@ -21,8 +22,10 @@ from kernel_testing import (
 )
 
 from lily.checkpoint.quant import bf16_to_float32, unpack_codes
-from lily.kernels.embedding import record_embedding
+from lily.kernels import RowSlots
+from lily.kernels.embedding import record_embedding, record_embedding_rows
 from lily.kernels.quant_weight import wrap_quant_weight
+from lily.kernels.step import STEP_FIELDS, TOKEN
 
 
 @functools.cache
@@ -69,4 +72,33 @@ def test_embedding(lane_order, vocab, dim, bits, tokens, first):
     )
     expected, magnitude = expected_rows(triple, bits, ids)
     actual = as_float32(out, len(ids) * dim).reshape(len(ids), dim)
+    assert_within_ulps(actual, expected, magnitude, 2)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize(
+    ("vocab", "dim", "bits", "slot_tokens", "row_slots"),
+    [
+        (248320, 2048, 4, [248046, 5, 248319, 0], [2, 0, 3]),  # the real table, rows out of order
+        (4096, 128, 4, [7, 4095, 7], [1]),  # the tiny config, one row
+        (100, 192, 8, [99, 3, 50, 0, 1], [4, 3, 2, 1, 0]),  # 8-bit, ragged row length
+    ],
+)
+def test_embedding_rows(lane_order, vocab, dim, bits, slot_tokens, row_slots):
+    """Row r embeds the token field of slot row_slots[r]'s step buffer (the slots' steps one
+    after another), whatever the other fields and slots hold."""
+    device = sim_device(lane_order)
+    triple = table(vocab, dim, bits)
+    rng = np.random.default_rng(len(slot_tokens))
+    steps = rng.integers(0, vocab, (len(slot_tokens), STEP_FIELDS)).astype(np.uint32)
+    steps[:, TOKEN] = slot_tokens
+    out = float_buffer(device, len(row_slots) * dim)
+    slots = RowSlots(device.wrap(np.array(row_slots, np.uint32)), len(row_slots))
+    weights = wrap_quant_weight(device, *triple)
+    run(
+        device,
+        lambda g: record_embedding_rows(g, device, device.wrap(steps), weights, out, slots),
+    )
+    expected, magnitude = expected_rows(triple, bits, steps[row_slots, TOKEN])
+    actual = as_float32(out, len(row_slots) * dim).reshape(len(row_slots), dim)
     assert_within_ulps(actual, expected, magnitude, 2)

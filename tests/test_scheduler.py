@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 from device_testing import open_test_device
-from test_batched_decode import FiveTokens
+from test_batched_decode import FiveTokens, assert_same_logprobs
 from tiny_models import tiny_checkpoint
 
 from lily.checkpoint.loader import load_checkpoint
@@ -72,7 +72,7 @@ def _together(calls: list[Callable[[], Any]]) -> list[Any]:
 
 def test_callers_on_threads_get_their_tokens_alone(engine, scheduler):
     """More callers than slots, greedy and seeded, one with a stop token, one stepped in lock
-    with a constraint, and one asking for log-probabilities (which runs alone)."""
+    with a constraint, and one asking for log-probabilities (batched like the others)."""
     prompts = _prompts(engine, [5, 30, 9, 23, 3, 12], seed=1)
     seeded = SamplingParams(temperature=1.0, seed=5)
     logprobs = SamplingParams(temperature=0.0, top_logprobs=2)
@@ -95,7 +95,25 @@ def test_callers_on_threads_get_their_tokens_alone(engine, scheduler):
     together = _together([lambda r=r: list(scheduler.generate(**fresh(r))) for r in requests])
     assert [_ids(t) for t in together] == [_ids(t) for t in alone]
     assert len(together[2]) == 3  # ended at the stop token
-    assert together[4][0].logprobs == alone[4][0].logprobs is not None
+    assert_same_logprobs(together[4], alone[4])
+
+
+def test_a_logprobs_request_decodes_beside_newcomers(engine, scheduler):
+    """A request asking for log-probabilities takes a slot: a request arriving while it
+    decodes, its reader waiting on the other's tokens, is served meanwhile (behind a generation
+    running alone it would wait for that one's end)."""
+    logged_prompt, other = _prompts(engine, [7, 5], seed=9)
+    sampling = SamplingParams(temperature=0.0, top_logprobs=2)
+    expected = list(engine.generate(logged_prompt, 40, sampling=sampling))
+    other_alone = _ids(engine.generate(other, 4))
+    logged = scheduler.generate(logged_prompt, 40, sampling=sampling)
+    first = next(logged)
+    served: list[list[int]] = []
+    newcomer = threading.Thread(target=lambda: served.append(_ids(scheduler.generate(other, 4))))
+    newcomer.start()
+    newcomer.join(60)
+    assert served == [other_alone]
+    assert_same_logprobs([first, *logged], expected)
 
 
 def test_a_long_prompt_is_prefilled_in_slices_between_the_others_passes(

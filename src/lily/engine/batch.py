@@ -21,11 +21,11 @@ import numpy as np
 from lily.device import Buffer
 from lily.engine.constraint import TokenConstraint, draw_mask
 from lily.engine.engine import GREEDY, DeviceEngine, banned_tokens_mask, check_fits
-from lily.engine.model_graph import ModelGraph, SequenceState
-from lily.engine.sampling import SamplingParams
+from lily.engine.model_graph import LOGPROB_RING_SLOTS, ModelGraph, SequenceState
+from lily.engine.sampling import GeneratedToken, SamplingParams, TokenLogprobs
 from lily.errors import NonFiniteLogitsError
 from lily.kernels.attention import row_bytes
-from lily.kernels.sampling import NO_TOKEN, write_token_mask
+from lily.kernels.sampling import NO_TOKEN, read_logprobs, write_token_mask
 from lily.kernels.step import POSITION, PROMPT_END, TOKEN
 
 DEFAULT_SLOTS = 8
@@ -37,7 +37,8 @@ class _Stream:
     position: int  # of the newest token, which the slot's state has not consumed
     remaining: int  # tokens it may still generate
     stop_token_ids: frozenset[int]
-    tokens: list[int] = field(default_factory=list)
+    top_logprobs: int | None  # alternatives its tokens carry, when it asks for log-probabilities
+    generated: list[GeneratedToken] = field(default_factory=list)
     constraint: TokenConstraint | None = None
     bans: np.ndarray | None = None  # the tokens its sampling settings ban
     error: Exception | None = None  # what ended it, if not a stop token or its budget
@@ -45,7 +46,8 @@ class _Stream:
 
 def _buffers(state: SequenceState) -> list[Buffer]:
     """What a decode step of a sequence reads besides its KV cache: everything but its last
-    logits, its last draw and its log-probabilities (which batched decode does not report)."""
+    logits, its last draw and its log-probabilities (the pass writes the slot's own, read after
+    it)."""
     adjustments = state.adjustments
     return [
         state.step,
@@ -58,6 +60,18 @@ def _buffers(state: SequenceState) -> list[Buffer]:
         *state.conv_windows.values(),
         *state.recurrent.values(),
     ]
+
+
+def _logprobs(slot: SequenceState, stream: _Stream) -> TokenLogprobs | None:
+    """The log-probabilities of the stream's newest token, if it asks for them: the slot's ring
+    keys them by the position of the token the pass consumed, the one before, as a decode
+    step's."""
+    if stream.top_logprobs is None:
+        return None
+    (_, logprob), alternatives = read_logprobs(
+        slot.logprob_ring, LOGPROB_RING_SLOTS, stream.position - 1, stream.top_logprobs
+    )
+    return TokenLogprobs(logprob, tuple(alternatives))
 
 
 def _kv_rows(model: ModelGraph, state: SequenceState) -> list[np.ndarray]:
@@ -103,8 +117,6 @@ class BatchedDecoder:
         cache_key, reply_so_far, progress, prefill_slices)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if sampling.top_logprobs is not None:
-            raise ValueError("batched decode does not report log-probabilities")
         check_fits(len(prompt), max_new_tokens, self.engine.max_seq)
         taken = {s.slot for s in self._active()}
         free = [i for i in range(self.slots) if i not in taken]
@@ -116,8 +128,9 @@ class BatchedDecoder:
         )
         bans = banned_tokens_mask(sampling, self._model.token_count)
         stream = _Stream(
-            free[0], len(prompt), max_new_tokens - 1, stops, [first.id], constraint, bans
-        )
+            free[0], len(prompt), max_new_tokens - 1, stops, sampling.top_logprobs, [first],
+            constraint, bans,
+        )  # fmt: skip
         stream_id = next(self._ids)
         self._streams[stream_id] = stream
         if stream.remaining == 0 or first.id in stops:
@@ -175,10 +188,11 @@ class BatchedDecoder:
         token = model.history_view()[newest]
         step[POSITION], step[PROMPT_END], step[TOKEN] = newest, newest + 1, token
 
-    def step(self, streams: Collection[int] | None = None) -> dict[int, int]:
-        """One pass: each active stream's next token (of `streams` only, if given), by id. A
-        stream whose constraint allows no token, or whose logits are not finite, ends instead
-        (`error`); the others go on."""
+    def step(self, streams: Collection[int] | None = None) -> dict[int, GeneratedToken]:
+        """One pass: each active stream's next token (of `streams` only, if given), by id, with
+        its log-probabilities when the stream asks for them, as `DeviceEngine.generate` gives
+        them. A stream whose constraint allows no token, or whose logits are not finite, ends
+        instead (`error`); the others go on."""
         chosen = self._streams if streams is None else {i: self._streams[i] for i in streams}
         ids = {id(s): i for i, s in chosen.items()}
         active = [s for s in chosen.values() if s.slot is not None]
@@ -197,27 +211,33 @@ class BatchedDecoder:
         if not active:
             return {}
         self.engine.device.run(self._model.batch_graph([s.slot for s in active]))
-        drawn: dict[int, int] = {}
+        drawn: dict[int, GeneratedToken] = {}
         for stream in active:
             assert stream.slot is not None
+            slot = self._model.slots[stream.slot]
             stream.position += 1
-            history = self._model.slots[stream.slot].history.numpy().view("uint32")
-            token = int(history[stream.position])
+            token = int(slot.history.numpy().view("uint32")[stream.position])
             if token == NO_TOKEN:
                 stream.slot, stream.error = None, NonFiniteLogitsError(stream.position)
                 continue
-            stream.tokens.append(token)
+            generated = GeneratedToken(token, _logprobs(slot, stream))
+            stream.generated.append(generated)
             if stream.constraint is not None:
                 stream.constraint.consume(token)
             stream.remaining -= 1
             if stream.remaining == 0 or token in stream.stop_token_ids:
                 stream.slot = None
-            drawn[ids[id(stream)]] = token
+            drawn[ids[id(stream)]] = generated
         return drawn
 
+    def generated(self, stream: int) -> list[GeneratedToken]:
+        """What stream `stream` has generated so far (its stop token included), with the
+        log-probabilities it asks for."""
+        return list(self._streams[stream].generated)
+
     def tokens(self, stream: int) -> list[int]:
-        """What stream `stream` has generated so far (its stop token included)."""
-        return list(self._streams[stream].tokens)
+        """The ids of `generated(stream)`."""
+        return [t.id for t in self._streams[stream].generated]
 
     def finished(self, stream: int) -> bool:
         return self._streams[stream].slot is None

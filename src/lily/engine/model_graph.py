@@ -64,7 +64,7 @@ from lily.kernels.conv1d import (
     window_bytes,
 )
 from lily.kernels.copy import record_copy_flagged_rows
-from lily.kernels.embedding import EmbeddedInput, record_embedding
+from lily.kernels.embedding import EmbeddedInput, record_embedding, record_embedding_rows
 from lily.kernels.gdn import (
     CHUNK_SUB_CHUNK,
     VerifyUpdates,
@@ -1060,13 +1060,15 @@ class _Recorder:
 
     @property
     def folds_norms(self) -> bool:
-        """Whether residual adds and RMSNorms are folded into the GEMVs, and the GDN's conv and
-        gated norm into the projections around them: the decode step, and a verify pass of up
-        to GEMV_MAX_TOKENS tokens, whose GEMV-shaped kernels fold them per token (the MTP
-        head's passes and a batched pass use the chunk kernels)."""
-        if self.in_mtp or self.batch:
+        """Whether residual adds and RMSNorms are folded into the GEMVs, and the GDN's conv (but
+        in a batched pass) and gated norm into the projections around them: the decode step,
+        a batched pass (of at most GEMV_MAX_TOKENS rows: `allocate_slots`) and a verify pass of
+        up to GEMV_MAX_TOKENS tokens, whose GEMV-shaped kernels fold them per token (the MTP
+        head's passes use the chunk kernels)."""
+        if self.in_mtp:
             return False
-        return self.tokens == 1 or (self.verify_rows > 0 and self.tokens <= GEMV_MAX_TOKENS)
+        few = (self.verify_rows > 0 or bool(self.batch)) and self.tokens <= GEMV_MAX_TOKENS
+        return self.tokens == 1 or few
 
     def folded_norm(self, weight: str) -> FoldedNorm:
         return FoldedNorm(self.w.tensor(weight), self.c.rms_norm_eps)
@@ -1075,8 +1077,9 @@ class _Recorder:
         """What the first GEMV of `layer` reads at T = 1 (its input norm folded in): the
         residual, or for layer 0 the embedding row of the step's token, which that GEMV reads
         from the table and writes to the residual itself, so the decode step has no embedding
-        dispatch (nor its barrier). A verify pass's tokens are in the residual already."""
-        if layer > 0 or self.tokens > 1:
+        dispatch (nor its barrier). A verify pass's tokens, and a batched pass's rows (each its
+        own sequence's token), are in the residual already."""
+        if layer > 0 or self.tokens > 1 or self.batch:
             return self.s.residual
         return EmbeddedInput(
             tokens=self.state.history,
@@ -1139,10 +1142,10 @@ class _Recorder:
         c, g, dev, s, w, T = self.c, self.g, self.dev, self.s, self.w, self.tokens
         # At T = 1 layer 0's first GEMV reads the embedding itself (decode_layer_input).
         if self.batch:
+            assert self.m._slot_pool is not None and self.row_slots is not None
+            steps = self.m._slot_pool.buffer("step")
             embed_tokens = w.quantized(EMBED_TOKENS)
-            for b, seq in enumerate(self.batch):
-                residual = self.hidden_row(s.residual, b)
-                record_embedding(g, dev, seq.history, seq.step, embed_tokens, residual)
+            record_embedding_rows(g, dev, steps, embed_tokens, s.residual, self.row_slots)
             g.barrier()
         elif T > 1:
             position = (self.state.step, 0)
@@ -1202,7 +1205,7 @@ class _Recorder:
                 self.add_norm(s.moe_out, f"{MODEL}layers.{i + 1}.input_layernorm.weight", rows=T)
                 g.barrier()
             elif self.predicts or self.verify_rows or self.m.mtp:
-                rows = T if self.m.mtp or self.batch else self.verify_rows or 1
+                rows = T if self.m.mtp else self.verify_rows or 1
                 self.add_norm(
                     s.moe_out, MODEL + "norm.weight", rows, first=T - rows, out=self.final_normed
                 )
@@ -1284,13 +1287,7 @@ class _Recorder:
         accepted position (`verify_graph`)."""
         g, dev, m, state, rows = self.g, self.dev, self.m, self.state, self.verify_rows
         verify = m._verify_buffers
-        head = [(self.w.quantized(self.head_weight), verify.logits)]
-        if self.folds_norms:
-            first = self.hidden_row(self.s.residual, self.tokens - rows)
-            norm = self.folded_norm(MODEL + "norm.weight")
-            record_qgemv(g, dev, first, head, norm=norm, tokens=rows)
-        else:
-            self.project(self.hidden_row(self.final_normed, self.tokens - rows), head, rows)
+        self.project_head(verify.logits, rows)
         g.barrier()
         record_sample(
             g,
@@ -1348,8 +1345,7 @@ class _Recorder:
         g, m, pool = self.g, self.m, self.m._slot_pool
         assert m._batch_logits is not None and m._batch_partials is not None
         assert pool is not None and self.row_slots is not None
-        head = [(self.w.quantized(self.head_weight), m._batch_logits)]
-        self.project(self.final_normed, head, self.tokens)
+        self.project_head(m._batch_logits, self.tokens)
         g.barrier()
         record_sample(
             g,
@@ -1443,6 +1439,18 @@ class _Recorder:
             row_slots=self.row_slots,
         )
 
+    def project_head(self, logits: Buffer, rows: int) -> None:
+        """The lm_head over the pass's last `rows` rows, one GEMV over them: of the residual
+        with the final norm folded in when the pass folds norms, else of the final-normed rows."""
+        head = [(self.w.quantized(self.head_weight), logits)]
+        first = self.tokens - rows
+        if self.folds_norms:
+            x = self.hidden_row(self.s.residual, first)
+            norm = self.folded_norm(MODEL + "norm.weight")
+            record_qgemv(self.g, self.dev, x, head, norm=norm, tokens=rows)
+        else:
+            self.project(self.hidden_row(self.final_normed, first), head, rows)
+
     @property
     def head_weight(self) -> str:
         return EMBED_TOKENS if self.c.tie_word_embeddings else LM_HEAD
@@ -1480,13 +1488,7 @@ class _Recorder:
             # The sampler keys its random numbers and log-probability slot on the position of
             # the token it consumes, the chunk's last.
             record_step_advance(g, dev, **advance, count=T - 1)
-        head = [(self.w.quantized(self.head_weight), state.logits)]
-        if self.folds_norms:
-            record_qgemv(
-                g, dev, self.s.residual, head, norm=self.folded_norm(MODEL + "norm.weight")
-            )
-        else:
-            record_qgemv(g, dev, self.hidden_row(self.final_normed, T - 1), head)
+        self.project_head(state.logits, 1)
         g.barrier()
         self.sample_step(state, state.logits)
 
@@ -1501,8 +1503,9 @@ class _Recorder:
         conv_weight, window = w.tensor(prefix + "conv1d.weight"), self.state.conv_windows[i]
         # A verify pass leaves the window to the commit after its acceptance.
         verify = self.m._verify_buffers if self.verify_rows else None
-        if self.folds_norms:
-            # The conv is folded into the projection, which writes the conv's output.
+        if self.folds_norms and not self.batch:
+            # The conv is folded into the projection, which writes the conv's output (a batched
+            # pass's rows step each their own slot's window: batch_gated_deltanet).
             conv = FoldedConvStep(conv_weight, window)
             if verify:
                 conv = replace(conv, tail=verify.tail(i), candidates=self.verify_rows)
@@ -1565,13 +1568,13 @@ class _Recorder:
                 **gates_and_state,
             )  # fmt: skip
             g.barrier()
-        elif self.folds_norms:
-            record_gdn_step(g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, **weights)
-            g.barrier()
         elif not self.batch:  # a batched pass's GDN steps ran with its convs
-            record_gdn_chunk(
-                g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, **weights
-            )
+            if self.folds_norms:
+                record_gdn_step(g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, **weights)
+            else:
+                record_gdn_chunk(
+                    g, dev, qkv=s.qkv, a=s.a, b=s.b, readout=s.gdn_out, tokens=T, **weights
+                )
             g.barrier()
         if self.folds_norms:
             # out_proj applies the gated RMSNorm as it reads the readout.

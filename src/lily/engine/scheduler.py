@@ -14,8 +14,8 @@ of its own owns the engine, and each round of its loop:
 - gives the generation that runs alone (below) its next token.
 
 What a batched pass does not carry runs alone, on the engine's sequence state, one token per
-round between the passes: log-probabilities, a client's prediction (drafts are checked by a
-verify pass, which is a single sequence's), and images (whose rotary table is the engine's
+round between the passes: a client's prediction (drafts are checked by a verify pass, which is
+a single sequence's), and images (whose rotary table is the engine's
 one, which batched rows read too: such a generation waits for the batch to empty). While one
 runs alone, newcomers wait.
 
@@ -90,7 +90,7 @@ class _Generation:
     def runs_alone(self) -> bool:
         drafter = self.options.get("drafter")
         predicted = isinstance(drafter, Speculation) and drafter.prediction is not None
-        return self.sampling.top_logprobs is not None or predicted or self.has_images
+        return predicted or self.has_images
 
     @property
     def has_images(self) -> bool:
@@ -339,8 +339,8 @@ class BatchScheduler:
             generation.deliver(exc)
             return
         generation.stream = stream
-        (first,) = self._decoder.tokens(stream)
-        generation.deliver(GeneratedToken(first))
+        (first,) = self._decoder.generated(stream)
+        generation.deliver(first)
         if self._decoder.finished(stream):
             self._decoder.leave(stream)
             generation.deliver(_END)
@@ -391,7 +391,7 @@ class BatchScheduler:
         drawn = self._decoder.step(ready)
         for stream, generation in ready.items():
             if stream in drawn:
-                generation.deliver(GeneratedToken(drawn[stream]))
+                generation.deliver(drawn[stream])
             if self._decoder.finished(stream):
                 # Its stop token, its budget, or its own error (a constraint allowing nothing).
                 self._leave(generation, self._decoder.error(stream))

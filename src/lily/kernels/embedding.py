@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lily.kernels import BufferRef, binding, ceil_div, pack_params, threads_within
+from lily.kernels import BufferRef, RowSlots, binding, ceil_div, pack_params, threads_within
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -41,12 +41,31 @@ def record_embedding(
     """out[t] = dequantized row tokens[first + t] of `table` (fp32 [token_count, table.in_dim]);
     the uint32 ids and `first` (one uint32, e.g. the step buffer's position) are read on the
     device."""
+    _record_lookup(graph, device, "embedding", tokens, first, table, out, token_count)
+
+
+def record_embedding_rows(
+    graph: Graph, device: Device, steps: BufferRef, table: QuantWeight, out: BufferRef,
+    row_slots: RowSlots,
+) -> None:  # fmt: skip
+    """Every row of a batched decode pass in one dispatch: out[r] = the dequantized row of the
+    token of sequence slot s = `row_slots.table[r]`, the token field of its step buffer in
+    `steps` (the slots' steps one after another, STEP_FIELDS uint32 each)."""
+    _record_lookup(
+        graph, device, "embedding_rows", steps, row_slots.table, table, out, row_slots.rows
+    )
+
+
+def _record_lookup(
+    graph: Graph, device: Device, name: str, tokens: BufferRef, index: BufferRef,
+    table: QuantWeight, out: BufferRef, rows: int,
+) -> None:  # fmt: skip
     words_per_row = table.in_dim * table.bits // 32
-    kernel = device.kernel(f"embedding_{table.bits}")
+    kernel = device.kernel(f"{name}_{table.bits}")
     threads = threads_within(kernel, THREADS_PER_THREADGROUP)
     graph.dispatch(
         kernel,
-        threadgroups=(ceil_div(words_per_row, threads), token_count, 1),
+        threadgroups=(ceil_div(words_per_row, threads), rows, 1),
         threads=(threads, 1, 1),
         buffers={
             1: binding(tokens),
@@ -54,7 +73,7 @@ def record_embedding(
             3: binding(table.scales),
             4: binding(table.biases),
             5: binding(out),
-            6: binding(first),
+            6: binding(index),
         },
         bytes={0: pack_params("II", table.in_dim, table.rows)},
     )
