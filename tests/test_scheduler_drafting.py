@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from device_testing import open_test_device
+from test_batched_decode import assert_same_logprobs
 from test_server import joined
 from test_server_batching import REQUESTS, _answer
 from tiny_models import tiny_checkpoint
@@ -183,6 +184,23 @@ def test_a_moved_stream_ends_at_its_stop_token_and_keeps_its_constraint(engine, 
     assert got_other == other_alone
     if len(alone) > BEFORE + 1:  # else the first pass after the arrival ended it
         assert len(moves) == 1
+
+
+def test_a_moved_stream_keeps_reporting_its_log_probabilities(engine, scheduler, moves):
+    """Log-probabilities come from the verify passes while the stream drafts alone and from its
+    slot's ring once it is batched: both as the stream alone reports them."""
+    first_prompt, second_prompt = _prompts(engine)
+    sampling = SamplingParams(temperature=0.0, top_logprobs=2)
+    alone = list(engine.generate(first_prompt, NEW_TOKENS, sampling=sampling))
+    lone = scheduler.generate(first_prompt, NEW_TOKENS, sampling=sampling, drafter=_drafter("mtp"))
+    got = [next(lone) for _ in range(BEFORE)]
+    other = scheduler.generate(second_prompt, NEW_TOKENS)
+    next(other)
+    got += list(lone)
+    list(other)
+    assert [t.id for t in got] == [t.id for t in alone]
+    assert_same_logprobs(got, alone)
+    assert len(moves) == 1 and moves[0] < NEW_TOKENS - 1  # some tokens came from the slot
 
 
 def test_a_lone_stream_that_ends_before_anyone_arrives_never_moves(engine, scheduler, moves):

@@ -160,8 +160,6 @@ class BatchedDecoder:
             raise ValueError(
                 f"a generation that paused has 1 to {max_new_tokens - 1} tokens, got {generated}"
             )
-        if sampling.top_logprobs is not None:
-            raise ValueError("batched decode does not report log-probabilities")
         taken = {s.slot for s in self._active()}
         free = [i for i in range(self.slots) if i not in taken]
         if not free:
@@ -169,7 +167,10 @@ class BatchedDecoder:
         newest = prompt_length + generated - 1
         bans = banned_tokens_mask(sampling, self._model.token_count)
         stops = frozenset(int(t) for t in stop_token_ids)
-        stream = _Stream(free[0], newest, max_new_tokens - generated, stops, [], constraint, bans)
+        stream = _Stream(
+            free[0], newest, max_new_tokens - generated, stops, sampling.top_logprobs, [],
+            constraint, bans,
+        )  # fmt: skip
         stream_id = next(self._ids)
         self._streams[stream_id] = stream
         self._move_into(free[0], newest)
