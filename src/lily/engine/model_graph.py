@@ -1210,9 +1210,10 @@ class _Recorder:
                     s.moe_out, MODEL + "norm.weight", rows, first=T - rows, out=self.final_normed
                 )
                 g.barrier()
-        if self.folds_norms and self.m.mtp:
+        if self.folds_norms and self.m.mtp and not self.batch:
             # The lm_head reads the residual with the final norm folded in; the MTP head needs
-            # the normed rows too, every token's.
+            # the normed rows too, every token's (not a batched pass's: batched rows keep no
+            # head state).
             record_rms_norm(
                 g,
                 dev,
