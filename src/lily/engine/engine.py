@@ -638,6 +638,10 @@ class DeviceEngine(_PromptsWithImages):
                         mask = draw_mask(constraint, bans, token_count, start + tokens)
                         write_token_mask(state.token_mask, mask)
                     upcoming.ticket = self.device.submit(upcoming.command_buffer)
+                    if head and upcoming.last and not upcoming.predicts:
+                        # The head reads the chunk's rows before the next chunk overwrites
+                        # them: queued behind the chunk and waited for with it.
+                        upcoming.ticket = self._submit_mtp_catch_up(start, tokens)
                     in_flight.append(upcoming)
                     upcoming = next(pieces, None)
                 if not in_flight:
@@ -652,16 +656,12 @@ class DeviceEngine(_PromptsWithImages):
                 if not piece.last:
                     continue
                 predicts = piece.predicts
-                if head:
-                    # One pass in flight, so this is the chunk just fed. Each row's next
-                    # token is in the history (the prompt's, or the one the last chunk drew);
-                    # the head reads the rows before the next chunk overwrites them, and the
-                    # last chunk's when it drafts the first time.
-                    self._mtp_pending = (piece.start, piece.tokens)
-                    if not predicts:
-                        self._mtp_catch_up()
                 if not predicts:
                     continue
+                if head:
+                    # Each row's next token is in the history (the prompt's, or the one the
+                    # chunk drew): the head reads the last chunk's rows when it first drafts.
+                    self._mtp_pending = (piece.start, piece.tokens)
                 drawn = self._drawn(end, sampling)
                 if constraint is not None:
                     constraint.consume(drawn.id)
@@ -765,8 +765,10 @@ class DeviceEngine(_PromptsWithImages):
                 drafts, masks = self._row_masks(
                     request, [int(t) for t in planned][:limit], last + 1
                 )
-                # The head reads the last pass's rows before this pass overwrites them.
-                self._mtp_catch_up()
+                # The head reads the last pass's rows before this pass overwrites them, in the
+                # pass's submission (no wait of its own), when it may draft after this pass.
+                head_later = limit > 0 and isinstance(drafter, Speculation) and drafter.head_drafts
+                self._mtp_catch_up(head_later)
                 history[last + 1 : last + 1 + len(drafts)] = drafts
                 count = len(drafts)
             # Everything the history holds counts as given: no advance overwrites it.
@@ -864,18 +866,27 @@ class DeviceEngine(_PromptsWithImages):
                 break
         return kept, masks
 
-    def _mtp_catch_up(self) -> None:
-        """Runs the MTP head over the rows of the last pass it has not read (their KV rows are
-        then right for every later draft)."""
+    def _mtp_catch_up(self, head_later: bool) -> None:
+        """Submits the MTP head over the rows of the last pass it has not read (their KV rows are
+        then right for every later draft), for the next pass to queue behind: one wait covers
+        both. Without `head_later` (the head drafts no more in this generation) it stops
+        following the passes instead."""
         if self._mtp_pending is None:
+            return
+        if not head_later:
+            self._mtp_pending = None
             return
         start, rows = self._mtp_pending
         self._mtp_pending = (start, 0)
-        if rows == 0:
-            return
+        if rows:
+            self._submit_mtp_catch_up(start, rows)
+
+    def _submit_mtp_catch_up(self, start: int, rows: int) -> int:
+        """Submits the head over `rows` rows of the last pass from position `start` (which must
+        have no head pass in flight: it rewrites the head's step) and returns the ticket."""
         model = self._model
         model.mtp_step_view()[0] = start
-        self.device.run(model.mtp_graph(rows, chained=False, head=False))
+        return self.device.submit(model.mtp_graph(rows, chained=False, head=False))
 
     def _mtp_drafts(self, limit: int) -> list[int]:
         """Up to `limit` greedy drafts of the MTP head after the newest token, in one command
