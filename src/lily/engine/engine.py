@@ -768,8 +768,8 @@ class DeviceEngine(_PromptsWithImages):
                         yield from self._decode(len(tokens) - 1, count, request, should_stop)
                         return
                     upcoming = self._submit_pass(request, tokens, len(generated), drafter)
-                produced, told = self._read_pass(upcoming, request, drafter)
-                upcoming = None
+                submitted, upcoming = upcoming, None
+                produced, told = self._read_pass(submitted, request, drafter)
                 ids = [token.id for token in produced]
                 ends = any(t in request.stop_token_ids for t in ids) or (
                     len(generated) + len(ids) >= request.max_new_tokens
