@@ -21,10 +21,13 @@ pass of the full-size graph (the real model's config.json, as
 make_synthetic_checkpoint.py writes it) moves of the recurrent state, per k drafts: the bytes
 copied (a backup or a restore: none since the pass keeps its candidates' updates, issue 39),
 read and written (`model_graph.verify_state_traffic`). That part is arithmetic on the shapes,
-not a measurement. Each arm's line then gives its host round trips per verify pass, counted:
-the synchronous device runs of the timed request (the MTP head's draft passes, its catch-up
-over the last pass's rows, plain passes where nothing was drafted, the verify passes) over its
-verify passes.
+not a measurement. Each arm's line then gives its verify passes and its host round trips per
+pass, counted: the host's waits for the device in the timed request (synchronous runs and waits
+for submitted work: the prompt's command buffers, the MTP head's draft passes and its catch-up
+over the last pass's rows where they have a wait of their own, plain passes, verify passes) over
+the passes whose tokens the host read back (the prompt's last chunk, each verify pass, each
+plain pass or decode step). 1.00 means that no part of a pass (the head's drafts, its
+catch-up) costs a round trip of its own.
 
 Usage:
     python benchmarks/bench_speculative.py [--model demo] [--tokens 48] [--draft-tokens 8]
@@ -51,6 +54,7 @@ from lily.api import DEFAULT_MAX_SEQ
 from lily.checkpoint.config import parse_config
 from lily.checkpoint.loader import load_checkpoint
 from lily.device import Device, open_device
+from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import (
     MAX_DRAFT_TOKENS,
     MTP_DRAFT_VOCAB,
@@ -199,10 +203,12 @@ def print_mac_estimate(decode_levels: int, verify_levels: dict[int, int]) -> Non
 
 
 def count_round_trips(counts: Counter) -> None:
-    """Counts the host's waits for the device ("runs": synchronous runs and waits for submitted
-    work) and verify graphs asked for ("verify passes", one per pass: the engine asks for the
-    graph as it submits it) into `counts`."""
+    """Counts into `counts` the host's waits for the device ("runs": synchronous runs and waits
+    for submitted work), verify graphs asked for ("verify passes", one per pass: the engine asks
+    for the graph as it submits it) and passes read back ("passes": a verify pass's accepted
+    tokens, or the token a prompt's last chunk, a plain pass or a decode step drew)."""
     run, wait, verify_graph = Device.run, Device.wait, ModelGraph.verify_graph
+    accepted_tokens, drawn = ModelGraph.accepted_tokens, DeviceEngine._drawn
 
     def counted_run(self, graph):
         counts["runs"] += 1
@@ -216,8 +222,18 @@ def count_round_trips(counts: Counter) -> None:
         counts["verify passes"] += 1
         return verify_graph(self, tokens, rows)
 
+    def counted_accepted_tokens(self):
+        counts["passes"] += 1
+        return accepted_tokens(self)
+
+    def counted_drawn(self, end, sampling):
+        counts["passes"] += 1
+        return drawn(self, end, sampling)
+
     Device.run, Device.wait = counted_run, counted_wait
     ModelGraph.verify_graph = counted_verify_graph
+    ModelGraph.accepted_tokens = counted_accepted_tokens
+    DeviceEngine._drawn = counted_drawn
 
 
 def main() -> None:
@@ -270,13 +286,14 @@ def main() -> None:
             details = r.usage.completion_tokens_details
             accepted = details.accepted_prediction_tokens if details else None
             same = "same answer" if r.choices[0].message == reference else "DIFFERENT ANSWER"
-            passes = counted.get("verify passes", 0)
+            passes = counted.get("passes", 0)
             trips = f"{counted.get('runs', 0) / passes:.2f}" if passes else "-"
             print(
                 f"  {name:22s} {seconds:7.2f} s  {r.usage.completion_tokens} tokens  "
                 f"cached prompt {r.usage.prompt_tokens_details.cached_tokens}  "
-                f"prediction tokens that appeared {accepted}  {passes} verify passes, "
-                f"{trips} host round trips each  {same}"
+                f"prediction tokens that appeared {accepted}  "
+                f"{counted.get('verify passes', 0)} verify passes, {passes} passes read back, "
+                f"{trips} host round trips per pass  {same}"
             )
 
 

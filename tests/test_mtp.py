@@ -33,7 +33,7 @@ import lily
 from lily.chat.prediction import PredictedText
 from lily.checkpoint.demo import demo_checkpoint_dir
 from lily.checkpoint.loader import load_checkpoint
-from lily.device import Graph
+from lily.device import Device, Graph
 from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import ModelGraph
 from lily.engine.reference import ReferenceModel
@@ -277,6 +277,102 @@ def test_greedy_output_with_the_head_is_plain_decoding(checkpoint, engine, plain
         for a, b in zip(state, expected, strict=True):
             a, b = a.view(np.float32), b.view(np.float32)
             assert np.abs(a - b).max() <= 2.0**-9 * max(1.0, np.abs(b).max())
+
+
+@pytest.fixture
+def device_calls(monkeypatch) -> list[str]:
+    """Every submission ("submit") and every time the host waits for the device ("run": a
+    synchronous run, "wait": for submitted work; the waits are what
+    `benchmarks/bench_speculative.py` counts as host round trips), in order."""
+    calls: list[str] = []
+    submit, run, wait = Device.submit, Device.run, Device.wait
+
+    def counted_submit(self, graph):
+        calls.append("submit")
+        return submit(self, graph)
+
+    def counted_run(self, graph):
+        calls.append("run")
+        return run(self, graph)
+
+    def counted_wait(self, ticket):
+        calls.append("wait")
+        return wait(self, ticket)
+
+    monkeypatch.setattr(Device, "submit", counted_submit)
+    monkeypatch.setattr(Device, "run", counted_run)
+    monkeypatch.setattr(Device, "wait", counted_wait)
+    return calls
+
+
+def _waits(calls: list[str]) -> int:
+    return sum(call != "submit" for call in calls)
+
+
+def _passes(engine, prompt: list[int], tokens: list[int], outcomes) -> int:
+    """The device passes of a generation of `tokens` after `prompt` with verify passes of
+    `outcomes` (drafted, accepted): the prompt's chunks' command buffers, the verify passes,
+    and one plain pass for each token neither yielded (a verify pass yields its accepted drafts
+    and the model's own token, the prompt's last chunk the first token)."""
+    model = engine.model_graph
+    chunks = [
+        (start, min(MAX_CHUNK, len(prompt) - start)) for start in range(0, len(prompt), MAX_CHUNK)
+    ]
+    prompt_buffers = sum(
+        model.graph(n, predicts=start + n == len(prompt)).command_buffer_count
+        for start, n in chunks
+    )
+    from_verify = sum(accepted + 1 for _, accepted in outcomes)
+    plain_passes = len(tokens) - 1 - from_verify
+    assert plain_passes >= 0
+    return prompt_buffers + len(outcomes) + plain_passes
+
+
+def test_each_pass_with_the_head_waits_for_the_device_once(engine, plain, device_calls):
+    """Issue 39: the head's drafts, its argmax, the verify pass and the acceptance are one
+    submission and one wait; its catch-up over a prompt chunk's rows is queued behind the
+    chunk, and none runs for a last pass after which nothing is drafted."""
+    prompt, _, _, _ = plain
+    drafter = Recording(draft_tokens=4, mtp=True)
+    device_calls.clear()
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
+    assert len(tokens) == ANSWER and drafter.counts["mtp"].passes >= 4
+    assert _waits(device_calls) == _passes(engine, prompt, tokens, drafter.outcomes)
+
+
+def test_a_prediction_drafting_beside_the_head_waits_once_per_pass(echo, device_calls):
+    """Where the prediction drafts, the head still reads each pass's rows (it drafts after the
+    prediction ends): that catch-up is queued ahead of the verify pass, with no wait of its
+    own."""
+    engine, prompt, answer = echo
+    prediction = PredictedTokens(answer[:12], prompt[-2:])
+    drafter = Recording(draft_tokens=4, mtp=True, prediction=prediction)
+    device_calls.clear()
+    tokens = [t.id for t in engine.generate(prompt, ANSWER, drafter=drafter)]
+    assert tokens == answer
+    assert drafter.counts["prediction"].passes >= 2 and drafter.counts["mtp"].passes >= 2
+    assert _waits(device_calls) == _passes(engine, prompt, tokens, drafter.outcomes)
+
+
+def test_the_next_pass_runs_while_the_caller_takes_the_tokens(echo, device_calls):
+    """Once a pass's tokens are read, the next pass is submitted before the first of them is
+    yielded, so the device runs it while the caller handles them; none is submitted after the
+    pass that yields the last token."""
+    engine, prompt, answer = echo
+    drafter = Recording(draft_tokens=4, mtp=True)
+    received = []
+    for token in engine.generate(prompt, ANSWER, drafter=drafter):
+        received.append((token.id, list(device_calls)))
+    assert [token for token, _ in received] == answer
+    # What the device was asked between a pass's first token and the token before it.
+    pairs = zip(received, received[1:], strict=False)
+    groups = [at[len(before) :] for (_, before), (_, at) in pairs]
+    groups = [group for group in groups if group]
+    assert len(groups) == drafter.counts["mtp"].passes >= 4
+    for group in groups[:-1]:  # read back, then the next pass submitted
+        assert "wait" in group and group[-1] == "submit"
+    assert groups[-1] == ["wait"]  # the last pass: nothing after it
+    assert _waits(device_calls) == _passes(engine, prompt, answer, drafter.outcomes)
 
 
 def test_a_stop_token_ends_a_generation_drafting_with_the_head(engine, plain):

@@ -433,7 +433,7 @@ def test_a_pass_is_charged_its_measured_time_once_the_engine_decoded_plainly(che
         patch.setattr(lily.engine.engine.time, "perf_counter", clock.now)
         list(engine.generate(prompt, 12))  # plain: every step takes 1 s
         assert engine.pass_cost(4) == verify_cost_ratio(checkpoint.config, 4)  # no pass yet
-        clock.run_seconds = 3.0  # device.run: a verify pass
+        clock.seconds_per_graph = 3.0  # the drafted generation's passes are verify passes
         drafter = _Scripted(engine, prompt, answer, right=4)
         list(engine.generate(prompt, 6, drafter=drafter))
     assert drafter.outcomes
@@ -441,30 +441,36 @@ def test_a_pass_is_charged_its_measured_time_once_the_engine_decoded_plainly(che
 
 
 class _FakeClock:
-    """A clock that moves only when the device works: 1 s per waited-for submission (a
-    pipelined step), `run_seconds` per synchronous run (a verify pass or a plain step)."""
+    """A clock that moves only when the host waits for the device: by `seconds_per_graph`
+    (as it was at its submission) for each graph waited for."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.run_seconds = 1.0
+        self.seconds_per_graph = 1.0
 
     def now(self) -> float:
         return self.seconds
 
     def timed(self, device):
         clock = self
+        unwaited: dict[int, float] = {}  # ticket -> seconds its graph takes
 
         class Timed:
             def __getattr__(self, name):
                 return getattr(device, name)
 
+            def submit(self, graph):
+                ticket = device.submit(graph)
+                unwaited[ticket] = clock.seconds_per_graph
+                return ticket
+
             def wait(self, ticket):
-                clock.seconds += 1.0
+                for waited in [t for t in unwaited if t <= ticket]:
+                    clock.seconds += unwaited.pop(waited)
                 return device.wait(ticket)
 
             def run(self, graph):
-                clock.seconds += clock.run_seconds
-                return device.run(graph)
+                self.wait(self.submit(graph))
 
         return Timed()
 

@@ -239,6 +239,20 @@ class _Request:
     bans: np.ndarray | None  # the mask of the tokens the sampling parameters ban
 
 
+@dataclass(frozen=True)
+class _SubmittedPass:
+    """A pass of speculative decoding in flight: it feeds the token waiting at position `last`
+    and checks `count` drafts (`drafts` when the host drafted them; the head's are read back);
+    `started` is when its drafting began."""
+
+    ticket: int
+    last: int
+    count: int
+    drafts: list[int]
+    on_device: bool
+    started: float
+
+
 @dataclass
 class _Piece:
     """One command buffer of a pass over positions [start, start + tokens): the `index`-th of
@@ -644,6 +658,10 @@ class DeviceEngine(_PromptsWithImages):
                         mask = draw_mask(constraint, bans, token_count, start + tokens)
                         write_token_mask(state.token_mask, mask)
                     upcoming.ticket = self.device.submit(upcoming.command_buffer)
+                    if head and upcoming.last and not upcoming.predicts:
+                        # The head reads the chunk's rows before the next chunk overwrites
+                        # them: queued behind the chunk and waited for with it.
+                        upcoming.ticket = self._submit_mtp_catch_up(start, tokens)
                     in_flight.append(upcoming)
                     upcoming = next(pieces, None)
                 if not in_flight:
@@ -658,16 +676,12 @@ class DeviceEngine(_PromptsWithImages):
                 if not piece.last:
                     continue
                 predicts = piece.predicts
-                if head:
-                    # One pass in flight, so this is the chunk just fed. Each row's next
-                    # token is in the history (the prompt's, or the one the last chunk drew);
-                    # the head reads the rows before the next chunk overwrites them, and the
-                    # last chunk's when it drafts the first time.
-                    self._mtp_pending = (piece.start, piece.tokens)
-                    if not predicts:
-                        self._mtp_catch_up()
                 if not predicts:
                     continue
+                if head:
+                    # Each row's next token is in the history (the prompt's, or the one the
+                    # chunk drew): the head reads the last chunk's rows when it first drafts.
+                    self._mtp_pending = (piece.start, piece.tokens)
                 drawn = self._drawn(end, sampling)
                 if constraint is not None:
                     constraint.consume(drawn.id)
@@ -738,109 +752,147 @@ class DeviceEngine(_PromptsWithImages):
         past it are simply rewritten by the next pass (attention reads only positions before
         its own).
 
+        Without a constraint the next pass is submitted as soon as this one's tokens are read,
+        before they are yielded: the device runs it while the caller handles them (unless they
+        end the generation: a stop token, the last token; a caller that stops early leaves it
+        to finish unread, as pipelined decode steps do).
+
         Under a constraint each row draws under its own mask (`_row_masks`), and the
         constraint, told every draft, takes back those not accepted and is told the model's own
         token: it has then been asked and told exactly as plain decoding would have. Tokens a
         pass yields are told to it before the first is yielded; those the caller never gets
         (after a stop token, or when it closes the generation) are taken back."""
-        model, device = self._model, self.device
         constraint = request.constraint
-        history, step = model.history_view(), model.step_view()
         tokens = [*request.prompt, *generated]
-        while len(generated) < request.max_new_tokens:
-            _check_stop(should_stop)
-            if pause is not None and pause():
-                return  # between two passes: the newest token waits, as `pause` says
-            last = len(tokens) - 1  # the waiting token's position
-            limit = min(
-                request.max_new_tokens - len(generated) - 1,
-                MAX_DRAFT_TOKENS,
-                model.max_chunk - 1,
-            )
-            if drafter.exhausted and constraint is None:
-                # Nothing will be drafted again: decode the rest pipelined.
-                count = request.max_new_tokens - len(generated)
-                yield from self._decode(last, count, request, should_stop, pause)
-                return
-            started = time.perf_counter()
-            planned = drafter.draft(tokens, limit) if limit > 0 else []
-            on_device = isinstance(planned, HeadDrafts)
-            if on_device:
-                # The head drafts in this pass's own submission: no constraint to ask, and each
-                # row draws under the bans alone (a draft they rule out is simply not accepted).
-                count = min(len(planned), limit)
-                masks = [draw_mask(None, request.bans, model.token_count, last + 1)] * (count + 1)
-            else:
-                drafts, masks = self._row_masks(
-                    request, [int(t) for t in planned][:limit], last + 1
+        upcoming: _SubmittedPass | None = None
+        try:
+            while len(generated) < request.max_new_tokens:
+                _check_stop(should_stop)
+                if upcoming is None:
+                    if pause is not None and pause():
+                        return  # between two passes: the newest token waits, as `pause` says
+                    if drafter.exhausted and constraint is None:
+                        # Nothing will be drafted again: decode the rest pipelined.
+                        count = request.max_new_tokens - len(generated)
+                        yield from self._decode(len(tokens) - 1, count, request, should_stop, pause)
+                        return
+                    upcoming = self._submit_pass(request, tokens, len(generated), drafter)
+                submitted, upcoming = upcoming, None
+                produced, told = self._read_pass(submitted, request, drafter)
+                ids = [token.id for token in produced]
+                ends = any(t in request.stop_token_ids for t in ids) or (
+                    len(generated) + len(ids) >= request.max_new_tokens
                 )
-                # The head reads the last pass's rows before this pass overwrites them.
-                self._mtp_catch_up()
-                history[last + 1 : last + 1 + len(drafts)] = drafts
-                count = len(drafts)
-            # Everything the history holds counts as given: no advance overwrites it.
-            step[POSITION], step[PROMPT_END], step[TOKEN] = (
-                last,
-                last + 1 + count,
-                tokens[last],
-            )
-            if not count:
-                if constraint is not None:
-                    write_token_mask(model.state.token_mask, masks[0])
-                device.run(model.decode)
-                self._mtp_pending = None if self._mtp_pending is None else (last, 1)
-                produced = [self._drawn(last + 1, request.sampling)]
-                if constraint is not None:
-                    constraint.consume(produced[0].id)
-                told = 1
-            else:
-                rows = count + 1
-                graph = model.verify_graph(rows, rows)
-                model.verify_position_view()[0] = last
-                write_token_masks(model.verify_token_masks, masks, model.token_count)
-                if on_device:
-                    # Queued behind the head's drafts, which it reads: one wait for both.
-                    self._submit_head_drafts(last, count)
-                    device.wait(device.submit(graph))
-                else:
-                    device.run(graph)
-                chosen = model.accepted_tokens()
-                if chosen[-1] == NO_TOKEN:
-                    raise NonFiniteLogitsError(last + len(chosen))
-                if on_device:
-                    drafts = [int(t) for t in model.mtp_drafts_view()[:count]]
-                told = len(chosen) - 1  # the accepted drafts, told already
-                if constraint is not None:
-                    constraint.rollback(len(drafts) - told)
-                    # After an accepted stop token the model's own token is never yielded.
-                    if not any(t in request.stop_token_ids for t in chosen[:-1]):
-                        constraint.consume(chosen[-1])
-                        told += 1
-                self._pass_seconds = time.perf_counter() - started
-                drafter.verified(drafts, len(chosen) - 1)
-                # The rows up to the last accepted draft's are right, rejected or not: the
-                # model's own token follows them, and the state has consumed them.
-                if self._mtp_pending is not None:
-                    self._mtp_pending = (last, len(chosen))
-                step[POSITION] = last + len(chosen)
-                produced = [
-                    GeneratedToken(token, self._logprobs(last + i, request.sampling))
-                    for i, token in enumerate(chosen)
-                ]
-            yielded = 0
-            try:
-                for token in produced:
-                    tokens.append(token.id)
-                    generated.append(token.id)
-                    yielded += 1
-                    yield token
-                    if token.id in request.stop_token_ids:
-                        return
-                    if len(generated) == request.max_new_tokens:
-                        return
-            finally:
-                if constraint is not None and told > yielded:
-                    constraint.rollback(told - yielded)
+                # No pass is submitted ahead of one at which `pause` ends the generation.
+                ahead = pause is None or not pause()
+                if constraint is None and not ends and not drafter.exhausted and ahead:
+                    upcoming = self._submit_pass(
+                        request, [*tokens, *ids], len(generated) + len(ids), drafter
+                    )
+                yielded = 0
+                try:
+                    for token in produced:
+                        tokens.append(token.id)
+                        generated.append(token.id)
+                        yielded += 1
+                        yield token
+                        if token.id in request.stop_token_ids:
+                            return
+                        if len(generated) == request.max_new_tokens:
+                            return
+                finally:
+                    if constraint is not None and told > yielded:
+                        constraint.rollback(told - yielded)
+        finally:
+            if upcoming is not None:
+                # Submitted for tokens the caller did not take: it only writes state the next
+                # generation replaces (the KV rows past the last token, the recurrent state).
+                self.device.wait(upcoming.ticket)
+
+    def _submit_pass(
+        self, request: _Request, tokens: list[int], generated: int, drafter: Drafter
+    ) -> _SubmittedPass:
+        """Drafts after `tokens` (the prompt and the `generated` tokens so far; the last waits
+        in the history) and submits the pass that checks the drafts, or the decode step when
+        there are none. No pass may be in flight: this writes the step and the pass's inputs."""
+        model = self._model
+        history, step = model.history_view(), model.step_view()
+        last = len(tokens) - 1  # the waiting token's position
+        limit = min(request.max_new_tokens - generated - 1, MAX_DRAFT_TOKENS, model.max_chunk - 1)
+        started = time.perf_counter()
+        planned = drafter.draft(tokens, limit) if limit > 0 else []
+        on_device = isinstance(planned, HeadDrafts)
+        if on_device:
+            # The head drafts in this pass's own submission: no constraint to ask, and each
+            # row draws under the bans alone (a draft they rule out is simply not accepted).
+            count = min(len(planned), limit)
+            masks = [draw_mask(None, request.bans, model.token_count, last + 1)] * (count + 1)
+            drafts: list[int] = []
+        else:
+            drafts, masks = self._row_masks(request, [int(t) for t in planned][:limit], last + 1)
+            # The head reads the last pass's rows before this pass overwrites them, in the
+            # pass's submission (no wait of its own), when it may draft after this pass.
+            head_later = limit > 0 and isinstance(drafter, Speculation) and drafter.head_drafts
+            self._mtp_catch_up(head_later)
+            history[last + 1 : last + 1 + len(drafts)] = drafts
+            count = len(drafts)
+        # Everything the history holds counts as given: no advance overwrites it.
+        step[POSITION], step[PROMPT_END], step[TOKEN] = last, last + 1 + count, tokens[last]
+        if not count:
+            if request.constraint is not None:
+                write_token_mask(model.state.token_mask, masks[0])
+            ticket = self.device.submit(model.decode)
+        else:
+            rows = count + 1
+            graph = model.verify_graph(rows, rows)
+            model.verify_position_view()[0] = last
+            write_token_masks(model.verify_token_masks, masks, model.token_count)
+            if on_device:
+                # Queued behind the head's drafts, which it reads: one wait for both.
+                self._submit_head_drafts(last, count)
+            ticket = self.device.submit(graph)
+        return _SubmittedPass(ticket, last, count, drafts, on_device, started)
+
+    def _read_pass(
+        self, submitted: _SubmittedPass, request: _Request, drafter: Drafter
+    ) -> tuple[list[GeneratedToken], int]:
+        """Waits for `submitted` and returns its tokens, with how many of them the constraint
+        has been told (the caller takes back those it does not yield); tells the drafter the
+        outcome and points the step buffer at the model's own token."""
+        model, constraint = self._model, request.constraint
+        last, count = submitted.last, submitted.count
+        self.device.wait(submitted.ticket)
+        if not count:
+            self._mtp_pending = None if self._mtp_pending is None else (last, 1)
+            produced = [self._drawn(last + 1, request.sampling)]
+            if constraint is not None:
+                constraint.consume(produced[0].id)
+            return produced, 1
+        chosen = model.accepted_tokens()
+        if chosen[-1] == NO_TOKEN:
+            raise NonFiniteLogitsError(last + len(chosen))
+        drafts = submitted.drafts
+        if submitted.on_device:
+            drafts = [int(t) for t in model.mtp_drafts_view()[:count]]
+        told = len(chosen) - 1  # the accepted drafts, told already
+        if constraint is not None:
+            constraint.rollback(len(drafts) - told)
+            # After an accepted stop token the model's own token is never yielded.
+            if not any(t in request.stop_token_ids for t in chosen[:-1]):
+                constraint.consume(chosen[-1])
+                told += 1
+        self._pass_seconds = time.perf_counter() - submitted.started
+        drafter.verified(drafts, len(chosen) - 1)
+        # The rows up to the last accepted draft's are right, rejected or not: the model's own
+        # token follows them, and the state has consumed them.
+        if self._mtp_pending is not None:
+            self._mtp_pending = (last, len(chosen))
+        model.step_view()[POSITION] = last + len(chosen)
+        produced = [
+            GeneratedToken(token, self._logprobs(last + i, request.sampling))
+            for i, token in enumerate(chosen)
+        ]
+        return produced, told
 
     def _row_masks(
         self, request: _Request, drafts: list[int], position: int
@@ -873,18 +925,27 @@ class DeviceEngine(_PromptsWithImages):
                 break
         return kept, masks
 
-    def _mtp_catch_up(self) -> None:
-        """Runs the MTP head over the rows of the last pass it has not read (their KV rows are
-        then right for every later draft)."""
+    def _mtp_catch_up(self, head_later: bool) -> None:
+        """Submits the MTP head over the rows of the last pass it has not read (their KV rows are
+        then right for every later draft), for the next pass to queue behind: one wait covers
+        both. Without `head_later` (the head drafts no more in this generation) it stops
+        following the passes instead."""
         if self._mtp_pending is None:
+            return
+        if not head_later:
+            self._mtp_pending = None
             return
         start, rows = self._mtp_pending
         self._mtp_pending = (start, 0)
-        if rows == 0:
-            return
+        if rows:
+            self._submit_mtp_catch_up(start, rows)
+
+    def _submit_mtp_catch_up(self, start: int, rows: int) -> int:
+        """Submits the head over `rows` rows of the last pass from position `start` (which must
+        have no head pass in flight: it rewrites the head's step) and returns the ticket."""
         model = self._model
         model.mtp_step_view()[0] = start
-        self.device.run(model.mtp_graph(rows, chained=False, head=False))
+        return self.device.submit(model.mtp_graph(rows, chained=False, head=False))
 
     def _mtp_drafts(self, limit: int) -> list[int]:
         """Up to `limit` greedy drafts of the MTP head after the newest token, in one command

@@ -319,6 +319,12 @@ class Speculation:
         return True if self.counts[source].passes >= AUTO_PASSES else None
 
     @property
+    def head_drafts(self) -> bool:
+        """Whether the head may draft again in this generation (the engine runs it over each
+        pass's rows only while it may)."""
+        return self._head_enabled()
+
+    @property
     def exhausted(self) -> bool:
         """Whether nothing will be drafted for the rest of the generation."""
         return self.prediction is None and not self._head_enabled() and not self._lookup_enabled()
