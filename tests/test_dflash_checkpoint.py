@@ -13,7 +13,7 @@ import pytest
 from tiny_models import tiny_checkpoint, tiny_drafter
 
 from lily.checkpoint.config import load_config, parse_config
-from lily.checkpoint.demo import demo_config, random_hf_drafter
+from lily.checkpoint.demo import demo_config
 from lily.checkpoint.dflash import (
     DFLASH_SHARD,
     SLIDING_ATTENTION,
@@ -22,6 +22,7 @@ from lily.checkpoint.dflash import (
     load_dflash,
     parse_dflash_config,
     quantize_dflash,
+    random_hf_drafter,
     spread_layer_ids,
 )
 from lily.checkpoint.quant import bf16_to_float32, dequantize, round_to_bf16
@@ -61,8 +62,12 @@ REAL_TARGET = {"hidden_size": 2048, "num_hidden_layers": 40, "vocab_size": 24832
 def real_target():
     raw = demo_config()
     raw["text_config"] = {**raw["text_config"], **REAL_TARGET}
-    raw["text_config"]["layer_types"] = ["linear_attention", "linear_attention",
-                                         "linear_attention", "full_attention"] * 10  # fmt: skip
+    raw["text_config"]["layer_types"] = [
+        "linear_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+    ] * 10
     return parse_config(raw)
 
 
@@ -134,8 +139,9 @@ def test_sliding_layers_take_the_window_and_a_causal_block():
     config = parse_dflash_config(drafter_config(layer_types=types, sliding_window=2048))
     assert config.window(0) == 2048 and config.window(7) is None
     assert config.causal_in_block(0) and not config.causal_in_block(7)
-    forced = parse_dflash_config(drafter_config(layer_types=types, sliding_window=2048,
-                                                is_causal=False))  # fmt: skip
+    forced = parse_dflash_config(
+        drafter_config(layer_types=types, sliding_window=2048, is_causal=False)
+    )
     assert not forced.causal_in_block(0)
 
 
@@ -159,8 +165,9 @@ def test_quantizing_keeps_plain_norms_and_8_bit_projections(small_drafter_config
     # times an 8-bit one's.
     for name in ("fc", "layers.0.mlp.down_proj"):
         w = hf[name + ".weight"]
-        recovered = dequantize(out[name + ".weight"], out[name + ".scales"],
-                               out[name + ".biases"], 8, 64)  # fmt: skip
+        recovered = dequantize(
+            out[name + ".weight"], out[name + ".scales"], out[name + ".biases"], 8, 64
+        )
         groups = w.reshape(w.shape[0], -1, 64)
         step = (groups.max(-1) - groups.min(-1)) / 255
         error = np.abs(recovered - w).reshape(groups.shape).max(-1)

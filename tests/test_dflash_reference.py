@@ -22,8 +22,9 @@ from lily.engine.dflash_reference import (
 )
 from lily.engine.reference import ReferenceModel, apply_rope, attention, rms_norm
 
-REAL_ROPE = YarnRope(theta=1e7, factor=64, original_max_position_embeddings=4096,
-                     beta_fast=32, beta_slow=1)  # fmt: skip
+REAL_ROPE = YarnRope(
+    theta=1e7, factor=64, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1
+)
 
 
 def test_yarn_frequencies_follow_the_formula_worked_by_hand():
@@ -45,8 +46,9 @@ def test_yarn_at_factor_1_is_plain_rope_on_every_dim():
     x = rng.normal(size=(2, 5, 128))
     positions = np.array([0, 3, 17, 1000, 70000])
     plain = apply_rope(x, positions, 128, 1e7)
-    np.testing.assert_allclose(apply_yarn_rope(x, positions, YarnRope(theta=1e7)), plain,
-                               rtol=1e-10, atol=1e-12)  # fmt: skip
+    np.testing.assert_allclose(
+        apply_yarn_rope(x, positions, YarnRope(theta=1e7)), plain, rtol=1e-10, atol=1e-12
+    )
 
 
 def test_yarn_rope_scales_and_keeps_relative_positions():
@@ -86,8 +88,9 @@ def test_non_causal_block_attention_sees_the_whole_block():
     # Permuting the block's rows (queries with their own keys and values) permutes the output.
     order = np.array([3, 0, 4, 1, 2])
     keys_order = np.concatenate([np.arange(6), 6 + order])
-    permuted = block_attention(q[:, order], k[:, keys_order], v[:, keys_order], 0.25, 6,
-                               causal=False, window=None)  # fmt: skip
+    permuted = block_attention(
+        q[:, order], k[:, keys_order], v[:, keys_order], 0.25, 6, causal=False, window=None
+    )
     np.testing.assert_allclose(permuted, full[:, order], rtol=1e-12)
     # Row 0 reads the last block row: changing that row's value changes row 0.
     v2 = v.copy()
@@ -102,8 +105,9 @@ def test_a_window_hides_context_keys_that_far_behind():
     # Query i at position 10 + i sees context keys 10 + i - 3 .. 9 and block keys 10 .. 10 + i.
     for i in range(3):
         seen = [j for j in range(10) if 10 + i - j < 4] + list(range(10, 11 + i))
-        expected = attention(q[:, i : i + 1], k[:, seen], v[:, seen], 0.25,
-                             np.array([len(seen) - 1]))  # fmt: skip
+        expected = attention(
+            q[:, i : i + 1], k[:, seen], v[:, seen], 0.25, np.array([len(seen) - 1])
+        )
         np.testing.assert_allclose(windowed[:, i : i + 1], expected, rtol=1e-12)
 
 

@@ -32,13 +32,7 @@ import numpy as np
 
 from lily.checkpoint import demo, dflash, mtp
 from lily.checkpoint.cache import build_once
-from lily.checkpoint.demo import (
-    random_drafter_config,
-    random_hf_drafter,
-    random_hf_mtp_head,
-    random_hf_vision_tower,
-    write_safetensors,
-)
+from lily.checkpoint.demo import random_hf_mtp_head, random_hf_vision_tower, write_safetensors
 from lily.checkpoint.loader import load_checkpoint, write_aligned_checkpoint
 from lily.checkpoint.mtp import (
     MTP_FC,
@@ -183,15 +177,15 @@ def tiny_drafter(name: str) -> Path:
     checkpoint `name`, drawn from its own generator (the checkpoint is unchanged) and
     quantized as Lily quantizes the real drafter."""
     spec = TINY_SPECS[name]
-    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (demo, dflash)))
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (dflash,)))
     key = f"{name}-{_key(spec)}-dflash-{code.hexdigest()[:8]}"
     return _cached(key, lambda out: _write_drafter(spec, out))
 
 
 def _write_drafter(spec: TinySpec, out: Path) -> None:
-    raw = random_drafter_config(_hf_config(spec)["text_config"])
+    raw = dflash.random_drafter_config(_hf_config(spec)["text_config"])
     config = dflash.parse_dflash_config(raw)
-    hf = random_hf_drafter(config, np.random.default_rng(spec.seed + 600))
+    hf = dflash.random_hf_drafter(config, np.random.default_rng(spec.seed + 600))
     dflash.write_dflash(out, raw, dflash.quantize_dflash(hf, config), "tests.tiny_models")
 
 

@@ -354,3 +354,55 @@ def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
     if count == 1:
         return [1]
     return sorted({round(1 + i * (last - 1) / (count - 1)) for i in range(count)})
+
+
+def random_drafter_config(text: Mapping[str, Any]) -> dict[str, Any]:
+    """A DFlash drafter's config.json (z-lab's keys) for a small random
+    drafter of the real one's shape family that fits the target text config `text`: the
+    target's hidden size and vocabulary, the real head_dim and YaRN parameters, two layers of
+    both kinds (a full one, and a sliding one whose window a test prompt passes)."""
+    num_target_layers, vocab = int(text["num_hidden_layers"]), int(text["vocab_size"])
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": int(text["hidden_size"]),
+        "num_hidden_layers": 2,
+        "layer_types": [FULL_ATTENTION, SLIDING_ATTENTION],
+        "sliding_window": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "intermediate_size": 192,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "num_target_layers": num_target_layers,
+        "block_size": 16,
+        "rope_theta": 10_000_000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },
+        "dflash_config": {
+            "mask_token_id": vocab - 1,
+            "target_layer_ids": spread_layer_ids(num_target_layers, 3),
+        },
+        "lily_demo": {"random_weights": True},
+    }
+
+
+def random_hf_drafter(config: DFlashConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random tensors for the drafter `config` under its original names and shapes; the norms
+    are plain gains (`x * w`) drawn around 1, far enough from it that a stray `1 + w` shows."""
+    tensors = {}
+    for name, shape in dflash_shapes(config).items():
+        if len(shape) == 1:
+            tensors[name] = (1 + rng.normal(0, 0.1, shape)).astype(np.float32)
+        else:
+            tensors[name] = rng.normal(0, shape[1] ** -0.5, shape).astype(np.float32)
+    return tensors

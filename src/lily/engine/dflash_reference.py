@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lily.checkpoint.dflash import DRAFTER_QUANT, DFlashConfig, Drafter, YarnRope
-from lily.checkpoint.quant import bf16_to_float32, dequantize
+from lily.checkpoint.quant import bf16_to_float32, dequantize, round_to_bf16
 from lily.engine.reference import ReferenceModel, rms_norm, silu
 
 # ---------------------------------------------------------------------------------------------
@@ -37,18 +37,11 @@ from lily.engine.reference import ReferenceModel, rms_norm, silu
 # ---------------------------------------------------------------------------------------------
 
 
-def yarn_inverse_frequencies(head_dim: int, rope: YarnRope) -> np.ndarray:
-    """The angle per position of each of the head_dim / 2 rotary pairs (float64).
-
-    Plain RoPE's theta^(-2i/d) where a pair turns many times over the original context
-    (extrapolated), that divided by `factor` where it turns less than about once (interpolated),
-    and a linear blend between: pair i is extrapolated below `low` and interpolated from `high`,
-    where the pair turning r times over original_max_position_embeddings L sits at
-    d ln(L / (2 pi r)) / (2 ln theta), low = floor of it at beta_fast, high = ceil at beta_slow."""
-    half = head_dim // 2
-    extrapolated = rope.theta ** (-np.arange(half, dtype=np.float64) * 2 / head_dim)
-    if rope.factor <= 1:
-        return extrapolated
+def yarn_ramp(head_dim: int, rope: YarnRope) -> tuple[float, float]:
+    """YaRN's blend of rotary pairs (low, high): pair i is extrapolated below `low` and
+    interpolated from `high`, linearly blended between. The pair turning r times over
+    original_max_position_embeddings L sits at d ln(L / (2 pi r)) / (2 ln theta); low is the
+    floor of it at beta_fast, high the ceil at beta_slow (a step if they meet)."""
 
     def pair_turning(turns: float) -> float:
         wavelengths = rope.original_max_position_embeddings / (turns * 2 * math.pi)
@@ -56,8 +49,19 @@ def yarn_inverse_frequencies(head_dim: int, rope: YarnRope) -> np.ndarray:
 
     low = max(math.floor(pair_turning(rope.beta_fast)), 0)
     high = min(math.ceil(pair_turning(rope.beta_slow)), head_dim - 1)
-    if low == high:
-        high += 0.001  # a step rather than a division by zero
+    return float(low), high + 0.001 if low == high else float(high)
+
+
+def yarn_inverse_frequencies(head_dim: int, rope: YarnRope) -> np.ndarray:
+    """The angle per position of each of the head_dim / 2 rotary pairs (float64): plain RoPE's
+    theta^(-2i/d) where a pair turns many times over the original context (extrapolated), that
+    divided by `factor` where it turns less than about once (interpolated), blended between
+    (yarn_ramp); plain RoPE's alone at factor 1."""
+    half = head_dim // 2
+    extrapolated = rope.theta ** (-np.arange(half, dtype=np.float64) * 2 / head_dim)
+    if rope.factor <= 1:
+        return extrapolated
+    low, high = yarn_ramp(head_dim, rope)
     interpolated_share = np.clip((np.arange(half) - low) / (high - low), 0, 1)
     return extrapolated * (1 - interpolated_share) + extrapolated / rope.factor * interpolated_share
 
@@ -130,11 +134,14 @@ class DFlashReference:
     """The drafter's passes over its tensors (lily.checkpoint.dflash's layout) and the target's
     embedding and lm_head, in the target reference's dtype."""
 
-    def __init__(self, drafter: Drafter, target: ReferenceModel) -> None:
+    def __init__(self, drafter: Drafter, target: ReferenceModel, bf16_cache: bool = False) -> None:
+        """`bf16_cache` rounds keys and values to bf16, as the device's drafter cache holds them
+        (the block's own too, which the device reads back from it)."""
         self.config: DFlashConfig = drafter.config
         self.tensors = drafter.tensors
         self.target = target
         self.dtype = target.dtype
+        self.bf16_cache = bf16_cache
 
     def new_cache(self) -> DrafterCache:
         c = self.config
@@ -198,8 +205,10 @@ class DFlashReference:
         k = (x @ self._dequantized(prefix + "k_proj").T).reshape(len(x), -1, c.head_dim)
         v = (x @ self._dequantized(prefix + "v_proj").T).reshape(len(x), -1, c.head_dim)
         k = rms_norm(k, self._float(prefix + "k_norm.weight"), c.rms_norm_eps)
-        k = apply_yarn_rope(k.transpose(1, 0, 2), positions, c.rope)
-        return k, v.transpose(1, 0, 2)
+        k, v = apply_yarn_rope(k.transpose(1, 0, 2), positions, c.rope), v.transpose(1, 0, 2)
+        if self.bf16_cache:
+            k, v = round_to_bf16(k).astype(self.dtype), round_to_bf16(v).astype(self.dtype)
+        return k, v
 
     def _attention(
         self, layer: int, x: np.ndarray, positions: np.ndarray, cache: DrafterCache
