@@ -15,7 +15,7 @@ from lily.checkpoint.quant import bf16_to_float32
 from lily.engine.device_weights import DeviceWeights
 from lily.engine.dflash_graph import MAX_DRAFTS, DrafterGraph
 from lily.engine.dflash_reference import DFlashReference
-from lily.engine.model_graph import EMBED_TOKENS, LM_HEAD
+from lily.engine.model_graph import EMBED_TOKENS, LM_HEAD, ModelGraph
 from lily.engine.reference import ReferenceModel
 
 PROMPT = [5, 17, 300, 2, 99, 41, 7, 250, 12, 600, 3, 77, 18, 901]
@@ -86,3 +86,50 @@ def test_block_logits_and_drafts_match_the_reference(setup, drafts):
     assert clear.any()
     want = np.argmax(expected, axis=-1)
     assert [g for g, c in zip(got, clear, strict=True) if c] == list(want[clear])
+
+
+def test_the_target_s_passes_keep_the_rows_the_drafter_reads(setup):
+    reference, _, features = setup
+    checkpoint = load_checkpoint(tiny_checkpoint("small"))
+    ids = reference.config.target_layer_ids
+    device, max_chunk, n = sim_device("random"), 16, len(PROMPT)
+    model = ModelGraph(
+        checkpoint, device, CAPACITY, checkpoint.config.vocab_size, max_chunk, kept_layers=ids
+    )
+    history, step = model.history_view(), model.step_view()
+    history[:n] = PROMPT
+    step[:3] = 0, n, PROMPT[0]
+    kept = model.layer_outputs.numpy().view(np.float32).reshape(len(ids), max_chunk, -1)
+    # A prompt chunk (the walk with norm dispatches, half-operand GEMMs past 9 tokens): within
+    # the chunk kernels' rounding of the float64 reference (measured: 1.5e-3 of the largest).
+    device.run(model.graph(n, predicts=True))
+    scale = np.abs(features).max()
+    np.testing.assert_allclose(kept[:, :n].transpose(1, 0, 2), features, atol=1e-2 * scale)
+    # The decode step (the folded walk) keeps its one row.
+    newest = int(history[n])
+    device.run(model.decode)
+    outputs = reference.target_layers()
+    reference.target.hidden_states(
+        [*PROMPT, newest], reference.target.new_state(), layer_outputs=outputs
+    )
+    expected = np.stack([outputs[i][n] for i in ids])
+    np.testing.assert_allclose(kept[:, 0], expected, atol=1e-2 * scale)
+    # The drafter reads them where the target left them: the same cache rows as from the host.
+    weights = DeviceWeights(checkpoint, device)
+    embedding, lm_head = weights.quantized(EMBED_TOKENS), weights.quantized(LM_HEAD)
+    direct = DrafterGraph(
+        load_dflash(tiny_drafter("small"), checkpoint.config),
+        device,
+        CAPACITY,
+        embedding,
+        lm_head,
+        model.layer_outputs,
+        max_chunk,
+    )
+    hosted = DrafterGraph(
+        load_dflash(tiny_drafter("small"), checkpoint.config), device, CAPACITY, embedding, lm_head
+    )
+    direct.catch_up_rows(0, 1, n)
+    hosted.catch_up(kept[:, :1].transpose(1, 0, 2), n)
+    for a, b in zip(direct.keys + direct.values, hosted.keys + hosted.values, strict=True):
+        np.testing.assert_array_equal(a.numpy()[:], b.numpy()[:])

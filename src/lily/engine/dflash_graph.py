@@ -3,7 +3,8 @@ passes recorded as graphs, which lily.engine.dflash_reference computes in numpy.
 
 - *Catch-up* over up to MAX_ROWS context rows at a time: `fc` over the target's layer outputs,
   `hidden_norm`, then per layer `k_proj`/`v_proj` and dflash_prepare without queries, which
-  norms and rotates the keys and writes them with the values at the rows' positions.
+  norms and rotates the keys and writes them with the values at the rows' positions. It reads
+  the target's rows where a target pass left them (`ModelGraph(kept_layers=...)`).
 - *Block* of the newest token and n <= MAX_DRAFTS mask tokens at the position after the
   cache's rows: the target's embedding, per layer the input norm folded into q/k/v,
   dflash_prepare (the block's keys written after the context's, overwritten by the next
@@ -14,8 +15,8 @@ passes recorded as graphs, which lily.engine.dflash_reference computes in numpy.
 `fc` reads the concatenation of the target layers' outputs; its columns split at those layers'
 boundaries into one [hidden, hidden] matrix per layer (the boundaries are whole quantization
 groups, so the split is exact), and fc(features) is their sum: the features stay one block of
-rows per target layer [len(target_layer_ids), MAX_ROWS, hidden], as a pass of the target would
-copy its residual rows.
+rows per target layer [len(target_layer_ids), rows, hidden], as a pass of the target copies its
+residual rows.
 
 The drafter's tensors are copied once into device buffers (about 0.5 GB for the real drafter at
 8 bits); the embedding and lm_head are the target's, bound where the target's lie.
@@ -62,7 +63,12 @@ class DrafterGraph:
         capacity: int,
         embedding: QuantWeight,
         lm_head: QuantWeight,
+        features: Buffer | None = None,
+        block_rows: int = MAX_ROWS,
     ) -> None:
+        """`features`: where the catch-up reads the target layers' outputs, one block of
+        `block_rows` rows per target layer (`ModelGraph.layer_outputs`, whose blocks are
+        max_chunk rows); by default a buffer of the drafter's own that `catch_up` fills."""
         c = self.config = drafter.config
         if c.head_dim != HEAD_DIM:
             raise ValueError(f"the drafter's kernels take heads of {HEAD_DIM}, not {c.head_dim}")
@@ -95,7 +101,8 @@ class DrafterGraph:
         self.values = [device.alloc(cache_bytes(kv, capacity)) for _ in range(layers)]
         # The position of a pass's first row: the cache's rows before it.
         self.first = device.alloc(4)
-        self.features = device.alloc(4 * len(c.target_layer_ids) * MAX_ROWS * h)
+        self.block_rows = block_rows
+        self.features = features or device.alloc(4 * len(c.target_layer_ids) * block_rows * h)
         self.tokens = device.alloc(4 * MAX_ROWS)
         self._first_token = device.alloc(4)  # the block's ids start at tokens[0]
         q, kv_width = c.num_attention_heads * HEAD_DIM, kv * HEAD_DIM
@@ -114,7 +121,7 @@ class DrafterGraph:
         self._rope = DraftRope(
             c.rope.theta, c.rope.factor, low, high, yarn_attention_factor(c.rope.factor)
         )
-        self._catch_up: dict[int, Graph] = {}
+        self._catch_up: dict[tuple[int, int], Graph] = {}
         self._block: dict[int, Graph] = {}
 
     def _copy(self, array: np.ndarray) -> Buffer:
@@ -132,8 +139,15 @@ class DrafterGraph:
         for first in range(0, len(features), MAX_ROWS):
             rows = features[first : first + MAX_ROWS]
             view[:, : len(rows)] = rows.transpose(1, 0, 2)
-            self.first.numpy().view(np.uint32)[0] = start + first
-            self.device.run(self.catch_up_graph(len(rows)))
+            self.catch_up_rows(0, len(rows), start + first)
+
+    def catch_up_rows(self, first_row: int, rows: int, start: int) -> None:
+        """Appends context rows at positions start.. from rows first_row.. of `features`
+        (written by the target's pass, or by `catch_up`), MAX_ROWS at a time."""
+        for first in range(first_row, first_row + rows, MAX_ROWS):
+            count = min(MAX_ROWS, first_row + rows - first)
+            self.first.numpy().view(np.uint32)[0] = start + first - first_row
+            self.device.run(self.catch_up_graph(count, first))
 
     def draft(self, newest: int, n: int, position: int) -> list[int]:
         """n greedy drafts after `newest`, the token at `position` (the cache's rows before it
@@ -147,7 +161,7 @@ class DrafterGraph:
 
     def features_view(self) -> np.ndarray:
         c = self.config
-        shape = (len(c.target_layer_ids), MAX_ROWS, c.hidden_size)
+        shape = (len(c.target_layer_ids), self.block_rows, c.hidden_size)
         return self.features.numpy().view(np.float32).reshape(shape)
 
     def logits_view(self, n: int) -> np.ndarray:
@@ -155,13 +169,17 @@ class DrafterGraph:
 
     # -- recorded passes --------------------------------------------------------------------------
 
-    def catch_up_graph(self, rows: int) -> Graph:
-        """The catch-up of `rows` rows (1 to MAX_ROWS) from `features`, at position first[0]."""
-        if not 1 <= rows <= MAX_ROWS:
-            raise ValueError(f"a catch-up takes 1 to {MAX_ROWS} rows, not {rows}")
-        if rows not in self._catch_up:
-            self._catch_up[rows] = self._record_catch_up(rows)
-        return self._catch_up[rows]
+    def catch_up_graph(self, rows: int, first_row: int = 0) -> Graph:
+        """The catch-up of `rows` rows (1 to MAX_ROWS) from row first_row of each block of
+        `features`, at position first[0]."""
+        if not 1 <= rows <= MAX_ROWS or not 0 <= first_row <= self.block_rows - rows:
+            raise ValueError(
+                f"a catch-up takes 1 to {MAX_ROWS} rows of a block, not {rows} from {first_row}"
+            )
+        key = (rows, first_row)
+        if key not in self._catch_up:
+            self._catch_up[key] = self._record_catch_up(rows, first_row)
+        return self._catch_up[key]
 
     def block_graph(self, drafts: int) -> Graph:
         """The block pass of the newest token and `drafts` mask tokens (1 to MAX_DRAFTS)."""
@@ -171,11 +189,11 @@ class DrafterGraph:
             self._block[drafts] = self._record_block(drafts + 1)
         return self._block[drafts]
 
-    def _record_catch_up(self, rows: int) -> Graph:
+    def _record_catch_up(self, rows: int, first_row: int) -> Graph:
         c, graph, device = self.config, Graph(), self.device
         h = c.hidden_size
         for i, weight in enumerate(self._fc):
-            block = (self.features, 4 * i * MAX_ROWS * h)
+            block = (self.features, 4 * (i * self.block_rows + first_row) * h)
             record_qgemv(graph, device, block, [(weight, self._x)], accumulate=i > 0, tokens=rows)
             graph.barrier()
         record_rms_norm(
