@@ -8,13 +8,18 @@ import json
 import shutil
 from pathlib import Path
 
+import huggingface_hub
 import numpy as np
 import pytest
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from tiny_models import tiny_checkpoint, tiny_drafter
 
+from lily.checkpoint import hub
 from lily.checkpoint.config import load_config, parse_config
-from lily.checkpoint.demo import demo_config
+from lily.checkpoint.demo import demo_config, write_safetensors
 from lily.checkpoint.dflash import (
+    DFLASH_REPO,
+    DFLASH_REVISION,
     DFLASH_SHARD,
     SLIDING_ATTENTION,
     check_against_target,
@@ -22,10 +27,11 @@ from lily.checkpoint.dflash import (
     load_dflash,
     parse_dflash_config,
     quantize_dflash,
+    random_drafter_config,
     random_hf_drafter,
     spread_layer_ids,
 )
-from lily.checkpoint.quant import bf16_to_float32, dequantize, round_to_bf16
+from lily.checkpoint.quant import bf16_to_float32, dequantize, float32_to_bf16, round_to_bf16
 from lily.errors import CheckpointError, ConfigError
 
 # z-lab/Qwen3.6-35B-A3B-DFlash's config at the pinned revision, as docs/dflash.md section 1
@@ -204,3 +210,70 @@ def test_a_directory_without_the_shard_is_refused(tmp_path: Path):
     shutil.copy(tiny_drafter("small") / "config.json", tmp_path / "config.json")
     with pytest.raises(CheckpointError, match=DFLASH_SHARD):
         load_dflash(tmp_path, load_config(tiny_checkpoint("small")))
+
+
+# ---- the drafter from a fake Hub -----------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_drafter_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A drafter repo in miniature for the small tiny checkpoint: its config.json and its bf16
+    tensors in one model.safetensors, no index. Downloads are served from it and recorded."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    raw = random_drafter_config(
+        json.loads((tiny_checkpoint("small") / "config.json").read_text())["text_config"]
+    )
+    config = parse_dflash_config(raw)
+    hf = random_hf_drafter(config, np.random.default_rng(11))
+    write_safetensors(
+        repo / "model.safetensors", {n: float32_to_bf16(v) for n, v in hf.items()}, {"format": "pt"}
+    )
+    (repo / "config.json").write_text(json.dumps(raw))
+    downloads: list[str] = []
+
+    def hf_hub_download(repo_id, filename, revision=None, local_files_only=False):
+        assert (repo_id, revision) == (DFLASH_REPO, DFLASH_REVISION)
+        if local_files_only:
+            raise LocalEntryNotFoundError(filename)
+        if not (repo / filename).is_file():
+            raise EntryNotFoundError(filename)
+        downloads.append(filename)
+        return str(repo / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(hub, "hub_reachable", lambda: True)
+    monkeypatch.setenv("LILY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return hf, config, downloads
+
+
+def test_the_drafter_is_fetched_quantized_once_and_loads(fake_drafter_repo):
+    hf, config, downloads = fake_drafter_repo
+    target = load_config(tiny_checkpoint("small"))
+    directory = hub.fetch_dflash(target)
+    assert sorted(downloads) == ["config.json", "model.safetensors"]
+    drafter = load_dflash(directory, target)
+    # The bf16 originals, quantized as quantize_dflash does.
+    expected = quantize_dflash({n: float32_to_bf16(v) for n, v in hf.items()}, config)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(drafter.tensors[name], value)
+    downloads.clear()
+    assert hub.fetch_dflash(target) == directory and downloads == []
+
+
+def test_without_the_hub_the_drafter_names_the_download_command(
+    fake_drafter_repo, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    command = f"`hf download {DFLASH_REPO} --revision {DFLASH_REVISION}`"
+    with pytest.raises(CheckpointError, match="cannot be reached: download it once with") as e:
+        hub.fetch_dflash(load_config(tiny_checkpoint("small")))
+    assert command in str(e.value)
+
+
+def test_a_drafter_for_another_model_is_refused_before_its_weights(fake_drafter_repo):
+    _, _, downloads = fake_drafter_repo
+    with pytest.raises(CheckpointError, match="hidden_size is 128 where the target's is 256"):
+        hub.fetch_dflash(load_config(tiny_checkpoint("wide")))
+    assert downloads == ["config.json"]
