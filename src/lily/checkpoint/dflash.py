@@ -44,8 +44,10 @@ from lily.errors import CheckpointError, ConfigError
 # (docs/dflash.md section 1, [S]).
 DFLASH_REPO = "z-lab/Qwen3.6-35B-A3B-DFlash"
 DFLASH_REVISION = "42d3b34d588423cdae7ba8f53a8cf7789346a719"
-# The quantized tensors inside a drafter's sidecar directory (beside its config.json).
+# The quantized tensors inside a drafter's sidecar directory (beside its config.json), and the
+# name of that directory when it sits in a checkpoint's.
 DFLASH_SHARD = "lily-dflash.safetensors"
+DFLASH_DIR = "dflash"
 DRAFTER_QUANT = QuantSpec(bits=8, group_size=64)
 
 FULL_ATTENTION = "full_attention"
@@ -311,14 +313,14 @@ def write_dflash(
 
 
 @dataclass
-class Drafter:
+class DFlashDrafter:
     """A loaded drafter: its config and its tensors in Lily's layout (mapped read-only)."""
 
     config: DFlashConfig
     tensors: Mapping[str, np.ndarray]
 
 
-def load_dflash(directory: str | Path, target: ModelConfig) -> Drafter:
+def load_dflash(directory: str | Path, target: ModelConfig) -> DFlashDrafter:
     """The drafter in the sidecar `directory` (write_dflash), checked against `target`."""
     from lily.checkpoint.files import read_json_file
     from lily.checkpoint.safetensors_mmap import Shard
@@ -344,7 +346,7 @@ def load_dflash(directory: str | Path, target: ModelConfig) -> Drafter:
             f"{directory / DFLASH_SHARD} does not hold the drafter its config describes "
             f"(missing {missing[:4]}, unexpected {extra[:4]}): delete the directory to rebuild it"
         )
-    return Drafter(config, tensors)
+    return DFlashDrafter(config, tensors)
 
 
 def spread_layer_ids(num_target_layers: int, count: int) -> list[int]:
@@ -406,3 +408,22 @@ def random_hf_drafter(config: DFlashConfig, rng: np.random.Generator) -> dict[st
         else:
             tensors[name] = rng.normal(0, shape[1] ** -0.5, shape).astype(np.float32)
     return tensors
+
+
+def demo_drafter_dir() -> Path:
+    """The demo model's random drafter (random_drafter_config for the demo's text config, its
+    own seed), written into Lily's cache on first use like the demo itself."""
+    import hashlib
+
+    from lily.checkpoint.cache import build_once, cache_root
+    from lily.checkpoint.demo import DEMO_SEED, TEXT_CONFIG
+
+    raw = random_drafter_config(TEXT_CONFIG)
+    digest = hashlib.sha256(Path(__file__).read_bytes() + json.dumps(raw).encode())
+
+    def write(out: Path) -> None:
+        config = parse_dflash_config(raw)
+        hf = random_hf_drafter(config, np.random.default_rng(DEMO_SEED + 3))
+        write_dflash(out, raw, quantize_dflash(hf, config), "lily.checkpoint.dflash (demo)")
+
+    return build_once(cache_root() / f"demo-dflash-{digest.hexdigest()[:16]}", write)

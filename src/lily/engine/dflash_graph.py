@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from lily.checkpoint.dflash import DRAFTER_QUANT, Drafter, norm_names, projection_names
+from lily.checkpoint.dflash import DRAFTER_QUANT, DFlashDrafter, norm_names, projection_names
 from lily.device import Graph
 from lily.engine.dflash_reference import yarn_attention_factor, yarn_ramp
 from lily.kernels.dflash_attention import (
@@ -58,7 +58,7 @@ class DrafterGraph:
 
     def __init__(
         self,
-        drafter: Drafter,
+        drafter: DFlashDrafter,
         device: Device,
         capacity: int,
         embedding: QuantWeight,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lily.checkpoint.dflash import DRAFTER_QUANT, DFlashConfig, Drafter, YarnRope
+from lily.checkpoint.dflash import DRAFTER_QUANT, DFlashConfig, DFlashDrafter, YarnRope
 from lily.checkpoint.quant import bf16_to_float32, dequantize, round_to_bf16
 from lily.engine.reference import ReferenceModel, rms_norm, silu
 
@@ -134,7 +134,9 @@ class DFlashReference:
     """The drafter's passes over its tensors (lily.checkpoint.dflash's layout) and the target's
     embedding and lm_head, in the target reference's dtype."""
 
-    def __init__(self, drafter: Drafter, target: ReferenceModel, bf16_cache: bool = False) -> None:
+    def __init__(
+        self, drafter: DFlashDrafter, target: ReferenceModel, bf16_cache: bool = False
+    ) -> None:
         """`bf16_cache` rounds keys and values to bf16, as the device's drafter cache holds them
         (the block's own too, which the device reads back from it)."""
         self.config: DFlashConfig = drafter.config

@@ -37,8 +37,9 @@ import numpy as np
 from lily.engine.model_graph import MAX_DRAFT_TOKENS
 
 # What `lily.load(speculative=...)` accepts: "auto" drafts with the checkpoint's MTP head when it
-# has one, else with prompt lookup.
-SPECULATIVE_MODES = ("auto", "mtp", "ngram", "off")
+# has one, else with prompt lookup; it never chooses the DFlash drafter (a separate download
+# whose acceptance on this model is unmeasured, docs/dflash.md).
+SPECULATIVE_MODES = ("auto", "mtp", "ngram", "dflash", "off")
 DEFAULT_DRAFT_TOKENS = 4
 # Prompt lookup matches the last 2 to 4 tokens; a single token matches too often by chance.
 LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 4
