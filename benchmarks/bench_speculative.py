@@ -1,8 +1,9 @@
 """Speculative decoding on the sim: one chat request timed without drafts, with prompt lookup,
 with the MTP head (when the checkpoint has one) and with a `prediction` equal to the answer, in
-one process on one loaded model. With `--json-schema` the request answers under a json_schema
-`response_format` (every verified row drawn under the grammar's mask after the drafts before
-it).
+one process on one loaded model, then with the DFlash drafter on a second (the demo's is
+random: its drafts are almost never accepted, so its arm shows what drafting with it costs).
+With `--json-schema` the request answers under a json_schema `response_format` (every verified row
+drawn under the grammar's mask after the drafts before it).
 
 The sim runs the kernels on the CPU, so the times say how many passes and how much work a
 request took here, not how fast a Mac is: a verify pass of k + 1 tokens costs the sim about
@@ -277,24 +278,32 @@ def main() -> None:
             start = time.perf_counter()
             r = llm.chat.completions.create(**params, **extra)
             results[name] = (time.perf_counter() - start, r, dict(counts))
-        reference = results["no drafts"][1].choices[0].message
-        grammar = ", json_schema" if args.json_schema else ""
+    # The DFlash drafter needs an engine built with it (the demo's random drafter: its drafts
+    # are almost never accepted, so this times the drafter's and the passes' overhead).
+    with lily.load(
+        args.model, device="sim", max_seq=512, speculative="dflash", draft_tokens=args.draft_tokens
+    ) as llm:
+        llm.chat.completions.create(**params)  # warm-up: records the graphs
+        counts.clear()
+        start = time.perf_counter()
+        r = llm.chat.completions.create(**params)
+        results["DFlash drafter"] = (time.perf_counter() - start, r, dict(counts))
+    reference = results["no drafts"][1].choices[0].message
+    grammar = ", json_schema" if args.json_schema else ""
+    print(f"model {args.model} on the sim, {args.tokens} tokens{grammar}, k = {args.draft_tokens}")
+    for name, (seconds, r, counted) in results.items():
+        details = r.usage.completion_tokens_details
+        accepted = details.accepted_prediction_tokens if details else None
+        same = "same answer" if r.choices[0].message == reference else "DIFFERENT ANSWER"
+        passes = counted.get("passes", 0)
+        trips = f"{counted.get('runs', 0) / passes:.2f}" if passes else "-"
         print(
-            f"model {args.model} on the sim, {args.tokens} tokens{grammar}, k = {args.draft_tokens}"
+            f"  {name:22s} {seconds:7.2f} s  {r.usage.completion_tokens} tokens  "
+            f"cached prompt {r.usage.prompt_tokens_details.cached_tokens}  "
+            f"prediction tokens that appeared {accepted}  "
+            f"{counted.get('verify passes', 0)} verify passes, {passes} passes read back, "
+            f"{trips} host round trips per pass  {same}"
         )
-        for name, (seconds, r, counted) in results.items():
-            details = r.usage.completion_tokens_details
-            accepted = details.accepted_prediction_tokens if details else None
-            same = "same answer" if r.choices[0].message == reference else "DIFFERENT ANSWER"
-            passes = counted.get("passes", 0)
-            trips = f"{counted.get('runs', 0) / passes:.2f}" if passes else "-"
-            print(
-                f"  {name:22s} {seconds:7.2f} s  {r.usage.completion_tokens} tokens  "
-                f"cached prompt {r.usage.prompt_tokens_details.cached_tokens}  "
-                f"prediction tokens that appeared {accepted}  "
-                f"{counted.get('verify passes', 0)} verify passes, {passes} passes read back, "
-                f"{trips} host round trips per pass  {same}"
-            )
 
 
 if __name__ == "__main__":

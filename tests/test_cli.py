@@ -126,7 +126,7 @@ def _without_network(home: Path) -> dict[str, str]:
         (["chat", "--reasoning-budget", "-1"], 2, "--reasoning-budget: must be at least 0"),
         (["bench", "--context", "0"], 2, "--context: must be at least 1"),
         (["bench", "--speculative", "eagle"], 2,
-         "speculative must be one of auto, mtp, ngram, off"),
+         "speculative must be one of auto, mtp, ngram, dflash, off"),
         (["bench", "--draft-tokens", "0"], 2, "--draft-tokens: invalid choice: 0"),
         (["bench", "--draft-tokens", "9"], 2, "--draft-tokens: invalid choice: 9"),
         (["bench", "--draft-tokens", "two"], 2, "--draft-tokens: invalid int value: 'two'"),

@@ -8,6 +8,7 @@ import pytest
 from lily.device import open_device
 from lily.kernels import (
     attention,
+    dflash_attention,
     gdn,
     gdn_out_proj,
     gemm,
@@ -96,6 +97,8 @@ EXACT_THREADS = {
     "qgemm_row_exponents": quantized_gemm.ROW_EXPONENT_THREADS,
     "vision_linear": vision.LINEAR_THREADS,
     "vision_attention": vision.ATTENTION_THREADS,
+    "dflash_prepare": dflash_attention.SIMD_WIDTH,
+    "dflash_attention": dflash_attention.SIMD_WIDTH,
 }
 
 

@@ -92,6 +92,31 @@ def test_speculation_prefers_the_prediction_and_counts_per_source():
     assert Speculation(ngram=True).total == SourceCounts()
 
 
+def test_the_dflash_block_drafts_after_the_prediction_and_before_lookup():
+    asked: list[int] = []
+
+    def block(n: int) -> list[int]:
+        asked.append(n)
+        return [40, 41, 42, 43, 44][:n]
+
+    spec = Speculation(
+        draft_tokens=3, dflash=True, ngram=True, prediction=PredictedTokens([10, 11], [1, 2])
+    )
+    spec.block = block
+    alone = Speculation(dflash=True)
+    assert alone.exhausted  # no block set: the engine sets it for its generation
+    alone.block = block
+    assert not alone.exhausted
+    assert spec.draft([7, 1, 2], 8) == [10, 11] and asked == []  # the prediction first
+    spec.verified([10, 11], 2)
+    # Then the block, limited to draft_tokens, before prompt lookup (which would draft 2 10).
+    assert spec.draft([7, 1, 2, 10, 11, 5, 7, 1], 8) == [40, 41, 42] and asked == [3]
+    spec.verified([40, 41, 42], 1)
+    assert spec.counts["dflash"] == SourceCounts(passes=1, drafted=3, accepted=1)
+    spec.block = None
+    assert spec.draft([7, 1, 2, 10, 11, 5, 7, 1], 8) == [2, 10, 11]
+
+
 def _flat_cost(drafts: int) -> float:
     """A verify pass costing 1.5 decode steps, whatever it drafts."""
     return 1.5

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lily.checkpoint import demo, mtp
+from lily.checkpoint import demo, dflash, mtp
 from lily.checkpoint.cache import build_once
 from lily.checkpoint.demo import random_hf_mtp_head, random_hf_vision_tower, write_safetensors
 from lily.checkpoint.loader import load_checkpoint, write_aligned_checkpoint
@@ -170,6 +170,23 @@ def _add_mtp_head(spec: TinySpec, checkpoint: Path, out: Path) -> None:
     head = quantize_mtp_head(hf_head, spec.num_experts)
     write_safetensors(out / MTP_SHARD, head, {"format": "mlx"})
     write_mtp_index(out, head)
+
+
+def tiny_drafter(name: str) -> Path:
+    """A random DFlash drafter's sidecar directory (lily.checkpoint.dflash) that fits the tiny
+    checkpoint `name`, drawn from its own generator (the checkpoint is unchanged) and
+    quantized as Lily quantizes the real drafter."""
+    spec = TINY_SPECS[name]
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (dflash,)))
+    key = f"{name}-{_key(spec)}-dflash-{code.hexdigest()[:8]}"
+    return _cached(key, lambda out: _write_drafter(spec, out))
+
+
+def _write_drafter(spec: TinySpec, out: Path) -> None:
+    raw = dflash.random_drafter_config(_hf_config(spec)["text_config"])
+    config = dflash.parse_dflash_config(raw)
+    hf = dflash.random_hf_drafter(config, np.random.default_rng(spec.seed + 600))
+    dflash.write_dflash(out, raw, dflash.quantize_dflash(hf, config), "tests.tiny_models")
 
 
 def eos_token_ids(spec: TinySpec) -> list[int]:

@@ -21,7 +21,9 @@ from lily.chat.image_sources import ImageAccess
 from lily.chat.images import processor_config
 from lily.chat.stop import StopStringMatcher
 from lily.chat.tokenizer import Tokenizer
+from lily.checkpoint.dflash import DFLASH_DIR, DFlashDrafter, demo_drafter_dir, load_dflash
 from lily.checkpoint.files import read_json_file
+from lily.checkpoint.hub import fetch_dflash
 from lily.checkpoint.loader import (
     DEFAULT_REPO,
     Checkpoint,
@@ -135,6 +137,7 @@ def _make_engine(
     kv_cache: str = "bf16",
     mtp: bool = False,
     parallel: int = 1,
+    dflash: DFlashDrafter | None = None,
 ) -> Engine:
     config = checkpoint.config
     if device == "reference":
@@ -171,8 +174,27 @@ def _make_engine(
         prefix_cache,
         kv_cache,
         mtp=mtp,
+        dflash=dflash,
     )
     return BatchScheduler(engine, slots) if slots > 1 else engine
+
+
+def _dflash_drafter(model_dir: Path, checkpoint: Checkpoint) -> DFlashDrafter:
+    """The DFlash drafter `speculative="dflash"` runs (docs/dflash.md): a `dflash/` sidecar
+    directory in the checkpoint's, the demo's random one, or for the real model z-lab's,
+    fetched and quantized once (hub.fetch_dflash)."""
+    sidecar = model_dir / DFLASH_DIR
+    if sidecar.is_dir():
+        return load_dflash(sidecar, checkpoint.config)
+    if checkpoint.config.raw.get("lily_demo"):
+        return load_dflash(demo_drafter_dir(), checkpoint.config)
+    if claims_real_model(checkpoint.config):
+        return load_dflash(fetch_dflash(checkpoint.config), checkpoint.config)
+    raise ValueError(
+        f"speculative='dflash' needs a DFlash drafter: {model_dir} has no {DFLASH_DIR}/ "
+        "directory (lily.checkpoint.dflash's sidecar) and is not the real model, whose "
+        "drafter Lily fetches"
+    )
 
 
 def _parallel_slots(device: str, working: int, per_slot: int, parallel: int) -> int:
@@ -334,6 +356,7 @@ class Lily:
         speculation = Speculation(
             draft_tokens=self.draft_tokens,
             mtp=self.mtp_head and self.speculative in ("auto", "mtp") and not head_rests,
+            dflash=self.speculative == "dflash",
             ngram=(self.speculative == "ngram" or (auto and not self.mtp_head))
             and "ngram" not in resting,
             prediction=prediction,
@@ -517,9 +540,11 @@ def load(
     same: `speculative` is "auto" (the checkpoint's multi-token-prediction head if it has one,
     else prompt lookup, dropped for a request where it is accepted too rarely to pay, and any
     request's `prediction`), "mtp" (the head always; the checkpoint must have one), "ngram"
-    (prompt lookup always) or "off". A request's `prediction` drafts in every mode but "off".
-    The numpy reference engine and a `prefill_chunk` of 1 cannot verify drafts: they take
-    "auto" as "off".
+    (prompt lookup always), "dflash" (the DFlash block drafter always, never chosen by "auto":
+    a `dflash/` directory beside the checkpoint's files, the demo's random one, or for the real
+    model z-lab's, downloaded once; docs/dflash.md) or "off". A request's `prediction` drafts
+    in every mode but "off". The numpy reference engine and a `prefill_chunk` of 1 cannot
+    verify drafts: they take "auto" as "off".
 
     `kv_cache`: the KV cache's format, "bf16" (the default) or "int8" (symmetric int8 codes
     with an fp16 scale per 32 dims: 53% of the bytes, so longer contexts fit and long-context
@@ -569,7 +594,7 @@ def load(
     # The default chunk waits for the MTP head's decision (its memory counts), but whether a
     # pass can take several tokens is known now: the default is 1 only for a max_seq of 1.
     single_token_passes = (prefill_chunk if prefill_chunk is not None else max_seq) < 2
-    if speculative in ("ngram", "mtp") and (device == "reference" or single_token_passes):
+    if speculative in ("ngram", "mtp", "dflash") and (device == "reference" or single_token_passes):
         raise ValueError(
             f"speculative={speculative!r} needs a verify pass of several tokens, which the "
             "reference engine and a prefill_chunk of 1 do not have: use speculative='off' or "
@@ -577,6 +602,11 @@ def load(
         )
     if parallel > 1 and single_token_passes:
         raise ValueError("parallel decoding needs a prefill_chunk of at least 2: parallel=1")
+    if parallel > 1 and speculative == "dflash":
+        raise ValueError(
+            "speculative='dflash' drafts for one sequence at a time and the scheduler's lone "
+            "stream drafts only with the MTP head or prompt lookup: use parallel=1, or 'auto'"
+        )
     if device == "reference" or single_token_passes:
         speculative = "off"
     if speculative in ("auto", "mtp") and claims_real_model(checkpoint.config):
@@ -587,6 +617,7 @@ def load(
             f"speculative='mtp' needs the checkpoint's multi-token-prediction head (mtp.*), "
             f"which {model_dir} does not have: use speculative='auto' or 'ngram'"
         )
+    dflash = _dflash_drafter(model_dir, checkpoint) if speculative == "dflash" else None
     # "auto" drafts with the head when the checkpoint has one.
     mtp_head = speculative in ("auto", "mtp") and checkpoint.has_mtp_head
     tokenizer = Tokenizer.from_dir(
@@ -628,6 +659,7 @@ def load(
         kv_cache,
         mtp_head,
         parallel,
+        dflash,
     )
     # The name clients pass as `model`: the repo id, "demo", or the directory's name.
     if model is None:

@@ -168,7 +168,7 @@ def _add_speculative_arguments(
         help=help
         or "speculative decoding, same output either way: auto (the checkpoint's MTP head, "
         "else prompt lookup, where it pays, and requests' predictions), mtp (the head always), "
-        "ngram (prompt lookup always), off",
+        "ngram (prompt lookup always), dflash (the DFlash block drafter always), off",
     )
     parser.add_argument(
         "--draft-tokens",

@@ -1,5 +1,6 @@
-"""Is the Hugging Face Hub reachable? One quick request, asked before a download. And the one
-download Lily makes besides the checkpoint: the real model's multi-token-prediction head.
+"""Is the Hugging Face Hub reachable? One quick request, asked before a download. And the
+downloads Lily makes besides the checkpoint: the real model's multi-token-prediction head, and
+the DFlash drafter (not yet used by any generation, docs/dflash.md).
 
 Without a network, `huggingface_hub` retries for about 25 seconds and then fails with a long
 chain of connection errors. One request with a short timeout (through the same proxies,
@@ -15,8 +16,12 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from lily.checkpoint.config import ModelConfig
 
 # Long enough for a slow link to answer a HEAD request, far shorter than the Hub client's retries.
 PROBE_TIMEOUT_SECONDS = 5.0
@@ -116,3 +121,79 @@ def fetch_mtp_head(
         write_safetensors(out / MTP_SHARD, head, {"format": "mlx", "source": repo})
 
     return build_once(target, write)
+
+
+def fetch_dflash(target: ModelConfig, repo: str | None = None, revision: str | None = None) -> Path:
+    """A directory in Lily's cache holding the DFlash drafter of `repo` (default DFLASH_REPO at
+    DFLASH_REVISION) as Lily's sidecar (lily.checkpoint.dflash: its config.json and its tensors
+    quantized to 8 bits), made once from the repo's config.json and safetensors (one file, or
+    the shards its index names) through the Hugging Face cache, and checked against `target`.
+    Raises CheckpointError, naming the `hf download` command, when the Hub cannot be reached
+    and the files are not in the local cache; ConfigError or CheckpointError naming what
+    differs when the drafter does not fit `target`."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+    )
+
+    from lily.checkpoint.cache import build_once, cache_root
+    from lily.checkpoint.dflash import (
+        DFLASH_REPO,
+        DFLASH_REVISION,
+        DFLASH_SHARD,
+        check_against_target,
+        parse_dflash_config,
+        quantize_dflash,
+        write_dflash,
+    )
+    from lily.checkpoint.safetensors_mmap import INDEX_FILE, CheckpointError, Shard
+
+    if repo is None:
+        repo, revision = DFLASH_REPO, revision or DFLASH_REVISION
+    directory = cache_root() / "dflash" / f"{repo.replace('/', '--')}-{revision or 'main'}"
+    if (directory / DFLASH_SHARD).is_file():
+        return directory  # load_dflash checks it against the target
+    offline = bool(os.environ.get("HF_HUB_OFFLINE"))
+    local_only = offline or not hub_reachable()
+    pinned = f" --revision {revision}" if revision else ""
+
+    def download(filename: str) -> Path:
+        try:
+            return Path(
+                hf_hub_download(repo, filename, revision=revision, local_files_only=local_only)
+            )
+        except LocalEntryNotFoundError:
+            why = "HF_HUB_OFFLINE is set" if offline else f"{hub_endpoint()} cannot be reached"
+            raise CheckpointError(
+                f"the DFlash drafter comes from {repo}, whose {filename} is not in the local "
+                f"Hugging Face cache, and {why}: download it once with "
+                f"`hf download {repo}{pinned}`, or load without speculative='dflash'"
+            ) from None
+        except (HFValidationError, OSError) as e:
+            if isinstance(e, EntryNotFoundError):
+                raise
+            raise CheckpointError(f"could not download {filename} of {repo}: {e}") from e
+
+    raw = json.loads(download("config.json").read_text())
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"the config.json of {repo} is not a JSON object")
+    config = parse_dflash_config(raw)
+    check_against_target(config, target)
+    try:
+        index = json.loads(download(INDEX_FILE).read_text())
+        shards = sorted(set(index.get("weight_map", {}).values()))
+    except EntryNotFoundError:  # one file, no index
+        shards = ["model.safetensors"]
+    print(
+        f"lily: fetching the DFlash drafter {repo} and quantizing it to 8-bit into {directory} "
+        "(once)",
+        file=sys.stderr,
+    )
+    original: dict[str, np.ndarray] = {}
+    for shard_name in shards:
+        shard = Shard(download(shard_name), alignment=1)
+        original.update({n: shard.array(n) for n in shard.tensors})
+    tensors = quantize_dflash(original, config)
+    return build_once(directory, lambda out: write_dflash(out, raw, tensors, repo))

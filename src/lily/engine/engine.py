@@ -39,6 +39,7 @@ from lily.engine.constraint import (
     ban_mask,
     draw_mask,
 )
+from lily.engine.dflash_graph import DrafterGraph
 from lily.engine.image_input import ImagePatches
 from lily.engine.image_tokens import EncodedImages, PromptImages, cache_tokens, image_runs
 from lily.engine.lock import (
@@ -49,6 +50,8 @@ from lily.engine.lock import (
 )
 from lily.engine.model_graph import (
     DEFAULT_MAX_CHUNK,
+    EMBED_TOKENS,
+    LM_HEAD,
     LOGPROB_RING_SLOTS,
     MAX_DRAFT_TOKENS,
     ModelGraph,
@@ -85,6 +88,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 if TYPE_CHECKING:
     from lily.checkpoint.config import ModelConfig
+    from lily.checkpoint.dflash import DFlashDrafter
     from lily.checkpoint.loader import Checkpoint
     from lily.device import CommandBuffer, Device
 
@@ -382,6 +386,7 @@ class DeviceEngine(_PromptsWithImages):
         prefix_cache: PrefixCache | None = None,
         kv_cache: str = "bf16",
         mtp: bool = False,
+        dflash: DFlashDrafter | None = None,
     ) -> None:
         """`token_count`: how many ids the tokenizer can produce; only those are generated.
         `max_chunk`: the most prompt tokens one prefill pass takes. A pass is split into
@@ -394,7 +399,9 @@ class DeviceEngine(_PromptsWithImages):
         reuse (default: in memory, with `default_cache_memory`'s budget). `kv_cache`: the KV
         cache's format, "bf16" or "int8" (kernels/attention.py). `mtp`: run the checkpoint's
         multi-token-prediction head, so that a drafter asking for it (`Speculation.mtp`) gets
-        its drafts."""
+        its drafts. `dflash`: run this DFlash drafter (lily.checkpoint.dflash, docs/dflash.md)
+        for a drafter asking for it (`Speculation.dflash`): every pass keeps the rows it reads,
+        and it catches up on them after each pass."""
         self.config = checkpoint.config
         self.device = device
         self.max_seq = max_seq
@@ -409,7 +416,26 @@ class DeviceEngine(_PromptsWithImages):
             kv_cache,
             mtp=mtp,
             command_buffer_flops=command_buffer_flops,
+            kept_layers=() if dflash is None else dflash.config.target_layer_ids,
         )
+        # The DFlash drafter, and the position its cache's rows reach in the generation that
+        # drafts with it (the rows before it are the context of its next block; None in one
+        # that does not).
+        self._dflash: DrafterGraph | None = None
+        self._dflash_rows: int | None = None
+        if dflash is not None:
+            if max_chunk < 2:
+                raise ValueError("the DFlash drafter drafts for verify passes: max_chunk >= 2")
+            head = EMBED_TOKENS if self.config.tie_word_embeddings else LM_HEAD
+            self._dflash = DrafterGraph(
+                dflash,
+                device,
+                max_seq,
+                self._model.weights.quantized(EMBED_TOKENS),
+                self._model.weights.quantized(head),
+                self._model.layer_outputs,
+                max_chunk,
+            )
         # Hidden states of the last pass the MTP head has not read yet: (the pass's first
         # position, how many of its rows are right), the rows being `mtp_hidden`'s first; None
         # while the generation does not draft with the head.
@@ -602,9 +628,18 @@ class DeviceEngine(_PromptsWithImages):
         sampling = sampling.with_seed()
         write_sampling_params(state.sampling_params, sampling)
         write_logit_adjustments(state.adjustments, sampling, prompt, token_count, reply)
-        first = self._start(
-            prompt, len(prompt), reuse=True, cache_key=cache_key, images=prompt_images
+        # The DFlash drafter needs every prompt row's layer outputs: no prefix is reused.
+        blocks = (
+            self._dflash is not None
+            and drafter is not None
+            and self.max_chunk > 1
+            and isinstance(drafter, Speculation)
+            and drafter.dflash
         )
+        first = self._start(
+            prompt, len(prompt), reuse=not blocks, cache_key=cache_key, images=prompt_images
+        )
+        self._dflash_rows = 0 if blocks else None
         write_token_mask(state.token_mask, bans)
         self.prompt_tokens_fed += len(prompt) - first
         # Only positions inside what this call feeds: the others are saved already.
@@ -628,7 +663,7 @@ class DeviceEngine(_PromptsWithImages):
         pieces = self._pieces(passes, prompt_images)
         generated: list[int] = []
         in_flight: deque[_Piece] = deque()
-        depth = PIPELINE_DEPTH if constraint is None and not head else 1
+        depth = PIPELINE_DEPTH if constraint is None and not head and not blocks else 1
         reported = first  # the prompt tokens `progress` was last told are fed
         clock = _StepClock()
         upcoming = next(pieces, None)
@@ -676,6 +711,9 @@ class DeviceEngine(_PromptsWithImages):
                 if not piece.last:
                     continue
                 predicts = piece.predicts
+                if blocks:
+                    # One pass in flight: the drafter reads its rows before the next one.
+                    self._dflash_catch_up(piece.start, piece.tokens)
                 if not predicts:
                     continue
                 if head:
@@ -702,11 +740,16 @@ class DeviceEngine(_PromptsWithImages):
                     drafter.head = (
                         self._mtp_drafts if constraint is not None else self._head_drafts_on_device
                     )
+                if blocks:
+                    assert isinstance(drafter, Speculation)
+                    drafter.block = self._dflash_drafts
                 try:
                     yield from self._speculate(request, generated, drafter, should_stop, pause)
                 finally:
                     if head:
                         drafter.head = None
+                    if blocks:
+                        drafter.block = None
         finally:
             # A speculative step may still be running (after a stop token, or when the caller
             # closed the iterator); it only writes state the next generation replaces.
@@ -863,6 +906,7 @@ class DeviceEngine(_PromptsWithImages):
         last, count = submitted.last, submitted.count
         self.device.wait(submitted.ticket)
         if not count:
+            self._dflash_catch_up(last, 1)
             self._mtp_pending = None if self._mtp_pending is None else (last, 1)
             produced = [self._drawn(last + 1, request.sampling)]
             if constraint is not None:
@@ -887,6 +931,7 @@ class DeviceEngine(_PromptsWithImages):
         # token follows them, and the state has consumed them.
         if self._mtp_pending is not None:
             self._mtp_pending = (last, len(chosen))
+        self._dflash_catch_up(last, len(chosen))
         model.step_view()[POSITION] = last + len(chosen)
         produced = [
             GeneratedToken(token, self._logprobs(last + i, request.sampling))
@@ -924,6 +969,25 @@ class DeviceEngine(_PromptsWithImages):
                 kept.pop()
                 break
         return kept, masks
+
+    def _dflash_catch_up(self, start: int, rows: int) -> None:
+        """The DFlash drafter reads the first `rows` rows of the pass just run, the tokens at
+        positions start.. (those the pass kept), when it drafts in this generation."""
+        if self._dflash is None or self._dflash_rows != start:
+            return  # not drafting with it in this generation
+        self._dflash.catch_up_rows(0, rows, start)
+        self._dflash_rows = start + rows
+
+    def _dflash_drafts(self, limit: int) -> list[int]:
+        """Up to `limit` greedy drafts of the DFlash drafter after the newest token, the one at
+        the position its cache's rows reach (the token waiting in the history)."""
+        assert self._dflash is not None and self._dflash_rows is not None
+        position = self._dflash_rows
+        limit = min(limit, self.max_seq - position - 1)
+        if limit < 1:
+            return []
+        newest = int(self._model.history_view()[position])
+        return self._dflash.draft(newest, limit, position)
 
     def _mtp_catch_up(self, head_later: bool) -> None:
         """Submits the MTP head over the rows of the last pass it has not read (their KV rows are

@@ -63,7 +63,7 @@ from lily.kernels.conv1d import (
     tail_bytes,
     window_bytes,
 )
-from lily.kernels.copy import record_copy_flagged_rows
+from lily.kernels.copy import record_copy, record_copy_flagged_rows
 from lily.kernels.embedding import EmbeddedInput, record_embedding, record_embedding_rows
 from lily.kernels.gdn import (
     CHUNK_SUB_CHUNK,
@@ -670,6 +670,7 @@ class ModelGraph:
         mtp: bool = False,
         command_buffer_flops: float | None = None,
         draft_vocab: int = MTP_DRAFT_VOCAB,
+        kept_layers: Sequence[int] = (),
     ) -> None:
         """`token_count`: ids the tokenizer can produce. The lm_head has padding rows past it
         (248320 vs 248077 on the real model) that must never be chosen. `max_chunk`: the most
@@ -679,7 +680,9 @@ class ModelGraph:
         tokens in `mtp_hidden` for the head to read. `command_buffer_flops`: the most estimated
         work of one command buffer of a pass (`command_buffer_starts`; default
         COMMAND_BUFFER_FLOPS). `draft_vocab`: the head's lm_head reads only the rows of the
-        first that many ids (`MTP_DRAFT_VOCAB`)."""
+        first that many ids (`MTP_DRAFT_VOCAB`). `kept_layers`: layers whose outputs (the
+        residual after them) every pass but a batched one copies into `layer_outputs`, what the
+        DFlash drafter reads (docs/dflash.md); none by default."""
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         attention.check_kv_cache(kv_cache)
@@ -713,6 +716,19 @@ class ModelGraph:
             self.image_flags = device.alloc(4 * max_chunk)
         if mtp:
             self._allocate_mtp(checkpoint)
+        # The last layer's output is left in the residual by predicting passes only.
+        if any(not 0 <= i < self.config.num_hidden_layers - 1 for i in kept_layers):
+            raise ValueError(
+                f"kept layers must be below the last, {self.config.num_hidden_layers - 1}: "
+                f"{list(kept_layers)}"
+            )
+        self.kept_layers = tuple(kept_layers)
+        # [len(kept_layers), max_chunk, hidden]: a pass's rows of each kept layer, first rows on.
+        self.layer_outputs = (
+            device.alloc(4 * len(kept_layers) * max_chunk * self.config.hidden_size)
+            if kept_layers
+            else None
+        )
         # Batched decode (`batch_graph`): the sequences' own states, and one logits row each.
         self.slots: list[SequenceState] = []
         self._slot_pool: _SlotPool | None = None
@@ -1198,12 +1214,14 @@ class _Recorder:
             self.moe(layer + "mlp.", post_norm)
             g.barrier()
             if self.folds_norms:
+                self.keep_layer_output(i)
                 continue
             # x = h + moe(h); normed = the next layer's input norm, or the final norm, which
             # only the predicting token needs.
             if i + 1 < c.num_hidden_layers:
                 self.add_norm(s.moe_out, f"{MODEL}layers.{i + 1}.input_layernorm.weight", rows=T)
                 g.barrier()
+                self.keep_layer_output(i)
             elif self.predicts or self.verify_rows or self.m.mtp:
                 rows = T if self.m.mtp else self.verify_rows or 1
                 self.add_norm(
@@ -1231,6 +1249,16 @@ class _Recorder:
         else:
             self.finish()
         return g
+
+    def keep_layer_output(self, i: int) -> None:
+        """Copies the residual, layer i's output, into its block of `layer_outputs` when i is
+        a kept layer. No barrier follows: the residual's next write is a level or more on."""
+        m = self.m
+        if i not in m.kept_layers or self.batch or self.in_mtp:
+            return
+        block = 4 * m.kept_layers.index(i) * m.max_chunk * self.c.hidden_size
+        row_bytes = 4 * self.c.hidden_size * self.tokens
+        record_copy(self.g, self.dev, self.s.residual, (m.layer_outputs, block), row_bytes)
 
     def record_mtp(self, chained: bool, head: bool) -> Graph:
         """The MTP head's pass (ModelGraph.mtp_graph): fc over the normed embedding of each

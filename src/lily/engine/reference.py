@@ -509,7 +509,7 @@ class ReferenceModel:
         if state is None:
             state = self.new_state()
         hidden = self.hidden_states(tokens, state, image_rows, positions)
-        return self._lm_head(hidden), state
+        return self.lm_head(hidden), state
 
     def hidden_states(
         self,
@@ -517,6 +517,7 @@ class ReferenceModel:
         state: ReferenceState,
         image_rows: np.ndarray | None = None,
         positions: np.ndarray | None = None,
+        layer_outputs: dict[int, np.ndarray] | None = None,
     ) -> np.ndarray:
         """The final-normed hidden states [len(tokens), hidden] of `tokens` after `state` (the
         rows the lm_head reads, which also feed the MTP head); advances `state`.
@@ -524,11 +525,13 @@ class ReferenceModel:
         `image_rows` [n, hidden], if given, replace the embeddings of the n tokens that are
         `image_token_id`, in order; `positions` [3, len(tokens)], if given, are the tokens'
         multimodal rotary positions (lily.engine.image_tokens), else each token's index plus
-        `state.rope_offset`."""
+        `state.rope_offset`. `layer_outputs`, if given, receives under each of its keys that
+        is a layer index the residual stream after that layer [len(tokens), hidden] (what the
+        DFlash drafter reads)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         c = self.config
         self._call_tokens = len(tokens)
-        x = self._embed(tokens)
+        x = self.embed(tokens)
         if image_rows is not None:
             x[tokens == c.image_token_id] = image_rows
         if positions is None:
@@ -536,6 +539,8 @@ class ReferenceModel:
         for i, kind in enumerate(c.layer_types):
             layer = f"{MODEL_PREFIX}layers.{i}."
             x = self._decoder_layer(layer, i, kind, x, state, state.position, positions)
+            if layer_outputs is not None and i in layer_outputs:
+                layer_outputs[i] = x
         state.position += len(tokens)
         return rms_norm(x, self._float(MODEL_PREFIX + "norm.weight"), c.rms_norm_eps)
 
@@ -564,7 +569,7 @@ class ReferenceModel:
         if state.keys[layer].shape[1] != start:
             raise ValueError(f"the MTP cache holds {state.keys[layer].shape[1]} rows, not {start}")
         embedded = rms_norm(
-            self._embed(np.asarray(next_tokens, np.int64)),
+            self.embed(np.asarray(next_tokens, np.int64)),
             self._float(MTP_NORM_EMBEDDING),
             c.rms_norm_eps,
         )
@@ -574,7 +579,7 @@ class ReferenceModel:
         x = self._linear(MTP_FC, np.concatenate([embedded, hidden], axis=-1))
         x = self._decoder_layer(MTP_LAYER, layer, FULL_ATTENTION, x, state, start)
         out = rms_norm(x, self._float(MTP_FINAL_NORM), c.rms_norm_eps)
-        return self._lm_head(out), out
+        return self.lm_head(out), out
 
     @property
     def mtp_layer(self) -> int:
@@ -634,7 +639,7 @@ class ReferenceModel:
         hidden = silu(half_operand_gemm(x, gate)) * half_operand_gemm(x, up)
         return half_operand_gemm(hidden, down, guarded=True)
 
-    def _lm_head(self, x: np.ndarray) -> np.ndarray:
+    def lm_head(self, x: np.ndarray) -> np.ndarray:
         c = self.config
         head = MODEL_PREFIX + "embed_tokens" if c.tie_word_embeddings else "language_model.lm_head"
         return self._linear(head, x)
@@ -670,7 +675,7 @@ class ReferenceModel:
         gemm_tokens = None if self.chunks is None else self.chunks.gemm_tokens
         return gemm_tokens is not None and self._call_tokens >= gemm_tokens
 
-    def _embed(self, tokens: np.ndarray) -> np.ndarray:
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
         return self._dequantized(MODEL_PREFIX + "embed_tokens", tokens)
 
     # -- mixers -------------------------------------------------------------------------------

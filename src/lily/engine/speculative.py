@@ -37,8 +37,9 @@ import numpy as np
 from lily.engine.model_graph import MAX_DRAFT_TOKENS
 
 # What `lily.load(speculative=...)` accepts: "auto" drafts with the checkpoint's MTP head when it
-# has one, else with prompt lookup.
-SPECULATIVE_MODES = ("auto", "mtp", "ngram", "off")
+# has one, else with prompt lookup; it never chooses the DFlash drafter (a separate download
+# whose acceptance on this model is unmeasured, docs/dflash.md).
+SPECULATIVE_MODES = ("auto", "mtp", "ngram", "dflash", "off")
 DEFAULT_DRAFT_TOKENS = 4
 # Prompt lookup matches the last 2 to 4 tokens; a single token matches too often by chance.
 LOOKUP_MIN_N, LOOKUP_MAX_N = 2, 4
@@ -247,14 +248,15 @@ class SourceCounts:
 
 @dataclass
 class Speculation:
-    """The drafter of one generation: the MTP head when `mtp`, prompt lookup when `ngram`, the
-    client's `prediction` when given, at most `draft_tokens` per pass. Prediction
-    drafts come first: they are the client's knowledge of the answer; then the head's, then
-    lookup's. With `auto`, the head or prompt lookup stops for the rest of the generation once,
-    after its first AUTO_PASSES passes, its passes have yielded fewer tokens (accepted drafts
-    and the model's own token) than they cost, each pass costing `pass_cost(drafts)` decode
-    steps (`model_graph.verify_cost_ratio`: a pass of 4 drafts on the real model pays above
-    about 2.3 tokens); lookup also stops once AUTO_IDLE_LOOKUPS lookups in a row found nothing
+    """The drafter of one generation: the MTP head when `mtp`, the DFlash drafter when
+    `dflash`, prompt lookup when `ngram`, the client's `prediction` when given, at most
+    `draft_tokens` per pass. Prediction drafts come first: they are the client's knowledge of
+    the answer; then the DFlash drafter's, the head's, then lookup's. With `auto`, the head or
+    prompt lookup stops for the rest of the generation once, after its first AUTO_PASSES
+    passes, its passes have yielded fewer tokens (accepted drafts and the model's own token)
+    than they cost, each pass costing `pass_cost(drafts)` decode steps
+    (`model_graph.verify_cost_ratio`: a pass of 4 drafts on the real model pays above about 2.3
+    tokens); lookup also stops once AUTO_IDLE_LOOKUPS lookups in a row found nothing
     (a prediction is never dropped: the client asked for it). The head's drafts come from
     `head` (up to n greedy drafts after the newest token, or `HeadDrafts` the engine takes on
     the device), which the engine running it sets for the generation; without it the head
@@ -263,6 +265,10 @@ class Speculation:
     draft_tokens: int = DEFAULT_DRAFT_TOKENS
     mtp: bool = False
     head: Callable[[int], list[int] | HeadDrafts] | None = None
+    # The DFlash drafter (docs/dflash.md): `block` gives up to n greedy drafts after the
+    # newest token, set by the engine running it for the generation.
+    dflash: bool = False
+    block: Callable[[int], list[int]] | None = None
     ngram: bool = False
     prediction: Prediction | None = None
     auto: bool = False
@@ -282,6 +288,8 @@ class Speculation:
             self.counts["prediction"] = SourceCounts()
         if self.mtp:
             self.counts["mtp"] = SourceCounts()
+        if self.dflash:
+            self.counts["dflash"] = SourceCounts()
         if self.ngram:
             self.counts["ngram"] = SourceCounts()
 
@@ -308,6 +316,9 @@ class Speculation:
     def _head_enabled(self) -> bool:
         return self.head is not None and self._pays("mtp")
 
+    def _block_enabled(self) -> bool:
+        return self.block is not None and self._pays("dflash")
+
     def verdict(self, source: str) -> bool | None:
         """Under auto, whether `source` paid in this generation: False if it was dropped for
         not paying, True if it paid through its first AUTO_PASSES passes, None if it was not
@@ -327,7 +338,12 @@ class Speculation:
     @property
     def exhausted(self) -> bool:
         """Whether nothing will be drafted for the rest of the generation."""
-        return self.prediction is None and not self._head_enabled() and not self._lookup_enabled()
+        return (
+            self.prediction is None
+            and not self._block_enabled()
+            and not self._head_enabled()
+            and not self._lookup_enabled()
+        )
 
     def draft(self, tokens: Sequence[int], limit: int) -> list[int] | HeadDrafts:
         limit = min(limit, self.draft_tokens)
@@ -336,6 +352,12 @@ class Speculation:
             drafts = self.prediction.draft(tokens, limit)
             if drafts:
                 self._last_source = "prediction"
+                return drafts[:limit]
+        if self._block_enabled():
+            assert self.block is not None
+            drafts = self.block(limit)
+            if drafts:
+                self._last_source = "dflash"
                 return drafts[:limit]
         if self._head_enabled():
             assert self.head is not None
