@@ -11,7 +11,13 @@ the Gated DeltaNet scan's serial work (`gdn_scan_model.py`), a drain per barrier
 tensor-op attention adds one per attention layer, between packing the queries and the kernel)
 and a gap per command buffer. The bytes counted:
 
-- weights, each read once per chunk (`bench_prefill.weight_bytes_per_chunk`);
+- weights (`bench_prefill.weight_bytes_per_chunk`): the routed experts once per chunk, the
+  dense projections once per 1,024-token launch band of their GEMMs (`BAND_TOKENS`: a band's
+  token tiles run side by side over every weight tile in turn, so the GEMM's input is read
+  about once, as the activations below count it, at up to 4 reads of the 0.8 GB of projections
+  per 4,096-token chunk; launched x-major, as before, the weights were read once but the 32 MiB
+  fp32 input of a 4,096-token chunk streamed once per 128-row weight tile unless the system
+  cache held it, which the model did not count);
 - the KV cache as `attention_chunk` reads it: a threadgroup takes 64 (token, query head) rows of
   one KV head (`CHUNK_ROWS`: 8 tokens, as 8 query heads share a KV head) and streams the K and V
   rows of every position its last token sees, once, in 16-key tiles; so each attention layer

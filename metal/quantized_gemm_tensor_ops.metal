@@ -176,10 +176,12 @@ void qgemm_tensor(constant QGemmParams& p [[buffer(0)]], device const float* x [
                   device const uint* w3 [[buffer(14)]], device const bfloat* s3 [[buffer(15)]],
                   device const bfloat* b3 [[buffer(16)]], device float* y3 [[buffer(17)]],
                   device const int* x_exponents [[buffer(18)]],
-                  uint2 tile_id [[threadgroup_position_in_grid]],
+                  uint2 launched [[threadgroup_position_in_grid]],
+                  uint2 tiles [[threadgroups_per_grid]],
                   uint thread_id [[thread_index_in_threadgroup]]) {
   alignas(16) threadgroup half tile[qgemm_tensor_tile_elements(TOKENS)];  // staged as half4
 
+  const uint2 tile_id = qgemm_band_tile<TOKENS>(launched, tiles);
   uint proj = 0;
   while (proj + 1 < p.projections && tile_id.y >= p.first_tile[proj + 1]) ++proj;
   QuantMatrix m{w0, s0, b0};
