@@ -7,10 +7,11 @@ Two parts:
   token of the chunk chose once, by the expected count for uniform routing) and per prompt
   token, the FLOPs per prompt token, and the whole-prompt average of a `--context`-token prompt
   on an M1 Pro, an M4 Max and an M5 Max (with and without its tensor ops), chunk by chunk at
-  the chunk lengths each Mac's command-buffer budget gives, beside the anchors' published
-  whole-prompt averages, then what issue 40's unbuilt kernels would give (`prefill_model.py`:
-  a model from published GPU figures and assumed efficiencies, not a measurement; say so when
-  quoting it);
+  the chunk lengths each Mac's command-buffer budget gives, each with its costliest parts (the
+  central case's seconds, a kernel group's bytes and products apart), beside the anchors'
+  published whole-prompt averages, then what issue 40's unbuilt kernels would give
+  (`prefill_model.py`: a model from published GPU figures and assumed efficiencies, not a
+  measurement; say so when quoting it);
 - **time** (small checkpoints, e.g. the demo, on the sim): a prompt prefilled as one chunk
   against the same prompt fed one token per step through the decode graph (final norm, lm_head
   and sampler included: how every prompt went before batched prefill), and, for reference,
@@ -228,6 +229,19 @@ ANCHORS = {
 }
 
 
+def time_shares(terms: dict[str, tuple[float, float]], shown: int = 4) -> str:
+    """The `shown` costliest parts of a whole prompt's central time, each with its share and, for
+    a kernel group, its memory and compute seconds (it takes the longer)."""
+    spent = {name: max(pair) for name, pair in terms.items()}
+    total = sum(spent.values())
+    parts = []
+    for name in sorted(spent, key=spent.get, reverse=True)[:shown]:
+        memory, compute = terms[name]
+        split = f": bytes {memory:.2f} s, products {compute:.2f} s" if memory else ""
+        parts.append(f"{name} {spent[name] / total:.0%} ({spent[name]:.2f} s{split})")
+    return f"central time {total:.2f} s: " + "; ".join(parts)
+
+
 def whole_prompt_report(checkpoint, context: int, levels: int) -> None:
     """prefill_model's whole-prompt average over a prompt of `context` tokens on each Mac, along
     today's kernels (with and without the M5's tensor ops, and on an M5 with an int8 cache,
@@ -269,6 +283,7 @@ def whole_prompt_report(checkpoint, context: int, levels: int) -> None:
         )
         if path.built:
             print(f"whole-prompt estimate at {context} tokens: {line}{detail}")
+            print(f"  {time_shares(estimate.central_terms)}")
         else:
             print(f"  not built (issue 40), estimate: {line}{detail}")
     if context in ANCHORS and claims_real_model(c):
