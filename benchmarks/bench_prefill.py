@@ -3,13 +3,15 @@
 Two parts:
 - **graph** (any checkpoint; the sim records and checks but does not execute): dispatches and
   barrier levels of a prefill chunk next to the decode step's, the weight bytes one chunk reads
-  (each weight once per chunk; the routed experts some token of the chunk chose, by the expected
-  count for uniform routing) and per prompt token, the FLOPs per prompt token, and the
-  whole-prompt average of a `--context`-token prompt on an M1 Pro, an M4 Max and an M5 Max
-  (with and without its tensor ops), chunk by chunk at the chunk lengths each Mac's
-  command-buffer budget gives, beside the anchors' published whole-prompt averages, then what
-  issue 40's unbuilt kernels would give (`prefill_model.py`: a model from published GPU figures
-  and assumed efficiencies, not a measurement; say so when quoting it);
+  (the dense projections once per 1,024-token launch band of the GEMMs, the routed experts some
+  token of the chunk chose once, by the expected count for uniform routing) and per prompt
+  token, the FLOPs per prompt token, and the whole-prompt average of a `--context`-token prompt
+  on an M1 Pro, an M4 Max and an M5 Max (with and without its tensor ops), chunk by chunk at
+  the chunk lengths each Mac's command-buffer budget gives, each with its costliest parts (the
+  central case's seconds, a kernel group's bytes and products apart), beside the anchors'
+  published whole-prompt averages, then what issue 40's unbuilt kernels would give
+  (`prefill_model.py`: a model from published GPU figures and assumed efficiencies, not a
+  measurement; say so when quoting it);
 - **time** (small checkpoints, e.g. the demo, on the sim): a prompt prefilled as one chunk
   against the same prompt fed one token per step through the decode graph (final norm, lm_head
   and sampler included: how every prompt went before batched prefill), and, for reference,
@@ -50,6 +52,7 @@ from lily.device import MatrixProducts, open_device
 from lily.engine.engine import DeviceEngine
 from lily.engine.model_graph import DEFAULT_MAX_CHUNK, ModelGraph, pass_flops
 from lily.kernels.quantized_gemm import (
+    BAND_TOKENS,
     WEIGHT_ROWS_PER_TILE,
     dense_tile_tokens,
     grouped_tile_tokens,
@@ -118,12 +121,13 @@ def matrix_flops_model(c, tokens: int, seed: int = 0) -> tuple[float, float]:
 
 
 def weight_bytes_per_chunk(checkpoint, tokens: int) -> dict[str, float]:
-    """Bytes of weights one chunk of `tokens` reads from memory if each is read once: every
-    projection, the embedding rows, and the routed experts at least one token chose (expected
-    E * (1 - (1 - k/E)^T) per layer for uniform routing). The lm_head is read for the one
-    predicting token."""
+    """Bytes of weights one chunk of `tokens` reads from memory: every dense projection once per
+    launch band of BAND_TOKENS (the dense GEMMs' order), the embedding rows, and the routed
+    experts at least one token chose, once (expected E * (1 - (1 - k/E)^T) per layer for uniform
+    routing). The lm_head is read for the one predicting token."""
     c = checkpoint.config
     layout = expected_layout(c)
+    bands = -(-tokens // BAND_TOKENS)
     chosen = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** tokens)
     totals = {"projections": 0.0, "routed experts": 0.0, "embedding rows": 0.0, "lm_head": 0.0}
     for lin in layout.linears.values():
@@ -138,7 +142,7 @@ def weight_bytes_per_chunk(checkpoint, tokens: int) -> dict[str, float]:
         elif lin.experts is not None:
             totals["routed experts"] += per_row * lin.out_features * chosen
         else:
-            totals["projections"] += per_row * lin.out_features
+            totals["projections"] += per_row * lin.out_features * bands
     return totals
 
 
@@ -225,6 +229,19 @@ ANCHORS = {
 }
 
 
+def time_shares(terms: dict[str, tuple[float, float]], shown: int = 4) -> str:
+    """The `shown` costliest parts of a whole prompt's central time, each with its share and, for
+    a kernel group, its memory and compute seconds (it takes the longer)."""
+    spent = {name: max(pair) for name, pair in terms.items()}
+    total = sum(spent.values())
+    parts = []
+    for name in sorted(spent, key=spent.get, reverse=True)[:shown]:
+        memory, compute = terms[name]
+        split = f": bytes {memory:.2f} s, products {compute:.2f} s" if memory else ""
+        parts.append(f"{name} {spent[name] / total:.0%} ({spent[name]:.2f} s{split})")
+    return f"central time {total:.2f} s: " + "; ".join(parts)
+
+
 def whole_prompt_report(checkpoint, context: int, levels: int) -> None:
     """prefill_model's whole-prompt average over a prompt of `context` tokens on each Mac, along
     today's kernels (with and without the M5's tensor ops, and on an M5 with an int8 cache,
@@ -266,6 +283,7 @@ def whole_prompt_report(checkpoint, context: int, levels: int) -> None:
         )
         if path.built:
             print(f"whole-prompt estimate at {context} tokens: {line}{detail}")
+            print(f"  {time_shares(estimate.central_terms)}")
         else:
             print(f"  not built (issue 40), estimate: {line}{detail}")
     if context in ANCHORS and claims_real_model(c):

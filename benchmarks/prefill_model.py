@@ -11,7 +11,13 @@ the Gated DeltaNet scan's serial work (`gdn_scan_model.py`), a drain per barrier
 tensor-op attention adds one per attention layer, between packing the queries and the kernel)
 and a gap per command buffer. The bytes counted:
 
-- weights, each read once per chunk (`bench_prefill.weight_bytes_per_chunk`);
+- weights (`bench_prefill.weight_bytes_per_chunk`): the routed experts once per chunk, the
+  dense projections once per 1,024-token launch band of their GEMMs (`BAND_TOKENS`: a band's
+  token tiles run side by side over every weight tile in turn, so the GEMM's input is read
+  about once, as the activations below count it, at up to 4 reads of the 0.8 GB of projections
+  per 4,096-token chunk; launched x-major, as before, the weights were read once but the 32 MiB
+  fp32 input of a 4,096-token chunk streamed once per 128-row weight tile unless the system
+  cache held it, which the model did not count);
 - the KV cache as `attention_chunk` reads it: a threadgroup takes 64 (token, query head) rows of
   one KV head (`CHUNK_ROWS`: 8 tokens, as 8 query heads share a KV head) and streams the K and V
   rows of every position its last token sees, once, in 16-key tiles; so each attention layer
@@ -319,22 +325,7 @@ def seconds(
     """Seconds per kernel group, plus the Gated DeltaNet scan (its products and solve, as
     `gdn_scan_model.py` counts them) and the barrier and command-buffer overheads, for one
     chunk of `tokens` on `gpu` along `path`, at the `case` (SLOW, CENTRAL, FAST) efficiencies."""
-    if path.tensor_ops and not gpu.tensor_units:
-        raise ValueError(f"{gpu.name} has no tensor units")
-    bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY[case]
-    tensor_rate = TENSOR_UNIT_SPEEDUP * gpu.fp32_rate if gpu.tensor_units else 0.0
-    gemm_peak = tensor_rate if path.tensor_ops else gpu.fp32_rate
-    attention_peak = (
-        tensor_rate if path.attention_tensor_ops and gpu.tensor_units else gpu.fp32_rate
-    )
-    out = {}
-    for group in work:
-        if group.attention:
-            rate = attention_peak * path.attention_efficiency[case]
-        else:
-            rate = gemm_peak * path.gemm_efficiency[case]
-        nbytes = group.bytes + (group.cached_bytes if case == SLOW else 0.0)
-        out[group.name] = max(nbytes / bandwidth, group.flops / rate)
+    out = {group.name: max(group_terms(gpu, path, group, case)) for group in work}
     scan_gpu = ScanGpu(gpu.name, gpu.cores, gpu_clock_hz(gpu.metal_name), 64 * 1024, 1024)
     per_token, _, _ = per_token_seconds(chunkwise_kernel(), scan_gpu)
     out["GDN scan"] = per_token * tokens * gdn_layer_count(c)
@@ -343,10 +334,30 @@ def seconds(
     return out
 
 
+def group_terms(gpu: Gpu, path: Path, group: Group, case: int = CENTRAL) -> tuple[float, float]:
+    """(memory, compute) seconds of one kernel group on `gpu` along `path` at the `case`
+    efficiencies: its bytes at the bandwidth, its executed FLOPs at the rate of what runs them.
+    The group takes the longer."""
+    if path.tensor_ops and not gpu.tensor_units:
+        raise ValueError(f"{gpu.name} has no tensor units")
+    tensor_rate = TENSOR_UNIT_SPEEDUP * gpu.fp32_rate if gpu.tensor_units else 0.0
+    if group.attention:
+        peak = tensor_rate if path.attention_tensor_ops else gpu.fp32_rate
+        rate = peak * path.attention_efficiency[case]
+    else:
+        peak = tensor_rate if path.tensor_ops else gpu.fp32_rate
+        rate = peak * path.gemm_efficiency[case]
+    nbytes = group.bytes + (group.cached_bytes if case == SLOW else 0.0)
+    return nbytes / (gpu.bandwidth * MEMORY_EFFICIENCY[case]), group.flops / rate
+
+
 @dataclass(frozen=True)
 class WholePrompt:
     tokens_per_second: tuple[float, float, float]  # SLOW, CENTRAL, FAST
     chunks: list[int]  # tokens of each chunk, in order
+    # The central case's seconds summed over the chunks, per kernel group as (memory, compute)
+    # (`group_terms`; it took the longer) and for the scan and overheads as (0, seconds).
+    central_terms: dict[str, tuple[float, float]]
 
 
 # A chunk's weight bytes and executed/useful expert ratio, given its token count.
@@ -369,6 +380,7 @@ def whole_prompt(
         chunks.append(tokens)
         start += tokens
     totals = [0.0, 0.0, 0.0]
+    central: dict[str, tuple[float, float]] = {}
     start = 0
     for tokens in chunks:
         weights, ratio = chunk_weights(tokens)
@@ -376,10 +388,16 @@ def whole_prompt(
         work = groups(c, start, tokens, weights, ratio, path, predicts)
         buffers = len(command_buffer_starts(c, prompt, tokens, budget)) + 1
         for case in (SLOW, CENTRAL, FAST):
-            totals[case] += sum(seconds(c, gpu, path, work, levels, buffers, tokens, case).values())
+            parts = seconds(c, gpu, path, work, levels, buffers, tokens, case)
+            totals[case] += sum(parts.values())
+        terms = {group.name: group_terms(gpu, path, group) for group in work}
+        for name, spent in seconds(c, gpu, path, work, levels, buffers, tokens).items():
+            memory, compute = terms.get(name, (0.0, spent))
+            old = central.get(name, (0.0, 0.0))
+            central[name] = (old[0] + memory, old[1] + compute)
         start += tokens
     rates = (prompt / totals[SLOW], prompt / totals[CENTRAL], prompt / totals[FAST])
-    return WholePrompt(rates, chunks)
+    return WholePrompt(rates, chunks, central)
 
 
 def gdn_layer_count(c: ModelConfig) -> int:

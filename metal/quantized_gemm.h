@@ -61,6 +61,30 @@ constexpr constant int QGEMM_ROW_EXPONENT_LIMIT = 64;
 
 static_assert(QUANT_GROUP_SIZE % QGEMM_DEPTH == 0, "a stage stays inside one quantization group");
 
+// The dense GEMMs' launch order. Their grid is (token tiles, weight tiles) and threadgroups
+// usually start in x-major order, so the token tiles of one weight tile run side by side: the
+// weights come from memory about once per chunk, but every weight tile streams all of X again
+// (32 MiB of fp32 at 4,096 tokens x 2048, more than a GPU's L2 holds). Threadgroup (x, y) instead
+// computes the tile qgemm_band_tile gives it: the token tiles go in bands of QGEMM_BAND_TOKENS
+// rows, and within a band every weight tile in turn, the band's token tiles side by side. X is
+// then read from memory about once (a band is 8 MiB of fp32) and the weights once per band:
+// 0.8 GB per band for the real model's projections, at most 4 times per 4,096-token chunk. A
+// chunk of one band or less keeps the x-major order exactly.
+constexpr constant uint QGEMM_BAND_TOKENS = 1024;
+
+// The (token tile, weight tile) that threadgroup `tile_id` of a grid of `tiles` computes: a
+// permutation of the grid, the identity when tiles.x fits in one band.
+template <uint TOKENS>
+inline uint2 qgemm_band_tile(uint2 tile_id, uint2 tiles) {
+  constexpr uint band = QGEMM_BAND_TOKENS / TOKENS;
+  static_assert(band * TOKENS == QGEMM_BAND_TOKENS, "whole token tiles per band");
+  const uint launched = tile_id.y * tiles.x + tile_id.x;
+  const uint first = launched / (band * tiles.y) * band;  // the band's first token tile
+  const uint width = min(band, tiles.x - first);          // the last band may be narrower
+  const uint in_band = launched - first * tiles.y;
+  return uint2(first + in_band % width, in_band / width);
+}
+
 // A staged row: 32 halves plus 8 of padding (80 bytes: 20 words apart, so the 8 rows one fragment
 // load reads start in 8 distinct groups of 4 banks), which keeps every row 16-byte aligned.
 constexpr constant uint QGEMM_STAGE_STRIDE = QGEMM_DEPTH + 8;

@@ -4,9 +4,8 @@
 //                   in_dim] (GDN in_proj qkv|z|a|b, attention q|k|v, router|shared-expert gate),
 //                   y_i [tokens, rows_i], in tiles of TOKENS tokens (the host picks 8 to 64 by the
 //                   chunk's length). Grid: x over token tiles, y over every projection's 128-row
-//                   tiles in turn. Threadgroups usually start in x-major order, so the token
-//                   tiles of one weight tile run side by side and the weights come from DRAM
-//                   about once per chunk, while x (4 MiB at 512 tokens x 2048) stays in the caches.
+//                   tiles in turn, launched in bands of 1,024 tokens (qgemm_band_tile in
+//                   quantized_gemm.h): the weights come from DRAM once per band, x about once.
 //   qgemm_grouped   the MoE experts of a chunk: assignments (token, expert) sorted by expert,
 //                   expert e owning [expert_offsets[e], expert_offsets[e + 1]); out[a] =
 //                   x[row(a)] W_e^T, or with SWIGLU silu(x[row(a)] G_e^T) * (x[row(a)] U_e^T),
@@ -63,12 +62,14 @@ void qgemm(constant QGemmParams& p [[buffer(0)]], device const float* x [[buffer
            device const uint* w3 [[buffer(14)]], device const bfloat* s3 [[buffer(15)]],
            device const bfloat* b3 [[buffer(16)]], device float* y3 [[buffer(17)]],
            device const int* x_exponents [[buffer(18)]],
-           uint2 tile_id [[threadgroup_position_in_grid]],
+           uint2 launched [[threadgroup_position_in_grid]],
+           uint2 tiles [[threadgroups_per_grid]],
            uint thread_id [[thread_index_in_threadgroup]],
            uint simdgroup [[simdgroup_index_in_threadgroup]],
            uint lane [[thread_index_in_simdgroup]]) {
   alignas(16) threadgroup half tile[qgemm_tile_elements(TOKENS)];  // staged as half4
 
+  const uint2 tile_id = qgemm_band_tile<TOKENS>(launched, tiles);
   uint proj = 0;
   while (proj + 1 < p.projections && tile_id.y >= p.first_tile[proj + 1]) ++proj;
   QuantMatrix m{w0, s0, b0};

@@ -6,28 +6,33 @@
 // runs the simdgroup-matrix kernels everywhere else and whenever this file fails to compile.
 //
 // It keeps to what Apple's header documentation of matmul2d and a working public example show (a
-// 4-SIMD-group scope, static descriptors with M 32 or 64, N 64 and K 64, half operands in
-// threadgroup memory, B given transposed, fp32 destination cooperative tensors read back element
-// by element through get_multidimensional_index). Every MetalPerformancePrimitives declaration it
-// uses was checked against the macOS 26.2 SDK's headers (csrc/sim/tensor_ops_declarations.py;
-// tools/check_macos_build.py --mpp-headers): half x half into float is a row of their table, and
-// both products run into destinations made for the same non-const half x half operands, which
-// the header requires. It has not been compiled by Apple's compiler. The sim runs this same
-// source on its emulation of those calls (csrc/sim/include/lily_sim_tensor_ops.h).
+// 4-SIMD-group scope, static descriptors with M 32 or 64, N 64 and K 32, as the tensor-op chunk
+// attention's P V, half operands in threadgroup memory, B given transposed, fp32 destination
+// cooperative tensors read back element by element through get_multidimensional_index). Every
+// MetalPerformancePrimitives declaration it uses was checked against the macOS 26.2 SDK's headers
+// (csrc/sim/tensor_ops_declarations.py; tools/check_macos_build.py --mpp-headers): half x half
+// into float is a row of their table, and both products run into destinations made for the same
+// non-const half x half operands, which the header requires. It has not been compiled by Apple's
+// compiler. The sim runs this same source on its emulation of those calls
+// (csrc/sim/include/lily_sim_tensor_ops.h).
 //
-// Per threadgroup of 128 threads: TOKENS (32 or 64) token rows x 128 weight rows, 64 inputs (one
-// quantization group) per stage. Staging is that of quantized_gemm.h (thread t dequantizes
-// weight row t to half with one fma, the threads copy X as half, times 2^-e under the range
-// guard), two 32-input stages side by side in packed rows of 64 halves, as the tensors want
-// them. Weight rows 0-63 and 64-127 of the tile are two 64 x 64 right operands, multiplied by
-// one op into two accumulators of identical layout: output columns n0.. and n0 + 64.. or, with
-// SWIGLU, the gate and the up projection of the same 64 columns, so that each thread holds the
-// matching gate and up values and applies silu(gate) * up in registers.
+// Per threadgroup of 128 threads: TOKENS (32 or 64) token rows x 128 weight rows, 32 inputs per
+// stage. Staging is that of quantized_gemm.h (thread t dequantizes weight row t to half with one
+// fma, the threads copy X as half, times 2^-e under the range guard), in packed rows of 32
+// halves, as the tensors want them. Weight rows 0-63 and 64-127 of the tile are two 64 x 32
+// right operands, multiplied by one op into two accumulators of identical layout: output columns
+// n0.. and n0 + 64.. or, with SWIGLU, the gate and the up projection of the same 64 columns, so
+// that each thread holds the matching gate and up values and applies silu(gate) * up in
+// registers.
 //
-// Single-buffered (two tiles of (64 + 128) x 64 halves would be 48 KiB): one barrier after the
-// stores and one after the products; the next stage's device loads are issued before the
-// products. The grouped GEMM's tiles of 8 and 16 assignments run as 32-row tiles (the smallest M
-// the example shows), their other rows staged as zeros and never stored.
+// Double-buffered, as quantized_gemm.h's simdgroup tile: the next stage's device loads are issued
+// before this stage's products and stored to the other buffer after them, one barrier per stage
+// (a buffer is overwritten two stages after it was multiplied, past the barrier that follows
+// every SIMD-group's products of it), so the tensor ops never wait for a stage's stores to the
+// buffer they read. Two stages of (64 + 128) x 32 halves are 24 KiB, what one 64-input stage
+// took before (two of those would be 48 KiB). The grouped GEMM's tiles of 8 and 16 assignments
+// run as 32-row tiles (the smallest M the example shows), their other rows staged as zeros and
+// never stored.
 #include <metal_tensor>
 #include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
 
@@ -35,16 +40,18 @@
 #include "quantized.h"
 #include "quantized_gemm.h"
 
-constexpr constant uint QGEMM_TENSOR_DEPTH = 2 * QGEMM_DEPTH;  // inputs per stage
 constexpr constant uint QGEMM_TENSOR_COLUMNS = QGEMM_WEIGHT_ROWS / 2;  // N of one product
 constexpr constant uint QGEMM_TENSOR_SIMDGROUPS = QGEMM_THREADS / SIMD_WIDTH;
 
-static_assert(QUANT_GROUP_SIZE % QGEMM_TENSOR_DEPTH == 0, "a stage stays inside one group");
 static_assert(QGEMM_TENSOR_SIMDGROUPS == 4, "the documented scope: 4 SIMD-groups");
 
-// Halves of the staging memory for a tile of `tokens` rows: X then the 128 weight rows.
+// Halves of one stage of a tile of `tokens` rows: X then the 128 weight rows, QGEMM_DEPTH inputs
+// each; and of the staging memory, QGEMM_STAGES of them.
+constexpr uint qgemm_tensor_stage_elements(uint tokens) {
+  return (tokens + QGEMM_WEIGHT_ROWS) * QGEMM_DEPTH;
+}
 constexpr uint qgemm_tensor_tile_elements(uint tokens) {
-  return (tokens + QGEMM_WEIGHT_ROWS) * QGEMM_TENSOR_DEPTH;
+  return QGEMM_STAGES * qgemm_tensor_stage_elements(tokens);
 }
 static_assert(qgemm_tensor_tile_elements(QGEMM_MAX_TOKENS) * 2 <= 32 * 1024, "fits in 32 KiB");
 
@@ -68,7 +75,7 @@ inline uint qgemm_tensor_x_row(QgemmTensorOutput o, device const uint* row_index
 
 // Computes a TOKENS x 128 tile and stores it as `o` says.
 //   x_rows[i], x_down[i]: the row of x this thread stages as its i-th load of every 32-input
-//     half-stage (tile row qgemm_x_tile_row(thread_id, i)), or QGEMM_NO_ROW, and its 2^-e;
+//     stage (tile row qgemm_x_tile_row(thread_id, i)), or QGEMM_NO_ROW, and its 2^-e;
 //   w, w_row, w_valid: the matrix and row this thread stages as tile row thread_id.
 // Call from uniform control flow with all QGEMM_THREADS threads.
 template <uint BITS, uint TOKENS, bool SWIGLU>
@@ -78,26 +85,22 @@ inline void qgemm_tensor_tile(device const float* x, uint in_dim, thread const u
                               QgemmTensorOutput o, threadgroup half* tile, uint thread_id) {
   using namespace mpp::tensor_ops;
   static_assert(TOKENS == 32 || TOKENS == 64, "the tensor-op tiles have 32 or 64 rows");
-  constexpr uint depth = QGEMM_TENSOR_DEPTH;
-  threadgroup half* x_tile = tile;
-  threadgroup half* w_tile = tile + TOKENS * depth;
+  constexpr uint depth = QGEMM_DEPTH;
+  constexpr uint stage_elements = qgemm_tensor_stage_elements(TOKENS);
   const uint x_col = (thread_id % (QGEMM_DEPTH / 4)) * 4;
 
-  // Extents are (inner, outer): X is TOKENS rows of 64 inputs (M x K); each weight half is 64
-  // rows of 64 inputs, B^T, hence transpose_right.
-  auto x_tensor = metal::tensor(x_tile, metal::dextents<int32_t, 2>(depth, TOKENS));
-  auto w_low = metal::tensor(w_tile, metal::dextents<int32_t, 2>(depth, QGEMM_TENSOR_COLUMNS));
-  auto w_high = metal::tensor(w_tile + QGEMM_TENSOR_COLUMNS * depth,
-                              metal::dextents<int32_t, 2>(depth, QGEMM_TENSOR_COLUMNS));
+  // Extents are (inner, outer): X is TOKENS rows of 32 inputs (M x K); each weight half is 64
+  // rows of 32 inputs, B^T, hence transpose_right. The same tensor types for either buffer.
+  using XTensor = decltype(metal::tensor(tile, metal::dextents<int32_t, 2>(depth, TOKENS)));
+  using WTensor =
+      decltype(metal::tensor(tile, metal::dextents<int32_t, 2>(depth, QGEMM_TENSOR_COLUMNS)));
   constexpr auto desc = matmul2d_descriptor(TOKENS, QGEMM_TENSOR_COLUMNS, depth,
                                             /*transpose_left=*/false, /*transpose_right=*/true,
                                             /*relaxed_precision=*/false,
                                             matmul2d_descriptor::mode::multiply_accumulate);
   matmul2d<desc, metal::execution_simdgroups<QGEMM_TENSOR_SIMDGROUPS>> op;
-  auto acc_low =
-      op.template get_destination_cooperative_tensor<decltype(x_tensor), decltype(w_low), float>();
-  auto acc_high =
-      op.template get_destination_cooperative_tensor<decltype(x_tensor), decltype(w_low), float>();
+  auto acc_low = op.template get_destination_cooperative_tensor<XTensor, WTensor, float>();
+  auto acc_high = op.template get_destination_cooperative_tensor<XTensor, WTensor, float>();
   for (uint16_t i = 0; i < acc_low.get_capacity(); ++i) {
     if (acc_low.is_valid_element(i)) {
       acc_low[i] = 0.0f;
@@ -105,26 +108,33 @@ inline void qgemm_tensor_tile(device const float* x, uint in_dim, thread const u
     }
   }
 
-  QgemmStage<BITS, TOKENS> first_half;
-  QgemmStage<BITS, TOKENS> second_half;
-  qgemm_load_stage<BITS, TOKENS>(first_half, x, in_dim, x_rows, x_down, x_col, w, w_row, w_valid,
-                                 0);
-  qgemm_load_stage<BITS, TOKENS>(second_half, x, in_dim, x_rows, x_down, x_col, w, w_row, w_valid,
-                                 QGEMM_DEPTH);
+  QgemmStage<BITS, TOKENS> stage;
+  qgemm_load_stage<BITS, TOKENS>(stage, x, in_dim, x_rows, x_down, x_col, w, w_row, w_valid, 0);
+  qgemm_store_stage<BITS, TOKENS, depth>(stage, tile, tile + TOKENS * depth, thread_id, x_col);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint current = 0;
   for (uint k0 = 0; k0 < in_dim; k0 += depth) {
-    qgemm_store_stage<BITS, TOKENS, depth>(first_half, x_tile, w_tile, thread_id, x_col);
-    qgemm_store_stage<BITS, TOKENS, depth>(second_half, x_tile + QGEMM_DEPTH,
-                                           w_tile + QGEMM_DEPTH, thread_id, x_col);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (k0 + depth < in_dim) {
-      qgemm_load_stage<BITS, TOKENS>(first_half, x, in_dim, x_rows, x_down, x_col, w, w_row,
-                                     w_valid, k0 + depth);
-      qgemm_load_stage<BITS, TOKENS>(second_half, x, in_dim, x_rows, x_down, x_col, w, w_row,
-                                     w_valid, k0 + depth + QGEMM_DEPTH);
+    const bool more = k0 + depth < in_dim;
+    if (more) {
+      qgemm_load_stage<BITS, TOKENS>(stage, x, in_dim, x_rows, x_down, x_col, w, w_row, w_valid,
+                                     k0 + depth);
     }
-    op.run(x_tensor, w_low, acc_low);
-    op.run(x_tensor, w_high, acc_high);
-    // Every SIMD-group has read the stage before anyone overwrites it.
+    threadgroup half* staged = tile + current * stage_elements;
+    auto x_staged = metal::tensor(staged, metal::dextents<int32_t, 2>(depth, TOKENS));
+    auto w_low = metal::tensor(staged + TOKENS * depth,
+                               metal::dextents<int32_t, 2>(depth, QGEMM_TENSOR_COLUMNS));
+    auto w_high = metal::tensor(staged + (TOKENS + QGEMM_TENSOR_COLUMNS) * depth,
+                                metal::dextents<int32_t, 2>(depth, QGEMM_TENSOR_COLUMNS));
+    op.run(x_staged, w_low, acc_low);
+    op.run(x_staged, w_high, acc_high);
+    if (more) {
+      current ^= 1;
+      threadgroup half* target = tile + current * stage_elements;
+      qgemm_store_stage<BITS, TOKENS, depth>(stage, target, target + TOKENS * depth, thread_id,
+                                             x_col);
+    }
+    // The next stage is visible; the one just multiplied is overwritten only after the next
+    // barrier, which every SIMD-group reaches after its products of it.
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
@@ -176,10 +186,12 @@ void qgemm_tensor(constant QGemmParams& p [[buffer(0)]], device const float* x [
                   device const uint* w3 [[buffer(14)]], device const bfloat* s3 [[buffer(15)]],
                   device const bfloat* b3 [[buffer(16)]], device float* y3 [[buffer(17)]],
                   device const int* x_exponents [[buffer(18)]],
-                  uint2 tile_id [[threadgroup_position_in_grid]],
+                  uint2 launched [[threadgroup_position_in_grid]],
+                  uint2 tiles [[threadgroups_per_grid]],
                   uint thread_id [[thread_index_in_threadgroup]]) {
   alignas(16) threadgroup half tile[qgemm_tensor_tile_elements(TOKENS)];  // staged as half4
 
+  const uint2 tile_id = qgemm_band_tile<TOKENS>(launched, tiles);
   uint proj = 0;
   while (proj + 1 < p.projections && tile_id.y >= p.first_tile[proj + 1]) ++proj;
   QuantMatrix m{w0, s0, b0};

@@ -34,6 +34,7 @@ from lily.diagnostics.kernel_checks import (
 )
 from lily.kernels.quant_weight import wrap_quant_weight
 from lily.kernels.quantized_gemm import (
+    BAND_TOKENS,
     record_qgemm,
     record_qgemm_grouped,
     record_qgemm_row_exponents,
@@ -130,6 +131,14 @@ def test_qgemm_long_input(lane_order):
 
 def test_qgemm_bigger_chunk():
     check_qgemm("random", 520, 128, [136, 264], 4)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_qgemm_launch_bands(lane_order):
+    """More token tiles than one launch band: 18 tiles of 64 tokens run as a band of 16 and a
+    narrower one of 2, each over the three weight tiles of two projections; a tile computed twice
+    or never shows as a wrong output."""
+    check_qgemm(lane_order, BAND_TOKENS + 76, 64, [200, 72], 4)
 
 
 def test_qgemm_4097_tokens():

@@ -13,7 +13,7 @@ from test_kernel_quantized_gemm import check_grouped, check_qgemm, random_choice
 
 from lily.device import MatrixProducts
 from lily.kernels.quant_weight import wrap_quant_weight
-from lily.kernels.quantized_gemm import record_qgemm
+from lily.kernels.quantized_gemm import BAND_TOKENS, record_qgemm
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)
@@ -28,6 +28,12 @@ from lily.kernels.quantized_gemm import record_qgemm
 )
 def test_qgemm_tensor_ops(lane_order, tokens, in_dim, rows, bits, guarded):
     check_qgemm(lane_order, tokens, in_dim, rows, bits, guarded=guarded, tensor_ops=True)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+def test_qgemm_tensor_ops_launch_bands(lane_order):
+    """Two launch bands (16 and 2 tiles of 64 tokens) over three weight tiles, guarded."""
+    check_qgemm(lane_order, BAND_TOKENS + 76, 64, [200, 72], 8, guarded=True, tensor_ops=True)
 
 
 @pytest.mark.parametrize("lane_order", LANE_ORDERS)

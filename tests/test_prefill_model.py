@@ -122,6 +122,22 @@ def test_a_whole_prompt_runs_in_the_chunks_its_macs_budget_allows(real):
     assert speed_up(131072, both) > 3 * speed_up(131072, gemms)
 
 
+def test_the_central_terms_make_up_the_central_time(real):
+    """The breakdown bench_prefill prints: each kernel group took the longer of its memory and
+    compute terms, and the parts sum to the prompt's tokens over its central rate."""
+    m5_max = prefill_model.GPUS[2]
+    estimate = prefill_model.whole_prompt(
+        real, m5_max, prefill_model.TENSOR_OPS, 32768, chunk_weights, 600
+    )
+    total = sum(max(pair) for pair in estimate.central_terms.values())
+    central = estimate.tokens_per_second[prefill_model.CENTRAL]
+    assert total == pytest.approx(32768 / central, rel=1e-12)
+    memory, compute = estimate.central_terms["chunk attention"]
+    assert memory > 0
+    assert compute > 0
+    assert estimate.central_terms["GDN scan"][0] == 0
+
+
 def test_the_report_has_a_line_per_mac_in_the_issues_form(real, capsys):
     bench_prefill.whole_prompt_report(types.SimpleNamespace(config=real), 4096, 600)
     out = capsys.readouterr().out

@@ -14,7 +14,9 @@ the GEMM given them as `x_exponents` stages row r times 2^-e[r] and multiplies i
 
 Tiles are 8, 16, 32 or 64 token rows by 128 weight rows. `dense_tile_tokens` picks the dense
 GEMMs' size from the chunk's length; the grouped GEMM sizes each expert's tiles by its count on
-the device, and `grouped_tile_tokens` says which tiles that gives (for estimates and tests).
+the device, and `grouped_tile_tokens` says which tiles that gives (for estimates and tests). The
+dense GEMMs run their tiles in bands of `BAND_TOKENS` token rows, every weight tile of a band in
+turn, so the input is read about once and the weights once per band (`quantized_gemm.h`).
 
 On a device whose `tensor_ops` is set (macOS 26.2 on an M5, or a sim opened with
 ``tensor_ops=True``) the same calls run the Metal 4 tensor-op kernels
@@ -47,6 +49,8 @@ ROW_EXPONENT_THREADS = 128
 ROWS_PER_EXPONENT_THREADGROUP = ROW_EXPONENT_THREADS // 32
 ROW_TOP = 8
 ROW_EXPONENT_LIMIT = 64
+# Must match QGEMM_BAND_TOKENS in quantized_gemm.h: the dense GEMMs' launch bands.
+BAND_TOKENS = 1024
 # Must match qgemm_tensor_tile's sizes in quantized_gemm_tensor_ops.metal.
 TENSOR_MIN_TILE_TOKENS = 32
 # The dense GEMMs take the largest token tile that pads a chunk by at most this fraction.
