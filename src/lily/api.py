@@ -605,7 +605,8 @@ def load(
     if parallel > 1 and speculative == "dflash":
         raise ValueError(
             "speculative='dflash' drafts for one sequence at a time and the scheduler's lone "
-            "stream drafts only with the MTP head or prompt lookup: use parallel=1, or 'auto'"
+            "stream drafts only with the MTP head or prompt lookup: use parallel=1 "
+            "(lily serve --parallel 1), or 'auto'"
         )
     if device == "reference" or single_token_passes:
         speculative = "off"
