@@ -202,3 +202,26 @@ def test_dflash_is_refused_where_drafting_cannot_run(tmp_path):
     # "auto" never chooses it.
     with lily.load("demo", device="sim", max_seq=64) as llm:
         assert not llm.speculation().dflash and llm.engine._dflash is None
+
+
+def test_the_memory_preflight_counts_the_drafter(monkeypatch):
+    """`lily.load` asks the device for the drafter's tensors and its KV cache (K and V rows of
+    every drafter layer for each of max_seq positions, bf16) beside the model's own bytes."""
+    import lily.device
+    from lily.checkpoint.dflash import demo_drafter_dir
+    from lily.checkpoint.loader import resolve_model
+
+    asked: list[int] = []
+    monkeypatch.setattr(lily.device, "check_memory", lambda kind, nbytes: asked.append(nbytes))
+    sizes = dict(max_seq=256, prefill_chunk=64)
+    with lily.load("demo", device="sim", speculative="off", **sizes):
+        pass
+    with lily.load("demo", device="sim", speculative="dflash", **sizes):
+        pass
+    without, with_drafter = asked
+    target = load_checkpoint(resolve_model("demo", None)).config
+    drafter = load_dflash(demo_drafter_dir(), target)
+    c = drafter.config
+    tensors = sum(t.nbytes for t in drafter.tensors.values())
+    cache = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2 * 256
+    assert with_drafter - without >= tensors + cache

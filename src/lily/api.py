@@ -33,6 +33,7 @@ from lily.checkpoint.loader import (
 )
 from lily.checkpoint.validate import claims_real_model
 from lily.engine.command_buffer_budget import command_buffer_flops
+from lily.engine.dflash_graph import drafter_device_bytes
 from lily.engine.engine import GREEDY, DeviceEngine, Engine, ReferenceEngine, kv_bytes_per_token
 from lily.engine.model_graph import (
     PREFILL_CHUNKS,
@@ -146,6 +147,8 @@ def _make_engine(
     from lily.device import check_memory
 
     working = device_bytes(checkpoint, max_seq, prefill_chunk, kv_cache, mtp)
+    if dflash is not None:
+        working += drafter_device_bytes(dflash, max_seq, prefill_chunk, config.vocab_size)
     check_memory(device, working)
     per_slot = slot_bytes(config, max_seq, token_count, kv_cache)
     slots = _parallel_slots(device, working, per_slot, parallel)

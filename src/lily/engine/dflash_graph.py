@@ -52,6 +52,23 @@ MAX_ROWS = MAX_TOKENS
 MAX_DRAFTS = MAX_TOKENS - 1
 
 
+def drafter_device_bytes(
+    drafter: DFlashDrafter, capacity: int, max_chunk: int, vocab_rows: int
+) -> int:
+    """What running `drafter` adds on the device for sequences of up to `capacity` tokens:
+    its tensors (copied), its KV cache, the target's kept layer outputs (`max_chunk` rows of
+    each target layer it reads, in the target's graph) and its activations and logits."""
+    c = drafter.config
+    h, q = c.hidden_size, c.num_attention_heads * HEAD_DIM
+    kv_width = c.num_key_value_heads * HEAD_DIM
+    tensors = sum(t.nbytes for t in drafter.tensors.values())
+    cache = 2 * c.num_hidden_layers * cache_bytes(c.num_key_value_heads, capacity)
+    kept = 4 * len(c.target_layer_ids) * max_chunk * h
+    rows = 4 * MAX_ROWS * (2 * h + 3 * q + 2 * kv_width + 2 * c.intermediate_size)
+    outputs = 4 * MAX_DRAFTS * (h + vocab_rows)
+    return tensors + cache + kept + rows + outputs
+
+
 class DrafterGraph:
     """The drafter's device state for one sequence of up to `capacity` tokens, with the target's
     embedding table `embedding` and lm_head `lm_head` (vocab rows)."""
