@@ -26,6 +26,9 @@ So, per pass:
   the rows' attention and draws then ran one after another, B - 1 more levels for each
   attention layer's two dispatches and the sampler's two, 22 (B - 1) at the real dims.
 
+Last, the ceiling the bytes set: aggregate tok/s were a pass only its bytes at the whole
+published bandwidth (no levels, no instructions, no efficiency loss).
+
 Left out: the host's work per pass (sampling is on the device; the host reads B tokens),
 attention's own latency model (`model_decode_attention.py`; at these contexts attention is a
 small share), and any contention between streams' prefill slices and the batch.
@@ -77,12 +80,17 @@ def serial_row_levels(c: ModelConfig, streams: int) -> int:
     return (streams - 1) * (2 * len(c.full_attention_layers) + 2)
 
 
+def pass_bytes(c: ModelConfig, streams: int, context: int) -> float:
+    """What a pass over `streams` streams moves: weights, recurrent states, KV caches."""
+    per_stream = 2 * recurrent_state_bytes(c) + context * kv_cache_bytes_per_token(c, "bf16")
+    return pass_traffic(c, streams).weight_bytes + streams * per_stream
+
+
 def pass_seconds(
     c: ModelConfig, gpu, streams: int, context: int, efficiency: int, levels: int
 ) -> float:
     traffic = pass_traffic(c, streams)
-    per_stream = 2 * recurrent_state_bytes(c) + context * kv_cache_bytes_per_token(c, "bf16")
-    moved = traffic.weight_bytes + streams * per_stream
+    moved = pass_bytes(c, streams, context)
     bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY[efficiency]
     issue_rate = gpu.fp32_rate / 2
     return max(moved / bandwidth, traffic.gemv_ops / issue_rate) + levels * LEVEL_SECONDS
@@ -116,6 +124,13 @@ def main() -> None:
                 f"{streams / central:16.0f}  {f'({streams / slow:.0f}-{streams / fast:.0f})':28s}"
                 f"{streams / serial:22.0f}"
             )
+    # The ceiling of this design: its bytes at the whole published bandwidth, nothing else.
+    for gpu in GPUS:
+        ceiling = ", ".join(
+            f"{streams * gpu.bandwidth / pass_bytes(c, streams, args.context):.0f} at {streams}"
+            for streams in STREAMS
+        )
+        print(f"{gpu.name}: the bytes alone at 100 % of the bandwidth: {ceiling} streams (tok/s)")
 
 
 if __name__ == "__main__":
