@@ -238,3 +238,64 @@ def test_a_fault_of_the_scheduler_reaches_every_caller(engine, monkeypatch):
             _ids(scheduler.generate([1, 2, 3], NEW_TOKENS))
     finally:
         scheduler.stop()
+
+
+def _on_a_thread(work: Callable[[], Any], seconds: float = 120) -> Any:
+    """`work()` on a thread of its own, failing the test if it has not returned in time
+    (where the bug would leave the test waiting forever)."""
+    results: list[Any] = []
+    thread = threading.Thread(target=lambda: results.append(_result_or_error(work)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert results, f"still waiting after {seconds} s"
+    return results[0]
+
+
+def _result_or_error(work: Callable[[], Any]) -> Any:
+    try:
+        return work()
+    except Exception as exc:
+        return exc
+
+
+def test_one_thread_reads_more_open_generations_than_slots(engine, scheduler):
+    """One thread opens five generations on three slots and reads them in turn, a token from
+    each: the three admitted run ahead of it while it waits on the fourth, instead of all
+    waiting on each other."""
+    prompts = _prompts(engine, [4, 9, 6, 11, 7], seed=31)
+    alone = [_ids(engine.generate(p, NEW_TOKENS)) for p in prompts]
+
+    def read_in_turn() -> list[list[int]]:
+        open_ = [scheduler.generate(p, NEW_TOKENS) for p in prompts]
+        got: list[list[int]] = [[] for _ in prompts]
+        for _ in range(NEW_TOKENS):
+            for i, tokens in enumerate(open_):
+                got[i].append(next(tokens).id)
+        return got
+
+    assert _on_a_thread(read_in_turn) == alone
+
+
+def test_a_thread_holding_every_slot_in_step_is_told_so(engine):
+    """Generations under a constraint run in step with their caller, so a thread that holds
+    every slot with such generations and waits on another would wait forever: it is told."""
+    vocab = engine.config.vocab_size
+    scheduler = BatchScheduler(engine, slots=1)
+    try:
+        prompts = _prompts(engine, [5, 8], seed=32)
+
+        held = scheduler.generate(prompts[0], NEW_TOKENS, constraint=FiveTokens(vocab, 1))
+
+        def hold_then_open() -> Any:
+            next(held)
+            return next(scheduler.generate(prompts[1], NEW_TOKENS))
+
+        error = _on_a_thread(hold_then_open)
+        assert isinstance(error, RuntimeError) and "not reading" in str(error)
+        held.close()  # as the error says: its slot is free again
+        # The engine serves the next caller as usual.
+        assert _ids(scheduler.generate(prompts[1], NEW_TOKENS)) == _ids(
+            engine.generate(prompts[1], NEW_TOKENS)
+        )
+    finally:
+        scheduler.stop()

@@ -81,6 +81,7 @@ class _Generation:
     # Whether it runs alone only to draft, and moves into a slot once others arrive.
     drafts_alone: bool = False
     last: int | None = None  # the last token delivered
+    thread: int = field(default_factory=threading.get_ident)  # the caller's
 
     @property
     def drafts(self) -> bool:
@@ -97,10 +98,9 @@ class _Generation:
         return bool(self.options.get("images"))
 
     @property
-    def ready(self) -> bool:
-        """Whether the caller may be given another token now."""
-        ahead = 1 if self.options.get("constraint") is not None else RUN_AHEAD
-        return not self.closed and self.delivered < self.asked + ahead - 1
+    def in_step(self) -> bool:
+        """Whether it runs in step with its caller (a constraint: told each token first)."""
+        return self.options.get("constraint") is not None
 
     def cancelled(self) -> bool:
         should_stop = self.options.get("should_stop")
@@ -133,6 +133,8 @@ class BatchScheduler:
         self._batched: list[_Generation] = []
         self._alone: _Generation | None = None
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        # The generation each caller thread waits on for its next token.
+        self._reading: dict[int, _Generation] = {}
         self._closing = False
         self._thread = threading.Thread(target=self._serve, name="lily-batch", daemon=True)
         self._thread.start()
@@ -168,8 +170,13 @@ class BatchScheduler:
             while True:
                 with self._changed:
                     generation.asked += 1
+                    self._reading[threading.get_ident()] = generation
                     self._changed.notify()
-                item = generation.results.get()
+                try:
+                    item = generation.results.get()
+                finally:
+                    with self._changed:
+                        del self._reading[threading.get_ident()]
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
@@ -260,16 +267,45 @@ class BatchScheduler:
             return not (generation.has_images and self._batched)
         return self._decoder.free_slots > 0
 
+    def _ready(self, generation: _Generation) -> bool:
+        """Whether the generation's caller may be given another token now: while it is at most
+        `RUN_AHEAD` tokens behind (in step, none), or, not in step, while its caller's thread
+        waits on another generation of its own. A thread may hold more open generations than
+        there are slots and read them in turn: the ones in slots then run ahead of it, rather
+        than wait for it as it waits for a slot."""
+        g = generation
+        if g.closed:
+            return False
+        if g.delivered < g.asked + (1 if g.in_step else RUN_AHEAD) - 1:
+            return True
+        waits_on = self._reading.get(g.thread)
+        return not g.in_step and waits_on is not None and waits_on is not g
+
+    def _held_by_its_own_caller(self) -> _Generation | None:
+        """A waiting generation whose thread waits on it while every slot (and the generation
+        running alone) holds a generation of that thread's that runs in step and is not read:
+        nothing would ever free them."""
+        holders = [*self._batched, *([self._alone] if self._alone is not None else [])]
+        for generation in self._waiting:
+            if self._reading.get(generation.thread) is not generation:
+                continue
+            if self._alone is None and self._decoder.free_slots > 0:
+                continue
+            if all(h.thread == generation.thread and not self._ready(h) for h in holders):
+                return generation
+        return None
+
     def _has_work(self) -> bool:
         admissible = self._can_admit()
         calls = self._calls and self._alone is None
-        ready = any(g.ready for g in self._batched) or (
-            self._alone is not None and self._alone.ready
+        ready = any(self._ready(g) for g in self._batched) or (
+            self._alone is not None and self._ready(self._alone)
         )
         closed = any(g.closed for g in self._batched) or (
             self._alone is not None and self._alone.closed
         )
-        return bool(admissible or calls or ready or closed or self._others_wait())
+        held = self._held_by_its_own_caller() is not None
+        return bool(admissible or calls or ready or closed or held or self._others_wait())
 
     def _others_wait(self) -> bool:
         """Whether a generation drafting alone must move into a slot: others are waiting."""
@@ -297,8 +333,19 @@ class BatchScheduler:
             cancelled = [g for g in self._waiting if g.cancelled()]
             for generation in cancelled:
                 self._waiting.remove(generation)
+            held = self._held_by_its_own_caller()
+            if held is not None:
+                self._waiting.remove(held)
         for generation in cancelled:
             generation.deliver(GenerationCancelled())
+        if held is not None:
+            held.deliver(
+                RuntimeError(
+                    "this thread waits for a generation while every slot holds one of its own "
+                    "that it is not reading, under a constraint (which runs in step with its "
+                    "reader): read or close one of them first"
+                )
+            )
 
     def _run_calls(self) -> None:
         while self._calls and self._alone is None:
@@ -360,7 +407,7 @@ class BatchScheduler:
         self._batched_pass()
         alone = self._alone
         moving = self._others_wait()
-        if alone is None or not (moving or alone.ready):
+        if alone is None or not (moving or self._ready(alone)):
             return
         assert alone.alone is not None
         try:
@@ -385,7 +432,7 @@ class BatchScheduler:
         """One batched pass over the streams whose callers are ready for a token."""
         for generation in [g for g in self._batched if g.cancelled()]:
             self._leave(generation, GenerationCancelled())
-        ready = {g.stream: g for g in self._batched if g.ready}
+        ready = {g.stream: g for g in self._batched if self._ready(g)}
         if not ready:
             return
         drawn = self._decoder.step(ready)
