@@ -1,6 +1,6 @@
 """Is the Hugging Face Hub reachable? One quick request, asked before a download. And the
 downloads Lily makes besides the checkpoint: the real model's multi-token-prediction head, and
-the DFlash drafter (not yet used by any generation, docs/dflash.md).
+the DFlash drafter (docs/dflash.md).
 
 Without a network, `huggingface_hub` retries for about 25 seconds and then fails with a long
 chain of connection errors. One request with a short timeout (through the same proxies,
@@ -57,6 +57,54 @@ def download_hint(repo: str, revision: str | None) -> str:
     )
 
 
+class _HubFiles:
+    """Files of one Hub repository at one revision, through the Hugging Face cache (its local
+    copy only when HF_HUB_OFFLINE is set or the Hub cannot be reached). A file missing from the
+    local cache raises a CheckpointError saying what it makes (`what`), the `hf download`
+    command that fetches it where there is a network (of that file alone when `file_by_file`,
+    else of the repository), and how to do without it (`instead`)."""
+
+    def __init__(
+        self, repo: str, revision: str | None, what: str, instead: str, file_by_file: bool
+    ) -> None:
+        self.repo, self.revision = repo, revision
+        self.what, self.instead, self.file_by_file = what, instead, file_by_file
+        self.offline = bool(os.environ.get("HF_HUB_OFFLINE"))
+        self.local_only = self.offline or not hub_reachable()
+
+    def download(self, filename: str, may_be_absent: bool = False) -> Path:
+        """The file's path in the cache. With `may_be_absent`, a file the repository does not
+        have raises huggingface_hub's EntryNotFoundError, for the caller to do without it."""
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            HFValidationError,
+            LocalEntryNotFoundError,
+        )
+
+        from lily.checkpoint.safetensors_mmap import CheckpointError
+
+        repo = self.repo
+        try:
+            return Path(
+                hf_hub_download(
+                    repo, filename, revision=self.revision, local_files_only=self.local_only
+                )
+            )
+        except LocalEntryNotFoundError:
+            why = "HF_HUB_OFFLINE is set" if self.offline else f"{hub_endpoint()} cannot be reached"
+            pinned = f" --revision {self.revision}" if self.revision else ""
+            command = f"hf download {repo}{pinned}" + (f" {filename}" if self.file_by_file else "")
+            raise CheckpointError(
+                f"{self.what} comes from {filename} of {repo}, which is not in the local Hugging "
+                f"Face cache, and {why}: download it once with `{command}`, or {self.instead}"
+            ) from None
+        except (HFValidationError, OSError) as e:
+            if may_be_absent and isinstance(e, EntryNotFoundError):
+                raise
+            raise CheckpointError(f"could not download {filename} of {repo}: {e}") from e
+
+
 # Where the real model's multi-token-prediction head comes from: the original (bf16) release,
 # whose shards hold `mtp.*` (mlx-community's 4-bit conversion dropped it).
 MTP_SOURCE_REPO = "Qwen/Qwen3.6-35B-A3B"
@@ -71,9 +119,6 @@ def fetch_mtp_head(
     head's tensors are read from them and quantized. Raises CheckpointError, saying what to do,
     when the Hub cannot be reached and the shards are not in the local cache, or when the
     repo has no head."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
     from lily.checkpoint.cache import build_once, cache_root
     from lily.checkpoint.demo import write_safetensors
     from lily.checkpoint.mtp import MTP_SHARD, is_mtp, quantize_mtp_head
@@ -82,24 +127,14 @@ def fetch_mtp_head(
     target = cache_root() / "mtp" / f"{repo.replace('/', '--')}-{revision or 'main'}"
     if (target / MTP_SHARD).is_file():
         return target
-    offline = bool(os.environ.get("HF_HUB_OFFLINE"))
-    local_only = offline or not hub_reachable()
-
-    def download(filename: str) -> Path:
-        try:
-            return Path(
-                hf_hub_download(repo, filename, revision=revision, local_files_only=local_only)
-            )
-        except LocalEntryNotFoundError:
-            why = "HF_HUB_OFFLINE is set" if offline else f"{hub_endpoint()} cannot be reached"
-            raise CheckpointError(
-                f"the MTP head comes from {filename} of {repo}, which is not in the local Hugging "
-                f"Face cache, and {why}: download it once with `hf download {repo} {filename}`, "
-                "or load with speculative='ngram' (or 'off') to do without the head"
-            ) from None
-        except (HFValidationError, OSError) as e:
-            raise CheckpointError(f"could not download {filename} of {repo}: {e}") from e
-
+    files = _HubFiles(
+        repo,
+        revision,
+        "the MTP head",
+        "load with speculative='ngram' (or 'off') to do without the head",
+        file_by_file=True,
+    )
+    download = files.download
     index = json.loads(download(INDEX_FILE).read_text())
     weight_map = index.get("weight_map", {}) if isinstance(index, dict) else {}
     shards = sorted({shard for name, shard in weight_map.items() if is_mtp(name)})
@@ -131,12 +166,7 @@ def fetch_dflash(target: ModelConfig, repo: str | None = None, revision: str | N
     Raises CheckpointError, naming the `hf download` command, when the Hub cannot be reached
     and the files are not in the local cache; ConfigError or CheckpointError naming what
     differs when the drafter does not fit `target`."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-    )
+    from huggingface_hub.errors import EntryNotFoundError
 
     from lily.checkpoint.cache import build_once, cache_root
     from lily.checkpoint.dflash import (
@@ -155,34 +185,21 @@ def fetch_dflash(target: ModelConfig, repo: str | None = None, revision: str | N
     directory = cache_root() / "dflash" / f"{repo.replace('/', '--')}-{revision or 'main'}"
     if (directory / DFLASH_SHARD).is_file():
         return directory  # load_dflash checks it against the target
-    offline = bool(os.environ.get("HF_HUB_OFFLINE"))
-    local_only = offline or not hub_reachable()
-    pinned = f" --revision {revision}" if revision else ""
-
-    def download(filename: str) -> Path:
-        try:
-            return Path(
-                hf_hub_download(repo, filename, revision=revision, local_files_only=local_only)
-            )
-        except LocalEntryNotFoundError:
-            why = "HF_HUB_OFFLINE is set" if offline else f"{hub_endpoint()} cannot be reached"
-            raise CheckpointError(
-                f"the DFlash drafter comes from {repo}, whose {filename} is not in the local "
-                f"Hugging Face cache, and {why}: download it once with "
-                f"`hf download {repo}{pinned}`, or load without speculative='dflash'"
-            ) from None
-        except (HFValidationError, OSError) as e:
-            if isinstance(e, EntryNotFoundError):
-                raise
-            raise CheckpointError(f"could not download {filename} of {repo}: {e}") from e
-
+    files = _HubFiles(
+        repo,
+        revision,
+        "the DFlash drafter",
+        "load without speculative='dflash'",
+        file_by_file=False,
+    )
+    download = files.download
     raw = json.loads(download("config.json").read_text())
     if not isinstance(raw, dict):
         raise CheckpointError(f"the config.json of {repo} is not a JSON object")
     config = parse_dflash_config(raw)
     check_against_target(config, target)
     try:
-        index = json.loads(download(INDEX_FILE).read_text())
+        index = json.loads(download(INDEX_FILE, may_be_absent=True).read_text())
         shards = sorted(set(index.get("weight_map", {}).values()))
     except EntryNotFoundError:  # one file, no index
         shards = ["model.safetensors"]
