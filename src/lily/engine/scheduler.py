@@ -285,11 +285,15 @@ class BatchScheduler:
         """A waiting generation whose thread waits on it while every slot (and the generation
         running alone) holds a generation of that thread's that runs in step and is not read:
         nothing would ever free them."""
-        holders = [*self._batched, *([self._alone] if self._alone is not None else [])]
+        alone = self._alone
+        holders = [*self._batched, *([alone] if alone is not None else [])]
+        # A generation drafting alone moves into a slot once others wait, whatever its caller.
+        moves = alone is not None and alone.drafts_alone
+        free = self._decoder.free_slots - (1 if moves else 0)
         for generation in self._waiting:
             if self._reading.get(generation.thread) is not generation:
                 continue
-            if self._alone is None and self._decoder.free_slots > 0:
+            if (alone is None or moves) and free > 0:
                 continue
             if all(h.thread == generation.thread and not self._ready(h) for h in holders):
                 return generation
