@@ -110,6 +110,7 @@ BAD_VALUES = [
     ("image_token_id", 1024),
     ("vision_start_token_id", -1),
     (T + "rope_parameters/type", {"x": 1}),
+    (T + "rope_parameters/rope_type", "yarn"),
     ("text_config", ["not", "an", "object"]),
     ("model_type", 3),
 ]

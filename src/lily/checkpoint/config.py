@@ -212,23 +212,31 @@ class _Table:
         return _Table(self._get(key, {}), f"{self.where}{key}.")
 
 
-def _rope(text: _Table) -> tuple[float, float]:
-    key = "rope_parameters" if text.table.get("rope_parameters") else "rope_scaling"
-    params = text.sub(key)
+def rope_block(text: _Table, types: tuple[str, ...]) -> tuple[_Table, str, float]:
+    """The config's rope block (`rope_parameters`, or the older `rope_scaling`), its type (one
+    of `types`; "default" when it names none) and rope_theta (the block's, else the top level's)."""
+    params = _rope_params(text)
     rope_type = params.text("rope_type", params.text("type", "default"))
-    if rope_type not in ("default", "mrope"):
-        raise ConfigError(f"unsupported rope type {rope_type!r}")
-    # Either block may hold the values; the rope block wins.
+    if rope_type not in types:
+        raise params.bad("rope_type", rope_type, " or ".join(types))
     theta_from = params if "rope_theta" in params.table else text
+    return params, rope_type, theta_from.number("rope_theta", *ROPE_THETA_RANGE)
+
+
+def _rope_params(text: _Table) -> _Table:
+    return text.sub("rope_parameters" if text.table.get("rope_parameters") else "rope_scaling")
+
+
+def _rope(text: _Table) -> tuple[float, float]:
+    params, _, theta = rope_block(text, ("default", "mrope"))
+    # Either block may hold the factor; the rope block wins.
     factor_from = params if "partial_rotary_factor" in params.table else text
-    theta = theta_from.number("rope_theta", *ROPE_THETA_RANGE)
     factor = factor_from.number("partial_rotary_factor", 0.0, 1.0, open_low=True)
     return theta, factor
 
 
 def _mrope_section(text: _Table, rotary_dim: int) -> tuple[int, int, int] | None:
-    key = "rope_parameters" if text.table.get("rope_parameters") else "rope_scaling"
-    params = text.sub(key)
+    params = _rope_params(text)
     if "mrope_section" not in params.table:
         return None
     section = params.table["mrope_section"]

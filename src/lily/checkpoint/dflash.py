@@ -32,10 +32,10 @@ from lily.checkpoint.config import (
     MAX_POSITIONS,
     MAX_VOCAB,
     RMS_NORM_EPS_RANGE,
-    ROPE_THETA_RANGE,
     ModelConfig,
     QuantSpec,
     _Table,
+    rope_block,
 )
 from lily.checkpoint.quant import bf16_to_float32, float32_to_bf16, quantize, round_to_bf16
 from lily.errors import CheckpointError, ConfigError
@@ -111,13 +111,7 @@ class DFlashConfig:
 
 
 def _rope(text: _Table) -> YarnRope:
-    key = "rope_parameters" if text.table.get("rope_parameters") else "rope_scaling"
-    params = text.sub(key)
-    rope_type = params.text("rope_type", params.text("type", "default"))
-    if rope_type not in ("default", "yarn"):
-        raise ConfigError(f"config.json: unsupported rope type {rope_type!r} (default or yarn)")
-    theta_from = params if "rope_theta" in params.table else text
-    theta = theta_from.number("rope_theta", *ROPE_THETA_RANGE)
+    params, rope_type, theta = rope_block(text, ("default", "yarn"))
     if rope_type == "default":
         return YarnRope(theta=theta)
     return YarnRope(
