@@ -4,10 +4,10 @@
 A sequence joins by being prefilled alone (the engine's own `generate`, which also draws its
 first token) and having that state moved into a free slot, or, having generated alone on the
 engine's state so far (drafting), by having that state moved between two of its passes
-(`join_from_engine`); it finishes when it draws a stop
-token or reaches its token budget, leaves when its caller has gone, or moves back onto the
-engine's state to draft alone again (`leave_to_engine`), freeing the slot for the next. Between passes the set of active slots may change; each set's graph is recorded on first
-use."""
+(`join_from_engine`); it finishes when it draws a stop token or reaches its token budget,
+leaves when its caller has gone, or moves back onto the engine's state to draft alone again
+(`leave_to_engine`), freeing the slot for the next. Between passes the set of active slots may
+change; each set's graph is recorded on first use."""
 
 from __future__ import annotations
 

@@ -22,11 +22,11 @@ runs alone, newcomers wait.
 The MTP head and prompt lookup do not draft for batched streams: a stream decodes one token
 per pass. A generation with a drafter that finds nothing else running or waiting therefore
 runs alone too, drafting as with `parallel=1`, until another caller arrives (a generation, or
-a call that uses the engine's state: `cached_prefix_length` runs beside it): it is then driven to the end of its current pass (whose tokens the engine has drawn
-already), and its state moves into a slot (`BatchedDecoder.join_from_engine`), where it
-decodes batched. When it (or any stream with such a drafter) is the only stream left, nothing
-waits or calls, and it may still generate `REDRAFT_MIN_TOKENS` tokens, its state moves back
-onto the engine's
+a call that uses the engine's state: `cached_prefix_length` runs beside it): it is then
+driven to the end of its current pass (whose tokens the engine has drawn already), and its
+state moves into a slot (`BatchedDecoder.join_from_engine`), where it decodes batched. When
+it (or any stream with such a drafter) is the only stream left, nothing waits or calls, and
+it may still generate `REDRAFT_MIN_TOKENS` tokens, its state moves back onto the engine's
 (`BatchedDecoder.leave_to_engine`) between two of its passes and it drafts alone again
 (`DeviceEngine.resume`), until the next caller moves it into a slot again. Prompt lookup
 drafts from the history alone; the MTP head's KV cache lacks right rows for the positions
