@@ -492,9 +492,13 @@ class BatchScheduler:
             return
         g = generation
         assert g.stream is not None
+        try:
+            self._decoder.leave_to_engine(g.stream)
+        except Exception as exc:
+            self._leave(g, exc)
+            return
         self._batched.remove(g)
-        stream, g.stream = g.stream, None
-        self._decoder.leave_to_engine(stream)
+        g.stream = None
         g.drafts_alone = True
         g.alone = self.engine.resume(
             len(g.prompt),
@@ -517,7 +521,9 @@ class BatchScheduler:
         position, which batched passes do not keep; any other drafter, unless it gave up)."""
         g = generation
         drafter = g.options.get("drafter")
-        if g.closed or drafter is None or g.max_new_tokens - g.delivered < REDRAFT_MIN_TOKENS:
+        if g.closed or g.cancelled() or drafter is None:
+            return False
+        if g.max_new_tokens - g.delivered < REDRAFT_MIN_TOKENS:
             return False
         if isinstance(drafter, Speculation):
             sources = [s for s in ("mtp", "ngram") if s in drafter.counts]
