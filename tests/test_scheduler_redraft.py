@@ -20,6 +20,7 @@ import lily
 from lily.engine import scheduler
 from lily.engine.engine import DeviceEngine
 from lily.engine.sampling import SamplingParams
+from lily.engine.speculative import Speculation
 
 # The long answer: enough for a move into a slot, a way back and a second move.
 LONG = 30
@@ -164,6 +165,25 @@ def test_a_short_rest_of_an_answer_stays_in_its_slot(
     token_ids(batching.generate(second_prompt, SHORT))
     got += token_ids(lone)
     assert got == alone
+    assert len(moves) == 1 and returns == []
+
+
+def test_a_stream_whose_head_auto_dropped_stays_in_its_slot(
+    drafting_engine, drafting_scheduler, moves, returns, redraft_soon
+):
+    """A head that "auto" dropped while the stream drafted alone would not draft again: the
+    stream stays batched (each pass charged 10 decode steps, the random head's first pass
+    loses more than AUTO_MAX_LOSS)."""
+    engine, batching = drafting_engine, drafting_scheduler
+    first_prompt, second_prompt = prompts(engine, LONG)
+    alone = token_ids(engine.generate(first_prompt, LONG))
+    drafter = Speculation(draft_tokens=3, mtp=True, auto=True, pass_cost=lambda drafts: 10.0)
+    lone = batching.generate(first_prompt, LONG, drafter=drafter)
+    got = [next(lone).id for _ in range(BEFORE)]
+    token_ids(batching.generate(second_prompt, SHORT))
+    got += token_ids(lone)
+    assert got == alone
+    assert drafter.verdict("mtp") is False
     assert len(moves) == 1 and returns == []
 
 
