@@ -7,6 +7,14 @@ drafts, then moves into a batch slot when another arrives), with `speculative="a
 `"off"`, the two alternated `--rounds` times (the machine may be shared: alternating spreads
 its load over both); prints each run's time and whether the answers are the same.
 
+With `--overlap`: a long request (`--long-tokens`) streamed on a model loaded with
+`parallel=2` and `--speculative`, joined after its first tokens by one short request
+(`--short-tokens`); once the short one ends, the long one is alone in its batch slot. Timed with
+the way back to drafting (`scheduler.REDRAFT_MIN_TOKENS` as shipped) and without it (the
+threshold out of reach, so it stays batched), the two alternated `--rounds` times on one
+loaded model; prints each run's time, the long answer's drafted and accepted tokens, how many
+times it moved back, and whether the answers are the same.
+
 The sim is a CPU: the ratio says how much work batching saves, not how fast a Mac is. The CPU
 time the process spent is printed beside each wall time: on a machine other work shares, the
 wall times stretch with its load (and the batched run's more, its threads handing tokens to
@@ -14,17 +22,22 @@ each other), the CPU times much less.
 
     python benchmarks/bench_parallel_requests.py [--max-tokens 32] [--parallel 4]
     python benchmarks/bench_parallel_requests.py --lone [--rounds 3] [--max-tokens 32]
+    python benchmarks/bench_parallel_requests.py --overlap [--rounds 3] [--long-tokens 96]
+        [--short-tokens 4] [--speculative ngram]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import lily
+from lily.engine import scheduler
+from lily.engine.batch import BatchedDecoder
 
 PROMPTS = [
     "Write a haiku about the sea.",
@@ -69,13 +82,80 @@ def lone_request(request: Callable[[lily.Lily, str], Any], parallel: int, rounds
     print(f"  same answer: {answers['auto'] == answers['off']}")
 
 
+def overlap(long_tokens: int, short_tokens: int, speculative: str, rounds: int) -> None:
+    """A long streamed request joined by a short one, with the way back to drafting and
+    without, alternated on one model."""
+    returns = [0]
+    leave = BatchedDecoder.leave_to_engine
+
+    def counted(self: BatchedDecoder, stream: int) -> None:
+        returns[0] += 1
+        leave(self, stream)
+
+    BatchedDecoder.leave_to_engine = counted  # type: ignore[method-assign]
+    shipped = scheduler.REDRAFT_MIN_TOKENS
+    modes = {"way back": shipped, "stays batched": 1 << 30}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    runs: dict[str, list[tuple[int, int, int]]] = {mode: [] for mode in modes}
+    answers: dict[str, set[str]] = {mode: set() for mode in modes}
+
+    def ask(llm: lily.Lily, prompt: str, tokens: int, **more: Any) -> Any:
+        messages = [{"role": "user", "content": prompt}]
+        return llm.chat.completions.create(
+            model="demo", messages=messages, max_tokens=tokens, temperature=0, **more
+        )
+
+    with lily.load("demo", device="sim", parallel=2, speculative=speculative) as llm:
+        ask(llm, "warm up", 8)
+        for _ in range(rounds):
+            for mode, threshold in modes.items():
+                scheduler.REDRAFT_MIN_TOKENS = threshold
+                returns[0] = 0
+                start = time.perf_counter()
+                chunks = ask(llm, PROMPTS[5], long_tokens, stream=True)
+                streamed = list(itertools.islice(chunks, 4))
+                short = threading.Thread(target=ask, args=(llm, PROMPTS[6], short_tokens))
+                short.start()
+                streamed += list(chunks)
+                short.join()
+                times[mode].append(time.perf_counter() - start)
+                text = "".join(
+                    (c.delta.content or "") + (getattr(c.delta, "reasoning_content", None) or "")
+                    for chunk in streamed
+                    for c in chunk.choices
+                )
+                answers[mode].add(text)
+                stats = llm.chat.completions.last_stats  # the long one's: it ends last
+                assert stats is not None
+                runs[mode].append((stats.drafted_tokens, stats.accepted_drafts, returns[0]))
+    scheduler.REDRAFT_MIN_TOKENS = shipped
+    BatchedDecoder.leave_to_engine = leave  # type: ignore[method-assign]
+    print(
+        f"a {long_tokens}-token demo request joined by a {short_tokens}-token one, parallel=2, "
+        f"speculative={speculative}, {rounds} alternated rounds on the sim:"
+    )
+    for mode, measured in times.items():
+        listed = ", ".join(f"{t:.2f}" for t in measured)
+        print(f"  {mode}: {listed} s (best {min(measured):.2f} s)")
+        print(f"    (drafted, accepted, moves back) per run: {runs[mode]}")
+    same = len(answers["way back"] | answers["stays batched"]) == 1
+    print(f"  same long answer in every run: {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--lone", action="store_true", help="one request, drafting vs not")
+    parser.add_argument("--overlap", action="store_true", help="a long request joined by a short")
+    parser.add_argument("--long-tokens", type=int, default=96)
+    parser.add_argument("--short-tokens", type=int, default=4)
+    parser.add_argument("--speculative", default="ngram")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.overlap:
+        overlap(args.long_tokens, args.short_tokens, args.speculative, args.rounds)
+        return
     prompts = PROMPTS[: args.parallel]
 
     def request(llm: lily.Lily, prompt: str) -> Any:

@@ -1,5 +1,6 @@
 """Session fixtures: the tiny random checkpoints and mlx-lm's cached outputs on them; and after
 each module, a garbage collection that frees the sim devices its tests left in reference cycles.
+Module fixtures for the tests of drafting streams on a batching engine (drafting_streams.py).
 
 The builders live in tiny_models.py so that other test modules (and scripts) can call
 `tiny_checkpoint(name)` directly; these fixtures only make them session-scoped.
@@ -10,10 +11,18 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from device_testing import open_test_device
+from drafting_streams import MAX_SEQ
 from tiny_models import TINY_SPECS, mlx_reference, tiny_checkpoint
+
+from lily.checkpoint.loader import load_checkpoint
+from lily.engine.batch import BatchedDecoder
+from lily.engine.engine import DeviceEngine
+from lily.engine.scheduler import BatchScheduler
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,3 +53,34 @@ def tiny_name(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def mlx_outputs(tiny_name: str) -> dict[str, np.ndarray]:
     return mlx_reference(tiny_name)
+
+
+@pytest.fixture(scope="module")
+def drafting_engine() -> Iterator[DeviceEngine]:
+    """The small tiny model with its MTP head, on the test device (drafting_streams.py)."""
+    checkpoint = load_checkpoint(tiny_checkpoint("small", mtp_head=True))
+    vocab = checkpoint.config.vocab_size
+    engine = DeviceEngine(checkpoint, open_test_device(), MAX_SEQ, vocab, max_chunk=16, mtp=True)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def drafting_scheduler(drafting_engine: DeviceEngine) -> Iterator[BatchScheduler]:
+    scheduler = BatchScheduler(drafting_engine, slots=2)
+    yield scheduler
+    scheduler.stop()
+
+
+@pytest.fixture
+def moves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many tokens each stream had when it moved from the engine's state into a slot."""
+    moved: list[int] = []
+    join = BatchedDecoder.join_from_engine
+
+    def recorded(self: BatchedDecoder, prompt_length: int, generated: int, *args: Any) -> int:
+        moved.append(generated)
+        return join(self, prompt_length, generated, *args)
+
+    monkeypatch.setattr(BatchedDecoder, "join_from_engine", recorded)
+    return moved

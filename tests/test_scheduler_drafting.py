@@ -9,113 +9,18 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from device_testing import open_test_device
+from drafting_streams import BEFORE, NEW_TOKENS, Alternating, new_drafter, prompts, token_ids
 from test_batched_decode import assert_same_logprobs
 from test_server import joined
 from test_server_batching import REQUESTS, _answer
-from tiny_models import tiny_checkpoint
 
 import lily
-from lily.checkpoint.loader import load_checkpoint
-from lily.engine.batch import BatchedDecoder
-from lily.engine.constraint import mask_from_tokens
-from lily.engine.engine import DeviceEngine
 from lily.engine.sampling import SamplingParams
 from lily.engine.scheduler import BatchScheduler
-from lily.engine.speculative import Speculation
-
-MAX_SEQ = 64
-NEW_TOKENS = 14
-# Tokens the lone stream's caller takes before the second caller arrives.
-BEFORE = 4
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[DeviceEngine]:
-    checkpoint = load_checkpoint(tiny_checkpoint("small", mtp_head=True))
-    vocab = checkpoint.config.vocab_size
-    engine = DeviceEngine(checkpoint, open_test_device(), MAX_SEQ, vocab, max_chunk=16, mtp=True)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture
-def scheduler(engine: DeviceEngine) -> Iterator[BatchScheduler]:
-    scheduler = BatchScheduler(engine, slots=2)
-    yield scheduler
-    scheduler.stop()
-
-
-@pytest.fixture
-def moves(monkeypatch) -> list[int]:
-    """How many tokens each stream had when it moved from the engine's state into a slot."""
-    moved: list[int] = []
-    join = BatchedDecoder.join_from_engine
-
-    def recorded(self: BatchedDecoder, prompt_length: int, generated: int, *args: Any) -> int:
-        moved.append(generated)
-        return join(self, prompt_length, generated, *args)
-
-    monkeypatch.setattr(BatchedDecoder, "join_from_engine", recorded)
-    return moved
-
-
-class Alternating:
-    """A constraint whose mask depends on every token told before: it allows the tokens whose
-    parity differs from the sum of those so far, and takes drafts back."""
-
-    def __init__(self, vocab: int) -> None:
-        self.vocab = vocab
-        self.consumed: list[int] = []
-
-    def allowed_tokens(self) -> np.ndarray:
-        ids = np.arange(self.vocab)
-        return mask_from_tokens(ids[(ids + sum(self.consumed)) % 2 == 1], self.vocab)
-
-    def consume(self, token: int) -> None:
-        assert (token + sum(self.consumed)) % 2 == 1, "told a token its mask rules out"
-        self.consumed.append(token)
-
-    def rollback(self, tokens: int) -> None:
-        del self.consumed[len(self.consumed) - tokens :]
-
-
-class GaveUp:
-    """A drafter that has given up before the first pass: the engine decodes pipelined, two
-    passes in flight, which the move must let finish."""
-
-    exhausted = True
-
-    def draft(self, tokens: Any, limit: int) -> list[int]:
-        return []
-
-    def verified(self, drafted: Any, accepted: int) -> None:
-        raise AssertionError("nothing was drafted")
-
-
-def _prompts(engine: DeviceEngine) -> tuple[list[int], list[int]]:
-    """The first repeats itself, so that prompt lookup finds drafts. The second is longer than
-    the first's answer reaches: generating it alone (last) leaves none of that answer in the
-    engine's token history, where a stream moved with the wrong state could find it."""
-    rng = np.random.default_rng(11)
-    words = rng.integers(0, engine.config.vocab_size, 8).tolist()
-    first = words + words + words[:5]
-    return first, rng.integers(0, engine.config.vocab_size, len(first) + NEW_TOKENS).tolist()
-
-
-def _ids(tokens: Iterator[Any]) -> list[int]:
-    return [t.id for t in tokens]
-
-
-def _drafter(source: str) -> Any:
-    if source == "gave up":
-        return GaveUp()
-    return Speculation(draft_tokens=3, **{source: True})
 
 
 def _joined_mid_answer(
@@ -127,8 +32,8 @@ def _joined_mid_answer(
     got = [next(lone).id for _ in range(BEFORE)]
     other = scheduler.generate(**second)
     got_other = [next(other).id]  # admitted once the first moved into a slot
-    got += _ids(lone)
-    return got, got_other + _ids(other)
+    got += token_ids(lone)
+    return got, got_other + token_ids(other)
 
 
 # The head drafts at every pass; prompt lookup finds nothing in this random model's answer, so
@@ -140,15 +45,17 @@ def _joined_mid_answer(
     ids=["greedy", "seeded"],
 )
 def test_a_lone_drafting_stream_joined_mid_answer_keeps_its_tokens(
-    engine, scheduler, moves, source, sampling
+    drafting_engine, drafting_scheduler, moves, source, sampling
 ):
-    first_prompt, second_prompt = _prompts(engine)
+    first_prompt, second_prompt = prompts(drafting_engine)
     other_sampling = SamplingParams(temperature=1.0, seed=4)
-    alone = _ids(engine.generate(first_prompt, NEW_TOKENS, sampling=sampling))
-    other_alone = _ids(engine.generate(second_prompt, NEW_TOKENS, sampling=other_sampling))
-    drafter = _drafter(source)
+    alone = token_ids(drafting_engine.generate(first_prompt, NEW_TOKENS, sampling=sampling))
+    other_alone = token_ids(
+        drafting_engine.generate(second_prompt, NEW_TOKENS, sampling=other_sampling)
+    )
+    drafter = new_drafter(source)
     got, got_other = _joined_mid_answer(
-        scheduler,
+        drafting_scheduler,
         dict(prompt=first_prompt, max_new_tokens=NEW_TOKENS, sampling=sampling, drafter=drafter),
         dict(prompt=second_prompt, max_new_tokens=NEW_TOKENS, sampling=other_sampling),
     )
@@ -160,22 +67,26 @@ def test_a_lone_drafting_stream_joined_mid_answer_keeps_its_tokens(
         assert drafter.total.passes > 0  # it drafted while alone
 
 
-def test_a_moved_stream_ends_at_its_stop_token_and_keeps_its_constraint(engine, scheduler, moves):
-    first_prompt, second_prompt = _prompts(engine)
-    vocab = engine._model.token_count
-    constrained = _ids(engine.generate(first_prompt, NEW_TOKENS, constraint=Alternating(vocab)))
+def test_a_moved_stream_ends_at_its_stop_token_and_keeps_its_constraint(
+    drafting_engine, drafting_scheduler, moves
+):
+    first_prompt, second_prompt = prompts(drafting_engine)
+    vocab = drafting_engine._model.token_count
+    constrained = token_ids(
+        drafting_engine.generate(first_prompt, NEW_TOKENS, constraint=Alternating(vocab))
+    )
     stop = constrained[NEW_TOKENS - 3]
     alone = constrained[: constrained.index(stop) + 1]
-    other_alone = _ids(engine.generate(second_prompt, NEW_TOKENS))
+    other_alone = token_ids(drafting_engine.generate(second_prompt, NEW_TOKENS))
     constraint = Alternating(vocab)
     got, got_other = _joined_mid_answer(
-        scheduler,
+        drafting_scheduler,
         dict(
             prompt=first_prompt,
             max_new_tokens=NEW_TOKENS,
             stop_token_ids=[stop],
             constraint=constraint,
-            drafter=_drafter("mtp"),
+            drafter=new_drafter("mtp"),
         ),
         dict(prompt=second_prompt, max_new_tokens=NEW_TOKENS),
     )
@@ -186,15 +97,19 @@ def test_a_moved_stream_ends_at_its_stop_token_and_keeps_its_constraint(engine, 
         assert len(moves) == 1
 
 
-def test_a_moved_stream_keeps_reporting_its_log_probabilities(engine, scheduler, moves):
+def test_a_moved_stream_keeps_reporting_its_log_probabilities(
+    drafting_engine, drafting_scheduler, moves
+):
     """Log-probabilities come from the verify passes while the stream drafts alone and from its
     slot's ring once it is batched: both as the stream alone reports them."""
-    first_prompt, second_prompt = _prompts(engine)
+    first_prompt, second_prompt = prompts(drafting_engine)
     sampling = SamplingParams(temperature=0.0, top_logprobs=2)
-    alone = list(engine.generate(first_prompt, NEW_TOKENS, sampling=sampling))
-    lone = scheduler.generate(first_prompt, NEW_TOKENS, sampling=sampling, drafter=_drafter("mtp"))
+    alone = list(drafting_engine.generate(first_prompt, NEW_TOKENS, sampling=sampling))
+    lone = drafting_scheduler.generate(
+        first_prompt, NEW_TOKENS, sampling=sampling, drafter=new_drafter("mtp")
+    )
     got = [next(lone) for _ in range(BEFORE)]
-    other = scheduler.generate(second_prompt, NEW_TOKENS)
+    other = drafting_scheduler.generate(second_prompt, NEW_TOKENS)
     next(other)
     got += list(lone)
     list(other)
@@ -203,48 +118,52 @@ def test_a_moved_stream_keeps_reporting_its_log_probabilities(engine, scheduler,
     assert len(moves) == 1 and moves[0] < NEW_TOKENS - 1  # some tokens came from the slot
 
 
-def test_a_lone_stream_that_ends_before_anyone_arrives_never_moves(engine, scheduler, moves):
-    first_prompt, _ = _prompts(engine)
-    alone = _ids(engine.generate(first_prompt, NEW_TOKENS))
-    drafter = _drafter("mtp")
-    got = _ids(scheduler.generate(first_prompt, NEW_TOKENS, drafter=drafter))
+def test_a_lone_stream_that_ends_before_anyone_arrives_never_moves(
+    drafting_engine, drafting_scheduler, moves
+):
+    first_prompt, _ = prompts(drafting_engine)
+    alone = token_ids(drafting_engine.generate(first_prompt, NEW_TOKENS))
+    drafter = new_drafter("mtp")
+    got = token_ids(drafting_scheduler.generate(first_prompt, NEW_TOKENS, drafter=drafter))
     assert got == alone
     assert moves == [] and drafter.total.passes > 0
 
 
-def test_a_call_moves_the_lone_stream_and_runs(engine, scheduler, moves):
+def test_a_call_moves_the_lone_stream_and_runs(drafting_engine, drafting_scheduler, moves):
     """A call that would touch the engine's state (here `prompt_logits`) does not wait for the
     lone stream's answer: the stream moves into a slot, with the same tokens."""
-    first_prompt, second_prompt = _prompts(engine)
-    alone = _ids(engine.generate(first_prompt, NEW_TOKENS))
-    expected_logits = engine.prompt_logits(second_prompt)
-    lone = scheduler.generate(first_prompt, NEW_TOKENS, drafter=_drafter("mtp"))
+    first_prompt, second_prompt = prompts(drafting_engine)
+    alone = token_ids(drafting_engine.generate(first_prompt, NEW_TOKENS))
+    expected_logits = drafting_engine.prompt_logits(second_prompt)
+    lone = drafting_scheduler.generate(first_prompt, NEW_TOKENS, drafter=new_drafter("mtp"))
     got = [next(lone).id for _ in range(BEFORE)]
-    np.testing.assert_array_equal(scheduler.prompt_logits(second_prompt), expected_logits)
-    got += _ids(lone)
+    np.testing.assert_array_equal(drafting_scheduler.prompt_logits(second_prompt), expected_logits)
+    got += token_ids(lone)
     assert got == alone
     assert len(moves) == 1
 
 
 def test_a_stream_the_pause_ends_while_its_caller_reads_moves_too(
-    engine, scheduler, moves, monkeypatch
+    drafting_engine, drafting_scheduler, moves, monkeypatch
 ):
     """A caller may arrive after the scheduler looked for one and before the lone stream's next
     pass, whose `pause` then ends it: it moves all the same, as its caller reads on."""
     monkeypatch.setattr(BatchScheduler, "_others_wait", lambda self: False)
-    first_prompt, second_prompt = _prompts(engine)
-    alone = _ids(engine.generate(first_prompt, NEW_TOKENS))
-    other_alone = _ids(engine.generate(second_prompt, NEW_TOKENS))
-    lone = scheduler.generate(first_prompt, NEW_TOKENS, drafter=_drafter("mtp"))
+    first_prompt, second_prompt = prompts(drafting_engine)
+    alone = token_ids(drafting_engine.generate(first_prompt, NEW_TOKENS))
+    other_alone = token_ids(drafting_engine.generate(second_prompt, NEW_TOKENS))
+    lone = drafting_scheduler.generate(first_prompt, NEW_TOKENS, drafter=new_drafter("mtp"))
     got = [next(lone).id for _ in range(BEFORE)]
     other: list[int] = []
     reader = threading.Thread(
-        target=lambda: other.extend(_ids(scheduler.generate(second_prompt, NEW_TOKENS)))
+        target=lambda: other.extend(
+            token_ids(drafting_scheduler.generate(second_prompt, NEW_TOKENS))
+        )
     )
     reader.start()
-    while not scheduler.waiting:  # the second caller has arrived
+    while not drafting_scheduler.waiting:  # the second caller has arrived
         time.sleep(0.01)
-    got += _ids(lone)
+    got += token_ids(lone)
     reader.join(120)
     assert got == alone and other == other_alone
     assert len(moves) == 1

@@ -4,10 +4,10 @@
 A sequence joins by being prefilled alone (the engine's own `generate`, which also draws its
 first token) and having that state moved into a free slot, or, having generated alone on the
 engine's state so far (drafting), by having that state moved between two of its passes
-(`join_from_engine`); it finishes when it draws a stop
-token or reaches its token budget, or leaves when its caller has gone, freeing the slot for the
-next. Between passes the set of active slots may change; each set's graph is recorded on first
-use."""
+(`join_from_engine`); it finishes when it draws a stop token or reaches its token budget,
+leaves when its caller has gone, or moves back onto the engine's state to draft alone again
+(`leave_to_engine`), freeing the slot for the next. Between passes the set of active slots may
+change; each set's graph is recorded on first use."""
 
 from __future__ import annotations
 
@@ -188,6 +188,27 @@ class BatchedDecoder:
         step = slot.step.numpy().view("uint32")
         token = model.history_view()[newest]
         step[POSITION], step[PROMPT_END], step[TOKEN] = newest, newest + 1, token
+
+    def leave_to_engine(self, stream: int) -> None:
+        """Moves active stream `stream` out of its slot into the engine's sequence state, the
+        reverse of `join_from_engine`: its KV rows, conv windows, GDN states, token history
+        (the newest token waiting, not consumed), sampler settings with the seed, mask and
+        penalty counts, for `DeviceEngine.resume` to go on from. Its slot is free, the
+        stream forgotten; its constraint has been told every token it generated."""
+        moving = self._streams[stream]
+        if moving.slot is None:
+            raise ValueError(f"stream {stream} has finished: nothing to move")
+        self.engine.adopt_sequence()
+        model, slot = self._model, self._model.slots[moving.slot]
+        newest = moving.position
+        for source, target in zip(_buffers(slot), _buffers(model.state), strict=True):
+            target.numpy()[:] = source.numpy()
+        for source, target in zip(_kv_rows(model, slot), _kv_rows(model, model.state), strict=True):
+            target[:, :newest] = source[:, :newest]
+        step = model.step_view()
+        step[POSITION], step[PROMPT_END] = newest, newest + 1
+        step[TOKEN] = model.history_view()[newest]
+        del self._streams[stream]
 
     def step(self, streams: Collection[int] | None = None) -> dict[int, GeneratedToken]:
         """One pass: each active stream's next token (of `streams` only, if given), by id, with

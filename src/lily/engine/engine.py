@@ -758,6 +758,57 @@ class DeviceEngine(_PromptsWithImages):
             self._step_seconds = clock.seconds_per_step() or self._step_seconds
             self.prefix_cache.end(self._rows)
 
+    @holds_engine
+    def adopt_sequence(self) -> None:
+        """Makes way for a sequence state its caller writes into the engine's, rather than
+        `generate` feeding it (`BatchedDecoder.leave_to_engine`, for `resume`): the prefix
+        cache first copies out the rows of the cached sequence the KV cache holds."""
+        self.prefix_cache.begin((), self._rows, reuse=False)
+
+    @holds_engine_while_generating
+    def resume(
+        self,
+        prompt_length: int,
+        generated: int,
+        max_new_tokens: int,
+        drafter: Drafter,
+        stop_token_ids: Collection[int] = (),
+        sampling: SamplingParams = GREEDY,
+        constraint: TokenConstraint | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        pause: Callable[[], bool] | None = None,
+    ) -> Iterator[GeneratedToken]:
+        """Goes on with a generation whose state its caller wrote into the engine's (after
+        `adopt_sequence`): a prompt of `prompt_length` tokens and `generated` of its
+        `max_new_tokens` tokens, the newest in the history and not consumed, the sampler's
+        settings (its seed), bans and penalty counts in their buffers; `constraint` has been
+        told the `generated` tokens. Yields the tokens after them as `generate` does after its
+        first token, drafting with `drafter`, `pause` included. The MTP head drafts from the
+        second pass on, over its KV cache as it is: the rows of positions fed while the head did
+        not follow (those decoded in a batch slot) are stale, which costs acceptance, never a
+        token (drafts are verified). The DFlash drafter, whose rows of every position batched
+        passes do not keep, does not draft."""
+        model = self._model
+        tokens = [int(t) for t in model.history_view()[: prompt_length + generated]]
+        bans = banned_tokens_mask(sampling, model.token_count)
+        request = _Request(
+            tokens[:prompt_length], sampling, stop_token_ids, max_new_tokens, constraint, bans
+        )
+        self._dflash_rows = None
+        head = model.mtp and isinstance(drafter, Speculation) and drafter.mtp
+        # The head follows the passes from here: the first one's row is its first to read.
+        self._mtp_pending = (len(tokens) - 1, 0) if head else None
+        if head:
+            assert isinstance(drafter, Speculation)
+            drafter.head = (
+                self._mtp_drafts if constraint is not None else self._head_drafts_on_device
+            )
+        try:
+            yield from self._speculate(request, tokens[prompt_length:], drafter, should_stop, pause)
+        finally:
+            if head:
+                drafter.head = None
+
     def _drawn(self, end: int, sampling: SamplingParams) -> GeneratedToken:
         """The token the device drew in the predicting pass that ends at position `end`."""
         token = int(self._model.history_view()[end])

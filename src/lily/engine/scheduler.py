@@ -21,12 +21,17 @@ runs alone, newcomers wait.
 
 The MTP head and prompt lookup do not draft for batched streams: a stream decodes one token
 per pass. A generation with a drafter that finds nothing else running or waiting therefore
-runs alone too, drafting as with `parallel=1`, until another caller arrives (a generation or
-a call): it is then driven to the end of its current pass (whose tokens the engine has drawn
-already), and its state moves into a slot (`BatchedDecoder.join_from_engine`), where it
-decodes batched for the rest of its answer. It does not go back to drafting when the others
-end: the MTP head's cache lacks the rows of the tokens decoded batched, and filling them
-would mean feeding those tokens again.
+runs alone too, drafting as with `parallel=1`, until another caller arrives (a generation, or
+a call that uses the engine's state: `cached_prefix_length` runs beside it): it is then
+driven to the end of its current pass (whose tokens the engine has drawn already), and its
+state moves into a slot (`BatchedDecoder.join_from_engine`), where it decodes batched. When
+it (or any stream with such a drafter) is the only stream left, nothing waits or calls, and
+it may still generate `REDRAFT_MIN_TOKENS` tokens, its state moves back onto the engine's
+(`BatchedDecoder.leave_to_engine`) between two of its passes and it drafts alone again
+(`DeviceEngine.resume`), until the next caller moves it into a slot again. Prompt lookup
+drafts from the history alone; the MTP head's KV cache lacks right rows for the positions
+decoded batched (a batched pass keeps no hidden states for it), so it drafts over stale ones
+there: its acceptance may drop, never a token changes.
 
 A decoding stream waits at most one prefill slice (`SLICE_TOKENS` tokens of someone's prompt)
 plus its own pass between two tokens.
@@ -57,6 +62,12 @@ T = TypeVar("T")
 SLICE_TOKENS = 512
 # How many tokens a stream may be drawn ahead of what its caller has taken.
 RUN_AHEAD = 4
+# The fewest tokens a stream left alone in a slot must still be allowed to generate (its budget,
+# an upper bound: a stop token may end it sooner) to move back onto the engine's state and
+# draft. A move copies its state once each way (on the real model 66 MB of recurrent state
+# plus 20 KB of KV rows per context token, docs/benchmarks.md); drafting saves 0.2-0.4 of a
+# decode step per token by the Mac model, so a short rest of an answer does not repay it.
+REDRAFT_MIN_TOKENS = 32
 # How often the scheduler asks waiting and paused generations' `should_stop` when idle.
 POLL_SECONDS = 0.05
 
@@ -133,6 +144,9 @@ class BatchScheduler:
         self._batched: list[_Generation] = []
         self._alone: _Generation | None = None
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        # Calls that only read the prefix cache's index, which a generation running alone
+        # leaves alone between its tokens: they run beside it rather than move it.
+        self._reads: deque[tuple[Callable[[], Any], Future]] = deque()
         # The generation each caller thread waits on for its next token.
         self._reading: dict[int, _Generation] = {}
         self._closing = False
@@ -193,7 +207,9 @@ class BatchScheduler:
         cache_key: str | None = None,
         images: Sequence[ImagePatches] = (),
     ) -> int:
-        return self._call(lambda: self.engine.cached_prefix_length(prompt, cache_key, images))
+        return self._call(
+            lambda: self.engine.cached_prefix_length(prompt, cache_key, images), reads_only=True
+        )
 
     def teacher_forced_logits(
         self, tokens: Sequence[int], reuse: bool = False, images: Sequence[ImagePatches] = ()
@@ -221,14 +237,14 @@ class BatchScheduler:
         self.stop()
         self.engine.close()
 
-    def _call(self, work: Callable[[], T]) -> T:
-        """Runs `work` on the scheduler's thread between two rounds (with no generation running
-        alone, whose state it could touch)."""
+    def _call(self, work: Callable[[], T], reads_only: bool = False) -> T:
+        """Runs `work` on the scheduler's thread between two rounds: with no generation running
+        alone, whose state it could touch, unless it `reads_only` the prefix cache's index."""
         done: Future = Future()
         with self._changed:
             if self._closing:
                 raise RuntimeError("this engine has been closed")
-            self._calls.append((work, done))
+            (self._reads if reads_only else self._calls).append((work, done))
             self._changed.notify()
         return done.result()
 
@@ -248,6 +264,7 @@ class BatchScheduler:
                 self._drop_closed()
                 self._run_calls()
                 self._admit()
+                self._return_to_drafting()
                 self._decode()
         except BaseException as exc:  # a fault of its own: every caller hears of it, with its cause
             error = RuntimeError(f"the batch scheduler stopped: {exc!r}")
@@ -301,7 +318,7 @@ class BatchScheduler:
 
     def _has_work(self) -> bool:
         admissible = self._can_admit()
-        calls = self._calls and self._alone is None
+        calls = self._reads or (self._calls and self._alone is None)
         ready = any(self._ready(g) for g in self._batched) or (
             self._alone is not None and self._ready(self._alone)
         )
@@ -352,8 +369,8 @@ class BatchScheduler:
             )
 
     def _run_calls(self) -> None:
-        while self._calls and self._alone is None:
-            work, done = self._calls.popleft()
+        while self._reads or (self._calls and self._alone is None):
+            work, done = (self._reads or self._calls).popleft()
             try:
                 done.set_result(work())
             except BaseException as exc:  # the caller's error, raised in the caller's thread
@@ -465,6 +482,54 @@ class BatchScheduler:
             return
         self._batched.append(alone)
 
+    def _return_to_drafting(self) -> None:
+        """Moves the one stream left in a slot back onto the engine's state, to draft alone
+        with its drafter, when nothing else waits or calls and the move pays (`_redrafts`)."""
+        if self._alone is not None or len(self._batched) != 1 or self._others_arrived():
+            return
+        (generation,) = self._batched
+        if not self._redrafts(generation):
+            return
+        g = generation
+        assert g.stream is not None
+        try:
+            self._decoder.leave_to_engine(g.stream)
+        except Exception as exc:
+            self._leave(g, exc)
+            return
+        self._batched.remove(g)
+        g.stream = None
+        g.drafts_alone = True
+        g.alone = self.engine.resume(
+            len(g.prompt),
+            g.delivered,
+            g.max_new_tokens,
+            g.options["drafter"],
+            g.stop_token_ids,
+            g.sampling,
+            constraint=g.options.get("constraint"),
+            should_stop=g.options.get("should_stop"),
+            pause=self._others_arrived,
+        )
+        self._alone = g
+
+    @staticmethod
+    def _redrafts(generation: _Generation) -> bool:
+        """Whether moving the batched `generation` back onto the engine's state pays: it may
+        still generate REDRAFT_MIN_TOKENS tokens, and its drafter would draft there: the MTP
+        head or prompt lookup, unless "auto" dropped it (the DFlash drafter needs rows of every
+        position, which batched passes do not keep; any other drafter, unless it gave up)."""
+        g = generation
+        drafter = g.options.get("drafter")
+        if g.closed or g.cancelled() or drafter is None:
+            return False
+        if g.max_new_tokens - g.delivered < REDRAFT_MIN_TOKENS:
+            return False
+        if isinstance(drafter, Speculation):
+            sources = [s for s in ("mtp", "ngram") if s in drafter.counts]
+            return any(drafter.verdict(s) is not False for s in sources)
+        return not drafter.exhausted
+
     def _leave(self, generation: _Generation, error: BaseException | None = None) -> None:
         assert generation.stream is not None
         self._decoder.leave(generation.stream)
@@ -483,7 +548,8 @@ class BatchScheduler:
     def _end_all(self, error: BaseException) -> None:
         with self._changed:
             waiting, self._waiting = list(self._waiting), deque()
-            calls, self._calls = list(self._calls), deque()
+            calls = [*self._calls, *self._reads]
+            self._calls, self._reads = deque(), deque()
         for generation in waiting:
             generation.deliver(error)
         for _, done in calls:
