@@ -290,8 +290,8 @@ template [[host_name("moe_down_4")]] [[kernel]] decltype(moe_down<4>) moe_down<4
 // The T tokens of a verify pass are consecutive tokens of one text, whose routing is correlated
 // (docs/architecture.md, the verify pass), so their T x top_k (token, expert) pairs often name
 // the same expert more than once. These two kernels read each chosen expert's gate and up
-// weights once for all the tokens that chose it; moe_down still runs per token (why: the header
-// of record_moe_union in kernels/moe.py).
+// weights once for all the tokens that chose it; moe_down still runs per token (why: record_moe
+// in kernels/moe.py).
 //
 // The union, as moe_route_union writes it ([MoeUnionParams::entries] is min(T x top_k, experts),
 // [pairs] is T x top_k: a NaN logit can make a token choose one expert twice):
