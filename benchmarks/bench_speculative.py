@@ -15,10 +15,11 @@ It first prints the levels (dependent dispatch levels: barriers) of the full-siz
 step and verify passes, recorded on a sim that does not execute them from a checkpoint of the
 real model's layout whose tensors are zeros (make_synthetic_checkpoint.py's `--zeros`: holes,
 no disk); a model of the delivered tok/s on an M4 Max and an M5 Max, plain and with the MTP
-head (k = 1..3) or prompt lookup (k = 4) at per-draft acceptance 0.9 / 0.7 / 0.5
-(`print_mac_estimate`: an estimate from the shapes, those levels and published bandwidths, not
-a measurement), the loaded model's levels per decode step and verify pass, and what a verify
-pass of the full-size graph (the real model's config.json, as
+head (k = 1..3) or prompt lookup (k = 4) at per-draft acceptance 0.9 / 0.7 / 0.5, per expert
+overlap of the verify pass's tokens and with its experts read per (token, expert) pair or over
+their union (`print_mac_estimate`: an estimate from the shapes, those levels and published
+bandwidths, not a measurement), the loaded model's levels per decode step and verify pass,
+and what a verify pass of the full-size graph (the real model's config.json, as
 make_synthetic_checkpoint.py writes it) moves of the recurrent state, per k drafts: the bytes
 copied (a backup or a restore: none since the pass keeps its candidates' updates, issue 39),
 read and written (`model_graph.verify_state_traffic`). That part is arithmetic on the shapes,
@@ -49,6 +50,7 @@ from pathlib import Path
 
 from make_synthetic_checkpoint import real_config, write_checkpoint
 from prefill_model import CENTRAL, GPUS, LEVEL_SECONDS, MEMORY_EFFICIENCY
+from verify_pass_model import UNION_DESIGNS, expert_bytes_beyond_traffic, overlap_cases
 
 import lily
 from lily.api import DEFAULT_MAX_SEQ
@@ -170,7 +172,14 @@ def print_mac_estimate(decode_levels: int, verify_levels: dict[int, int]) -> Non
     (`verify_cost_ratio` decode steps' bytes, plus the verify graph's extra levels), the
     host's turn between passes, and, for the MTP head, k head steps (one MTP layer and the
     draft vocabulary's rows of the lm_head read, and their levels; the argmax on the
-    device)."""
+    device).
+
+    The verify pass's experts are counted as its kernels read them, at the expert overlaps of
+    verify_pass_model.py (uniform routing, and the published correlation of consecutive
+    tokens' routing): "union" is what the verify pass runs (its gate/up over the union of its
+    tokens' experts, one routing level per layer more than before: the verify graph's levels),
+    "per pair" what it ran before (each (token, expert) pair reading its expert's weights, one
+    level per layer fewer)."""
     c = parse_config(real_config())
     head = c.vocab_size * c.hidden_size * BYTES_PER_WEIGHT
     mtp_layer = (pass_traffic(c, 1).weight_bytes - head) / c.num_hidden_layers
@@ -180,27 +189,36 @@ def print_mac_estimate(decode_levels: int, verify_levels: dict[int, int]) -> Non
         f"{decode_levels} / {max(verify_levels.values())} levels at "
         f"{LEVEL_SECONDS * 1e6:.0f} us, "
         f"{MTP_LEVELS_PER_DRAFT} per head draft, {PASS_HOST_S * 1e3:.2f} ms of host time "
-        "per verify pass)"
+        "per verify pass), per expert overlap: per pair -> union"
     )
+    designs = {"per pair": (UNION_DESIGNS["per pair"], -c.num_hidden_layers)}
+    designs["union"] = (UNION_DESIGNS["union gate/up"], 0)
     for gpu in GPUS[1:]:
         bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY[CENTRAL]
         step_bytes = pass_traffic(c, 1).weight_bytes + 2 * recurrent_state_bytes(c)
         step = step_bytes / bandwidth + decode_levels * LEVEL_SECONDS
         print(f"  {gpu.name}: plain {1 / step:.0f}")
-        for source, ks in (("mtp", (1, 2, 3)), ("ngram", (4,))):
-            for k in ks:
-                verify = verify_cost_ratio(c, k) * (step_bytes / bandwidth)
-                verify += verify_levels[k] * LEVEL_SECONDS + PASS_HOST_S
-                drafting = 0.0
-                if source == "mtp":
-                    drafting = k * (
-                        (mtp_layer + draft_head) / bandwidth + MTP_LEVELS_PER_DRAFT * LEVEL_SECONDS
-                    )
-                rates = []
-                for a in ACCEPTANCE:
-                    tokens = (1 - a ** (k + 1)) / (1 - a)
-                    rates.append(f"a={a}: {tokens / (verify + drafting):.0f}")
-                print(f"    {source} k={k}: " + ", ".join(rates))
+        for overlap_name, overlap in overlap_cases(c).items():
+            for source, ks in (("mtp", (1, 2, 3)), ("ngram", (4,))):
+                for k in ks:
+                    drafting = 0.0
+                    if source == "mtp":
+                        drafting = k * (
+                            (mtp_layer + draft_head) / bandwidth
+                            + MTP_LEVELS_PER_DRAFT * LEVEL_SECONDS
+                        )
+                    rates = {a: [] for a in ACCEPTANCE}
+                    for matrices, level_change in designs.values():
+                        verify = verify_cost_ratio(c, k) * (step_bytes / bandwidth)
+                        verify += expert_bytes_beyond_traffic(c, k + 1, overlap, matrices) / (
+                            bandwidth
+                        )
+                        verify += (verify_levels[k] + level_change) * LEVEL_SECONDS + PASS_HOST_S
+                        for a in ACCEPTANCE:
+                            tokens = (1 - a ** (k + 1)) / (1 - a)
+                            rates[a].append(f"{tokens / (verify + drafting):.0f}")
+                    shown = ", ".join(f"a={a}: {' -> '.join(r)}" for a, r in rates.items())
+                    print(f"    {overlap_name:>22} {source} k={k}: {shown}")
 
 
 def count_round_trips(counts: Counter) -> None:

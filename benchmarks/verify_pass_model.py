@@ -23,14 +23,32 @@ Attention is modelled apart (second table) with the latency and issue model of
 The decode step's attention (the same model's `attention_decode_fused`, T = 1) is printed beside
 them, so that a verify pass's cost in decode steps includes attention.
 
-The experts: each of the k + 1 tokens chooses 8 of 256 per layer; the expected number of
-distinct experts is 256 (1 - (1 - 8/256)^(k+1)). A GEMV reads each chosen expert once per token
-that chose it (almost the same bytes: the tokens' experts barely overlap); the grouped GEMM
-reads it once but runs an 8-row tile per expert for its one or two tokens. The bytes and the
-GEMVs' ALU work are `model_graph.pass_traffic`'s; "break-even" is `verify_cost_ratio`, the
-tokens per pass at which a verify pass pays (what speculative="auto" compares a draft source's
-tokens per pass with), on a roofline at the M5 Max's ridge, with what the pass's recurrent
-state moves beyond a decode step's one read and write of it (`verify_state_traffic`).
+The experts: each of the k + 1 tokens chooses 8 of 256 per layer; at uniform routing the
+expected number of distinct experts is 256 (1 - (1 - 8/256)^(k+1)). The grouped GEMM reads each
+distinct expert once but runs an 8-row tile per expert for its one or two tokens. The bytes and
+the GEMVs' ALU work of the first table are `model_graph.pass_traffic`'s (each distinct expert
+read once, at uniform routing); "break-even" is `verify_cost_ratio`, the tokens per pass at
+which a verify pass pays (what speculative="auto" compares a draft source's tokens per pass
+with), on a roofline at the M5 Max's ridge, with what the pass's recurrent state moves beyond a
+decode step's one read and write of it (`verify_state_traffic`).
+
+The third table counts the experts as the kernels read them, for an overlap given as a
+parameter: the chance that an expert a token of the pass chooses is one an earlier token of
+the pass chose, beyond chance (`distinct_experts`: each token takes that share of its choices
+from the pass's earlier experts and draws the rest uniformly). A verify pass's tokens are
+consecutive tokens of one text, and routing is correlated in time: Cohere's "Why MoE models get
+more from speculative decoding" (April 2026; its figures as headsupai.io's summary of it
+reports them: adjacent tokens share 38% of their experts, and 4 tokens load about 2.5 tokens'
+worth of unique experts instead of 4, up to 31% fewer than uniform routing) measured it on its
+Command models; MoE-Spec (arXiv 2602.16052) finds the routing within a draft heavy-tailed, a
+few experts taking most of the draft's choices. Nothing here measures Qwen3.6's routing. The
+cases: 0 (uniform routing, the floor), 0.38 (the adjacent-token figure) and the overlap at which
+4 tokens read 2.5 tokens' experts on this model's 256 / top-8. The kernels: "per pair" (each
+(token, expert) pair reads its expert's gate, up and down, as before), "union gate/up" (what a
+verify pass runs: `moe_gate_up_union` reads each distinct expert's gate and up once, the down
+stays per pair) and "union all" (the down too; not built). Every read is counted from memory:
+a GPU's system cache may serve an expert a second token reads in the same dispatch, which
+would give the per-pair kernels part of the union's saving; nothing here measures that.
 
     python benchmarks/verify_pass_model.py
 """
@@ -41,7 +59,7 @@ import model_decode_attention as decode_model
 from make_synthetic_checkpoint import real_config
 from prefill_model import CENTRAL, GPUS, MEMORY_EFFICIENCY
 
-from lily.checkpoint.config import FULL_ATTENTION, parse_config
+from lily.checkpoint.config import FULL_ATTENTION, ModelConfig, parse_config
 from lily.engine.model_graph import pass_traffic, token_macs, verify_cost_ratio
 from lily.kernels.attention import MAX_GROUP, decode_splits, split_length
 from lily.kernels.quantized_gemm import dense_tile_tokens, grouped_tile_tokens
@@ -68,6 +86,63 @@ CHUNK_ISSUE = 128 * 16 + 512 + 384 + 40 + 64
 # over the threadgroup's T x 32 lanes).
 STAGE_POSITIONS = 16
 STAGE_BYTES = STAGE_POSITIONS * decode_model.ROW_BYTES
+
+
+# The expert overlap cases of the third table (see the docstring).
+ADJACENT_OVERLAP = 0.38
+FOUR_TOKEN_EXPERTS = 2.5  # 4 tokens read this many tokens' experts
+# Expert matrices read over the union, per kernel design: gate and up (built), all three (not).
+UNION_DESIGNS = {"per pair": 0, "union gate/up": 2, "union all": 3}
+
+
+def distinct_experts(experts: int, top_k: int, tokens: int, overlap: float) -> float:
+    """The expected distinct experts of `tokens` tokens choosing `top_k` of `experts` each, when
+    each token takes a share `overlap` of its choices from the earlier tokens' experts and draws
+    the rest uniformly (which may land on an earlier token's expert too); overlap 0 is uniform
+    routing, experts (1 - (1 - top_k / experts)^tokens)."""
+    distinct = float(top_k)
+    for _ in range(1, tokens):
+        distinct += top_k * (1 - overlap) * (1 - distinct / experts)
+    return distinct
+
+
+def overlap_for(experts: int, top_k: int, tokens: int, top_k_multiple: float) -> float:
+    """The overlap at which `tokens` tokens choose `top_k_multiple` x top_k distinct experts."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if distinct_experts(experts, top_k, tokens, middle) > top_k_multiple * top_k:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def overlap_cases(c: ModelConfig) -> dict[str, float]:
+    fit = overlap_for(c.num_experts, c.num_experts_per_tok, 4, FOUR_TOKEN_EXPERTS)
+    return {
+        "uniform": 0.0,
+        f"adjacent {ADJACENT_OVERLAP:.2f}": ADJACENT_OVERLAP,
+        f"4 tokens {FOUR_TOKEN_EXPERTS}x ({fit:.2f})": fit,
+    }
+
+
+def expert_matrix_bytes(c: ModelConfig) -> float:
+    """One expert's gate, up or down projection, 4-bit."""
+    return c.hidden_size * c.moe_intermediate_size * BYTES_PER_WEIGHT
+
+
+def expert_bytes_beyond_traffic(
+    c: ModelConfig, tokens: int, overlap: float, union_matrices: int
+) -> float:
+    """The expert bytes a pass of `tokens` tokens reads beyond `pass_traffic`'s count (each
+    distinct expert once, at uniform routing), when `union_matrices` of each expert's three
+    matrices are read once per distinct expert and the others once per (token, expert) pair."""
+    top_k, layers = c.num_experts_per_tok, c.num_hidden_layers
+    distinct = distinct_experts(c.num_experts, top_k, tokens, overlap)
+    reads = union_matrices * distinct + (3 - union_matrices) * tokens * top_k
+    counted = 3 * distinct_experts(c.num_experts, top_k, tokens, 0.0)
+    return layers * (reads - counted) * expert_matrix_bytes(c)
 
 
 def stage_issue(tokens: int) -> float:
@@ -146,6 +221,28 @@ def main() -> None:
             f"{verify_cost_ratio(c, drafts):10.2f}   " + ", ".join(times)
         )
     print_attention(weights_seconds, attention_layers)
+    print_expert_overlap(c)
+
+
+def print_expert_overlap(c: ModelConfig) -> None:
+    print()
+    print(
+        "experts of a verify pass as the kernels read them, per expert overlap (a MODEL: every "
+        "read from memory): distinct experts per layer, then GB a pass reads, per kernel design"
+    )
+    designs = " | ".join(f"{name:>13}" for name in UNION_DESIGNS)
+    print(f"{'overlap':>24} {'drafts':>6} {'distinct':>8}   GB: {designs}")
+    for name, overlap in overlap_cases(c).items():
+        for drafts in (1, 2, 3, 4, 8):
+            tokens = drafts + 1
+            distinct = distinct_experts(c.num_experts, c.num_experts_per_tok, tokens, overlap)
+            counted = pass_traffic(c, tokens).weight_bytes
+            gb = [
+                (counted + expert_bytes_beyond_traffic(c, tokens, overlap, matrices)) / 1e9
+                for matrices in UNION_DESIGNS.values()
+            ]
+            shown = " | ".join(f"{value:13.2f}" for value in gb)
+            print(f"{name:>24} {drafts:>6} {distinct:8.1f}       {shown}")
 
 
 def print_attention(weights_seconds: dict[tuple[str, int], float], layers: int) -> None:

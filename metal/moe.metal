@@ -7,12 +7,16 @@
 // Expert weights are the stacked checkpoint tensors [experts, rows, ...], indexed on the device by
 // the routed ids, so nothing returns to the host between the router and the output.
 //
-// The same kernels run a verify pass's few tokens (grid z = token): each token's buffers follow
-// the previous token's (x and out [tokens, hidden], ids and weights [tokens, top_k], router
-// logits [tokens, experts] then the shared-expert gate logits [tokens], h [tokens, top_k *
-// expert_rows + shared_rows]). Such a pass is bound by reading the weights, as decode is, and the
-// tokens' experts barely overlap, so reading the weights per (token, expert) costs about what the
-// union would, with none of a GEMM tile's padding.
+// The same kernels run a few tokens (grid z = token): each token's buffers follow the previous
+// token's (x and out [tokens, hidden], ids and weights [tokens, top_k], router logits [tokens,
+// experts] then the shared-expert gate logits [tokens], h [tokens, top_k * expert_rows +
+// shared_rows]). Such a pass is bound by reading the weights, as decode is. A batched pass's
+// rows are unrelated sequences, whose experts barely overlap (4 rows choosing 8 of 256 at random
+// share ~4%), so it reads the weights per (token, expert), with none of a GEMM tile's padding.
+// A verify pass's tokens are consecutive tokens of one text, whose routing is correlated
+// (benchmarks/verify_pass_model.py cites the published figures): its routed gate/up runs over the
+// union of the tokens' experts instead (moe_route_union, moe_gate_up_union, at the end of this
+// file), each distinct expert's gate and up read once, at one level more.
 #include "common.h"
 #include "quantized.h"
 
@@ -280,3 +284,205 @@ template <uint BITS>
 }
 
 template [[host_name("moe_down_4")]] [[kernel]] decltype(moe_down<4>) moe_down<4>;
+
+// ---- a verify pass's MoE over the union of its tokens' experts ---------------------------------
+//
+// The T tokens of a verify pass are consecutive tokens of one text, whose routing is correlated
+// (docs/architecture.md, the verify pass), so their T x top_k (token, expert) pairs often name
+// the same expert more than once. These two kernels read each chosen expert's gate and up
+// weights once for all the tokens that chose it; moe_down still runs per token (why: record_moe
+// in kernels/moe.py).
+//
+// The union, as moe_route_union writes it ([MoeUnionParams::entries] is min(T x top_k, experts),
+// [pairs] is T x top_k: a NaN logit can make a token choose one expert twice):
+//   union[0]                                   the number of distinct experts D
+//   union[1 + u], u < D                        entry u's expert, ascending
+//   union[1 + entries + u]                     entry u's pair count n_u
+//   union[1 + 2 entries + u * pairs + i], i < n_u   its i-th pair, token * top_k + slot, in
+//                                              (token, slot) order
+constexpr constant uint MOE_UNION_MAX_TOKENS = 9;  // a verify pass: the last token and 8 drafts
+constexpr constant uint MOE_UNION_MAX_TOP_K = 8;
+
+struct MoeUnionParams {
+  uint experts;
+  uint top_k;
+  uint normalize;
+  uint tokens;
+  uint entries;  // min(tokens * top_k, experts)
+};
+
+inline uint union_pair_base(uint entries, uint pairs, uint entry) {
+  return 1 + 2 * entries + entry * pairs;
+}
+
+// One threadgroup of `tokens` SIMD-groups: SIMD-group t routes token t as moe_route does (its
+// ids and weights, which moe_down reads); then SIMD-group 0 builds the union. Its lane l holds
+// experts l, l + 32, ... (as routing does); each entry's rank is the number of chosen experts
+// below it, from two prefix sums of per-lane bit counts packed four to a word.
+[[kernel, max_total_threads_per_threadgroup(MOE_UNION_MAX_TOKENS * SIMD_WIDTH)]]
+void moe_route_union(constant MoeUnionParams& p [[buffer(0)]],
+                     device const float* logits [[buffer(1)]],
+                     device uint* expert_ids [[buffer(2)]],
+                     device float* expert_weights [[buffer(3)]],
+                     device uint* expert_union [[buffer(4)]],
+                     uint token [[simdgroup_index_in_threadgroup]],
+                     uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup uint chosen[MOE_UNION_MAX_TOKENS * MOE_UNION_MAX_TOP_K];
+  route_token(logits + ulong(token) * p.experts, p.experts, p.top_k, p.normalize != 0, p.top_k,
+              true, expert_ids + token * p.top_k, expert_weights + token * p.top_k, lane);
+  // Lane 0 wrote the ids; it copies them (its own writes, in program order) for SIMD-group 0.
+  if (lane == 0) {
+    for (uint slot = 0; slot < p.top_k; ++slot) {
+      chosen[token * p.top_k + slot] = expert_ids[token * p.top_k + slot];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (token != 0) return;  // SIMD-group 0 alone builds the union
+
+  const uint pairs = p.tokens * p.top_k;
+  uint owned = 0;  // bit j: expert lane + 32 j is chosen by some token
+  for (uint i = 0; i < pairs; ++i) {
+    const uint e = chosen[i];
+    if (e % SIMD_WIDTH == lane) owned |= 1u << (e / SIMD_WIDTH);
+  }
+  // Bit j of `owned` in byte j % 4 of counts[j / 4]: a lane's share of each j, summed over lanes
+  // (at most 32 per byte) in one prefix sum per word.
+  uint counts[2] = {0, 0};
+  for (uint j = 0; j < MOE_MAX_EXPERTS_PER_LANE; ++j) {
+    counts[j / 4] |= ((owned >> j) & 1u) << (8 * (j % 4));
+  }
+  const uint below[2] = {simd_prefix_exclusive_sum(counts[0]), simd_prefix_exclusive_sum(counts[1])};
+  const uint totals[2] = {simd_sum(counts[0]), simd_sum(counts[1])};
+  uint before_j = 0;  // chosen experts with a smaller j (all lanes)
+  for (uint j = 0; j < MOE_MAX_EXPERTS_PER_LANE; ++j) {
+    const uint shift = 8 * (j % 4);
+    if ((owned >> j) & 1u) {
+      const uint entry = before_j + ((below[j / 4] >> shift) & 0xFFu);
+      const uint e = lane + j * SIMD_WIDTH;
+      expert_union[1 + entry] = e;
+      const uint base = union_pair_base(p.entries, pairs, entry);
+      uint count = 0;
+      for (uint i = 0; i < pairs; ++i) {
+        if (chosen[i] == e) expert_union[base + count++] = i;
+      }
+      expert_union[1 + p.entries + entry] = count;
+    }
+    before_j += (totals[j / 4] >> shift) & 0xFFu;
+  }
+  if (lane == 0) expert_union[0] = before_j;
+}
+
+struct MoeGateUpUnionParams {
+  uint in_dim;
+  uint expert_rows;
+  uint shared_rows;
+  uint top_k;
+  float eps;     // the folded norm's epsilon (NORMED only)
+  uint tokens;
+  uint entries;  // as MoeUnionParams
+};
+
+// h[token][slot * expert_rows + r] = silu(gate_e x_token)[r] * (up_e x_token)[r] for every pair
+// (token, slot) of union entry u = grid y (expert e): moe_gate_up_swiglu's rows over the union.
+// A SIMD-group decodes a chunk of its 4 rows' codes once (the gate's, then the up's) and walks
+// the entry's tokens over them; each token's sums are moe_gate_up_swiglu's, in its order, so h is
+// the per-token kernel's bit for bit. Threadgroups of entries past D leave at once. Grid: x over
+// rows (4 per SIMD-group), y over `entries`.
+template <uint BITS, bool NORMED>
+[[kernel]] void moe_gate_up_union(
+    constant MoeGateUpUnionParams& p [[buffer(0)]], device const float* x [[buffer(1)]],
+    device const uint* expert_union [[buffer(2)]], device const uint* gate_w [[buffer(3)]],
+    device const bfloat* gate_s [[buffer(4)]], device const bfloat* gate_b [[buffer(5)]],
+    device const uint* up_w [[buffer(6)]], device const bfloat* up_s [[buffer(7)]],
+    device const bfloat* up_b [[buffer(8)]], device float* h [[buffer(9)]],
+    device const bfloat* gain [[buffer(10)]], uint2 threadgroup_id [[threadgroup_position_in_grid]],
+    uint simdgroup [[simdgroup_index_in_threadgroup]],
+    uint simdgroups [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+  const uint entry = threadgroup_id.y;
+  if (entry >= expert_union[0]) return;  // fewer distinct experts than the grid's worst case
+  const uint rows = p.expert_rows;
+  const uint row0 = threadgroup_id.x * (simdgroups * MOE_ROWS_PER_SIMDGROUP) +
+                    simdgroup * MOE_ROWS_PER_SIMDGROUP;
+  if (row0 >= rows) return;  // the whole SIMD-group leaves together
+  const uint count = min(MOE_ROWS_PER_SIMDGROUP, rows - row0);
+  const uint expert = expert_union[1 + entry];
+  const uint pair_count = expert_union[1 + p.entries + entry];
+  device const uint* pairs =
+      expert_union + union_pair_base(p.entries, p.tokens * p.top_k, entry);
+  const QuantMatrix gate =
+      quant_expert(QuantMatrix{gate_w, gate_s, gate_b}, expert, rows, p.in_dim, BITS);
+  const QuantMatrix up = quant_expert(QuantMatrix{up_w, up_s, up_b}, expert, rows, p.in_dim, BITS);
+
+  constexpr uint R = MOE_ROWS_PER_SIMDGROUP;
+  constexpr uint N = MOE_UNION_MAX_TOKENS;
+  constexpr uint chunk = quant_chunk(BITS);
+  const uint words_per_row = p.in_dim * BITS / 32;
+  const uint groups_per_row = p.in_dim / QUANT_GROUP_SIZE;
+  // An entry has at most one pair per token unless NaN logits made a token choose an expert
+  // twice; then its pairs run N at a time, the weights read again per run.
+  for (uint first = 0; first < pair_count; first += N) {
+    const uint run = min(N, pair_count - first);
+    float gate_acc[R][N], up_acc[R][N], squares[N];
+    for (uint n = 0; n < N; ++n) {
+      squares[n] = 0.0f;
+      for (uint r = 0; r < R; ++r) gate_acc[r][n] = up_acc[r][n] = 0.0f;
+    }
+    for (uint k = lane * chunk; k < p.in_dim; k += SIMD_WIDTH * chunk) {
+      float gains[chunk];
+      if (NORMED) load_gains<BITS>(gain, k, gains);
+      for (uint matrix = 0; matrix < 2; ++matrix) {
+        const QuantMatrix m = matrix == 0 ? gate : up;
+        float decoded[R][chunk];
+        float scales[R], biases[R];
+        for (uint r = 0; r < R; ++r) {
+          const ulong row = clamped_row(row0, count, r);
+          decode_codes<BITS>(
+              *reinterpret_cast<device const uint4*>(m.weight + row * words_per_row + k * BITS / 32),
+              decoded[r]);
+          const ulong group = row * groups_per_row + k / QUANT_GROUP_SIZE;
+          scales[r] = float(m.scales[group]);
+          biases[r] = float(m.biases[group]);
+        }
+        for (uint n = 0; n < N; ++n) {
+          if (n >= run) break;
+          device const float* token_x = x + ulong(pairs[first + n] / p.top_k) * p.in_dim;
+          float xs[chunk];
+          // The squares of a token's x are summed once, with its gate.
+          float unused = 0.0f;
+          thread float& sum_of_squares = matrix == 0 ? squares[n] : unused;
+          const float xsum = NORMED ? load_chunk_gained<BITS>(token_x, gains, k, xs, sum_of_squares)
+                                    : load_chunk<BITS>(token_x, k, xs);
+          for (uint r = 0; r < R; ++r) {
+            const float dot = qdot_decoded<BITS>(decoded[r], scales[r], biases[r], xs, xsum);
+            if (matrix == 0) {
+              gate_acc[r][n] += dot;
+            } else {
+              up_acc[r][n] += dot;
+            }
+          }
+        }
+      }
+    }
+    float inv_rms[N];
+    if (NORMED) folded_inv_rms_rows<N>(squares, run, p.in_dim, p.eps, inv_rms);
+    static_assert(R == 4, "simd_sum_rows reduces four rows");
+    for (uint n = 0; n < N; ++n) {
+      if (n >= run) break;
+      const uint pair = pairs[first + n];
+      const float token_gate[R] = {gate_acc[0][n], gate_acc[1][n], gate_acc[2][n], gate_acc[3][n]};
+      const float token_up[R] = {up_acc[0][n], up_acc[1][n], up_acc[2][n], up_acc[3][n]};
+      const float4 gates = simd_sum_rows(token_gate), ups = simd_sum_rows(token_up);
+      const float scale = NORMED ? inv_rms[n] : 1.0f;
+      device float* out = h + ulong(pair / p.top_k) * (p.top_k * rows + p.shared_rows) +
+                          (pair % p.top_k) * rows + row0;
+      for (uint r = 0; r < R; ++r) {
+        if (lane == 0 && r < count) out[r] = silu(gates[r] * scale) * (ups[r] * scale);
+      }
+    }
+  }
+}
+
+template [[host_name("moe_gate_up_union_4")]] [[kernel]]
+decltype(moe_gate_up_union<4, false>) moe_gate_up_union<4, false>;
+template [[host_name("moe_gate_up_union_normed_4")]] [[kernel]]
+decltype(moe_gate_up_union<4, true>) moe_gate_up_union<4, true>;

@@ -73,6 +73,8 @@ EXACT_THREADS = {
     "gemm_nt_bfloat": gemm.THREADS_PER_THREADGROUP,
     "lane_layout_self_test": lane_layout.THREADS,
     "moe_route": moe.SIMD_WIDTH,
+    # One SIMD-group per token: its launcher uses 32 per token, up to this.
+    "moe_route_union": moe.UNION_MAX_TOKENS * moe.SIMD_WIDTH,
     "moe_sort_by_expert": moe_chunk.SORT_THREADS,
     **{
         f"qgemm{kind}_{bits}": quantized_gemm.THREADS_PER_THREADGROUP

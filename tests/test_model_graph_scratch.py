@@ -169,12 +169,13 @@ def test_a_verify_pass_is_folded_as_the_decode_step() -> None:
     """A verify pass of 2 to 9 tokens runs no norm, residual add, conv or gated-norm dispatch of
     its own (the GEMVs around them fold them per token, as the decode step's do), and has the
     decode step's levels but for the few it keeps apart: the embedding lookup, attention's
-    prepare in each attention layer, the acceptance and the commit."""
+    prepare in each attention layer, the MoE's routing in each layer (its gate/up runs over the
+    union of the tokens' experts), the acceptance and the commit."""
     checkpoint = load_checkpoint(tiny_checkpoint("small"))
     c = checkpoint.config
     model = ModelGraph(checkpoint, open_device("sim", execute=False), 64, c.vocab_size, 16)
     decode = model.graph(1, predicts=True).barrier_count
-    apart = 1 + len(c.full_attention_layers) + 2
+    apart = 1 + len(c.full_attention_layers) + c.num_hidden_layers + 2
     for tokens, rows in ((2, 2), (5, 5), (9, 3)):
         graph = model.verify_graph(tokens, rows)
         kernels = {d.kernel for d in graph.dispatches}

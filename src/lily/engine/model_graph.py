@@ -424,7 +424,7 @@ class _Scratch:
         self.partial_stats = device.alloc(
             attention.partial_stats_bytes(q_heads, splits, attention_tokens)
         )
-        # A verify pass's few tokens run the decode step's MoE kernels, token by token.
+        # A verify pass's or a batched pass's few tokens run the MoE's few-token kernels.
         few_tokens = min(max_chunk, GEMV_MAX_TOKENS)
         self.moe = MoeScratch.allocate(device, *_moe_shape(c), tokens=few_tokens)
         # Sized for the whole vocabulary, at least what the sampler's token count needs.
@@ -1738,7 +1738,9 @@ class _Recorder:
         decode step, a verify pass) with the norm and the residual add folded in (out is the
         residual itself); up to a verify pass's size with the same GEMV-shaped kernels, token by
         token (bound by reading the experts' weights, where the grouped GEMM's tiles would be
-        nearly empty); beyond, the grouped GEMM."""
+        nearly empty), a verify pass's gate/up over the union of its tokens' experts (consecutive
+        tokens of one text share experts; a batched pass's unrelated rows barely do); beyond,
+        the grouped GEMM."""
         c, g, dev, s, T = self.c, self.g, self.dev, self.s, self.tokens
         weights = self.moe_weights(prefix)
         if self.folds_norms:
@@ -1754,6 +1756,7 @@ class _Recorder:
                 norm=self.folded_norm(norm_weight),
                 accumulate=True,
                 tokens=T,
+                union=self.verify_rows > 0 and T > 1,
             )
         elif T <= GEMV_MAX_TOKENS:
             record_moe(

@@ -410,6 +410,13 @@ def moe_route(
     return expert_ids, weights
 
 
+def moe_expert_union(expert_ids: np.ndarray) -> list[tuple[int, list[int]]]:
+    """The distinct experts of a few tokens' routing, ascending, each with the (token, slot)
+    pairs that chose it as token * top_k + slot, in that order. expert_ids [tokens, top_k]."""
+    flat = np.asarray(expert_ids).ravel()
+    return [(int(e), np.flatnonzero(flat == e).tolist()) for e in np.unique(flat)]
+
+
 def swiglu_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """One expert (routed or shared): `down(silu(gate x) * up x)`; weights [out, in]."""
     return (silu(x @ gate.T) * (x @ up.T)) @ down.T

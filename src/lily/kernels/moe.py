@@ -12,6 +12,13 @@ Level 1 alone would read half a megabyte; the shared expert's megabyte moves the
 whose routed experts read eight times as much.
 `record_moe_route` (routing as a dispatch of its own) serves the prefill chunk's MoE and tests.
 
+A verify pass (`union=True`) runs level 2 over the union of its tokens' experts instead, as two
+levels: `moe_route_union` routes every token once and lists the distinct experts with the
+(token, slot) pairs that chose each; `moe_gate_up_union` reads each listed expert's gate and up
+weights once for all those tokens. Its tokens are consecutive tokens of one text, whose experts
+overlap well beyond chance (docs/architecture.md); the down projection stays per token (see
+`record_moe`).
+
 In the decode step the block also takes the RMSNorm before it and the residual add after it: given
 a `FoldedNorm`, the router GEMV and the gate/up kernel norm the residual themselves, and with
 `accumulate` the down kernel adds the block's output to `out` (the residual) instead of writing it.
@@ -38,6 +45,9 @@ if TYPE_CHECKING:
 
 # Must match MOE_MAX_EXPERTS_PER_LANE in moe.metal.
 MAX_EXPERTS = 256
+# Must match MOE_UNION_MAX_TOKENS and MOE_UNION_MAX_TOP_K in moe.metal.
+UNION_MAX_TOKENS = 9
+UNION_MAX_TOP_K = 8
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class MoeScratch:
     expert_ids: BufferRef  # uint32 [tokens, top_k]
     expert_weights: BufferRef  # [tokens, top_k]
     hidden: BufferRef  # [tokens, top_k * expert_rows + shared_rows]
+    expert_union: BufferRef  # uint32, moe_route_union's layout (moe.metal) for up to `tokens`
     tokens: int = 1
 
     @staticmethod
@@ -80,8 +91,21 @@ class MoeScratch:
             expert_ids=device.alloc(4 * tokens * top_k),
             expert_weights=device.alloc(4 * tokens * top_k),
             hidden=device.alloc(4 * tokens * (top_k * expert_rows + shared_rows)),
+            expert_union=device.alloc(4 * union_words(experts, top_k, tokens)),
             tokens=tokens,
         )
+
+
+def union_entries(experts: int, top_k: int, tokens: int) -> int:
+    """The most distinct experts `tokens` tokens can choose: the union's entries."""
+    return min(tokens * top_k, experts)
+
+
+def union_words(experts: int, top_k: int, tokens: int) -> int:
+    """moe_route_union's output: the count, each entry's expert and pair count, and room for
+    tokens * top_k pairs per entry."""
+    entries = union_entries(experts, top_k, tokens)
+    return 1 + 2 * entries + entries * tokens * top_k
 
 
 def record_moe_route(
@@ -105,6 +129,100 @@ def record_moe_route(
         threads=(32, 1, 1),
         buffers={1: binding(logits), 2: binding(expert_ids), 3: binding(expert_weights)},
         bytes={0: pack_params("III", experts, top_k, int(normalize))},
+    )
+
+
+def record_moe_route_union(
+    graph: Graph,
+    device: Device,
+    logits: BufferRef,
+    experts: int,
+    top_k: int,
+    expert_ids: BufferRef,
+    expert_weights: BufferRef,
+    expert_union: BufferRef,
+    normalize: bool = True,
+    tokens: int = 1,
+) -> None:
+    """Routes `tokens` tokens as `record_moe_route` does (logits [tokens, experts], ids and
+    weights [tokens, top_k]) and writes the union of their experts to `expert_union`
+    (`union_words` of them; layout in moe.metal): one threadgroup, a SIMD-group per token."""
+    if experts > MAX_EXPERTS or not 1 <= top_k <= min(experts, UNION_MAX_TOP_K):
+        raise ValueError(
+            f"the union's routing supports top_k <= {UNION_MAX_TOP_K}, top_k <= experts <= "
+            f"{MAX_EXPERTS}"
+        )
+    if not 1 <= tokens <= UNION_MAX_TOKENS:
+        raise ValueError(f"the union holds 1 to {UNION_MAX_TOKENS} tokens, got {tokens}")
+    graph.dispatch(
+        device.kernel("moe_route_union"),
+        threadgroups=(1, 1, 1),
+        threads=(tokens * SIMD_WIDTH, 1, 1),
+        buffers={
+            1: binding(logits),
+            2: binding(expert_ids),
+            3: binding(expert_weights),
+            4: binding(expert_union),
+        },
+        bytes={
+            0: pack_params(
+                "IIIII",
+                experts,
+                top_k,
+                int(normalize),
+                tokens,
+                union_entries(experts, top_k, tokens),
+            )
+        },
+    )
+
+
+def record_moe_gate_up_union(
+    graph: Graph,
+    device: Device,
+    x: BufferRef,
+    expert_union: BufferRef,
+    experts: int,
+    top_k: int,
+    w: MoeWeights,
+    hidden: BufferRef,
+    norm: FoldedNorm | None = None,
+    tokens: int = 1,
+) -> None:
+    """hidden[token, slot] = silu(gate_e x_token) * up_e x_token for every (token, slot) pair of
+    the union `record_moe_route_union` wrote (x [tokens, in_dim], rms_norm of each row with
+    `norm`; hidden in MoeScratch's layout, the shared expert's rows left alone): the same values,
+    bit for bit, as `record_moe_gate_up` over the routed slots, each expert's weights read once.
+    The grid covers the most entries `tokens` tokens can have; those past the union's count
+    leave at once."""
+    require_vector_aligned(x, "float32", norm)
+    expert_rows = w.expert_gate.rows
+    row_simdgroups = ceil_div(expert_rows, ROWS_PER_SIMDGROUP)
+    entries = union_entries(experts, top_k, tokens)
+    simdgroups = gemv_simdgroups(row_simdgroups * entries)
+    gain = norm.gain if norm is not None else x
+    buffers = {1: binding(x), 2: binding(expert_union), 9: binding(hidden), 10: binding(gain)}
+    for i, m in enumerate((w.expert_gate, w.expert_up)):
+        buffers[3 + 3 * i] = binding(m.weight)
+        buffers[4 + 3 * i] = binding(m.scales)
+        buffers[5 + 3 * i] = binding(m.biases)
+    variant = "moe_gate_up_union" + ("_normed" if norm is not None else "")
+    params = pack_params(
+        "IIIIfII",
+        w.expert_gate.in_dim,
+        expert_rows,
+        w.shared_gate.rows,
+        top_k,
+        norm.eps if norm is not None else 0.0,
+        tokens,
+        entries,
+    )
+    graph.dispatch(
+        device.kernel(f"{variant}_{w.expert_gate.bits}"),
+        threadgroups=(ceil_div(row_simdgroups, simdgroups), entries, 1),
+        threads=(simdgroups * SIMD_WIDTH, 1, 1),
+        buffers=buffers,
+        bytes={0: params},
     )
 
 
@@ -249,12 +367,21 @@ def record_moe(
     norm: FoldedNorm | None = None,
     accumulate: bool = False,
     tokens: int = 1,
+    union: bool = False,
 ) -> None:
     """The whole block, out = MoE(x), with barriers between its levels (the caller places the
     one before, x ready, and after, out ready); MoE(rms_norm(x)) with `norm`, and out += with
     `accumulate`. With `tokens` (at most the scratch's), x and out are [tokens, hidden]: a
     verify pass's few tokens, each expert's weights read per token that chose it, the norm and
-    the residual add folded in per token as for one."""
+    the residual add folded in per token as for one.
+
+    With `union` (a verify pass), the routed experts' gate and up run over the union of the
+    tokens' experts, one level more: every value is the same, bit for bit, and an expert
+    several tokens chose is read once. The down projection stays per (token, expert): over the
+    union it would sum a token's experts in the union's order, not its slots' (its rows would no
+    longer be the decode step's bit for bit), or take a level more to sum them in slot order
+    (40 levels a pass at the real dims, past the verify pass's budget of 1.3 decode steps'
+    levels); it is a third of the experts' bytes."""
     if not 1 <= tokens <= scratch.tokens:
         raise ValueError(f"the scratch holds 1 to {scratch.tokens} tokens, got {tokens}")
     experts = w.router.rows
@@ -278,8 +405,26 @@ def record_moe(
     )
     record_moe_gate_up(graph, device, **gate_up, norm=norm, slots=range(top_k, top_k + 1))
     graph.barrier()
-    routing = InKernelRouting(scratch.logits, experts, scratch.expert_weights, normalize)
-    record_moe_gate_up(graph, device, **gate_up, norm=norm, routing=routing, slots=range(top_k))
+    if union:
+        record_moe_route_union(
+            graph,
+            device,
+            scratch.logits,
+            experts,
+            top_k,
+            scratch.expert_ids,
+            scratch.expert_weights,
+            scratch.expert_union,
+            normalize,
+            tokens,
+        )
+        graph.barrier()
+        record_moe_gate_up_union(
+            graph, device, x, scratch.expert_union, experts, top_k, w, scratch.hidden, norm, tokens
+        )
+    else:
+        routing = InKernelRouting(scratch.logits, experts, scratch.expert_weights, normalize)
+        record_moe_gate_up(graph, device, **gate_up, norm=norm, routing=routing, slots=range(top_k))
     graph.barrier()
     record_moe_down(
         graph,
