@@ -14,11 +14,12 @@ must give the same answer.
 It first prints the levels (dependent dispatch levels: barriers) of the full-size graph's decode
 step and verify passes, recorded on a sim that does not execute them from a checkpoint of the
 real model's layout whose tensors are zeros (make_synthetic_checkpoint.py's `--zeros`: holes,
-no disk); a model of the delivered tok/s on an M4 Max and an M5 Max, plain and with the MTP
-head (k = 1..3) or prompt lookup (k = 4) at per-draft acceptance 0.9 / 0.7 / 0.5
-(`print_mac_estimate`: an estimate from the shapes, those levels and published bandwidths, not
-a measurement), the loaded model's levels per decode step and verify pass, and what a verify
-pass of the full-size graph (the real model's config.json, as
+no disk); the loaded model's levels per decode step and verify pass (and, with a head, of
+its catch-up and drafts after a read and queued ahead); a model of the delivered tok/s on an
+M4 Max and an M5 Max, plain and with the MTP head (k = 1..3) or prompt lookup (k = 4) at
+per-draft acceptance 0.9 / 0.7 / 0.5 (`print_mac_estimate`: an estimate from the shapes, those
+levels and published bandwidths, not a measurement); and what a verify pass of the full-size
+graph (the real model's config.json, as
 make_synthetic_checkpoint.py writes it) moves of the recurrent state, per k drafts: the bytes
 copied (a backup or a restore: none since the pass keeps its candidates' updates, issue 39),
 read and written (`model_graph.verify_state_traffic`). That part is arithmetic on the shapes,
