@@ -552,6 +552,52 @@ def test_a_head_predicting_the_model_has_its_drafts_accepted(echo):
     assert counts.passes == -(-(ANSWER - 1) // 5)
 
 
+def test_a_pass_queued_behind_the_one_that_stops_is_dropped(echo):
+    """A stop token in a pass that has the next one queued behind it: the generation ends
+    there, the queued pass is waited for and its tokens dropped, and what it wrote (the state
+    past the stop token, the step, the head's rows) changes nothing after: the same prompt,
+    restored from the prefix cache, answers as before, with the head and without."""
+    engine, prompt, answer = echo
+    stop = answer[12]  # in the third pass, which has the fourth queued behind it
+    cut = len(prompt) - 3
+    drafter = Recording(draft_tokens=4, mtp=True)
+    before = replace(engine.speculative_pipeline)
+    tokens = [
+        t.id for t in engine.generate(prompt, ANSWER, {stop}, snapshot_at=cut, drafter=drafter)
+    ]
+    assert tokens == answer[: answer.index(stop) + 1]
+    pipeline = engine.speculative_pipeline
+    submitted = pipeline.ahead - before.ahead + pipeline.after_read - before.after_read
+    assert submitted == drafter.counts["mtp"].passes + 1  # one pass dropped unread
+    assert engine.cached_prefix_length(prompt) == cut
+    again = [t.id for t in engine.generate(prompt, ANSWER, drafter=Speculation(mtp=True))]
+    assert again == answer
+    assert [t.id for t in engine.generate(prompt, ANSWER)] == answer
+
+
+def test_log_probabilities_with_two_passes_in_flight(echo):
+    """Eight drafts a pass with log-probabilities asked: the queued pass drafts fewer, so that
+    its rows never share a slot of the sampler's ring with the rows of the pass ahead of it
+    that the host reads meanwhile; every token's log-probabilities are plain decoding's (to
+    the verify rows' rounding). A negative frequency penalty makes the model repeat itself
+    where the head echoes the unpenalised model, so that passes keep some or none of their
+    drafts."""
+    engine, prompt, _ = echo
+    params = SamplingParams(temperature=0.0, frequency_penalty=-2.0, top_logprobs=3)
+    expected = list(engine.generate(prompt, ANSWER, sampling=params))
+    drafter = Recording(draft_tokens=8, mtp=True)
+    before = replace(engine.speculative_pipeline)
+    got = list(engine.generate(prompt, ANSWER, sampling=params, drafter=drafter))
+    assert [t.id for t in got] == [t.id for t in expected]
+    for a, b in zip(got, expected, strict=True):
+        assert abs(a.logprobs.logprob - b.logprobs.logprob) < 1e-2
+        assert [t for t, _ in a.logprobs.top] == [t for t, _ in b.logprobs.top]
+    assert engine.speculative_pipeline.ahead - before.ahead >= 2
+    assert any(0 < accepted < drafted for drafted, accepted in drafter.outcomes)
+    drafted = [d for d, _ in drafter.outcomes]
+    assert drafted[0] == 8 and all(a + b <= 14 for a, b in zip(drafted, drafted[1:], strict=False))
+
+
 TEMPERATURE = 0.2
 
 
