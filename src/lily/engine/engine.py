@@ -482,9 +482,10 @@ class DeviceEngine(_PromptsWithImages):
 
     def pass_cost(self, drafts: int) -> float:
         """What the last verify pass (of `drafts` drafts) cost, in decode steps: its measured
-        wall time, drafting included, against a pipelined decode step's, once this engine has
-        decoded plainly; until then the model's estimate (`model_graph.verify_cost_ratio`),
-        which leaves the drafting out. What "auto" weighs a pass's tokens against."""
+        wall time, drafting included (from the read of the pass before, for a pass queued behind
+        it), against a pipelined decode step's, once this engine has decoded plainly; until then
+        the model's estimate (`model_graph.verify_cost_ratio`), which leaves the drafting out.
+        What "auto" weighs a pass's tokens against."""
         if self._step_seconds is None or self._pass_seconds is None:
             return verify_cost_ratio(self.config, drafts)
         return self._pass_seconds / self._step_seconds
