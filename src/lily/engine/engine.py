@@ -897,8 +897,12 @@ class DeviceEngine(_PromptsWithImages):
         on_device = isinstance(planned, HeadDrafts)
         if on_device:
             # The head drafts in this pass's own submission: no constraint to ask, and each
-            # row draws under the bans alone (a draft they rule out is simply not accepted).
+            # row draws under the bans alone (a draft they rule out is simply not accepted),
+            # here and in the passes queued behind this one (`_submit_ahead`), which write
+            # nothing: every row's mask is written now, while none is in flight.
             count = min(len(planned), limit)
+            masks = [draw_mask(None, request.bans, model.token_count, last + 1)]
+            masks *= MAX_DRAFT_TOKENS + 1
         else:
             drafts, masks = self._row_masks(request, [int(t) for t in planned][:limit], last + 1)
             # The head reads the last pass's rows before this pass overwrites them, in the
@@ -907,11 +911,6 @@ class DeviceEngine(_PromptsWithImages):
             self._mtp_catch_up(head_later)
             history[last + 1 : last + 1 + len(drafts)] = drafts
             count = len(drafts)
-        if request.constraint is None:
-            # Every row of every pass draws under the bans alone: the rows a pass queued ahead
-            # (`_submit_ahead`) may check are written now, while none is in flight.
-            masks = [draw_mask(None, request.bans, model.token_count, last + 1)]
-            masks *= MAX_DRAFT_TOKENS + 1
         # Everything the history holds counts as given: no advance overwrites it.
         step[POSITION], step[PROMPT_END], step[TOKEN] = last, last + 1 + count, tokens[last]
         if not count:
