@@ -14,12 +14,13 @@ must give the same answer.
 It first prints the levels (dependent dispatch levels: barriers) of the full-size graph's decode
 step and verify passes, recorded on a sim that does not execute them from a checkpoint of the
 real model's layout whose tensors are zeros (make_synthetic_checkpoint.py's `--zeros`: holes,
-no disk); a model of the delivered tok/s on an M4 Max and an M5 Max, plain and with the MTP
-head (k = 1..3) or prompt lookup (k = 4) at per-draft acceptance 0.9 / 0.7 / 0.5, per expert
-overlap of the verify pass's tokens and with its experts read per (token, expert) pair or over
-their union (`print_mac_estimate`: an estimate from the shapes, those levels and published
-bandwidths, not a measurement), the loaded model's levels per decode step and verify pass,
-and what a verify pass of the full-size graph (the real model's config.json, as
+no disk); the loaded model's levels per decode step and verify pass (and, with a head, of
+its catch-up and drafts after a read and queued ahead); a model of the delivered tok/s on an
+M4 Max and an M5 Max, plain and with the MTP head (k = 1..3) or prompt lookup (k = 4) at
+per-draft acceptance 0.9 / 0.7 / 0.5, per expert overlap of the verify pass's tokens and with
+its experts read per (token, expert) pair or over their union (`print_mac_estimate`: an
+estimate from the shapes, those levels and published bandwidths, not a measurement); and what
+a verify pass of the full-size graph (the real model's config.json, as
 make_synthetic_checkpoint.py writes it) moves of the recurrent state, per k drafts: the bytes
 copied (a backup or a restore: none since the pass keeps its candidates' updates, issue 39),
 read and written (`model_graph.verify_state_traffic`). That part is arithmetic on the shapes,
@@ -29,7 +30,11 @@ for submitted work: the prompt's command buffers, the MTP head's draft passes an
 over the last pass's rows where they have a wait of their own, plain passes, verify passes) over
 the passes whose tokens the host read back (the prompt's last chunk, each verify pass, each
 plain pass or decode step). 1.00 means that no part of a pass (the head's drafts, its
-catch-up) costs a round trip of its own.
+catch-up) costs a round trip of its own. And it gives how the engine queued them
+(`DeviceEngine.speculative_pipeline`, counted): how many passes were queued behind a pass the
+host had not read yet (two in flight: the device goes on to it without waiting for the host),
+and how many were submitted with none in flight (the device waited while the host drafted and
+encoded them).
 
 Usage:
     python benchmarks/bench_speculative.py [--model demo] [--tokens 48] [--draft-tokens 8]
@@ -46,6 +51,7 @@ import argparse
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from make_synthetic_checkpoint import real_config, write_checkpoint
@@ -57,7 +63,7 @@ from lily.api import DEFAULT_MAX_SEQ
 from lily.checkpoint.config import parse_config
 from lily.checkpoint.loader import load_checkpoint
 from lily.device import Device, open_device
-from lily.engine.engine import DeviceEngine
+from lily.engine.engine import DeviceEngine, SpeculativePipeline
 from lily.engine.model_graph import (
     MAX_DRAFT_TOKENS,
     MTP_DRAFT_VOCAB,
@@ -76,7 +82,12 @@ NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 # a 4-bit weight with its bf16 scale and bias per 64, the GPU idle once per verify pass while
 # the host reads the accepted tokens and encodes the next pass (the review's ~0.7 ms of
 # encoding and Python per pass; the head's drafts are taken on the device in the pass's own
-# submission, so no round trip per draft), per-draft acceptance rates (published first-draft
+# submission, so no round trip per draft) where the next pass is submitted after that read
+# (prompt lookup, a prediction, a constraint); with the head, the next pass is queued before
+# the read, so that time is hidden under the pass in flight (a verify pass runs 5 ms or more
+# against the host's 0.7 ms) and what remains is the levels the head's following adds
+# (`mtp_follow_graph` against `mtp_draft_graph`, counted on the loaded model),
+# per-draft acceptance rates (published first-draft
 # rates for Qwen3.5/3.6 MTP heads are 0.72-0.83: vLLM, vllm-mlx, mlx-lm PR 990, per issue 39).
 MTP_LEVELS_PER_DRAFT = 16
 BYTES_PER_WEIGHT = 4.5 / 8
@@ -147,10 +158,12 @@ def print_full_size_levels(decode: int, verify: dict[int, int]) -> None:
     print(f"full-size graph, levels: decode step {decode}, verify pass {shown}")
 
 
-def print_levels(model: ModelGraph) -> None:
+def print_levels(model: ModelGraph) -> int:
     """The levels (barriers) of the loaded model's decode step and verify passes: the demo's
     8 layers walk the real model's layer pattern, so per layer they are the real graph's (the
-    few levels outside the layers weigh more in the ratio than at 40 layers)."""
+    few levels outside the layers weigh more in the ratio than at 40 layers). Returns the
+    levels the head's drafts queued ahead add to those drafted after a read (0 without a
+    head)."""
     decode = model.graph(1, predicts=True).barrier_count
     drafts = range(1, MAX_DRAFT_TOKENS + 1)
     verify = {model.verify_graph(k + 1, k + 1).barrier_count for k in drafts}
@@ -163,15 +176,27 @@ def print_levels(model: ModelGraph) -> None:
         print(
             f"levels: the MTP head's drafts, {per_draft} per draft, in the verify pass's submission"
         )
+        # A pass of 3 drafts keeping 1: the catch-up over its 2 kept rows, or over all 4.
+        after_read = model.mtp_draft_graph(2, 3).barrier_count
+        ahead = model.mtp_follow_graph(4, 3).barrier_count
+        print(
+            f"levels: the head's catch-up and 3 drafts, {after_read} after a read, "
+            f"{ahead} queued ahead of it (over all the unread pass's rows)"
+        )
+        return ahead - after_read
+    return 0
 
 
-def print_mac_estimate(decode_levels: int, verify_levels: dict[int, int]) -> None:
+def print_mac_estimate(
+    decode_levels: int, verify_levels: dict[int, int], follow_levels: int
+) -> None:
     """A MODEL of the delivered decode speed on a Mac, plain and with drafts, at per-draft
     acceptance a (each draft kept with probability a once those before it were): a pass of k
     drafts yields (1 - a^(k+1)) / (1 - a) tokens and costs its verify pass
     (`verify_cost_ratio` decode steps' bytes, plus the verify graph's extra levels), the
-    host's turn between passes, and, for the MTP head, k head steps (one MTP layer and the
-    draft vocabulary's rows of the lm_head read, and their levels; the argmax on the
+    host's turn between passes (none for the head, whose next pass is queued ahead: only the
+    `follow_levels` its following adds), and, for the MTP head, k head steps (one MTP layer and
+    the draft vocabulary's rows of the lm_head read, and their levels; the argmax on the
     device).
 
     The verify pass's experts are counted as its kernels read them, at the expert overlaps of
@@ -189,7 +214,9 @@ def print_mac_estimate(decode_levels: int, verify_levels: dict[int, int]) -> Non
         f"{decode_levels} / {max(verify_levels.values())} levels at "
         f"{LEVEL_SECONDS * 1e6:.0f} us, "
         f"{MTP_LEVELS_PER_DRAFT} per head draft, {PASS_HOST_S * 1e3:.2f} ms of host time "
-        "per verify pass), per expert overlap: per pair -> union"
+        "per verify pass submitted after a read (ngram), hidden under the pass in flight for "
+        f"the head, queued ahead, whose following adds {follow_levels} levels), "
+        "per expert overlap: per pair -> union"
     )
     designs = {"per pair": (UNION_DESIGNS["per pair"], -c.num_hidden_layers)}
     designs["union"] = (UNION_DESIGNS["union gate/up"], 0)
@@ -201,19 +228,20 @@ def print_mac_estimate(decode_levels: int, verify_levels: dict[int, int]) -> Non
         for overlap_name, overlap in overlap_cases(c).items():
             for source, ks in (("mtp", (1, 2, 3)), ("ngram", (4,))):
                 for k in ks:
-                    drafting = 0.0
+                    drafting = PASS_HOST_S
                     if source == "mtp":
                         drafting = k * (
                             (mtp_layer + draft_head) / bandwidth
                             + MTP_LEVELS_PER_DRAFT * LEVEL_SECONDS
                         )
+                        drafting += follow_levels * LEVEL_SECONDS
                     rates = {a: [] for a in ACCEPTANCE}
                     for matrices, level_change in designs.values():
                         verify = verify_cost_ratio(c, k) * (step_bytes / bandwidth)
                         verify += expert_bytes_beyond_traffic(c, k + 1, overlap, matrices) / (
                             bandwidth
                         )
-                        verify += (verify_levels[k] + level_change) * LEVEL_SECONDS + PASS_HOST_S
+                        verify += (verify_levels[k] + level_change) * LEVEL_SECONDS
                         for a in ACCEPTANCE:
                             tokens = (1 - a ** (k + 1)) / (1 - a)
                             rates[a].append(f"{tokens / (verify + drafting):.0f}")
@@ -227,7 +255,7 @@ def count_round_trips(counts: Counter) -> None:
     for the graph as it submits it) and passes read back ("passes": a verify pass's accepted
     tokens, or the token a prompt's last chunk, a plain pass or a decode step drew)."""
     run, wait, verify_graph = Device.run, Device.wait, ModelGraph.verify_graph
-    accepted_tokens, drawn = ModelGraph.accepted_tokens, DeviceEngine._drawn
+    pass_outcome, drawn = ModelGraph.pass_outcome, DeviceEngine._drawn
 
     def counted_run(self, graph):
         counts["runs"] += 1
@@ -241,9 +269,9 @@ def count_round_trips(counts: Counter) -> None:
         counts["verify passes"] += 1
         return verify_graph(self, tokens, rows)
 
-    def counted_accepted_tokens(self):
+    def counted_pass_outcome(self, position, drafts):
         counts["passes"] += 1
-        return accepted_tokens(self)
+        return pass_outcome(self, position, drafts)
 
     def counted_drawn(self, end, sampling):
         counts["passes"] += 1
@@ -251,8 +279,14 @@ def count_round_trips(counts: Counter) -> None:
 
     Device.run, Device.wait = counted_run, counted_wait
     ModelGraph.verify_graph = counted_verify_graph
-    ModelGraph.accepted_tokens = counted_accepted_tokens
+    ModelGraph.pass_outcome = counted_pass_outcome
     DeviceEngine._drawn = counted_drawn
+
+
+def count_queueing(counts: dict, before: SpeculativePipeline, after: SpeculativePipeline) -> None:
+    """Adds to `counts` how the engine queued the request's passes (`speculative_pipeline`)."""
+    counts["queued ahead"] = after.ahead - before.ahead
+    counts["after a read"] = after.after_read - before.after_read
 
 
 def main() -> None:
@@ -269,12 +303,12 @@ def main() -> None:
     decode_levels, verify_levels = full_size_levels()
     print_full_size_levels(decode_levels, verify_levels)
     print_state_traffic()
-    print_mac_estimate(decode_levels, verify_levels)
     # Loaded with the head when there is one ("auto"), so that its arm can run too.
     with lily.load(
         args.model, device="sim", max_seq=512, speculative="auto", draft_tokens=args.draft_tokens
     ) as llm:
-        print_levels(llm.engine._model)
+        follow_levels = print_levels(llm.engine._model)
+        print_mac_estimate(decode_levels, verify_levels, follow_levels)
         params = dict(messages=messages, max_tokens=args.tokens, temperature=0, **NO_THINKING)
         if args.json_schema:
             params["response_format"] = ORDER_FORMAT
@@ -293,9 +327,11 @@ def main() -> None:
             llm.speculative = mode
             llm.chat.completions.create(**params, **extra)  # warm-up: records the graphs
             counts.clear()
+            before = replace(llm.engine.speculative_pipeline)
             start = time.perf_counter()
             r = llm.chat.completions.create(**params, **extra)
             results[name] = (time.perf_counter() - start, r, dict(counts))
+            count_queueing(results[name][2], before, llm.engine.speculative_pipeline)
     # The DFlash drafter needs an engine built with it (the demo's random drafter: its drafts
     # are almost never accepted, so this times the drafter's and the passes' overhead).
     with lily.load(
@@ -303,9 +339,11 @@ def main() -> None:
     ) as llm:
         llm.chat.completions.create(**params)  # warm-up: records the graphs
         counts.clear()
+        before = replace(llm.engine.speculative_pipeline)
         start = time.perf_counter()
         r = llm.chat.completions.create(**params)
         results["DFlash drafter"] = (time.perf_counter() - start, r, dict(counts))
+        count_queueing(results["DFlash drafter"][2], before, llm.engine.speculative_pipeline)
     reference = results["no drafts"][1].choices[0].message
     grammar = ", json_schema" if args.json_schema else ""
     print(f"model {args.model} on the sim, {args.tokens} tokens{grammar}, k = {args.draft_tokens}")
@@ -315,12 +353,15 @@ def main() -> None:
         same = "same answer" if r.choices[0].message == reference else "DIFFERENT ANSWER"
         passes = counted.get("passes", 0)
         trips = f"{counted.get('runs', 0) / passes:.2f}" if passes else "-"
+        ahead, after_read = counted["queued ahead"], counted["after a read"]
         print(
             f"  {name:22s} {seconds:7.2f} s  {r.usage.completion_tokens} tokens  "
             f"cached prompt {r.usage.prompt_tokens_details.cached_tokens}  "
             f"prediction tokens that appeared {accepted}  "
             f"{counted.get('verify passes', 0)} verify passes, {passes} passes read back, "
-            f"{trips} host round trips per pass  {same}"
+            f"{trips} host round trips per pass, {ahead} of {ahead + after_read} queued ahead "
+            f"of the read of the pass before (those the device ran without waiting for the host)  "
+            f"{same}"
         )
 
 

@@ -964,9 +964,11 @@ template [[host_name("sample_token_rows")]] [[kernel]] decltype(sample_token<tru
     sample_token<true>;
 
 struct AcceptShape {
-  uint drafts;    // k: the verify pass drew k + 1 tokens, one per row
-  uint vocab;     // ids the sampler draws from (NO_TOKEN, a refused row's draw, is not one)
-  uint capacity;  // the token history's length
+  uint drafts;         // k: the verify pass drew k + 1 tokens, one per row
+  uint vocab;          // ids the sampler draws from (NO_TOKEN, a refused row's draw, is not one)
+  uint capacity;       // the token history's length
+  uint outcome_slots;  // entries of the outcome ring
+  uint outcome_words;  // words of one entry (1 + the most drafts + the most tokens)
 };
 
 // The acceptance of a verify pass, after `sample_token` drew one token per row (row g with the
@@ -978,18 +980,33 @@ struct AcceptShape {
 // is x, and a rejected row yields its draw, which is then distributed as p with x removed and
 // renormalised. Writes accepted[0] = the count n and accepted[1..n+1] = the tokens, puts the
 // model's own token into the history after the accepted drafts, and counts the tokens for the
-// penalties when the request has them. One thread: at most 9 tokens.
+// penalties when the request has them.
+//
+// It also writes what the next pass reads, so that one can be queued before the host has read
+// this one: the position (and the sequence's step) moves to the model's own token, the only
+// one the state has not consumed. And it writes the outcome the host reads (n, the drafts, the
+// tokens) into a ring entry keyed by this pass's position: a pass queued behind it, which
+// rewrites `accepted` and the history past the kept tokens, starts n + 1 <= 9 positions on, so
+// with 16 entries it never overwrites the entry of the pass before it. One thread: at most 9
+// tokens.
 [[kernel]] void accept_drafts(constant AcceptShape& shape [[buffer(0)]],
                               device const SamplingParams& params [[buffer(1)]],
-                              device const uint* step [[buffer(2)]],
+                              device uint* position [[buffer(2)]],
                               device const uint* drawn [[buffer(3)]],
                               device uint* history [[buffer(4)]],
                               device uint* counts [[buffer(5)]],
                               device uint* accepted [[buffer(6)]],
+                              device uint* step [[buffer(7)]],
+                              device uint* outcomes [[buffer(8)]],
                               uint thread_id [[thread_position_in_grid]]) {
   if (thread_id != 0) return;
   // The first draft's position: the step position is the token row 0 consumed.
-  const uint first = step[0] + 1u;
+  const uint first = position[0] + 1u;
+  device uint* outcome =
+      outcomes + ulong((first - 1u) % shape.outcome_slots) * shape.outcome_words;
+  for (uint i = 0; i < shape.drafts; ++i) {
+    outcome[1 + i] = history[min(first + i, shape.capacity - 1)];
+  }
   uint count = 0;
   while (count < shape.drafts && drawn[count] == history[min(first + count, shape.capacity - 1)]) {
     ++count;
@@ -998,12 +1015,20 @@ struct AcceptShape {
   for (uint i = 0; i < count; ++i) accepted[1 + i] = drawn[i];
   accepted[1 + count] = own;
   accepted[0] = count;
+  for (uint i = 0; i <= count; ++i) outcome[1 + shape.drafts + i] = accepted[1 + i];
+  outcome[0] = count;
   if (first + count < shape.capacity) history[first + count] = own;
   if (params.adjusts != 0) {
     for (uint i = 0; i <= count; ++i) {
       if (drawn[i] < shape.vocab) counts[drawn[i]] += 1u;
     }
   }
+  // The model's own token waits for the next pass (the one after it is predicted).
+  const uint next = first + count;
+  position[0] = next;
+  step[0] = next;
+  step[1] = next + 1u;
+  step[kStepToken] = own;
 }
 
 struct DraftShape {
@@ -1052,4 +1077,31 @@ struct DraftShape {
     drafts[shape.index] = draft;
     step[0] = newest;
   }
+}
+
+struct FollowShape {
+  uint hidden;    // floats in a hidden-state row
+  uint kept_row;  // 1: copy the kept row and point the head at it; 0: at the pass's first row
+};
+
+// The MTP head's catch-up over a verify pass the host has not read (the next pass drafting
+// ahead): after `accept_drafts` moved `position` to the model's own token p + n + 1 (the pass
+// consumed p, accepted[0] = n), points the head's step at the pass's first position p (before
+// the head runs over all its rows), or (`kept_row`) at the kept row's position p + n and copies
+// that row of the pass's hidden states to `kept`, which the head's next pass reads as its own
+// output: it drafts from the row the acceptance kept. One threadgroup.
+[[kernel]] void follow_kept_row(constant FollowShape& shape [[buffer(0)]],
+                                device const uint* position [[buffer(1)]],
+                                device const uint* accepted [[buffer(2)]],
+                                device const float* rows [[buffer(3)]],
+                                device float* kept [[buffer(4)]],
+                                device uint* head_step [[buffer(5)]],
+                                uint thread_id [[thread_index_in_threadgroup]],
+                                uint threads [[threads_per_threadgroup]]) {
+  const uint count = accepted[0];
+  if (shape.kept_row != 0) {
+    device const float* row = rows + ulong(count) * shape.hidden;
+    for (uint i = thread_id; i < shape.hidden; i += threads) kept[i] = row[i];
+  }
+  if (thread_id == 0) head_step[0] = position[0] - 1u - (shape.kept_row != 0 ? 0u : count);
 }

@@ -2,7 +2,9 @@
 row stride and the drafts counted for the penalties) and `accept_drafts` (sampling.metal), and
 word copies (`copy.metal`).
 
-The numpy reference of the acceptance is the rule itself: the accepted drafts are the longest
+The numpy reference of the acceptance is the rule itself (with what the next pass reads: the
+position and the step at the model's own token; and the host's copy of the outcome in the ring
+entry of the pass's position): the accepted drafts are the longest
 prefix equal to the rows' own tokens, followed by the own token of the first row that differs
 (or of the row after the last draft). A row's own token is, greedy, the argmax of its adjusted,
 masked logits (ties to the lowest id, as the decode step's sampler breaks them); sampling, the
@@ -40,9 +42,12 @@ from lily.kernels.sampling import (
     NO_TOKEN,
     SAMPLING_PARAMS_BYTES,
     LogitAdjustments,
+    PassOutcome,
     accepted_bytes,
     logprob_ring_bytes,
+    outcome_ring_bytes,
     read_accepted,
+    read_outcome,
     record_accept_drafts,
     record_sample,
     sample_partials_bytes,
@@ -107,6 +112,9 @@ class Verify:
         self.drawn = device.alloc(4 * count)
         self.accepted = device.alloc(accepted_bytes(MAX_DRAFTS))
         self.ring = device.alloc(logprob_ring_bytes(RING_SLOTS))
+        self.step = device.wrap(np.zeros(3, np.uint32))
+        self.outcomes = device.alloc(outcome_ring_bytes(RING_SLOTS))
+        self.capacity = capacity
         self.graph = Graph()
         record_sample(
             self.graph,
@@ -141,15 +149,28 @@ class Verify:
             capacity=capacity,
             counts=self.adjustments.counts,
             accepted=self.accepted,
+            step=self.step,
+            outcomes=self.outcomes,
+            outcome_slots=RING_SLOTS,
         )
 
     def __call__(self, drafts: Sequence[int], position: int = POSITION) -> list[int]:
+        """The accepted tokens, having checked what the acceptance writes besides them."""
         history = self.history.numpy().view(np.uint32)
         history[:] = 0
         history[position + 1 : position + 1 + len(drafts)] = drafts
+        last = self.capacity - 1
+        checked = [int(history[min(position + 1 + i, last)]) for i in range(self.drafts)]
         self.position.numpy().view(np.uint32)[0] = position
         self.device.run(self.graph)
-        return read_accepted(self.accepted)
+        accepted = read_accepted(self.accepted)
+        assert read_outcome(self.outcomes, RING_SLOTS, position, self.drafts) == PassOutcome(
+            checked, accepted
+        )
+        own = position + len(accepted)  # the model's token: the next pass consumes it
+        assert self.position.numpy().view(np.uint32)[0] == own
+        assert self.step.numpy().view(np.uint32).tolist() == [own, own + 1, accepted[-1]]
+        return accepted
 
     def counts(self) -> np.ndarray:
         return self.adjustments.counts.numpy()[: 4 * self.vocab].view(np.uint32).copy()
@@ -398,11 +419,37 @@ def test_acceptance_launches_are_checked():
     kwargs = dict(vocab=10, params=device.alloc(SAMPLING_PARAMS_BYTES), position=small,
                   drawn=device.alloc(40), history=device.alloc(4 * CAPACITY),
                   capacity=CAPACITY, counts=device.alloc(40),
-                  accepted=device.alloc(accepted_bytes(MAX_DRAFTS)))  # fmt: skip
+                  accepted=device.alloc(accepted_bytes(MAX_DRAFTS)), step=device.alloc(12),
+                  outcomes=device.alloc(outcome_ring_bytes(RING_SLOTS)),
+                  outcome_slots=RING_SLOTS)  # fmt: skip
     with pytest.raises(ValueError, match="drafts must be 0 to 8"):
         record_accept_drafts(graph, device, drafts=MAX_DRAFTS + 1, **kwargs)
     with pytest.raises(ValueError, match="accepted needs"):
         record_accept_drafts(graph, device, drafts=4, **{**kwargs, "accepted": small})
+    with pytest.raises(ValueError, match="step needs 12 bytes"):
+        record_accept_drafts(graph, device, drafts=4, **{**kwargs, "step": small})
+    with pytest.raises(ValueError, match="outcomes needs"):
+        record_accept_drafts(graph, device, drafts=4, **{**kwargs, "outcome_slots": RING_SLOTS + 1})
+
+
+def test_a_ring_entry_outlives_the_pass_queued_behind_it():
+    """Two passes run back to back, the second at the first's model token (where the first left
+    the position, as a pass queued before the host read the first finds it): the first's
+    outcome is still in its entry after the second has run."""
+    vocab = 45
+    device = sim_device("forward")
+    rows = np.random.default_rng(8).normal(size=(5, vocab)).astype(np.float32)
+    params = SamplingParams(temperature=0.0, seed=1)
+    own = [int(np.argmax(r)) for r in rows]
+    verify = Verify(device, rows, vocab, params)
+    drafts = [*own[:2], wrong(own[2], vocab), 0]
+    first = verify(drafts)
+    assert first == own[:3]
+    history = verify.history.numpy().view(np.uint32)
+    history[POSITION + 4 : POSITION + 8] = own[:4]
+    verify.device.run(verify.graph)
+    assert read_outcome(verify.outcomes, RING_SLOTS, POSITION + 3, 4).tokens == own
+    assert read_outcome(verify.outcomes, RING_SLOTS, POSITION, 4) == PassOutcome(drafts, first)
 
 
 # ---- word copies ---------------------------------------------------------------------------------

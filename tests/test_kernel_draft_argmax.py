@@ -1,7 +1,9 @@
 """The MTP head's greedy draft on the device (`draft_argmax`, sampling.metal): the numpy
 reference is np.argmax over the ids a draft may be (the first of equal values; NaN left out),
 written into the history after the head pass's newest token and into its slot of the pass's
-drafts, the head's step moved to that token."""
+drafts, the head's step moved to that token. And the head following a verify pass the host has
+not read (`follow_kept_row`): its step at the pass's first position, or at the kept row's with
+that row of the hidden states copied out."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 from kernel_testing import LANE_ORDERS, run, sim_device
 
-from lily.kernels.sampling import record_draft_argmax
+from lily.kernels.sampling import record_draft_argmax, record_follow_kept_row
 
 CAPACITY = 40
 
@@ -79,3 +81,49 @@ def test_a_draft_past_the_history_is_not_written():
     logits = np.arange(50, dtype=np.float32)
     token, step, history = drafted(device, logits, 50, rows=1, start=CAPACITY - 2)
     assert token == 49 and step == CAPACITY - 1 and all(w == 7777 for w in history)
+
+
+def reference_follow(position: int, kept: int, rows: np.ndarray, kept_row: bool):
+    """(the head's step, the row copied out or None): the verify pass consumed p and kept
+    `kept` drafts, so the acceptance left `position` = p + kept + 1."""
+    first = position - kept - 1
+    return (first + kept, rows[kept]) if kept_row else (first, None)
+
+
+@pytest.mark.parametrize("lane_order", LANE_ORDERS)
+@pytest.mark.parametrize("kept", [0, 3, 8])
+@pytest.mark.parametrize("kept_row", [False, True])
+def test_the_head_follows_the_row_the_acceptance_kept(lane_order, kept, kept_row):
+    device = sim_device(lane_order)
+    hidden = 70  # not a multiple of the threadgroup's threads
+    rows = np.random.default_rng(kept).normal(size=(9, hidden)).astype(np.float32)
+    position = 11 + kept + 1
+    hidden_rows = device.wrap(rows.copy())
+    accepted = device.wrap(np.array([kept, 5, 6], np.uint32))
+    where = device.wrap(np.array([position], np.uint32))
+    head_step = device.wrap(np.array([999], np.uint32))
+    out = device.wrap(np.full(hidden + 2, 7.0, np.float32))
+    run(
+        device,
+        lambda g: record_follow_kept_row(
+            g, device, position=where, accepted=accepted, rows=hidden_rows, kept=out,
+            head_step=head_step, hidden=hidden, kept_row=kept_row,
+        ),
+    )  # fmt: skip
+    step, row = reference_follow(position, kept, rows, kept_row)
+    assert head_step.numpy().view(np.uint32)[0] == step
+    copied = out.numpy().view(np.float32)
+    np.testing.assert_array_equal(copied[:hidden], np.full(hidden, 7.0) if row is None else row)
+    assert (copied[hidden:] == 7.0).all()
+    assert where.numpy().view(np.uint32)[0] == position
+
+
+def test_following_launches_are_checked():
+    device = sim_device("forward")
+    word = device.alloc(4)
+    kwargs = dict(position=word, accepted=word, rows=device.alloc(40), kept=device.alloc(40),
+                  head_step=word, hidden=10, kept_row=True)  # fmt: skip
+    with pytest.raises(ValueError, match="hidden must be >= 1"):
+        run(device, lambda g: record_follow_kept_row(g, device, **{**kwargs, "hidden": 0}))
+    with pytest.raises(ValueError, match="kept needs 40 bytes"):
+        run(device, lambda g: record_follow_kept_row(g, device, **{**kwargs, "kept": word}))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -218,9 +219,11 @@ def plain(checkpoint, engine):
 def head_calls(monkeypatch):
     """Every time the head drafts: (the context it drafts after, its drafts, the recurrent
     state and the step position then), whether the host takes the drafts (under a constraint)
-    or the device does, in the verify pass's submission."""
+    or the device does, in the verify pass's submission or queued behind the pass before
+    (`_submit_ahead`, whose context and state are those that pass left)."""
     calls = []
     host_drafts, device_drafts = DeviceEngine._mtp_drafts, DeviceEngine._submit_head_drafts
+    ahead = DeviceEngine._submit_ahead
 
     def before(engine) -> tuple[list[int], list[np.ndarray], int]:
         model = engine._model
@@ -243,8 +246,26 @@ def head_calls(monkeypatch):
         drafts = [int(t) for t in self._model.mtp_drafts_view()[:count]]
         calls.append((context, drafts, state, position))
 
+    def queued(self, request, pending, generated, drafter):
+        if not pending.on_device:  # no verify pass of the head's drafts ahead: nothing queued
+            return ahead(self, request, pending, generated, drafter)
+        # Only the recording waits for the pass ahead, then for the drafts queued behind it.
+        self.device.wait(self.device.submit(Graph()))
+        model = self._model
+        newest = int(model.verify_position_view()[0])
+        context = [int(t) for t in model.history_view()[: newest + 1]]
+        state = [b.numpy().copy() for b in model.state.recurrent_buffers()]
+        position = int(model.step_view()[POSITION])
+        submitted = ahead(self, request, pending, generated, drafter)
+        if submitted is not None:
+            self.device.wait(self.device.submit(Graph()))
+            drafts = [int(t) for t in model.mtp_drafts_view()[: submitted.count]]
+            calls.append((context, drafts, state, position))
+        return submitted
+
     monkeypatch.setattr(DeviceEngine, "_mtp_drafts", on_host)
     monkeypatch.setattr(DeviceEngine, "_submit_head_drafts", on_device)
+    monkeypatch.setattr(DeviceEngine, "_submit_ahead", queued)
     return calls
 
 
@@ -354,12 +375,15 @@ def test_a_prediction_drafting_beside_the_head_waits_once_per_pass(echo, device_
     assert _waits(device_calls) == _passes(engine, prompt, tokens, drafter.outcomes)
 
 
-def test_the_next_pass_runs_while_the_caller_takes_the_tokens(echo, device_calls):
-    """Once a pass's tokens are read, the next pass is submitted before the first of them is
-    yielded, so the device runs it while the caller handles them; none is submitted after the
-    pass that yields the last token."""
+def test_the_next_pass_is_queued_before_the_pass_ahead_of_it_is_read(echo, device_calls):
+    """With the head drafting on the device, each pass (the head's catch-up and drafts, then
+    the verify pass) is queued behind the one before it before the host reads that one: the
+    device goes from pass to pass without waiting for the host, two in flight as two decode
+    steps are. Only the first is submitted after a read (of the prompt's token), and nothing
+    is queued behind the pass that may yield the last token."""
     engine, prompt, answer = echo
     drafter = Recording(draft_tokens=4, mtp=True)
+    before = replace(engine.speculative_pipeline)
     received = []
     for token in engine.generate(prompt, ANSWER, drafter=drafter):
         received.append((token.id, list(device_calls)))
@@ -368,11 +392,17 @@ def test_the_next_pass_runs_while_the_caller_takes_the_tokens(echo, device_calls
     pairs = zip(received, received[1:], strict=False)
     groups = [at[len(before) :] for (_, before), (_, at) in pairs]
     groups = [group for group in groups if group]
-    assert len(groups) == drafter.counts["mtp"].passes >= 4
-    for group in groups[:-1]:  # read back, then the next pass submitted
-        assert "wait" in group and group[-1] == "submit"
-    assert groups[-1] == ["wait"]  # the last pass: nothing after it
+    passes = drafter.counts["mtp"].passes
+    assert len(groups) == passes >= 4
+    # The first pass (the head's drafts, the verify pass), the second queued, the first read.
+    assert groups[0] == ["submit"] * 4 + ["wait"]
+    for group in groups[1:-1]:  # the next pass queued, then this one read
+        assert group == ["submit", "submit", "wait"]
+    assert groups[-1] == ["wait"]  # the last pass: nothing behind it
     assert _waits(device_calls) == _passes(engine, prompt, answer, drafter.outcomes)
+    pipeline = engine.speculative_pipeline
+    assert pipeline.ahead - before.ahead == passes - 1
+    assert pipeline.after_read - before.after_read == 1
 
 
 def test_a_stop_token_ends_a_generation_drafting_with_the_head(engine, plain):
@@ -520,6 +550,52 @@ def test_a_head_predicting_the_model_has_its_drafts_accepted(echo):
     assert all(accepted == drafted == 4 for drafted, accepted in drafter.outcomes[:-1])
     # 1 token from the prompt's pass, then 5 per pass.
     assert counts.passes == -(-(ANSWER - 1) // 5)
+
+
+def test_a_pass_queued_behind_the_one_that_stops_is_dropped(echo):
+    """A stop token in a pass that has the next one queued behind it: the generation ends
+    there, the queued pass is waited for and its tokens dropped, and what it wrote (the state
+    past the stop token, the step, the head's rows) changes nothing after: the same prompt,
+    restored from the prefix cache, answers as before, with the head and without."""
+    engine, prompt, answer = echo
+    stop = answer[12]  # in the third pass, which has the fourth queued behind it
+    cut = len(prompt) - 3
+    drafter = Recording(draft_tokens=4, mtp=True)
+    before = replace(engine.speculative_pipeline)
+    tokens = [
+        t.id for t in engine.generate(prompt, ANSWER, {stop}, snapshot_at=cut, drafter=drafter)
+    ]
+    assert tokens == answer[: answer.index(stop) + 1]
+    pipeline = engine.speculative_pipeline
+    submitted = pipeline.ahead - before.ahead + pipeline.after_read - before.after_read
+    assert submitted == drafter.counts["mtp"].passes + 1  # one pass dropped unread
+    assert engine.cached_prefix_length(prompt) == cut
+    again = [t.id for t in engine.generate(prompt, ANSWER, drafter=Speculation(mtp=True))]
+    assert again == answer
+    assert [t.id for t in engine.generate(prompt, ANSWER)] == answer
+
+
+def test_log_probabilities_with_two_passes_in_flight(echo):
+    """Eight drafts a pass with log-probabilities asked: the queued pass drafts fewer, so that
+    its rows never share a slot of the sampler's ring with the rows of the pass ahead of it
+    that the host reads meanwhile; every token's log-probabilities are plain decoding's (to
+    the verify rows' rounding). A negative frequency penalty makes the model repeat itself
+    where the head echoes the unpenalised model, so that passes keep some or none of their
+    drafts."""
+    engine, prompt, _ = echo
+    params = SamplingParams(temperature=0.0, frequency_penalty=-2.0, top_logprobs=3)
+    expected = list(engine.generate(prompt, ANSWER, sampling=params))
+    drafter = Recording(draft_tokens=8, mtp=True)
+    before = replace(engine.speculative_pipeline)
+    got = list(engine.generate(prompt, ANSWER, sampling=params, drafter=drafter))
+    assert [t.id for t in got] == [t.id for t in expected]
+    for a, b in zip(got, expected, strict=True):
+        assert abs(a.logprobs.logprob - b.logprobs.logprob) < 1e-2
+        assert [t for t, _ in a.logprobs.top] == [t for t, _ in b.logprobs.top]
+    assert engine.speculative_pipeline.ahead - before.ahead >= 2
+    assert any(0 < accepted < drafted for drafted, accepted in drafter.outcomes)
+    drafted = [d for d, _ in drafter.outcomes]
+    assert drafted[0] == 8 and all(a + b <= 14 for a, b in zip(drafted, drafted[1:], strict=False))
 
 
 TEMPERATURE = 0.2

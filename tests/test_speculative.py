@@ -665,7 +665,8 @@ def test_a_verify_pass_accepts_and_commits_the_state_on_the_device(checkpoint, e
     """One verify pass run by hand after the prompt, the host doing nothing between: with a
     wrong first draft it yields the model's token, the state having consumed the waiting token
     alone; with two right drafts it yields them and the model's token, the state having
-    consumed three tokens; with right drafts it yields them all and the model's next token."""
+    consumed three tokens; with right drafts it yields them all and the model's next token. The
+    pass leaves the step and its position at the model's token, which the next pass feeds."""
     prompt, answer, states, _ = plain
     model = engine._model
     recurrent = [b.numpy() for b in model.state.recurrent_buffers()]
@@ -682,8 +683,12 @@ def test_a_verify_pass_accepts_and_commits_the_state_on_the_device(checkpoint, e
         graph = model.verify_graph(5, 5)
         model.verify_position_view()[0] = last
         engine.device.run(graph)
-        assert model.accepted_tokens() == expected
+        outcome = model.pass_outcome(last, 4)
+        assert outcome.drafts == drafts and outcome.tokens == expected
         assert history[last + len(expected)] == expected[-1]
+        own = last + len(expected)
+        assert list(step) == [own, own + 1, expected[-1]]
+        assert model.verify_position_view()[0] == own
         assert _near_plain_state(recurrent, states[len(expected)])
         assert not _near_plain_state(recurrent, states[len(expected) - 1])
 

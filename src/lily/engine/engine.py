@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -246,15 +246,26 @@ class _Request:
 @dataclass(frozen=True)
 class _SubmittedPass:
     """A pass of speculative decoding in flight: it feeds the token waiting at position `last`
-    and checks `count` drafts (`drafts` when the host drafted them; the head's are read back);
-    `started` is when its drafting began."""
+    and checks `count` drafts, the head's taken on the device when `on_device`; `started` is
+    when its drafting began (for a pass queued behind another, when that one was read). A pass
+    queued before the host read the one ahead of it learns `last` at that read (-1 until)."""
 
     ticket: int
     last: int
     count: int
-    drafts: list[int]
     on_device: bool
     started: float
+
+
+@dataclass
+class SpeculativePipeline:
+    """How a DeviceEngine queued its verify passes and speculative decode steps: `ahead`,
+    behind a pass the host had not read yet (the device goes on to it without waiting for the
+    host); `after_read`, with no pass in flight (the device waits while the host drafts and
+    encodes it)."""
+
+    ahead: int = 0
+    after_read: int = 0
 
 
 @dataclass
@@ -461,6 +472,7 @@ class DeviceEngine(_PromptsWithImages):
         # plainly long enough), and the last verify pass's with its drafting (`pass_cost`).
         self._step_seconds: float | None = None
         self._pass_seconds: float | None = None
+        self.speculative_pipeline = SpeculativePipeline()
         self.lock = EngineLock()  # one thread at a time (lock.py)
 
     @property
@@ -470,9 +482,10 @@ class DeviceEngine(_PromptsWithImages):
 
     def pass_cost(self, drafts: int) -> float:
         """What the last verify pass (of `drafts` drafts) cost, in decode steps: its measured
-        wall time, drafting included, against a pipelined decode step's, once this engine has
-        decoded plainly; until then the model's estimate (`model_graph.verify_cost_ratio`),
-        which leaves the drafting out. What "auto" weighs a pass's tokens against."""
+        wall time, drafting included (from the read of the pass before, for a pass queued behind
+        it), against a pipelined decode step's, once this engine has decoded plainly; until then
+        the model's estimate (`model_graph.verify_cost_ratio`), which leaves the drafting out.
+        What "auto" weighs a pass's tokens against."""
         if self._step_seconds is None or self._pass_seconds is None:
             return verify_cost_ratio(self.config, drafts)
         return self._pass_seconds / self._step_seconds
@@ -835,7 +848,8 @@ class DeviceEngine(_PromptsWithImages):
         pause: Callable[[], bool] | None = None,
     ) -> Iterator[GeneratedToken]:
         """Decodes after the first generated token with verify passes wherever `drafter` has
-        drafts, one pass at a time (the next drafts depend on what this pass accepts).
+        drafts: two passes in flight when the MTP head drafts on the device, else one at a
+        time (the next drafts or masks depend on what this pass accepts, on the host).
 
         The state (conv windows, GDN state) has consumed every token but the newest, which
         waits in the token history. A pass without drafts feeds it and samples the next on the
@@ -849,7 +863,10 @@ class DeviceEngine(_PromptsWithImages):
         Without a constraint the next pass is submitted as soon as this one's tokens are read,
         before they are yielded: the device runs it while the caller handles them (unless they
         end the generation: a stop token, the last token; a caller that stops early leaves it
-        to finish unread, as pipelined decode steps do).
+        to finish unread, as pipelined decode steps do). With the MTP head drafting on the
+        device it is queued earlier still, before this pass is read (`_submit_ahead`), so that
+        two passes are in flight as two decode steps are; one queued for tokens the caller
+        does not take is waited for and dropped.
 
         Under a constraint each row draws under its own mask (`_row_masks`), and the
         constraint, told every draft, takes back those not accepted and is told the model's own
@@ -858,7 +875,8 @@ class DeviceEngine(_PromptsWithImages):
         (after a stop token, or when it closes the generation) are taken back."""
         constraint = request.constraint
         tokens = [*request.prompt, *generated]
-        upcoming: _SubmittedPass | None = None
+        upcoming: _SubmittedPass | None = None  # submitted, to be read next
+        queued: _SubmittedPass | None = None  # queued behind `upcoming` before it was read
         try:
             while len(generated) < request.max_new_tokens:
                 _check_stop(should_stop)
@@ -871,6 +889,9 @@ class DeviceEngine(_PromptsWithImages):
                         yield from self._decode(len(tokens) - 1, count, request, should_stop, pause)
                         return
                     upcoming = self._submit_pass(request, tokens, len(generated), drafter)
+                # No pass is queued ahead of one at which `pause` ends the generation.
+                if pause is None or not pause():
+                    queued = self._submit_ahead(request, upcoming, len(generated), drafter)
                 submitted, upcoming = upcoming, None
                 produced, told = self._read_pass(submitted, request, drafter)
                 ids = [token.id for token in produced]
@@ -879,7 +900,12 @@ class DeviceEngine(_PromptsWithImages):
                 )
                 # No pass is submitted ahead of one at which `pause` ends the generation.
                 ahead = pause is None or not pause()
-                if constraint is None and not ends and not drafter.exhausted and ahead:
+                if queued is not None:
+                    # It feeds the model's token this pass put after its kept drafts.
+                    last = submitted.last + len(ids)
+                    upcoming = replace(queued, last=last, started=time.perf_counter())
+                    queued = None
+                elif constraint is None and not ends and not drafter.exhausted and ahead:
                     upcoming = self._submit_pass(
                         request, [*tokens, *ids], len(generated) + len(ids), drafter
                     )
@@ -898,10 +924,13 @@ class DeviceEngine(_PromptsWithImages):
                     if constraint is not None and told > yielded:
                         constraint.rollback(told - yielded)
         finally:
-            if upcoming is not None:
-                # Submitted for tokens the caller did not take: it only writes state the next
-                # generation replaces (the KV rows past the last token, the recurrent state).
-                self.device.wait(upcoming.ticket)
+            for pending in (upcoming, queued):
+                if pending is not None:
+                    # Submitted for tokens the caller did not take: it only writes state the
+                    # next generation replaces (the KV rows past the last token, the recurrent
+                    # state, the step, the head's rows), never the prefix cache's snapshots,
+                    # which are taken while the prompt is fed.
+                    self.device.wait(pending.ticket)
 
     def _submit_pass(
         self, request: _Request, tokens: list[int], generated: int, drafter: Drafter
@@ -914,14 +943,17 @@ class DeviceEngine(_PromptsWithImages):
         last = len(tokens) - 1  # the waiting token's position
         limit = min(request.max_new_tokens - generated - 1, MAX_DRAFT_TOKENS, model.max_chunk - 1)
         started = time.perf_counter()
+        self.speculative_pipeline.after_read += 1
         planned = drafter.draft(tokens, limit) if limit > 0 else []
         on_device = isinstance(planned, HeadDrafts)
         if on_device:
             # The head drafts in this pass's own submission: no constraint to ask, and each
-            # row draws under the bans alone (a draft they rule out is simply not accepted).
+            # row draws under the bans alone (a draft they rule out is simply not accepted),
+            # here and in the passes queued behind this one (`_submit_ahead`), which write
+            # nothing: every row's mask is written now, while none is in flight.
             count = min(len(planned), limit)
-            masks = [draw_mask(None, request.bans, model.token_count, last + 1)] * (count + 1)
-            drafts: list[int] = []
+            masks = [draw_mask(None, request.bans, model.token_count, last + 1)]
+            masks *= MAX_DRAFT_TOKENS + 1
         else:
             drafts, masks = self._row_masks(request, [int(t) for t in planned][:limit], last + 1)
             # The head reads the last pass's rows before this pass overwrites them, in the
@@ -945,14 +977,53 @@ class DeviceEngine(_PromptsWithImages):
                 # Queued behind the head's drafts, which it reads: one wait for both.
                 self._submit_head_drafts(last, count)
             ticket = self.device.submit(graph)
-        return _SubmittedPass(ticket, last, count, drafts, on_device, started)
+        return _SubmittedPass(ticket, last, count, on_device, started)
+
+    def _submit_ahead(
+        self, request: _Request, pending: _SubmittedPass, generated: int, drafter: Drafter
+    ) -> _SubmittedPass | None:
+        """Queues the next pass behind `pending`, a verify pass of the head's drafts that the
+        host has not read (`generated` tokens before it), when the next drafts would be the
+        head's too and nothing needs the host between them: no constraint (its masks follow
+        the tokens), no prediction, prompt lookup or DFlash drafter ahead of the head (they draft
+        on the host, from the kept tokens). The pass reads only what the device writes: the
+        acceptance moves the step and the verify position to the model's token, and the head
+        catches up over all of `pending`'s rows and drafts from the row it kept
+        (`ModelGraph.mtp_follow_graph`); the rows' masks (the bans) are written already. Its
+        draft count is fixed now, from the passes read so far: as if `pending` kept all its
+        drafts (so that it never drafts past `max_new_tokens` or the context), and under
+        "auto" one pass late. Returns None when it is not queued."""
+        if request.constraint is not None or not pending.on_device:
+            return None
+        if not isinstance(drafter, Speculation):
+            return None
+        model = self._model
+        rows = pending.count + 1  # the most tokens `pending` yields
+        newest = pending.last + rows  # the furthest its model's token can be
+        limit = min(
+            request.max_new_tokens - (generated + rows) - 1,
+            MAX_DRAFT_TOKENS,
+            model.max_chunk - 1,
+            model.capacity - 1 - newest,
+        )
+        if request.sampling.top_logprobs is not None:
+            # Both passes' rows sit in the log-probability ring while `pending`'s are read.
+            limit = min(limit, LOGPROB_RING_SLOTS - rows - 1)
+        count = drafter.head_drafts_ahead(limit) if limit > 0 else 0
+        if count < 1:
+            return None
+        started = time.perf_counter()
+        self.device.submit(model.mtp_follow_graph(rows, count))
+        ticket = self.device.submit(model.verify_graph(count + 1, count + 1))
+        self.speculative_pipeline.ahead += 1
+        return _SubmittedPass(ticket, -1, count, True, started)
 
     def _read_pass(
         self, submitted: _SubmittedPass, request: _Request, drafter: Drafter
     ) -> tuple[list[GeneratedToken], int]:
         """Waits for `submitted` and returns its tokens, with how many of them the constraint
         has been told (the caller takes back those it does not yield); tells the drafter the
-        outcome and points the step buffer at the model's own token."""
+        outcome. The device has pointed the step buffer at the model's own token."""
         model, constraint = self._model, request.constraint
         last, count = submitted.last, submitted.count
         self.device.wait(submitted.ticket)
@@ -963,12 +1034,10 @@ class DeviceEngine(_PromptsWithImages):
             if constraint is not None:
                 constraint.consume(produced[0].id)
             return produced, 1
-        chosen = model.accepted_tokens()
+        outcome = model.pass_outcome(last, count)
+        chosen, drafts = outcome.tokens, outcome.drafts
         if chosen[-1] == NO_TOKEN:
             raise NonFiniteLogitsError(last + len(chosen))
-        drafts = submitted.drafts
-        if submitted.on_device:
-            drafts = [int(t) for t in model.mtp_drafts_view()[:count]]
         told = len(chosen) - 1  # the accepted drafts, told already
         if constraint is not None:
             constraint.rollback(len(drafts) - told)
@@ -983,7 +1052,6 @@ class DeviceEngine(_PromptsWithImages):
         if self._mtp_pending is not None:
             self._mtp_pending = (last, len(chosen))
         self._dflash_catch_up(last, len(chosen))
-        model.step_view()[POSITION] = last + len(chosen)
         produced = [
             GeneratedToken(token, self._logprobs(last + i, request.sampling))
             for i, token in enumerate(chosen)

@@ -88,12 +88,15 @@ from lily.kernels.sampling import (
     MAX_DRAFTS,
     SAMPLING_PARAMS_BYTES,
     LogitAdjustments,
+    PassOutcome,
     StepBookkeeping,
     accepted_bytes,
     logprob_ring_bytes,
-    read_accepted,
+    outcome_ring_bytes,
+    read_outcome,
     record_accept_drafts,
     record_draft_argmax,
+    record_follow_kept_row,
     record_sample,
     sample_partials_bytes,
     token_mask_bytes,
@@ -110,6 +113,9 @@ MODEL = "language_model.model."
 # step's slot with at most one more step in flight, and a verify pass's 9 rows (positions in a
 # row) all at once after it, so 16 leave margin for both.
 LOGPROB_RING_SLOTS = 16
+# Verify passes' outcomes the host reads, keyed by position (`record_accept_drafts`): two passes
+# in flight start at most 9 positions apart, so neither overwrites the other's entry.
+OUTCOME_RING_SLOTS = 16
 LM_HEAD = "language_model.lm_head"
 EMBED_TOKENS = MODEL + "embed_tokens"
 # Prefill chunk lengths, longest first: each weight is read once per chunk, so longer chunks
@@ -279,15 +285,16 @@ def _tail_offset(c: ModelConfig, candidates: int) -> int:
 
 def verify_bytes(c: ModelConfig, token_count: int) -> int:
     """What verify passes allocate on first use: the rows' logits, the sampler's partials for
-    one draw per row, the rows' token masks, the draws, the acceptance, and each GDN layer's
-    record of the candidate positions (`_candidate_bytes`; 16.7 MiB on the real model, where a
-    copy of the recurrent state takes 63 MiB)."""
+    one draw per row, the rows' token masks, the draws, the acceptance and its outcome ring, and
+    each GDN layer's record of the candidate positions (`_candidate_bytes`; 16.7 MiB on the real
+    model, where a copy of the recurrent state takes 63 MiB)."""
     rows = MAX_DRAFT_TOKENS + 1
     logits = 4 * rows * c.vocab_size
     sampler = sample_partials_bytes(token_count, rows) + token_mask_bytes(token_count, rows)
     sampler += 4 * rows + 4
     candidates = _gdn_layers(c) * _candidate_bytes(c, rows)
-    return logits + sampler + accepted_bytes(MAX_DRAFT_TOKENS) + candidates
+    acceptance = accepted_bytes(MAX_DRAFT_TOKENS) + outcome_ring_bytes(OUTCOME_RING_SLOTS)
+    return logits + sampler + acceptance + candidates
 
 
 @dataclass(frozen=True)
@@ -818,13 +825,14 @@ class ModelGraph:
         the position in `verify_position_view` (the token row 0 consumes). The sampler draws one
         token per row, row g keyed on that position + g and obeying row g's mask in
         `verify_token_masks`, and `accept_drafts` keeps the drafts the draws agree with, for
-        `accepted_tokens` to read; all on the device. The recurrent state is
+        `pass_outcome` to read; all on the device. The recurrent state is
         then the state after the last token before the rows' drafts and the accepted drafts:
         the GDN and conv kernels keep what each of the last `rows` tokens adds to it, and
         after the acceptance apply as many as it kept (`record_gdn_commit`,
-        `record_conv1d_commit`), so neither a copy of the state nor a re-feed is needed. No
-        step advance: the host points the step buffer at the first token the state has not
-        consumed (the model's own token)."""
+        `record_conv1d_commit`), so neither a copy of the state nor a re-feed is needed. The
+        acceptance points the step buffer and the verify position at the first token the state
+        has not consumed (the model's own token), so that the next pass may be queued before the
+        host reads this one (`pass_outcome`)."""
         if not 2 <= tokens <= self.max_chunk:
             raise ValueError(f"a verify pass takes 2 to {self.max_chunk} tokens, got {tokens}")
         most = min(tokens, MAX_DRAFT_TOKENS + 1)
@@ -849,10 +857,12 @@ class ModelGraph:
         before it submits."""
         return self._verify_buffers.token_masks
 
-    def accepted_tokens(self) -> list[int]:
-        """What the last verify pass yields: its accepted drafts, then the model's own token
-        (`NO_TOKEN` when that row's logits were refused)."""
-        return read_accepted(self._verify_buffers.accepted)
+    def pass_outcome(self, position: int, drafts: int) -> PassOutcome:
+        """What the verify pass of `drafts` drafts that consumed the token at `position` decided:
+        the drafts, then its accepted drafts and the model's own token (`NO_TOKEN` when that
+        row's logits were refused). Its entry outlives the pass queued behind it."""
+        outcomes = self._verify_buffers.outcomes
+        return read_outcome(outcomes, OUTCOME_RING_SLOTS, position, drafts)
 
     @property
     def _verify_buffers(self) -> _VerifyBuffers:
@@ -919,6 +929,62 @@ class ModelGraph:
             self._mtp_draft_graphs[key] = graph
         return self._mtp_draft_graphs[key]
 
+    def mtp_follow_graph(self, rows: int, drafts: int) -> Graph:
+        """`drafts` greedy drafts of the MTP head after a verify pass of `rows` rows that the
+        host has not read, in one command buffer queued behind it: the head's step goes to the
+        pass's first position (`record_follow_kept_row`), the head runs over all `rows` rows
+        (`mtp_graph(rows, chained=False, head=False)`: the KV rows past the kept ones are
+        rewritten by the next catch-up, as the main cache's are), then from the row the
+        acceptance kept (its hidden state copied to the head's output, the step moved to it)
+        `drafts` chained passes each followed by its argmax, as `mtp_draft_graph`'s. The drafts
+        are in the history after the model's own token, where the verify pass queued after
+        this reads them."""
+        if not self.mtp:
+            raise RuntimeError("this ModelGraph was made without the MTP head")
+        most = min(self.max_chunk, MAX_DRAFT_TOKENS + 1)
+        if not 2 <= rows <= most or not 1 <= drafts <= MAX_DRAFT_TOKENS:
+            raise ValueError(
+                f"a head following a verify pass takes 2 to {most} rows and 1 to "
+                f"{MAX_DRAFT_TOKENS} drafts, got {rows} and {drafts}"
+            )
+        key = (rows, drafts)
+        if key not in self._mtp_follow_graphs:
+            verify, hidden = self._verify_buffers, self.config.hidden_size
+            graph = Graph()
+            follow = dict(
+                position=verify.position,
+                accepted=verify.accepted,
+                rows=self.mtp_hidden,
+                kept=self.mtp_out,
+                head_step=self.mtp_step,
+                hidden=hidden,
+            )
+            record_follow_kept_row(graph, self.device, kept_row=False, **follow)
+            graph.barrier()
+            _Recorder(self, rows, False, graph=graph).record_mtp(chained=False, head=False)
+            graph.barrier()
+            record_follow_kept_row(graph, self.device, kept_row=True, **follow)
+            graph.barrier()
+            for index in range(drafts):
+                recorder = _Recorder(self, 1, False, graph=graph)
+                recorder.record_mtp(chained=True, head=True)
+                graph.barrier()
+                record_draft_argmax(
+                    graph,
+                    self.device,
+                    logits=self.mtp_logits,
+                    vocab=self.draft_vocab,
+                    rows=1,
+                    step=self.mtp_step,
+                    history=self.state.history,
+                    capacity=self.capacity,
+                    drafts=self.mtp_drafts,
+                    index=index,
+                )
+                graph.barrier()
+            self._mtp_follow_graphs[key] = graph
+        return self._mtp_follow_graphs[key]
+
     def mtp_drafts_view(self) -> np.ndarray:
         """The last `mtp_draft_graph`'s drafts (uint32 [MAX_DRAFT_TOKENS], the first `drafts`)."""
         return self.mtp_drafts.numpy().view(np.uint32)
@@ -943,6 +1009,7 @@ class ModelGraph:
         self.mtp_logits = dev.alloc(4 * c.vocab_size)
         self._mtp_graphs: dict[tuple[int, bool, bool], Graph] = {}
         self._mtp_draft_graphs: dict[tuple[int, int], Graph] = {}
+        self._mtp_follow_graphs: dict[tuple[int, int], Graph] = {}
         # fc reads [embedding | hidden]: the halves of its inputs are separate GEMMs over
         # separate activations, so each half's columns are copied out once (they are
         # interleaved row by row in the stored matrix; groups of 64 never straddle the halves).
@@ -1017,6 +1084,7 @@ class _VerifyBuffers:
         self.drawn = device.alloc(4 * rows)
         self.position = device.alloc(4)
         self.accepted = device.alloc(accepted_bytes(MAX_DRAFT_TOKENS))
+        self.outcomes = device.alloc(outcome_ring_bytes(OUTCOME_RING_SLOTS))
         # Each GDN layer's record of the candidate positions, for the most rows a pass checks.
         layer_bytes = _candidate_bytes(c, rows)
         self.candidates = device.alloc(_gdn_layers(c) * layer_bytes)
@@ -1349,6 +1417,9 @@ class _Recorder:
             capacity=m.capacity,
             counts=state.adjustments.counts,
             accepted=verify.accepted,
+            step=state.step,
+            outcomes=verify.outcomes,
+            outcome_slots=OUTCOME_RING_SLOTS,
         )
         g.barrier()
         for i, window in state.conv_windows.items():

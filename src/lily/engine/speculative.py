@@ -373,6 +373,17 @@ class Speculation:
                 return drafts
         return []
 
+    def head_drafts_ahead(self, limit: int) -> int:
+        """How many drafts the head makes (at most `limit`) for a pass the engine queues behind
+        a pass of the head's drafts that the host has not read, taking them on the device: 0
+        unless the next drafts would be the head's whatever that pass keeps (no prediction, no
+        DFlash drafter, the head drafting). The count and, under "auto", whether the head still
+        drafts, come from the passes read so far: one pass late."""
+        if self.prediction is not None or self._block_enabled() or not self._head_enabled():
+            return 0
+        self._last_source = "mtp"
+        return self._limit("mtp", min(limit, self.draft_tokens))
+
     def _limit(self, source: str, limit: int) -> int:
         """How many drafts `source` may make now: under auto, as far as it has earned."""
         if not self.auto:

@@ -90,6 +90,7 @@ import numpy as np
 from lily.engine.constraint import mask_from_tokens, mask_words
 from lily.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, token_counts
 from lily.kernels import BufferRef, RowSlots, binding, ceil_div, pack_params, threads_within
+from lily.kernels.step import STEP_FIELDS
 
 if TYPE_CHECKING:
     from lily.device import Buffer, Device, Graph
@@ -416,6 +417,25 @@ def accepted_bytes(drafts: int) -> int:
     return 4 * (drafts + 2)
 
 
+# Words of one entry of the outcome ring `record_accept_drafts` writes: the count, the drafts,
+# the tokens.
+OUTCOME_WORDS = 2 * MAX_DRAFTS + 2
+
+
+def outcome_ring_bytes(slots: int) -> int:
+    return 4 * OUTCOME_WORDS * slots
+
+
+@dataclass(frozen=True)
+class PassOutcome:
+    """What a verify pass decided, read from its entry of the outcome ring: the drafts it
+    checked, then the accepted ones and the model's own token (`NO_TOKEN` when its row was
+    refused)."""
+
+    drafts: list[int]
+    tokens: list[int]
+
+
 def record_accept_drafts(
     graph: Graph,
     device: Device,
@@ -429,17 +449,25 @@ def record_accept_drafts(
     capacity: int,
     counts: BufferRef,
     accepted: BufferRef,
+    step: BufferRef,
+    outcomes: BufferRef,
+    outcome_slots: int,
 ) -> None:
     """A verify pass's acceptance (sampling.metal's `accept_drafts`), after `record_sample`
     drew `drawn[0..drafts]` (uint32), one token per row, draw g with the counter
     position + g: the history (uint32 [capacity]) holds the `drafts` drafted tokens from
     position + 1 on. accepted[0] = n, the longest prefix of drafts equal to the draws,
     accepted[1..n+1] = those drafts and draw n, which also goes into the history after them;
-    when `params` adjusts logits, `counts` counts the n + 1 tokens for the penalties."""
+    when `params` adjusts logits, `counts` counts the n + 1 tokens for the penalties. Then what
+    the next pass reads: position[0] and the sequence's `step` (STEP_FIELDS words) move to the
+    model's own token (prompt_end one past it, token its id); and the outcome the host reads
+    (`read_outcome`) goes to entry position % `outcome_slots` of `outcomes`."""
     if not 0 <= drafts <= MAX_DRAFTS:
         raise ValueError(f"drafts must be 0 to {MAX_DRAFTS}, got {drafts}")
     if not 1 <= vocab < 2**32 - 1:
         raise ValueError(f"vocab must be in [1, 2^32 - 1), got {vocab}")
+    if outcome_slots < 1:
+        raise ValueError(f"outcome_slots must be >= 1, got {outcome_slots}")
     for name, ref, nbytes in (
         ("params", params, SAMPLING_PARAMS_BYTES),
         ("position", position, 4),
@@ -447,6 +475,8 @@ def record_accept_drafts(
         ("history", history, 4 * capacity),
         ("counts", counts, 4 * vocab),
         ("accepted", accepted, accepted_bytes(drafts)),
+        ("step", step, 4 * STEP_FIELDS),
+        ("outcomes", outcomes, outcome_ring_bytes(outcome_slots)),
     ):
         buffer, offset = binding(ref)
         if buffer.size - offset < nbytes:
@@ -462,8 +492,10 @@ def record_accept_drafts(
             4: binding(history),
             5: binding(counts),
             6: binding(accepted),
+            7: binding(step),
+            8: binding(outcomes),
         },
-        bytes={0: pack_params("III", drafts, vocab, capacity)},
+        bytes={0: pack_params("IIIII", drafts, vocab, capacity, outcome_slots, OUTCOME_WORDS)},
     )
 
 
@@ -472,6 +504,18 @@ def read_accepted(accepted: Buffer) -> list[int]:
     is `NO_TOKEN` when its row was refused)."""
     words = accepted.numpy()[: accepted_bytes(MAX_DRAFTS)].view(np.uint32)
     return [int(t) for t in words[1 : int(words[0]) + 2]]
+
+
+def read_outcome(outcomes: Buffer, slots: int, position: int, drafts: int) -> PassOutcome:
+    """The outcome `record_accept_drafts` wrote for the pass of `drafts` drafts that consumed
+    the token at `position`."""
+    words = outcomes.numpy()[: outcome_ring_bytes(slots)].view(np.uint32)
+    entry = words[(position % slots) * OUTCOME_WORDS :][:OUTCOME_WORDS]
+    count = int(entry[0])
+    if count > drafts:
+        raise RuntimeError(f"the outcome of the pass at {position} holds {count} > {drafts} drafts")
+    tokens = entry[1 + drafts : 1 + drafts + count + 1]
+    return PassOutcome([int(t) for t in entry[1 : 1 + drafts]], [int(t) for t in tokens])
 
 
 # One threadgroup reads the head's logits: the most threads Metal allows in one.
@@ -516,4 +560,48 @@ def record_draft_argmax(
         threads=(threads, 1, 1),
         buffers={1: binding(logits), 2: binding(step), 3: binding(history), 4: binding(drafts)},
         bytes={0: pack_params("IIII", vocab, rows, capacity, index)},
+    )
+
+
+def record_follow_kept_row(
+    graph: Graph,
+    device: Device,
+    *,
+    position: BufferRef,
+    accepted: BufferRef,
+    rows: BufferRef,
+    kept: BufferRef,
+    head_step: BufferRef,
+    hidden: int,
+    kept_row: bool,
+) -> None:
+    """The MTP head following a verify pass the host has not read (sampling.metal's
+    `follow_kept_row`), after `record_accept_drafts` moved position[0] to p + n + 1 (uint32;
+    the pass consumed p and kept n = accepted[0] drafts): head_step[0] = p, or with `kept_row`
+    head_step[0] = p + n and kept[:hidden] = rows[n] (float32 rows of `hidden`, the pass's
+    hidden states)."""
+    if hidden < 1:
+        raise ValueError(f"hidden must be >= 1, got {hidden}")
+    for name, ref, nbytes in (
+        ("position", position, 4),
+        ("accepted", accepted, 4),
+        ("rows", rows, 4 * hidden),
+        ("kept", kept, 4 * hidden),
+        ("head_step", head_step, 4),
+    ):
+        buffer, offset = binding(ref)
+        if buffer.size - offset < nbytes:
+            raise ValueError(f"{name} needs {nbytes} bytes at offset {offset}: too small")
+    graph.dispatch(
+        device.kernel("follow_kept_row"),
+        threadgroups=(1, 1, 1),
+        threads=(min(DRAFT_ARGMAX_THREADS, -(-hidden // 32) * 32), 1, 1),
+        buffers={
+            1: binding(position),
+            2: binding(accepted),
+            3: binding(rows),
+            4: binding(kept),
+            5: binding(head_step),
+        },
+        bytes={0: pack_params("II", hidden, int(kept_row))},
     )
