@@ -9,7 +9,9 @@ state read and written (conv windows and GDN state), and its KV cache read once 
 So, per pass:
 
 - bytes = `pass_traffic(c, B).weight_bytes` (projections and lm_head once; the expected number
-  of distinct experts of B tokens choosing 8 of 256 each) + B x 2 x `recurrent_state_bytes`
+  of distinct experts of B tokens choosing 8 of 256 each) + the down projections read once per
+  (row, expert) pair (`verify_pass_model.expert_bytes_beyond_traffic`: the MoE's gate and up
+  run over the union of the rows' experts, its down per pair) + B x 2 x `recurrent_state_bytes`
   + B x context x `kv_cache_bytes_per_token` (bf16);
 - ALU instructions = `pass_traffic(c, B).gemv_ops` (codes unpacked once per pass for the
   projections, once per token for the experts), issued at half the published fp32 FLOP rate
@@ -20,8 +22,9 @@ So, per pass:
   batched pass is folded as a verify pass is (norms and residual adds inside the GEMVs and the
   MoE, the gated norm in the output projection, the final norm in the lm_head) and its per-row
   stages (embedding lookup, conv and GDN steps, attention, sampler) are one dispatch over all
-  rows through the slot table, so its levels do not grow with B: 284 at the real dims against
-  395 unfolded (this change; the decode step has 253, a verify pass 266). The last column is the
+  rows through the slot table, so its levels do not grow with B: 324 at the real dims (284
+  before the MoE's routing took a level of its own for the union; 395 unfolded; the decode
+  step has 253). The last column is the
   same model with the per-row stages one dispatch per row, as they were before the slot table:
   the rows' attention and draws then ran one after another, B - 1 more levels for each
   attention layer's two dispatches and the sampler's two, 22 (B - 1) at the real dims.
@@ -44,6 +47,7 @@ from pathlib import Path
 
 from make_synthetic_checkpoint import real_config, write_checkpoint
 from prefill_model import CENTRAL, FAST, GPUS, LEVEL_SECONDS, MEMORY_EFFICIENCY, SLOW
+from verify_pass_model import UNION_DESIGNS, expert_bytes_beyond_traffic
 
 from lily.checkpoint.config import ModelConfig, parse_config
 from lily.checkpoint.loader import load_checkpoint
@@ -81,9 +85,14 @@ def serial_row_levels(c: ModelConfig, streams: int) -> int:
 
 
 def pass_bytes(c: ModelConfig, streams: int, context: int) -> float:
-    """What a pass over `streams` streams moves: weights, recurrent states, KV caches."""
+    """What a pass over `streams` streams moves: weights (the experts as the kernels read them:
+    gate and up once per distinct expert, down once per (row, expert) pair, the rows' routing
+    uniform), recurrent states, KV caches."""
     per_stream = 2 * recurrent_state_bytes(c) + context * kv_cache_bytes_per_token(c, "bf16")
-    return pass_traffic(c, streams).weight_bytes + streams * per_stream
+    union = UNION_DESIGNS["union gate/up"]
+    weights = pass_traffic(c, streams).weight_bytes
+    weights += expert_bytes_beyond_traffic(c, streams, 0.0, union)
+    return weights + streams * per_stream
 
 
 def pass_seconds(

@@ -10,13 +10,15 @@
 // The same kernels run a few tokens (grid z = token): each token's buffers follow the previous
 // token's (x and out [tokens, hidden], ids and weights [tokens, top_k], router logits [tokens,
 // experts] then the shared-expert gate logits [tokens], h [tokens, top_k * expert_rows +
-// shared_rows]). Such a pass is bound by reading the weights, as decode is. A batched pass's
-// rows are unrelated sequences, whose experts barely overlap (4 rows choosing 8 of 256 at random
-// share ~4%), so it reads the weights per (token, expert), with none of a GEMM tile's padding.
-// A verify pass's tokens are consecutive tokens of one text, whose routing is correlated
-// (benchmarks/verify_pass_model.py cites the published figures): its routed gate/up runs over the
-// union of the tokens' experts instead (moe_route_union, moe_gate_up_union, at the end of this
-// file), each distinct expert's gate and up read once, at one level more.
+// shared_rows]). Such a pass is bound by reading the weights, as decode is. A verify pass's
+// tokens are consecutive tokens of one text, whose routing is correlated
+// (benchmarks/verify_pass_model.py cites the published figures), so its routed gate/up runs over
+// the union of the tokens' experts (moe_route_union, moe_gate_up_union, at the end of this file),
+// each distinct expert's gate and up read once, at one level more. A batched pass's rows are
+// unrelated sequences, whose experts barely overlap (4 rows choosing 8 of 256 at random share
+// ~4%), which by benchmarks/batched_decode_model.py about pays for that level on a Mac; it runs
+// over the union too, which also routes each row once instead of in every (row, expert)
+// SIMD-group (what the sim, whose cost is SIMD-group collectives, pays for most).
 #include "common.h"
 #include "quantized.h"
 

@@ -1809,8 +1809,9 @@ class _Recorder:
         decode step, a verify pass) with the norm and the residual add folded in (out is the
         residual itself); up to a verify pass's size with the same GEMV-shaped kernels, token by
         token (bound by reading the experts' weights, where the grouped GEMM's tiles would be
-        nearly empty), a verify pass's gate/up over the union of its tokens' experts (consecutive
-        tokens of one text share experts; a batched pass's unrelated rows barely do); beyond,
+        nearly empty), a verify pass's or a batched pass's gate/up over the union of its tokens'
+        experts (consecutive tokens of one text share experts; a batched pass's unrelated rows
+        barely do, which about pays for the union's level, and each row is routed once); beyond,
         the grouped GEMM."""
         c, g, dev, s, T = self.c, self.g, self.dev, self.s, self.tokens
         weights = self.moe_weights(prefix)
@@ -1827,7 +1828,7 @@ class _Recorder:
                 norm=self.folded_norm(norm_weight),
                 accumulate=True,
                 tokens=T,
-                union=self.verify_rows > 0 and T > 1,
+                union=T > 1,
             )
         elif T <= GEMV_MAX_TOKENS:
             record_moe(
