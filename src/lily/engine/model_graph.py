@@ -909,23 +909,7 @@ class ModelGraph:
         if key not in self._mtp_draft_graphs:
             graph = Graph()
             for index in range(drafts):
-                tokens = rows if index == 0 else 1
-                recorder = _Recorder(self, tokens, False, graph=graph)
-                recorder.record_mtp(chained=index > 0, head=True)
-                graph.barrier()
-                record_draft_argmax(
-                    graph,
-                    self.device,
-                    logits=self.mtp_logits,
-                    vocab=self.draft_vocab,
-                    rows=tokens,
-                    step=self.mtp_step,
-                    history=self.state.history,
-                    capacity=self.capacity,
-                    drafts=self.mtp_drafts,
-                    index=index,
-                )
-                graph.barrier()
+                self._record_head_draft(graph, rows if index == 0 else 1, index > 0, index)
             self._mtp_draft_graphs[key] = graph
         return self._mtp_draft_graphs[key]
 
@@ -966,24 +950,29 @@ class ModelGraph:
             record_follow_kept_row(graph, self.device, kept_row=True, **follow)
             graph.barrier()
             for index in range(drafts):
-                recorder = _Recorder(self, 1, False, graph=graph)
-                recorder.record_mtp(chained=True, head=True)
-                graph.barrier()
-                record_draft_argmax(
-                    graph,
-                    self.device,
-                    logits=self.mtp_logits,
-                    vocab=self.draft_vocab,
-                    rows=1,
-                    step=self.mtp_step,
-                    history=self.state.history,
-                    capacity=self.capacity,
-                    drafts=self.mtp_drafts,
-                    index=index,
-                )
-                graph.barrier()
+                self._record_head_draft(graph, 1, True, index)
             self._mtp_follow_graphs[key] = graph
         return self._mtp_follow_graphs[key]
+
+    def _record_head_draft(self, graph: Graph, tokens: int, chained: bool, index: int) -> None:
+        """One pass of the head over `tokens` rows (from the main model's rows, or `chained`
+        from its own previous draft) and the argmax over its last row that writes draft
+        `index` into the history and `mtp_drafts`."""
+        _Recorder(self, tokens, False, graph=graph).record_mtp(chained=chained, head=True)
+        graph.barrier()
+        record_draft_argmax(
+            graph,
+            self.device,
+            logits=self.mtp_logits,
+            vocab=self.draft_vocab,
+            rows=tokens,
+            step=self.mtp_step,
+            history=self.state.history,
+            capacity=self.capacity,
+            drafts=self.mtp_drafts,
+            index=index,
+        )
+        graph.barrier()
 
     def mtp_drafts_view(self) -> np.ndarray:
         """The last `mtp_draft_graph`'s drafts (uint32 [MAX_DRAFT_TOKENS], the first `drafts`)."""

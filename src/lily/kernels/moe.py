@@ -375,12 +375,12 @@ def record_moe(
     verify pass's few tokens, each expert's weights read per token that chose it, the norm and
     the residual add folded in per token as for one.
 
-    With `union` (a verify pass), the routed experts' gate and up run over the union of the
-    tokens' experts, one level more: every value is the same, bit for bit, and an expert
-    several tokens chose is read once. The down projection stays per (token, expert): over the
-    union it would sum a token's experts in the union's order, not its slots' (its rows would no
-    longer be the decode step's bit for bit), or take a level more to sum them in slot order
-    (40 levels a pass at the real dims, past the verify pass's budget of 1.3 decode steps'
+    With `union` (a verify or a batched pass), the routed experts' gate and up run over the
+    union of the tokens' experts, one level more: every value is the same, bit for bit, and an
+    expert several tokens chose is read once. The down projection stays per (token, expert):
+    over the union it would sum a token's experts in the union's order, not its slots' (its rows
+    would no longer be the decode step's bit for bit), or take a level more to sum them in slot
+    order (40 levels a pass at the real dims, past the verify pass's budget of 1.3 decode steps'
     levels); it is a third of the experts' bytes."""
     if not 1 <= tokens <= scratch.tokens:
         raise ValueError(f"the scratch holds 1 to {scratch.tokens} tokens, got {tokens}")
