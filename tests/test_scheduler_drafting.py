@@ -6,19 +6,25 @@ device."""
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from typing import Any
 
 import numpy as np
 import pytest
-from drafting_streams import BEFORE, NEW_TOKENS, Alternating, new_drafter, prompts, token_ids
+from drafting_streams import (
+    BEFORE,
+    LATE_STOP,
+    NEW_TOKENS,
+    Alternating,
+    chat_joined_mid_stream,
+    new_drafter,
+    prompts,
+    token_ids,
+)
 from test_batched_decode import assert_same_logprobs
-from test_server import joined
-from test_server_batching import REQUESTS, _answer
+from test_server_batching import REQUESTS
 
-import lily
 from lily.engine.sampling import SamplingParams
 from lily.engine.scheduler import BatchScheduler
 
@@ -169,36 +175,20 @@ def test_a_stream_the_pause_ends_while_its_caller_reads_moves_too(
     assert len(moves) == 1
 
 
-# The demo's greedy answer to it (its thinking) holds "least" about 12 tokens in.
-LATE_STOP = {**REQUESTS["greedy"], "max_tokens": 20, "stop": ["least"]}
-
-
 @pytest.mark.parametrize("lone, other", [("late stop", "json schema"), ("json schema", "greedy")])
 def test_a_chat_request_drafting_alone_then_joined_answers_as_alone(lone, other, moves):
     """Through the chat layer (a stop string, a json_schema grammar), on a model loaded with
     `parallel=2` and the MTP head: the first request drafts alone, the second arrives while it
     streams, and each answer is the one a model without drafting or batching gives."""
     kinds = {**REQUESTS, "late stop": LATE_STOP}
-    requests = {name: {"model": "demo", **kinds[name]} for name in (lone, other)}
-    with lily.load("demo", device="sim", max_seq=256, speculative="off") as plain:
-        alone = {name: _answer(plain.chat.completions.create(**r)) for name, r in requests.items()}
-    with lily.load("demo", device="sim", max_seq=256, parallel=2, speculative="mtp") as llm:
-        chunks = llm.chat.completions.create(stream=True, **requests[lone])
-        streamed = list(itertools.islice(chunks, 3))
-        answers: list[Any] = []
-        second = threading.Thread(
-            target=lambda: answers.append(_answer(llm.chat.completions.create(**requests[other])))
-        )
-        second.start()
-        streamed += list(chunks)
-        second.join(120)
-    content, reasoning, finish = joined(streamed)
-    expected = alone[lone]
+    expected, other_alone, streamed, answers = chat_joined_mid_stream(
+        kinds[lone], kinds[other], other_ends_first=False
+    )
     assert expected["finish_reason"] == "stop"  # at the stop string, or the grammar's end
-    assert (content, reasoning, finish) == (
+    assert streamed == (
         expected["content"] or "",
         expected["reasoning"] or "",
         expected["finish_reason"],
     )
-    assert answers == [alone[other]]
+    assert answers == [other_alone]
     assert len(moves) == 1

@@ -5,18 +5,23 @@ every move. On the sim unless LILY_DEVICE names another device; fixtures from co
 
 from __future__ import annotations
 
-import itertools
-import threading
 from typing import Any
 
 import numpy as np
 import pytest
-from drafting_streams import BEFORE, Alternating, new_drafter, prompts, token_ids
+from drafting_streams import (
+    BEFORE,
+    LATE_STOP,
+    Alternating,
+    chat_joined_mid_stream,
+    new_drafter,
+    prompts,
+    token_ids,
+)
 from test_batched_decode import assert_same_logprobs
-from test_server import joined, user
-from test_server_batching import REQUESTS, _answer
+from test_server import user
+from test_server_batching import REQUESTS
 
-import lily
 from lily.engine import scheduler
 from lily.engine.engine import DeviceEngine
 from lily.engine.sampling import SamplingParams
@@ -187,8 +192,6 @@ def test_a_stream_whose_head_auto_dropped_stays_in_its_slot(
     assert len(moves) == 1 and returns == []
 
 
-# The demo's greedy answer to it (its thinking) holds "least" about 12 tokens in.
-LATE_STOP = {**REQUESTS["greedy"], "max_tokens": 20, "stop": ["least"]}
 SHORT_REQUEST = {"messages": user("Hi"), "max_tokens": 2, "temperature": 0}
 
 
@@ -198,29 +201,17 @@ def test_a_chat_request_back_to_drafting_answers_as_alone(lone, moves, returns, 
     `parallel=2` and the MTP head: the first request drafts alone, a short one arrives while
     it streams, and once that one ended the first drafts again; each answer is the one a
     model without drafting or batching gives."""
-    kinds = {**REQUESTS, "late stop": LATE_STOP, "short": SHORT_REQUEST}
-    requests = {name: {"model": "demo", **kinds[name]} for name in (lone, "short")}
-    with lily.load("demo", device="sim", max_seq=256, speculative="off") as plain:
-        alone = {name: _answer(plain.chat.completions.create(**r)) for name, r in requests.items()}
-    with lily.load("demo", device="sim", max_seq=256, parallel=2, speculative="mtp") as llm:
-        chunks = llm.chat.completions.create(stream=True, **requests[lone])
-        streamed = list(itertools.islice(chunks, 3))
-        answers: list[Any] = []
-        second = threading.Thread(
-            target=lambda: answers.append(_answer(llm.chat.completions.create(**requests["short"])))
-        )
-        second.start()
-        second.join(120)
-        streamed += list(chunks)
-    content, reasoning, finish = joined(streamed)
-    expected = alone[lone]
+    kinds = {**REQUESTS, "late stop": LATE_STOP}
+    expected, short_alone, streamed, answers = chat_joined_mid_stream(
+        kinds[lone], SHORT_REQUEST, other_ends_first=True
+    )
     assert expected["finish_reason"] == "stop"  # at the stop string, or the grammar's end
-    assert (content, reasoning, finish) == (
+    assert streamed == (
         expected["content"] or "",
         expected["reasoning"] or "",
         expected["finish_reason"],
     )
-    assert answers == [alone["short"]]
+    assert answers == [short_alone]
     assert len(moves) == 1 and len(returns) == 1
     _, passes_then, drafter = returns[0]
     if lone != "json schema":  # the demo's random head drafts nothing its grammar allows
