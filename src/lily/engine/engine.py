@@ -747,22 +747,9 @@ class DeviceEngine(_PromptsWithImages):
                 request = _Request(
                     prompt, sampling, stop_token_ids, max_new_tokens, constraint, bans
                 )
-                if head:
-                    assert isinstance(drafter, Speculation)
-                    # A constraint asks about each draft before the pass: the host takes them.
-                    drafter.head = (
-                        self._mtp_drafts if constraint is not None else self._head_drafts_on_device
-                    )
-                if blocks:
-                    assert isinstance(drafter, Speculation)
-                    drafter.block = self._dflash_drafts
-                try:
-                    yield from self._speculate(request, generated, drafter, should_stop, pause)
-                finally:
-                    if head:
-                        drafter.head = None
-                    if blocks:
-                        drafter.block = None
+                yield from self._speculate_with(
+                    request, generated, drafter, should_stop, pause, head, blocks
+                )
         finally:
             # A speculative step may still be running (after a stop token, or when the caller
             # closed the iterator); it only writes state the next generation replaces.
@@ -811,16 +798,9 @@ class DeviceEngine(_PromptsWithImages):
         head = model.mtp and isinstance(drafter, Speculation) and drafter.mtp
         # The head follows the passes from here: the first one's row is its first to read.
         self._mtp_pending = (len(tokens) - 1, 0) if head else None
-        if head:
-            assert isinstance(drafter, Speculation)
-            drafter.head = (
-                self._mtp_drafts if constraint is not None else self._head_drafts_on_device
-            )
-        try:
-            yield from self._speculate(request, tokens[prompt_length:], drafter, should_stop, pause)
-        finally:
-            if head:
-                drafter.head = None
+        yield from self._speculate_with(
+            request, tokens[prompt_length:], drafter, should_stop, pause, head, False
+        )
 
     def _drawn(self, end: int, sampling: SamplingParams) -> GeneratedToken:
         """The token the device drew in the predicting pass that ends at position `end`."""
@@ -838,6 +818,35 @@ class DeviceEngine(_PromptsWithImages):
             self._model.state.logprob_ring, LOGPROB_RING_SLOTS, consumed, sampling.top_logprobs
         )
         return TokenLogprobs(logprob, tuple(alternatives))
+
+    def _speculate_with(
+        self,
+        request: _Request,
+        generated: list[int],
+        drafter: Drafter,
+        should_stop: Callable[[], bool] | None,
+        pause: Callable[[], bool] | None,
+        head: bool,
+        blocks: bool,
+    ) -> Iterator[GeneratedToken]:
+        """`_speculate` with the engine's own draft sources attached to `drafter` for its
+        length: the MTP head when `head`, the DFlash drafter when `blocks`."""
+        if head:
+            assert isinstance(drafter, Speculation)
+            # A constraint asks about each draft before the pass: the host takes them.
+            drafter.head = (
+                self._mtp_drafts if request.constraint is not None else self._head_drafts_on_device
+            )
+        if blocks:
+            assert isinstance(drafter, Speculation)
+            drafter.block = self._dflash_drafts
+        try:
+            yield from self._speculate(request, generated, drafter, should_stop, pause)
+        finally:
+            if head:
+                drafter.head = None
+            if blocks:
+                drafter.block = None
 
     def _speculate(
         self,
