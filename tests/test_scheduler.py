@@ -5,6 +5,7 @@ LILY_DEVICE names another device."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from tiny_models import tiny_checkpoint
 
 from lily.checkpoint.loader import load_checkpoint
 from lily.engine import scheduler as scheduler_module
+from lily.engine.batch import BatchedDecoder
 from lily.engine.constraint import NoAllowedTokenError, mask_from_tokens
 from lily.engine.engine import DeviceEngine
 from lily.engine.sampling import SamplingParams
@@ -114,6 +116,34 @@ def test_a_logprobs_request_decodes_beside_newcomers(engine, scheduler):
     newcomer.join(60)
     assert served == [other_alone]
     assert_same_logprobs([first, *logged], expected)
+
+
+def test_newcomers_waiting_together_start_together(engine, scheduler, monkeypatch):
+    """Short prompts waiting at the same round are all prefilled before the next batched pass
+    (their chunks fit one SLICE_TOKENS budget), so the first pass carries every stream rather
+    than a pass after each join; each stream's tokens are its own."""
+    prompts = _prompts(engine, [5, 6, 7], seed=11)
+    alone = [_ids(engine.generate(p, NEW_TOKENS)) for p in prompts]
+    events: list[object] = []
+    join, step = BatchedDecoder.join, BatchedDecoder.step
+
+    def joining(self: BatchedDecoder, *args: Any, **kwargs: Any) -> int:
+        if not events:  # the first: hold it until the other two wait behind it
+            while scheduler.waiting < 2:
+                time.sleep(0.01)
+        events.append("join")
+        return join(self, *args, **kwargs)
+
+    def stepping(self: BatchedDecoder, streams: Any = None) -> dict:
+        drawn = step(self, streams)
+        events.append(len(drawn))
+        return drawn
+
+    monkeypatch.setattr(BatchedDecoder, "join", joining)
+    monkeypatch.setattr(BatchedDecoder, "step", stepping)
+    got = _together([lambda p=p: _ids(scheduler.generate(p, NEW_TOKENS)) for p in prompts])
+    assert got == alone
+    assert events[:4] == ["join", "join", "join", 3]
 
 
 def test_a_long_prompt_is_prefilled_in_slices_between_the_others_passes(

@@ -296,12 +296,12 @@ class _Piece:
 @dataclass(frozen=True)
 class PrefillSlices:
     """How a prefill shares the device with other sequences' decoding (continuous batching,
-    `lily.engine.scheduler`): chunks of at most `tokens`, and `between()` called at each chunk
-    boundary with no pass of this generation in flight (it may run other sequences' passes,
-    which touch none of this sequence's state)."""
+    `lily.engine.scheduler`): chunks of at most `tokens`, and `before(chunk)` called before
+    each chunk of the prompt is fed (`chunk` its tokens) with no pass of this generation in
+    flight: it may run other sequences' passes, which touch none of this sequence's state."""
 
     tokens: int
-    between: Callable[[], None]
+    before: Callable[[int], None]
 
 
 def _allows(mask: np.ndarray | None, token: int) -> bool:
@@ -687,11 +687,11 @@ class DeviceEngine(_PromptsWithImages):
                     # ones in flight, not for a whole chunk.
                     _check_stop(should_stop)
                     start, tokens = upcoming.start, upcoming.tokens
-                    if prefill_slices and upcoming.index == 0 and first < start < len(prompt):
-                        # A chunk boundary inside the prompt: drain, then let the others run.
+                    if prefill_slices and upcoming.index == 0 and start < len(prompt):
+                        # A chunk of the prompt next: drain, then let the others run.
                         for pending in in_flight:
                             self.device.wait(pending.ticket)
-                        prefill_slices.between()
+                        prefill_slices.before(tokens)
                     if upcoming.index == 0 and snapshots and start == snapshots[0]:
                         # The state after consuming tokens [0, start): drain, then save.
                         for pending in in_flight:

@@ -4,10 +4,11 @@
 thread, such as the server's request threads or a web app's workers sharing one `Lily`. A thread
 of its own owns the engine, and each round of its loop:
 
-- admits the oldest waiting generation: it is prefilled on the engine's sequence state (the
-  prefix cache serves it as for any generation), in chunks of at most `SLICE_TOKENS` tokens
-  with a batched pass of the decoding streams between two chunks, draws its first token, and
-  moves into a free slot of a `BatchedDecoder`;
+- admits the waiting generations, oldest first, while slots are free: each is prefilled on
+  the engine's sequence state (the prefix cache serves it as for any generation) in chunks,
+  draws its first token, and moves into a free slot of a `BatchedDecoder`. Between two batched
+  passes of the decoding streams at most `SLICE_TOKENS` prompt tokens are fed, however many
+  prompts they belong to: a chunk that would pass that budget waits for a pass first;
 - runs one batched pass over the slots whose callers are ready for a token (a caller may be at
   most `RUN_AHEAD` tokens behind; one with a constraint is told each token before the next
   draw, so it runs in step with its caller);
@@ -33,8 +34,8 @@ drafts from the history alone; the MTP head's KV cache lacks right rows for the 
 decoded batched (a batched pass keeps no hidden states for it), so it drafts over stale ones
 there: its acceptance may drop, never a token changes.
 
-A decoding stream waits at most one prefill slice (`SLICE_TOKENS` tokens of someone's prompt)
-plus its own pass between two tokens.
+A decoding stream waits at most `SLICE_TOKENS` prompt tokens' prefill (of one or several
+prompts) plus its own pass between two tokens.
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ class BatchScheduler:
         self._reads: deque[tuple[Callable[[], Any], Future]] = deque()
         # The generation each caller thread waits on for its next token.
         self._reading: dict[int, _Generation] = {}
+        # Prompt tokens prefilled since the last batched pass (`_before_chunk`).
+        self._fed_since_pass = 0
         self._closing = False
         self._thread = threading.Thread(target=self._serve, name="lily-batch", daemon=True)
         self._thread.start()
@@ -377,12 +380,25 @@ class BatchScheduler:
                 done.set_exception(exc)
 
     def _slices(self) -> PrefillSlices:
-        return PrefillSlices(SLICE_TOKENS, self._batched_pass)
+        return PrefillSlices(SLICE_TOKENS, self._before_chunk)
+
+    def _before_chunk(self, tokens: int) -> None:
+        """Before a prefill chunk of `tokens` prompt tokens: a batched pass of the decoding
+        streams first if, with the chunk, more than SLICE_TOKENS prompt tokens would have been
+        fed since their last pass."""
+        if self._fed_since_pass + tokens > SLICE_TOKENS:
+            self._batched_pass()
+        self._fed_since_pass += tokens
 
     def _admit(self) -> None:
-        """Starts the oldest waiting generation, if it can start now."""
-        if not self._can_admit():
-            return
+        """Starts the waiting generations that can start now, oldest first. Their prompts'
+        chunks share one budget of SLICE_TOKENS tokens between two passes of the decoding
+        streams (`_before_chunk`): short prompts that arrive together start together, and
+        then decode (and end) together, with no partly filled passes between them."""
+        while self._can_admit():
+            self._admit_oldest()
+
+    def _admit_oldest(self) -> None:
         generation = self._waiting.popleft()
         if generation.runs_alone:
             slices = None if generation.has_images else self._slices()
@@ -451,6 +467,7 @@ class BatchScheduler:
 
     def _batched_pass(self) -> None:
         """One batched pass over the streams whose callers are ready for a token."""
+        self._fed_since_pass = 0
         for generation in [g for g in self._batched if g.cancelled()]:
             self._leave(generation, GenerationCancelled())
         ready = {g.stream: g for g in self._batched if self._ready(g)}
