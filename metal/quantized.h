@@ -109,9 +109,30 @@ inline uint clamped_row(uint row0, uint count, uint r) { return row0 + min(r, co
 // The SIMD-group's sums of four rows' partial dot products, in one reduction of a float4: each
 // component is what simd_sum of that row alone gives, in a quarter of the exchanges (on the sim
 // each exchange is a rendezvous of the SIMD-group's 32 fibers, which dominated verify passes).
-// Every GEMV-shaped kernel reduces its rows through this, so a row's sum is the same in all.
+// The MoE's and the GDN output projection's kernels reduce their rows through this, so a row's
+// sum is the same in all of them; the projections' GEMVs (quantized_gemv.metal) reduce through
+// lane_sum below, the same in all of those.
 inline float4 simd_sum_rows(thread const float* acc) {
   return simd_sum(float4(acc[0], acc[1], acc[2], acc[3]));
+}
+
+// The SIMD-group's sums of many values per lane in one exchange through threadgroup memory, where
+// simd_sum would take one per four values: the GEMV kernels (quantized_gemv.metal) reduce every
+// row of every token of a pass, and a folded norm's sums of squares, at once (on the sim each
+// exchange is a rendezvous of the SIMD-group's 32 fibers, which dominated batched passes). Each
+// lane writes its values to its own run of `scratch`, `stride` floats apart (lane_sums_stride:
+// odd, so the 32 lanes' writes of one value fall in distinct banks), then a simdgroup_barrier;
+// lane_sum(scratch, stride, i) reads value i's column (consecutive words across the lanes that
+// read neighbouring values) and adds it in lane order, as the sim's simd_sum does: a value's sum
+// is the same in every kernel that reduces through it, whichever lane computes it, and on the
+// sim the same as simd_sum's (tests/test_kernel_gemv_order.py pins that order). The 32 adds
+// form one dependent chain per lane, a short tail to a GEMV bound by reading its weights.
+constexpr uint lane_sums_stride(uint values) { return values | 1u; }
+
+inline float lane_sum(threadgroup const float* scratch, uint stride, uint i) {
+  float total = scratch[i];
+  for (uint l = 1; l < SIMD_WIDTH; ++l) total += scratch[l * stride + i];
+  return total;
 }
 
 // This lane's partial dot products of rows [row0, row0 + count) with x in acc[0, count);
@@ -190,8 +211,12 @@ inline float load_chunk_gained(device const float* x, device const bfloat* gain,
 }
 
 // The inverse RMS of x from one lane's partial sum of squares; all lanes of the SIMD-group call it.
+inline float inv_rms_of(float sum_of_squares, uint in_dim, float eps) {
+  return rsqrt(sum_of_squares / float(in_dim) + eps);
+}
+
 inline float folded_inv_rms(float squares, uint in_dim, float eps) {
-  return rsqrt(simd_sum(squares) / float(in_dim) + eps);
+  return inv_rms_of(simd_sum(squares), in_dim, eps);
 }
 
 // folded_inv_rms of the first `count` of N rows (a verify pass's tokens), four rows per

@@ -24,6 +24,11 @@
 // folds, per token: `qgemv_tokens_normed_*` norms each token's residual row, `accumulate` adds
 // into the residual rows, and `conv` runs projection 0 through the conv (QGemvConvTail).
 //
+// Every kernel here ends with one reduction across its SIMD-group, however many tokens: the
+// lanes' partial dot products of all its rows and tokens, and a folded norm's partial sums of
+// squares, go through the SIMD-group's own slice of threadgroup memory (lane_sum, quantized.h),
+// whose fixed order makes a token's rows the same in qgemv, qgemv_embedded and qgemv_tokens.
+//
 // The decode step's very first GEMV (layer 0's in_proj_qkv|z|a|b, or q|k|v) also folds the
 // embedding lookup: `qgemv_embedded_*` reads x as the embedding row of the token at the step's
 // position, dequantized by each lane from the quantized table (EmbeddedRow, embedding.h), and
@@ -48,7 +53,16 @@ struct QGemvParams {
   uint embed_rows;  // the embedding table's rows (embedded kernels only)
   uint tokens;      // x's rows (qgemv_tokens only; 1 elsewhere)
   uint conv_tail_rows;  // qgemv_tokens with conv: the rows it leaves in the conv's tail
+  uint lane_stride;     // lane_sums_stride of the values a lane shares (qgemv_lane_stride)
 };
+
+// The values each lane shares for the reduction (lane_sum, quantized.h): its partial dot product
+// of every row for every token (token n's row r at n * R + r), then, normed, its partial sum of
+// squares of every token. The host sizes the threadgroup memory from the same count: per
+// SIMD-group SIMD_WIDTH lanes' runs, then the R * tokens totals a conv reads back.
+inline uint qgemv_scratch_floats(constant QGemvParams& p) {
+  return SIMD_WIDTH * p.lane_stride + QGEMV_ROWS_PER_SIMDGROUP * p.tokens;
+}
 
 // The rows one SIMD-group of a dispatch computes: [row0, row0 + count) of projection `proj`,
 // whose matrix is m and output y; count is 0 for a SIMD-group past its projection's rows.
@@ -86,27 +100,28 @@ inline QGemvTarget qgemv_target(constant QGemvParams& p, QuantMatrix m0, device 
   return t;
 }
 
-// Reduces the lanes' partial dot products, scales them by a folded norm's inverse RMS when
-// NORMED, and writes (or adds) the target's rows, through the conv step for projection 0 with
-// `conv`. Each row (and its conv channel) is read and written by the one lane that owns it, so
-// accumulating and the window's in-place shift are race-free.
+// Reduces the lanes' partial dot products (and, NORMED, their sums of squares) in one exchange,
+// scales them by a folded norm's inverse RMS when NORMED, and writes (or adds) the target's
+// rows, through the conv step for projection 0 with `conv`: row r by lane r, the one lane that
+// reads and writes it (and its conv channel), so accumulating and the window's in-place shift
+// are race-free. Call from uniform control flow within the SIMD-group.
 template <bool NORMED>
 inline void qgemv_store(constant QGemvParams& p, QGemvTarget t, thread const float* acc,
-                        float inv_rms, device const bfloat* conv_weight,
-                        device float* conv_window, uint lane) {
-  static_assert(QGEMV_ROWS_PER_SIMDGROUP == 4, "simd_sum_rows reduces four rows");
-  const float4 totals = simd_sum_rows(acc);
-  for (uint r = 0; r < QGEMV_ROWS_PER_SIMDGROUP; ++r) {
-    float total = totals[r];
-    if (NORMED) total *= inv_rms;
-    if (lane == 0 && r < t.count) {
-      const uint row = t.row0 + r;
-      if (p.conv != 0 && t.proj == 0) {
-        total = conv_step_channel(conv_weight, conv_window, p.rows[0], row, total);
-      }
-      t.y[row] = p.accumulate != 0 ? t.y[row] + total : total;
-    }
+                        float squares, threadgroup float* scratch,
+                        device const bfloat* conv_weight, device float* conv_window, uint lane) {
+  constexpr uint R = QGEMV_ROWS_PER_SIMDGROUP;
+  const uint stride = p.lane_stride;
+  for (uint r = 0; r < R; ++r) scratch[lane * stride + r] = acc[r];
+  if (NORMED) scratch[lane * stride + R] = squares;
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane >= t.count) return;
+  float total = lane_sum(scratch, stride, lane);
+  if (NORMED) total *= inv_rms_of(lane_sum(scratch, stride, R), p.in_dim, p.eps);
+  const uint row = t.row0 + lane;
+  if (p.conv != 0 && t.proj == 0) {
+    total = conv_step_channel(conv_weight, conv_window, p.rows[0], row, total);
   }
+  t.y[row] = p.accumulate != 0 ? t.y[row] + total : total;
 }
 
 template <uint BITS, typename T, bool NORMED>
@@ -122,6 +137,7 @@ template <uint BITS, typename T, bool NORMED>
                       device const bfloat* gain [[buffer(18)]],
                       device const bfloat* conv_weight [[buffer(19)]],
                       device float* conv_window [[buffer(20)]],
+                      threadgroup float* scratch [[threadgroup(0)]],
                       uint threadgroup_id [[threadgroup_position_in_grid]],
                       uint simdgroup [[simdgroup_index_in_threadgroup]],
                       uint simdgroups [[simdgroups_per_threadgroup]],
@@ -132,15 +148,15 @@ template <uint BITS, typename T, bool NORMED>
   if (t.count == 0) return;  // the whole SIMD-group leaves together
 
   float acc[QGEMV_ROWS_PER_SIMDGROUP];
-  float inv_rms = 1.0f;
+  float squares = 0.0f;
   if (NORMED) {
-    const float squares = qgemv_rows_gained<BITS, QGEMV_ROWS_PER_SIMDGROUP>(
+    squares = qgemv_rows_gained<BITS, QGEMV_ROWS_PER_SIMDGROUP>(
         t.m, p.in_dim, t.row0, t.count, reinterpret_cast<device const float*>(x), gain, lane, acc);
-    inv_rms = folded_inv_rms(squares, p.in_dim, p.eps);
   } else {
     qgemv_rows<BITS, QGEMV_ROWS_PER_SIMDGROUP>(t.m, p.in_dim, t.row0, t.count, x, lane, acc);
   }
-  qgemv_store<NORMED>(p, t, acc, inv_rms, conv_weight, conv_window, lane);
+  qgemv_store<NORMED>(p, t, acc, squares, scratch + simdgroup * qgemv_scratch_floats(p),
+                      conv_weight, conv_window, lane);
 }
 
 // A verify pass's conv: projection 0's rows of every token leave through the conv and SiLU,
@@ -193,7 +209,7 @@ template <uint BITS, bool NORMED>
     device const bfloat* b3 [[buffer(16)]], device float* y3 [[buffer(17)]],
     device const bfloat* gain [[buffer(18)]], device const bfloat* conv_weight [[buffer(19)]],
     device const float* conv_window [[buffer(20)]], device float* conv_tail [[buffer(21)]],
-    uint threadgroup_id [[threadgroup_position_in_grid]],
+    threadgroup float* scratch [[threadgroup(0)]], uint threadgroup_id [[threadgroup_position_in_grid]],
     uint simdgroup [[simdgroup_index_in_threadgroup]],
     uint simdgroups [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
   const QGemvTarget t = qgemv_target(p, QuantMatrix{w0, s0, b0}, y0, QuantMatrix{w1, s1, b1}, y1,
@@ -236,32 +252,45 @@ template <uint BITS, bool NORMED>
       }
     }
   }
+  // Every token's rows, and their norms' sums of squares, reduced in one exchange (qgemv_store's
+  // sums, bit for bit): value i = n * R + r by lanes i, i + 32, ...; through the conv, the totals
+  // go back to threadgroup memory, where the lane owning a row walks its tokens in order.
   const uint rows = p.rows[t.proj];
-  const bool convolves = p.conv != 0 && t.proj == 0;
-  const QGemvConvTail conv{conv_weight, conv_window, conv_tail,
-                           p.tokens + kHistory - p.conv_tail_rows, rows};
-  float history[R][kHistory];
-  if (convolves && lane == 0) {
-    for (uint r = 0; r < t.count; ++r) conv_tail_start(conv, t.row0 + r, history[r]);
-  }
-  float inv_rms[QGEMV_MAX_TOKENS];
-  if (NORMED) {
-    folded_inv_rms_rows<QGEMV_MAX_TOKENS>(squares, p.tokens, p.in_dim, p.eps, inv_rms);
-  }
+  const uint stride = p.lane_stride;
+  const uint values = R * p.tokens;
+  threadgroup float* mine = scratch + simdgroup * qgemv_scratch_floats(p);
   for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) {
     if (n >= p.tokens) break;
-    const float token_acc[R] = {acc[0][n], acc[1][n], acc[2][n], acc[3][n]};
-    const float4 totals = simd_sum_rows(token_acc);
-    for (uint r = 0; r < R; ++r) {
-      float total = totals[r];
-      if (NORMED) total *= inv_rms[n];
-      if (lane == 0 && r < t.count) {
-        const uint row = t.row0 + r;
-        if (convolves) total = conv_tail_step(conv, row, n, history[r], total);
-        device float* y = t.y + ulong(n) * rows + row;
-        *y = p.accumulate != 0 ? *y + total : total;
-      }
+    for (uint r = 0; r < R; ++r) mine[lane * stride + n * R + r] = acc[r][n];
+    if (NORMED) mine[lane * stride + values + n] = squares[n];
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  const bool convolves = p.conv != 0 && t.proj == 0;
+  threadgroup float* totals = mine + SIMD_WIDTH * stride;
+  for (uint i = lane; i < values; i += SIMD_WIDTH) {
+    const uint n = i / R, r = i % R;
+    float total = lane_sum(mine, stride, i);
+    if (NORMED) total *= inv_rms_of(lane_sum(mine, stride, values + n), p.in_dim, p.eps);
+    if (convolves) {
+      totals[i] = total;
+    } else if (r < t.count) {
+      device float* y = t.y + ulong(n) * rows + t.row0 + r;
+      *y = p.accumulate != 0 ? *y + total : total;
     }
+  }
+  if (!convolves) return;
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane >= t.count) return;
+  const QGemvConvTail conv{conv_weight, conv_window, conv_tail,
+                           p.tokens + kHistory - p.conv_tail_rows, rows};
+  const uint row = t.row0 + lane;
+  float history[kHistory];
+  conv_tail_start(conv, row, history);
+  for (uint n = 0; n < QGEMV_MAX_TOKENS; ++n) {
+    if (n >= p.tokens) break;
+    const float total = conv_tail_step(conv, row, n, history, totals[n * R + lane]);
+    device float* y = t.y + ulong(n) * rows + row;
+    *y = p.accumulate != 0 ? *y + total : total;
   }
 }
 
@@ -286,7 +315,7 @@ template <uint BITS, uint EMBED_BITS>
     device float* conv_window [[buffer(20)]], device const uint* tokens [[buffer(21)]],
     device const uint* position [[buffer(22)]], device const uint* table_weight [[buffer(23)]],
     device const bfloat* table_scales [[buffer(24)]],
-    device const bfloat* table_biases [[buffer(25)]],
+    device const bfloat* table_biases [[buffer(25)]], threadgroup float* scratch [[threadgroup(0)]],
     uint threadgroup_id [[threadgroup_position_in_grid]],
     uint simdgroup [[simdgroup_index_in_threadgroup]],
     uint simdgroups [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
@@ -301,8 +330,8 @@ template <uint BITS, uint EMBED_BITS>
   float acc[QGEMV_ROWS_PER_SIMDGROUP];
   const float squares = qgemv_rows_gained<BITS, QGEMV_ROWS_PER_SIMDGROUP>(
       t.m, p.in_dim, t.row0, t.count, x, gain, lane, acc);
-  qgemv_store<true>(p, t, acc, folded_inv_rms(squares, p.in_dim, p.eps), conv_weight,
-                    conv_window, lane);
+  qgemv_store<true>(p, t, acc, squares, scratch + simdgroup * qgemv_scratch_floats(p),
+                    conv_weight, conv_window, lane);
 }
 
 template [[host_name("qgemv_4_float")]] [[kernel]] decltype(qgemv<4, float, false>)

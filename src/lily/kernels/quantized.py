@@ -45,9 +45,25 @@ def gemv_simdgroups(simdgroups: int) -> int:
     so the 7th round runs 40% full (the busiest core does 7 where 6.4 would be even: +9%). One
     SIMD-group per threadgroup gives 512, 12.8 per core (+1.6%; on 16 cores exactly 32), and
     lifts the router with the shared-expert gate (256 + 1 rows) from 33 threadgroups, fewer than
-    40 cores, to 65. The kernels have no threadgroup memory or barriers, so the size changes
-    nothing but scheduling."""
+    40 cores, to 65. The kernels' threadgroup memory is each SIMD-group's own and their
+    barriers are the SIMD-group's, so the size changes nothing but scheduling (and the
+    threadgroup memory, at most 12 KiB for two SIMD-groups of 9 tokens)."""
     return 1 if simdgroups < FEW_SIMDGROUPS else 2
+
+
+def qgemv_lane_stride(tokens: int, normed: bool) -> int:
+    """quantized.h's lane_sums_stride of what a GEMV lane shares for its one reduction: its
+    partial dot products of ROWS_PER_SIMDGROUP rows for each token, and, normed, each token's
+    partial sum of squares (odd, so that the lanes' writes fall in distinct banks)."""
+    return (ROWS_PER_SIMDGROUP * tokens + (tokens if normed else 0)) | 1
+
+
+def qgemv_scratch_bytes(simdgroups: int, tokens: int, lane_stride: int) -> int:
+    """The threadgroup memory of a GEMV dispatch (quantized_gemv.metal's qgemv_scratch_floats
+    per SIMD-group: every lane's shared values, then the totals a conv reads back), in whole
+    16-byte units as Metal requires."""
+    floats = SIMD_WIDTH * lane_stride + ROWS_PER_SIMDGROUP * tokens
+    return ceil_div(4 * simdgroups * floats, 16) * 16
 
 
 def require_vector_aligned(x: BufferRef, x_dtype: str, norm: FoldedNorm | None = None) -> None:
@@ -122,8 +138,9 @@ def record_qgemv(
             )
         x = embedded.residual  # bound at x's slot, written with the row
     require_vector_aligned(x, x_dtype, norm)
+    lane_stride = qgemv_lane_stride(tokens, norm is not None)
     params = pack_params(
-        "II4I4IfIIIII",
+        "II4I4IfIIIIII",
         first.in_dim,
         len(projections),
         *(rows + padding),
@@ -134,6 +151,7 @@ def record_qgemv(
         embedded.table.rows if embedded is not None else 0,
         tokens,
         tail_rows(conv.candidates) if conv is not None and conv.tail is not None else 0,
+        lane_stride,
     )
     # Slots a call does not use are bound to x, unread, so every declared buffer is bound.
     buffers = {1: binding(x)}
@@ -166,4 +184,5 @@ def record_qgemv(
         threads=(simdgroups * SIMD_WIDTH, 1, 1),
         buffers=buffers,
         bytes={0: params},
+        threadgroup_memory={0: qgemv_scratch_bytes(simdgroups, tokens, lane_stride)},
     )
