@@ -14,16 +14,16 @@ of its own owns the engine, and each round of its loop:
 - gives the generation that runs alone (below) its next token.
 
 What a batched pass does not carry runs alone, on the engine's sequence state, one token per
-round between the passes: a client's prediction (drafts are checked by a verify pass, which is
-a single sequence's), and images (whose rotary table is the engine's
-one, which batched rows read too: such a generation waits for the batch to empty). While one
-runs alone, newcomers wait.
+round between the passes: images (whose rotary table is the engine's one, which batched rows
+read too: such a generation waits for the batch to empty). While one runs alone, newcomers
+wait.
 
-The MTP head and prompt lookup do not draft for batched streams: a stream decodes one token
-per pass. A generation with a drafter that finds nothing else running or waiting therefore
-runs alone too, drafting as with `parallel=1`, until another caller arrives (a generation, or
-a call that uses the engine's state: `cached_prefix_length` runs beside it): it is then
-driven to the end of its current pass (whose tokens the engine has drawn already), and its
+Drafters (a client's prediction, the MTP head, prompt lookup) do not draft for batched
+streams: drafts are checked by a verify pass, which is a single sequence's, so a stream
+decodes one token per pass. A generation with a drafter that finds nothing else running or
+waiting therefore runs alone, drafting as with `parallel=1`, until another caller arrives (a
+generation, or a call that uses the engine's state: `cached_prefix_length` runs beside it): it
+is then driven to the end of its current pass (whose tokens the engine has drawn already), and its
 state moves into a slot (`BatchedDecoder.join_from_engine`), where it decodes batched. When
 it (or any stream with such a drafter) is the only stream left, nothing waits or calls, and
 it may still generate `REDRAFT_MIN_TOKENS` tokens, its state moves back onto the engine's
@@ -31,7 +31,9 @@ it may still generate `REDRAFT_MIN_TOKENS` tokens, its state moves back onto the
 (`DeviceEngine.resume`), until the next caller moves it into a slot again. Prompt lookup
 drafts from the history alone; the MTP head's KV cache lacks right rows for the positions
 decoded batched (a batched pass keeps no hidden states for it), so it drafts over stale ones
-there: its acceptance may drop, never a token changes.
+there: its acceptance may drop, never a token changes. A prediction drafts from the reply so
+far, wherever it was decoded, and OpenAI's counts of its tokens are read from the whole reply
+at the end (`PredictedText.read`): they do not depend on where it ran.
 
 A decoding stream waits at most one prefill slice (`SLICE_TOKENS` tokens of someone's prompt)
 plus its own pass between two tokens.
@@ -97,12 +99,6 @@ class _Generation:
     @property
     def drafts(self) -> bool:
         return self.options.get("drafter") is not None
-
-    @property
-    def runs_alone(self) -> bool:
-        drafter = self.options.get("drafter")
-        predicted = isinstance(drafter, Speculation) and drafter.prediction is not None
-        return predicted or self.has_images
 
     @property
     def has_images(self) -> bool:
@@ -279,9 +275,9 @@ class BatchScheduler:
         if not self._waiting or self._alone is not None:
             return False
         generation = self._waiting[0]
-        if generation.runs_alone:
+        if generation.has_images:
             # The rotary table is shared: images wait for the batch to empty.
-            return not (generation.has_images and self._batched)
+            return not self._batched
         return self._decoder.free_slots > 0
 
     def _ready(self, generation: _Generation) -> bool:
@@ -384,9 +380,8 @@ class BatchScheduler:
         if not self._can_admit():
             return
         generation = self._waiting.popleft()
-        if generation.runs_alone:
-            slices = None if generation.has_images else self._slices()
-            self._start_alone(generation, prefill_slices=slices)
+        if generation.has_images:
+            self._start_alone(generation)
             return
         if generation.drafts and not (self._batched or self._others_arrived()):
             # Nobody else decodes: no slices for its prefill.
@@ -516,9 +511,17 @@ class BatchScheduler:
     @staticmethod
     def _redrafts(generation: _Generation) -> bool:
         """Whether moving the batched `generation` back onto the engine's state pays: it may
-        still generate REDRAFT_MIN_TOKENS tokens, and its drafter would draft there: the MTP
-        head or prompt lookup, unless "auto" dropped it (the DFlash drafter needs rows of every
-        position, which batched passes do not keep; any other drafter, unless it gave up)."""
+        still generate REDRAFT_MIN_TOKENS tokens, and its drafter would draft there: a client's
+        prediction, the MTP head or prompt lookup, unless "auto" dropped it (the DFlash drafter
+        needs rows of every position, which batched passes do not keep; any other drafter,
+        unless it gave up).
+
+        A prediction always would: "auto" never drops it, and it cannot be judged from here.
+        Where the reply lines up with it, its drafts are the answer the client expects, kept
+        whole when the reply copies it (an edit's unchanged text); where the reply has left
+        it, a pass drafts nothing and costs about the decode step it replaces, until the
+        reply's last characters rejoin it and it drafts again. So it pays while it still lines
+        up and costs little while it does not."""
         g = generation
         drafter = g.options.get("drafter")
         if g.closed or g.cancelled() or drafter is None:
@@ -526,6 +529,8 @@ class BatchScheduler:
         if g.max_new_tokens - g.delivered < REDRAFT_MIN_TOKENS:
             return False
         if isinstance(drafter, Speculation):
+            if drafter.prediction is not None:
+                return True
             sources = [s for s in ("mtp", "ngram") if s in drafter.counts]
             return any(drafter.verdict(s) is not False for s in sources)
         return not drafter.exhausted
