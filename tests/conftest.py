@@ -24,6 +24,7 @@ from lily.checkpoint.loader import load_checkpoint
 from lily.engine import scheduler
 from lily.engine.batch import BatchedDecoder
 from lily.engine.engine import DeviceEngine
+from lily.engine.sampling import GeneratedToken
 from lily.engine.scheduler import BatchScheduler
 
 
@@ -108,3 +109,19 @@ def returns(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, Any]]:
 def redraft_soon(monkeypatch: pytest.MonkeyPatch) -> None:
     """The way back taken from 2 tokens left on: the tests' answers are short."""
     monkeypatch.setattr(scheduler, "REDRAFT_MIN_TOKENS", 2)
+
+
+@pytest.fixture
+def deliveries(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(the generation's prompt length, the token) of each token the scheduler delivers, in
+    order: which stream got a token before which."""
+    delivered: list[tuple[int, int]] = []
+    deliver = scheduler._Generation.deliver
+
+    def recorded(self: scheduler._Generation, item: object) -> None:
+        if isinstance(item, GeneratedToken):
+            delivered.append((len(self.prompt), item.id))
+        deliver(self, item)
+
+    monkeypatch.setattr(scheduler._Generation, "deliver", recorded)
+    return delivered

@@ -17,7 +17,7 @@ from test_server import joined, user
 
 import lily
 from lily.engine import scheduler
-from lily.engine.sampling import GeneratedToken, SamplingParams
+from lily.engine.sampling import SamplingParams
 from lily.engine.speculative import PredictedTokens, Speculation
 
 # The predicted answer: enough for a move into a slot, a way back and drafts after it.
@@ -28,22 +28,6 @@ SAMPLINGS = pytest.mark.parametrize(
     [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)],
     ids=["greedy", "seeded"],
 )
-
-
-@pytest.fixture
-def deliveries(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """(the generation's prompt length, the token) of each token the scheduler delivers, in
-    order: which stream got a token before which."""
-    delivered: list[tuple[int, int]] = []
-    deliver = scheduler._Generation.deliver
-
-    def recorded(self: scheduler._Generation, item: object) -> None:
-        if isinstance(item, GeneratedToken):
-            delivered.append((len(self.prompt), item.id))
-        deliver(self, item)
-
-    monkeypatch.setattr(scheduler._Generation, "deliver", recorded)
-    return delivered
 
 
 def _predicting(prompt: list[int], answer: list[int]) -> Speculation:

@@ -7,16 +7,12 @@ of its own owns the engine, and each round of its loop:
 - admits the oldest waiting generation: it is prefilled on the engine's sequence state (the
   prefix cache serves it as for any generation), in chunks of at most `SLICE_TOKENS` tokens
   with a batched pass of the decoding streams between two chunks, draws its first token, and
-  moves into a free slot of a `BatchedDecoder`;
+  moves into a free slot of a `BatchedDecoder`, its images' rotary positions with it (each
+  slot has its own table, which the batched pass's attention reads);
 - runs one batched pass over the slots whose callers are ready for a token (a caller may be at
   most `RUN_AHEAD` tokens behind; one with a constraint is told each token before the next
   draw, so it runs in step with its caller);
-- gives the generation that runs alone (below) its next token.
-
-What a batched pass does not carry runs alone, on the engine's sequence state, one token per
-round between the passes: images (whose rotary table is the engine's one, which batched rows
-read too: such a generation waits for the batch to empty). While one runs alone, newcomers
-wait.
+- gives the generation that drafts alone (below) its next token.
 
 Drafters (a client's prediction, the MTP head, prompt lookup) do not draft for batched
 streams: drafts are checked by a verify pass, which is a single sequence's, so a stream
@@ -35,8 +31,9 @@ there: its acceptance may drop, never a token changes. A prediction drafts from 
 far, wherever it was decoded, and OpenAI's counts of its tokens are read from the whole reply
 at the end (`PredictedText.read`): they do not depend on where it ran.
 
-A decoding stream waits at most one prefill slice (`SLICE_TOKENS` tokens of someone's prompt)
-plus its own pass between two tokens.
+A decoding stream waits at most one prefill slice (`SLICE_TOKENS` tokens of someone's prompt),
+or the encoding of one image of a newcomer's prompt (the vision encoder runs on this thread,
+when the prefill first reaches the image), plus its own pass between two tokens.
 """
 
 from __future__ import annotations
@@ -90,19 +87,13 @@ class _Generation:
     delivered: int = 0
     closed: bool = False  # the caller closed its iterator
     stream: int | None = None  # its BatchedDecoder stream, once in a slot
-    alone: Iterator[GeneratedToken] | None = None
-    # Whether it runs alone only to draft, and moves into a slot once others arrive.
-    drafts_alone: bool = False
+    alone: Iterator[GeneratedToken] | None = None  # its tokens while it drafts alone
     last: int | None = None  # the last token delivered
     thread: int = field(default_factory=threading.get_ident)  # the caller's
 
     @property
     def drafts(self) -> bool:
         return self.options.get("drafter") is not None
-
-    @property
-    def has_images(self) -> bool:
-        return bool(self.options.get("images"))
 
     @property
     def in_step(self) -> bool:
@@ -272,13 +263,7 @@ class BatchScheduler:
 
     def _can_admit(self) -> bool:
         """Whether the oldest waiting generation can start now."""
-        if not self._waiting or self._alone is not None:
-            return False
-        generation = self._waiting[0]
-        if generation.has_images:
-            # The rotary table is shared: images wait for the batch to empty.
-            return not self._batched
-        return self._decoder.free_slots > 0
+        return bool(self._waiting) and self._alone is None and self._decoder.free_slots > 0
 
     def _ready(self, generation: _Generation) -> bool:
         """Whether the generation's caller may be given another token now: while it is at most
@@ -296,17 +281,16 @@ class BatchScheduler:
 
     def _held_by_its_own_caller(self) -> _Generation | None:
         """A waiting generation whose thread waits on it while every slot (and the generation
-        running alone) holds a generation of that thread's that runs in step and is not read:
+        drafting alone) holds a generation of that thread's that runs in step and is not read:
         nothing would ever free them."""
         alone = self._alone
         holders = [*self._batched, *([alone] if alone is not None else [])]
         # A generation drafting alone moves into a slot once others wait, whatever its caller.
-        moves = alone is not None and alone.drafts_alone
-        free = self._decoder.free_slots - (1 if moves else 0)
+        free = self._decoder.free_slots - (1 if alone is not None else 0)
         for generation in self._waiting:
             if self._reading.get(generation.thread) is not generation:
                 continue
-            if (alone is None or moves) and free > 0:
+            if free > 0:
                 continue
             if all(h.thread == generation.thread and not self._ready(h) for h in holders):
                 return generation
@@ -327,7 +311,7 @@ class BatchScheduler:
     def _others_wait(self) -> bool:
         """Whether a generation drafting alone must move into a slot: others are waiting."""
         alone = self._alone
-        return alone is not None and alone.drafts_alone and self._others_arrived()
+        return alone is not None and self._others_arrived()
 
     def _others_arrived(self) -> bool:
         """Whether a generation or a call waits (what ends a drafting generation's run alone,
@@ -380,15 +364,11 @@ class BatchScheduler:
         if not self._can_admit():
             return
         generation = self._waiting.popleft()
-        if generation.has_images:
-            self._start_alone(generation)
-            return
         if generation.drafts and not (self._batched or self._others_arrived()):
             # Nobody else decodes: no slices for its prefill.
-            generation.drafts_alone = True
             self._start_alone(generation, pause=self._others_arrived)
             return
-        options = {k: v for k, v in generation.options.items() if k not in ("drafter", "images")}
+        options = {k: v for k, v in generation.options.items() if k != "drafter"}
         try:
             stream = self._decoder.join(
                 generation.prompt,
@@ -437,9 +417,9 @@ class BatchScheduler:
         except Exception as exc:
             self._end_alone(exc)
             return
-        # A generation drafting alone also ends at its `pause` when another caller arrives
-        # between `_others_wait` and its next token.
-        if alone.drafts_alone and not alone.finished:
+        # It also ends at its `pause` when another caller arrives between `_others_wait` and
+        # its next token.
+        if not alone.finished:
             self._move_into_batch(alone)
         else:
             self._end_alone()
@@ -494,7 +474,6 @@ class BatchScheduler:
             return
         self._batched.remove(g)
         g.stream = None
-        g.drafts_alone = True
         g.alone = self.engine.resume(
             len(g.prompt),
             g.delivered,
