@@ -753,9 +753,11 @@ struct AttentionDecodeFusedParams {
 //
 // kRows (attention_decode_fused_rows): a batched decode pass's rows in one dispatch, grid z the
 // row. Row r reads its own q_proj, k_proj and v_proj rows, the step, K and V of sequence slot
-// row_slots[r] (each kind's slots lying one after another in one buffer: kStepFields words and
-// one cache of Hkv * cache_capacity rows per slot), and leaves its partials at row r of
-// [rows, Hq, num_splits], as attention_decode_tokens leaves a token's.
+// row_slots[r] (each kind's slots lying one after another in one buffer: kStepFields words, one
+// cache of Hkv * cache_capacity rows and, with a rope table, one table of cache_capacity rows per
+// slot: a slot holding an image's sequence rotates by its positions, the others by identity), and
+// leaves its partials at row r of [rows, Hq, num_splits], as attention_decode_tokens leaves a
+// token's.
 template <bool kInt8, bool kRows>
 [[kernel, max_total_threads_per_threadgroup(kDecodeThreads)]] void attention_decode_fused(
     constant AttentionDecodeFusedParams& params [[buffer(0)]],
@@ -786,6 +788,9 @@ template <bool kInt8, bool kRows>
     step += slot * kStepFields;
     k_cache += slot * cache_bytes;
     v_cache += slot * cache_bytes;
+    if (params.mrope.table != 0) {
+      rope_table += slot * 3 * ulong(params.cache_capacity);
+    }
     partial_out += row * q_heads * params.num_splits * kHeadDim;
     partial_stats += row * q_heads * params.num_splits * 2;
   }

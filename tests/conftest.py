@@ -1,6 +1,7 @@
 """Session fixtures: the tiny random checkpoints and mlx-lm's cached outputs on them; and after
 each module, a garbage collection that frees the sim devices its tests left in reference cycles.
-Module fixtures for the tests of drafting streams on a batching engine (drafting_streams.py).
+Module fixtures for the tests of drafting streams on a batching engine (drafting_streams.py),
+and fixtures that record their moves.
 
 The builders live in tiny_models.py so that other test modules (and scripts) can call
 `tiny_checkpoint(name)` directly; these fixtures only make them session-scoped.
@@ -20,8 +21,10 @@ from drafting_streams import MAX_SEQ
 from tiny_models import TINY_SPECS, mlx_reference, tiny_checkpoint
 
 from lily.checkpoint.loader import load_checkpoint
+from lily.engine import scheduler
 from lily.engine.batch import BatchedDecoder
 from lily.engine.engine import DeviceEngine
+from lily.engine.sampling import GeneratedToken
 from lily.engine.scheduler import BatchScheduler
 
 
@@ -84,3 +87,41 @@ def moves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(BatchedDecoder, "join_from_engine", recorded)
     return moved
+
+
+@pytest.fixture
+def returns(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, Any]]:
+    """Each stream that went back to drafting: its tokens then, its drafter's verify passes
+    then, and its drafter."""
+    returned: list[tuple[int, int, Any]] = []
+    resume = DeviceEngine.resume
+
+    def recorded(self: DeviceEngine, prompt_length: int, generated: int, *args: Any, **kw: Any):
+        drafter = args[1]  # after max_new_tokens
+        returned.append((generated, drafter.total.passes, drafter))
+        return resume(self, prompt_length, generated, *args, **kw)
+
+    monkeypatch.setattr(DeviceEngine, "resume", recorded)
+    return returned
+
+
+@pytest.fixture
+def redraft_soon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The way back taken from 2 tokens left on: the tests' answers are short."""
+    monkeypatch.setattr(scheduler, "REDRAFT_MIN_TOKENS", 2)
+
+
+@pytest.fixture
+def deliveries(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(the generation's prompt length, the token) of each token the scheduler delivers, in
+    order: which stream got a token before which."""
+    delivered: list[tuple[int, int]] = []
+    deliver = scheduler._Generation.deliver
+
+    def recorded(self: scheduler._Generation, item: object) -> None:
+        if isinstance(item, GeneratedToken):
+            delivered.append((len(self.prompt), item.id))
+        deliver(self, item)
+
+    monkeypatch.setattr(scheduler._Generation, "deliver", recorded)
+    return delivered

@@ -5,8 +5,6 @@ every move. On the sim unless LILY_DEVICE names another device; fixtures from co
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 from drafting_streams import (
@@ -32,28 +30,6 @@ LONG = 30
 SHORT = 3
 # Tokens the long stream's caller reads between its return to drafting and the third arrival.
 READ_BETWEEN = 8
-
-
-@pytest.fixture
-def returns(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, Any]]:
-    """Each stream that went back to drafting: its tokens then, its drafter's verify passes
-    then, and its drafter."""
-    returned: list[tuple[int, int, Any]] = []
-    resume = DeviceEngine.resume
-
-    def recorded(self: DeviceEngine, prompt_length: int, generated: int, *args: Any, **kw: Any):
-        drafter = args[1]  # after max_new_tokens
-        returned.append((generated, drafter.total.passes, drafter))
-        return resume(self, prompt_length, generated, *args, **kw)
-
-    monkeypatch.setattr(DeviceEngine, "resume", recorded)
-    return returned
-
-
-@pytest.fixture
-def redraft_soon(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The way back taken from 2 tokens left on: the tests' answers are short."""
-    monkeypatch.setattr(scheduler, "REDRAFT_MIN_TOKENS", 2)
 
 
 def _third_prompt(engine: DeviceEngine) -> list[int]:

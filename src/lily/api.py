@@ -566,7 +566,8 @@ def load(
     another arrives. The MTP head is loaded as with `parallel=1`; under "auto", when the
     memory would then hold fewer sequences at once than without it, it is left out (stderr
     says so) and a lone generation drafts with prompt lookup; under "mtp" it stays, and the
-    sequences are fewer. A request with a `prediction` runs alone as a whole.
+    sequences are fewer. A request with a `prediction` drafts it the same way, and one with
+    images is batched like any other.
     """
     if prefill_chunk is not None and (
         isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1

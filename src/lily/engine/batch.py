@@ -114,7 +114,7 @@ class BatchedDecoder:
         takes a slot unless that first token already ends it. `constraint` limits each of its
         draws, asked before every pass and told every token, as in `DeviceEngine.generate`,
         which prefills with the `prefill` options it takes (snapshot_at, should_stop,
-        cache_key, reply_so_far, progress, prefill_slices)."""
+        cache_key, reply_so_far, progress, images, prefill_slices)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         check_fits(len(prompt), max_new_tokens, self.engine.max_seq)
@@ -153,7 +153,8 @@ class BatchedDecoder:
         (`DeviceEngine.generate`, drafting) and ended by its `pause` after `generated` tokens
         of its `max_new_tokens` (the newest waits in the history, not yet consumed): the
         slot takes its KV rows, conv windows, GDN states, token history, sampler settings
-        (its seed among them), mask and penalty counts. Its arguments are the generation's;
+        (its seed among them), mask, penalty counts and rotary-position table (an image's
+        positions, or identity). Its arguments are the generation's;
         `constraint` has been told exactly the `generated` tokens. The stream's `tokens` are
         those it draws from here on."""
         if not 1 <= generated < max_new_tokens:
@@ -188,18 +189,24 @@ class BatchedDecoder:
         step = slot.step.numpy().view("uint32")
         token = model.history_view()[newest]
         step[POSITION], step[PROMPT_END], step[TOKEN] = newest, newest + 1, token
+        if model.rope_table is not None:
+            # Its rotary positions: an image's, or identity for text (a slot an image's
+            # sequence held before must not rotate the next one by them).
+            model.slot_rope_table_view(slot_index)[:] = model.rope_table_view()
 
     def leave_to_engine(self, stream: int) -> None:
         """Moves active stream `stream` out of its slot into the engine's sequence state, the
         reverse of `join_from_engine`: its KV rows, conv windows, GDN states, token history
-        (the newest token waiting, not consumed), sampler settings with the seed, mask and
-        penalty counts, for `DeviceEngine.resume` to go on from. Its slot is free, the
-        stream forgotten; its constraint has been told every token it generated."""
+        (the newest token waiting, not consumed), sampler settings with the seed, mask,
+        penalty counts and rotary-position table, for `DeviceEngine.resume` to go on from.
+        Its slot is free, the stream forgotten; its constraint has been told every token it
+        generated."""
         moving = self._streams[stream]
         if moving.slot is None:
             raise ValueError(f"stream {stream} has finished: nothing to move")
-        self.engine.adopt_sequence()
         model, slot = self._model, self._model.slots[moving.slot]
+        rope_table = None if model.rope_table is None else model.slot_rope_table_view(moving.slot)
+        self.engine.adopt_sequence(rope_table)
         newest = moving.position
         for source, target in zip(_buffers(slot), _buffers(model.state), strict=True):
             target.numpy()[:] = source.numpy()

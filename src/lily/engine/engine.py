@@ -759,11 +759,18 @@ class DeviceEngine(_PromptsWithImages):
             self.prefix_cache.end(self._rows)
 
     @holds_engine
-    def adopt_sequence(self) -> None:
+    def adopt_sequence(self, rope_table: np.ndarray | None = None) -> None:
         """Makes way for a sequence state its caller writes into the engine's, rather than
         `generate` feeding it (`BatchedDecoder.leave_to_engine`, for `resume`): the prefix
-        cache first copies out the rows of the cached sequence the KV cache holds."""
+        cache first copies out the rows of the cached sequence the KV cache holds. On a model
+        that takes images, `rope_table` is the sequence's rotary positions (a batch slot's
+        table, identity unless its prompt had images), which the engine's table takes."""
         self.prefix_cache.begin((), self._rows, reuse=False)
+        if rope_table is not None:
+            table = self._model.rope_table_view()
+            table[:] = rope_table
+            identity = np.arange(len(table), dtype=table.dtype)[:, None]
+            self._rope_table_is_identity = bool((table == identity).all())
 
     @holds_engine_while_generating
     def resume(

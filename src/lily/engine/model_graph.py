@@ -198,9 +198,9 @@ _ADJUSTMENT_KINDS = ("bias", "counts", "prompt_tokens")
 
 class _SlotPool:
     """The batched-decode slots' state, which the per-row kernels reach through a `RowSlots`
-    table: each kind (`_SEQUENCE_KINDS`, `_ADJUSTMENT_KINDS`, and per layer the conv windows,
-    GDN states, K and V caches) in one buffer holding the slots one after another, slot s at s
-    times one sequence's size of it."""
+    table: each kind (`_SEQUENCE_KINDS`, `_ADJUSTMENT_KINDS`, the rotary-position table of a
+    model that takes images, and per layer the conv windows, GDN states, K and V caches) in one
+    buffer holding the slots one after another, slot s at s times one sequence's size of it."""
 
     def __init__(
         self, c: ModelConfig, device: Device, capacity: int, token_count: int, kv_cache: str,
@@ -218,6 +218,10 @@ class _SlotPool:
             ("counts", None): 4 * token_count,
             ("prompt_tokens", None): 4 * mask_words(token_count),
         }
+        if c.takes_images:
+            # Each slot's own (`ModelGraph.slot_rope_table_view`): an image's positions are its
+            # sequence's, not those of the others decoding beside it.
+            self.sizes[("rope_table", None)] = attention.rope_table_bytes(capacity)
         for i, kind in enumerate(c.layer_types):
             if kind == FULL_ATTENTION:
                 nbytes = attention.cache_bytes(c.num_key_value_heads, capacity, kv_cache)
@@ -467,14 +471,17 @@ def kv_cache_bytes_per_token(c: ModelConfig, kv_cache: str, mtp: bool = False) -
 def slot_bytes(c: ModelConfig, capacity: int, token_count: int, kv_cache: str = "bf16") -> int:
     """What one batched-decode slot (`ModelGraph.allocate_slots`) allocates: a whole sequence
     state for `capacity` tokens (its KV cache, conv windows and GDN states, step, history,
-    logits, sampler settings, log-probability ring, token mask, logit adjustments) and its row
-    of the batched pass's logits and sampler partials."""
+    logits, sampler settings, log-probability ring, token mask, logit adjustments, and for a
+    model that takes images its rotary-position table) and its row of the batched pass's
+    logits and sampler partials."""
     kv = capacity * kv_cache_bytes_per_token(c, kv_cache)
     adjustments = 2 * 4 * token_count + 4 * mask_words(token_count)
     sampler = SAMPLING_PARAMS_BYTES + logprob_ring_bytes(LOGPROB_RING_SLOTS)
     sampler += sample_partials_bytes(token_count)
     sampler += token_mask_bytes(token_count) + adjustments
     small = 4 * STEP_FIELDS + 4 * capacity + 4 + 2 * 4 * c.vocab_size
+    if c.takes_images:
+        small += attention.rope_table_bytes(capacity)
     return kv + recurrent_state_bytes(c) + sampler + small
 
 
@@ -809,6 +816,13 @@ class ModelGraph:
         height, width), written by the host before it submits a generation's first pass."""
         assert self.rope_table is not None, "a text-only model rotates by the slot"
         return self.rope_table.numpy().view(np.uint32).reshape(self.capacity, 3)
+
+    def slot_rope_table_view(self, slot: int) -> np.ndarray:
+        """Batched-decode slot `slot`'s own `rope_table_view`, which a batched pass rotates its
+        row by: written by the host when a sequence moves into the slot."""
+        assert self._slot_pool is not None and self.rope_table is not None
+        region = self._slot_pool.region(slot, "rope_table").numpy()
+        return region.view(np.uint32).reshape(self.capacity, 3)
 
     def stage_image_rows(self, rows: np.ndarray, flags: np.ndarray) -> None:
         """The rows an images pass puts over its tokens' embeddings: `flags` [T] marks the
@@ -1504,8 +1518,9 @@ class _Recorder:
         )
 
     def batch_attention(self, i: int, prepare: dict, partials: dict) -> None:
-        """Every row's decode attention over its own sequence's KV cache and position (the
-        decode step's kernels, one dispatch each over the rows through the slot table)."""
+        """Every row's decode attention over its own sequence's KV cache, position and rotary
+        positions (the decode step's kernels, one dispatch each over the rows through the slot
+        table)."""
         g, dev, s = self.g, self.dev, self.s
         pool = self.m._slot_pool
         assert pool is not None and self.row_slots is not None
@@ -1515,6 +1530,8 @@ class _Recorder:
             v_cache=pool.buffer("v_cache", i),
             row_slots=self.row_slots,
         )
+        if self.m.rope_table is not None:
+            rows["rope_table"] = pool.buffer("rope_table")
         attention.record_attention_decode_fused(g, dev, **{**prepare, **rows}, **partials)
         g.barrier()
         attention.record_attention_combine(

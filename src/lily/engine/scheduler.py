@@ -6,25 +6,22 @@ of its own owns the engine, and each round of its loop:
 
 - admits the waiting generations, oldest first, while slots are free: each is prefilled on
   the engine's sequence state (the prefix cache serves it as for any generation) in chunks,
-  draws its first token, and moves into a free slot of a `BatchedDecoder`. Between two batched
-  passes of the decoding streams at most `SLICE_TOKENS` prompt tokens are fed, however many
-  prompts they belong to: a chunk that would pass that budget waits for a pass first;
+  draws its first token, and moves into a free slot of a `BatchedDecoder`, its images' rotary
+  positions with it (each slot has its own table, which the batched pass's attention reads).
+  Between two batched passes of the decoding streams at most `SLICE_TOKENS` prompt tokens are
+  fed, however many prompts they belong to: a chunk that would pass that budget waits for a
+  pass first;
 - runs one batched pass over the slots whose callers are ready for a token (a caller may be at
   most `RUN_AHEAD` tokens behind; one with a constraint is told each token before the next
   draw, so it runs in step with its caller);
-- gives the generation that runs alone (below) its next token.
+- gives the generation that drafts alone (below) its next token.
 
-What a batched pass does not carry runs alone, on the engine's sequence state, one token per
-round between the passes: a client's prediction (drafts are checked by a verify pass, which is
-a single sequence's), and images (whose rotary table is the engine's
-one, which batched rows read too: such a generation waits for the batch to empty). While one
-runs alone, newcomers wait.
-
-The MTP head and prompt lookup do not draft for batched streams: a stream decodes one token
-per pass. A generation with a drafter that finds nothing else running or waiting therefore
-runs alone too, drafting as with `parallel=1`, until another caller arrives (a generation, or
-a call that uses the engine's state: `cached_prefix_length` runs beside it): it is then
-driven to the end of its current pass (whose tokens the engine has drawn already), and its
+Drafters (a client's prediction, the MTP head, prompt lookup) do not draft for batched
+streams: drafts are checked by a verify pass, which is a single sequence's, so a stream
+decodes one token per pass. A generation with a drafter that finds nothing else running or
+waiting therefore runs alone, drafting as with `parallel=1`, until another caller arrives (a
+generation, or a call that uses the engine's state: `cached_prefix_length` runs beside it): it
+is then driven to the end of its current pass (whose tokens the engine has drawn already), and its
 state moves into a slot (`BatchedDecoder.join_from_engine`), where it decodes batched. When
 it (or any stream with such a drafter) is the only stream left, nothing waits or calls, and
 it may still generate `REDRAFT_MIN_TOKENS` tokens, its state moves back onto the engine's
@@ -32,10 +29,13 @@ it may still generate `REDRAFT_MIN_TOKENS` tokens, its state moves back onto the
 (`DeviceEngine.resume`), until the next caller moves it into a slot again. Prompt lookup
 drafts from the history alone; the MTP head's KV cache lacks right rows for the positions
 decoded batched (a batched pass keeps no hidden states for it), so it drafts over stale ones
-there: its acceptance may drop, never a token changes.
+there: its acceptance may drop, never a token changes. A prediction drafts from the reply so
+far, wherever it was decoded, and OpenAI's counts of its tokens are read from the whole reply
+at the end (`PredictedText.read`): they do not depend on where it ran.
 
 A decoding stream waits at most `SLICE_TOKENS` prompt tokens' prefill (of one or several
-prompts) plus its own pass between two tokens.
+prompts), or the encoding of one image of a newcomer's prompt (the vision encoder runs on this
+thread, when the prefill first reaches the image), plus its own pass between two tokens.
 """
 
 from __future__ import annotations
@@ -89,25 +89,13 @@ class _Generation:
     delivered: int = 0
     closed: bool = False  # the caller closed its iterator
     stream: int | None = None  # its BatchedDecoder stream, once in a slot
-    alone: Iterator[GeneratedToken] | None = None
-    # Whether it runs alone only to draft, and moves into a slot once others arrive.
-    drafts_alone: bool = False
+    alone: Iterator[GeneratedToken] | None = None  # its tokens while it drafts alone
     last: int | None = None  # the last token delivered
     thread: int = field(default_factory=threading.get_ident)  # the caller's
 
     @property
     def drafts(self) -> bool:
         return self.options.get("drafter") is not None
-
-    @property
-    def runs_alone(self) -> bool:
-        drafter = self.options.get("drafter")
-        predicted = isinstance(drafter, Speculation) and drafter.prediction is not None
-        return predicted or self.has_images
-
-    @property
-    def has_images(self) -> bool:
-        return bool(self.options.get("images"))
 
     @property
     def in_step(self) -> bool:
@@ -279,13 +267,7 @@ class BatchScheduler:
 
     def _can_admit(self) -> bool:
         """Whether the oldest waiting generation can start now."""
-        if not self._waiting or self._alone is not None:
-            return False
-        generation = self._waiting[0]
-        if generation.runs_alone:
-            # The rotary table is shared: images wait for the batch to empty.
-            return not (generation.has_images and self._batched)
-        return self._decoder.free_slots > 0
+        return bool(self._waiting) and self._alone is None and self._decoder.free_slots > 0
 
     def _ready(self, generation: _Generation) -> bool:
         """Whether the generation's caller may be given another token now: while it is at most
@@ -303,17 +285,16 @@ class BatchScheduler:
 
     def _held_by_its_own_caller(self) -> _Generation | None:
         """A waiting generation whose thread waits on it while every slot (and the generation
-        running alone) holds a generation of that thread's that runs in step and is not read:
+        drafting alone) holds a generation of that thread's that runs in step and is not read:
         nothing would ever free them."""
         alone = self._alone
         holders = [*self._batched, *([alone] if alone is not None else [])]
         # A generation drafting alone moves into a slot once others wait, whatever its caller.
-        moves = alone is not None and alone.drafts_alone
-        free = self._decoder.free_slots - (1 if moves else 0)
+        free = self._decoder.free_slots - (1 if alone is not None else 0)
         for generation in self._waiting:
             if self._reading.get(generation.thread) is not generation:
                 continue
-            if (alone is None or moves) and free > 0:
+            if free > 0:
                 continue
             if all(h.thread == generation.thread and not self._ready(h) for h in holders):
                 return generation
@@ -334,7 +315,7 @@ class BatchScheduler:
     def _others_wait(self) -> bool:
         """Whether a generation drafting alone must move into a slot: others are waiting."""
         alone = self._alone
-        return alone is not None and alone.drafts_alone and self._others_arrived()
+        return alone is not None and self._others_arrived()
 
     def _others_arrived(self) -> bool:
         """Whether a generation or a call waits (what ends a drafting generation's run alone,
@@ -400,16 +381,11 @@ class BatchScheduler:
 
     def _admit_oldest(self) -> None:
         generation = self._waiting.popleft()
-        if generation.runs_alone:
-            slices = None if generation.has_images else self._slices()
-            self._start_alone(generation, prefill_slices=slices)
-            return
         if generation.drafts and not (self._batched or self._others_arrived()):
             # Nobody else decodes: no slices for its prefill.
-            generation.drafts_alone = True
             self._start_alone(generation, pause=self._others_arrived)
             return
-        options = {k: v for k, v in generation.options.items() if k not in ("drafter", "images")}
+        options = {k: v for k, v in generation.options.items() if k != "drafter"}
         try:
             stream = self._decoder.join(
                 generation.prompt,
@@ -458,9 +434,9 @@ class BatchScheduler:
         except Exception as exc:
             self._end_alone(exc)
             return
-        # A generation drafting alone also ends at its `pause` when another caller arrives
-        # between `_others_wait` and its next token.
-        if alone.drafts_alone and not alone.finished:
+        # It also ends at its `pause` when another caller arrives between `_others_wait` and
+        # its next token.
+        if not alone.finished:
             self._move_into_batch(alone)
         else:
             self._end_alone()
@@ -516,7 +492,6 @@ class BatchScheduler:
             return
         self._batched.remove(g)
         g.stream = None
-        g.drafts_alone = True
         g.alone = self.engine.resume(
             len(g.prompt),
             g.delivered,
@@ -533,9 +508,17 @@ class BatchScheduler:
     @staticmethod
     def _redrafts(generation: _Generation) -> bool:
         """Whether moving the batched `generation` back onto the engine's state pays: it may
-        still generate REDRAFT_MIN_TOKENS tokens, and its drafter would draft there: the MTP
-        head or prompt lookup, unless "auto" dropped it (the DFlash drafter needs rows of every
-        position, which batched passes do not keep; any other drafter, unless it gave up)."""
+        still generate REDRAFT_MIN_TOKENS tokens, and its drafter would draft there: a client's
+        prediction, the MTP head or prompt lookup, unless "auto" dropped it (the DFlash drafter
+        needs rows of every position, which batched passes do not keep; any other drafter,
+        unless it gave up).
+
+        A prediction always would: "auto" never drops it, and it cannot be judged from here.
+        Where the reply lines up with it, its drafts are the answer the client expects, kept
+        whole when the reply copies it (an edit's unchanged text); where the reply has left
+        it, a pass drafts nothing and costs about the decode step it replaces, until the
+        reply's last characters rejoin it and it drafts again. So it pays while it still lines
+        up and costs little while it does not."""
         g = generation
         drafter = g.options.get("drafter")
         if g.closed or g.cancelled() or drafter is None:
@@ -543,6 +526,8 @@ class BatchScheduler:
         if g.max_new_tokens - g.delivered < REDRAFT_MIN_TOKENS:
             return False
         if isinstance(drafter, Speculation):
+            if drafter.prediction is not None:
+                return True
             sources = [s for s in ("mtp", "ngram") if s in drafter.counts]
             return any(drafter.verdict(s) is not False for s in sources)
         return not drafter.exhausted

@@ -374,10 +374,11 @@ def record_attention_decode_fused(
 
     With `row_slots`, every row of a batched pass in one dispatch: q_proj, k_proj and v_proj
     are [rows, ...]; row r runs on sequence slot s = `row_slots.table[r]`: its step at word
-    STEP_FIELDS * s of `step` and its caches at s * `cache_bytes(...)` of `k_cache` and
-    `v_cache`; it leaves its partials at row r of [rows, Hq, num_splits] (those of
-    `record_attention_decode_tokens`), for `record_attention_combine` with the same
-    `row_slots`."""
+    STEP_FIELDS * s of `step`, its caches at s * `cache_bytes(...)` of `k_cache` and
+    `v_cache`, and with `rope_table` its table at s * `rope_table_bytes(capacity)` of it
+    (each slot's positions its own: an image's or identity); it leaves its partials at row r
+    of [rows, Hq, num_splits] (those of `record_attention_decode_tokens`), for
+    `record_attention_combine` with the same `row_slots`."""
     _check_heads(num_q_heads, num_kv_heads, head_dim)
     _check_decode(num_q_heads, num_kv_heads, num_splits)
     _check_rope(rotary_dim, capacity, rope_table)
