@@ -836,8 +836,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="requests decoded at once, in one pass over the weights per token (default: "
         f"{DEFAULT_PARALLEL}, fewer if memory is short; each holds a context's KV cache); a "
-        "request alone drafts (the MTP head or prompt lookup) until another arrives; 1 answers "
-        "one at a time, each drafting to its end",
+        "request alone drafts (the MTP head, prompt lookup or its prediction) until another "
+        "arrives; 1 answers one at a time, each drafting to its end",
     )
     serve.add_argument(
         "--fetch-images",
