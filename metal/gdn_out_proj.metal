@@ -17,11 +17,19 @@ constexpr constant uint kNormedHeadDim = 128;  // Dv, the span of one inverse RM
 constexpr constant uint kOutProjRowsPerSimdgroup = 4;
 // One SIMD-group per threadgroup: the real model's 2048 rows make 512 threadgroups, 12.8 per
 // core of a 40-core GPU, where two SIMD-groups would make 256 and a last round 40% full (see
-// gemv_simdgroups in lily/kernels/quantized.py). No threadgroup memory or barrier depends on it.
+// gemv_simdgroups in lily/kernels/quantized.py). Each SIMD-group's threadgroup memory and
+// barrier are its own, so nothing else depends on it.
 constexpr constant uint kOutProjSimdgroups = 1;
 
 // The most tokens of one gdn_out_proj_tokens dispatch: a verify pass's (QGEMV_MAX_TOKENS).
 constexpr constant uint kOutProjMaxTokens = 9;
+
+// What a lane shares for its one reduction: its partial sums of every row for each token (token
+// n's row r at n * R + r). The threadgroup memory is SIMD_WIDTH such runs per SIMD-group
+// (kernels/gdn_out_proj.py sizes it alike).
+inline uint gdn_out_proj_lane_stride(uint tokens) {
+  return lane_sums_stride(kOutProjRowsPerSimdgroup * tokens);
+}
 
 struct GdnOutProjParams {
   uint in_dim;  // Hv * Dv
@@ -45,6 +53,7 @@ void gdn_out_proj(constant GdnOutProjParams& p [[buffer(0)]],
                   device const bfloat* scales [[buffer(5)]],
                   device const bfloat* biases [[buffer(6)]],
                   device float* residual [[buffer(7)]],  // [tokens, rows], added to
+                  threadgroup float* scratch [[threadgroup(0)]],
                   uint threadgroup_id [[threadgroup_position_in_grid]],
                   uint simdgroup [[simdgroup_index_in_threadgroup]],
                   uint lane [[thread_index_in_simdgroup]]) {
@@ -115,15 +124,17 @@ void gdn_out_proj(constant GdnOutProjParams& p [[buffer(0)]],
       }
     }
   }
-  static_assert(R == 4, "simd_sum_rows reduces four rows");
+  // Every token's rows in one exchange (lane_sum, quantized.h): value i = n * R + r, summed by
+  // lanes i, i + 32, ..., each the one lane that reads and adds to its row.
+  const uint stride = gdn_out_proj_lane_stride(p.tokens);
+  threadgroup float* mine = scratch + simdgroup * SIMD_WIDTH * stride;
   for (uint n = 0; n < TOKENS; ++n) {
     if (n >= p.tokens) break;
-    const float token_acc[R] = {acc[0][n], acc[1][n], acc[2][n], acc[3][n]};
-    const float4 totals = simd_sum_rows(token_acc);
-    for (uint r = 0; r < R; ++r) {
-      // Each row is read and written by the one lane that owns it.
-      if (lane == 0) residual[ulong(n) * p.rows + row0 + r] += totals[r];
-    }
+    for (uint r = 0; r < R; ++r) mine[lane * stride + n * R + r] = acc[r][n];
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = lane; i < R * p.tokens; i += SIMD_WIDTH) {
+    residual[ulong(i / R) * p.rows + row0 + i % R] += lane_sum(mine, stride, i);
   }
 }
 

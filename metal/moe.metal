@@ -103,6 +103,14 @@ void moe_route(constant MoeRouteParams& p [[buffer(0)]],
               true, expert_ids + token * p.top_k, expert_weights + token * p.top_k, lane);
 }
 
+// The values a gate/up lane shares for its one reduction of a run of `tokens` tokens (lane_sum,
+// quantized.h): its partial gate sums of every row for each token (token n's row r at n * R + r),
+// then its up sums likewise, then, normed, each token's partial sum of squares; the kernels'
+// threadgroup memory is SIMD_WIDTH such runs per SIMD-group (kernels/moe.py sizes it alike).
+inline uint moe_gate_up_lane_stride(uint tokens, bool normed) {
+  return lane_sums_stride((2 * MOE_ROWS_PER_SIMDGROUP + (normed ? 1 : 0)) * tokens);
+}
+
 struct MoeGateUpParams {
   uint in_dim;
   uint expert_rows;  // moe_intermediate_size
@@ -138,6 +146,7 @@ template <uint BITS, bool NORMED, bool ROUTES>
     device const bfloat* shared_up_s [[buffer(13)]], device const bfloat* shared_up_b [[buffer(14)]],
     device float* h [[buffer(15)]], device const bfloat* gain [[buffer(16)]],
     device const float* router_logits [[buffer(17)]], device float* expert_weights [[buffer(18)]],
+    threadgroup float* scratch [[threadgroup(0)]],
     uint3 threadgroup_id [[threadgroup_position_in_grid]],
     uint simdgroup [[simdgroup_index_in_threadgroup]],
     uint simdgroups [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
@@ -188,15 +197,22 @@ template <uint BITS, bool NORMED, bool ROUTES>
       up_acc[r] += qdot_chunk<BITS>(up, p.in_dim, row, k, xs, xsum);
     }
   }
-  const float scale = NORMED ? folded_inv_rms(squares, p.in_dim, p.eps) : 1.0f;
-  device float* out = h + slot * p.expert_rows + row0;
-  static_assert(MOE_ROWS_PER_SIMDGROUP == 4, "simd_sum_rows reduces four rows");
-  const float4 gates = simd_sum_rows(gate_acc), ups = simd_sum_rows(up_acc);
-  for (uint r = 0; r < MOE_ROWS_PER_SIMDGROUP; ++r) {
-    const float g = gates[r] * scale;
-    const float u = ups[r] * scale;
-    if (lane == 0 && r < count) out[r] = silu(g) * u;
+  // One exchange (lane_sum, quantized.h) for the rows' gate and up sums and the norm's sum of
+  // squares, laid out as moe_gate_up_union's run of one token, whose sums are these bit for bit.
+  constexpr uint R = MOE_ROWS_PER_SIMDGROUP;
+  const uint stride = moe_gate_up_lane_stride(1, NORMED);
+  threadgroup float* mine = scratch + simdgroup * SIMD_WIDTH * stride;
+  for (uint r = 0; r < R; ++r) {
+    mine[lane * stride + r] = gate_acc[r];
+    mine[lane * stride + R + r] = up_acc[r];
   }
+  if (NORMED) mine[lane * stride + 2 * R] = squares;
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane >= count) return;
+  const float scale = NORMED ? inv_rms_of(lane_sum(mine, stride, 2 * R), p.in_dim, p.eps) : 1.0f;
+  const float g = lane_sum(mine, stride, lane) * scale;
+  const float u = lane_sum(mine, stride, R + lane) * scale;
+  h[slot * p.expert_rows + row0 + lane] = silu(g) * u;
 }
 
 template [[host_name("moe_gate_up_swiglu_4")]] [[kernel]]
@@ -397,7 +413,8 @@ template <uint BITS, bool NORMED>
     device const bfloat* gate_s [[buffer(4)]], device const bfloat* gate_b [[buffer(5)]],
     device const uint* up_w [[buffer(6)]], device const bfloat* up_s [[buffer(7)]],
     device const bfloat* up_b [[buffer(8)]], device float* h [[buffer(9)]],
-    device const bfloat* gain [[buffer(10)]], uint2 threadgroup_id [[threadgroup_position_in_grid]],
+    device const bfloat* gain [[buffer(10)]], threadgroup float* scratch [[threadgroup(0)]],
+    uint2 threadgroup_id [[threadgroup_position_in_grid]],
     uint simdgroup [[simdgroup_index_in_threadgroup]],
     uint simdgroups [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
   const uint entry = threadgroup_id.y;
@@ -421,9 +438,13 @@ template <uint BITS, bool NORMED>
   const uint words_per_row = p.in_dim * BITS / 32;
   const uint groups_per_row = p.in_dim / QUANT_GROUP_SIZE;
   // An entry has at most one pair per token unless NaN logits made a token choose an expert
-  // twice; then its pairs run N at a time, the weights read again per run.
-  for (uint first = 0; first < pair_count; first += N) {
-    const uint run = min(N, pair_count - first);
+  // twice; then its pairs run `tokens` at a time (what the threadgroup memory holds), the
+  // weights read again per run.
+  const uint most = min(N, p.tokens);
+  threadgroup float* mine =
+      scratch + simdgroup * SIMD_WIDTH * moe_gate_up_lane_stride(most, NORMED);
+  for (uint first = 0; first < pair_count; first += most) {
+    const uint run = min(most, pair_count - first);
     float gate_acc[R][N], up_acc[R][N], squares[N];
     for (uint n = 0; n < N; ++n) {
       squares[n] = 0.0f;
@@ -465,21 +486,32 @@ template <uint BITS, bool NORMED>
         }
       }
     }
-    float inv_rms[N];
-    if (NORMED) folded_inv_rms_rows<N>(squares, run, p.in_dim, p.eps, inv_rms);
-    static_assert(R == 4, "simd_sum_rows reduces four rows");
+    // The run's gate and up sums of every row and token, and their norms' sums of squares, in
+    // one exchange (moe_gate_up_swiglu's sums, bit for bit): value i = n * R + r by lanes i,
+    // i + 32, ...
+    const uint stride = moe_gate_up_lane_stride(run, NORMED);
+    const uint values = R * run;
+    if (first > 0) simdgroup_barrier(mem_flags::mem_threadgroup);  // the last run's reads done
     for (uint n = 0; n < N; ++n) {
       if (n >= run) break;
+      for (uint r = 0; r < R; ++r) {
+        mine[lane * stride + n * R + r] = gate_acc[r][n];
+        mine[lane * stride + values + n * R + r] = up_acc[r][n];
+      }
+      if (NORMED) mine[lane * stride + 2 * values + n] = squares[n];
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint i = lane; i < values; i += SIMD_WIDTH) {
+      const uint n = i / R, r = i % R;
+      if (r >= count) continue;
+      const float scale =
+          NORMED ? inv_rms_of(lane_sum(mine, stride, 2 * values + n), p.in_dim, p.eps) : 1.0f;
+      const float g = lane_sum(mine, stride, i) * scale;
+      const float u = lane_sum(mine, stride, values + i) * scale;
       const uint pair = pairs[first + n];
-      const float token_gate[R] = {gate_acc[0][n], gate_acc[1][n], gate_acc[2][n], gate_acc[3][n]};
-      const float token_up[R] = {up_acc[0][n], up_acc[1][n], up_acc[2][n], up_acc[3][n]};
-      const float4 gates = simd_sum_rows(token_gate), ups = simd_sum_rows(token_up);
-      const float scale = NORMED ? inv_rms[n] : 1.0f;
       device float* out = h + ulong(pair / p.top_k) * (p.top_k * rows + p.shared_rows) +
                           (pair % p.top_k) * rows + row0;
-      for (uint r = 0; r < R; ++r) {
-        if (lane == 0 && r < count) out[r] = silu(gates[r] * scale) * (ups[r] * scale);
-      }
+      out[r] = silu(g) * u;
     }
   }
 }

@@ -108,25 +108,26 @@ inline uint clamped_row(uint row0, uint count, uint r) { return row0 + min(r, co
 
 // The SIMD-group's sums of four rows' partial dot products, in one reduction of a float4: each
 // component is what simd_sum of that row alone gives, in a quarter of the exchanges (on the sim
-// each exchange is a rendezvous of the SIMD-group's 32 fibers, which dominated verify passes).
-// The MoE's and the GDN output projection's kernels reduce their rows through this, so a row's
-// sum is the same in all of them; the projections' GEMVs (quantized_gemv.metal) reduce through
-// lane_sum below, the same in all of those.
+// each exchange is a rendezvous of the SIMD-group's 32 fibers). moe_down alone reduces through
+// this: a SIMD-group of it has one token's four rows, one exchange either way. Every other GEMV
+// (the projections', the MoE's gate/up, the GDN output projection) reduces through lane_sum
+// below, so a row's sum is the same in each of those.
 inline float4 simd_sum_rows(thread const float* acc) {
   return simd_sum(float4(acc[0], acc[1], acc[2], acc[3]));
 }
 
 // The SIMD-group's sums of many values per lane in one exchange through threadgroup memory, where
-// simd_sum would take one per four values: the GEMV kernels (quantized_gemv.metal) reduce every
-// row of every token of a pass, and a folded norm's sums of squares, at once (on the sim each
-// exchange is a rendezvous of the SIMD-group's 32 fibers, which dominated batched passes). Each
-// lane writes its values to its own run of `scratch`, `stride` floats apart (lane_sums_stride:
-// odd, so the 32 lanes' writes of one value fall in distinct banks), then a simdgroup_barrier;
-// lane_sum(scratch, stride, i) reads value i's column (consecutive words across the lanes that
-// read neighbouring values) and adds it in lane order, as the sim's simd_sum does: a value's sum
-// is the same in every kernel that reduces through it, whichever lane computes it, and on the
-// sim the same as simd_sum's (tests/test_kernel_gemv_order.py pins that order). The 32 adds
-// form one dependent chain per lane, a short tail to a GEMV bound by reading its weights.
+// simd_sum would take one per four values: the GEMV kernels (quantized_gemv.metal, the MoE's
+// gate/up and gdn_out_proj) reduce every row of every token of a pass, and a folded norm's sums
+// of squares, at once (on the sim each exchange is a rendezvous of the SIMD-group's 32 fibers,
+// which dominated batched passes). Each lane writes its values to its own run of `scratch`,
+// `stride` floats apart (lane_sums_stride: odd, so the 32 lanes' writes of one value fall in
+// distinct banks), then a simdgroup_barrier; lane_sum(scratch, stride, i) reads value i's column
+// (consecutive words across the lanes that read neighbouring values) and adds it in lane order,
+// as the sim's simd_sum does: a value's sum is the same in every kernel that reduces through it,
+// whichever lane computes it, and on the sim the same as simd_sum's
+// (tests/test_kernel_gemv_order.py pins that order). The 32 adds form one dependent chain per
+// lane, a short tail to a GEMV bound by reading its weights.
 constexpr uint lane_sums_stride(uint values) { return values | 1u; }
 
 inline float lane_sum(threadgroup const float* scratch, uint stride, uint i) {
@@ -156,8 +157,9 @@ inline void qgemv_rows(QuantMatrix m, uint in_dim, uint row0, uint count, device
 // An RMSNorm folded into the GEMV that consumes it: y = W (x * rsqrt(mean(x^2) + eps) * gain).
 // The inverse RMS is one scalar, so it factors out of every dot product: a lane loads x * gain,
 // keeps the sum of x^2 over its chunks, and the finished (SIMD-summed) dot products are scaled by
-// `folded_inv_rms`. Every SIMD-group already reads all of x, so the norm costs no extra pass and
-// no dispatch of its own; each SIMD-group sums the squares in the same order, so all agree.
+// `inv_rms_of` the SIMD-summed squares. Every SIMD-group already reads all of x, so the norm
+// costs no extra pass and no dispatch of its own; each SIMD-group sums the squares in the same
+// order, so all agree.
 // The gain is read as vectors as x is in load_chunk (8-byte aligned).
 //
 // gain_chunk is that step on one chunk of x already loaded as float, with the chunk's gains
@@ -210,36 +212,12 @@ inline float load_chunk_gained(device const float* x, device const bfloat* gain,
   return load_chunk_gained<BITS>(x, gains, k, xs, squares);
 }
 
-// The inverse RMS of x from one lane's partial sum of squares; all lanes of the SIMD-group call it.
+// The inverse RMS of x from its sum of squares over the SIMD-group.
 inline float inv_rms_of(float sum_of_squares, uint in_dim, float eps) {
   return rsqrt(sum_of_squares / float(in_dim) + eps);
 }
 
-inline float folded_inv_rms(float squares, uint in_dim, float eps) {
-  return inv_rms_of(simd_sum(squares), in_dim, eps);
-}
-
-// folded_inv_rms of the first `count` of N rows (a verify pass's tokens), four rows per
-// reduction: each component of a float4 simd_sum is what simd_sum of it alone gives (as in
-// simd_sum_rows), so every row's is folded_inv_rms's, bit for bit, in a quarter of the
-// exchanges. Call from uniform control flow within the SIMD-group.
-template <uint N>
-inline void folded_inv_rms_rows(thread const float* squares, uint count, uint in_dim, float eps,
-                                thread float* inv_rms) {
-  for (uint n = 0; n < N; n += 4) {
-    if (n >= count) break;
-    float4 partial = float4(0.0f);
-    for (uint i = 0; i < 4; ++i) {
-      if (n + i < N) partial[i] = squares[n + i];
-    }
-    const float4 sums = simd_sum(partial);
-    for (uint i = 0; i < 4; ++i) {
-      if (n + i < N) inv_rms[n + i] = rsqrt(sums[i] / float(in_dim) + eps);
-    }
-  }
-}
-
-// qgemv_rows on x * gain, also returning this lane's sum of x^2 (for folded_inv_rms). x is an
+// qgemv_rows on x * gain, also returning this lane's sum of x^2 (for inv_rms_of). x is an
 // fp32 `device const float*`, or any other source with a load_chunk_gained overload (the
 // embedding row, embedding.h).
 template <uint BITS, uint R, typename Input>

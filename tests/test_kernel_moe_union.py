@@ -69,6 +69,12 @@ def logits_of(kind: str, tokens: int, experts: int, top_k: int) -> np.ndarray:
         logits = rng.normal(0, 1, (tokens, experts))
         logits[:, rng.permutation(experts)[:top_k]] += 20
         return logits.astype(np.float32)
+    if kind == "nan row":
+        # The last token's NaN logits choose the last expert in every round: its union entry has
+        # top_k pairs, more than the tokens a gate/up SIMD-group reduces at a time.
+        logits = rng.normal(0, 2, (tokens, experts)).astype(np.float32)
+        logits[-1] = np.nan
+        return logits
     # "all distinct": token t's experts are a block of its own.
     assert tokens * top_k <= experts
     logits = rng.normal(0, 1, (tokens, experts))
@@ -170,12 +176,24 @@ def gate_up_both_ways(device, dims: Dims, tokens: int, kind: str, normed: bool):
         (RAGGED, 4, "all distinct", False),
         (RAGGED, 7, "random", True),
         (REAL, 3, "random", True),
+        (TINY, 2, "nan row", True),
+        (RAGGED, 3, "nan row", False),
     ],
-    ids=["tiny-5", "tiny-9-same", "ragged-1", "ragged-4-distinct", "ragged-7", "real-3"],
+    ids=[
+        "tiny-5",
+        "tiny-9-same",
+        "ragged-1",
+        "ragged-4-distinct",
+        "ragged-7",
+        "real-3",
+        "tiny-2-nan",
+        "ragged-3-nan",
+    ],
 )
 def test_gate_up_over_the_union_is_the_per_token_kernels(lane_order, dims, tokens, kind, normed):
     """Every (token, slot)'s hidden row, bit for bit the per-token kernel's (so a verify pass's
-    rows stay the decode step's), and within the float64 model's bound."""
+    rows stay the decode step's), and within the float64 model's bound; also when NaN logits
+    give an expert more pairs than there are tokens (reduced over several runs)."""
     device = sim_device(lane_order)
     x, ids, over_union, per_token = gate_up_both_ways(device, dims, tokens, kind, normed)
     np.testing.assert_array_equal(over_union, per_token)

@@ -16,7 +16,7 @@ from lily.kernels.norm import FoldedNorm
 from lily.kernels.quant_weight import QuantWeight
 
 # A verify pass's most tokens, as the GEMVs around it take: kOutProjMaxTokens must match.
-from lily.kernels.quantized import MAX_TOKENS
+from lily.kernels.quantized import MAX_TOKENS, SIMD_WIDTH, lane_sums_bytes
 
 if TYPE_CHECKING:
     from lily.device import Device, Graph
@@ -68,4 +68,8 @@ def record_gdn_out_proj(
             7: binding(residual),
         },
         bytes={0: pack_params("IfII", weight.in_dim, norm.eps, weight.rows, tokens)},
+        # Each lane shares its partial sums of the SIMD-group's rows for every token.
+        threadgroup_memory={
+            0: lane_sums_bytes(THREADS_PER_THREADGROUP // SIMD_WIDTH, ROWS_PER_THREADGROUP * tokens)
+        },
     )

@@ -36,6 +36,7 @@ from lily.kernels.quantized import (
     ROWS_PER_SIMDGROUP,
     SIMD_WIDTH,
     gemv_simdgroups,
+    lane_sums_bytes,
     record_qgemv,
     require_vector_aligned,
 )
@@ -94,6 +95,13 @@ class MoeScratch:
             expert_union=device.alloc(4 * union_words(experts, top_k, tokens)),
             tokens=tokens,
         )
+
+
+def gate_up_lane_values(tokens: int, normed: bool) -> int:
+    """What a gate/up lane shares for its one reduction of `tokens` tokens (moe.metal's
+    moe_gate_up_lane_stride): gate and up sums of ROWS_PER_SIMDGROUP rows each, and, normed,
+    the sum of squares, per token."""
+    return (2 * ROWS_PER_SIMDGROUP + (1 if normed else 0)) * tokens
 
 
 def union_entries(experts: int, top_k: int, tokens: int) -> int:
@@ -217,12 +225,15 @@ def record_moe_gate_up_union(
         tokens,
         entries,
     )
+    # A SIMD-group reduces its pairs `tokens` at a time (more only if NaN logits repeat one).
+    lane_values = gate_up_lane_values(min(tokens, UNION_MAX_TOKENS), norm is not None)
     graph.dispatch(
         device.kernel(f"{variant}_{w.expert_gate.bits}"),
         threadgroups=(ceil_div(row_simdgroups, simdgroups), entries, 1),
         threads=(simdgroups * SIMD_WIDTH, 1, 1),
         buffers=buffers,
         bytes={0: params},
+        threadgroup_memory={0: lane_sums_bytes(simdgroups, lane_values)},
     )
 
 
@@ -301,12 +312,14 @@ def record_moe_gate_up(
         int(routing.normalize) if routing is not None else 0,
         slots.start,
     )
+    lane_values = gate_up_lane_values(1, norm is not None)
     graph.dispatch(
         device.kernel(f"{variant}_{w.expert_gate.bits}"),
         threadgroups=(ceil_div(row_simdgroups, simdgroups), len(slots), tokens),
         threads=(simdgroups * SIMD_WIDTH, 1, 1),
         buffers=buffers,
         bytes={0: params},
+        threadgroup_memory={0: lane_sums_bytes(simdgroups, lane_values)},
     )
 
 

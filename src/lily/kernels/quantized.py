@@ -47,7 +47,8 @@ def gemv_simdgroups(simdgroups: int) -> int:
     lifts the router with the shared-expert gate (256 + 1 rows) from 33 threadgroups, fewer than
     40 cores, to 65. The kernels' threadgroup memory is each SIMD-group's own and their
     barriers are the SIMD-group's, so the size changes nothing but scheduling (and the
-    threadgroup memory, at most 12 KiB for two SIMD-groups of 9 tokens)."""
+    threadgroup memory, at most 21 KiB: two SIMD-groups of moe_gate_up_union's gate and up
+    rows of 9 tokens)."""
     return 1 if simdgroups < FEW_SIMDGROUPS else 2
 
 
@@ -64,6 +65,13 @@ def qgemv_scratch_bytes(simdgroups: int, tokens: int, lane_stride: int) -> int:
     16-byte units as Metal requires."""
     floats = SIMD_WIDTH * lane_stride + ROWS_PER_SIMDGROUP * tokens
     return ceil_div(4 * simdgroups * floats, 16) * 16
+
+
+def lane_sums_bytes(simdgroups: int, values: int) -> int:
+    """The threadgroup memory of a dispatch whose SIMD-groups each reduce `values` floats per
+    lane in one exchange (quantized.h's lane_sum): per SIMD-group, SIMD_WIDTH lanes' runs of
+    lane_sums_stride(values) floats, in whole 16-byte units as Metal requires."""
+    return ceil_div(4 * simdgroups * SIMD_WIDTH * (values | 1), 16) * 16
 
 
 def require_vector_aligned(x: BufferRef, x_dtype: str, norm: FoldedNorm | None = None) -> None:
