@@ -1,6 +1,10 @@
 """4 demo chat requests one after another against the same 4 at once (threads sharing a model
 loaded with `parallel=4`: continuous batching, `lily.engine.scheduler`), on the sim. One run
-each, both timed; prints the times, their ratio and whether every answer is the same.
+each, both timed; prints the times, their ratio and whether every answer is the same. Each
+request generates `--max-tokens` (48, as the README's first command asks of the demo). Both
+models are loaded with `speculative="off"`, so that the two runs differ in batching alone (with
+drafting on, a request that starts before the others arrive drafts alone first: `--lone`
+measures that path).
 
 With `--lone`: one request alone on a model loaded with `parallel=4` (where a lone request
 drafts, then moves into a batch slot when another arrives), with `speculative="auto"` against
@@ -20,8 +24,8 @@ time the process spent is printed beside each wall time: on a machine other work
 wall times stretch with its load (and the batched run's more, its threads handing tokens to
 each other), the CPU times much less.
 
-    python benchmarks/bench_parallel_requests.py [--max-tokens 32] [--parallel 4]
-    python benchmarks/bench_parallel_requests.py --lone [--rounds 3] [--max-tokens 32]
+    python benchmarks/bench_parallel_requests.py [--max-tokens 48] [--parallel 4]
+    python benchmarks/bench_parallel_requests.py --lone [--rounds 3] [--max-tokens 48]
     python benchmarks/bench_parallel_requests.py --overlap [--rounds 3] [--long-tokens 96]
         [--short-tokens 4] [--speculative ngram]
 """
@@ -144,7 +148,7 @@ def overlap(long_tokens: int, short_tokens: int, speculative: str, rounds: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--lone", action="store_true", help="one request, drafting vs not")
     parser.add_argument("--overlap", action="store_true", help="a long request joined by a short")
@@ -178,7 +182,7 @@ def main() -> None:
         alone = [request(llm, p) for p in prompts]
         sequential = time.perf_counter() - start
         sequential_cpu = time.process_time() - cpu
-    with lily.load("demo", device="sim", parallel=args.parallel) as llm:
+    with lily.load("demo", device="sim", parallel=args.parallel, speculative="off") as llm:
         request(llm, "warm up")
         together: list[Any] = [None] * len(prompts)
 
@@ -200,7 +204,7 @@ def main() -> None:
         f"({sequential_cpu:.2f} s of CPU)"
     )
     print(
-        f"  at once (parallel={args.parallel}):                   {batched:.2f} s "
+        f"  at once (parallel={args.parallel}, speculative off):      {batched:.2f} s "
         f"({batched_cpu:.2f} s of CPU)"
     )
     print(
