@@ -129,7 +129,8 @@ def test_newcomers_waiting_together_start_together(engine, scheduler, monkeypatc
 
     def joining(self: BatchedDecoder, *args: Any, **kwargs: Any) -> int:
         if not events:  # the first: hold it until the other two wait behind it
-            while scheduler.waiting < 2:
+            deadline = time.monotonic() + 60
+            while scheduler.waiting < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
         events.append("join")
         return join(self, *args, **kwargs)
