@@ -53,7 +53,7 @@ struct QGemvParams {
   uint embed_rows;  // the embedding table's rows (embedded kernels only)
   uint tokens;      // x's rows (qgemv_tokens only; 1 elsewhere)
   uint conv_tail_rows;  // qgemv_tokens with conv: the rows it leaves in the conv's tail
-  uint lane_stride;     // lane_sums_stride of the values a lane shares (qgemv_lane_stride)
+  uint lane_stride;     // lane_sums_stride of the values a lane shares (record_qgemv)
 };
 
 // The values each lane shares for the reduction (lane_sum, quantized.h): its partial dot product

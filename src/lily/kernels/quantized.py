@@ -52,26 +52,19 @@ def gemv_simdgroups(simdgroups: int) -> int:
     return 1 if simdgroups < FEW_SIMDGROUPS else 2
 
 
-def qgemv_lane_stride(tokens: int, normed: bool) -> int:
-    """quantized.h's lane_sums_stride of what a GEMV lane shares for its one reduction: its
-    partial dot products of ROWS_PER_SIMDGROUP rows for each token, and, normed, each token's
-    partial sum of squares (odd, so that the lanes' writes fall in distinct banks)."""
-    return (ROWS_PER_SIMDGROUP * tokens + (tokens if normed else 0)) | 1
+def lane_sums_stride(values: int) -> int:
+    """quantized.h's lane_sums_stride: the floats between two lanes' runs of `values` shared
+    values (odd, so that the lanes' writes of one value fall in distinct banks)."""
+    return values | 1
 
 
-def qgemv_scratch_bytes(simdgroups: int, tokens: int, lane_stride: int) -> int:
-    """The threadgroup memory of a GEMV dispatch (quantized_gemv.metal's qgemv_scratch_floats
-    per SIMD-group: every lane's shared values, then the totals a conv reads back), in whole
-    16-byte units as Metal requires."""
-    floats = SIMD_WIDTH * lane_stride + ROWS_PER_SIMDGROUP * tokens
-    return ceil_div(4 * simdgroups * floats, 16) * 16
-
-
-def lane_sums_bytes(simdgroups: int, values: int) -> int:
+def lane_sums_bytes(simdgroups: int, values: int, extra_floats: int = 0) -> int:
     """The threadgroup memory of a dispatch whose SIMD-groups each reduce `values` floats per
     lane in one exchange (quantized.h's lane_sum): per SIMD-group, SIMD_WIDTH lanes' runs of
-    lane_sums_stride(values) floats, in whole 16-byte units as Metal requires."""
-    return ceil_div(4 * simdgroups * SIMD_WIDTH * (values | 1), 16) * 16
+    lane_sums_stride(values) floats, then `extra_floats` of its own, in whole 16-byte units as
+    Metal requires."""
+    floats = SIMD_WIDTH * lane_sums_stride(values) + extra_floats
+    return ceil_div(4 * simdgroups * floats, 16) * 16
 
 
 def require_vector_aligned(x: BufferRef, x_dtype: str, norm: FoldedNorm | None = None) -> None:
@@ -146,7 +139,10 @@ def record_qgemv(
             )
         x = embedded.residual  # bound at x's slot, written with the row
     require_vector_aligned(x, x_dtype, norm)
-    lane_stride = qgemv_lane_stride(tokens, norm is not None)
+    # What a lane shares for its one reduction: its partial dot products of ROWS_PER_SIMDGROUP
+    # rows for each token, and, normed, each token's partial sum of squares; after them the
+    # totals a conv reads back (quantized_gemv.metal's qgemv_scratch_floats).
+    lane_values = ROWS_PER_SIMDGROUP * tokens + (tokens if norm is not None else 0)
     params = pack_params(
         "II4I4IfIIIIII",
         first.in_dim,
@@ -159,7 +155,7 @@ def record_qgemv(
         embedded.table.rows if embedded is not None else 0,
         tokens,
         tail_rows(conv.candidates) if conv is not None and conv.tail is not None else 0,
-        lane_stride,
+        lane_sums_stride(lane_values),
     )
     # Slots a call does not use are bound to x, unread, so every declared buffer is bound.
     buffers = {1: binding(x)}
@@ -192,5 +188,7 @@ def record_qgemv(
         threads=(simdgroups * SIMD_WIDTH, 1, 1),
         buffers=buffers,
         bytes={0: params},
-        threadgroup_memory={0: qgemv_scratch_bytes(simdgroups, tokens, lane_stride)},
+        threadgroup_memory={
+            0: lane_sums_bytes(simdgroups, lane_values, ROWS_PER_SIMDGROUP * tokens)
+        },
     )
